@@ -1,0 +1,451 @@
+//! Item payloads: inode, inode ref, dir item, dir index, xattr, file extent, orphan.
+
+use std::fmt;
+
+use crate::bytes::{Reader, Writer};
+use crate::key::ItemType;
+use crate::{FormatError, BLOCK_SIZE, EXTENT_MAX_BLOCKS, INLINE_MAX_BYTES, NAME_MAX, XATTR_VALUE_MAX};
+
+/// A point in time with nanoseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, Hash)]
+pub struct Timespec {
+    pub sec: i64,
+    pub nsec: u32,
+}
+
+impl Timespec {
+    fn encode(&self, w: &mut Writer) {
+        w.i64(self.sec);
+        w.u32(self.nsec);
+    }
+    fn decode(r: &mut Reader<'_>) -> Result<Timespec, FormatError> {
+        let sec = r.i64()?;
+        let nsec = r.u32()?;
+        if nsec >= 1_000_000_000 {
+            return Err(FormatError::invalid("timestamp nanoseconds", nsec, "< 1e9"));
+        }
+        Ok(Timespec { sec, nsec })
+    }
+}
+
+/// Encoded size of an inode item.
+pub const INODE_ITEM_BYTES: usize = 160;
+
+/// `(ino, InodeItem, 0)`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct InodeItem {
+    /// NFS generation: stays fixed for the inode's life.
+    pub generation: u64,
+    /// Transaction generation of the last change.
+    pub transid: u64,
+    pub size: u64,
+    /// Bytes of data blocks the inode references (st_blocks * 512).
+    pub nbytes: u64,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    /// File type and permission bits, as st_mode.
+    pub mode: u32,
+    pub rdev: u64,
+    pub flags: u64,
+    /// The next dir index a new entry of this directory gets; never reused, so readdir
+    /// cookies stay valid while entries come and go.
+    pub next_dir_index: u64,
+    pub atime: Timespec,
+    pub mtime: Timespec,
+    pub ctime: Timespec,
+    pub otime: Timespec,
+}
+
+impl InodeItem {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_capacity(INODE_ITEM_BYTES);
+        w.u64(self.generation);
+        w.u64(self.transid);
+        w.u64(self.size);
+        w.u64(self.nbytes);
+        w.u32(self.nlink);
+        w.u32(self.uid);
+        w.u32(self.gid);
+        w.u32(self.mode);
+        w.u64(self.rdev);
+        w.u64(self.flags);
+        w.u64(self.next_dir_index);
+        for t in [&self.atime, &self.mtime, &self.ctime, &self.otime] {
+            t.encode(&mut w);
+        }
+        let mut bytes = w.into_bytes();
+        bytes.resize(INODE_ITEM_BYTES, 0);
+        bytes
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<InodeItem, FormatError> {
+        if bytes.len() != INODE_ITEM_BYTES {
+            return Err(FormatError::invalid("inode item size", bytes.len(), INODE_ITEM_BYTES));
+        }
+        let mut r = Reader::new(bytes, "inode item");
+        Ok(InodeItem {
+            generation: r.u64()?,
+            transid: r.u64()?,
+            size: r.u64()?,
+            nbytes: r.u64()?,
+            nlink: r.u32()?,
+            uid: r.u32()?,
+            gid: r.u32()?,
+            mode: r.u32()?,
+            rdev: r.u64()?,
+            flags: r.u64()?,
+            next_dir_index: r.u64()?,
+            atime: Timespec::decode(&mut r)?,
+            mtime: Timespec::decode(&mut r)?,
+            ctime: Timespec::decode(&mut r)?,
+            otime: Timespec::decode(&mut r)?,
+        })
+    }
+}
+
+fn encode_name(w: &mut Writer, name: &[u8]) {
+    // Cast: names are at most NAME_MAX (255) bytes, checked before any item is built.
+    w.u16(name.len() as u16);
+    w.put(name);
+}
+
+fn decode_name(r: &mut Reader<'_>) -> Result<Vec<u8>, FormatError> {
+    let len = usize::from(r.u16()?);
+    if len == 0 || len > NAME_MAX {
+        return Err(FormatError::invalid("name length", len, format!("1..={NAME_MAX}")));
+    }
+    Ok(r.take(len)?.to_vec())
+}
+
+/// One name of an inode: `(ino, InodeRef, hash(parent, name))` holds a list of these (more
+/// than one only on a hash collision), so tens of thousands of links cost one item each.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InodeRef {
+    pub parent: u64,
+    pub dir_index: u64,
+    pub name: Vec<u8>,
+}
+
+/// One entry of a directory: `(dir, DirItem, hash(name))` holds a list of these (more than
+/// one only on a hash collision); `(dir, DirIndex, index)` holds exactly one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirEntry {
+    pub child: u64,
+    pub dir_index: u64,
+    /// d_type (DT_REG = 8, DT_DIR = 4, ...).
+    pub file_type: u8,
+    pub name: Vec<u8>,
+}
+
+/// One xattr: `(ino, Xattr, hash(name))` holds a list of these.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Xattr {
+    pub name: Vec<u8>,
+    pub value: Vec<u8>,
+}
+
+/// Where a file extent's bytes are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExtentKind {
+    /// Bytes stored in the item itself.
+    Inline(Vec<u8>),
+    /// Blocks on disk with one crc32c per block.
+    Regular { disk_addr: u64, csums: Vec<u32> },
+    /// Allocated blocks that read as zeros (fallocate).
+    Prealloc { disk_addr: u64, blocks: u64 },
+}
+
+/// `(ino, ExtentData, file_offset)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileExtent {
+    /// Generation the extent was written in.
+    pub generation: u64,
+    pub kind: ExtentKind,
+}
+
+impl FileExtent {
+    /// Bytes of the file this extent covers.
+    pub fn len_bytes(&self) -> u64 {
+        match &self.kind {
+            ExtentKind::Inline(data) => data.len() as u64,
+            ExtentKind::Regular { csums, .. } => csums.len() as u64 * BLOCK_SIZE,
+            ExtentKind::Prealloc { blocks, .. } => blocks * BLOCK_SIZE,
+        }
+    }
+
+    /// Disk range `(addr, blocks)` if the extent holds blocks.
+    pub fn disk_range(&self) -> Option<(u64, u64)> {
+        match &self.kind {
+            ExtentKind::Inline(_) => None,
+            ExtentKind::Regular { disk_addr, csums } => Some((*disk_addr, csums.len() as u64)),
+            ExtentKind::Prealloc { disk_addr, blocks } => Some((*disk_addr, *blocks)),
+        }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.u64(self.generation);
+        match &self.kind {
+            ExtentKind::Inline(data) => {
+                w.u8(0);
+                w.u32(data.len() as u32);
+                w.put(data);
+            }
+            ExtentKind::Regular { disk_addr, csums } => {
+                w.u8(1);
+                w.u64(*disk_addr);
+                w.u32(csums.len() as u32);
+                for c in csums {
+                    w.u32(*c);
+                }
+            }
+            ExtentKind::Prealloc { disk_addr, blocks } => {
+                w.u8(2);
+                w.u64(*disk_addr);
+                w.u64(*blocks);
+            }
+        }
+        w.into_bytes()
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<FileExtent, FormatError> {
+        let mut r = Reader::new(bytes, "file extent");
+        let generation = r.u64()?;
+        let kind = match r.u8()? {
+            0 => {
+                let len = r.u32()? as usize;
+                if len > INLINE_MAX_BYTES {
+                    return Err(FormatError::invalid("inline extent length", len, format!("<= {INLINE_MAX_BYTES}")));
+                }
+                ExtentKind::Inline(r.take(len)?.to_vec())
+            }
+            1 => {
+                let disk_addr = r.u64()?;
+                let blocks = u64::from(r.u32()?);
+                if blocks == 0 || blocks > EXTENT_MAX_BLOCKS || disk_addr == 0 || disk_addr % BLOCK_SIZE != 0 {
+                    return Err(FormatError::invalid("regular extent", format!("{disk_addr:#x} x {blocks} blocks"), format!("an aligned address and 1..={EXTENT_MAX_BLOCKS} blocks")));
+                }
+                let mut csums = Vec::with_capacity(blocks as usize);
+                for _ in 0..blocks {
+                    csums.push(r.u32()?);
+                }
+                ExtentKind::Regular { disk_addr, csums }
+            }
+            2 => {
+                let disk_addr = r.u64()?;
+                let blocks = r.u64()?;
+                if blocks == 0 || blocks > EXTENT_MAX_BLOCKS || disk_addr == 0 || disk_addr % BLOCK_SIZE != 0 {
+                    return Err(FormatError::invalid("prealloc extent", format!("{disk_addr:#x} x {blocks} blocks"), format!("an aligned address and 1..={EXTENT_MAX_BLOCKS} blocks")));
+                }
+                ExtentKind::Prealloc { disk_addr, blocks }
+            }
+            other => return Err(FormatError::invalid("extent kind", other, "0, 1 or 2")),
+        };
+        if r.remaining() != 0 {
+            return Err(FormatError::invalid("file extent trailing bytes", r.remaining(), 0));
+        }
+        Ok(FileExtent { generation, kind })
+    }
+}
+
+/// Encodes a list of inode refs.
+pub fn encode_inode_refs(refs: &[InodeRef]) -> Vec<u8> {
+    let mut w = Writer::default();
+    for r in refs {
+        w.u64(r.parent);
+        w.u64(r.dir_index);
+        encode_name(&mut w, &r.name);
+    }
+    w.into_bytes()
+}
+
+pub fn decode_inode_refs(bytes: &[u8]) -> Result<Vec<InodeRef>, FormatError> {
+    let mut r = Reader::new(bytes, "inode ref");
+    let mut out = Vec::new();
+    while r.remaining() > 0 {
+        out.push(InodeRef { parent: r.u64()?, dir_index: r.u64()?, name: decode_name(&mut r)? });
+    }
+    if out.is_empty() {
+        return Err(FormatError::invalid("inode ref", "no entries", "at least one"));
+    }
+    Ok(out)
+}
+
+/// Encodes a list of dir entries (a dir item) or one (a dir index).
+pub fn encode_dir_entries(entries: &[DirEntry]) -> Vec<u8> {
+    let mut w = Writer::default();
+    for e in entries {
+        w.u64(e.child);
+        w.u64(e.dir_index);
+        w.u8(e.file_type);
+        encode_name(&mut w, &e.name);
+    }
+    w.into_bytes()
+}
+
+pub fn decode_dir_entries(bytes: &[u8]) -> Result<Vec<DirEntry>, FormatError> {
+    let mut r = Reader::new(bytes, "dir entry");
+    let mut out = Vec::new();
+    while r.remaining() > 0 {
+        out.push(DirEntry { child: r.u64()?, dir_index: r.u64()?, file_type: r.u8()?, name: decode_name(&mut r)? });
+    }
+    if out.is_empty() {
+        return Err(FormatError::invalid("dir entry", "no entries", "at least one"));
+    }
+    Ok(out)
+}
+
+pub fn encode_xattrs(xattrs: &[Xattr]) -> Vec<u8> {
+    let mut w = Writer::default();
+    for x in xattrs {
+        encode_name(&mut w, &x.name);
+        w.u16(x.value.len() as u16);
+        w.put(&x.value);
+    }
+    w.into_bytes()
+}
+
+pub fn decode_xattrs(bytes: &[u8]) -> Result<Vec<Xattr>, FormatError> {
+    let mut r = Reader::new(bytes, "xattr");
+    let mut out = Vec::new();
+    while r.remaining() > 0 {
+        let name = decode_name(&mut r)?;
+        let len = usize::from(r.u16()?);
+        if len > XATTR_VALUE_MAX {
+            return Err(FormatError::invalid("xattr value length", len, format!("<= {XATTR_VALUE_MAX}")));
+        }
+        out.push(Xattr { name, value: r.take(len)?.to_vec() });
+    }
+    if out.is_empty() {
+        return Err(FormatError::invalid("xattr item", "no entries", "at least one"));
+    }
+    Ok(out)
+}
+
+/// Any item, decoded by its key type. Used by printers and checkers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Item {
+    Inode(InodeItem),
+    InodeRefs(Vec<InodeRef>),
+    DirItem(Vec<DirEntry>),
+    DirIndex(DirEntry),
+    Xattrs(Vec<Xattr>),
+    Extent(FileExtent),
+    Orphan,
+}
+
+impl Item {
+    /// Decodes a payload of the given type.
+    pub fn decode(kind: ItemType, bytes: &[u8]) -> Result<Item, FormatError> {
+        Ok(match kind {
+            ItemType::InodeItem => Item::Inode(InodeItem::decode(bytes)?),
+            ItemType::InodeRef => Item::InodeRefs(decode_inode_refs(bytes)?),
+            ItemType::DirItem => Item::DirItem(decode_dir_entries(bytes)?),
+            ItemType::DirIndex => {
+                let mut entries = decode_dir_entries(bytes)?;
+                if entries.len() != 1 {
+                    return Err(FormatError::invalid("dir index entries", entries.len(), 1));
+                }
+                Item::DirIndex(entries.remove(0))
+            }
+            ItemType::Xattr => Item::Xattrs(decode_xattrs(bytes)?),
+            ItemType::ExtentData => Item::Extent(FileExtent::decode(bytes)?),
+            ItemType::Orphan => {
+                if !bytes.is_empty() {
+                    return Err(FormatError::invalid("orphan item size", bytes.len(), 0));
+                }
+                Item::Orphan
+            }
+        })
+    }
+}
+
+fn show_name(name: &[u8]) -> String {
+    String::from_utf8_lossy(name).into_owned()
+}
+
+impl fmt::Display for Item {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Item::Inode(i) => write!(
+                f,
+                "inode mode {:o} nlink {} uid {} gid {} size {} nbytes {} rdev {} generation {} transid {} next_index {} atime {}.{:09} mtime {}.{:09} ctime {}.{:09}",
+                i.mode, i.nlink, i.uid, i.gid, i.size, i.nbytes, i.rdev, i.generation, i.transid, i.next_dir_index, i.atime.sec, i.atime.nsec, i.mtime.sec, i.mtime.nsec, i.ctime.sec, i.ctime.nsec
+            ),
+            Item::InodeRefs(refs) => {
+                for (n, r) in refs.iter().enumerate() {
+                    if n > 0 {
+                        f.write_str("; ")?;
+                    }
+                    write!(f, "ref parent {} index {} name {:?}", r.parent, r.dir_index, show_name(&r.name))?;
+                }
+                Ok(())
+            }
+            Item::DirItem(entries) => {
+                for (n, e) in entries.iter().enumerate() {
+                    if n > 0 {
+                        f.write_str("; ")?;
+                    }
+                    write!(f, "entry {:?} -> {} type {} index {}", show_name(&e.name), e.child, e.file_type, e.dir_index)?;
+                }
+                Ok(())
+            }
+            Item::DirIndex(e) => write!(f, "index {} -> {} {:?} type {}", e.dir_index, e.child, show_name(&e.name), e.file_type),
+            Item::Xattrs(xs) => {
+                for (n, x) in xs.iter().enumerate() {
+                    if n > 0 {
+                        f.write_str("; ")?;
+                    }
+                    write!(f, "xattr {:?} ({} bytes)", show_name(&x.name), x.value.len())?;
+                }
+                Ok(())
+            }
+            Item::Extent(e) => match &e.kind {
+                ExtentKind::Inline(data) => write!(f, "extent inline {} bytes generation {}", data.len(), e.generation),
+                ExtentKind::Regular { disk_addr, csums } => write!(f, "extent regular disk {:#x} blocks {} generation {}", disk_addr, csums.len(), e.generation),
+                ExtentKind::Prealloc { disk_addr, blocks } => write!(f, "extent prealloc disk {:#x} blocks {} generation {}", disk_addr, blocks, e.generation),
+            },
+            Item::Orphan => f.write_str("orphan"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inode_round_trip() {
+        let item = InodeItem { size: 5, nlink: 2, mode: 0o100644, atime: Timespec { sec: -3, nsec: 999_999_999 }, next_dir_index: 7, ..Default::default() };
+        assert_eq!(InodeItem::decode(&item.encode()), Ok(item));
+    }
+
+    #[test]
+    fn extent_round_trip() {
+        for kind in [ExtentKind::Inline(b"hello".to_vec()), ExtentKind::Regular { disk_addr: 0x20000, csums: vec![1, 2, 3] }, ExtentKind::Prealloc { disk_addr: 0x30000, blocks: 9 }] {
+            let e = FileExtent { generation: 4, kind };
+            assert_eq!(FileExtent::decode(&e.encode()), Ok(e));
+        }
+    }
+
+    #[test]
+    fn lists_round_trip() {
+        let refs = vec![InodeRef { parent: 1, dir_index: 2, name: b"a".to_vec() }, InodeRef { parent: 3, dir_index: 4, name: vec![b'x'; 255] }];
+        assert_eq!(decode_inode_refs(&encode_inode_refs(&refs)), Ok(refs));
+        let entries = vec![DirEntry { child: 300, dir_index: 9, file_type: 8, name: b"f".to_vec() }];
+        assert_eq!(decode_dir_entries(&encode_dir_entries(&entries)), Ok(entries));
+        let xs = vec![Xattr { name: b"user.a".to_vec(), value: vec![0; 7168] }];
+        assert_eq!(decode_xattrs(&encode_xattrs(&xs)), Ok(xs));
+    }
+
+    #[test]
+    fn garbage_is_an_error() {
+        for kind in [ItemType::InodeItem, ItemType::InodeRef, ItemType::DirItem, ItemType::DirIndex, ItemType::Xattr, ItemType::ExtentData, ItemType::Orphan] {
+            for len in [1usize, 3, 17, 200] {
+                let bytes = vec![0xffu8; len];
+                assert!(Item::decode(kind, &bytes).is_err(), "{kind} len {len}");
+            }
+        }
+    }
+}

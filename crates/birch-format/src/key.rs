@@ -1,0 +1,119 @@
+//! Item keys: `(objectid, type, offset)`, ordered field by field, as in btrfs.
+
+use std::fmt;
+
+use crate::bytes::{Reader, Writer};
+use crate::FormatError;
+
+/// Encoded size of a key.
+pub const KEY_BYTES: usize = 17;
+
+/// Item type codes. The numbers are on disk; the gaps match btrfs's numbering for familiarity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(u8)]
+pub enum ItemType {
+    /// `(ino, InodeItem, 0)`: the inode's attributes.
+    InodeItem = 1,
+    /// `(ino, InodeRef, hash(parent, name))`: a name of the inode, for nlink and paths.
+    InodeRef = 12,
+    /// `(ino, Xattr, hash(name))`: extended attributes.
+    Xattr = 24,
+    /// `(ORPHAN_OBJECTID, Orphan, ino)`: an inode with no names still to be freed.
+    Orphan = 48,
+    /// `(dir, DirItem, hash(name))`: name lookup.
+    DirItem = 84,
+    /// `(dir, DirIndex, index)`: readdir order; the index is the readdir cookie.
+    DirIndex = 96,
+    /// `(ino, ExtentData, file_offset)`: file data, inline or in blocks.
+    ExtentData = 108,
+}
+
+impl ItemType {
+    /// Decodes a type code.
+    pub fn from_u8(code: u8) -> Option<ItemType> {
+        Some(match code {
+            1 => ItemType::InodeItem,
+            12 => ItemType::InodeRef,
+            24 => ItemType::Xattr,
+            48 => ItemType::Orphan,
+            84 => ItemType::DirItem,
+            96 => ItemType::DirIndex,
+            108 => ItemType::ExtentData,
+            _ => return None,
+        })
+    }
+
+    /// The lowest and highest codes, for range scans over every type of one object.
+    pub const MIN: u8 = 0;
+    pub const MAX: u8 = u8::MAX;
+}
+
+impl fmt::Display for ItemType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = match self {
+            ItemType::InodeItem => "inode",
+            ItemType::InodeRef => "inode_ref",
+            ItemType::Xattr => "xattr",
+            ItemType::Orphan => "orphan",
+            ItemType::DirItem => "dir_item",
+            ItemType::DirIndex => "dir_index",
+            ItemType::ExtentData => "extent",
+        };
+        f.write_str(name)
+    }
+}
+
+/// An item key. The type is kept as a raw byte so that range bounds may use any code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Key {
+    pub objectid: u64,
+    pub item_type: u8,
+    pub offset: u64,
+}
+
+impl Key {
+    pub const MIN: Key = Key { objectid: 0, item_type: 0, offset: 0 };
+    pub const MAX: Key = Key { objectid: u64::MAX, item_type: u8::MAX, offset: u64::MAX };
+
+    /// A key of a known type.
+    pub const fn new(objectid: u64, item_type: ItemType, offset: u64) -> Key {
+        Key { objectid, item_type: item_type as u8, offset }
+    }
+
+    /// The key's type, if it is a known one.
+    pub fn kind(&self) -> Option<ItemType> {
+        ItemType::from_u8(self.item_type)
+    }
+
+    /// Encodes the key (17 bytes).
+    pub fn encode(&self, out: &mut Writer) {
+        out.u64(self.objectid);
+        out.u8(self.item_type);
+        out.u64(self.offset);
+    }
+
+    /// Decodes a key.
+    pub fn decode(input: &mut Reader<'_>) -> Result<Key, FormatError> {
+        Ok(Key { objectid: input.u64()?, item_type: input.u8()?, offset: input.u64()? })
+    }
+
+    /// The next key in order, or `None` at the maximum.
+    pub fn successor(&self) -> Option<Key> {
+        if let Some(offset) = self.offset.checked_add(1) {
+            return Some(Key { offset, ..*self });
+        }
+        if let Some(item_type) = self.item_type.checked_add(1) {
+            return Some(Key { item_type, offset: 0, ..*self });
+        }
+        self.objectid.checked_add(1).map(|objectid| Key { objectid, item_type: 0, offset: 0 })
+    }
+}
+
+impl fmt::Display for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.kind() {
+            Some(kind) => write!(f, "({}, {}, {})", self.objectid, kind, self.offset),
+            None => write!(f, "({}, type#{}, {})", self.objectid, self.item_type, self.offset),
+        }
+    }
+}

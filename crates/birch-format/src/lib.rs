@@ -1,0 +1,115 @@
+//! The birchfs on-disk format, version 1.
+//!
+//! Owns: the byte layout of the superblock, B-tree nodes, keys and item payloads; their
+//! encoding and decoding; the crc32c checksums; per-node and per-item validation (the
+//! tree-checker); and the `Display` printers that `inspect`, fsck and failing tests share.
+//!
+//! Must not touch: I/O, block allocation, locks or transactions. Decoding never trusts disk
+//! bytes: every failure is a [`FormatError`] that says where and what, never a panic.
+//! `docs/FORMAT.md` documents every byte defined here; change both in one commit.
+
+pub mod bytes;
+pub mod items;
+pub mod key;
+pub mod node;
+pub mod superblock;
+
+pub use key::{Key, ItemType};
+
+/// Size of a data block and the unit of allocation. 4 KiB matches the host page size, so
+/// O_DIRECT I/O and FUSE page-sized writes line up with it.
+pub const BLOCK_SIZE: u64 = 4096;
+/// Size of a metadata node. 16 KiB (btrfs's default) keeps trees shallow and fits items up to
+/// [`MAX_ITEM_BYTES`] while a leaf still holds at least two of them.
+pub const NODE_SIZE: usize = 16384;
+/// Blocks per node.
+pub const NODE_BLOCKS: u64 = NODE_SIZE as u64 / BLOCK_SIZE;
+/// The on-disk format version this code writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// Largest item payload. Half a leaf's payload space minus headers, so that any split of a
+/// full leaf leaves both halves valid.
+pub const MAX_ITEM_BYTES: usize = 7800;
+/// Longest file name in bytes, as on Linux (NAME_MAX).
+pub const NAME_MAX: usize = 255;
+/// Largest xattr value in bytes: it must fit one item beside its name and header.
+pub const XATTR_VALUE_MAX: usize = 7168;
+/// Largest inline file: files up to this size live in their extent item (btrfs's max_inline
+/// default). Larger files go to data blocks.
+pub const INLINE_MAX_BYTES: usize = 2048;
+/// Largest regular extent in blocks: its per-block checksums (4 bytes each) must fit one item.
+pub const EXTENT_MAX_BLOCKS: u64 = 256;
+/// Link limit of one inode, as ext4's EXT4_LINK_MAX.
+pub const LINK_MAX: u32 = 65000;
+/// Largest file size: 2^62 bytes keeps every offset + length computation far from u64 overflow.
+pub const MAX_FILE_BYTES: u64 = 1 << 62;
+
+/// Tree ids, recorded as the owner of every node.
+pub const FS_TREE_ID: u64 = 5;
+
+/// Object id of the root directory. FUSE requires node id 1 for the root.
+pub const ROOT_OBJECTID: u64 = 1;
+/// The first object id handed to new inodes.
+pub const FIRST_FREE_OBJECTID: u64 = 256;
+/// Object id under which orphan items are keyed: (ORPHAN_OBJECTID, Orphan, inode).
+pub const ORPHAN_OBJECTID: u64 = u64::MAX - 5;
+
+/// crc32c of a byte slice: the checksum of every node, superblock, data block and log record.
+pub fn checksum(bytes: &[u8]) -> u32 {
+    crc32c::crc32c(bytes)
+}
+
+/// A 64-bit FNV-1a hash. Stable forever: it keys dir items, inode refs and xattrs on disk.
+pub fn name_hash(parts: &[&[u8]]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        for byte in part.iter() {
+            hash ^= u64::from(*byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    hash
+}
+
+/// Everything that can be wrong with bytes read from disk.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FormatError {
+    #[error("bad magic at {what}: found {found:02x?}")]
+    BadMagic { what: String, found: Vec<u8> },
+    #[error("checksum mismatch at {what}: stored {stored:#010x}, computed {computed:#010x}")]
+    BadChecksum { what: String, stored: u32, computed: u32 },
+    #[error("unsupported format version {found} at {what} (this build reads version {FORMAT_VERSION})")]
+    BadVersion { what: String, found: u32 },
+    #[error("unknown incompatible feature flags {flags:#x}: this build cannot read the image safely")]
+    UnknownIncompat { flags: u64 },
+    #[error("{what}: {found}, expected {expected}")]
+    Invalid { what: String, found: String, expected: String },
+    #[error("{what}: truncated, need {need} bytes, have {have}")]
+    Truncated { what: String, need: usize, have: usize },
+}
+
+impl FormatError {
+    /// Builds an [`FormatError::Invalid`] with its three parts.
+    pub fn invalid(what: impl Into<String>, found: impl ToString, expected: impl ToString) -> Self {
+        FormatError::Invalid { what: what.into(), found: found.to_string(), expected: expected.to_string() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn name_hash_is_stable() {
+        // Pinned values: the hash keys items on disk and must never change.
+        assert_eq!(name_hash(&[b""]), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(name_hash(&[b"a"]), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(name_hash(&[b"ab"]), name_hash(&[b"a", b"b"]));
+    }
+
+    #[test]
+    fn limits_fit_a_leaf() {
+        const { assert!(MAX_ITEM_BYTES * 2 + 2 * 25 + node::HEADER_BYTES <= NODE_SIZE) };
+        const { assert!(XATTR_VALUE_MAX + NAME_MAX + 8 <= MAX_ITEM_BYTES) };
+        const { assert!(EXTENT_MAX_BLOCKS as usize * 4 + 64 <= MAX_ITEM_BYTES) };
+    }
+}

@@ -1,0 +1,307 @@
+//! The superblock: two copies at fixed offsets, generation N written to slot N mod 2.
+
+use std::fmt;
+
+use crate::bytes::{Reader, Writer};
+use crate::{checksum, FormatError, BLOCK_SIZE, FORMAT_VERSION, NODE_SIZE};
+
+/// "BIRCHFS" + format family byte.
+pub const SUPER_MAGIC: [u8; 8] = *b"BIRCHFS1";
+/// Encoded size of a superblock: one block.
+pub const SUPER_BYTES: usize = BLOCK_SIZE as usize;
+/// Byte offsets of the two superblock slots. The first 64 KiB are left alone (partition
+/// tables, boot code); the slots sit in separate blocks so a torn write hits at most one.
+pub const SUPER_OFFSETS: [u64; 2] = [64 * 1024, 68 * 1024];
+/// The first byte after the reserved head of the device (superblocks and spare room).
+pub const RESERVED_HEAD_BYTES: u64 = 128 * 1024;
+
+/// Feature flags this build understands. An image with an unknown incompat flag is refused;
+/// unknown compat flags are ignored; unknown ro_compat flags allow read-only use.
+pub const INCOMPAT_SUPPORTED: u64 = 0;
+pub const COMPAT_SUPPORTED: u64 = 0;
+pub const RO_COMPAT_SUPPORTED: u64 = 0;
+
+/// Pointer to a tree root.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RootPtr {
+    /// Byte address of the root node.
+    pub addr: u64,
+    /// Generation the root node was written in; the node's header must agree.
+    pub generation: u64,
+    /// Level of the root node (0 = leaf).
+    pub level: u8,
+}
+
+/// The decoded superblock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Superblock {
+    pub version: u32,
+    pub block_size: u32,
+    pub node_size: u32,
+    pub fsid: [u8; 16],
+    pub label: String,
+    /// Generation of the commit this superblock describes.
+    pub generation: u64,
+    pub incompat: u64,
+    pub compat: u64,
+    pub ro_compat: u64,
+    /// Size of the filesystem in bytes (a multiple of the block size).
+    pub total_bytes: u64,
+    /// Bytes referenced by trees and file extents at this commit.
+    pub bytes_used: u64,
+    /// The fs tree, holding every inode, name, extent and xattr.
+    pub fs_root: RootPtr,
+    /// Next object id never handed out. Ids are never reused; replay raises it.
+    pub next_objectid: u64,
+    /// The fsync log area: a fixed region reserved at mkfs.
+    pub log_start: u64,
+    pub log_bytes: u64,
+    /// Where log records after this commit begin in the log area (reserved for the fsync log;
+    /// 0 with no log). Records of generation <= `generation` are retired.
+    pub log_head: u64,
+    /// Log generation: a counter of passes through the log area, so stale records end replay.
+    pub log_generation: u64,
+    /// Wall-clock time of the commit.
+    pub commit_time_sec: i64,
+    pub commit_time_nsec: u32,
+}
+
+const LABEL_BYTES: usize = 64;
+
+impl Superblock {
+    /// Slot this superblock belongs in.
+    pub fn slot(&self) -> usize {
+        (self.generation % 2) as usize
+    }
+
+    /// Encodes to exactly [`SUPER_BYTES`], checksum first.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_capacity(SUPER_BYTES);
+        w.u32(0); // checksum, filled below
+        w.u32(0);
+        w.put(&SUPER_MAGIC);
+        w.u32(self.version);
+        w.u32(self.block_size);
+        w.u32(self.node_size);
+        w.u32(0);
+        w.put(&self.fsid);
+        let mut label = [0u8; LABEL_BYTES];
+        let bytes = self.label.as_bytes();
+        let len = bytes.len().min(LABEL_BYTES - 1);
+        label[..len].copy_from_slice(&bytes[..len]);
+        w.put(&label);
+        w.u64(self.generation);
+        w.u64(self.incompat);
+        w.u64(self.compat);
+        w.u64(self.ro_compat);
+        w.u64(self.total_bytes);
+        w.u64(self.bytes_used);
+        w.u64(self.fs_root.addr);
+        w.u64(self.fs_root.generation);
+        w.u8(self.fs_root.level);
+        w.zeros(7);
+        w.u64(self.next_objectid);
+        w.u64(self.log_start);
+        w.u64(self.log_bytes);
+        w.u64(self.log_head);
+        w.u64(self.log_generation);
+        w.i64(self.commit_time_sec);
+        w.u32(self.commit_time_nsec);
+        let mut bytes = w.into_bytes();
+        bytes.resize(SUPER_BYTES, 0);
+        let sum = checksum(&bytes[4..]);
+        bytes[..4].copy_from_slice(&sum.to_le_bytes());
+        bytes
+    }
+
+    /// Decodes and validates one slot's bytes. `what` names the slot for messages.
+    pub fn decode(bytes: &[u8], what: &str) -> Result<Superblock, FormatError> {
+        if bytes.len() < SUPER_BYTES {
+            return Err(FormatError::Truncated { what: what.to_string(), need: SUPER_BYTES, have: bytes.len() });
+        }
+        let bytes = &bytes[..SUPER_BYTES];
+        let mut r = Reader::new(bytes, "superblock");
+        let stored = r.u32()?;
+        r.skip(4)?;
+        let magic: [u8; 8] = r.array()?;
+        if magic != SUPER_MAGIC {
+            return Err(FormatError::BadMagic { what: what.to_string(), found: magic.to_vec() });
+        }
+        let computed = checksum(&bytes[4..]);
+        if stored != computed {
+            return Err(FormatError::BadChecksum { what: what.to_string(), stored, computed });
+        }
+        let version = r.u32()?;
+        if version != FORMAT_VERSION {
+            return Err(FormatError::BadVersion { what: what.to_string(), found: version });
+        }
+        let block_size = r.u32()?;
+        let node_size = r.u32()?;
+        r.skip(4)?;
+        let fsid: [u8; 16] = r.array()?;
+        let label_bytes: [u8; LABEL_BYTES] = r.array()?;
+        let label_len = label_bytes.iter().position(|b| *b == 0).unwrap_or(LABEL_BYTES);
+        let label = String::from_utf8_lossy(&label_bytes[..label_len]).into_owned();
+        let sb = Superblock {
+            version,
+            block_size,
+            node_size,
+            fsid,
+            label,
+            generation: r.u64()?,
+            incompat: r.u64()?,
+            compat: r.u64()?,
+            ro_compat: r.u64()?,
+            total_bytes: r.u64()?,
+            bytes_used: r.u64()?,
+            fs_root: {
+                let addr = r.u64()?;
+                let generation = r.u64()?;
+                let level = r.u8()?;
+                r.skip(7)?;
+                RootPtr { addr, generation, level }
+            },
+            next_objectid: r.u64()?,
+            log_start: r.u64()?,
+            log_bytes: r.u64()?,
+            log_head: r.u64()?,
+            log_generation: r.u64()?,
+            commit_time_sec: r.i64()?,
+            commit_time_nsec: r.u32()?,
+        };
+        sb.validate(what)?;
+        Ok(sb)
+    }
+
+    /// Checks the fields against each other and against what this build supports.
+    pub fn validate(&self, what: &str) -> Result<(), FormatError> {
+        let unknown = self.incompat & !INCOMPAT_SUPPORTED;
+        if unknown != 0 {
+            return Err(FormatError::UnknownIncompat { flags: unknown });
+        }
+        if u64::from(self.block_size) != BLOCK_SIZE {
+            return Err(FormatError::invalid(format!("{what} block size"), self.block_size, BLOCK_SIZE));
+        }
+        if self.node_size as usize != NODE_SIZE {
+            return Err(FormatError::invalid(format!("{what} node size"), self.node_size, NODE_SIZE));
+        }
+        if self.total_bytes % BLOCK_SIZE != 0 || self.total_bytes < RESERVED_HEAD_BYTES + 4 * NODE_SIZE as u64 {
+            return Err(FormatError::invalid(format!("{what} total bytes"), self.total_bytes, "a block multiple of at least 192 KiB"));
+        }
+        let root = self.fs_root;
+        if root.addr % BLOCK_SIZE != 0 || root.addr < RESERVED_HEAD_BYTES || root.addr.saturating_add(NODE_SIZE as u64) > self.total_bytes {
+            return Err(FormatError::invalid(format!("{what} fs root address"), format!("{:#x}", root.addr), "a block-aligned address inside the device"));
+        }
+        if root.generation > self.generation {
+            return Err(FormatError::invalid(format!("{what} fs root generation"), root.generation, format!("<= superblock generation {}", self.generation)));
+        }
+        if root.level >= crate::node::MAX_LEVEL {
+            return Err(FormatError::invalid(format!("{what} fs root level"), root.level, format!("< {}", crate::node::MAX_LEVEL)));
+        }
+        let log_end = self.log_start.checked_add(self.log_bytes);
+        if self.log_bytes != 0 && (self.log_start < RESERVED_HEAD_BYTES || log_end.is_none_or(|end| end > self.total_bytes)) {
+            return Err(FormatError::invalid(format!("{what} log area"), format!("{:#x}+{:#x}", self.log_start, self.log_bytes), "inside the device"));
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Superblock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "superblock (slot {})", self.slot())?;
+        writeln!(f, "  version          {}", self.version)?;
+        writeln!(f, "  fsid             {}", hex(&self.fsid))?;
+        writeln!(f, "  label            {:?}", self.label)?;
+        writeln!(f, "  generation       {}", self.generation)?;
+        writeln!(f, "  features         incompat {:#x} compat {:#x} ro_compat {:#x}", self.incompat, self.compat, self.ro_compat)?;
+        writeln!(f, "  block/node size  {} / {}", self.block_size, self.node_size)?;
+        writeln!(f, "  total bytes      {}", self.total_bytes)?;
+        writeln!(f, "  bytes used       {}", self.bytes_used)?;
+        writeln!(f, "  fs root          addr {:#x} generation {} level {}", self.fs_root.addr, self.fs_root.generation, self.fs_root.level)?;
+        writeln!(f, "  next objectid    {}", self.next_objectid)?;
+        writeln!(f, "  log area         {:#x} + {} bytes, head {:#x}, log generation {}", self.log_start, self.log_bytes, self.log_head, self.log_generation)?;
+        write!(f, "  commit time      {}.{:09}", self.commit_time_sec, self.commit_time_nsec)
+    }
+}
+
+/// Lowercase hex of a byte slice.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn sample() -> Superblock {
+        Superblock {
+            version: FORMAT_VERSION,
+            block_size: BLOCK_SIZE as u32,
+            node_size: NODE_SIZE as u32,
+            fsid: [7; 16],
+            label: "test".into(),
+            generation: 9,
+            incompat: 0,
+            compat: 0,
+            ro_compat: 0,
+            total_bytes: 64 << 20,
+            bytes_used: 1 << 20,
+            fs_root: RootPtr { addr: RESERVED_HEAD_BYTES + 4096 * 8, generation: 8, level: 1 },
+            next_objectid: 300,
+            log_start: RESERVED_HEAD_BYTES,
+            log_bytes: 1 << 20,
+            log_head: 0,
+            log_generation: 1,
+            commit_time_sec: 1_700_000_000,
+            commit_time_nsec: 5,
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let sb = sample();
+        let bytes = sb.encode();
+        assert_eq!(bytes.len(), SUPER_BYTES);
+        assert_eq!(Superblock::decode(&bytes, "slot 1"), Ok(sb));
+    }
+
+    #[test]
+    fn every_flipped_byte_is_caught() {
+        let bytes = sample().encode();
+        for i in 0..200 {
+            let mut bad = bytes.clone();
+            bad[i] ^= 0x40;
+            assert!(Superblock::decode(&bad, "slot 0").is_err(), "flip at {i} went unnoticed");
+        }
+    }
+
+    #[test]
+    fn unknown_incompat_is_refused() {
+        let mut sb = sample();
+        sb.incompat = 1 << 40;
+        let err = Superblock::decode(&sb.encode(), "slot 1").err();
+        assert_eq!(err, Some(FormatError::UnknownIncompat { flags: 1 << 40 }));
+    }
+
+    #[test]
+    fn wrong_version_is_refused() {
+        let mut sb = sample();
+        sb.version = 2;
+        assert!(matches!(Superblock::decode(&sb.encode(), "slot 1"), Err(FormatError::BadVersion { found: 2, .. })));
+    }
+
+    #[test]
+    fn garbage_never_panics() {
+        let mut state = 0x1234_5678_u64;
+        for _ in 0..200 {
+            let mut bytes = vec![0u8; SUPER_BYTES];
+            for b in bytes.iter_mut() {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
+                *b = (state >> 33) as u8;
+            }
+            bytes[8..16].copy_from_slice(&SUPER_MAGIC);
+            assert!(Superblock::decode(&bytes, "slot 0").is_err());
+            assert!(Superblock::decode(&bytes[..100], "slot 0").is_err());
+        }
+    }
+}

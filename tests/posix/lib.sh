@@ -1,0 +1,231 @@
+# shellcheck shell=bash
+# Common helpers for the external POSIX suites (sourced, not run).
+#
+# Provides: target mounting (kernel ext4 on a loop device, or birchfs through
+# the `birch` binary), cleanup of every mount / loop device on exit (also on
+# failure or signal), and a results directory for logs.
+#
+# Environment knobs (all optional):
+#   BIRCH             path of the birch binary   (default: target/release/birch)
+#   BIRCH_MOUNT_OPTS  -o options for birch mount (default: allow_other)
+#   IMG_SIZE          size of every test image   (default: 1G)
+#   RESULTS_DIR       where logs go              (default: /tmp/birch-posix-results)
+#   WORK_DIR          where images and mount points go (default: a fresh mktemp -d)
+#   KEEP_WORK=1       keep images after the run (for post-mortem)
+
+set -o pipefail
+
+POSIX_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO_ROOT=$(cd "$POSIX_DIR/../.." && pwd)
+# Exit code the CI convention (automake, meson...) uses for "skipped".
+EXIT_SKIP=77
+
+BIRCH=${BIRCH:-target/release/birch}
+# A relative BIRCH is taken from the repository root, wherever we are called from.
+case $BIRCH in
+  /*) ;;
+  */*) BIRCH=$REPO_ROOT/$BIRCH ;;
+  *) BIRCH=$(command -v "$BIRCH" || echo "$REPO_ROOT/$BIRCH") ;;
+esac
+BIRCH_MOUNT_OPTS=${BIRCH_MOUNT_OPTS-allow_other}
+IMG_SIZE=${IMG_SIZE:-1G}
+RESULTS_DIR=${RESULTS_DIR:-/tmp/birch-posix-results}
+export PATH="$HOME/.cargo/bin:/usr/local/sbin:/usr/sbin:/sbin:$PATH"
+export NO_COLOR=1
+
+log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+die() { printf 'error: %s\n' "$*" >&2; exit 1; }
+skip() { printf 'skipped: %s\n' "$*" >&2; exit "$EXIT_SKIP"; }
+
+# ---------------------------------------------------------------------------
+# Cleanup registry: everything we mount or attach is recorded here and undone
+# in reverse order by the EXIT trap, whatever way the script ends.
+# ---------------------------------------------------------------------------
+_CLEANUP_MOUNTS=()    # "kind:mountpoint" (kind = ext4 | birch)
+_CLEANUP_LOOPS=()     # loop devices
+_CLEANUP_WORK=""      # work directory to delete
+_CLEANUP_DONE=0
+
+# Abort the FUSE connection behind MNT (unblocks a hung daemon). Reads the
+# device number from mountinfo: no file system access to a possibly hung mount.
+_fuse_abort() {
+  local mnt=$1 dev
+  dev=$(awk -v m="$mnt" '$5 == m { print $3 }' /proc/self/mountinfo | tail -n1)
+  [[ -n $dev ]] || return 0
+  if [[ ! -d /sys/fs/fuse/connections ]] || ! mountpoint -q /sys/fs/fuse/connections; then
+    mount -t fusectl fusectl /sys/fs/fuse/connections 2>/dev/null || true
+  fi
+  local f=/sys/fs/fuse/connections/${dev#*:}/abort
+  [[ -w $f ]] && echo 1 >"$f" 2>/dev/null && log "aborted FUSE connection ${dev#*:} of $mnt"
+  return 0
+}
+
+_is_mounted() { awk -v m="$1" '$5 == m { found = 1 } END { exit !found }' /proc/self/mountinfo; }
+
+_cleanup_mount() {
+  local kind=${1%%:*} mnt=${1#*:}
+  _is_mounted "$mnt" || return 0
+  log "cleanup: unmounting $mnt ($kind)"
+  if [[ $kind == birch && -x $BIRCH ]]; then
+    timeout -k 5 60 "$BIRCH" umount "$mnt" && return 0
+  fi
+  timeout -k 5 30 umount "$mnt" 2>/dev/null && return 0
+  if [[ $kind == birch ]]; then
+    _fuse_abort "$mnt"
+    timeout -k 5 30 fusermount3 -u -z "$mnt" 2>/dev/null && return 0
+  fi
+  timeout -k 5 30 umount -l "$mnt" 2>/dev/null || log "cleanup: could not unmount $mnt"
+}
+
+cleanup() {
+  local rc=$?
+  ((_CLEANUP_DONE)) && return 0
+  _CLEANUP_DONE=1
+  trap - EXIT INT TERM HUP
+  local i
+  for ((i = ${#_CLEANUP_MOUNTS[@]} - 1; i >= 0; i--)); do
+    _cleanup_mount "${_CLEANUP_MOUNTS[i]}"
+  done
+  for ((i = ${#_CLEANUP_LOOPS[@]} - 1; i >= 0; i--)); do
+    if losetup "${_CLEANUP_LOOPS[i]}" >/dev/null 2>&1; then
+      losetup -d "${_CLEANUP_LOOPS[i]}" 2>/dev/null || log "cleanup: could not detach ${_CLEANUP_LOOPS[i]}"
+    fi
+  done
+  if [[ -n $_CLEANUP_WORK && -d $_CLEANUP_WORK ]]; then
+    if [[ ${KEEP_WORK:-0} == 1 ]]; then
+      log "KEEP_WORK=1: leaving $_CLEANUP_WORK"
+    elif ! grep -qF " $_CLEANUP_WORK/" /proc/self/mountinfo; then
+      rm -rf -- "$_CLEANUP_WORK"
+    else
+      log "cleanup: $_CLEANUP_WORK still has mounts; not deleting it"
+    fi
+  fi
+  return "$rc"
+}
+
+install_cleanup_trap() {
+  trap cleanup EXIT
+  trap 'log "interrupted"; exit 130' INT
+  trap 'log "terminated"; exit 143' TERM HUP
+}
+
+# Mark a mount as done with (already unmounted by the normal path).
+_forget_mount() {
+  local want=$1 i
+  for i in "${!_CLEANUP_MOUNTS[@]}"; do
+    [[ ${_CLEANUP_MOUNTS[i]#*:} == "$want" ]] && unset '_CLEANUP_MOUNTS[i]'
+  done
+  _CLEANUP_MOUNTS=("${_CLEANUP_MOUNTS[@]}")
+}
+
+make_work_dir() {
+  if [[ -n ${WORK_DIR:-} ]]; then
+    mkdir -p "$WORK_DIR"
+  else
+    WORK_DIR=$(mktemp -d /tmp/birch-posix.XXXXXX)
+    _CLEANUP_WORK=$WORK_DIR
+  fi
+  mkdir -p "$RESULTS_DIR"
+}
+
+# ---------------------------------------------------------------------------
+# Preconditions
+# ---------------------------------------------------------------------------
+require_root() {
+  [[ $(id -u) == 0 ]] || skip "must run as root (mounts, loop devices, user switching)"
+}
+
+require_cmd() {
+  local c
+  for c in "$@"; do
+    command -v "$c" >/dev/null 2>&1 || die "'$c' not found; run tests/posix/setup.sh first"
+  done
+}
+
+# Check what TARGET needs before anything is created.
+require_target() {
+  case $1 in
+    ext4)
+      require_cmd mkfs.ext4 e2fsck losetup mount umount
+      [[ -e /dev/loop-control ]] || skip "no /dev/loop-control: loop devices unavailable"
+      ;;
+    birch)
+      if [[ ! -x $BIRCH ]]; then
+        skip "birch binary not found at $BIRCH (build it with 'cargo build --release' or set BIRCH=...)"
+      fi
+      [[ -c /dev/fuse ]] || skip "no /dev/fuse: FUSE unavailable on this machine"
+      require_cmd fusermount3 mount umount
+      ;;
+    *) die "unknown target '$1' (expected ext4 or birch)" ;;
+  esac
+}
+
+# ---------------------------------------------------------------------------
+# Targets. mount_target TARGET NAME: makes an image $WORK_DIR/NAME.img, mounts
+# it at $WORK_DIR/NAME (prints the mount point). unmount_target TARGET NAME:
+# synchronous unmount, then fsck of the image; returns non-zero if unclean.
+# ---------------------------------------------------------------------------
+mount_target() {
+  local target=$1 name=$2
+  local img=$WORK_DIR/$name.img mnt=$WORK_DIR/$name
+  mkdir -p "$mnt"
+  rm -f "$img"
+  case $target in
+    ext4)
+      truncate -s "$IMG_SIZE" "$img"
+      mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$img" >&2 || die "mkfs.ext4 $img failed"
+      local loop
+      loop=$(losetup --find --show "$img") || die "losetup $img failed"
+      _CLEANUP_LOOPS+=("$loop")
+      mount -t ext4 "$loop" "$mnt" || die "mount $loop $mnt failed"
+      _CLEANUP_MOUNTS+=("ext4:$mnt")
+      log "mounted ext4 $img ($loop) at $mnt"
+      ;;
+    birch)
+      timeout -k 5 120 "$BIRCH" mkfs --force --size "$IMG_SIZE" "$img" >&2 || die "$BIRCH mkfs --force --size $IMG_SIZE $img failed"
+      local -a opts=()
+      [[ -n $BIRCH_MOUNT_OPTS ]] && opts=(-o "$BIRCH_MOUNT_OPTS")
+      # Register before mounting: a mount that half-succeeds is still cleaned up.
+      _CLEANUP_MOUNTS+=("birch:$mnt")
+      timeout -k 5 120 "$BIRCH" mount "$img" "$mnt" "${opts[@]}" >&2 ||
+        die "$BIRCH mount $img $mnt ${opts[*]} failed"
+      _is_mounted "$mnt" || die "$BIRCH mount returned but nothing is mounted at $mnt"
+      log "mounted birch $img at $mnt${opts:+ (${opts[*]})}"
+      ;;
+  esac
+  printf '%s\n' "$mnt"
+}
+
+# Returns 0 when the unmount succeeded and the image is clean.
+unmount_target() {
+  local target=$1 name=$2
+  local img=$WORK_DIR/$name.img mnt=$WORK_DIR/$name rc=0
+  case $target in
+    ext4)
+      sync
+      timeout -k 5 120 umount "$mnt" || { log "umount $mnt failed"; return 1; }
+      _forget_mount "$mnt"
+      local loop
+      loop=$(losetup -j "$img" -O NAME -n | head -n1)
+      [[ -n $loop ]] && losetup -d "$loop"
+      if timeout -k 5 300 e2fsck -fn "$img" >"$RESULTS_DIR/fsck-$target-$name.log" 2>&1; then
+        log "e2fsck $name: clean"
+      else
+        log "e2fsck $name: NOT CLEAN (see $RESULTS_DIR/fsck-$target-$name.log)"
+        rc=1
+      fi
+      ;;
+    birch)
+      timeout -k 5 300 "$BIRCH" umount "$mnt" || { log "$BIRCH umount $mnt failed"; return 1; }
+      _is_mounted "$mnt" && { log "$BIRCH umount returned but $mnt is still mounted"; return 1; }
+      _forget_mount "$mnt"
+      if timeout -k 5 600 "$BIRCH" fsck "$img" >"$RESULTS_DIR/fsck-$target-$name.log" 2>&1; then
+        log "birch fsck $name: clean"
+      else
+        log "birch fsck $name: NOT CLEAN (exit $?; see $RESULTS_DIR/fsck-$target-$name.log)"
+        rc=1
+      fi
+      ;;
+  esac
+  return "$rc"
+}
