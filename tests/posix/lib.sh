@@ -125,6 +125,9 @@ make_work_dir() {
     WORK_DIR=$(mktemp -d /tmp/birch-posix.XXXXXX)
     _CLEANUP_WORK=$WORK_DIR
   fi
+  # pjdfstest switches to unprivileged users: they must be able to reach the
+  # mount points (mktemp -d makes 0700 directories).
+  chmod 0755 "$WORK_DIR"
   mkdir -p "$RESULTS_DIR"
 }
 
@@ -162,7 +165,8 @@ require_target() {
 
 # ---------------------------------------------------------------------------
 # Targets. mount_target TARGET NAME: makes an image $WORK_DIR/NAME.img, mounts
-# it at $WORK_DIR/NAME (prints the mount point). unmount_target TARGET NAME:
+# it at $WORK_DIR/NAME and sets MOUNTED_AT to the mount point (not printed:
+# a $(...) subshell would lose the cleanup registration). unmount_target TARGET NAME:
 # synchronous unmount, then fsck of the image; returns non-zero if unclean.
 # ---------------------------------------------------------------------------
 mount_target() {
@@ -193,7 +197,7 @@ mount_target() {
       log "mounted birch $img at $mnt${opts:+ (${opts[*]})}"
       ;;
   esac
-  printf '%s\n' "$mnt"
+  MOUNTED_AT=$mnt
 }
 
 # Returns 0 when the unmount succeeded and the image is clean.
@@ -206,7 +210,7 @@ unmount_target() {
       timeout -k 5 120 umount "$mnt" || { log "umount $mnt failed"; return 1; }
       _forget_mount "$mnt"
       local loop
-      loop=$(losetup -j "$img" -O NAME -n | head -n1)
+      loop=$(losetup -j "$img" | head -n1 | cut -d: -f1)
       [[ -n $loop ]] && losetup -d "$loop"
       if timeout -k 5 300 e2fsck -fn "$img" >"$RESULTS_DIR/fsck-$target-$name.log" 2>&1; then
         log "e2fsck $name: clean"

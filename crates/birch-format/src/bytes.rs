@@ -12,7 +12,11 @@ pub struct Reader<'a> {
 impl<'a> Reader<'a> {
     /// A reader over `bytes`; `what` names the structure for error messages.
     pub fn new(bytes: &'a [u8], what: &'static str) -> Self {
-        Reader { bytes, pos: 0, what }
+        Reader {
+            bytes,
+            pos: 0,
+            what,
+        }
     }
 
     /// Bytes not yet read.
@@ -27,9 +31,15 @@ impl<'a> Reader<'a> {
 
     /// Takes the next `len` bytes.
     pub fn take(&mut self, len: usize) -> Result<&'a [u8], FormatError> {
-        let end = self.pos.checked_add(len).filter(|end| *end <= self.bytes.len()).ok_or_else(|| {
-            FormatError::Truncated { what: self.what.to_string(), need: self.pos.saturating_add(len), have: self.bytes.len() }
-        })?;
+        let end = self
+            .pos
+            .checked_add(len)
+            .filter(|end| *end <= self.bytes.len())
+            .ok_or_else(|| FormatError::Truncated {
+                what: self.what.to_string(),
+                need: self.pos.saturating_add(len),
+                have: self.bytes.len(),
+            })?;
         let out = &self.bytes[self.pos..end];
         self.pos = end;
         Ok(out)
@@ -71,7 +81,9 @@ pub struct Writer {
 
 impl Writer {
     pub fn with_capacity(capacity: usize) -> Self {
-        Writer { bytes: Vec::with_capacity(capacity) }
+        Writer {
+            bytes: Vec::with_capacity(capacity),
+        }
     }
     pub fn u8(&mut self, value: u8) {
         self.bytes.push(value);

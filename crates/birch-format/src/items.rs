@@ -4,7 +4,9 @@ use std::fmt;
 
 use crate::bytes::{Reader, Writer};
 use crate::key::ItemType;
-use crate::{FormatError, BLOCK_SIZE, EXTENT_MAX_BLOCKS, INLINE_MAX_BYTES, NAME_MAX, XATTR_VALUE_MAX};
+use crate::{
+    FormatError, BLOCK_SIZE, EXTENT_MAX_BLOCKS, INLINE_MAX_BYTES, NAME_MAX, XATTR_VALUE_MAX,
+};
 
 /// A point in time with nanoseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, Hash)]
@@ -81,7 +83,11 @@ impl InodeItem {
 
     pub fn decode(bytes: &[u8]) -> Result<InodeItem, FormatError> {
         if bytes.len() != INODE_ITEM_BYTES {
-            return Err(FormatError::invalid("inode item size", bytes.len(), INODE_ITEM_BYTES));
+            return Err(FormatError::invalid(
+                "inode item size",
+                bytes.len(),
+                INODE_ITEM_BYTES,
+            ));
         }
         let mut r = Reader::new(bytes, "inode item");
         Ok(InodeItem {
@@ -113,7 +119,11 @@ fn encode_name(w: &mut Writer, name: &[u8]) {
 fn decode_name(r: &mut Reader<'_>) -> Result<Vec<u8>, FormatError> {
     let len = usize::from(r.u16()?);
     if len == 0 || len > NAME_MAX {
-        return Err(FormatError::invalid("name length", len, format!("1..={NAME_MAX}")));
+        return Err(FormatError::invalid(
+            "name length",
+            len,
+            format!("1..={NAME_MAX}"),
+        ));
     }
     Ok(r.take(len)?.to_vec())
 }
@@ -216,15 +226,27 @@ impl FileExtent {
             0 => {
                 let len = r.u32()? as usize;
                 if len > INLINE_MAX_BYTES {
-                    return Err(FormatError::invalid("inline extent length", len, format!("<= {INLINE_MAX_BYTES}")));
+                    return Err(FormatError::invalid(
+                        "inline extent length",
+                        len,
+                        format!("<= {INLINE_MAX_BYTES}"),
+                    ));
                 }
                 ExtentKind::Inline(r.take(len)?.to_vec())
             }
             1 => {
                 let disk_addr = r.u64()?;
                 let blocks = u64::from(r.u32()?);
-                if blocks == 0 || blocks > EXTENT_MAX_BLOCKS || disk_addr == 0 || disk_addr % BLOCK_SIZE != 0 {
-                    return Err(FormatError::invalid("regular extent", format!("{disk_addr:#x} x {blocks} blocks"), format!("an aligned address and 1..={EXTENT_MAX_BLOCKS} blocks")));
+                if blocks == 0
+                    || blocks > EXTENT_MAX_BLOCKS
+                    || disk_addr == 0
+                    || disk_addr % BLOCK_SIZE != 0
+                {
+                    return Err(FormatError::invalid(
+                        "regular extent",
+                        format!("{disk_addr:#x} x {blocks} blocks"),
+                        format!("an aligned address and 1..={EXTENT_MAX_BLOCKS} blocks"),
+                    ));
                 }
                 let mut csums = Vec::with_capacity(blocks as usize);
                 for _ in 0..blocks {
@@ -235,15 +257,27 @@ impl FileExtent {
             2 => {
                 let disk_addr = r.u64()?;
                 let blocks = r.u64()?;
-                if blocks == 0 || blocks > EXTENT_MAX_BLOCKS || disk_addr == 0 || disk_addr % BLOCK_SIZE != 0 {
-                    return Err(FormatError::invalid("prealloc extent", format!("{disk_addr:#x} x {blocks} blocks"), format!("an aligned address and 1..={EXTENT_MAX_BLOCKS} blocks")));
+                if blocks == 0
+                    || blocks > EXTENT_MAX_BLOCKS
+                    || disk_addr == 0
+                    || disk_addr % BLOCK_SIZE != 0
+                {
+                    return Err(FormatError::invalid(
+                        "prealloc extent",
+                        format!("{disk_addr:#x} x {blocks} blocks"),
+                        format!("an aligned address and 1..={EXTENT_MAX_BLOCKS} blocks"),
+                    ));
                 }
                 ExtentKind::Prealloc { disk_addr, blocks }
             }
             other => return Err(FormatError::invalid("extent kind", other, "0, 1 or 2")),
         };
         if r.remaining() != 0 {
-            return Err(FormatError::invalid("file extent trailing bytes", r.remaining(), 0));
+            return Err(FormatError::invalid(
+                "file extent trailing bytes",
+                r.remaining(),
+                0,
+            ));
         }
         Ok(FileExtent { generation, kind })
     }
@@ -264,10 +298,18 @@ pub fn decode_inode_refs(bytes: &[u8]) -> Result<Vec<InodeRef>, FormatError> {
     let mut r = Reader::new(bytes, "inode ref");
     let mut out = Vec::new();
     while r.remaining() > 0 {
-        out.push(InodeRef { parent: r.u64()?, dir_index: r.u64()?, name: decode_name(&mut r)? });
+        out.push(InodeRef {
+            parent: r.u64()?,
+            dir_index: r.u64()?,
+            name: decode_name(&mut r)?,
+        });
     }
     if out.is_empty() {
-        return Err(FormatError::invalid("inode ref", "no entries", "at least one"));
+        return Err(FormatError::invalid(
+            "inode ref",
+            "no entries",
+            "at least one",
+        ));
     }
     Ok(out)
 }
@@ -288,10 +330,19 @@ pub fn decode_dir_entries(bytes: &[u8]) -> Result<Vec<DirEntry>, FormatError> {
     let mut r = Reader::new(bytes, "dir entry");
     let mut out = Vec::new();
     while r.remaining() > 0 {
-        out.push(DirEntry { child: r.u64()?, dir_index: r.u64()?, file_type: r.u8()?, name: decode_name(&mut r)? });
+        out.push(DirEntry {
+            child: r.u64()?,
+            dir_index: r.u64()?,
+            file_type: r.u8()?,
+            name: decode_name(&mut r)?,
+        });
     }
     if out.is_empty() {
-        return Err(FormatError::invalid("dir entry", "no entries", "at least one"));
+        return Err(FormatError::invalid(
+            "dir entry",
+            "no entries",
+            "at least one",
+        ));
     }
     Ok(out)
 }
@@ -313,12 +364,23 @@ pub fn decode_xattrs(bytes: &[u8]) -> Result<Vec<Xattr>, FormatError> {
         let name = decode_name(&mut r)?;
         let len = usize::from(r.u16()?);
         if len > XATTR_VALUE_MAX {
-            return Err(FormatError::invalid("xattr value length", len, format!("<= {XATTR_VALUE_MAX}")));
+            return Err(FormatError::invalid(
+                "xattr value length",
+                len,
+                format!("<= {XATTR_VALUE_MAX}"),
+            ));
         }
-        out.push(Xattr { name, value: r.take(len)?.to_vec() });
+        out.push(Xattr {
+            name,
+            value: r.take(len)?.to_vec(),
+        });
     }
     if out.is_empty() {
-        return Err(FormatError::invalid("xattr item", "no entries", "at least one"));
+        return Err(FormatError::invalid(
+            "xattr item",
+            "no entries",
+            "at least one",
+        ));
     }
     Ok(out)
 }
@@ -417,31 +479,84 @@ mod tests {
 
     #[test]
     fn inode_round_trip() {
-        let item = InodeItem { size: 5, nlink: 2, mode: 0o100644, atime: Timespec { sec: -3, nsec: 999_999_999 }, next_dir_index: 7, ..Default::default() };
+        let item = InodeItem {
+            size: 5,
+            nlink: 2,
+            mode: 0o100644,
+            atime: Timespec {
+                sec: -3,
+                nsec: 999_999_999,
+            },
+            next_dir_index: 7,
+            ..Default::default()
+        };
         assert_eq!(InodeItem::decode(&item.encode()), Ok(item));
     }
 
     #[test]
     fn extent_round_trip() {
-        for kind in [ExtentKind::Inline(b"hello".to_vec()), ExtentKind::Regular { disk_addr: 0x20000, csums: vec![1, 2, 3] }, ExtentKind::Prealloc { disk_addr: 0x30000, blocks: 9 }] {
-            let e = FileExtent { generation: 4, kind };
+        for kind in [
+            ExtentKind::Inline(b"hello".to_vec()),
+            ExtentKind::Regular {
+                disk_addr: 0x20000,
+                csums: vec![1, 2, 3],
+            },
+            ExtentKind::Prealloc {
+                disk_addr: 0x30000,
+                blocks: 9,
+            },
+        ] {
+            let e = FileExtent {
+                generation: 4,
+                kind,
+            };
             assert_eq!(FileExtent::decode(&e.encode()), Ok(e));
         }
     }
 
     #[test]
     fn lists_round_trip() {
-        let refs = vec![InodeRef { parent: 1, dir_index: 2, name: b"a".to_vec() }, InodeRef { parent: 3, dir_index: 4, name: vec![b'x'; 255] }];
+        let refs = vec![
+            InodeRef {
+                parent: 1,
+                dir_index: 2,
+                name: b"a".to_vec(),
+            },
+            InodeRef {
+                parent: 3,
+                dir_index: 4,
+                name: vec![b'x'; 255],
+            },
+        ];
         assert_eq!(decode_inode_refs(&encode_inode_refs(&refs)), Ok(refs));
-        let entries = vec![DirEntry { child: 300, dir_index: 9, file_type: 8, name: b"f".to_vec() }];
-        assert_eq!(decode_dir_entries(&encode_dir_entries(&entries)), Ok(entries));
-        let xs = vec![Xattr { name: b"user.a".to_vec(), value: vec![0; 7168] }];
+        let entries = vec![DirEntry {
+            child: 300,
+            dir_index: 9,
+            file_type: 8,
+            name: b"f".to_vec(),
+        }];
+        assert_eq!(
+            decode_dir_entries(&encode_dir_entries(&entries)),
+            Ok(entries)
+        );
+        let xs = vec![Xattr {
+            name: b"user.a".to_vec(),
+            value: vec![0; 7168],
+        }];
         assert_eq!(decode_xattrs(&encode_xattrs(&xs)), Ok(xs));
     }
 
     #[test]
     fn garbage_is_an_error() {
-        for kind in [ItemType::InodeItem, ItemType::InodeRef, ItemType::DirItem, ItemType::DirIndex, ItemType::Xattr, ItemType::ExtentData, ItemType::Orphan] {
+        for kind in [
+            ItemType::InodeItem,
+            ItemType::InodeRef,
+            ItemType::DirItem,
+            ItemType::DirIndex,
+            ItemType::Xattr,
+            ItemType::ExtentData,
+            ItemType::Orphan,
+        ] {
             for len in [1usize, 3, 17, 200] {
                 let bytes = vec![0xffu8; len];
                 assert!(Item::decode(kind, &bytes).is_err(), "{kind} len {len}");

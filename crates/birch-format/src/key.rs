@@ -72,12 +72,24 @@ pub struct Key {
 }
 
 impl Key {
-    pub const MIN: Key = Key { objectid: 0, item_type: 0, offset: 0 };
-    pub const MAX: Key = Key { objectid: u64::MAX, item_type: u8::MAX, offset: u64::MAX };
+    pub const MIN: Key = Key {
+        objectid: 0,
+        item_type: 0,
+        offset: 0,
+    };
+    pub const MAX: Key = Key {
+        objectid: u64::MAX,
+        item_type: u8::MAX,
+        offset: u64::MAX,
+    };
 
     /// A key of a known type.
     pub const fn new(objectid: u64, item_type: ItemType, offset: u64) -> Key {
-        Key { objectid, item_type: item_type as u8, offset }
+        Key {
+            objectid,
+            item_type: item_type as u8,
+            offset,
+        }
     }
 
     /// The key's type, if it is a known one.
@@ -94,7 +106,11 @@ impl Key {
 
     /// Decodes a key.
     pub fn decode(input: &mut Reader<'_>) -> Result<Key, FormatError> {
-        Ok(Key { objectid: input.u64()?, item_type: input.u8()?, offset: input.u64()? })
+        Ok(Key {
+            objectid: input.u64()?,
+            item_type: input.u8()?,
+            offset: input.u64()?,
+        })
     }
 
     /// The next key in order, or `None` at the maximum.
@@ -103,9 +119,17 @@ impl Key {
             return Some(Key { offset, ..*self });
         }
         if let Some(item_type) = self.item_type.checked_add(1) {
-            return Some(Key { item_type, offset: 0, ..*self });
+            return Some(Key {
+                item_type,
+                offset: 0,
+                ..*self
+            });
         }
-        self.objectid.checked_add(1).map(|objectid| Key { objectid, item_type: 0, offset: 0 })
+        self.objectid.checked_add(1).map(|objectid| Key {
+            objectid,
+            item_type: 0,
+            offset: 0,
+        })
     }
 }
 
@@ -113,7 +137,11 @@ impl fmt::Display for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.kind() {
             Some(kind) => write!(f, "({}, {}, {})", self.objectid, kind, self.offset),
-            None => write!(f, "({}, type#{}, {})", self.objectid, self.item_type, self.offset),
+            None => write!(
+                f,
+                "({}, type#{}, {})",
+                self.objectid, self.item_type, self.offset
+            ),
         }
     }
 }

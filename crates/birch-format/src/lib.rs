@@ -14,7 +14,7 @@ pub mod key;
 pub mod node;
 pub mod superblock;
 
-pub use key::{Key, ItemType};
+pub use key::{ItemType, Key};
 
 /// Size of a data block and the unit of allocation. 4 KiB matches the host page size, so
 /// O_DIRECT I/O and FUSE page-sized writes line up with it.
@@ -76,21 +76,41 @@ pub enum FormatError {
     #[error("bad magic at {what}: found {found:02x?}")]
     BadMagic { what: String, found: Vec<u8> },
     #[error("checksum mismatch at {what}: stored {stored:#010x}, computed {computed:#010x}")]
-    BadChecksum { what: String, stored: u32, computed: u32 },
-    #[error("unsupported format version {found} at {what} (this build reads version {FORMAT_VERSION})")]
+    BadChecksum {
+        what: String,
+        stored: u32,
+        computed: u32,
+    },
+    #[error(
+        "unsupported format version {found} at {what} (this build reads version {FORMAT_VERSION})"
+    )]
     BadVersion { what: String, found: u32 },
-    #[error("unknown incompatible feature flags {flags:#x}: this build cannot read the image safely")]
+    #[error(
+        "unknown incompatible feature flags {flags:#x}: this build cannot read the image safely"
+    )]
     UnknownIncompat { flags: u64 },
     #[error("{what}: {found}, expected {expected}")]
-    Invalid { what: String, found: String, expected: String },
+    Invalid {
+        what: String,
+        found: String,
+        expected: String,
+    },
     #[error("{what}: truncated, need {need} bytes, have {have}")]
-    Truncated { what: String, need: usize, have: usize },
+    Truncated {
+        what: String,
+        need: usize,
+        have: usize,
+    },
 }
 
 impl FormatError {
     /// Builds an [`FormatError::Invalid`] with its three parts.
     pub fn invalid(what: impl Into<String>, found: impl ToString, expected: impl ToString) -> Self {
-        FormatError::Invalid { what: what.into(), found: found.to_string(), expected: expected.to_string() }
+        FormatError::Invalid {
+            what: what.into(),
+            found: found.to_string(),
+            expected: expected.to_string(),
+        }
     }
 }
 

@@ -109,33 +109,66 @@ impl Node {
     /// Checks the node's own invariants: level matches the body, keys strictly ascend,
     /// sizes fit. Run before encoding for a write and after decoding a read.
     pub fn validate(&self) -> Result<(), FormatError> {
-        let at = || format!("node {:#x} (owner {}, generation {})", self.header.addr, self.header.owner, self.header.generation);
+        let at = || {
+            format!(
+                "node {:#x} (owner {}, generation {})",
+                self.header.addr, self.header.owner, self.header.generation
+            )
+        };
         if self.header.level >= MAX_LEVEL {
-            return Err(FormatError::invalid(format!("{} level", at()), self.header.level, format!("< {MAX_LEVEL}")));
+            return Err(FormatError::invalid(
+                format!("{} level", at()),
+                self.header.level,
+                format!("< {MAX_LEVEL}"),
+            ));
         }
         if self.used_bytes() > LEAF_SPACE {
-            return Err(FormatError::invalid(format!("{} used bytes", at()), self.used_bytes(), format!("<= {LEAF_SPACE}")));
+            return Err(FormatError::invalid(
+                format!("{} used bytes", at()),
+                self.used_bytes(),
+                format!("<= {LEAF_SPACE}"),
+            ));
         }
         let keys: Vec<Key> = match &self.body {
             NodeBody::Leaf(items) => {
                 if self.header.level != 0 {
-                    return Err(FormatError::invalid(format!("{} level", at()), self.header.level, "0 for a leaf"));
+                    return Err(FormatError::invalid(
+                        format!("{} level", at()),
+                        self.header.level,
+                        "0 for a leaf",
+                    ));
                 }
                 items.iter().map(|(k, _)| *k).collect()
             }
             NodeBody::Internal(ptrs) => {
                 if self.header.level == 0 {
-                    return Err(FormatError::invalid(format!("{} level", at()), 0, "> 0 for an internal node"));
+                    return Err(FormatError::invalid(
+                        format!("{} level", at()),
+                        0,
+                        "> 0 for an internal node",
+                    ));
                 }
                 if ptrs.is_empty() {
-                    return Err(FormatError::invalid(format!("{} pointers", at()), 0, "at least one"));
+                    return Err(FormatError::invalid(
+                        format!("{} pointers", at()),
+                        0,
+                        "at least one",
+                    ));
                 }
                 for (slot, ptr) in ptrs.iter().enumerate() {
                     if ptr.addr == 0 || ptr.addr % crate::BLOCK_SIZE != 0 {
-                        return Err(FormatError::invalid(format!("{} slot {slot} child address", at()), format!("{:#x}", ptr.addr), "a non-zero block-aligned address"));
+                        return Err(FormatError::invalid(
+                            format!("{} slot {slot} child address", at()),
+                            format!("{:#x}", ptr.addr),
+                            "a non-zero block-aligned address",
+                        ));
                     }
                     if ptr.generation > self.header.generation {
-                        return Err(FormatError::invalid(format!("{} slot {slot} child generation", at()), ptr.generation, format!("<= {}", self.header.generation)));
+                        return Err(FormatError::invalid(
+                            format!("{} slot {slot} child generation", at()),
+                            ptr.generation,
+                            format!("<= {}", self.header.generation),
+                        ));
                     }
                 }
                 ptrs.iter().map(|p| p.key).collect()
@@ -143,7 +176,11 @@ impl Node {
         };
         for (slot, pair) in keys.windows(2).enumerate() {
             if pair[0] >= pair[1] {
-                return Err(FormatError::invalid(format!("{} slot {}", at(), slot + 1), format!("key {}", pair[1]), format!("a key after {}", pair[0])));
+                return Err(FormatError::invalid(
+                    format!("{} slot {}", at(), slot + 1),
+                    format!("key {}", pair[1]),
+                    format!("a key after {}", pair[0]),
+                ));
             }
         }
         Ok(())
@@ -162,7 +199,8 @@ impl Node {
         w.u64(self.header.owner);
         w.u8(self.header.level);
         w.u8(0);
-        let count = u16::try_from(self.len()).map_err(|_| FormatError::invalid("node item count", self.len(), "<= 65535"))?;
+        let count = u16::try_from(self.len())
+            .map_err(|_| FormatError::invalid("node item count", self.len(), "<= 65535"))?;
         w.u16(count);
         w.zeros(HEADER_BYTES - 52);
         let mut bytes = match &self.body {
@@ -205,42 +243,83 @@ impl Node {
     pub fn decode(bytes: &[u8], expect: &Expect) -> Result<Node, FormatError> {
         let at = format!("node {:#x} (owner {})", expect.addr, expect.owner);
         if bytes.len() != NODE_SIZE {
-            return Err(FormatError::Truncated { what: at, need: NODE_SIZE, have: bytes.len() });
+            return Err(FormatError::Truncated {
+                what: at,
+                need: NODE_SIZE,
+                have: bytes.len(),
+            });
         }
         let mut r = Reader::new(bytes, "node header");
         let stored = r.u32()?;
         let magic: [u8; 4] = r.array()?;
         if magic != NODE_MAGIC {
-            return Err(FormatError::BadMagic { what: at, found: magic.to_vec() });
+            return Err(FormatError::BadMagic {
+                what: at,
+                found: magic.to_vec(),
+            });
         }
         let computed = checksum(&bytes[4..]);
         if stored != computed {
-            return Err(FormatError::BadChecksum { what: at, stored, computed });
+            return Err(FormatError::BadChecksum {
+                what: at,
+                stored,
+                computed,
+            });
         }
-        let header = NodeHeader { fsid: r.array()?, addr: r.u64()?, generation: r.u64()?, owner: r.u64()?, level: r.u8()? };
+        let header = NodeHeader {
+            fsid: r.array()?,
+            addr: r.u64()?,
+            generation: r.u64()?,
+            owner: r.u64()?,
+            level: r.u8()?,
+        };
         r.skip(1)?;
         let count = usize::from(r.u16()?);
         r.skip(HEADER_BYTES - 52)?;
         if header.fsid != expect.fsid {
-            return Err(FormatError::invalid(format!("{at} fsid"), crate::superblock::hex(&header.fsid), crate::superblock::hex(&expect.fsid)));
+            return Err(FormatError::invalid(
+                format!("{at} fsid"),
+                crate::superblock::hex(&header.fsid),
+                crate::superblock::hex(&expect.fsid),
+            ));
         }
         if header.addr != expect.addr {
-            return Err(FormatError::invalid(format!("{at} address"), format!("{:#x}", header.addr), format!("{:#x}", expect.addr)));
+            return Err(FormatError::invalid(
+                format!("{at} address"),
+                format!("{:#x}", header.addr),
+                format!("{:#x}", expect.addr),
+            ));
         }
         if header.generation != expect.generation {
-            return Err(FormatError::invalid(format!("{at} generation"), header.generation, expect.generation));
+            return Err(FormatError::invalid(
+                format!("{at} generation"),
+                header.generation,
+                expect.generation,
+            ));
         }
         if header.owner != expect.owner {
-            return Err(FormatError::invalid(format!("{at} owner"), header.owner, expect.owner));
+            return Err(FormatError::invalid(
+                format!("{at} owner"),
+                header.owner,
+                expect.owner,
+            ));
         }
         if let Some(level) = expect.level {
             if header.level != level {
-                return Err(FormatError::invalid(format!("{at} level"), header.level, level));
+                return Err(FormatError::invalid(
+                    format!("{at} level"),
+                    header.level,
+                    level,
+                ));
             }
         }
         let body = if header.level == 0 {
             if count * ITEM_HEADER_BYTES > LEAF_SPACE {
-                return Err(FormatError::invalid(format!("{at} item count"), count, "items that fit the node"));
+                return Err(FormatError::invalid(
+                    format!("{at} item count"),
+                    count,
+                    "items that fit the node",
+                ));
             }
             let mut items = Vec::with_capacity(count);
             let mut data_end = NODE_SIZE;
@@ -250,7 +329,11 @@ impl Node {
                 let offset = r.u32()? as usize;
                 let size = r.u32()? as usize;
                 if offset.checked_add(size) != Some(data_end) || offset < headers_end {
-                    return Err(FormatError::invalid(format!("{at} slot {slot} data range"), format!("{offset}+{size}"), format!("a range ending at {data_end}, after the headers")));
+                    return Err(FormatError::invalid(
+                        format!("{at} slot {slot} data range"),
+                        format!("{offset}+{size}"),
+                        format!("a range ending at {data_end}, after the headers"),
+                    ));
                 }
                 items.push((key, bytes[offset..data_end].to_vec()));
                 data_end = offset;
@@ -258,11 +341,19 @@ impl Node {
             NodeBody::Leaf(items)
         } else {
             if count * PTR_BYTES > LEAF_SPACE {
-                return Err(FormatError::invalid(format!("{at} pointer count"), count, format!("<= {MAX_PTRS}")));
+                return Err(FormatError::invalid(
+                    format!("{at} pointer count"),
+                    count,
+                    format!("<= {MAX_PTRS}"),
+                ));
             }
             let mut ptrs = Vec::with_capacity(count);
             for _ in 0..count {
-                ptrs.push(ChildPtr { key: Key::decode(&mut r)?, addr: r.u64()?, generation: r.u64()? });
+                ptrs.push(ChildPtr {
+                    key: Key::decode(&mut r)?,
+                    addr: r.u64()?,
+                    generation: r.u64()?,
+                });
             }
             NodeBody::Internal(ptrs)
         };
@@ -275,19 +366,36 @@ impl Node {
 impl fmt::Display for Node {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let h = &self.header;
-        writeln!(f, "node {:#x} owner {} generation {} level {} items {} used {}/{}", h.addr, h.owner, h.generation, h.level, self.len(), self.used_bytes(), LEAF_SPACE)?;
+        writeln!(
+            f,
+            "node {:#x} owner {} generation {} level {} items {} used {}/{}",
+            h.addr,
+            h.owner,
+            h.generation,
+            h.level,
+            self.len(),
+            self.used_bytes(),
+            LEAF_SPACE
+        )?;
         match &self.body {
             NodeBody::Leaf(items) => {
                 for (slot, (key, value)) in items.iter().enumerate() {
                     writeln!(f, "  slot {slot} key {key} size {}", value.len())?;
-                    if let Some(item) = key.kind().and_then(|kind| crate::items::Item::decode(kind, value).ok()) {
+                    if let Some(item) = key
+                        .kind()
+                        .and_then(|kind| crate::items::Item::decode(kind, value).ok())
+                    {
                         writeln!(f, "    {item}")?;
                     }
                 }
             }
             NodeBody::Internal(ptrs) => {
                 for (slot, ptr) in ptrs.iter().enumerate() {
-                    writeln!(f, "  slot {slot} key {} -> {:#x} generation {}", ptr.key, ptr.addr, ptr.generation)?;
+                    writeln!(
+                        f,
+                        "  slot {slot} key {} -> {:#x} generation {}",
+                        ptr.key, ptr.addr, ptr.generation
+                    )?;
                 }
             }
         }
@@ -301,11 +409,26 @@ mod tests {
     use proptest::prelude::*;
 
     fn expect_for(node: &Node) -> Expect {
-        Expect { fsid: node.header.fsid, addr: node.header.addr, generation: node.header.generation, owner: node.header.owner, level: Some(node.header.level) }
+        Expect {
+            fsid: node.header.fsid,
+            addr: node.header.addr,
+            generation: node.header.generation,
+            owner: node.header.owner,
+            level: Some(node.header.level),
+        }
     }
 
     fn leaf(items: Vec<(Key, Vec<u8>)>) -> Node {
-        Node { header: NodeHeader { fsid: [1; 16], addr: 0x40000, generation: 3, owner: 5, level: 0 }, body: NodeBody::Leaf(items) }
+        Node {
+            header: NodeHeader {
+                fsid: [1; 16],
+                addr: 0x40000,
+                generation: 3,
+                owner: 5,
+                level: 0,
+            },
+            body: NodeBody::Leaf(items),
+        }
     }
 
     proptest! {
@@ -320,12 +443,22 @@ mod tests {
 
     #[test]
     fn flipped_bytes_are_caught() {
-        let node = leaf(vec![(Key { objectid: 1, item_type: 1, offset: 0 }, vec![9; 100])]);
+        let node = leaf(vec![(
+            Key {
+                objectid: 1,
+                item_type: 1,
+                offset: 0,
+            },
+            vec![9; 100],
+        )]);
         let bytes = node.encode().expect("valid node");
         for i in (0..NODE_SIZE).step_by(97) {
             let mut bad = bytes.clone();
             bad[i] ^= 1;
-            assert!(Node::decode(&bad, &expect_for(&node)).is_err(), "flip at {i}");
+            assert!(
+                Node::decode(&bad, &expect_for(&node)).is_err(),
+                "flip at {i}"
+            );
         }
     }
 
@@ -335,7 +468,10 @@ mod tests {
         let bytes = node.encode().expect("valid node");
         let mut expect = expect_for(&node);
         expect.addr += 4096;
-        assert!(matches!(Node::decode(&bytes, &expect), Err(FormatError::Invalid { .. })));
+        assert!(matches!(
+            Node::decode(&bytes, &expect),
+            Err(FormatError::Invalid { .. })
+        ));
         let mut expect = expect_for(&node);
         expect.generation += 1;
         assert!(Node::decode(&bytes, &expect).is_err());
@@ -343,7 +479,11 @@ mod tests {
 
     #[test]
     fn unordered_keys_are_refused_before_write() {
-        let k = |o| Key { objectid: o, item_type: 1, offset: 0 };
+        let k = |o| Key {
+            objectid: o,
+            item_type: 1,
+            offset: 0,
+        };
         let node = leaf(vec![(k(2), vec![]), (k(1), vec![])]);
         assert!(node.encode().is_err());
     }

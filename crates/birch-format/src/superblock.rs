@@ -117,7 +117,11 @@ impl Superblock {
     /// Decodes and validates one slot's bytes. `what` names the slot for messages.
     pub fn decode(bytes: &[u8], what: &str) -> Result<Superblock, FormatError> {
         if bytes.len() < SUPER_BYTES {
-            return Err(FormatError::Truncated { what: what.to_string(), need: SUPER_BYTES, have: bytes.len() });
+            return Err(FormatError::Truncated {
+                what: what.to_string(),
+                need: SUPER_BYTES,
+                have: bytes.len(),
+            });
         }
         let bytes = &bytes[..SUPER_BYTES];
         let mut r = Reader::new(bytes, "superblock");
@@ -125,22 +129,35 @@ impl Superblock {
         r.skip(4)?;
         let magic: [u8; 8] = r.array()?;
         if magic != SUPER_MAGIC {
-            return Err(FormatError::BadMagic { what: what.to_string(), found: magic.to_vec() });
+            return Err(FormatError::BadMagic {
+                what: what.to_string(),
+                found: magic.to_vec(),
+            });
         }
         let computed = checksum(&bytes[4..]);
         if stored != computed {
-            return Err(FormatError::BadChecksum { what: what.to_string(), stored, computed });
+            return Err(FormatError::BadChecksum {
+                what: what.to_string(),
+                stored,
+                computed,
+            });
         }
         let version = r.u32()?;
         if version != FORMAT_VERSION {
-            return Err(FormatError::BadVersion { what: what.to_string(), found: version });
+            return Err(FormatError::BadVersion {
+                what: what.to_string(),
+                found: version,
+            });
         }
         let block_size = r.u32()?;
         let node_size = r.u32()?;
         r.skip(4)?;
         let fsid: [u8; 16] = r.array()?;
         let label_bytes: [u8; LABEL_BYTES] = r.array()?;
-        let label_len = label_bytes.iter().position(|b| *b == 0).unwrap_or(LABEL_BYTES);
+        let label_len = label_bytes
+            .iter()
+            .position(|b| *b == 0)
+            .unwrap_or(LABEL_BYTES);
         let label = String::from_utf8_lossy(&label_bytes[..label_len]).into_owned();
         let sb = Superblock {
             version,
@@ -159,7 +176,11 @@ impl Superblock {
                 let generation = r.u64()?;
                 let level = r.u8()?;
                 r.skip(7)?;
-                RootPtr { addr, generation, level }
+                RootPtr {
+                    addr,
+                    generation,
+                    level,
+                }
             },
             next_objectid: r.u64()?,
             log_start: r.u64()?,
@@ -180,27 +201,63 @@ impl Superblock {
             return Err(FormatError::UnknownIncompat { flags: unknown });
         }
         if u64::from(self.block_size) != BLOCK_SIZE {
-            return Err(FormatError::invalid(format!("{what} block size"), self.block_size, BLOCK_SIZE));
+            return Err(FormatError::invalid(
+                format!("{what} block size"),
+                self.block_size,
+                BLOCK_SIZE,
+            ));
         }
         if self.node_size as usize != NODE_SIZE {
-            return Err(FormatError::invalid(format!("{what} node size"), self.node_size, NODE_SIZE));
+            return Err(FormatError::invalid(
+                format!("{what} node size"),
+                self.node_size,
+                NODE_SIZE,
+            ));
         }
-        if self.total_bytes % BLOCK_SIZE != 0 || self.total_bytes < RESERVED_HEAD_BYTES + 4 * NODE_SIZE as u64 {
-            return Err(FormatError::invalid(format!("{what} total bytes"), self.total_bytes, "a block multiple of at least 192 KiB"));
+        if self.total_bytes % BLOCK_SIZE != 0
+            || self.total_bytes < RESERVED_HEAD_BYTES + 4 * NODE_SIZE as u64
+        {
+            return Err(FormatError::invalid(
+                format!("{what} total bytes"),
+                self.total_bytes,
+                "a block multiple of at least 192 KiB",
+            ));
         }
         let root = self.fs_root;
-        if root.addr % BLOCK_SIZE != 0 || root.addr < RESERVED_HEAD_BYTES || root.addr.saturating_add(NODE_SIZE as u64) > self.total_bytes {
-            return Err(FormatError::invalid(format!("{what} fs root address"), format!("{:#x}", root.addr), "a block-aligned address inside the device"));
+        if root.addr % BLOCK_SIZE != 0
+            || root.addr < RESERVED_HEAD_BYTES
+            || root.addr.saturating_add(NODE_SIZE as u64) > self.total_bytes
+        {
+            return Err(FormatError::invalid(
+                format!("{what} fs root address"),
+                format!("{:#x}", root.addr),
+                "a block-aligned address inside the device",
+            ));
         }
         if root.generation > self.generation {
-            return Err(FormatError::invalid(format!("{what} fs root generation"), root.generation, format!("<= superblock generation {}", self.generation)));
+            return Err(FormatError::invalid(
+                format!("{what} fs root generation"),
+                root.generation,
+                format!("<= superblock generation {}", self.generation),
+            ));
         }
         if root.level >= crate::node::MAX_LEVEL {
-            return Err(FormatError::invalid(format!("{what} fs root level"), root.level, format!("< {}", crate::node::MAX_LEVEL)));
+            return Err(FormatError::invalid(
+                format!("{what} fs root level"),
+                root.level,
+                format!("< {}", crate::node::MAX_LEVEL),
+            ));
         }
         let log_end = self.log_start.checked_add(self.log_bytes);
-        if self.log_bytes != 0 && (self.log_start < RESERVED_HEAD_BYTES || log_end.is_none_or(|end| end > self.total_bytes)) {
-            return Err(FormatError::invalid(format!("{what} log area"), format!("{:#x}+{:#x}", self.log_start, self.log_bytes), "inside the device"));
+        if self.log_bytes != 0
+            && (self.log_start < RESERVED_HEAD_BYTES
+                || log_end.is_none_or(|end| end > self.total_bytes))
+        {
+            return Err(FormatError::invalid(
+                format!("{what} log area"),
+                format!("{:#x}+{:#x}", self.log_start, self.log_bytes),
+                "inside the device",
+            ));
         }
         Ok(())
     }
@@ -213,14 +270,34 @@ impl fmt::Display for Superblock {
         writeln!(f, "  fsid             {}", hex(&self.fsid))?;
         writeln!(f, "  label            {:?}", self.label)?;
         writeln!(f, "  generation       {}", self.generation)?;
-        writeln!(f, "  features         incompat {:#x} compat {:#x} ro_compat {:#x}", self.incompat, self.compat, self.ro_compat)?;
-        writeln!(f, "  block/node size  {} / {}", self.block_size, self.node_size)?;
+        writeln!(
+            f,
+            "  features         incompat {:#x} compat {:#x} ro_compat {:#x}",
+            self.incompat, self.compat, self.ro_compat
+        )?;
+        writeln!(
+            f,
+            "  block/node size  {} / {}",
+            self.block_size, self.node_size
+        )?;
         writeln!(f, "  total bytes      {}", self.total_bytes)?;
         writeln!(f, "  bytes used       {}", self.bytes_used)?;
-        writeln!(f, "  fs root          addr {:#x} generation {} level {}", self.fs_root.addr, self.fs_root.generation, self.fs_root.level)?;
+        writeln!(
+            f,
+            "  fs root          addr {:#x} generation {} level {}",
+            self.fs_root.addr, self.fs_root.generation, self.fs_root.level
+        )?;
         writeln!(f, "  next objectid    {}", self.next_objectid)?;
-        writeln!(f, "  log area         {:#x} + {} bytes, head {:#x}, log generation {}", self.log_start, self.log_bytes, self.log_head, self.log_generation)?;
-        write!(f, "  commit time      {}.{:09}", self.commit_time_sec, self.commit_time_nsec)
+        writeln!(
+            f,
+            "  log area         {:#x} + {} bytes, head {:#x}, log generation {}",
+            self.log_start, self.log_bytes, self.log_head, self.log_generation
+        )?;
+        write!(
+            f,
+            "  commit time      {}.{:09}",
+            self.commit_time_sec, self.commit_time_nsec
+        )
     }
 }
 
@@ -246,7 +323,11 @@ mod tests {
             ro_compat: 0,
             total_bytes: 64 << 20,
             bytes_used: 1 << 20,
-            fs_root: RootPtr { addr: RESERVED_HEAD_BYTES + 4096 * 8, generation: 8, level: 1 },
+            fs_root: RootPtr {
+                addr: RESERVED_HEAD_BYTES + 4096 * 8,
+                generation: 8,
+                level: 1,
+            },
             next_objectid: 300,
             log_start: RESERVED_HEAD_BYTES,
             log_bytes: 1 << 20,
@@ -271,7 +352,10 @@ mod tests {
         for i in 0..200 {
             let mut bad = bytes.clone();
             bad[i] ^= 0x40;
-            assert!(Superblock::decode(&bad, "slot 0").is_err(), "flip at {i} went unnoticed");
+            assert!(
+                Superblock::decode(&bad, "slot 0").is_err(),
+                "flip at {i} went unnoticed"
+            );
         }
     }
 
@@ -287,7 +371,10 @@ mod tests {
     fn wrong_version_is_refused() {
         let mut sb = sample();
         sb.version = 2;
-        assert!(matches!(Superblock::decode(&sb.encode(), "slot 1"), Err(FormatError::BadVersion { found: 2, .. })));
+        assert!(matches!(
+            Superblock::decode(&sb.encode(), "slot 1"),
+            Err(FormatError::BadVersion { found: 2, .. })
+        ));
     }
 
     #[test]

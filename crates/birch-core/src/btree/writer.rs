@@ -1,0 +1,595 @@
+//! Changing a tree inside one generation, copy-on-write.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use birch_format::node::{
+    leaf_item_bytes, ChildPtr, Node, NodeBody, NodeHeader, LEAF_SPACE, MAX_PTRS,
+};
+use birch_format::superblock::RootPtr;
+use birch_format::{Key, MAX_ITEM_BYTES, NODE_BLOCKS, NODE_SIZE};
+
+use super::{child_slot, lookup, scan, NodeSource, TreeCtx};
+use crate::alloc::{Allocator, Purpose};
+use crate::error::{Error, Result};
+
+/// Under this many bytes a leaf (or under a quarter of the pointers an internal node) tries
+/// to merge with a sibling.
+const LEAF_UNDERFLOW_BYTES: usize = LEAF_SPACE / 4;
+const INTERNAL_UNDERFLOW_PTRS: usize = MAX_PTRS / 4;
+
+/// What one descent does when it reaches its leaf.
+enum LeafOp {
+    /// Insert or overwrite; the old value is returned in `old`.
+    Insert {
+        key: Key,
+        value: Vec<u8>,
+        old: Option<Vec<u8>>,
+    },
+    /// Remove the items in `[lo, hi)` of this leaf.
+    Remove { lo: Key, hi: Key, removed: usize },
+    /// Remove `[lo, hi)` and insert `key` if the whole range lies in this leaf; otherwise set
+    /// `fits = false` and change nothing.
+    Replace {
+        lo: Key,
+        hi: Key,
+        key: Key,
+        value: Vec<u8>,
+        removed: usize,
+        fits: bool,
+    },
+}
+
+/// A writer over one tree for one generation. Dirty nodes live in memory until
+/// [`TreeWriter::write_dirty`]; every node copied away from is freed (pinned) in `generation`.
+pub struct TreeWriter<'a> {
+    ctx: TreeCtx<'a>,
+    alloc: &'a Allocator,
+    generation: u64,
+    root: RootPtr,
+    dirty: HashMap<u64, Arc<Node>>,
+}
+
+struct WriterSource<'w, 'a> {
+    writer: &'w TreeWriter<'a>,
+}
+
+impl NodeSource for WriterSource<'_, '_> {
+    fn node(&self, addr: u64, generation: u64, level: u8) -> Result<Arc<Node>> {
+        self.writer.load(addr, generation, level)
+    }
+}
+
+impl<'a> TreeWriter<'a> {
+    /// A writer starting from `root` (a committed root, or one made with [`TreeWriter::create`]).
+    pub fn new(
+        ctx: TreeCtx<'a>,
+        alloc: &'a Allocator,
+        generation: u64,
+        root: RootPtr,
+    ) -> TreeWriter<'a> {
+        assert!(root.generation <= generation, "a tree root from the future");
+        TreeWriter {
+            ctx,
+            alloc,
+            generation,
+            root,
+            dirty: HashMap::new(),
+        }
+    }
+
+    /// A writer over a new empty tree (mkfs).
+    pub fn create(
+        ctx: TreeCtx<'a>,
+        alloc: &'a Allocator,
+        generation: u64,
+    ) -> Result<TreeWriter<'a>> {
+        let mut w = TreeWriter {
+            ctx,
+            alloc,
+            generation,
+            root: RootPtr::default(),
+            dirty: HashMap::new(),
+        };
+        let addr = w.new_node(0, NodeBody::Leaf(Vec::new()))?;
+        w.root = RootPtr {
+            addr,
+            generation,
+            level: 0,
+        };
+        Ok(w)
+    }
+
+    /// The current root.
+    pub fn root(&self) -> RootPtr {
+        self.root
+    }
+
+    /// Number of nodes changed in this generation.
+    pub fn dirty_count(&self) -> usize {
+        self.dirty.len()
+    }
+
+    fn load(&self, addr: u64, generation: u64, level: u8) -> Result<Arc<Node>> {
+        if generation == self.generation {
+            if let Some(node) = self.dirty.get(&addr) {
+                return Ok(node.clone());
+            }
+        }
+        self.ctx.read(addr, generation, level)
+    }
+
+    fn new_node(&mut self, level: u8, body: NodeBody) -> Result<u64> {
+        let (addr, _) = self
+            .alloc
+            .allocate(NODE_BLOCKS, NODE_BLOCKS, Purpose::Metadata)?;
+        let header = NodeHeader {
+            fsid: self.ctx.fsid,
+            addr,
+            generation: self.generation,
+            owner: self.ctx.owner,
+            level,
+        };
+        self.dirty.insert(addr, Arc::new(Node { header, body }));
+        Ok(addr)
+    }
+
+    /// Drops a node made in this generation that nothing references any more. No committed
+    /// state has seen it, so its space is free at once.
+    fn drop_dirty(&mut self, addr: u64) {
+        if self.dirty.remove(&addr).is_some() {
+            self.alloc.free_now(addr, NODE_BLOCKS);
+        }
+    }
+
+    /// Returns the address of a copy of the node that this generation may change, copying
+    /// it on first change and pinning the old copy's space.
+    fn cow(&mut self, addr: u64, generation: u64, level: u8) -> Result<u64> {
+        if generation == self.generation && self.dirty.contains_key(&addr) {
+            return Ok(addr);
+        }
+        let old = self.ctx.read(addr, generation, level)?;
+        let (new_addr, _) = self
+            .alloc
+            .allocate(NODE_BLOCKS, NODE_BLOCKS, Purpose::Metadata)?;
+        let mut node = (*old).clone();
+        node.header.addr = new_addr;
+        node.header.generation = self.generation;
+        self.dirty.insert(new_addr, Arc::new(node));
+        self.alloc.free_pinned(self.generation, addr, NODE_BLOCKS);
+        self.ctx.counters.add(&self.ctx.counters.btree_cows, 1);
+        Ok(new_addr)
+    }
+
+    fn node_mut(&mut self, addr: u64) -> &mut Node {
+        let slot = self
+            .dirty
+            .get_mut(&addr)
+            .unwrap_or_else(|| panic!("node {addr:#x} is not dirty in generation"));
+        Arc::make_mut(slot)
+    }
+
+    fn node_ref(&self, addr: u64) -> &Node {
+        self.dirty
+            .get(&addr)
+            .unwrap_or_else(|| panic!("node {addr:#x} is not dirty in generation"))
+    }
+
+    /// The value at `key`, seeing this generation's changes.
+    pub fn get(&self, key: &Key) -> Result<Option<Vec<u8>>> {
+        lookup(&WriterSource { writer: self }, &self.root, key)
+    }
+
+    /// Up to `limit` items in `[lo, hi)`, seeing this generation's changes.
+    pub fn range(&self, lo: &Key, hi: &Key, limit: usize) -> Result<Vec<(Key, Vec<u8>)>> {
+        scan(&WriterSource { writer: self }, &self.root, lo, hi, limit)
+    }
+
+    /// Inserts or overwrites; returns the old value.
+    pub fn insert(&mut self, key: Key, value: Vec<u8>) -> Result<Option<Vec<u8>>> {
+        check_item(&key, &value)?;
+        let mut op = LeafOp::Insert {
+            key,
+            value,
+            old: None,
+        };
+        self.descend(key, &mut op)?;
+        match op {
+            LeafOp::Insert { old, .. } => Ok(old),
+            _ => unreachable!("op kind is fixed"),
+        }
+    }
+
+    /// Deletes `key`; returns the old value.
+    pub fn delete(&mut self, key: &Key) -> Result<Option<Vec<u8>>> {
+        // A read-only look first: deleting a missing key must not copy a path.
+        let Some(old) = self.get(key)? else {
+            return Ok(None);
+        };
+        let hi = key.successor().unwrap_or(Key::MAX);
+        let mut op = LeafOp::Remove {
+            lo: *key,
+            hi,
+            removed: 0,
+        };
+        self.descend(*key, &mut op)?;
+        Ok(Some(old))
+    }
+
+    /// Deletes every item in `[lo, hi)`, one descent per leaf; returns how many.
+    pub fn delete_range(&mut self, lo: &Key, hi: &Key) -> Result<usize> {
+        let mut total = 0;
+        loop {
+            let first = self.range(lo, hi, 1)?;
+            let Some((start, _)) = first.first() else {
+                return Ok(total);
+            };
+            let mut op = LeafOp::Remove {
+                lo: *start,
+                hi: *hi,
+                removed: 0,
+            };
+            self.descend(*start, &mut op)?;
+            let LeafOp::Remove { removed, .. } = op else {
+                unreachable!("op kind is fixed")
+            };
+            if removed == 0 {
+                return Err(Error::Invalid(format!(
+                    "delete_range {lo}..{hi}: descent to {start} removed nothing"
+                )));
+            }
+            total += removed;
+        }
+    }
+
+    /// Drops the items in `[lo, hi)` and inserts `key` (which must lie in the range). When the
+    /// range sits in one leaf this is one descent (btrfs's extent replace, seed 003); otherwise
+    /// it falls back to a range delete and an insert. Returns how many items were dropped.
+    pub fn replace_range(&mut self, lo: &Key, hi: &Key, key: Key, value: Vec<u8>) -> Result<usize> {
+        if !(*lo <= key && key < *hi) {
+            return Err(Error::Invalid(format!(
+                "replace_range: key {key} outside {lo}..{hi}"
+            )));
+        }
+        check_item(&key, &value)?;
+        let mut op = LeafOp::Replace {
+            lo: *lo,
+            hi: *hi,
+            key,
+            value,
+            removed: 0,
+            fits: true,
+        };
+        self.descend(*lo, &mut op)?;
+        let LeafOp::Replace {
+            removed,
+            fits,
+            value,
+            ..
+        } = op
+        else {
+            unreachable!("op kind is fixed")
+        };
+        if fits {
+            return Ok(removed);
+        }
+        let removed = self.delete_range(lo, hi)?;
+        self.insert(key, value)?;
+        Ok(removed)
+    }
+
+    /// One root-to-leaf descent by `search`, copying the path, applying `op` at the leaf and
+    /// splitting or merging on the way back up.
+    fn descend(&mut self, search: Key, op: &mut LeafOp) -> Result<()> {
+        self.ctx.counters.add(&self.ctx.counters.btree_descents, 1);
+        let root = self.cow(self.root.addr, self.root.generation, self.root.level)?;
+        self.root.addr = root;
+        self.root.generation = self.generation;
+        let split = self.descend_node(root, search, Key::MAX, op)?;
+        if let Some((sep, right)) = split {
+            let left_key = self.node_ref(root).first_key().unwrap_or(Key::MIN);
+            let level = self.root.level + 1;
+            let ptrs = vec![
+                ChildPtr {
+                    key: left_key,
+                    addr: root,
+                    generation: self.generation,
+                },
+                ChildPtr {
+                    key: sep,
+                    addr: right,
+                    generation: self.generation,
+                },
+            ];
+            let new_root = self.new_node(level, NodeBody::Internal(ptrs))?;
+            self.root = RootPtr {
+                addr: new_root,
+                generation: self.generation,
+                level,
+            };
+        }
+        self.collapse_root();
+        Ok(())
+    }
+
+    /// An internal root with one child gives way to the child.
+    fn collapse_root(&mut self) {
+        loop {
+            let node = self.node_ref(self.root.addr);
+            let NodeBody::Internal(ptrs) = &node.body else {
+                return;
+            };
+            if ptrs.len() != 1 {
+                return;
+            }
+            let child = ptrs[0];
+            let old = self.root.addr;
+            // The child was changed in this descent, so it is dirty and of this generation.
+            if child.generation != self.generation {
+                return;
+            }
+            self.root = RootPtr {
+                addr: child.addr,
+                generation: child.generation,
+                level: self.root.level - 1,
+            };
+            self.drop_dirty(old);
+        }
+    }
+
+    /// Applies `op` below the dirty node `addr`; returns a split (separator, right node).
+    /// `upper` is the smallest key known to belong to a later subtree.
+    fn descend_node(
+        &mut self,
+        addr: u64,
+        search: Key,
+        upper: Key,
+        op: &mut LeafOp,
+    ) -> Result<Option<(Key, u64)>> {
+        let level = self.node_ref(addr).header.level;
+        if level == 0 {
+            self.apply_leaf(addr, upper, op);
+            return self.split_if_needed(addr);
+        }
+        let (slot, child, child_upper) = {
+            let NodeBody::Internal(ptrs) = &self.node_ref(addr).body else {
+                unreachable!("level > 0 is internal")
+            };
+            let slot = child_slot(ptrs, &search);
+            let child_upper = ptrs.get(slot + 1).map_or(upper, |p| p.key);
+            (slot, ptrs[slot], child_upper)
+        };
+        let new_child = self.cow(child.addr, child.generation, level - 1)?;
+        let split = self.descend_node(new_child, search, child_upper, op)?;
+        let child_first = self.node_ref(new_child).first_key();
+        let generation = self.generation;
+        {
+            let NodeBody::Internal(ptrs) = &mut self.node_mut(addr).body else {
+                unreachable!("level > 0 is internal")
+            };
+            ptrs[slot].addr = new_child;
+            ptrs[slot].generation = generation;
+            if let Some(first) = child_first {
+                ptrs[slot].key = first;
+            }
+            if let Some((sep, right)) = split {
+                ptrs.insert(
+                    slot + 1,
+                    ChildPtr {
+                        key: sep,
+                        addr: right,
+                        generation,
+                    },
+                );
+            }
+        }
+        if split.is_none() {
+            self.merge_if_underfull(addr, slot, level)?;
+        }
+        self.split_if_needed(addr)
+    }
+
+    fn apply_leaf(&mut self, addr: u64, upper: Key, op: &mut LeafOp) {
+        let NodeBody::Leaf(items) = &mut self.node_mut(addr).body else {
+            unreachable!("level 0 is a leaf")
+        };
+        match op {
+            LeafOp::Insert { key, value, old } => match items.binary_search_by(|(k, _)| k.cmp(key))
+            {
+                Ok(i) => *old = Some(std::mem::replace(&mut items[i].1, std::mem::take(value))),
+                Err(i) => items.insert(i, (*key, std::mem::take(value))),
+            },
+            LeafOp::Remove { lo, hi, removed } => {
+                let start = items.partition_point(|(k, _)| k < lo);
+                let end = items.partition_point(|(k, _)| k < hi);
+                *removed = end.saturating_sub(start);
+                items.drain(start..end.max(start));
+            }
+            LeafOp::Replace {
+                lo,
+                hi,
+                key,
+                value,
+                removed,
+                fits,
+            } => {
+                if *hi > upper {
+                    *fits = false;
+                    return;
+                }
+                let start = items.partition_point(|(k, _)| k < lo);
+                let end = items.partition_point(|(k, _)| k < hi);
+                *removed = end.saturating_sub(start);
+                items.drain(start..end.max(start));
+                let at = items.partition_point(|(k, _)| k < key);
+                items.insert(at, (*key, std::mem::take(value)));
+            }
+        }
+    }
+
+    /// Splits an overfull dirty node in two; returns (first key of the right half, its address).
+    fn split_if_needed(&mut self, addr: u64) -> Result<Option<(Key, u64)>> {
+        let node = self.node_ref(addr);
+        let level = node.header.level;
+        let right_body = match &node.body {
+            NodeBody::Leaf(items) => {
+                if node.used_bytes() <= LEAF_SPACE {
+                    return Ok(None);
+                }
+                let at = leaf_split_point(items);
+                let NodeBody::Leaf(items) = &mut self.node_mut(addr).body else {
+                    unreachable!("leaf")
+                };
+                NodeBody::Leaf(items.split_off(at))
+            }
+            NodeBody::Internal(ptrs) => {
+                if ptrs.len() <= MAX_PTRS {
+                    return Ok(None);
+                }
+                let at = ptrs.len() / 2;
+                let NodeBody::Internal(ptrs) = &mut self.node_mut(addr).body else {
+                    unreachable!("internal")
+                };
+                NodeBody::Internal(ptrs.split_off(at))
+            }
+        };
+        self.ctx.counters.add(&self.ctx.counters.btree_splits, 1);
+        let sep = match &right_body {
+            NodeBody::Leaf(items) => items.first().map(|(k, _)| *k),
+            NodeBody::Internal(ptrs) => ptrs.first().map(|p| p.key),
+        }
+        .unwrap_or(Key::MAX);
+        let right = self.new_node(level, right_body)?;
+        Ok(Some((sep, right)))
+    }
+
+    /// After a descent through child `slot` of the dirty node `addr`, merges that child with a
+    /// neighbour when it has become small, and drops it when it is empty.
+    fn merge_if_underfull(&mut self, addr: u64, slot: usize, level: u8) -> Result<()> {
+        let (count, child) = {
+            let NodeBody::Internal(ptrs) = &self.node_ref(addr).body else {
+                unreachable!("internal")
+            };
+            (ptrs.len(), ptrs[slot])
+        };
+        if count < 2 {
+            return Ok(());
+        }
+        let child_node = self.node_ref(child.addr);
+        let underfull = match &child_node.body {
+            NodeBody::Leaf(_) => child_node.used_bytes() < LEAF_UNDERFLOW_BYTES,
+            NodeBody::Internal(ptrs) => ptrs.len() < INTERNAL_UNDERFLOW_PTRS,
+        };
+        if child_node.is_empty() {
+            let NodeBody::Internal(ptrs) = &mut self.node_mut(addr).body else {
+                unreachable!("internal")
+            };
+            ptrs.remove(slot);
+            self.drop_dirty(child.addr);
+            return Ok(());
+        }
+        if !underfull {
+            return Ok(());
+        }
+        let (left_slot, right_slot) = if slot + 1 < count {
+            (slot, slot + 1)
+        } else {
+            (slot - 1, slot)
+        };
+        let (left_ptr, right_ptr) = {
+            let NodeBody::Internal(ptrs) = &self.node_ref(addr).body else {
+                unreachable!("internal")
+            };
+            (ptrs[left_slot], ptrs[right_slot])
+        };
+        // Only merge when the two fit one node, so a merge never needs a split.
+        let left_peek = self.load(left_ptr.addr, left_ptr.generation, level - 1)?;
+        let right_peek = self.load(right_ptr.addr, right_ptr.generation, level - 1)?;
+        let fits = match (&left_peek.body, &right_peek.body) {
+            (NodeBody::Leaf(_), NodeBody::Leaf(_)) => {
+                left_peek.used_bytes() + right_peek.used_bytes() <= LEAF_SPACE
+            }
+            (NodeBody::Internal(a), NodeBody::Internal(b)) => a.len() + b.len() <= MAX_PTRS,
+            _ => false,
+        };
+        if !fits {
+            return Ok(());
+        }
+        let left = self.cow(left_ptr.addr, left_ptr.generation, level - 1)?;
+        let right = self.cow(right_ptr.addr, right_ptr.generation, level - 1)?;
+        let right_body =
+            std::mem::replace(&mut self.node_mut(right).body, NodeBody::Leaf(Vec::new()));
+        match (&mut self.node_mut(left).body, right_body) {
+            (NodeBody::Leaf(a), NodeBody::Leaf(b)) => a.extend(b),
+            (NodeBody::Internal(a), NodeBody::Internal(b)) => a.extend(b),
+            _ => unreachable!("siblings share a level"),
+        }
+        self.drop_dirty(right);
+        let generation = self.generation;
+        let NodeBody::Internal(ptrs) = &mut self.node_mut(addr).body else {
+            unreachable!("internal")
+        };
+        ptrs[left_slot].addr = left;
+        ptrs[left_slot].generation = generation;
+        ptrs.remove(right_slot);
+        self.ctx.counters.add(&self.ctx.counters.btree_merges, 1);
+        Ok(())
+    }
+
+    /// Encodes and writes every dirty node (no flush). Returns the written nodes so the
+    /// caller can put them in the cache once the commit is durable. May do device I/O.
+    pub fn write_dirty(&mut self) -> Result<Vec<Arc<Node>>> {
+        let mut written = Vec::with_capacity(self.dirty.len());
+        let mut addrs: Vec<u64> = self.dirty.keys().copied().collect();
+        addrs.sort_unstable();
+        for addr in addrs {
+            let node = self.dirty[&addr].clone();
+            let bytes = node
+                .encode()
+                .map_err(|e| Error::corrupt(format!("encode node {addr:#x} for commit"), e))?;
+            debug_assert_eq!(bytes.len(), NODE_SIZE);
+            self.ctx
+                .device
+                .write_at(&bytes, addr)
+                .map_err(|e| Error::io(format!("write node {addr:#x}"), e))?;
+            written.push(node);
+        }
+        self.ctx
+            .counters
+            .add(&self.ctx.counters.nodes_written, written.len() as u64);
+        Ok(written)
+    }
+}
+
+fn check_item(key: &Key, value: &[u8]) -> Result<()> {
+    if value.len() > MAX_ITEM_BYTES {
+        return Err(Error::Invalid(format!(
+            "item {key}: {} bytes exceeds the {MAX_ITEM_BYTES}-byte item limit",
+            value.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The split point of an overfull leaf: both halves fit, as even as possible. One always
+/// exists because an item is at most half a leaf.
+fn leaf_split_point(items: &[(Key, Vec<u8>)]) -> usize {
+    let sizes: Vec<usize> = items
+        .iter()
+        .map(|(_, v)| leaf_item_bytes(v.len()))
+        .collect();
+    let total: usize = sizes.iter().sum();
+    let mut best = (usize::MAX, items.len() / 2);
+    let mut left = 0;
+    for (i, size) in sizes.iter().enumerate().take(items.len().saturating_sub(1)) {
+        left += size;
+        let right = total - left;
+        if left <= LEAF_SPACE && right <= LEAF_SPACE {
+            let skew = left.abs_diff(right);
+            if skew < best.0 {
+                best = (skew, i + 1);
+            }
+        }
+    }
+    best.1
+}

@@ -1,0 +1,705 @@
+//! fsck: read-only checks of everything the format promises, as ordered named passes.
+//!
+//! Owns: the passes (superblocks; node validity, key order and pointer keys; reachability:
+//! every block referenced once, inside the device, outside reserved areas; items: inode ↔
+//! names ↔ nlink, dir item ↔ dir index, orphans, extents against size and overlap, data
+//! checksums) and the named [`FindingKind`]s they report.
+//!
+//! Must not touch: any writer. It recomputes what it expects from the raw items and never
+//! reuses writer helpers for the "expected" side.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+
+use birch_format::items::{self, ExtentKind, FileExtent, InodeItem};
+use birch_format::node::{Expect, Node, NodeBody};
+use birch_format::superblock::{Superblock, RESERVED_HEAD_BYTES, SUPER_BYTES, SUPER_OFFSETS};
+use birch_format::{
+    Key, BLOCK_SIZE, FS_TREE_ID, INLINE_MAX_BYTES, NODE_BLOCKS, NODE_SIZE, ORPHAN_OBJECTID,
+    ROOT_OBJECTID,
+};
+
+use crate::device::BlockDevice;
+use crate::error::Result;
+use crate::txn::Engine;
+
+/// Every kind of problem fsck names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FindingKind {
+    SuperblockSlotBad,
+    NodeUnreadable,
+    NodeKeyOutOfRange,
+    PointerKeyMismatch,
+    BlockReferencedTwice,
+    BlockOutOfBounds,
+    BlockInReservedArea,
+    ItemUndecodable,
+    ItemWithoutInode,
+    InodeNlinkMismatch,
+    DirItemWithoutIndex,
+    DirIndexWithoutItem,
+    DirEntryDangling,
+    InodeRefWithoutDirEntry,
+    DirEntryWithoutInodeRef,
+    DirSizeMismatch,
+    OrphanMissing,
+    OrphanStale,
+    ExtentMisaligned,
+    ExtentOverlap,
+    ExtentPastSize,
+    InlineExtentInvalid,
+    DataChecksumMismatch,
+    DataUnreadable,
+    RootDirMissing,
+}
+
+/// One problem: where, what was found, what was expected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finding {
+    pub kind: FindingKind,
+    /// Block (byte address) or node, if the finding has one.
+    pub block: Option<u64>,
+    /// Tree, generation and slot, where known.
+    pub location: String,
+    pub found: String,
+    pub expected: String,
+}
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}: ", self.kind)?;
+        if let Some(block) = self.block {
+            write!(f, "block {block:#x} ")?;
+        }
+        write!(
+            f,
+            "{}: found {}, expected {}",
+            self.location, self.found, self.expected
+        )
+    }
+}
+
+/// What fsck looked at and found.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub superblock: Option<Superblock>,
+    pub findings: Vec<Finding>,
+    pub nodes: u64,
+    pub items: u64,
+    pub inodes: u64,
+    pub data_blocks: u64,
+}
+
+impl Report {
+    /// No findings.
+    pub fn is_clean(&self) -> bool {
+        self.findings.is_empty()
+    }
+
+    fn add(
+        &mut self,
+        kind: FindingKind,
+        block: Option<u64>,
+        location: impl Into<String>,
+        found: impl ToString,
+        expected: impl ToString,
+    ) {
+        self.findings.push(Finding {
+            kind,
+            block,
+            location: location.into(),
+            found: found.to_string(),
+            expected: expected.to_string(),
+        });
+    }
+}
+
+/// fsck options.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CheckOptions {
+    /// Also read every data block and verify its checksum.
+    pub data: bool,
+}
+
+/// Checks the committed state on `device`. Errors only when the image cannot be read at all
+/// (no valid superblock); every problem inside is a finding.
+pub fn check(device: &dyn BlockDevice, options: CheckOptions) -> Result<Report> {
+    let mut report = Report::default();
+    let (sb, notes) = Engine::read_superblock(device)?;
+    for note in notes {
+        report.add(
+            FindingKind::SuperblockSlotBad,
+            None,
+            "superblock",
+            note,
+            "two valid copies",
+        );
+    }
+    check_superblock_pair(device, &sb, &mut report);
+    let mut used: HashMap<u64, &'static str> = HashMap::new();
+    let mut items: Vec<(Key, Vec<u8>)> = Vec::new();
+    walk_tree(device, &sb, &mut report, &mut used, &mut items);
+    report.items = items.len() as u64;
+    check_items(device, &sb, &items, &mut used, options, &mut report);
+    report.superblock = Some(sb);
+    Ok(report)
+}
+
+fn check_superblock_pair(device: &dyn BlockDevice, sb: &Superblock, report: &mut Report) {
+    let other = 1 - sb.slot();
+    let mut bytes = vec![0u8; SUPER_BYTES];
+    if device.read_at(&mut bytes, SUPER_OFFSETS[other]).is_ok() {
+        if let Ok(o) = Superblock::decode(&bytes, "superblock") {
+            if o.fsid != sb.fsid {
+                report.add(
+                    FindingKind::SuperblockSlotBad,
+                    Some(SUPER_OFFSETS[other]),
+                    format!("superblock slot {other}"),
+                    "a different fsid",
+                    "the fsid of the newest slot",
+                );
+            }
+        }
+    }
+}
+
+fn walk_tree(
+    device: &dyn BlockDevice,
+    sb: &Superblock,
+    report: &mut Report,
+    used: &mut HashMap<u64, &'static str>,
+    items: &mut Vec<(Key, Vec<u8>)>,
+) {
+    // (addr, generation, level, low bound, high bound, parent description)
+    let root = sb.fs_root;
+    let mut stack = vec![(
+        root.addr,
+        root.generation,
+        root.level,
+        Key::MIN,
+        None::<Key>,
+        "fs tree root".to_string(),
+    )];
+    while let Some((addr, generation, level, low, high, from)) = stack.pop() {
+        let location = format!("fs tree node from {from}, generation {generation}");
+        if !claim(sb, used, addr, NODE_BLOCKS, "node", &location, report) {
+            continue;
+        }
+        let mut bytes = vec![0u8; NODE_SIZE];
+        if let Err(e) = device.read_at(&mut bytes, addr) {
+            report.add(
+                FindingKind::NodeUnreadable,
+                Some(addr),
+                location,
+                e,
+                "a readable node",
+            );
+            continue;
+        }
+        let expect = Expect {
+            fsid: sb.fsid,
+            addr,
+            generation,
+            owner: FS_TREE_ID,
+            level: Some(level),
+        };
+        let node = match Node::decode(&bytes, &expect) {
+            Ok(node) => node,
+            Err(e) => {
+                report.add(
+                    FindingKind::NodeUnreadable,
+                    Some(addr),
+                    location,
+                    e,
+                    "a valid node",
+                );
+                continue;
+            }
+        };
+        report.nodes += 1;
+        let keys: Vec<Key> = match &node.body {
+            NodeBody::Leaf(leaf) => leaf.iter().map(|(k, _)| *k).collect(),
+            NodeBody::Internal(ptrs) => ptrs.iter().map(|p| p.key).collect(),
+        };
+        for (slot, key) in keys.iter().enumerate() {
+            if *key < low || high.is_some_and(|h| *key >= h) {
+                let bound = match high {
+                    Some(h) => format!("a key in [{low}, {h})"),
+                    None => format!("a key >= {low}"),
+                };
+                report.add(
+                    FindingKind::NodeKeyOutOfRange,
+                    Some(addr),
+                    format!("{location}, slot {slot}"),
+                    format!("key {key}"),
+                    bound,
+                );
+            }
+        }
+        match node.body {
+            NodeBody::Leaf(leaf) => items.extend(leaf),
+            NodeBody::Internal(ptrs) => {
+                for (slot, ptr) in ptrs.iter().enumerate() {
+                    let child_high = ptrs.get(slot + 1).map(|p| p.key).or(high);
+                    stack.push((
+                        ptr.addr,
+                        ptr.generation,
+                        level - 1,
+                        ptr.key,
+                        child_high,
+                        format!("node {addr:#x} slot {slot}"),
+                    ));
+                }
+                // Pointer keys must equal the child's first key: check lazily by reading the
+                // first child key when the child is visited (NodeKeyOutOfRange covers order;
+                // here we check the exact bound).
+                for (slot, ptr) in ptrs.iter().enumerate() {
+                    let mut child = vec![0u8; NODE_SIZE];
+                    if device.read_at(&mut child, ptr.addr).is_ok() {
+                        let expect = Expect {
+                            fsid: sb.fsid,
+                            addr: ptr.addr,
+                            generation: ptr.generation,
+                            owner: FS_TREE_ID,
+                            level: Some(level - 1),
+                        };
+                        if let Ok(c) = Node::decode(&child, &expect) {
+                            if let Some(first) = c.first_key() {
+                                if first != ptr.key {
+                                    report.add(
+                                        FindingKind::PointerKeyMismatch,
+                                        Some(addr),
+                                        format!(
+                                            "fs tree node generation {generation}, slot {slot}"
+                                        ),
+                                        format!("pointer key {}", ptr.key),
+                                        format!("the child's first key {first}"),
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Records that `blocks` at `addr` are referenced; reports overlaps and bad addresses.
+fn claim(
+    sb: &Superblock,
+    used: &mut HashMap<u64, &'static str>,
+    addr: u64,
+    blocks: u64,
+    what: &'static str,
+    location: &str,
+    report: &mut Report,
+) -> bool {
+    let end = addr.saturating_add(blocks.saturating_mul(BLOCK_SIZE));
+    if addr % BLOCK_SIZE != 0 || end > sb.total_bytes {
+        report.add(
+            FindingKind::BlockOutOfBounds,
+            Some(addr),
+            location,
+            format!("{what} at {addr:#x} x {blocks} blocks"),
+            format!("an aligned range inside {} bytes", sb.total_bytes),
+        );
+        return false;
+    }
+    let log_end = sb.log_start + sb.log_bytes;
+    if addr < RESERVED_HEAD_BYTES || (addr < log_end && end > sb.log_start) {
+        report.add(
+            FindingKind::BlockInReservedArea,
+            Some(addr),
+            location,
+            format!("{what} at {addr:#x}"),
+            format!("a block outside the head (< {RESERVED_HEAD_BYTES:#x}) and log area"),
+        );
+        return false;
+    }
+    let mut clean = true;
+    for block in 0..blocks {
+        let at = addr + block * BLOCK_SIZE;
+        if let Some(prev) = used.insert(at, what) {
+            report.add(
+                FindingKind::BlockReferencedTwice,
+                Some(at),
+                location,
+                format!("{what} on a block already used by a {prev}"),
+                "each block referenced once",
+            );
+            clean = false;
+            break;
+        }
+    }
+    clean
+}
+
+#[derive(Default)]
+struct InodeFacts {
+    item: Option<InodeItem>,
+    refs: Vec<(u64, u64, Vec<u8>)>,
+    extents: Vec<(u64, FileExtent)>,
+    subdirs: u64,
+    entries: u64,
+}
+
+fn check_items(
+    device: &dyn BlockDevice,
+    sb: &Superblock,
+    items: &[(Key, Vec<u8>)],
+    used: &mut HashMap<u64, &'static str>,
+    options: CheckOptions,
+    report: &mut Report,
+) {
+    let mut inodes: BTreeMap<u64, InodeFacts> = BTreeMap::new();
+    let mut dir_items: HashMap<(u64, Vec<u8>), (u64, u64, u8)> = HashMap::new();
+    let mut dir_index: HashMap<(u64, u64), (u64, Vec<u8>, u8)> = HashMap::new();
+    let mut orphans: HashSet<u64> = HashSet::new();
+    for (key, value) in items {
+        let Some(kind) = key.kind() else {
+            report.add(
+                FindingKind::ItemUndecodable,
+                None,
+                format!("item {key}"),
+                format!("type code {}", key.item_type),
+                "a known item type",
+            );
+            continue;
+        };
+        let item = match items::Item::decode(kind, value) {
+            Ok(item) => item,
+            Err(e) => {
+                report.add(
+                    FindingKind::ItemUndecodable,
+                    None,
+                    format!("item {key}"),
+                    e,
+                    "a valid payload",
+                );
+                continue;
+            }
+        };
+        match item {
+            items::Item::Inode(inode) => inodes.entry(key.objectid).or_default().item = Some(inode),
+            items::Item::InodeRefs(refs) => {
+                for r in refs {
+                    inodes.entry(key.objectid).or_default().refs.push((
+                        r.parent,
+                        r.dir_index,
+                        r.name,
+                    ));
+                }
+            }
+            items::Item::DirItem(entries) => {
+                for e in entries {
+                    dir_items.insert(
+                        (key.objectid, e.name.clone()),
+                        (e.child, e.dir_index, e.file_type),
+                    );
+                }
+            }
+            items::Item::DirIndex(e) => {
+                if e.dir_index != key.offset {
+                    report.add(
+                        FindingKind::DirIndexWithoutItem,
+                        None,
+                        format!("dir index {key}"),
+                        format!("index {}", e.dir_index),
+                        key.offset,
+                    );
+                }
+                dir_index.insert((key.objectid, key.offset), (e.child, e.name, e.file_type));
+            }
+            items::Item::Xattrs(_) => {
+                inodes.entry(key.objectid).or_default();
+            }
+            items::Item::Extent(extent) => inodes
+                .entry(key.objectid)
+                .or_default()
+                .extents
+                .push((key.offset, extent)),
+            items::Item::Orphan => {
+                orphans.insert(key.offset);
+            }
+        }
+    }
+    // Dir items and dir indexes must mirror each other.
+    for ((dir, name), (child, index, file_type)) in &dir_items {
+        let show = String::from_utf8_lossy(name);
+        match dir_index.get(&(*dir, *index)) {
+            Some((c, n, t)) if c == child && n == name && t == file_type => {}
+            other => report.add(
+                FindingKind::DirItemWithoutIndex,
+                None,
+                format!("dir {dir} entry {show:?}"),
+                format!("{other:?}"),
+                format!("a dir index {index} -> {child}"),
+            ),
+        }
+        let facts = inodes.entry(*dir).or_default();
+        facts.entries += 1;
+        if *file_type == DT_DIR {
+            facts.subdirs += 1;
+        }
+        match inodes.get(child).and_then(|f| f.item.as_ref()) {
+            None => report.add(
+                FindingKind::DirEntryDangling,
+                None,
+                format!("dir {dir} entry {show:?}"),
+                format!("inode {child} missing"),
+                "an inode item",
+            ),
+            Some(_) => {
+                let has_ref = inodes.get(child).is_some_and(|f| {
+                    f.refs
+                        .iter()
+                        .any(|(p, i, n)| p == dir && i == index && n == name)
+                });
+                if !has_ref {
+                    report.add(
+                        FindingKind::DirEntryWithoutInodeRef,
+                        None,
+                        format!("dir {dir} entry {show:?}"),
+                        format!("inode {child} without that ref"),
+                        "an inode ref back to the entry",
+                    );
+                }
+            }
+        }
+    }
+    for ((dir, index), (_, name, _)) in &dir_index {
+        if !dir_items.contains_key(&(*dir, name.clone())) {
+            report.add(
+                FindingKind::DirIndexWithoutItem,
+                None,
+                format!("dir {dir} index {index}"),
+                format!("name {:?} without dir item", String::from_utf8_lossy(name)),
+                "a matching dir item",
+            );
+        }
+    }
+    if inodes
+        .get(&ROOT_OBJECTID)
+        .and_then(|f| f.item.as_ref())
+        .is_none()
+    {
+        report.add(
+            FindingKind::RootDirMissing,
+            None,
+            "inode 1",
+            "no inode item",
+            "the root directory",
+        );
+    }
+    for (ino, facts) in &inodes {
+        let Some(inode) = &facts.item else {
+            report.add(
+                FindingKind::ItemWithoutInode,
+                None,
+                format!("object {ino}"),
+                "items without an inode item",
+                "an inode item",
+            );
+            continue;
+        };
+        report.inodes += 1;
+        for (parent, index, name) in &facts.refs {
+            if !dir_items
+                .get(&(*parent, name.clone()))
+                .is_some_and(|(c, i, _)| c == ino && i == index)
+            {
+                report.add(
+                    FindingKind::InodeRefWithoutDirEntry,
+                    None,
+                    format!("inode {ino}"),
+                    format!("ref to {parent}/{:?}", String::from_utf8_lossy(name)),
+                    "a dir entry in the parent",
+                );
+            }
+        }
+        let is_dir = inode.mode & libc::S_IFMT == libc::S_IFDIR;
+        let expected_nlink = if is_dir {
+            2 + facts.subdirs
+        } else {
+            facts.refs.len() as u64
+        };
+        if u64::from(inode.nlink) != expected_nlink {
+            report.add(
+                FindingKind::InodeNlinkMismatch,
+                None,
+                format!("inode {ino}"),
+                format!("nlink {}", inode.nlink),
+                expected_nlink,
+            );
+        }
+        if is_dir && inode.size != facts.entries {
+            report.add(
+                FindingKind::DirSizeMismatch,
+                None,
+                format!("dir {ino}"),
+                format!("size {}", inode.size),
+                format!("{} entries", facts.entries),
+            );
+        }
+        let has_names = !facts.refs.is_empty() || *ino == ROOT_OBJECTID;
+        if !has_names && !orphans.contains(ino) {
+            report.add(
+                FindingKind::OrphanMissing,
+                None,
+                format!("inode {ino}"),
+                "no names and no orphan item",
+                "an orphan item",
+            );
+        }
+        check_extents(
+            device,
+            sb,
+            *ino,
+            inode,
+            &facts.extents,
+            used,
+            options,
+            report,
+        );
+    }
+    for ino in &orphans {
+        if inodes.get(ino).and_then(|f| f.item.as_ref()).is_none() {
+            report.add(
+                FindingKind::OrphanStale,
+                None,
+                format!("orphan item for {ino}"),
+                "no inode",
+                "an inode to free",
+            );
+        }
+    }
+    let _ = ORPHAN_OBJECTID;
+}
+
+const DT_DIR: u8 = 4;
+
+fn check_extents(
+    device: &dyn BlockDevice,
+    sb: &Superblock,
+    ino: u64,
+    inode: &InodeItem,
+    extents: &[(u64, FileExtent)],
+    used: &mut HashMap<u64, &'static str>,
+    options: CheckOptions,
+    report: &mut Report,
+) {
+    let mut end_prev = 0u64;
+    for (offset, extent) in extents {
+        let location = format!("inode {ino} extent at {offset}");
+        if *offset < end_prev {
+            report.add(
+                FindingKind::ExtentOverlap,
+                None,
+                &location,
+                format!("start {offset}"),
+                format!(">= {end_prev}, the end of the previous extent"),
+            );
+        }
+        let end = offset.saturating_add(extent.len_bytes());
+        end_prev = end_prev.max(end);
+        match &extent.kind {
+            ExtentKind::Inline(data) => {
+                if *offset != 0 || data.len() > INLINE_MAX_BYTES || extents.len() != 1 {
+                    report.add(
+                        FindingKind::InlineExtentInvalid,
+                        None,
+                        &location,
+                        format!(
+                            "{} inline bytes at {offset} among {} extents",
+                            data.len(),
+                            extents.len()
+                        ),
+                        "one inline extent at 0",
+                    );
+                }
+                if end > inode.size.max(1) && inode.mode & libc::S_IFMT != libc::S_IFLNK {
+                    report.add(
+                        FindingKind::ExtentPastSize,
+                        None,
+                        &location,
+                        format!("end {end}"),
+                        format!("<= size {}", inode.size),
+                    );
+                }
+            }
+            ExtentKind::Regular { disk_addr, csums } => {
+                if offset % BLOCK_SIZE != 0 {
+                    report.add(
+                        FindingKind::ExtentMisaligned,
+                        None,
+                        &location,
+                        offset,
+                        "a block-aligned offset",
+                    );
+                }
+                if *offset >= inode.size.div_ceil(BLOCK_SIZE) * BLOCK_SIZE {
+                    report.add(
+                        FindingKind::ExtentPastSize,
+                        None,
+                        &location,
+                        format!("start {offset}"),
+                        format!("< size {}", inode.size),
+                    );
+                }
+                if claim(
+                    sb,
+                    used,
+                    *disk_addr,
+                    csums.len() as u64,
+                    "data",
+                    &location,
+                    report,
+                ) {
+                    report.data_blocks += csums.len() as u64;
+                    if options.data {
+                        for (n, csum) in csums.iter().enumerate() {
+                            let at = disk_addr + n as u64 * BLOCK_SIZE;
+                            let mut block = vec![0u8; BLOCK_SIZE as usize];
+                            match device.read_at(&mut block, at) {
+                                Ok(()) => {
+                                    let got = birch_format::checksum(&block);
+                                    if got != *csum {
+                                        report.add(
+                                            FindingKind::DataChecksumMismatch,
+                                            Some(at),
+                                            format!("{location}, block {n}"),
+                                            format!("crc32c {got:#010x}"),
+                                            format!("{csum:#010x}"),
+                                        );
+                                    }
+                                }
+                                Err(e) => report.add(
+                                    FindingKind::DataUnreadable,
+                                    Some(at),
+                                    &location,
+                                    e,
+                                    "a readable block",
+                                ),
+                            }
+                        }
+                    }
+                }
+            }
+            ExtentKind::Prealloc { disk_addr, blocks } => {
+                if offset % BLOCK_SIZE != 0 {
+                    report.add(
+                        FindingKind::ExtentMisaligned,
+                        None,
+                        &location,
+                        offset,
+                        "a block-aligned offset",
+                    );
+                }
+                if claim(sb, used, *disk_addr, *blocks, "data", &location, report) {
+                    report.data_blocks += blocks;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,75 @@
+//! Named counters: cheap relaxed atomics that tests, `inspect` and the benchmark read.
+//!
+//! Owns only the numbers; it makes no decisions.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+macro_rules! counters {
+    ($($name:ident: $doc:literal),* $(,)?) => {
+        /// A set of named counters.
+        #[derive(Default, Debug)]
+        pub struct Counters {
+            $(#[doc = $doc] pub $name: AtomicU64,)*
+        }
+
+        /// A plain copy of [`Counters`] at one moment.
+        #[derive(Default, Debug, Clone, PartialEq, Eq)]
+        pub struct CounterValues {
+            $(#[doc = $doc] pub $name: u64,)*
+        }
+
+        impl Counters {
+            /// Reads every counter.
+            pub fn values(&self) -> CounterValues {
+                CounterValues { $($name: self.$name.load(Ordering::Relaxed),)* }
+            }
+        }
+
+        impl CounterValues {
+            /// Every counter as (name, value).
+            pub fn pairs(&self) -> Vec<(&'static str, u64)> {
+                vec![$((stringify!($name), self.$name),)*]
+            }
+
+            /// Differences since `earlier`.
+            pub fn since(&self, earlier: &CounterValues) -> CounterValues {
+                CounterValues { $($name: self.$name.saturating_sub(earlier.$name),)* }
+            }
+        }
+    };
+}
+
+counters! {
+    device_reads: "Read calls to the device.",
+    device_writes: "Write calls to the device.",
+    bytes_written: "Bytes written to the device.",
+    flushes: "Device flushes.",
+    superblock_writes: "Superblock writes.",
+    commits: "Transactions committed.",
+    nodes_written: "B-tree nodes written by commits.",
+    btree_descents: "Root-to-leaf descents of the B-tree writer.",
+    btree_cows: "Nodes copied on write.",
+    btree_splits: "Node splits.",
+    btree_merges: "Node merges.",
+    cache_hits: "Node cache hits.",
+    cache_misses: "Node cache misses (device reads of nodes).",
+    fsyncs: "fsync and fdatasync calls.",
+    fsync_commits: "fsyncs answered by a full commit.",
+}
+
+impl Counters {
+    /// Adds `n` to one counter.
+    pub fn add(&self, counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+impl fmt::Display for CounterValues {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (name, value) in self.pairs() {
+            writeln!(f, "{name:<20} {value}")?;
+        }
+        Ok(())
+    }
+}

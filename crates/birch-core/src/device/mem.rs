@@ -1,0 +1,196 @@
+//! A device in memory that keeps unflushed writes apart, so tests can cut power.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::{check_range, BlockDevice};
+use crate::counters::Counters;
+
+const BLOCK: usize = birch_format::BLOCK_SIZE as usize;
+
+/// One recorded device event, for crash tests that rebuild states between flushes.
+#[derive(Debug, Clone)]
+pub enum Recorded {
+    Write { offset: u64, bytes: Arc<[u8]> },
+    Flush,
+}
+
+struct State {
+    durable: Vec<u8>,
+    /// Unflushed blocks by block index, newest content.
+    pending: BTreeMap<u64, Box<[u8]>>,
+    record: Option<Vec<Recorded>>,
+    fail_writes: bool,
+}
+
+/// A memory device. Writes stay pending until `flush`; `crash` drops what is pending.
+pub struct MemDevice {
+    state: Mutex<State>,
+    size: u64,
+    counters: Counters,
+}
+
+impl MemDevice {
+    /// A zero-filled device of `size` bytes (rounded down to blocks).
+    pub fn new(size: u64) -> MemDevice {
+        let size = size - size % birch_format::BLOCK_SIZE;
+        MemDevice::from_bytes(vec![0; size as usize])
+    }
+
+    /// A device holding `bytes` as its durable content.
+    pub fn from_bytes(bytes: Vec<u8>) -> MemDevice {
+        let size = bytes.len() as u64;
+        MemDevice {
+            state: Mutex::new(State {
+                durable: bytes,
+                pending: BTreeMap::new(),
+                record: None,
+                fail_writes: false,
+            }),
+            size,
+            counters: Counters::default(),
+        }
+    }
+
+    /// Simulates power loss: returns a new device with only the flushed content.
+    pub fn crash(&self) -> MemDevice {
+        MemDevice::from_bytes(self.state.lock().durable.clone())
+    }
+
+    /// The content as reads see it (flushed and pending).
+    pub fn snapshot(&self) -> Vec<u8> {
+        let state = self.state.lock();
+        let mut bytes = state.durable.clone();
+        for (block, data) in &state.pending {
+            let at = *block as usize * BLOCK;
+            bytes[at..at + BLOCK].copy_from_slice(data);
+        }
+        bytes
+    }
+
+    /// Starts recording every write and flush.
+    pub fn start_recording(&self) {
+        self.state.lock().record = Some(Vec::new());
+    }
+
+    /// Takes the recording so far.
+    pub fn take_recording(&self) -> Vec<Recorded> {
+        self.state
+            .lock()
+            .record
+            .replace(Vec::new())
+            .unwrap_or_default()
+    }
+
+    /// Makes every later write and flush fail with EIO (a dying disk).
+    pub fn fail_writes(&self, fail: bool) {
+        self.state.lock().fail_writes = fail;
+    }
+
+    /// Overwrites durable bytes directly (corruption tests).
+    pub fn corrupt(&self, offset: u64, bytes: &[u8]) {
+        let mut state = self.state.lock();
+        let at = offset as usize;
+        state.durable[at..at + bytes.len()].copy_from_slice(bytes);
+        let first = offset / birch_format::BLOCK_SIZE;
+        let last = (offset + bytes.len() as u64).div_ceil(birch_format::BLOCK_SIZE);
+        for block in first..last {
+            state.pending.remove(&block);
+        }
+    }
+}
+
+impl BlockDevice for MemDevice {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        check_range(offset, buf.len(), self.size)?;
+        let state = self.state.lock();
+        let at = offset as usize;
+        buf.copy_from_slice(&state.durable[at..at + buf.len()]);
+        let first = offset / birch_format::BLOCK_SIZE;
+        let count = (buf.len() / BLOCK) as u64;
+        for (block, data) in state.pending.range(first..first + count) {
+            let rel = (block - first) as usize * BLOCK;
+            buf[rel..rel + BLOCK].copy_from_slice(data);
+        }
+        self.counters.add(&self.counters.device_reads, 1);
+        Ok(())
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        check_range(offset, buf.len(), self.size)?;
+        let mut state = self.state.lock();
+        if state.fail_writes {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        let first = offset / birch_format::BLOCK_SIZE;
+        for (n, chunk) in buf.chunks(BLOCK).enumerate() {
+            state.pending.insert(first + n as u64, chunk.into());
+        }
+        if let Some(record) = state.record.as_mut() {
+            record.push(Recorded::Write {
+                offset,
+                bytes: buf.into(),
+            });
+        }
+        self.counters.add(&self.counters.device_writes, 1);
+        self.counters
+            .add(&self.counters.bytes_written, buf.len() as u64);
+        Ok(())
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        let mut state = self.state.lock();
+        if state.fail_writes {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        let pending = std::mem::take(&mut state.pending);
+        for (block, data) in pending {
+            let at = block as usize * BLOCK;
+            state.durable[at..at + BLOCK].copy_from_slice(&data);
+        }
+        if let Some(record) = state.record.as_mut() {
+            record.push(Recorded::Flush);
+        }
+        self.counters.add(&self.counters.flushes, 1);
+        Ok(())
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.size
+    }
+
+    fn counters(&self) -> &Counters {
+        &self.counters
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crash_drops_unflushed_writes() {
+        let dev = MemDevice::new(64 * 1024);
+        dev.write_at(&[1; BLOCK], 0).expect("write");
+        dev.flush().expect("flush");
+        dev.write_at(&[2; BLOCK], 0).expect("write");
+        dev.write_at(&[3; BLOCK], 4096).expect("write");
+        let mut buf = vec![0; 2 * BLOCK];
+        dev.read_at(&mut buf, 0).expect("read");
+        assert_eq!((buf[0], buf[BLOCK]), (2, 3));
+        let after = dev.crash();
+        after.read_at(&mut buf, 0).expect("read");
+        assert_eq!((buf[0], buf[BLOCK]), (1, 0));
+    }
+
+    #[test]
+    fn unaligned_and_out_of_range_io_is_refused() {
+        let dev = MemDevice::new(64 * 1024);
+        assert!(dev.write_at(&[0; 100], 0).is_err());
+        assert!(dev.write_at(&[0; BLOCK], 1).is_err());
+        assert!(dev.write_at(&[0; BLOCK], 64 * 1024).is_err());
+    }
+}

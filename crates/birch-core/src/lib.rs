@@ -1,0 +1,21 @@
+//! birchfs core: a copy-on-write B-tree filesystem as a library.
+//!
+//! Layers, each allowed to call only those after it: `vfs` (the POSIX API) → `txn` (the
+//! engine: deltas, commit) → `delta` → `btree` → `cache` → `device`; `alloc` is reached through
+//! the engine; `check` reads through the engine and `btree` and never writes. The on-disk
+//! format lives in the `birch-format` crate. Nothing here knows about FUSE.
+
+pub mod alloc;
+pub mod btree;
+pub mod cache;
+pub mod check;
+pub mod counters;
+pub mod delta;
+pub mod device;
+pub mod error;
+pub mod txn;
+pub mod vfs;
+
+pub use error::{Error, Result};
+pub use txn::{Engine, MkfsOptions};
+pub use vfs::{Filesystem, OpenOptions};

@@ -1,0 +1,868 @@
+//! File data and attributes: open, read, write, truncate, fallocate, lseek, setattr, fsync.
+//!
+//! Data lives in copy-on-write extents: a write allocates new blocks, writes them (O_DIRECT,
+//! no flush), and replaces the extent items covering the range; blocks it stops referencing are
+//! freed, pinned until the commit is durable. Partial blocks are read, verified and merged
+//! first. Files up to [`INLINE_MAX_BYTES`] live inline in their extent item.
+
+use std::sync::atomic::Ordering;
+
+use birch_format::items::{ExtentKind, FileExtent, Timespec};
+use birch_format::{
+    ItemType, Key, BLOCK_SIZE, EXTENT_MAX_BLOCKS, INLINE_MAX_BYTES, MAX_FILE_BYTES,
+};
+
+use super::{attr_of, now, Attr, Filesystem, InodeData, SetAttr, SetTime};
+use crate::error::{Error, Result};
+
+const EXTENT_MAX_BYTES: u64 = EXTENT_MAX_BLOCKS * BLOCK_SIZE;
+
+/// fallocate mode bits, as Linux defines them.
+pub const FALLOC_FL_KEEP_SIZE: i32 = 0x01;
+pub const FALLOC_FL_PUNCH_HOLE: i32 = 0x02;
+pub const FALLOC_FL_ZERO_RANGE: i32 = 0x10;
+
+fn extent_key(ino: u64, offset: u64) -> Key {
+    Key::new(ino, ItemType::ExtentData, offset)
+}
+
+fn round_up(v: u64) -> u64 {
+    v.div_ceil(BLOCK_SIZE) * BLOCK_SIZE
+}
+
+/// Item changes and frees computed under an inode lock, applied under one write gate.
+#[derive(Default)]
+struct Changes {
+    items: Vec<(Key, Option<Vec<u8>>)>,
+    frees: Vec<(u64, u64)>,
+    blocks_added: u64,
+    blocks_freed: u64,
+}
+
+impl Changes {
+    fn set(&mut self, key: Key, value: Option<Vec<u8>>) {
+        self.items.retain(|(k, _)| *k != key);
+        self.items.push((key, value));
+    }
+}
+
+impl Filesystem {
+    /// Extents of `ino` that overlap `[from, to)`, in order.
+    fn extents(&self, ino: u64, from: u64, to: u64) -> Result<Vec<(u64, FileExtent)>> {
+        let lo = extent_key(ino, from.saturating_sub(EXTENT_MAX_BYTES - 1));
+        let hi = extent_key(ino, to);
+        let mut out = Vec::new();
+        for (key, bytes) in self.inner.engine.range(&lo, &hi, usize::MAX)? {
+            let extent = FileExtent::decode(&bytes)
+                .map_err(|e| Error::corrupt(format!("inode {ino} extent {key}"), e))?;
+            if key.offset + extent.len_bytes() > from {
+                out.push((key.offset, extent));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The inline data of a file, if it is stored inline.
+    fn inline_data(&self, ino: u64) -> Result<Option<Vec<u8>>> {
+        match self.inner.engine.get(&extent_key(ino, 0))? {
+            Some(bytes) => match FileExtent::decode(&bytes)
+                .map_err(|e| Error::corrupt(format!("inode {ino} extent at 0"), e))?
+                .kind
+            {
+                ExtentKind::Inline(data) => Ok(Some(data)),
+                _ => Ok(None),
+            },
+            None => Ok(None),
+        }
+    }
+
+    /// Opens `ino`; returns a handle number.
+    pub fn open_file(&self, ino: u64, _flags: i32) -> Result<u64> {
+        let state = self.inode(ino)?;
+        state.opens.fetch_add(1, Ordering::SeqCst);
+        Ok(self.new_fh())
+    }
+
+    /// Closes a handle; the inode is freed here if this was its last use and it has no names.
+    pub fn release(&self, ino: u64, _fh: u64) -> Result<()> {
+        let state = self.inode(ino)?;
+        let _ = state
+            .opens
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
+                Some(v.saturating_sub(1))
+            });
+        let unlinked = state.data.read().item.nlink == 0;
+        if unlinked
+            && state.opens.load(Ordering::SeqCst) == 0
+            && state.lookups.load(Ordering::SeqCst) == 0
+        {
+            self.evict_if_unused(ino)?;
+        }
+        Ok(())
+    }
+
+    /// Reads up to `size` bytes at `offset`.
+    pub fn read(&self, ino: u64, offset: u64, size: usize) -> Result<Vec<u8>> {
+        let state = self.inode(ino)?;
+        let out = {
+            let data = state.data.read();
+            if data.item.mode & libc::S_IFMT == libc::S_IFDIR {
+                return Err(Error::IsDir(format!("read of dir {ino}")));
+            }
+            self.read_locked(ino, &data, offset, size)?
+        };
+        self.touch_atime(ino, &state);
+        Ok(out)
+    }
+
+    /// relatime: atime moves when it is older than mtime or ctime, or a day old.
+    fn touch_atime(&self, ino: u64, state: &super::InodeState) {
+        let t = now();
+        let stale = {
+            let d = state.data.read();
+            d.item.atime <= d.item.mtime
+                || d.item.atime <= d.item.ctime
+                || t.sec - d.item.atime.sec >= 86_400
+        };
+        if stale && self.inner.engine.read_only_reason().is_none() {
+            let mut d = state.data.write();
+            d.item.atime = t;
+            let _ = self.store_inode(ino, &mut d);
+        }
+    }
+
+    /// Reads with the inode lock held.
+    pub(crate) fn read_locked(
+        &self,
+        ino: u64,
+        data: &InodeData,
+        offset: u64,
+        size: usize,
+    ) -> Result<Vec<u8>> {
+        let file_size = data.item.size;
+        if offset >= file_size || size == 0 || data.freed {
+            return Ok(Vec::new());
+        }
+        let end = file_size.min(offset.saturating_add(size as u64));
+        let mut out = vec![0u8; (end - offset) as usize];
+        for (start, extent) in self.extents(ino, offset, end)? {
+            match &extent.kind {
+                ExtentKind::Inline(bytes) => {
+                    let from = offset.max(start);
+                    let to = end.min(start + bytes.len() as u64);
+                    if from < to {
+                        out[(from - offset) as usize..(to - offset) as usize].copy_from_slice(
+                            &bytes[(from - start) as usize..(to - start) as usize],
+                        );
+                    }
+                }
+                ExtentKind::Prealloc { .. } => {}
+                ExtentKind::Regular { disk_addr, csums } => {
+                    let ext_end = start + csums.len() as u64 * BLOCK_SIZE;
+                    let from = offset.max(start);
+                    let to = end.min(ext_end);
+                    if from >= to {
+                        continue;
+                    }
+                    let first_block = (from - start) / BLOCK_SIZE;
+                    let last_block = (to - 1 - start) / BLOCK_SIZE;
+                    let nblocks = last_block - first_block + 1;
+                    let mut buf = vec![0u8; (nblocks * BLOCK_SIZE) as usize];
+                    let at = disk_addr + first_block * BLOCK_SIZE;
+                    self.inner
+                        .engine
+                        .device()
+                        .read_at(&mut buf, at)
+                        .map_err(|e| {
+                            Error::io(format!("read inode {ino} offset {from} block {at:#x}"), e)
+                        })?;
+                    for n in 0..nblocks {
+                        let block =
+                            &buf[(n * BLOCK_SIZE) as usize..((n + 1) * BLOCK_SIZE) as usize];
+                        let want = csums[(first_block + n) as usize];
+                        let got = birch_format::checksum(block);
+                        if got != want {
+                            let addr = at + n * BLOCK_SIZE;
+                            log::error!("inode {ino} offset {} block {addr:#x}: data checksum {got:#010x}, expected {want:#010x}", start + (first_block + n) * BLOCK_SIZE);
+                            return Err(Error::DataChecksum(format!(
+                                "inode {ino} offset {} block {addr:#x}",
+                                start + (first_block + n) * BLOCK_SIZE
+                            )));
+                        }
+                    }
+                    let buf_start = start + first_block * BLOCK_SIZE;
+                    out[(from - offset) as usize..(to - offset) as usize].copy_from_slice(
+                        &buf[(from - buf_start) as usize..(to - buf_start) as usize],
+                    );
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes `bytes` at `offset` (or at the end with `append`); returns bytes written.
+    pub fn write(&self, ino: u64, offset: u64, bytes: &[u8], append: bool) -> Result<u32> {
+        let state = self.inode(ino)?;
+        let mut data = state.data.write();
+        if data.item.mode & libc::S_IFMT == libc::S_IFDIR {
+            return Err(Error::IsDir(format!("write to dir {ino}")));
+        }
+        let offset = if append { data.item.size } else { offset };
+        let t = now();
+        self.write_locked(ino, &mut data, offset, bytes)?;
+        data.item.mtime = t;
+        data.item.ctime = t;
+        self.store_inode(ino, &mut data)?;
+        drop(data);
+        self.maybe_commit();
+        Ok(bytes.len() as u32)
+    }
+
+    /// Writes with the inode lock held; updates size and nbytes, not times, and stores the
+    /// extent items (the caller stores the inode item).
+    pub(crate) fn write_locked(
+        &self,
+        ino: u64,
+        data: &mut InodeData,
+        offset: u64,
+        bytes: &[u8],
+    ) -> Result<()> {
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let end = offset
+            .checked_add(bytes.len() as u64)
+            .filter(|e| *e <= MAX_FILE_BYTES)
+            .ok_or_else(|| Error::TooBig(format!("write to inode {ino} at {offset}")))?;
+        let new_size = data.item.size.max(end);
+        let inline = self.inline_data(ino)?;
+        let has_blocks =
+            inline.is_none() && data.item.size > 0 && !self.extents(ino, 0, u64::MAX)?.is_empty();
+        if !has_blocks && new_size <= INLINE_MAX_BYTES as u64 {
+            let mut content = self.read_locked(ino, data, 0, data.item.size as usize)?;
+            content.resize(new_size as usize, 0);
+            content[offset as usize..end as usize].copy_from_slice(bytes);
+            let extent = FileExtent {
+                generation: self.inner.engine.running_generation(),
+                kind: ExtentKind::Inline(content),
+            };
+            self.inner
+                .engine
+                .begin()?
+                .put(extent_key(ino, 0), extent.encode());
+            data.item.size = new_size;
+            return Ok(());
+        }
+        if let Some(inline) = inline {
+            // Grows past the inline limit: move the inline bytes to a block first.
+            let mut changes = Changes::default();
+            changes.set(extent_key(ino, 0), None);
+            let mut block = inline;
+            block.resize(BLOCK_SIZE as usize, 0);
+            self.apply(ino, data, changes)?;
+            self.write_blocks(ino, data, 0, &block)?;
+        }
+        // Build whole blocks: merge partial head and tail blocks with what is there.
+        let first = offset / BLOCK_SIZE * BLOCK_SIZE;
+        let last_end = round_up(end);
+        let mut buf = vec![0u8; (last_end - first) as usize];
+        if offset != first {
+            let head = self.read_locked(ino, data, first, BLOCK_SIZE as usize)?;
+            buf[..head.len()].copy_from_slice(&head);
+        }
+        if end != last_end && (last_end - BLOCK_SIZE > first || offset == first) {
+            let tail_start = last_end - BLOCK_SIZE;
+            let tail = self.read_locked(ino, data, tail_start, BLOCK_SIZE as usize)?;
+            let at = (tail_start - first) as usize;
+            buf[at..at + tail.len()].copy_from_slice(&tail);
+        }
+        buf[(offset - first) as usize..(end - first) as usize].copy_from_slice(bytes);
+        self.write_blocks(ino, data, first, &buf)?;
+        data.item.size = new_size;
+        Ok(())
+    }
+
+    /// Writes whole blocks at a block-aligned file offset into new extents.
+    fn write_blocks(&self, ino: u64, data: &mut InodeData, offset: u64, buf: &[u8]) -> Result<()> {
+        debug_assert!(offset % BLOCK_SIZE == 0 && buf.len() as u64 % BLOCK_SIZE == 0);
+        let total_blocks = buf.len() as u64 / BLOCK_SIZE;
+        let mut new_extents: Vec<(u64, u64, Vec<u32>)> = Vec::new();
+        let mut done = 0u64;
+        while done < total_blocks {
+            let want = (total_blocks - done).min(EXTENT_MAX_BLOCKS);
+            let (addr, got) = match self.allocate_with_retry(want) {
+                Ok(v) => v,
+                Err(e) => {
+                    self.give_back(&new_extents);
+                    return Err(e);
+                }
+            };
+            let slice = &buf[(done * BLOCK_SIZE) as usize..((done + got) * BLOCK_SIZE) as usize];
+            if let Err(e) = self.inner.engine.device().write_at(slice, addr) {
+                self.inner.engine.allocator().free_now(addr, got);
+                self.give_back(&new_extents);
+                data.write_error = true;
+                return Err(Error::io(
+                    format!(
+                        "write inode {ino} offset {} to block {addr:#x}",
+                        offset + done * BLOCK_SIZE
+                    ),
+                    e,
+                ));
+            }
+            let csums = slice
+                .chunks(BLOCK_SIZE as usize)
+                .map(birch_format::checksum)
+                .collect();
+            new_extents.push((offset + done * BLOCK_SIZE, addr, csums));
+            done += got;
+        }
+        let mut changes = self.drop_range(ino, offset, offset + buf.len() as u64)?;
+        let generation = self.inner.engine.running_generation();
+        for (file_offset, addr, csums) in new_extents {
+            changes.blocks_added += csums.len() as u64;
+            let extent = FileExtent {
+                generation,
+                kind: ExtentKind::Regular {
+                    disk_addr: addr,
+                    csums,
+                },
+            };
+            changes.set(extent_key(ino, file_offset), Some(extent.encode()));
+        }
+        self.merge_with_previous(ino, offset, &mut changes)?;
+        self.apply(ino, data, changes)
+    }
+
+    /// Joins the first new extent to the one before it when both are contiguous on disk.
+    fn merge_with_previous(&self, ino: u64, offset: u64, changes: &mut Changes) -> Result<()> {
+        if offset == 0 {
+            return Ok(());
+        }
+        let Some((_, Some(first_bytes))) = changes
+            .items
+            .iter()
+            .find(|(k, _)| *k == extent_key(ino, offset))
+            .cloned()
+        else {
+            return Ok(());
+        };
+        let Ok(FileExtent {
+            kind: ExtentKind::Regular { disk_addr, csums },
+            generation,
+        }) = FileExtent::decode(&first_bytes)
+        else {
+            return Ok(());
+        };
+        let before = self.extents(ino, offset - 1, offset)?;
+        let Some((prev_off, prev)) = before.into_iter().next() else {
+            return Ok(());
+        };
+        if changes
+            .items
+            .iter()
+            .any(|(k, v)| *k == extent_key(ino, prev_off) && v.is_none())
+        {
+            return Ok(());
+        }
+        let ExtentKind::Regular {
+            disk_addr: prev_addr,
+            csums: prev_csums,
+        } = prev.kind
+        else {
+            return Ok(());
+        };
+        let prev_len = prev_csums.len() as u64 * BLOCK_SIZE;
+        if prev_off + prev_len != offset
+            || prev_addr + prev_len != disk_addr
+            || prev_csums.len() + csums.len() > EXTENT_MAX_BLOCKS as usize
+        {
+            return Ok(());
+        }
+        let mut joined = prev_csums;
+        joined.extend(csums);
+        changes.set(extent_key(ino, offset), None);
+        changes.set(
+            extent_key(ino, prev_off),
+            Some(
+                FileExtent {
+                    generation,
+                    kind: ExtentKind::Regular {
+                        disk_addr: prev_addr,
+                        csums: joined,
+                    },
+                }
+                .encode(),
+            ),
+        );
+        Ok(())
+    }
+
+    fn give_back(&self, extents: &[(u64, u64, Vec<u32>)]) {
+        for (_, addr, csums) in extents {
+            self.inner
+                .engine
+                .allocator()
+                .free_now(*addr, csums.len() as u64);
+        }
+    }
+
+    /// Allocates data space; on ENOSPC commits once (freed space is pinned until a commit)
+    /// and retries before the caller sees the error.
+    fn allocate_with_retry(&self, want: u64) -> Result<(u64, u64)> {
+        match self.inner.engine.allocate_data(1, want) {
+            Err(Error::NoSpace(_)) => {
+                // Pinned space comes back only after the commit that freed it is durable.
+                let _ = self.inner.engine.commit();
+                self.inner.engine.allocate_data(1, want)
+            }
+            other => other,
+        }
+    }
+
+    /// Computes removal of every extent byte in the block-aligned range `[from, to)`: pieces
+    /// outside the range are kept (split), blocks inside are freed.
+    fn drop_range(&self, ino: u64, from: u64, to: u64) -> Result<Changes> {
+        let mut changes = Changes::default();
+        for (start, extent) in self.extents(ino, from, to)? {
+            let len = extent.len_bytes();
+            let ext_end = start + len;
+            changes.set(extent_key(ino, start), None);
+            let (disk_addr, prealloc) = match &extent.kind {
+                ExtentKind::Inline(_) => continue,
+                ExtentKind::Regular { disk_addr, .. } => (*disk_addr, false),
+                ExtentKind::Prealloc { disk_addr, .. } => (*disk_addr, true),
+            };
+            let piece = |lo: u64, hi: u64| -> FileExtent {
+                let skip = (lo - start) / BLOCK_SIZE;
+                let blocks = (hi - lo) / BLOCK_SIZE;
+                let addr = disk_addr + skip * BLOCK_SIZE;
+                let kind = match &extent.kind {
+                    ExtentKind::Regular { csums, .. } => ExtentKind::Regular {
+                        disk_addr: addr,
+                        csums: csums[skip as usize..(skip + blocks) as usize].to_vec(),
+                    },
+                    _ => ExtentKind::Prealloc {
+                        disk_addr: addr,
+                        blocks,
+                    },
+                };
+                FileExtent {
+                    generation: extent.generation,
+                    kind,
+                }
+            };
+            let _ = prealloc;
+            if start < from {
+                changes.set(extent_key(ino, start), Some(piece(start, from).encode()));
+            }
+            if ext_end > to {
+                changes.set(extent_key(ino, to), Some(piece(to, ext_end).encode()));
+            }
+            let cut_lo = start.max(from);
+            let cut_hi = ext_end.min(to);
+            if cut_lo < cut_hi {
+                let blocks = (cut_hi - cut_lo) / BLOCK_SIZE;
+                changes.frees.push((disk_addr + (cut_lo - start), blocks));
+                changes.blocks_freed += blocks;
+            }
+        }
+        Ok(changes)
+    }
+
+    fn apply(&self, _ino: u64, data: &mut InodeData, changes: Changes) -> Result<()> {
+        let txn = self.inner.engine.begin()?;
+        for (key, value) in changes.items {
+            match value {
+                Some(v) => txn.put(key, v),
+                None => txn.delete(key),
+            }
+        }
+        for (addr, blocks) in changes.frees {
+            txn.free_data(addr, blocks);
+        }
+        data.item.nbytes = (data.item.nbytes + changes.blocks_added * BLOCK_SIZE)
+            .saturating_sub(changes.blocks_freed * BLOCK_SIZE);
+        Ok(())
+    }
+
+    /// Sets the size with the lock held: drops blocks past it, zeroes the tail of the last
+    /// block, and keeps inline files inline.
+    fn truncate_locked(&self, ino: u64, data: &mut InodeData, new_size: u64) -> Result<()> {
+        if new_size > MAX_FILE_BYTES {
+            return Err(Error::TooBig(format!("truncate inode {ino} to {new_size}")));
+        }
+        let old = data.item.size;
+        if new_size == old {
+            return Ok(());
+        }
+        if let Some(inline) = self.inline_data(ino)? {
+            if new_size <= INLINE_MAX_BYTES as u64 {
+                let mut content = inline;
+                content.resize(new_size as usize, 0);
+                let txn = self.inner.engine.begin()?;
+                if new_size == 0 {
+                    txn.delete(extent_key(ino, 0));
+                } else {
+                    txn.put(
+                        extent_key(ino, 0),
+                        FileExtent {
+                            generation: txn.generation(),
+                            kind: ExtentKind::Inline(content),
+                        }
+                        .encode(),
+                    );
+                }
+                data.item.size = new_size;
+                return Ok(());
+            }
+            // Growing past the inline limit: the bytes move to a block, the rest is a hole.
+            let len = inline.len();
+            let mut changes = Changes::default();
+            changes.set(extent_key(ino, 0), None);
+            self.apply(ino, data, changes)?;
+            let mut block = inline;
+            block.resize(BLOCK_SIZE as usize, 0);
+            if len > 0 {
+                self.write_blocks(ino, data, 0, &block)?;
+            }
+            data.item.size = new_size;
+            return Ok(());
+        }
+        if new_size < old {
+            let keep_end = round_up(new_size);
+            let changes =
+                self.drop_range(ino, keep_end, round_up(old).max(keep_end + BLOCK_SIZE))?;
+            // Also drop preallocated extents past the end (fallocate KEEP_SIZE).
+            let mut changes = changes;
+            let beyond =
+                self.drop_range(ino, round_up(old).max(keep_end + BLOCK_SIZE), u64::MAX / 2)?;
+            changes.items.extend(beyond.items);
+            changes.frees.extend(beyond.frees);
+            changes.blocks_freed += beyond.blocks_freed;
+            self.apply(ino, data, changes)?;
+            if new_size % BLOCK_SIZE != 0 {
+                let tail_start = new_size / BLOCK_SIZE * BLOCK_SIZE;
+                let mapped = self
+                    .extents(ino, tail_start, tail_start + 1)?
+                    .into_iter()
+                    .any(|(_, e)| matches!(e.kind, ExtentKind::Regular { .. }));
+                if mapped {
+                    data.item.size = new_size;
+                    let mut block = self.read_locked(ino, data, tail_start, BLOCK_SIZE as usize)?;
+                    block.resize(BLOCK_SIZE as usize, 0);
+                    self.write_blocks(ino, data, tail_start, &block)?;
+                }
+            }
+        }
+        data.item.size = new_size;
+        Ok(())
+    }
+
+    /// setattr: mode, owner, size, times. ctime moves on every change.
+    pub fn setattr(&self, ino: u64, set: &SetAttr) -> Result<Attr> {
+        let state = self.inode(ino)?;
+        let mut data = state.data.write();
+        let t = now();
+        if let Some(size) = set.size {
+            match data.item.mode & libc::S_IFMT {
+                libc::S_IFDIR => return Err(Error::IsDir(format!("truncate of dir {ino}"))),
+                libc::S_IFREG => {}
+                _ => return Err(Error::Invalid(format!("truncate of special file {ino}"))),
+            }
+            if size != data.item.size {
+                self.truncate_locked(ino, &mut data, size)?;
+            }
+            data.item.mtime = t;
+        }
+        if let Some(mode) = set.mode {
+            data.item.mode = (data.item.mode & libc::S_IFMT) | (mode & 0o7777);
+        }
+        if let Some(uid) = set.uid {
+            data.item.uid = uid;
+        }
+        if let Some(gid) = set.gid {
+            data.item.gid = gid;
+        }
+        let pick = |s: SetTime| match s {
+            SetTime::Now => t,
+            SetTime::At(ts) => ts,
+        };
+        if let Some(a) = set.atime {
+            data.item.atime = pick(a);
+        }
+        if let Some(m) = set.mtime {
+            data.item.mtime = pick(m);
+        }
+        data.item.ctime = set.ctime.unwrap_or(t);
+        self.store_inode(ino, &mut data)?;
+        Ok(attr_of(ino, &data.item))
+    }
+
+    /// fallocate with Linux modes: default, KEEP_SIZE, PUNCH_HOLE (with KEEP_SIZE) and
+    /// ZERO_RANGE. Preallocated blocks read as zeros.
+    pub fn fallocate(&self, ino: u64, offset: u64, len: u64, mode: i32) -> Result<()> {
+        let known = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE;
+        if mode & !known != 0 {
+            return Err(Error::NotSupported(format!("fallocate mode {mode:#x}")));
+        }
+        if len == 0 {
+            return Err(Error::Invalid("fallocate of length 0".into()));
+        }
+        let end = offset
+            .checked_add(len)
+            .filter(|e| *e <= MAX_FILE_BYTES)
+            .ok_or_else(|| Error::TooBig(format!("fallocate inode {ino} at {offset}+{len}")))?;
+        let state = self.inode(ino)?;
+        let mut data = state.data.write();
+        match data.item.mode & libc::S_IFMT {
+            libc::S_IFREG => {}
+            libc::S_IFDIR => return Err(Error::IsDir(format!("fallocate of dir {ino}"))),
+            _ => {
+                return Err(Error::NoSuchAddress(format!(
+                    "fallocate of special file {ino}"
+                )))
+            }
+        }
+        let t = now();
+        if mode & FALLOC_FL_PUNCH_HOLE != 0 {
+            if mode & FALLOC_FL_KEEP_SIZE == 0 || mode & FALLOC_FL_ZERO_RANGE != 0 {
+                return Err(Error::NotSupported("PUNCH_HOLE without KEEP_SIZE".into()));
+            }
+            let size = data.item.size;
+            self.zero_range_locked(ino, &mut data, offset, end.min(size))?;
+        } else if mode & FALLOC_FL_ZERO_RANGE != 0 {
+            let size = data.item.size;
+            self.zero_range_locked(ino, &mut data, offset, end.min(size))?;
+            if mode & FALLOC_FL_KEEP_SIZE == 0 && end > size {
+                self.truncate_locked(ino, &mut data, end)?;
+            }
+        } else {
+            self.preallocate_locked(ino, &mut data, offset, end)?;
+            if mode & FALLOC_FL_KEEP_SIZE == 0 && end > data.item.size {
+                data.item.size = end;
+            }
+        }
+        data.item.ctime = t;
+        data.item.mtime = t;
+        self.store_inode(ino, &mut data)?;
+        Ok(())
+    }
+
+    /// Makes `[from, to)` read as zeros: partial blocks are rewritten, whole blocks dropped.
+    fn zero_range_locked(&self, ino: u64, data: &mut InodeData, from: u64, to: u64) -> Result<()> {
+        if from >= to {
+            return Ok(());
+        }
+        if let Some(mut inline) = self.inline_data(ino)? {
+            let hi = (to as usize).min(inline.len());
+            if (from as usize) < hi {
+                inline[from as usize..hi].fill(0);
+            }
+            let txn = self.inner.engine.begin()?;
+            txn.put(
+                extent_key(ino, 0),
+                FileExtent {
+                    generation: txn.generation(),
+                    kind: ExtentKind::Inline(inline),
+                }
+                .encode(),
+            );
+            return Ok(());
+        }
+        let first_full = round_up(from);
+        let last_full = to / BLOCK_SIZE * BLOCK_SIZE;
+        let size = data.item.size;
+        let zero_partial = |lo: u64, hi: u64, data: &mut InodeData| -> Result<()> {
+            let mapped = !self.extents(ino, lo, hi)?.is_empty();
+            if mapped && lo < hi {
+                self.write_locked(ino, data, lo, &vec![0u8; (hi - lo) as usize])?;
+                data.item.size = size;
+            }
+            Ok(())
+        };
+        if first_full > last_full {
+            return zero_partial(from, to, data);
+        }
+        zero_partial(from, first_full, data)?;
+        zero_partial(last_full, to, data)?;
+        if first_full < last_full {
+            let changes = self.drop_range(ino, first_full, last_full)?;
+            self.apply(ino, data, changes)?;
+        }
+        Ok(())
+    }
+
+    /// Allocates preallocated extents for every unmapped block in `[from, to)`.
+    fn preallocate_locked(&self, ino: u64, data: &mut InodeData, from: u64, to: u64) -> Result<()> {
+        if let Some(inline) = self.inline_data(ino)? {
+            let mut changes = Changes::default();
+            changes.set(extent_key(ino, 0), None);
+            self.apply(ino, data, changes)?;
+            let mut block = inline;
+            block.resize(BLOCK_SIZE as usize, 0);
+            self.write_blocks(ino, data, 0, &block)?;
+        }
+        let lo = from / BLOCK_SIZE * BLOCK_SIZE;
+        let hi = round_up(to);
+        let mapped: Vec<(u64, u64)> = self
+            .extents(ino, lo, hi)?
+            .iter()
+            .map(|(s, e)| (*s, s + e.len_bytes()))
+            .collect();
+        let mut holes = Vec::new();
+        let mut cursor = lo;
+        for (s, e) in mapped {
+            if s > cursor {
+                holes.push((cursor, s.min(hi)));
+            }
+            cursor = cursor.max(e);
+        }
+        if cursor < hi {
+            holes.push((cursor, hi));
+        }
+        let mut changes = Changes::default();
+        let generation = self.inner.engine.running_generation();
+        let mut allocated: Vec<(u64, u64)> = Vec::new();
+        for (mut s, e) in holes {
+            while s < e {
+                let want = ((e - s) / BLOCK_SIZE).min(EXTENT_MAX_BLOCKS);
+                let (addr, got) = match self.allocate_with_retry(want) {
+                    Ok(v) => v,
+                    Err(err) => {
+                        for (a, b) in allocated {
+                            self.inner.engine.allocator().free_now(a, b);
+                        }
+                        return Err(err);
+                    }
+                };
+                allocated.push((addr, got));
+                changes.set(
+                    extent_key(ino, s),
+                    Some(
+                        FileExtent {
+                            generation,
+                            kind: ExtentKind::Prealloc {
+                                disk_addr: addr,
+                                blocks: got,
+                            },
+                        }
+                        .encode(),
+                    ),
+                );
+                changes.blocks_added += got;
+                s += got * BLOCK_SIZE;
+            }
+        }
+        self.apply(ino, data, changes)
+    }
+
+    /// SEEK_DATA (3) and SEEK_HOLE (4).
+    pub fn lseek(&self, ino: u64, offset: u64, whence: i32) -> Result<u64> {
+        let state = self.inode(ino)?;
+        let data = state.data.read();
+        let size = data.item.size;
+        if offset >= size {
+            return Err(Error::NoSuchAddress(format!(
+                "seek inode {ino} to {offset} past size {size}"
+            )));
+        }
+        let extents = self.extents(ino, offset, size)?;
+        match whence {
+            libc::SEEK_DATA => {
+                for (s, e) in &extents {
+                    if s + e.len_bytes() > offset {
+                        return Ok((*s).max(offset));
+                    }
+                }
+                Err(Error::NoSuchAddress(format!(
+                    "no data in inode {ino} after {offset}"
+                )))
+            }
+            libc::SEEK_HOLE => {
+                let mut cursor = offset;
+                for (s, e) in &extents {
+                    if *s > cursor {
+                        break;
+                    }
+                    cursor = cursor.max(s + e.len_bytes());
+                }
+                Ok(cursor.min(size))
+            }
+            _ => Err(Error::Invalid(format!("lseek whence {whence}"))),
+        }
+    }
+
+    /// fsync / fdatasync: makes the file's data and metadata durable. For now a full commit
+    /// (the fsync log replaces this). Reports EIO for ever after a failed write of this file.
+    pub fn fsync(&self, ino: u64, _datasync: bool) -> Result<()> {
+        let state = self.inode(ino)?;
+        if state.data.read().write_error {
+            return Err(Error::StickyIo(format!("inode {ino}")));
+        }
+        let counters = self.inner.engine.counters();
+        counters.add(&counters.fsyncs, 1);
+        counters.add(&counters.fsync_commits, 1);
+        self.inner.engine.commit().map(|_| ())
+    }
+
+    /// Creates and opens a regular file.
+    pub fn create(
+        &self,
+        caller: super::Caller,
+        parent: u64,
+        name: &[u8],
+        mode: u32,
+        flags: i32,
+    ) -> Result<(Attr, u64)> {
+        let attr = self.make_node(
+            caller,
+            parent,
+            name,
+            libc::S_IFREG | (mode & 0o7777),
+            0,
+            None,
+        )?;
+        let fh = self.open_file(attr.ino, flags)?;
+        Ok((attr, fh))
+    }
+
+    /// Convenience for embedded use: writes a whole file at `path` (created if missing).
+    pub fn write_file(&self, path: &str, bytes: &[u8]) -> Result<()> {
+        let (dir, name) = path.rsplit_once('/').unwrap_or(("", path));
+        let parent = self.resolve(dir)?;
+        let ino = match self.find_entry(parent, name.as_bytes())? {
+            Some(e) => e.child,
+            None => {
+                self.make_node(
+                    super::Caller::default(),
+                    parent,
+                    name.as_bytes(),
+                    libc::S_IFREG | 0o644,
+                    0,
+                    None,
+                )?
+                .ino
+            }
+        };
+        self.setattr(
+            ino,
+            &SetAttr {
+                size: Some(0),
+                ..Default::default()
+            },
+        )?;
+        self.write(ino, 0, bytes, false)?;
+        Ok(())
+    }
+
+    /// Convenience for embedded use: reads a whole file at `path`.
+    pub fn read_file(&self, path: &str) -> Result<Vec<u8>> {
+        let ino = self.resolve(path)?;
+        let size = self.getattr(ino)?.size;
+        self.read(ino, 0, size as usize)
+    }
+}
+
+#[allow(dead_code)]
+fn unused(_: Timespec) {}

@@ -1,0 +1,617 @@
+//! The filesystem API: POSIX semantics on the engine, inode-number based and thread-safe.
+//!
+//! Owns: the in-memory inode table and per-inode locks, lookup and open counts, every
+//! namespace, data and xattr operation, orphans, the background committer, and the errors
+//! POSIX callers see (mapped to errno once, in [`crate::Error::errno`]).
+//!
+//! Must not touch: nodes or blocks directly (it goes through the engine), or any FUSE type.
+//! Locking: an operation locks the inodes it changes, in ascending inode order; it never holds
+//! an inode lock across a commit or flush, and it holds the engine's write gate only while it
+//! records items in memory. Data I/O of one file happens under that file's lock only.
+
+mod dir;
+mod file;
+mod xattr;
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use birch_format::items::{InodeItem, Timespec};
+use birch_format::{ItemType, Key, BLOCK_SIZE, ORPHAN_OBJECTID, ROOT_OBJECTID};
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::device::{BlockDevice, FileDevice, OpenMode};
+use crate::error::{Error, Result};
+use crate::txn::{Engine, MkfsOptions};
+
+pub use dir::DirEntryOut;
+
+/// Changed items after which the background committer is woken early, bounding memory.
+const DELTA_ITEMS_COMMIT: usize = 200_000;
+
+/// Options for opening a filesystem.
+#[derive(Debug, Clone)]
+pub struct OpenOptions {
+    /// Background commit interval; `None` commits only on demand.
+    pub commit_interval: Option<Duration>,
+    /// Open read-only: no writes reach the device.
+    pub read_only: bool,
+    /// Wait for another process to release the image instead of failing.
+    pub wait_for_lock: bool,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            commit_interval: Some(Duration::from_secs(5)),
+            read_only: false,
+            wait_for_lock: false,
+        }
+    }
+}
+
+/// The caller of an operation: ownership of new inodes comes from here.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Caller {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// File type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+    Fifo,
+    Socket,
+    CharDevice,
+    BlockDevice,
+}
+
+impl FileKind {
+    /// From st_mode.
+    pub fn from_mode(mode: u32) -> FileKind {
+        match mode & libc::S_IFMT {
+            libc::S_IFDIR => FileKind::Dir,
+            libc::S_IFLNK => FileKind::Symlink,
+            libc::S_IFIFO => FileKind::Fifo,
+            libc::S_IFSOCK => FileKind::Socket,
+            libc::S_IFCHR => FileKind::CharDevice,
+            libc::S_IFBLK => FileKind::BlockDevice,
+            _ => FileKind::File,
+        }
+    }
+
+    /// The d_type of this kind.
+    pub fn dtype(self) -> u8 {
+        match self {
+            FileKind::File => libc::DT_REG,
+            FileKind::Dir => libc::DT_DIR,
+            FileKind::Symlink => libc::DT_LNK,
+            FileKind::Fifo => libc::DT_FIFO,
+            FileKind::Socket => libc::DT_SOCK,
+            FileKind::CharDevice => libc::DT_CHR,
+            FileKind::BlockDevice => libc::DT_BLK,
+        }
+    }
+
+    /// From a d_type.
+    pub fn from_dtype(dtype: u8) -> FileKind {
+        match dtype {
+            libc::DT_DIR => FileKind::Dir,
+            libc::DT_LNK => FileKind::Symlink,
+            libc::DT_FIFO => FileKind::Fifo,
+            libc::DT_SOCK => FileKind::Socket,
+            libc::DT_CHR => FileKind::CharDevice,
+            libc::DT_BLK => FileKind::BlockDevice,
+            _ => FileKind::File,
+        }
+    }
+}
+
+/// Attributes of an inode, as stat reports them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attr {
+    pub ino: u64,
+    pub size: u64,
+    /// 512-byte blocks allocated.
+    pub blocks: u64,
+    pub atime: Timespec,
+    pub mtime: Timespec,
+    pub ctime: Timespec,
+    pub crtime: Timespec,
+    pub kind: FileKind,
+    /// Permission bits and suid/sgid/sticky (st_mode without the type).
+    pub perm: u32,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub rdev: u64,
+    pub blksize: u32,
+    /// NFS generation of the inode.
+    pub generation: u64,
+}
+
+/// A time to set: a given one, or now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SetTime {
+    Now,
+    At(Timespec),
+}
+
+/// Which attributes to change.
+#[derive(Debug, Clone, Default)]
+pub struct SetAttr {
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub size: Option<u64>,
+    pub atime: Option<SetTime>,
+    pub mtime: Option<SetTime>,
+    pub ctime: Option<Timespec>,
+}
+
+/// Filesystem statistics.
+#[derive(Debug, Clone, Copy)]
+pub struct StatFs {
+    pub blocks: u64,
+    pub bfree: u64,
+    pub bavail: u64,
+    pub files: u64,
+    pub ffree: u64,
+    pub bsize: u32,
+    pub namelen: u32,
+    pub frsize: u32,
+}
+
+/// In-memory state of one inode.
+pub(crate) struct InodeState {
+    pub(crate) data: RwLock<InodeData>,
+    pub(crate) lookups: AtomicU64,
+    pub(crate) opens: AtomicU64,
+}
+
+pub(crate) struct InodeData {
+    pub(crate) item: InodeItem,
+    /// The inode's items are gone (freed); the state lingers only for open handles.
+    pub(crate) freed: bool,
+    /// A data write failed: fsync reports EIO from now on (databases rely on this).
+    pub(crate) write_error: bool,
+}
+
+const TABLE_SHARDS: usize = 64;
+
+pub(crate) struct Inner {
+    pub(crate) engine: Arc<Engine>,
+    table: Vec<Mutex<HashMap<u64, Arc<InodeState>>>>,
+    pub(crate) rename_lock: Mutex<()>,
+    committer: Mutex<Option<JoinHandle<()>>>,
+    wake: (Mutex<bool>, Condvar),
+    stop: AtomicBool,
+    next_fh: AtomicU64,
+    closed: AtomicBool,
+}
+
+/// A mounted-or-embedded birchfs filesystem.
+pub struct Filesystem {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) fn now() -> Timespec {
+    let d = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    Timespec {
+        sec: d.as_secs() as i64,
+        nsec: d.subsec_nanos(),
+    }
+}
+
+pub(crate) fn inode_key(ino: u64) -> Key {
+    Key::new(ino, ItemType::InodeItem, 0)
+}
+
+impl Filesystem {
+    /// Makes a new filesystem on `device` with an empty root directory.
+    pub fn mkfs(device: Arc<dyn BlockDevice>, options: &MkfsOptions) -> Result<()> {
+        let engine = Engine::create(device, options)?;
+        let t = now();
+        let root = InodeItem {
+            generation: 1,
+            transid: 1,
+            nlink: 2,
+            mode: libc::S_IFDIR | 0o755,
+            next_dir_index: 2,
+            atime: t,
+            mtime: t,
+            ctime: t,
+            otime: t,
+            ..Default::default()
+        };
+        engine.begin()?.put(inode_key(ROOT_OBJECTID), root.encode());
+        engine.commit()?;
+        Ok(())
+    }
+
+    /// Makes a new filesystem in an image file (created or extended to `size_bytes` when
+    /// given) or on a block device.
+    pub fn mkfs_path(path: &Path, size_bytes: Option<u64>, options: &MkfsOptions) -> Result<()> {
+        if let Some(size) = size_bytes {
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .truncate(false)
+                .open(path)
+                .map_err(|e| Error::io(format!("{}: create image", path.display()), e))?;
+            let meta = file
+                .metadata()
+                .map_err(|e| Error::io(format!("{}: stat", path.display()), e))?;
+            if meta.is_file() && meta.len() < size {
+                file.set_len(size)
+                    .map_err(|e| Error::io(format!("{}: set size {size}", path.display()), e))?;
+            }
+        }
+        let device =
+            FileDevice::open(path, OpenMode::ReadWrite).map_err(|e| Error::io("mkfs", e))?;
+        Filesystem::mkfs(Arc::new(device), options)
+    }
+
+    /// Opens the filesystem in an image file or on a block device.
+    pub fn open(path: &Path, options: OpenOptions) -> Result<Filesystem> {
+        let mode = match (options.read_only, options.wait_for_lock) {
+            (true, _) => OpenMode::ReadOnly,
+            (false, true) => OpenMode::ReadWriteWait,
+            (false, false) => OpenMode::ReadWrite,
+        };
+        let device = FileDevice::open(path, mode).map_err(|e| Error::io("open image", e))?;
+        Filesystem::open_device(Arc::new(device), options)
+    }
+
+    /// Opens the filesystem on any device; reclaims orphans left by a crash.
+    pub fn open_device(device: Arc<dyn BlockDevice>, options: OpenOptions) -> Result<Filesystem> {
+        let engine = Engine::open(device)?;
+        if options.read_only {
+            engine.set_read_only("mounted read-only");
+        }
+        let inner = Arc::new(Inner {
+            engine,
+            table: (0..TABLE_SHARDS)
+                .map(|_| Mutex::new(HashMap::new()))
+                .collect(),
+            rename_lock: Mutex::new(()),
+            committer: Mutex::new(None),
+            wake: (Mutex::new(false), Condvar::new()),
+            stop: AtomicBool::new(false),
+            next_fh: AtomicU64::new(1),
+            closed: AtomicBool::new(false),
+        });
+        let fs = Filesystem { inner };
+        if fs.getattr(ROOT_OBJECTID).is_err() {
+            return Err(Error::Invalid(
+                "root directory (inode 1) is missing; run fsck".into(),
+            ));
+        }
+        if !options.read_only {
+            fs.reclaim_orphans()?;
+            if let Some(interval) = options.commit_interval {
+                fs.start_committer(interval);
+            }
+        }
+        Ok(fs)
+    }
+
+    fn start_committer(&self, interval: Duration) {
+        let weak: Weak<Inner> = Arc::downgrade(&self.inner);
+        let handle = std::thread::Builder::new()
+            .name("birch-commit".into())
+            .spawn(move || loop {
+                let Some(inner) = weak.upgrade() else { return };
+                {
+                    let (lock, cvar) = &inner.wake;
+                    let mut woken = lock.lock();
+                    if !*woken && !inner.stop.load(Ordering::SeqCst) {
+                        cvar.wait_for(&mut woken, interval);
+                    }
+                    *woken = false;
+                }
+                if inner.stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                if let Err(e) = inner.engine.commit() {
+                    log::error!("background commit failed: {e}");
+                }
+            });
+        match handle {
+            Ok(h) => *self.inner.committer.lock() = Some(h),
+            Err(e) => log::error!("cannot start the background committer: {e}"),
+        }
+    }
+
+    /// The engine under this filesystem.
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.inner.engine
+    }
+
+    /// Commits everything now (`birch sync`, and `fsync` until the fsync log exists).
+    pub fn sync(&self) -> Result<()> {
+        self.inner.engine.commit().map(|_| ())
+    }
+
+    /// Frees inodes without names that nothing holds open, then commits and stops the
+    /// committer. Idempotent; also run on drop.
+    pub fn close(&self) -> Result<()> {
+        if self.inner.closed.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        self.inner.stop.store(true, Ordering::SeqCst);
+        {
+            let (lock, cvar) = &self.inner.wake;
+            *lock.lock() = true;
+            cvar.notify_all();
+        }
+        if let Some(handle) = self.inner.committer.lock().take() {
+            let _ = handle.join();
+        }
+        if self.inner.engine.read_only_reason().is_none() {
+            // The kernel sends no forgets at unmount: orphans of open-then-unlinked files go now.
+            self.reclaim_orphans()?;
+        }
+        self.inner.engine.commit().map(|_| ())
+    }
+
+    /// Wakes the committer if the delta has grown large.
+    pub(crate) fn maybe_commit(&self) {
+        if self.inner.engine.pending_items() > DELTA_ITEMS_COMMIT {
+            let (lock, cvar) = &self.inner.wake;
+            *lock.lock() = true;
+            cvar.notify_one();
+        }
+    }
+
+    fn shard(&self, ino: u64) -> &Mutex<HashMap<u64, Arc<InodeState>>> {
+        &self.inner.table[(ino as usize) % TABLE_SHARDS]
+    }
+
+    /// The in-memory state of `ino`, loading the inode item on first use.
+    pub(crate) fn inode(&self, ino: u64) -> Result<Arc<InodeState>> {
+        if let Some(state) = self.shard(ino).lock().get(&ino) {
+            return Ok(state.clone());
+        }
+        let bytes = self
+            .inner
+            .engine
+            .get(&inode_key(ino))?
+            .ok_or_else(|| Error::NotFound(format!("inode {ino}")))?;
+        let item =
+            InodeItem::decode(&bytes).map_err(|e| Error::corrupt(format!("inode {ino}"), e))?;
+        let state = Arc::new(InodeState {
+            data: RwLock::new(InodeData {
+                item,
+                freed: false,
+                write_error: false,
+            }),
+            lookups: AtomicU64::new(0),
+            opens: AtomicU64::new(0),
+        });
+        let mut shard = self.shard(ino).lock();
+        Ok(shard.entry(ino).or_insert(state).clone())
+    }
+
+    /// Registers a new inode's state (create paths).
+    pub(crate) fn insert_inode(&self, ino: u64, item: InodeItem) -> Arc<InodeState> {
+        let state = Arc::new(InodeState {
+            data: RwLock::new(InodeData {
+                item,
+                freed: false,
+                write_error: false,
+            }),
+            lookups: AtomicU64::new(0),
+            opens: AtomicU64::new(0),
+        });
+        self.shard(ino).lock().insert(ino, state.clone());
+        state
+    }
+
+    fn evict_if_unused(&self, ino: u64) -> Result<()> {
+        let state = {
+            let mut shard = self.shard(ino).lock();
+            let Some(state) = shard.get(&ino) else {
+                return Ok(());
+            };
+            if state.lookups.load(Ordering::SeqCst) > 0 || state.opens.load(Ordering::SeqCst) > 0 {
+                return Ok(());
+            }
+            let state = state.clone();
+            shard.remove(&ino);
+            state
+        };
+        let needs_free = {
+            let data = state.data.read();
+            data.item.nlink == 0 && !data.freed
+        };
+        if needs_free && self.inner.engine.read_only_reason().is_none() {
+            let mut data = state.data.write();
+            if !data.freed {
+                self.free_inode(ino, &mut data)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The kernel forgets `n` lookups of `ino`.
+    pub fn forget(&self, ino: u64, n: u64) {
+        let Some(state) = self.shard(ino).lock().get(&ino).cloned() else {
+            return;
+        };
+        let _ = state
+            .lookups
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
+                Some(v.saturating_sub(n))
+            });
+        if let Err(e) = self.evict_if_unused(ino) {
+            log::error!("forget of inode {ino}: {e}");
+        }
+    }
+
+    pub(crate) fn remember(&self, state: &InodeState) {
+        state.lookups.fetch_add(1, Ordering::SeqCst);
+    }
+
+    pub(crate) fn new_fh(&self) -> u64 {
+        self.inner.next_fh.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Stores an inode item in the running transaction.
+    pub(crate) fn store_inode(&self, ino: u64, data: &mut InodeData) -> Result<()> {
+        let txn = self.inner.engine.begin()?;
+        data.item.transid = txn.generation();
+        txn.put(inode_key(ino), data.item.encode());
+        Ok(())
+    }
+
+    /// Deletes every item of an inode and frees its data. The inode has no names.
+    pub(crate) fn free_inode(&self, ino: u64, data: &mut InodeData) -> Result<()> {
+        let lo = Key {
+            objectid: ino,
+            item_type: 0,
+            offset: 0,
+        };
+        let hi = Key {
+            objectid: ino + 1,
+            item_type: 0,
+            offset: 0,
+        };
+        let mut items = Vec::new();
+        loop {
+            let from = items
+                .last()
+                .and_then(|(k, _): &(Key, _)| k.successor())
+                .unwrap_or(lo);
+            let batch = self.inner.engine.range(&from, &hi, 4096)?;
+            let done = batch.len() < 4096;
+            items.extend(batch);
+            if done {
+                break;
+            }
+        }
+        let txn = self.inner.engine.begin()?;
+        for (key, value) in &items {
+            if key.kind() == Some(ItemType::ExtentData) {
+                if let Ok(extent) = birch_format::items::FileExtent::decode(value) {
+                    if let Some((addr, blocks)) = extent.disk_range() {
+                        txn.free_data(addr, blocks);
+                    }
+                }
+            }
+            txn.delete(*key);
+        }
+        txn.delete(Key::new(ORPHAN_OBJECTID, ItemType::Orphan, ino));
+        data.freed = true;
+        Ok(())
+    }
+
+    /// Frees every orphan that nothing in memory holds.
+    fn reclaim_orphans(&self) -> Result<()> {
+        let lo = Key::new(ORPHAN_OBJECTID, ItemType::Orphan, 0);
+        let hi = Key::new(ORPHAN_OBJECTID, ItemType::Orphan, u64::MAX);
+        let orphans = self.inner.engine.range(&lo, &hi, usize::MAX)?;
+        for (key, _) in orphans {
+            let ino = key.offset;
+            let in_use = self
+                .shard(ino)
+                .lock()
+                .get(&ino)
+                .is_some_and(|s| s.opens.load(Ordering::SeqCst) > 0);
+            if in_use && !self.inner.closed.load(Ordering::SeqCst) {
+                continue;
+            }
+            let state = match self.inode(ino) {
+                Ok(state) => state,
+                Err(Error::NotFound(_)) => {
+                    self.inner.engine.begin()?.delete(key);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            let mut data = state.data.write();
+            if data.item.nlink == 0 && !data.freed {
+                self.free_inode(ino, &mut data)?;
+            }
+            drop(data);
+            self.shard(ino).lock().remove(&ino);
+        }
+        Ok(())
+    }
+
+    /// Attributes of `ino`.
+    pub fn getattr(&self, ino: u64) -> Result<Attr> {
+        let state = self.inode(ino)?;
+        let data = state.data.read();
+        Ok(attr_of(ino, &data.item))
+    }
+
+    /// Filesystem statistics; available space excludes the metadata reserve and pinned space.
+    pub fn statfs(&self) -> StatFs {
+        let alloc = self.inner.engine.allocator();
+        let files = 1u64 << 32;
+        let used_ids = self.inner.engine.superblock().next_objectid;
+        StatFs {
+            blocks: alloc.total_blocks(),
+            bfree: alloc.free_blocks(),
+            bavail: alloc.available_blocks(),
+            files,
+            ffree: files.saturating_sub(used_ids),
+            bsize: BLOCK_SIZE as u32,
+            namelen: birch_format::NAME_MAX as u32,
+            frsize: BLOCK_SIZE as u32,
+        }
+    }
+}
+
+impl Drop for Filesystem {
+    fn drop(&mut self) {
+        if let Err(e) = self.close() {
+            log::error!("final commit failed: {e}");
+        }
+    }
+}
+
+/// Builds stat attributes from an inode item.
+pub(crate) fn attr_of(ino: u64, item: &InodeItem) -> Attr {
+    Attr {
+        ino,
+        size: item.size,
+        blocks: item.nbytes / 512,
+        atime: item.atime,
+        mtime: item.mtime,
+        ctime: item.ctime,
+        crtime: item.otime,
+        kind: FileKind::from_mode(item.mode),
+        perm: item.mode & 0o7777,
+        nlink: item.nlink,
+        uid: item.uid,
+        gid: item.gid,
+        rdev: item.rdev,
+        blksize: BLOCK_SIZE as u32,
+        generation: item.generation,
+    }
+}
+
+/// Checks a name before any tree is touched.
+pub(crate) fn check_name(name: &[u8]) -> Result<()> {
+    if name.len() > birch_format::NAME_MAX {
+        return Err(Error::NameTooLong(format!("name of {} bytes", name.len())));
+    }
+    if name.is_empty() || name.contains(&b'/') || name.contains(&0) {
+        return Err(Error::Invalid(format!(
+            "name {:?}",
+            String::from_utf8_lossy(name)
+        )));
+    }
+    Ok(())
+}

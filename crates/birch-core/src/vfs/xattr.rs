@@ -1,0 +1,132 @@
+//! Extended attributes: `(ino, Xattr, hash(name))` items holding lists of name/value pairs.
+
+use birch_format::items::{decode_xattrs, encode_xattrs, Xattr};
+use birch_format::{name_hash, ItemType, Key, XATTR_VALUE_MAX};
+
+use super::{now, Filesystem};
+use crate::error::{Error, Result};
+
+/// setxattr flags.
+pub const XATTR_CREATE: i32 = 1;
+pub const XATTR_REPLACE: i32 = 2;
+
+fn xattr_key(ino: u64, name: &[u8]) -> Key {
+    Key::new(ino, ItemType::Xattr, name_hash(&[name]))
+}
+
+fn check_xattr_name(name: &[u8]) -> Result<()> {
+    if name.is_empty() {
+        return Err(Error::Invalid("empty xattr name".into()));
+    }
+    if name.len() > birch_format::NAME_MAX {
+        return Err(Error::Range(format!("xattr name of {} bytes", name.len())));
+    }
+    Ok(())
+}
+
+impl Filesystem {
+    fn xattr_list(&self, ino: u64, name: &[u8]) -> Result<Vec<Xattr>> {
+        match self.inner.engine.get(&xattr_key(ino, name))? {
+            Some(bytes) => {
+                decode_xattrs(&bytes).map_err(|e| Error::corrupt(format!("inode {ino} xattr"), e))
+            }
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Sets an xattr (XATTR_CREATE: must not exist; XATTR_REPLACE: must exist).
+    pub fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: i32) -> Result<()> {
+        check_xattr_name(name)?;
+        if value.len() > XATTR_VALUE_MAX {
+            return Err(Error::TooLong(format!(
+                "xattr value of {} bytes (limit {XATTR_VALUE_MAX})",
+                value.len()
+            )));
+        }
+        let state = self.inode(ino)?;
+        let mut data = state.data.write();
+        let mut list = self.xattr_list(ino, name)?;
+        let exists = list.iter().any(|x| x.name == name);
+        if flags & XATTR_CREATE != 0 && exists {
+            return Err(Error::Exists(format!("xattr on inode {ino}")));
+        }
+        if flags & XATTR_REPLACE != 0 && !exists {
+            return Err(Error::NoData(format!("xattr on inode {ino}")));
+        }
+        list.retain(|x| x.name != name);
+        list.push(Xattr {
+            name: name.to_vec(),
+            value: value.to_vec(),
+        });
+        let encoded = encode_xattrs(&list);
+        if encoded.len() > birch_format::MAX_ITEM_BYTES {
+            return Err(Error::NoSpace(format!(
+                "xattrs of inode {ino} sharing one hash"
+            )));
+        }
+        data.item.ctime = now();
+        {
+            let txn = self.inner.engine.begin()?;
+            txn.put(xattr_key(ino, name), encoded);
+        }
+        self.store_inode(ino, &mut data)
+    }
+
+    /// The value of an xattr.
+    pub fn getxattr(&self, ino: u64, name: &[u8]) -> Result<Vec<u8>> {
+        check_xattr_name(name)?;
+        if name == b"security.capability" {
+            // Asked before every write by the kernel; we store none, so answer from memory.
+            let _ = self.inode(ino)?;
+            if self.inner.engine.get(&xattr_key(ino, name))?.is_none() {
+                return Err(Error::NoData(format!("security.capability of inode {ino}")));
+            }
+        }
+        let state = self.inode(ino)?;
+        let _data = state.data.read();
+        self.xattr_list(ino, name)?
+            .into_iter()
+            .find(|x| x.name == name)
+            .map(|x| x.value)
+            .ok_or_else(|| Error::NoData(format!("xattr of inode {ino}")))
+    }
+
+    /// Every xattr name, each followed by a NUL byte.
+    pub fn listxattr(&self, ino: u64) -> Result<Vec<u8>> {
+        let state = self.inode(ino)?;
+        let _data = state.data.read();
+        let lo = Key::new(ino, ItemType::Xattr, 0);
+        let hi = Key::new(ino, ItemType::Xattr, u64::MAX);
+        let mut out = Vec::new();
+        for (key, bytes) in self.inner.engine.range(&lo, &hi, usize::MAX)? {
+            for x in decode_xattrs(&bytes).map_err(|e| Error::corrupt(format!("xattr {key}"), e))? {
+                out.extend_from_slice(&x.name);
+                out.push(0);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Removes an xattr.
+    pub fn removexattr(&self, ino: u64, name: &[u8]) -> Result<()> {
+        check_xattr_name(name)?;
+        let state = self.inode(ino)?;
+        let mut data = state.data.write();
+        let mut list = self.xattr_list(ino, name)?;
+        let before = list.len();
+        list.retain(|x| x.name != name);
+        if list.len() == before {
+            return Err(Error::NoData(format!("xattr of inode {ino}")));
+        }
+        data.item.ctime = now();
+        {
+            let txn = self.inner.engine.begin()?;
+            if list.is_empty() {
+                txn.delete(xattr_key(ino, name));
+            } else {
+                txn.put(xattr_key(ino, name), encode_xattrs(&list));
+            }
+        }
+        self.store_inode(ino, &mut data)
+    }
+}
