@@ -72,7 +72,7 @@ for seed in "${SEEDS[@]}"; do
   rm -rf "$art"
   mkdir -p "$art"
   start=$(date +%s)
-  (cd / && timeout -k 30 "$FSX_TIMEOUT" fsx -f "$FSX_CONFIG" -N "$OPS" -S "$seed" -P "$art" "$MNT/fsx-$seed.dat") >"$logf" 2>&1
+  run_guarded "$FSX_TIMEOUT" "$logf" fsx -f "$FSX_CONFIG" -N "$OPS" -S "$seed" -P "$art" "$MNT/fsx-$seed.dat"
   rc=$?
   secs=$(($(date +%s) - start))
   if ((rc == 0)) && grep -q "All operations completed A-OK!" "$logf"; then

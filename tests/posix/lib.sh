@@ -21,15 +21,21 @@ REPO_ROOT=$(cd "$POSIX_DIR/../.." && pwd)
 EXIT_SKIP=77
 
 BIRCH=${BIRCH:-target/release/birch}
-# A relative BIRCH is taken from the repository root, wherever we are called from.
+# A relative BIRCH is taken from the current directory if it exists there,
+# else from the repository root (the default works from anywhere); a bare
+# name is looked up in PATH.
 case $BIRCH in
   /*) ;;
-  */*) BIRCH=$REPO_ROOT/$BIRCH ;;
+  */*) if [[ -e $BIRCH ]]; then BIRCH=$(realpath "$BIRCH"); else BIRCH=$REPO_ROOT/$BIRCH; fi ;;
   *) BIRCH=$(command -v "$BIRCH" || echo "$REPO_ROOT/$BIRCH") ;;
 esac
 BIRCH_MOUNT_OPTS=${BIRCH_MOUNT_OPTS-allow_other}
 IMG_SIZE=${IMG_SIZE:-1G}
 RESULTS_DIR=${RESULTS_DIR:-/tmp/birch-posix-results}
+RESULTS_DIR=$(realpath -m "$RESULTS_DIR")
+[[ -n ${WORK_DIR:-} ]] && WORK_DIR=$(realpath -m "$WORK_DIR")
+# Work from / so that no shell of ours keeps a test mount busy.
+cd /
 export PATH="$HOME/.cargo/bin:/usr/local/sbin:/usr/sbin:/sbin:$PATH"
 export NO_COLOR=1
 
@@ -103,10 +109,69 @@ cleanup() {
   return "$rc"
 }
 
+# The long-running child (a suite under `timeout`), if any. Run in the
+# background and waited for, so that a signal to this script is handled at
+# once (bash runs traps only between foreground commands) and stops it.
+_CHILD=""
+
+_stop_child() {
+  [[ -n $_CHILD ]] || return 0
+  kill -TERM "$_CHILD" 2>/dev/null || return 0
+  local i
+  for ((i = 0; i < 15; i++)); do
+    kill -0 "$_CHILD" 2>/dev/null || break
+    sleep 1
+  done
+  # timeout(1) leads its own process group: kill what is left of it.
+  kill -KILL -- "-$_CHILD" 2>/dev/null
+  sleep 2
+  if kill -0 "$_CHILD" 2>/dev/null; then
+    # Blocked on a FUSE request nobody answers: fail the requests.
+    local m
+    for m in "${_CLEANUP_MOUNTS[@]}"; do
+      [[ ${m%%:*} == birch ]] && _fuse_abort "${m#*:}"
+    done
+  fi
+  wait "$_CHILD" 2>/dev/null
+  _CHILD=""
+}
+
+# run_guarded SECONDS OUTFILE CMD...: CMD with a time limit (then SIGTERM, and
+# SIGKILL 30 s later), stdout+stderr to OUTFILE, stdin from /dev/null.
+# Returns CMD's status (124 or 137 when the limit hit).
+# A process blocked on a FUSE request the daemon never answers ignores even
+# SIGKILL; so if CMD is still there 10 s after the SIGKILL, a watchdog aborts
+# the FUSE connections of our birch mounts, which fails those requests.
+run_guarded() {
+  local t=$1 out=$2 rc child watchdog
+  shift 2
+  timeout -k 30 "$t" "$@" >"$out" 2>&1 </dev/null &
+  child=$!
+  _CHILD=$child
+  (
+    trap - EXIT INT TERM HUP
+    sleep $((t + 40)) &
+    wait $!
+    kill -0 "$child" 2>/dev/null || exit 0
+    log "watchdog: '$1' still running $((t + 40))s after its start despite SIGKILL: file system hung"
+    for m in "${_CLEANUP_MOUNTS[@]}"; do
+      [[ ${m%%:*} == birch ]] && _fuse_abort "${m#*:}"
+    done
+  ) &
+  watchdog=$!
+  wait "$child"
+  rc=$?
+  _CHILD=""
+  kill "$watchdog" 2>/dev/null
+  pkill -P "$watchdog" sleep 2>/dev/null
+  wait "$watchdog" 2>/dev/null
+  return "$rc"
+}
+
 install_cleanup_trap() {
   trap cleanup EXIT
-  trap 'log "interrupted"; exit 130' INT
-  trap 'log "terminated"; exit 143' TERM HUP
+  trap 'log "interrupted"; _stop_child; exit 130' INT
+  trap 'log "terminated"; _stop_child; exit 143' TERM HUP
 }
 
 # Mark a mount as done with (already unmounted by the normal path).

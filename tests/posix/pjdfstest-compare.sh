@@ -12,15 +12,24 @@
 # Knobs: those of pjdfstest.sh and lib.sh (BIRCH, RESULTS_DIR, ...).
 set -uo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-RESULTS_DIR=${RESULTS_DIR:-/tmp/birch-posix-results}
+RESULTS_DIR=$(realpath -m "${RESULTS_DIR:-/tmp/birch-posix-results}")
 export RESULTS_DIR
 mkdir -p "$RESULTS_DIR"
 
-run() { # TARGET -> exit code; its two summary lines go to $RESULTS_DIR/compare-TARGET.out
+child=""
+trap '[[ -n $child ]] && kill -TERM "$child" 2>/dev/null && wait "$child"; exit 130' INT
+trap '[[ -n $child ]] && kill -TERM "$child" 2>/dev/null && wait "$child"; exit 143' TERM HUP
+
+run() { # TARGET -> exit code; pjdfstest.sh leaves its count line in pjdfstest-TARGET.summary
   local t=$1 rc
   shift
-  bash "$HERE/pjdfstest.sh" "$t" "$@" | tee "$RESULTS_DIR/compare-$t.out"
-  rc=${PIPESTATUS[0]}
+  rm -f "$RESULTS_DIR/pjdfstest-$t.summary" "$RESULTS_DIR/pjdfstest-$t.skipped"
+  # In the background and waited for, so a signal here stops it (and its cleanup runs).
+  bash "$HERE/pjdfstest.sh" "$t" "$@" &
+  child=$!
+  wait "$child"
+  rc=$?
+  child=""
   return "$rc"
 }
 
@@ -31,7 +40,7 @@ birch_rc=$?
 
 echo
 echo "== pjdfstest 0.2.2, same config ($HERE/pjdfstest.toml)"
-line() { grep -E "^pjdfstest $1: [0-9]+ passed" "$RESULTS_DIR/compare-$1.out" || echo "pjdfstest $1: did not run (exit $2)"; }
+line() { cat "$RESULTS_DIR/pjdfstest-$1.summary" 2>/dev/null || echo "pjdfstest $1: did not run (exit $2)"; }
 line ext4 "$ext4_rc"
 line birch "$birch_rc"
 

@@ -16,7 +16,8 @@
 # (birch binary absent, no /dev/fuse, not root).
 #
 # Output: $RESULTS_DIR/pjdfstest-TARGET.log (full suite output), .results
-# ("NAME RESULT" a line), .skipped and .failed (names), fsck-TARGET-*.log.
+# ("NAME RESULT" a line), .skipped and .failed (names), .summary (the count
+# line), fsck-TARGET-*.log.
 # The suite runs in two passes (see below) to work around a descriptor leak
 # in pjdfstest 0.2.2 that otherwise breaks its EROFS tests.
 # Knobs: PJDFSTEST_TIMEOUT (seconds, default 1800), PJDFSTEST_CONFIG, plus the
@@ -46,7 +47,7 @@ install_cleanup_trap
 make_work_dir
 
 LOG=$RESULTS_DIR/pjdfstest-$TARGET.log
-rm -f "$LOG" "$RESULTS_DIR/pjdfstest-$TARGET".{skipped,failed,results}
+rm -f "$LOG" "$RESULTS_DIR/pjdfstest-$TARGET".{skipped,failed,results,summary}
 
 mount_target "$TARGET" pjd-main
 MNT=$MOUNTED_AT
@@ -90,10 +91,7 @@ run_pass() {
   shift 2
   PASS_OUT=$WORK_DIR/pjdfstest-pass$n.out
   log "pjdfstest $PJDFSTEST_VERSION on $TARGET, pass $n: -p $MNT -s $MNT2 $* (timeout ${PJDFSTEST_TIMEOUT}s)"
-  # cd / so that no shell of ours holds the mount busy; -k kills a run stuck
-  # in a hung file system after the grace period.
-  (cd / && timeout -k 30 "$PJDFSTEST_TIMEOUT" \
-    pjdfstest -c "$conf" -p "$MNT" -s "$MNT2" "$@") >"$PASS_OUT" 2>&1
+  run_guarded "$PJDFSTEST_TIMEOUT" "$PASS_OUT" pjdfstest -c "$conf" -p "$MNT" -s "$MNT2" "$@"
   rc=$?
   sed -i 's/\x1b\[[0-9;]*m//g' "$PASS_OUT"
   {
@@ -109,6 +107,13 @@ run_pass() {
       tail -n 15 "$PASS_OUT" >&2
     fi
   fi
+  local total parsed
+  total=$(sed -nE 's/^Summary: .* ([0-9]+) total$/\1/p' "$PASS_OUT" | tail -n1)
+  parsed=$(results_of "$PASS_OUT" | wc -l)
+  if [[ -n $total && $total != "$parsed" ]]; then
+    log "pass $n: parsed $parsed test results but its summary says $total"
+    incomplete=1
+  fi
   ((rc != 0 && suite_rc == 0)) && suite_rc=$rc
   return 0
 }
@@ -117,6 +122,7 @@ run_pass() {
 # "PASSED UNEXPECTEDLY", "failed as expected"); prints "NAME RESULT".
 results_of() {
   awk '
+    !/^[a-z_0-9]+::[^ \t]+ / { next }
     NF == 2 && ($2 == "ok" || $2 == "skipped" || $2 == "FAILED") { print $1, $2; next }
     / PASSED UNEXPECTEDLY$/ { print $1, "FAILED"; next }
     / failed as expected$/ { print $1, "xfail" }
@@ -160,7 +166,7 @@ if ((failed > 0)); then
   log "failed tests (details in $LOG):"
   sed 's/^/  /' "$RESULTS_DIR/pjdfstest-$TARGET.failed" >&2
 fi
-echo "pjdfstest $TARGET: $passed passed, $failed failed, $skipped skipped"
+echo "pjdfstest $TARGET: $passed passed, $failed failed, $skipped skipped" | tee "$RESULTS_DIR/pjdfstest-$TARGET.summary"
 echo "pjdfstest $TARGET: ${elapsed}s, fsck $([[ $fsck_ok == 1 ]] && echo clean || echo NOT CLEAN), log $LOG"
 
 if ((incomplete)); then

@@ -1,0 +1,411 @@
+//! The FUSE adapter: a thin translation of fuser requests into [`birch_core::Filesystem`]
+//! calls.
+//!
+//! Owns: reply construction, handle flags (O_DIRECT opens get `FOPEN_DIRECT_IO |
+//! FOPEN_PARALLEL_DIRECT_WRITES`), negotiation of kernel capabilities, and logging of failed
+//! requests. Must not touch: filesystem logic or caching of its own; every errno comes from
+//! [`birch_core::Error::errno`].
+
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use birch_core::vfs::{Attr, Caller, FileKind, SetAttr, SetTime};
+use birch_core::{Error, Filesystem};
+use birch_format::items::Timespec;
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request,
+    TimeOrNow, WriteFlags,
+};
+
+/// Adapter settings.
+#[derive(Debug, Clone)]
+pub struct FuseOptions {
+    /// How long the kernel may cache attributes and names.
+    pub ttl: Duration,
+}
+
+impl Default for FuseOptions {
+    fn default() -> Self {
+        FuseOptions { ttl: Duration::from_secs(1) }
+    }
+}
+
+/// The fuser filesystem over a birchfs [`Filesystem`].
+pub struct BirchFuse {
+    fs: Arc<Filesystem>,
+    options: FuseOptions,
+}
+
+impl BirchFuse {
+    pub fn new(fs: Arc<Filesystem>, options: FuseOptions) -> BirchFuse {
+        BirchFuse { fs, options }
+    }
+}
+
+fn errno(op: &str, e: &Error) -> Errno {
+    let code = e.errno();
+    match code {
+        libc::ENOENT | libc::EEXIST | libc::ENOTEMPTY | libc::ENODATA | libc::ENAMETOOLONG | libc::ENOTDIR | libc::EISDIR | libc::ERANGE | libc::ENXIO => log::debug!("{op}: {e}"),
+        _ => log::warn!("{op}: {e}"),
+    }
+    Errno::from_i32(code)
+}
+
+fn system_time(t: Timespec) -> SystemTime {
+    if t.sec >= 0 {
+        UNIX_EPOCH + Duration::new(t.sec as u64, t.nsec)
+    } else {
+        UNIX_EPOCH - Duration::from_secs(t.sec.unsigned_abs()) + Duration::from_nanos(u64::from(t.nsec))
+    }
+}
+
+fn timespec(t: SystemTime) -> Timespec {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => Timespec { sec: d.as_secs() as i64, nsec: d.subsec_nanos() },
+        Err(e) => {
+            let d = e.duration();
+            let (sec, nsec) = if d.subsec_nanos() == 0 { (-(d.as_secs() as i64), 0) } else { (-(d.as_secs() as i64) - 1, 1_000_000_000 - d.subsec_nanos()) };
+            Timespec { sec, nsec }
+        }
+    }
+}
+
+fn file_type(kind: FileKind) -> FileType {
+    match kind {
+        FileKind::File => FileType::RegularFile,
+        FileKind::Dir => FileType::Directory,
+        FileKind::Symlink => FileType::Symlink,
+        FileKind::Fifo => FileType::NamedPipe,
+        FileKind::Socket => FileType::Socket,
+        FileKind::CharDevice => FileType::CharDevice,
+        FileKind::BlockDevice => FileType::BlockDevice,
+    }
+}
+
+fn file_attr(a: &Attr) -> FileAttr {
+    FileAttr {
+        ino: INodeNo(a.ino),
+        size: a.size,
+        blocks: a.blocks,
+        atime: system_time(a.atime),
+        mtime: system_time(a.mtime),
+        ctime: system_time(a.ctime),
+        crtime: system_time(a.crtime),
+        kind: file_type(a.kind),
+        perm: a.perm as u16,
+        nlink: a.nlink,
+        uid: a.uid,
+        gid: a.gid,
+        rdev: a.rdev as u32,
+        blksize: a.blksize,
+        flags: 0,
+    }
+}
+
+fn caller(req: &Request) -> Caller {
+    Caller { uid: req.uid(), gid: req.gid() }
+}
+
+fn set_time(t: TimeOrNow) -> SetTime {
+    match t {
+        TimeOrNow::Now => SetTime::Now,
+        TimeOrNow::SpecificTime(t) => SetTime::At(timespec(t)),
+    }
+}
+
+fn open_reply_flags(flags: i32) -> FopenFlags {
+    if flags & libc::O_DIRECT != 0 {
+        // Seed 001: writers to different regions of one file run in parallel; the kernel sends
+        // no fsync after O_SYNC writes on these handles, so WRITE makes them durable itself.
+        FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES
+    } else {
+        FopenFlags::empty()
+    }
+}
+
+impl fuser::Filesystem for BirchFuse {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let wanted = InitFlags::FUSE_EXPORT_SUPPORT | InitFlags::FUSE_PARALLEL_DIROPS | InitFlags::FUSE_DO_READDIRPLUS;
+        let supported = wanted & config.capabilities();
+        if let Err(missing) = config.add_capabilities(supported) {
+            log::warn!("kernel refused capabilities {missing:?}");
+        }
+        let _ = config.set_max_write(1 << 20);
+        let _ = config.set_time_granularity(Duration::from_nanos(1));
+        Ok(())
+    }
+
+    fn destroy(&mut self) {
+        if let Err(e) = self.fs.close() {
+            log::error!("final commit at unmount failed: {e}");
+        }
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        match self.fs.lookup(parent.0, name.as_bytes()) {
+            Ok(a) => reply.entry(&self.options.ttl, &file_attr(&a), Generation(a.generation)),
+            Err(e) => reply.error(errno("lookup", &e)),
+        }
+    }
+
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        self.fs.forget(ino.0, nlookup);
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.fs.getattr(ino.0) {
+            Ok(a) => reply.attr(&self.options.ttl, &file_attr(&a)),
+            Err(e) => reply.error(errno("getattr", &e)),
+        }
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
+        ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let set = SetAttr { mode, uid, gid, size, atime: atime.map(set_time), mtime: mtime.map(set_time), ctime: ctime.map(timespec) };
+        match self.fs.setattr(ino.0, &set) {
+            Ok(a) => reply.attr(&self.options.ttl, &file_attr(&a)),
+            Err(e) => reply.error(errno("setattr", &e)),
+        }
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        match self.fs.readlink(ino.0) {
+            Ok(target) => reply.data(&target),
+            Err(e) => reply.error(errno("readlink", &e)),
+        }
+    }
+
+    fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, _umask: u32, rdev: u32, reply: ReplyEntry) {
+        match self.fs.mknod(caller(req), parent.0, name.as_bytes(), mode, u64::from(rdev)) {
+            Ok(a) => reply.entry(&self.options.ttl, &file_attr(&a), Generation(a.generation)),
+            Err(e) => reply.error(errno("mknod", &e)),
+        }
+    }
+
+    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, _umask: u32, reply: ReplyEntry) {
+        match self.fs.mkdir(caller(req), parent.0, name.as_bytes(), mode) {
+            Ok(a) => reply.entry(&self.options.ttl, &file_attr(&a), Generation(a.generation)),
+            Err(e) => reply.error(errno("mkdir", &e)),
+        }
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        match self.fs.unlink(parent.0, name.as_bytes()) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("unlink", &e)),
+        }
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        match self.fs.rmdir(parent.0, name.as_bytes()) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("rmdir", &e)),
+        }
+    }
+
+    fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
+        match self.fs.symlink(caller(req), parent.0, link_name.as_bytes(), target.as_os_str().as_bytes()) {
+            Ok(a) => reply.entry(&self.options.ttl, &file_attr(&a), Generation(a.generation)),
+            Err(e) => reply.error(errno("symlink", &e)),
+        }
+    }
+
+    fn rename(&self, _req: &Request, parent: INodeNo, name: &OsStr, newparent: INodeNo, newname: &OsStr, flags: RenameFlags, reply: ReplyEmpty) {
+        match self.fs.rename(parent.0, name.as_bytes(), newparent.0, newname.as_bytes(), flags.bits()) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("rename", &e)),
+        }
+    }
+
+    fn link(&self, _req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
+        match self.fs.link(ino.0, newparent.0, newname.as_bytes()) {
+            Ok(a) => reply.entry(&self.options.ttl, &file_attr(&a), Generation(a.generation)),
+            Err(e) => reply.error(errno("link", &e)),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        match self.fs.open_file(ino.0, flags.0) {
+            Ok(fh) => reply.opened(FileHandle(fh), open_reply_flags(flags.0)),
+            Err(e) => reply.error(errno("open", &e)),
+        }
+    }
+
+    fn read(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, size: u32, _flags: OpenFlags, _lock: Option<LockOwner>, reply: ReplyData) {
+        match self.fs.read(ino.0, offset, size as usize) {
+            Ok(data) => reply.data(&data),
+            Err(e) => reply.error(errno("read", &e)),
+        }
+    }
+
+    fn write(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, data: &[u8], _write_flags: WriteFlags, flags: OpenFlags, _lock: Option<LockOwner>, reply: ReplyWrite) {
+        let append = flags.0 & libc::O_APPEND != 0;
+        let result = self.fs.write(ino.0, offset, data, append).and_then(|n| {
+            if flags.0 & libc::O_DIRECT != 0 && flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0 {
+                // Direct handles get no FSYNC after an O_SYNC write: durable before the reply.
+                self.fs.fsync(ino.0, flags.0 & libc::O_SYNC != libc::O_SYNC)?;
+            }
+            Ok(n)
+        });
+        match result {
+            Ok(n) => reply.written(n),
+            Err(e) => reply.error(errno("write", &e)),
+        }
+    }
+
+    fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock: LockOwner, reply: ReplyEmpty) {
+        // Sent on every close(2): no I/O here.
+        reply.ok();
+    }
+
+    fn release(&self, _req: &Request, ino: INodeNo, fh: FileHandle, _flags: OpenFlags, _lock: Option<LockOwner>, _flush: bool, reply: ReplyEmpty) {
+        match self.fs.release(ino.0, fh.0) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("release", &e)),
+        }
+    }
+
+    fn fsync(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, datasync: bool, reply: ReplyEmpty) {
+        match self.fs.fsync(ino.0, datasync) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("fsync", &e)),
+        }
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.fs.getattr(ino.0) {
+            Ok(a) if a.kind == FileKind::Dir => reply.opened(FileHandle(0), FopenFlags::empty()),
+            Ok(_) => reply.error(Errno::ENOTDIR),
+            Err(e) => reply.error(errno("opendir", &e)),
+        }
+    }
+
+    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+        match self.fs.readdir(ino.0, offset, 512) {
+            Ok(entries) => {
+                for e in entries {
+                    if reply.add(INodeNo(e.ino), e.next_offset, file_type(e.kind), OsStr::from_bytes(&e.name)) {
+                        break;
+                    }
+                }
+                reply.ok();
+            }
+            Err(e) => reply.error(errno("readdir", &e)),
+        }
+    }
+
+    fn readdirplus(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectoryPlus) {
+        match self.fs.readdir(ino.0, offset, 256) {
+            Ok(entries) => {
+                for e in entries {
+                    // Entries other than "." and ".." count as lookups the kernel later forgets.
+                    let attr = if e.name == b"." || e.name == b".." { self.fs.getattr(e.ino) } else { self.fs.lookup(ino.0, &e.name) };
+                    let Ok(a) = attr else { continue };
+                    if reply.add(INodeNo(e.ino), e.next_offset, OsStr::from_bytes(&e.name), &self.options.ttl, &file_attr(&a), Generation(a.generation)) {
+                        if e.name != b"." && e.name != b".." {
+                            self.fs.forget(e.ino, 1);
+                        }
+                        break;
+                    }
+                }
+                reply.ok();
+            }
+            Err(e) => reply.error(errno("readdirplus", &e)),
+        }
+    }
+
+    fn fsyncdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, datasync: bool, reply: ReplyEmpty) {
+        match self.fs.fsync(ino.0, datasync) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("fsyncdir", &e)),
+        }
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let s = self.fs.statfs();
+        reply.statfs(s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.frsize);
+    }
+
+    fn setxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, value: &[u8], flags: i32, _position: u32, reply: ReplyEmpty) {
+        match self.fs.setxattr(ino.0, name.as_bytes(), value, flags) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("setxattr", &e)),
+        }
+    }
+
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        match self.fs.getxattr(ino.0, name.as_bytes()) {
+            Ok(value) => xattr_reply(reply, size, &value),
+            Err(e) => reply.error(errno("getxattr", &e)),
+        }
+    }
+
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        match self.fs.listxattr(ino.0) {
+            Ok(names) => xattr_reply(reply, size, &names),
+            Err(e) => reply.error(errno("listxattr", &e)),
+        }
+    }
+
+    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        match self.fs.removexattr(ino.0, name.as_bytes()) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("removexattr", &e)),
+        }
+    }
+
+    fn create(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, _umask: u32, flags: i32, reply: ReplyCreate) {
+        match self.fs.create(caller(req), parent.0, name.as_bytes(), mode, flags) {
+            Ok((a, fh)) => reply.created(&self.options.ttl, &file_attr(&a), Generation(a.generation), FileHandle(fh), open_reply_flags(flags)),
+            Err(e) => reply.error(errno("create", &e)),
+        }
+    }
+
+    fn fallocate(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, length: u64, mode: i32, reply: ReplyEmpty) {
+        match self.fs.fallocate(ino.0, offset, length, mode) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("fallocate", &e)),
+        }
+    }
+
+    fn lseek(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: i64, whence: i32, reply: ReplyLseek) {
+        let Ok(offset) = u64::try_from(offset) else {
+            reply.error(Errno::EINVAL);
+            return;
+        };
+        match self.fs.lseek(ino.0, offset, whence) {
+            Ok(at) => reply.offset(at as i64),
+            Err(e) => reply.error(errno("lseek", &e)),
+        }
+    }
+}
+
+/// The xattr size-probe convention: size 0 asks for the length; too small a buffer is ERANGE.
+fn xattr_reply(reply: ReplyXattr, size: u32, value: &[u8]) {
+    if size == 0 {
+        reply.size(value.len() as u32);
+    } else if value.len() > size as usize {
+        reply.error(Errno::ERANGE);
+    } else {
+        reply.data(value);
+    }
+}

@@ -1,0 +1,284 @@
+//! `birch`: mkfs, mount, umount, sync, fsck and inspect for birchfs images.
+//!
+//! A thin layer over birch-core and birch-fuse: it parses arguments, prints, and picks exit
+//! codes. Installed also as `mkfs.birch`, `fsck.birch` and `mount.fuse.birch`, so `mkfs -t
+//! birch`, `fsck -t birch` and `mount -t fuse.birch` work.
+//!
+//! Exit codes: 0 success; 1 an operation failed (bad option, image missing or in use, not a
+//! birchfs image, mount failed); 2 usage error. fsck follows fsck(8): 0 clean, 4 errors left
+//! uncorrected, 8 operational error.
+
+mod mount;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use birch_core::check::{check, CheckOptions};
+use birch_core::device::{BlockDevice, FileDevice, OpenMode};
+use birch_core::{Engine, Filesystem, MkfsOptions};
+use birch_format::node::{Expect, Node};
+use birch_format::{ItemType, Key, FS_TREE_ID, NODE_SIZE};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "birch", version, about = "birchfs: a copy-on-write B-tree filesystem in userspace", after_help = "Exit codes: 0 success, 1 operation failed, 2 usage error; fsck: 0 clean, 4 errors found, 8 operational error.")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Make a new birchfs filesystem in an image file (created if missing) or on a block device.
+    Mkfs {
+        /// Size of the image, e.g. 1G, 512M (an image file is created or grown to it).
+        #[arg(long, short)]
+        size: Option<String>,
+        /// Volume label.
+        #[arg(long, short = 'L', default_value = "")]
+        label: String,
+        /// Overwrite an existing filesystem.
+        #[arg(long, short)]
+        force: bool,
+        image: PathBuf,
+    },
+    /// Mount an image. Returns once the mount is live; the daemon serves in the background.
+    Mount {
+        image: PathBuf,
+        mountpoint: PathBuf,
+        /// Options: ro, rw, allow_other, commit=SECS, threads=N, ttl=SECS, fsync=commit, and
+        /// the usual VFS options (defaults, noatime, relatime, nodev, nosuid, noexec, _netdev).
+        #[arg(short = 'o')]
+        options: Vec<String>,
+        /// Stay in the foreground.
+        #[arg(short = 'f', long)]
+        foreground: bool,
+    },
+    /// Unmount; returns after the daemon's final commit released the image.
+    Umount { mountpoint: PathBuf },
+    /// Commit everything on a live mount now (sync(2) does not reach a FUSE filesystem).
+    Sync { mountpoint: PathBuf },
+    /// Check an image (read-only). Refuses an image a live mount holds.
+    Fsck {
+        image: PathBuf,
+        /// Also read every data block and verify its checksum.
+        #[arg(long)]
+        data: bool,
+        /// Look at an image even while it is mounted (results may be inconsistent).
+        #[arg(long)]
+        force: bool,
+        /// Accepted for fsck(8) compatibility; birch fsck never writes.
+        #[arg(short = 'a', short_alias = 'p', short_aliases = ['y', 'n'])]
+        auto: bool,
+    },
+    /// Print on-disk structures: super, tree fs, node ADDR, inode N.
+    Inspect {
+        image: PathBuf,
+        #[arg(num_args = 1..=2)]
+        what: Vec<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let argv0 = std::env::args().next().unwrap_or_default();
+    let name = Path::new(&argv0).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut args: Vec<String> = std::env::args().collect();
+    match name.as_str() {
+        "mkfs.birch" => args.insert(1, "mkfs".into()),
+        "fsck.birch" => args.insert(1, "fsck".into()),
+        "mount.fuse.birch" | "mount.birch" => return mount::helper_main(&args[1..]),
+        _ => {}
+    }
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+        }
+    };
+    match cli.command {
+        Command::Mkfs { size, label, force, image } => mkfs(&image, size.as_deref(), label, force),
+        Command::Mount { image, mountpoint, options, foreground } => mount::mount_main(&image, &mountpoint, &options, foreground),
+        Command::Umount { mountpoint } => mount::umount(&mountpoint),
+        Command::Sync { mountpoint } => sync(&mountpoint),
+        Command::Fsck { image, data, force, auto: _ } => fsck(&image, data, force),
+        Command::Inspect { image, what } => inspect(&image, &what),
+    }
+}
+
+fn fail(message: impl std::fmt::Display) -> ExitCode {
+    eprintln!("birch: {message}");
+    ExitCode::from(1)
+}
+
+/// Parses sizes like 1G, 512M, 4096.
+pub(crate) fn parse_size(text: &str) -> Option<u64> {
+    let text = text.trim();
+    let (digits, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let n: u64 = digits.parse().ok()?;
+    let mult = match unit.trim_end_matches(['B', 'b', 'i']).to_ascii_uppercase().as_str() {
+        "" => 1,
+        "K" => 1 << 10,
+        "M" => 1 << 20,
+        "G" => 1 << 30,
+        "T" => 1 << 40,
+        _ => return None,
+    };
+    n.checked_mul(mult)
+}
+
+/// Names a filesystem signature found on the device, if any.
+fn existing_signature(path: &Path) -> Option<&'static str> {
+    let dev = FileDevice::open(path, OpenMode::ReadOnlyUnlocked).ok()?;
+    let mut head = vec![0u8; 128 * 1024];
+    let len = (dev.size_bytes() as usize).min(head.len()) / 4096 * 4096;
+    dev.read_at(&mut head[..len], 0).ok()?;
+    if Engine::read_superblock(&dev).is_ok() {
+        return Some("birchfs");
+    }
+    if len > 0x438 + 2 && head[0x438] == 0x53 && head[0x439] == 0xef {
+        return Some("ext2/3/4");
+    }
+    if len >= 4 && &head[0..4] == b"XFSB" {
+        return Some("xfs");
+    }
+    if len > 0x10040 + 8 && &head[0x10040..0x10048] == b"_BHRfS_M" {
+        return Some("btrfs");
+    }
+    None
+}
+
+fn mkfs(image: &Path, size: Option<&str>, label: String, force: bool) -> ExitCode {
+    let size = match size.map(parse_size) {
+        Some(None) => return fail(format!("--size {size:?}: not a size (examples: 1G, 512M, 65536)")),
+        Some(Some(s)) => Some(s),
+        None => None,
+    };
+    if size.is_none() && !image.exists() {
+        return fail(format!("{}: does not exist; give --size to create an image file", image.display()));
+    }
+    if image.exists() && !force {
+        if let Some(kind) = existing_signature(image) {
+            return fail(format!("{}: holds a {kind} filesystem; use --force to overwrite it", image.display()));
+        }
+    }
+    match Filesystem::mkfs_path(image, size, &MkfsOptions { label, log_bytes: 0 }) {
+        Ok(()) => {
+            println!("birch: made a birchfs filesystem on {}", image.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(e),
+    }
+}
+
+fn sync(mountpoint: &Path) -> ExitCode {
+    // fsync of the root directory reaches the daemon as FSYNCDIR, which commits.
+    match std::fs::File::open(mountpoint).and_then(|f| f.sync_all()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(format!("{}: sync: {e}", mountpoint.display())),
+    }
+}
+
+fn fsck(image: &Path, data: bool, force: bool) -> ExitCode {
+    let mode = if force { OpenMode::ReadOnlyUnlocked } else { OpenMode::ReadOnly };
+    let device = match FileDevice::open(image, mode) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("birch fsck: {e}");
+            return ExitCode::from(8);
+        }
+    };
+    match check(&device, CheckOptions { data }) {
+        Ok(report) => {
+            for finding in &report.findings {
+                println!("{finding}");
+            }
+            let generation = report.superblock.as_ref().map_or(0, |s| s.generation);
+            println!("{}: generation {generation}, {} nodes, {} items, {} inodes, {} data blocks, {} findings", image.display(), report.nodes, report.items, report.inodes, report.data_blocks, report.findings.len());
+            if report.is_clean() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(4)
+            }
+        }
+        Err(e) => {
+            eprintln!("birch fsck: {}: {e}", image.display());
+            ExitCode::from(8)
+        }
+    }
+}
+
+fn inspect(image: &Path, what: &[String]) -> ExitCode {
+    let device = match FileDevice::open(image, OpenMode::ReadOnlyUnlocked) {
+        Ok(d) => Arc::new(d),
+        Err(e) => return fail(e),
+    };
+    let (sb, notes) = match Engine::read_superblock(&*device) {
+        Ok(v) => v,
+        Err(e) => return fail(format!("{}: {e}", image.display())),
+    };
+    for note in notes {
+        eprintln!("note: {note}");
+    }
+    let read_node = |addr: u64, generation: Option<u64>, level: Option<u8>| -> Result<Node, String> {
+        let mut bytes = vec![0u8; NODE_SIZE];
+        device.read_at(&mut bytes, addr).map_err(|e| format!("read {addr:#x}: {e}"))?;
+        let generation = match generation {
+            Some(g) => g,
+            None => u64::from_le_bytes(bytes[32..40].try_into().map_err(|_| "short node")?),
+        };
+        Node::decode(&bytes, &Expect { fsid: sb.fsid, addr, generation, owner: FS_TREE_ID, level }).map_err(|e| e.to_string())
+    };
+    match what.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
+        ["super"] | [] => println!("{sb}"),
+        ["tree", "fs"] | ["tree"] => {
+            let mut stack = vec![(sb.fs_root.addr, sb.fs_root.generation, sb.fs_root.level)];
+            while let Some((addr, generation, level)) = stack.pop() {
+                match read_node(addr, Some(generation), Some(level)) {
+                    Ok(node) => {
+                        print!("{node}");
+                        if let birch_format::node::NodeBody::Internal(ptrs) = &node.body {
+                            stack.extend(ptrs.iter().rev().map(|p| (p.addr, p.generation, level - 1)));
+                        }
+                    }
+                    Err(e) => println!("node {addr:#x}: {e}"),
+                }
+            }
+        }
+        ["node", addr] => {
+            let parsed = if let Some(hex) = addr.strip_prefix("0x") { u64::from_str_radix(hex, 16).ok() } else { addr.parse().ok() };
+            let Some(addr) = parsed else { return fail(format!("node address {addr:?}: not a number")) };
+            match read_node(addr, None, None) {
+                Ok(node) => print!("{node}"),
+                Err(e) => return fail(e),
+            }
+        }
+        ["inode", ino] => {
+            let Ok(ino) = ino.parse::<u64>() else { return fail(format!("inode {ino:?}: not a number")) };
+            let fs = match Filesystem::open_device(device.clone(), birch_core::OpenOptions { commit_interval: None, read_only: true, wait_for_lock: false }) {
+                Ok(fs) => fs,
+                Err(e) => return fail(e),
+            };
+            let lo = Key { objectid: ino, item_type: 0, offset: 0 };
+            let hi = Key { objectid: ino + 1, item_type: 0, offset: 0 };
+            match fs.engine().range(&lo, &hi, usize::MAX) {
+                Ok(items) if items.is_empty() => return fail(format!("inode {ino}: no items")),
+                Ok(items) => {
+                    for (key, value) in items {
+                        let shown = key.kind().and_then(|k| birch_format::items::Item::decode(k, &value).ok());
+                        match shown {
+                            Some(item) => println!("{key} {item}"),
+                            None => println!("{key} ({} bytes, undecodable)", value.len()),
+                        }
+                    }
+                }
+                Err(e) => return fail(e),
+            }
+            let _ = ItemType::InodeItem;
+        }
+        other => return fail(format!("inspect {other:?}: expected super, tree fs, node ADDR or inode N")),
+    }
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,290 @@
+//! `birch mount`, the `mount.fuse.birch` helper, and `birch umount`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use birch_core::device::{FileDevice, OpenMode};
+use birch_core::{Filesystem, OpenOptions};
+use birch_fuse::{BirchFuse, FuseOptions};
+use fuser::{Config, MountOption, SessionACL};
+
+use crate::fail;
+
+/// Parsed mount options.
+#[derive(Debug, Clone)]
+struct MountConfig {
+    read_only: bool,
+    allow_other: bool,
+    commit_secs: u64,
+    threads: usize,
+    ttl_secs: f64,
+    vfs: Vec<MountOption>,
+}
+
+fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
+    let mut c = MountConfig { read_only: false, allow_other: false, commit_secs: 5, threads: 4, ttl_secs: 1.0, vfs: Vec::new() };
+    for opt in raw.iter().flat_map(|o| o.split(',')).map(str::trim).filter(|o| !o.is_empty()) {
+        let (key, value) = opt.split_once('=').map_or((opt, None), |(k, v)| (k, Some(v)));
+        let number = |v: Option<&str>| v.and_then(|v| v.parse::<f64>().ok()).filter(|n| *n >= 0.0).ok_or_else(|| format!("option {opt}: needs a non-negative number"));
+        match key {
+            "ro" => c.read_only = true,
+            "rw" => c.read_only = false,
+            "allow_other" => c.allow_other = true,
+            "commit" => c.commit_secs = number(value)? as u64,
+            "threads" => c.threads = (number(value)? as usize).clamp(1, 64),
+            "ttl" | "attr_timeout" | "entry_timeout" => c.ttl_secs = number(value)?,
+            "fsync" => match value {
+                Some("commit") => {}
+                Some("log") => return Err("option fsync=log: the fsync log is not implemented yet; use fsync=commit".into()),
+                _ => return Err(format!("option {opt}: expected fsync=commit")),
+            },
+            "writeback" => match value {
+                Some("off") => {}
+                _ => return Err(format!("option {opt}: only writeback=off is available")),
+            },
+            "noatime" => c.vfs.push(MountOption::NoAtime),
+            "atime" | "relatime" | "strictatime" | "nodiratime" => {}
+            "nodev" => c.vfs.push(MountOption::NoDev),
+            "dev" => c.vfs.push(MountOption::Dev),
+            "nosuid" => c.vfs.push(MountOption::NoSuid),
+            "suid" => c.vfs.push(MountOption::Suid),
+            "noexec" => c.vfs.push(MountOption::NoExec),
+            "exec" => c.vfs.push(MountOption::Exec),
+            "defaults" | "_netdev" | "auto" | "noauto" | "user" | "nouser" | "users" | "nofail" | "async" | "default_permissions" => {}
+            "fsname" | "subtype" => {}
+            other => return Err(format!("unknown mount option {other:?} (see birch mount --help)")),
+        }
+    }
+    Ok(c)
+}
+
+fn canonical(path: &Path) -> PathBuf {
+    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+/// The mountinfo line of a birch mount at `mountpoint`: returns its source (the image path).
+fn mounted_source(mountpoint: &Path) -> Option<String> {
+    let target = canonical(mountpoint);
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    for line in info.lines() {
+        let fields: Vec<&str> = line.split(' ').collect();
+        let Some(dash) = fields.iter().position(|f| *f == "-") else { continue };
+        if fields.get(4).map(|m| unescape(m)) == Some(target.to_string_lossy().into_owned()) && fields.get(dash + 1).is_some_and(|t| t.starts_with("fuse")) {
+            return fields.get(dash + 2).map(|s| unescape(s));
+        }
+    }
+    None
+}
+
+fn unescape(s: &str) -> String {
+    s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+}
+
+fn preflight(image: &Path, mountpoint: &Path) -> Result<(), String> {
+    match std::fs::metadata(mountpoint) {
+        Err(_) => return Err(format!("{}: mountpoint does not exist", mountpoint.display())),
+        Ok(m) if !m.is_dir() => return Err(format!("{}: mountpoint is not a directory", mountpoint.display())),
+        Ok(_) => {}
+    }
+    if !image.exists() {
+        return Err(format!("{}: image does not exist", image.display()));
+    }
+    if !Path::new("/dev/fuse").exists() {
+        return Err("/dev/fuse is missing: load the fuse module (modprobe fuse) or install fuse3".into());
+    }
+    if mounted_source(mountpoint).is_some() {
+        return Err(format!("{}: something is already mounted there", mountpoint.display()));
+    }
+    Ok(())
+}
+
+/// `birch mount IMAGE MNT [-o opts] [-f]`.
+pub fn mount_main(image: &Path, mountpoint: &Path, raw: &[String], foreground: bool) -> ExitCode {
+    let config = match parse_options(raw) {
+        Ok(c) => c,
+        Err(e) => return fail(e),
+    };
+    if let Err(e) = preflight(image, mountpoint) {
+        return fail(e);
+    }
+    if foreground {
+        return serve(image, mountpoint, &config);
+    }
+    spawn_daemon(image, mountpoint, raw)
+}
+
+fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String]) -> ExitCode {
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => return fail(format!("cannot find own executable: {e}")),
+    };
+    let log_path = std::env::temp_dir().join(format!("birch-mount-{}.log", std::process::id()));
+    let log = match std::fs::File::create(&log_path) {
+        Ok(f) => f,
+        Err(e) => return fail(format!("{}: {e}", log_path.display())),
+    };
+    let mut cmd = Command::new(exe);
+    cmd.arg("mount").arg("-f").arg(image).arg(mountpoint);
+    for o in raw {
+        cmd.arg("-o").arg(o);
+    }
+    use std::os::unix::process::CommandExt;
+    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::from(log)).process_group(0);
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => return fail(format!("cannot start the mount daemon: {e}")),
+    };
+    let started = Instant::now();
+    loop {
+        if mounted_source(mountpoint).is_some() {
+            let _ = std::fs::remove_file(&log_path);
+            return ExitCode::SUCCESS;
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let _ = std::fs::remove_file(&log_path);
+            eprint!("{text}");
+            return fail(format!("mount daemon exited ({status}) before the mount was live"));
+        }
+        if started.elapsed() > Duration::from_secs(120) {
+            return fail(format!("mount of {} did not come up in 120 s; daemon log: {}", image.display(), log_path.display()));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs the filesystem in this process until unmount or SIGTERM/SIGINT/SIGHUP.
+fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
+    block_signals();
+    let options = OpenOptions { commit_interval: (config.commit_secs > 0).then(|| Duration::from_secs(config.commit_secs)), read_only: config.read_only, wait_for_lock: true };
+    let fs = match Filesystem::open(image, options) {
+        Ok(fs) => Arc::new(fs),
+        Err(e) => return fail(format!("{}: {e}", image.display())),
+    };
+    let mut mount_options = vec![MountOption::FSName(canonical(image).to_string_lossy().into_owned()), MountOption::Subtype("birch".into()), MountOption::DefaultPermissions];
+    mount_options.push(if config.read_only { MountOption::RO } else { MountOption::RW });
+    mount_options.extend(config.vfs.iter().cloned());
+    let mut fuse_config = Config::default();
+    fuse_config.mount_options = mount_options;
+    fuse_config.acl = if config.allow_other { SessionACL::All } else { SessionACL::Owner };
+    fuse_config.n_threads = Some(config.threads);
+    fuse_config.clone_fd = true;
+    let adapter = BirchFuse::new(fs.clone(), FuseOptions { ttl: Duration::from_secs_f64(config.ttl_secs) });
+    let session = match fuser::Session::new(adapter, mountpoint, &fuse_config) {
+        Ok(s) => s,
+        Err(e) => return fail(format!("mount {} on {}: {e}", image.display(), mountpoint.display())),
+    };
+    let target = canonical(mountpoint);
+    std::thread::spawn(move || wait_for_signal_then_unmount(&target));
+    let result = session.run();
+    // The kernel connection is gone; commit, flush and release the image lock before exit.
+    let closed = fs.close();
+    drop(fs);
+    if let Err(e) = result {
+        return fail(format!("FUSE session ended with an error: {e}"));
+    }
+    if let Err(e) = closed {
+        return fail(format!("final commit failed: {e}"));
+    }
+    ExitCode::SUCCESS
+}
+
+fn signal_set() -> libc::sigset_t {
+    // SAFETY: sigemptyset/sigaddset initialise a sigset_t we own.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGHUP);
+        set
+    }
+}
+
+fn block_signals() {
+    let set = signal_set();
+    // SAFETY: blocks the signals in this thread; threads spawned later inherit the mask.
+    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+}
+
+fn wait_for_signal_then_unmount(target: &Path) {
+    let set = signal_set();
+    let mut sig: libc::c_int = 0;
+    // SAFETY: sigwait on a valid set with the signals blocked in every thread.
+    unsafe { libc::sigwait(&set, &mut sig) };
+    log::warn!("signal {sig}: unmounting {}", target.display());
+    let Ok(c) = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()) else { return };
+    // SAFETY: umount2 with a valid NUL-terminated path.
+    let rc = unsafe { libc::umount2(c.as_ptr(), 0) };
+    if rc != 0 {
+        // SAFETY: as above.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+/// `birch umount MNT`: unmounts, then waits until the daemon has released the image.
+pub fn umount(mountpoint: &Path) -> ExitCode {
+    let Some(source) = mounted_source(mountpoint) else {
+        return fail(format!("{}: not a birch mount", mountpoint.display()));
+    };
+    let target = canonical(mountpoint);
+    let Ok(c) = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()) else { return fail("bad mountpoint path") };
+    // SAFETY: umount2 with a valid NUL-terminated path.
+    if unsafe { libc::umount2(c.as_ptr(), 0) } != 0 {
+        let err = std::io::Error::last_os_error();
+        let status = Command::new("fusermount3").arg("-u").arg(&target).status();
+        if !status.is_ok_and(|s| s.success()) {
+            return fail(format!("{}: umount: {err}", mountpoint.display()));
+        }
+    }
+    wait_for_release(Path::new(&source))
+}
+
+fn wait_for_release(image: &Path) -> ExitCode {
+    let started = Instant::now();
+    let mut told = false;
+    loop {
+        match FileDevice::open(image, OpenMode::ReadOnly) {
+            Ok(_) => return ExitCode::SUCCESS,
+            Err(e) if e.kind() == std::io::ErrorKind::ResourceBusy => {}
+            Err(e) => return fail(format!("{}: {e}", image.display())),
+        }
+        if !told && started.elapsed() > Duration::from_secs(3) {
+            eprintln!("birch: waiting for the daemon to finish its final commit of {}", image.display());
+            told = true;
+        }
+        if started.elapsed() > Duration::from_secs(300) {
+            return fail(format!("{}: still held after 300 s", image.display()));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `mount.fuse.birch IMAGE MNT [-o opts]`, as mount(8) calls it.
+pub fn helper_main(args: &[String]) -> ExitCode {
+    let mut positional = Vec::new();
+    let mut options = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "-o" => {
+                if let Some(o) = it.next() {
+                    options.push(o.clone());
+                }
+            }
+            "-n" | "-v" | "-s" | "-f" => {}
+            s if s.starts_with("-o") => options.push(s[2..].to_string()),
+            s => positional.push(s.to_string()),
+        }
+    }
+    let [image, mountpoint] = positional.as_slice() else {
+        eprintln!("usage: mount.fuse.birch IMAGE MOUNTPOINT [-o options]");
+        return ExitCode::from(2);
+    };
+    if options.iter().flat_map(|o| o.split(',')).any(|o| o == "remount") {
+        return fail("remount of a birch mount is not supported yet: unmount and mount again");
+    }
+    mount_main(Path::new(image), Path::new(mountpoint), &options, false)
+}
