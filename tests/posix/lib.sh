@@ -262,6 +262,7 @@ mount_target() {
       log "mounted birch $img at $mnt${opts:+ (${opts[*]})}"
       ;;
   esac
+  # shellcheck disable=SC2034  # read by the scripts that source this file
   MOUNTED_AT=$mnt
 }
 

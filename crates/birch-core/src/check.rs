@@ -140,7 +140,7 @@ pub fn check(device: &dyn BlockDevice, options: CheckOptions) -> Result<Report> 
     let mut items: Vec<(Key, Vec<u8>)> = Vec::new();
     walk_tree(device, &sb, &mut report, &mut used, &mut items);
     // The walk visits leaves depth-first from a stack; the item passes want key order.
-    items.sort_by(|a, b| a.0.cmp(&b.0));
+    items.sort_by_key(|a| a.0);
     report.items = items.len() as u64;
     check_items(device, &sb, &items, &mut used, options, &mut report);
     report.superblock = Some(sb);

@@ -81,7 +81,7 @@ impl Delta {
                     .map(|(k, v)| (*k, v.clone())),
             );
         }
-        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out.sort_by_key(|a| a.0);
         out
     }
 

@@ -38,21 +38,13 @@ use crate::error::{Error, Result};
 const OBJECTID_BATCH: u64 = 64;
 
 /// Options of a new image.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct MkfsOptions {
     pub label: String,
     /// Bytes of the fsync log area; 0 picks 1/64 of the device, between 4 and 128 MiB.
     pub log_bytes: u64,
 }
 
-impl Default for MkfsOptions {
-    fn default() -> Self {
-        MkfsOptions {
-            label: String::new(),
-            log_bytes: 0,
-        }
-    }
-}
 
 /// Space released when the snapshot that could still read it is dropped.
 struct ReleaseOnDrop {

@@ -1,6 +1,8 @@
 //! The thin end-to-end slice in the library: mkfs, create, write, read, commit, reopen, fsck.
 //! Proves that data and names survive a reopen and that fsck finds nothing to report.
 
+#![allow(clippy::expect_used)]
+
 use std::sync::Arc;
 
 use birch_core::check::{check, CheckOptions};

@@ -16,8 +16,10 @@ use birch_core::vfs::{Attr, Caller, FileKind, SetAttr, SetTime};
 use birch_core::{Error, Filesystem};
 use birch_format::items::Timespec;
 use fuser::{
-    Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request,
-    TimeOrNow, WriteFlags,
+    Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags,
+    KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
+    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs,
+    ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 
 /// Adapter settings.
@@ -29,7 +31,9 @@ pub struct FuseOptions {
 
 impl Default for FuseOptions {
     fn default() -> Self {
-        FuseOptions { ttl: Duration::from_secs(1) }
+        FuseOptions {
+            ttl: Duration::from_secs(1),
+        }
     }
 }
 
@@ -48,7 +52,15 @@ impl BirchFuse {
 fn errno(op: &str, e: &Error) -> Errno {
     let code = e.errno();
     match code {
-        libc::ENOENT | libc::EEXIST | libc::ENOTEMPTY | libc::ENODATA | libc::ENAMETOOLONG | libc::ENOTDIR | libc::EISDIR | libc::ERANGE | libc::ENXIO => log::debug!("{op}: {e}"),
+        libc::ENOENT
+        | libc::EEXIST
+        | libc::ENOTEMPTY
+        | libc::ENODATA
+        | libc::ENAMETOOLONG
+        | libc::ENOTDIR
+        | libc::EISDIR
+        | libc::ERANGE
+        | libc::ENXIO => log::debug!("{op}: {e}"),
         _ => log::warn!("{op}: {e}"),
     }
     Errno::from_i32(code)
@@ -58,16 +70,24 @@ fn system_time(t: Timespec) -> SystemTime {
     if t.sec >= 0 {
         UNIX_EPOCH + Duration::new(t.sec as u64, t.nsec)
     } else {
-        UNIX_EPOCH - Duration::from_secs(t.sec.unsigned_abs()) + Duration::from_nanos(u64::from(t.nsec))
+        UNIX_EPOCH - Duration::from_secs(t.sec.unsigned_abs())
+            + Duration::from_nanos(u64::from(t.nsec))
     }
 }
 
 fn timespec(t: SystemTime) -> Timespec {
     match t.duration_since(UNIX_EPOCH) {
-        Ok(d) => Timespec { sec: d.as_secs() as i64, nsec: d.subsec_nanos() },
+        Ok(d) => Timespec {
+            sec: d.as_secs() as i64,
+            nsec: d.subsec_nanos(),
+        },
         Err(e) => {
             let d = e.duration();
-            let (sec, nsec) = if d.subsec_nanos() == 0 { (-(d.as_secs() as i64), 0) } else { (-(d.as_secs() as i64) - 1, 1_000_000_000 - d.subsec_nanos()) };
+            let (sec, nsec) = if d.subsec_nanos() == 0 {
+                (-(d.as_secs() as i64), 0)
+            } else {
+                (-(d.as_secs() as i64) - 1, 1_000_000_000 - d.subsec_nanos())
+            };
             Timespec { sec, nsec }
         }
     }
@@ -106,7 +126,10 @@ fn file_attr(a: &Attr) -> FileAttr {
 }
 
 fn caller(req: &Request) -> Caller {
-    Caller { uid: req.uid(), gid: req.gid() }
+    Caller {
+        uid: req.uid(),
+        gid: req.gid(),
+    }
 }
 
 fn set_time(t: TimeOrNow) -> SetTime {
@@ -128,7 +151,9 @@ fn open_reply_flags(flags: i32) -> FopenFlags {
 
 impl fuser::Filesystem for BirchFuse {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        let wanted = InitFlags::FUSE_EXPORT_SUPPORT | InitFlags::FUSE_PARALLEL_DIROPS | InitFlags::FUSE_DO_READDIRPLUS;
+        let wanted = InitFlags::FUSE_EXPORT_SUPPORT
+            | InitFlags::FUSE_PARALLEL_DIROPS
+            | InitFlags::FUSE_DO_READDIRPLUS;
         let supported = wanted & config.capabilities();
         if let Err(missing) = config.add_capabilities(supported) {
             log::warn!("kernel refused capabilities {missing:?}");
@@ -180,7 +205,15 @@ impl fuser::Filesystem for BirchFuse {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        let set = SetAttr { mode, uid, gid, size, atime: atime.map(set_time), mtime: mtime.map(set_time), ctime: ctime.map(timespec) };
+        let set = SetAttr {
+            mode,
+            uid,
+            gid,
+            size,
+            atime: atime.map(set_time),
+            mtime: mtime.map(set_time),
+            ctime: ctime.map(timespec),
+        };
         match self.fs.setattr(ino.0, &set) {
             Ok(a) => reply.attr(&self.options.ttl, &file_attr(&a)),
             Err(e) => reply.error(errno("setattr", &e)),
@@ -194,14 +227,37 @@ impl fuser::Filesystem for BirchFuse {
         }
     }
 
-    fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, _umask: u32, rdev: u32, reply: ReplyEntry) {
-        match self.fs.mknod(caller(req), parent.0, name.as_bytes(), mode, u64::from(rdev)) {
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        match self.fs.mknod(
+            caller(req),
+            parent.0,
+            name.as_bytes(),
+            mode,
+            u64::from(rdev),
+        ) {
             Ok(a) => reply.entry(&self.options.ttl, &file_attr(&a), Generation(a.generation)),
             Err(e) => reply.error(errno("mknod", &e)),
         }
     }
 
-    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, _umask: u32, reply: ReplyEntry) {
+    fn mkdir(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        reply: ReplyEntry,
+    ) {
         match self.fs.mkdir(caller(req), parent.0, name.as_bytes(), mode) {
             Ok(a) => reply.entry(&self.options.ttl, &file_attr(&a), Generation(a.generation)),
             Err(e) => reply.error(errno("mkdir", &e)),
@@ -222,21 +278,55 @@ impl fuser::Filesystem for BirchFuse {
         }
     }
 
-    fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
-        match self.fs.symlink(caller(req), parent.0, link_name.as_bytes(), target.as_os_str().as_bytes()) {
+    fn symlink(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &Path,
+        reply: ReplyEntry,
+    ) {
+        match self.fs.symlink(
+            caller(req),
+            parent.0,
+            link_name.as_bytes(),
+            target.as_os_str().as_bytes(),
+        ) {
             Ok(a) => reply.entry(&self.options.ttl, &file_attr(&a), Generation(a.generation)),
             Err(e) => reply.error(errno("symlink", &e)),
         }
     }
 
-    fn rename(&self, _req: &Request, parent: INodeNo, name: &OsStr, newparent: INodeNo, newname: &OsStr, flags: RenameFlags, reply: ReplyEmpty) {
-        match self.fs.rename(parent.0, name.as_bytes(), newparent.0, newname.as_bytes(), flags.bits()) {
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        match self.fs.rename(
+            parent.0,
+            name.as_bytes(),
+            newparent.0,
+            newname.as_bytes(),
+            flags.bits(),
+        ) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("rename", &e)),
         }
     }
 
-    fn link(&self, _req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
+    fn link(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
         match self.fs.link(ino.0, newparent.0, newname.as_bytes()) {
             Ok(a) => reply.entry(&self.options.ttl, &file_attr(&a), Generation(a.generation)),
             Err(e) => reply.error(errno("link", &e)),
@@ -250,19 +340,41 @@ impl fuser::Filesystem for BirchFuse {
         }
     }
 
-    fn read(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, size: u32, _flags: OpenFlags, _lock: Option<LockOwner>, reply: ReplyData) {
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
         match self.fs.read(ino.0, offset, size as usize) {
             Ok(data) => reply.data(&data),
             Err(e) => reply.error(errno("read", &e)),
         }
     }
 
-    fn write(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, data: &[u8], _write_flags: WriteFlags, flags: OpenFlags, _lock: Option<LockOwner>, reply: ReplyWrite) {
+    fn write(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        flags: OpenFlags,
+        _lock: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
         let append = flags.0 & libc::O_APPEND != 0;
         let result = self.fs.write(ino.0, offset, data, append).and_then(|n| {
             if flags.0 & libc::O_DIRECT != 0 && flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0 {
                 // Direct handles get no FSYNC after an O_SYNC write: durable before the reply.
-                self.fs.fsync(ino.0, flags.0 & libc::O_SYNC != libc::O_SYNC)?;
+                self.fs
+                    .fsync(ino.0, flags.0 & libc::O_SYNC != libc::O_SYNC)?;
             }
             Ok(n)
         });
@@ -272,19 +384,42 @@ impl fuser::Filesystem for BirchFuse {
         }
     }
 
-    fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock: LockOwner, reply: ReplyEmpty) {
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock: LockOwner,
+        reply: ReplyEmpty,
+    ) {
         // Sent on every close(2): no I/O here.
         reply.ok();
     }
 
-    fn release(&self, _req: &Request, ino: INodeNo, fh: FileHandle, _flags: OpenFlags, _lock: Option<LockOwner>, _flush: bool, reply: ReplyEmpty) {
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
         match self.fs.release(ino.0, fh.0) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("release", &e)),
         }
     }
 
-    fn fsync(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, datasync: bool, reply: ReplyEmpty) {
+    fn fsync(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        datasync: bool,
+        reply: ReplyEmpty,
+    ) {
         match self.fs.fsync(ino.0, datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("fsync", &e)),
@@ -299,11 +434,23 @@ impl fuser::Filesystem for BirchFuse {
         }
     }
 
-    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
         match self.fs.readdir(ino.0, offset, 512) {
             Ok(entries) => {
                 for e in entries {
-                    if reply.add(INodeNo(e.ino), e.next_offset, file_type(e.kind), OsStr::from_bytes(&e.name)) {
+                    if reply.add(
+                        INodeNo(e.ino),
+                        e.next_offset,
+                        file_type(e.kind),
+                        OsStr::from_bytes(&e.name),
+                    ) {
                         break;
                     }
                 }
@@ -313,14 +460,32 @@ impl fuser::Filesystem for BirchFuse {
         }
     }
 
-    fn readdirplus(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectoryPlus) {
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
         match self.fs.readdir(ino.0, offset, 256) {
             Ok(entries) => {
                 for e in entries {
                     // Entries other than "." and ".." count as lookups the kernel later forgets.
-                    let attr = if e.name == b"." || e.name == b".." { self.fs.getattr(e.ino) } else { self.fs.lookup(ino.0, &e.name) };
+                    let attr = if e.name == b"." || e.name == b".." {
+                        self.fs.getattr(e.ino)
+                    } else {
+                        self.fs.lookup(ino.0, &e.name)
+                    };
                     let Ok(a) = attr else { continue };
-                    if reply.add(INodeNo(e.ino), e.next_offset, OsStr::from_bytes(&e.name), &self.options.ttl, &file_attr(&a), Generation(a.generation)) {
+                    if reply.add(
+                        INodeNo(e.ino),
+                        e.next_offset,
+                        OsStr::from_bytes(&e.name),
+                        &self.options.ttl,
+                        &file_attr(&a),
+                        Generation(a.generation),
+                    ) {
                         if e.name != b"." && e.name != b".." {
                             self.fs.forget(e.ino, 1);
                         }
@@ -333,7 +498,14 @@ impl fuser::Filesystem for BirchFuse {
         }
     }
 
-    fn fsyncdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, datasync: bool, reply: ReplyEmpty) {
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        datasync: bool,
+        reply: ReplyEmpty,
+    ) {
         match self.fs.fsync(ino.0, datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("fsyncdir", &e)),
@@ -342,10 +514,21 @@ impl fuser::Filesystem for BirchFuse {
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
         let s = self.fs.statfs();
-        reply.statfs(s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.frsize);
+        reply.statfs(
+            s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.frsize,
+        );
     }
 
-    fn setxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, value: &[u8], flags: i32, _position: u32, reply: ReplyEmpty) {
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
         match self.fs.setxattr(ino.0, name.as_bytes(), value, flags) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("setxattr", &e)),
@@ -373,21 +556,56 @@ impl fuser::Filesystem for BirchFuse {
         }
     }
 
-    fn create(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, _umask: u32, flags: i32, reply: ReplyCreate) {
-        match self.fs.create(caller(req), parent.0, name.as_bytes(), mode, flags) {
-            Ok((a, fh)) => reply.created(&self.options.ttl, &file_attr(&a), Generation(a.generation), FileHandle(fh), open_reply_flags(flags)),
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        match self
+            .fs
+            .create(caller(req), parent.0, name.as_bytes(), mode, flags)
+        {
+            Ok((a, fh)) => reply.created(
+                &self.options.ttl,
+                &file_attr(&a),
+                Generation(a.generation),
+                FileHandle(fh),
+                open_reply_flags(flags),
+            ),
             Err(e) => reply.error(errno("create", &e)),
         }
     }
 
-    fn fallocate(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, length: u64, mode: i32, reply: ReplyEmpty) {
+    fn fallocate(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
         match self.fs.fallocate(ino.0, offset, length, mode) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("fallocate", &e)),
         }
     }
 
-    fn lseek(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: i64, whence: i32, reply: ReplyLseek) {
+    fn lseek(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: i64,
+        whence: i32,
+        reply: ReplyLseek,
+    ) {
         let Ok(offset) = u64::try_from(offset) else {
             reply.error(Errno::EINVAL);
             return;

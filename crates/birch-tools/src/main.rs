@@ -22,7 +22,12 @@ use birch_format::{ItemType, Key, FS_TREE_ID, NODE_SIZE};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "birch", version, about = "birchfs: a copy-on-write B-tree filesystem in userspace", after_help = "Exit codes: 0 success, 1 operation failed, 2 usage error; fsck: 0 clean, 4 errors found, 8 operational error.")]
+#[command(
+    name = "birch",
+    version,
+    about = "birchfs: a copy-on-write B-tree filesystem in userspace",
+    after_help = "Exit codes: 0 success, 1 operation failed, 2 usage error; fsck: 0 clean, 4 errors found, 8 operational error."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -83,7 +88,10 @@ enum Command {
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let argv0 = std::env::args().next().unwrap_or_default();
-    let name = Path::new(&argv0).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = Path::new(&argv0)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let mut args: Vec<String> = std::env::args().collect();
     match name.as_str() {
         "mkfs.birch" => args.insert(1, "mkfs".into()),
@@ -95,15 +103,34 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => {
             let _ = e.print();
-            return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+            return if e.use_stderr() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
         }
     };
     match cli.command {
-        Command::Mkfs { size, label, force, image } => mkfs(&image, size.as_deref(), label, force),
-        Command::Mount { image, mountpoint, options, foreground } => mount::mount_main(&image, &mountpoint, &options, foreground),
+        Command::Mkfs {
+            size,
+            label,
+            force,
+            image,
+        } => mkfs(&image, size.as_deref(), label, force),
+        Command::Mount {
+            image,
+            mountpoint,
+            options,
+            foreground,
+        } => mount::mount_main(&image, &mountpoint, &options, foreground),
         Command::Umount { mountpoint } => mount::umount(&mountpoint),
         Command::Sync { mountpoint } => sync(&mountpoint),
-        Command::Fsck { image, data, force, auto: _ } => fsck(&image, data, force),
+        Command::Fsck {
+            image,
+            data,
+            force,
+            auto: _,
+        } => fsck(&image, data, force),
         Command::Inspect { image, what } => inspect(&image, &what),
     }
 }
@@ -116,9 +143,16 @@ fn fail(message: impl std::fmt::Display) -> ExitCode {
 /// Parses sizes like 1G, 512M, 4096.
 pub(crate) fn parse_size(text: &str) -> Option<u64> {
     let text = text.trim();
-    let (digits, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let (digits, unit) = text.split_at(
+        text.find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(text.len()),
+    );
     let n: u64 = digits.parse().ok()?;
-    let mult = match unit.trim_end_matches(['B', 'b', 'i']).to_ascii_uppercase().as_str() {
+    let mult = match unit
+        .trim_end_matches(['B', 'b', 'i'])
+        .to_ascii_uppercase()
+        .as_str()
+    {
         "" => 1,
         "K" => 1 << 10,
         "M" => 1 << 20,
@@ -152,19 +186,36 @@ fn existing_signature(path: &Path) -> Option<&'static str> {
 
 fn mkfs(image: &Path, size: Option<&str>, label: String, force: bool) -> ExitCode {
     let size = match size.map(parse_size) {
-        Some(None) => return fail(format!("--size {size:?}: not a size (examples: 1G, 512M, 65536)")),
+        Some(None) => {
+            return fail(format!(
+                "--size {size:?}: not a size (examples: 1G, 512M, 65536)"
+            ))
+        }
         Some(Some(s)) => Some(s),
         None => None,
     };
     if size.is_none() && !image.exists() {
-        return fail(format!("{}: does not exist; give --size to create an image file", image.display()));
+        return fail(format!(
+            "{}: does not exist; give --size to create an image file",
+            image.display()
+        ));
     }
     if image.exists() && !force {
         if let Some(kind) = existing_signature(image) {
-            return fail(format!("{}: holds a {kind} filesystem; use --force to overwrite it", image.display()));
+            return fail(format!(
+                "{}: holds a {kind} filesystem; use --force to overwrite it",
+                image.display()
+            ));
         }
     }
-    match Filesystem::mkfs_path(image, size, &MkfsOptions { label, log_bytes: 0 }) {
+    match Filesystem::mkfs_path(
+        image,
+        size,
+        &MkfsOptions {
+            label,
+            log_bytes: 0,
+        },
+    ) {
         Ok(()) => {
             println!("birch: made a birchfs filesystem on {}", image.display());
             ExitCode::SUCCESS
@@ -182,7 +233,11 @@ fn sync(mountpoint: &Path) -> ExitCode {
 }
 
 fn fsck(image: &Path, data: bool, force: bool) -> ExitCode {
-    let mode = if force { OpenMode::ReadOnlyUnlocked } else { OpenMode::ReadOnly };
+    let mode = if force {
+        OpenMode::ReadOnlyUnlocked
+    } else {
+        OpenMode::ReadOnly
+    };
     let device = match FileDevice::open(image, mode) {
         Ok(d) => d,
         Err(e) => {
@@ -222,16 +277,34 @@ fn inspect(image: &Path, what: &[String]) -> ExitCode {
     for note in notes {
         eprintln!("note: {note}");
     }
-    let read_node = |addr: u64, generation: Option<u64>, level: Option<u8>| -> Result<Node, String> {
-        let mut bytes = vec![0u8; NODE_SIZE];
-        device.read_at(&mut bytes, addr).map_err(|e| format!("read {addr:#x}: {e}"))?;
-        let generation = match generation {
-            Some(g) => g,
-            None => u64::from_le_bytes(bytes[32..40].try_into().map_err(|_| "short node")?),
+    let read_node =
+        |addr: u64, generation: Option<u64>, level: Option<u8>| -> Result<Node, String> {
+            let mut bytes = vec![0u8; NODE_SIZE];
+            device
+                .read_at(&mut bytes, addr)
+                .map_err(|e| format!("read {addr:#x}: {e}"))?;
+            let generation = match generation {
+                Some(g) => g,
+                None => u64::from_le_bytes(bytes[32..40].try_into().map_err(|_| "short node")?),
+            };
+            Node::decode(
+                &bytes,
+                &Expect {
+                    fsid: sb.fsid,
+                    addr,
+                    generation,
+                    owner: FS_TREE_ID,
+                    level,
+                },
+            )
+            .map_err(|e| e.to_string())
         };
-        Node::decode(&bytes, &Expect { fsid: sb.fsid, addr, generation, owner: FS_TREE_ID, level }).map_err(|e| e.to_string())
-    };
-    match what.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
+    match what
+        .iter()
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .as_slice()
+    {
         ["super"] | [] => println!("{sb}"),
         ["tree", "fs"] | ["tree"] => {
             let mut stack = vec![(sb.fs_root.addr, sb.fs_root.generation, sb.fs_root.level)];
@@ -240,7 +313,9 @@ fn inspect(image: &Path, what: &[String]) -> ExitCode {
                     Ok(node) => {
                         print!("{node}");
                         if let birch_format::node::NodeBody::Internal(ptrs) = &node.body {
-                            stack.extend(ptrs.iter().rev().map(|p| (p.addr, p.generation, level - 1)));
+                            stack.extend(
+                                ptrs.iter().rev().map(|p| (p.addr, p.generation, level - 1)),
+                            );
                         }
                     }
                     Err(e) => println!("node {addr:#x}: {e}"),
@@ -248,26 +323,51 @@ fn inspect(image: &Path, what: &[String]) -> ExitCode {
             }
         }
         ["node", addr] => {
-            let parsed = if let Some(hex) = addr.strip_prefix("0x") { u64::from_str_radix(hex, 16).ok() } else { addr.parse().ok() };
-            let Some(addr) = parsed else { return fail(format!("node address {addr:?}: not a number")) };
+            let parsed = if let Some(hex) = addr.strip_prefix("0x") {
+                u64::from_str_radix(hex, 16).ok()
+            } else {
+                addr.parse().ok()
+            };
+            let Some(addr) = parsed else {
+                return fail(format!("node address {addr:?}: not a number"));
+            };
             match read_node(addr, None, None) {
                 Ok(node) => print!("{node}"),
                 Err(e) => return fail(e),
             }
         }
         ["inode", ino] => {
-            let Ok(ino) = ino.parse::<u64>() else { return fail(format!("inode {ino:?}: not a number")) };
-            let fs = match Filesystem::open_device(device.clone(), birch_core::OpenOptions { commit_interval: None, read_only: true, wait_for_lock: false }) {
+            let Ok(ino) = ino.parse::<u64>() else {
+                return fail(format!("inode {ino:?}: not a number"));
+            };
+            let fs = match Filesystem::open_device(
+                device.clone(),
+                birch_core::OpenOptions {
+                    commit_interval: None,
+                    read_only: true,
+                    wait_for_lock: false,
+                },
+            ) {
                 Ok(fs) => fs,
                 Err(e) => return fail(e),
             };
-            let lo = Key { objectid: ino, item_type: 0, offset: 0 };
-            let hi = Key { objectid: ino + 1, item_type: 0, offset: 0 };
+            let lo = Key {
+                objectid: ino,
+                item_type: 0,
+                offset: 0,
+            };
+            let hi = Key {
+                objectid: ino + 1,
+                item_type: 0,
+                offset: 0,
+            };
             match fs.engine().range(&lo, &hi, usize::MAX) {
                 Ok(items) if items.is_empty() => return fail(format!("inode {ino}: no items")),
                 Ok(items) => {
                     for (key, value) in items {
-                        let shown = key.kind().and_then(|k| birch_format::items::Item::decode(k, &value).ok());
+                        let shown = key
+                            .kind()
+                            .and_then(|k| birch_format::items::Item::decode(k, &value).ok());
                         match shown {
                             Some(item) => println!("{key} {item}"),
                             None => println!("{key} ({} bytes, undecodable)", value.len()),
@@ -278,7 +378,11 @@ fn inspect(image: &Path, what: &[String]) -> ExitCode {
             }
             let _ = ItemType::InodeItem;
         }
-        other => return fail(format!("inspect {other:?}: expected super, tree fs, node ADDR or inode N")),
+        other => {
+            return fail(format!(
+                "inspect {other:?}: expected super, tree fs, node ADDR or inode N"
+            ))
+        }
     }
     ExitCode::SUCCESS
 }

@@ -24,10 +24,28 @@ struct MountConfig {
 }
 
 fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
-    let mut c = MountConfig { read_only: false, allow_other: false, commit_secs: 5, threads: 4, ttl_secs: 1.0, vfs: Vec::new() };
-    for opt in raw.iter().flat_map(|o| o.split(',')).map(str::trim).filter(|o| !o.is_empty()) {
-        let (key, value) = opt.split_once('=').map_or((opt, None), |(k, v)| (k, Some(v)));
-        let number = |v: Option<&str>| v.and_then(|v| v.parse::<f64>().ok()).filter(|n| *n >= 0.0).ok_or_else(|| format!("option {opt}: needs a non-negative number"));
+    let mut c = MountConfig {
+        read_only: false,
+        allow_other: false,
+        commit_secs: 5,
+        threads: 4,
+        ttl_secs: 1.0,
+        vfs: Vec::new(),
+    };
+    for opt in raw
+        .iter()
+        .flat_map(|o| o.split(','))
+        .map(str::trim)
+        .filter(|o| !o.is_empty())
+    {
+        let (key, value) = opt
+            .split_once('=')
+            .map_or((opt, None), |(k, v)| (k, Some(v)));
+        let number = |v: Option<&str>| {
+            v.and_then(|v| v.parse::<f64>().ok())
+                .filter(|n| *n >= 0.0)
+                .ok_or_else(|| format!("option {opt}: needs a non-negative number"))
+        };
         match key {
             "ro" => c.read_only = true,
             "rw" => c.read_only = false,
@@ -35,11 +53,16 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
             "commit" => c.commit_secs = number(value)? as u64,
             "threads" => c.threads = (number(value)? as usize).clamp(1, 64),
             "ttl" | "attr_timeout" | "entry_timeout" => c.ttl_secs = number(value)?,
-            "fsync" => match value {
-                Some("commit") => {}
-                Some("log") => return Err("option fsync=log: the fsync log is not implemented yet; use fsync=commit".into()),
-                _ => return Err(format!("option {opt}: expected fsync=commit")),
-            },
+            "fsync" => {
+                match value {
+                    Some("commit") => {}
+                    Some("log") => return Err(
+                        "option fsync=log: the fsync log is not implemented yet; use fsync=commit"
+                            .into(),
+                    ),
+                    _ => return Err(format!("option {opt}: expected fsync=commit")),
+                }
+            }
             "writeback" => match value {
                 Some("off") => {}
                 _ => return Err(format!("option {opt}: only writeback=off is available")),
@@ -52,9 +75,22 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
             "suid" => c.vfs.push(MountOption::Suid),
             "noexec" => c.vfs.push(MountOption::NoExec),
             "exec" => c.vfs.push(MountOption::Exec),
-            "defaults" | "_netdev" | "auto" | "noauto" | "user" | "nouser" | "users" | "nofail" | "async" | "default_permissions" => {}
+            "defaults"
+            | "_netdev"
+            | "auto"
+            | "noauto"
+            | "user"
+            | "nouser"
+            | "users"
+            | "nofail"
+            | "async"
+            | "default_permissions" => {}
             "fsname" | "subtype" => {}
-            other => return Err(format!("unknown mount option {other:?} (see birch mount --help)")),
+            other => {
+                return Err(format!(
+                    "unknown mount option {other:?} (see birch mount --help)"
+                ))
+            }
         }
     }
     Ok(c)
@@ -70,8 +106,12 @@ fn mounted_source(mountpoint: &Path) -> Option<String> {
     let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
     for line in info.lines() {
         let fields: Vec<&str> = line.split(' ').collect();
-        let Some(dash) = fields.iter().position(|f| *f == "-") else { continue };
-        if fields.get(4).map(|m| unescape(m)) == Some(target.to_string_lossy().into_owned()) && fields.get(dash + 1).is_some_and(|t| t.starts_with("fuse")) {
+        let Some(dash) = fields.iter().position(|f| *f == "-") else {
+            continue;
+        };
+        if fields.get(4).map(|m| unescape(m)) == Some(target.to_string_lossy().into_owned())
+            && fields.get(dash + 1).is_some_and(|t| t.starts_with("fuse"))
+        {
             return fields.get(dash + 2).map(|s| unescape(s));
         }
     }
@@ -79,23 +119,41 @@ fn mounted_source(mountpoint: &Path) -> Option<String> {
 }
 
 fn unescape(s: &str) -> String {
-    s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+    s.replace("\\040", " ")
+        .replace("\\011", "\t")
+        .replace("\\012", "\n")
+        .replace("\\134", "\\")
 }
 
 fn preflight(image: &Path, mountpoint: &Path) -> Result<(), String> {
     match std::fs::metadata(mountpoint) {
-        Err(_) => return Err(format!("{}: mountpoint does not exist", mountpoint.display())),
-        Ok(m) if !m.is_dir() => return Err(format!("{}: mountpoint is not a directory", mountpoint.display())),
+        Err(_) => {
+            return Err(format!(
+                "{}: mountpoint does not exist",
+                mountpoint.display()
+            ))
+        }
+        Ok(m) if !m.is_dir() => {
+            return Err(format!(
+                "{}: mountpoint is not a directory",
+                mountpoint.display()
+            ))
+        }
         Ok(_) => {}
     }
     if !image.exists() {
         return Err(format!("{}: image does not exist", image.display()));
     }
     if !Path::new("/dev/fuse").exists() {
-        return Err("/dev/fuse is missing: load the fuse module (modprobe fuse) or install fuse3".into());
+        return Err(
+            "/dev/fuse is missing: load the fuse module (modprobe fuse) or install fuse3".into(),
+        );
     }
     if mounted_source(mountpoint).is_some() {
-        return Err(format!("{}: something is already mounted there", mountpoint.display()));
+        return Err(format!(
+            "{}: something is already mounted there",
+            mountpoint.display()
+        ));
     }
     Ok(())
 }
@@ -131,7 +189,10 @@ fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String]) -> ExitCode {
         cmd.arg("-o").arg(o);
     }
     use std::os::unix::process::CommandExt;
-    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::from(log)).process_group(0);
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log))
+        .process_group(0);
     let mut child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => return fail(format!("cannot start the mount daemon: {e}")),
@@ -146,10 +207,16 @@ fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String]) -> ExitCode {
             let text = std::fs::read_to_string(&log_path).unwrap_or_default();
             let _ = std::fs::remove_file(&log_path);
             eprint!("{text}");
-            return fail(format!("mount daemon exited ({status}) before the mount was live"));
+            return fail(format!(
+                "mount daemon exited ({status}) before the mount was live"
+            ));
         }
         if started.elapsed() > Duration::from_secs(120) {
-            return fail(format!("mount of {} did not come up in 120 s; daemon log: {}", image.display(), log_path.display()));
+            return fail(format!(
+                "mount of {} did not come up in 120 s; daemon log: {}",
+                image.display(),
+                log_path.display()
+            ));
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -158,23 +225,50 @@ fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String]) -> ExitCode {
 /// Runs the filesystem in this process until unmount or SIGTERM/SIGINT/SIGHUP.
 fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
     block_signals();
-    let options = OpenOptions { commit_interval: (config.commit_secs > 0).then(|| Duration::from_secs(config.commit_secs)), read_only: config.read_only, wait_for_lock: true };
+    let options = OpenOptions {
+        commit_interval: (config.commit_secs > 0).then(|| Duration::from_secs(config.commit_secs)),
+        read_only: config.read_only,
+        wait_for_lock: true,
+    };
     let fs = match Filesystem::open(image, options) {
         Ok(fs) => Arc::new(fs),
         Err(e) => return fail(format!("{}: {e}", image.display())),
     };
-    let mut mount_options = vec![MountOption::FSName(canonical(image).to_string_lossy().into_owned()), MountOption::Subtype("birch".into()), MountOption::DefaultPermissions];
-    mount_options.push(if config.read_only { MountOption::RO } else { MountOption::RW });
+    let mut mount_options = vec![
+        MountOption::FSName(canonical(image).to_string_lossy().into_owned()),
+        MountOption::Subtype("birch".into()),
+        MountOption::DefaultPermissions,
+    ];
+    mount_options.push(if config.read_only {
+        MountOption::RO
+    } else {
+        MountOption::RW
+    });
     mount_options.extend(config.vfs.iter().cloned());
     let mut fuse_config = Config::default();
     fuse_config.mount_options = mount_options;
-    fuse_config.acl = if config.allow_other { SessionACL::All } else { SessionACL::Owner };
+    fuse_config.acl = if config.allow_other {
+        SessionACL::All
+    } else {
+        SessionACL::Owner
+    };
     fuse_config.n_threads = Some(config.threads);
     fuse_config.clone_fd = true;
-    let adapter = BirchFuse::new(fs.clone(), FuseOptions { ttl: Duration::from_secs_f64(config.ttl_secs) });
+    let adapter = BirchFuse::new(
+        fs.clone(),
+        FuseOptions {
+            ttl: Duration::from_secs_f64(config.ttl_secs),
+        },
+    );
     let session = match fuser::Session::new(adapter, mountpoint, &fuse_config) {
         Ok(s) => s,
-        Err(e) => return fail(format!("mount {} on {}: {e}", image.display(), mountpoint.display())),
+        Err(e) => {
+            return fail(format!(
+                "mount {} on {}: {e}",
+                image.display(),
+                mountpoint.display()
+            ))
+        }
     };
     let target = canonical(mountpoint);
     std::thread::spawn(move || wait_for_signal_then_unmount(&target));
@@ -215,7 +309,9 @@ fn wait_for_signal_then_unmount(target: &Path) {
     // SAFETY: sigwait on a valid set with the signals blocked in every thread.
     unsafe { libc::sigwait(&set, &mut sig) };
     log::warn!("signal {sig}: unmounting {}", target.display());
-    let Ok(c) = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()) else { return };
+    let Ok(c) = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()) else {
+        return;
+    };
     // SAFETY: umount2 with a valid NUL-terminated path.
     let rc = unsafe { libc::umount2(c.as_ptr(), 0) };
     if rc != 0 {
@@ -230,7 +326,9 @@ pub fn umount(mountpoint: &Path) -> ExitCode {
         return fail(format!("{}: not a birch mount", mountpoint.display()));
     };
     let target = canonical(mountpoint);
-    let Ok(c) = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()) else { return fail("bad mountpoint path") };
+    let Ok(c) = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()) else {
+        return fail("bad mountpoint path");
+    };
     // SAFETY: umount2 with a valid NUL-terminated path.
     if unsafe { libc::umount2(c.as_ptr(), 0) } != 0 {
         let err = std::io::Error::last_os_error();
@@ -252,7 +350,10 @@ fn wait_for_release(image: &Path) -> ExitCode {
             Err(e) => return fail(format!("{}: {e}", image.display())),
         }
         if !told && started.elapsed() > Duration::from_secs(3) {
-            eprintln!("birch: waiting for the daemon to finish its final commit of {}", image.display());
+            eprintln!(
+                "birch: waiting for the daemon to finish its final commit of {}",
+                image.display()
+            );
             told = true;
         }
         if started.elapsed() > Duration::from_secs(300) {
@@ -283,7 +384,11 @@ pub fn helper_main(args: &[String]) -> ExitCode {
         eprintln!("usage: mount.fuse.birch IMAGE MOUNTPOINT [-o options]");
         return ExitCode::from(2);
     };
-    if options.iter().flat_map(|o| o.split(',')).any(|o| o == "remount") {
+    if options
+        .iter()
+        .flat_map(|o| o.split(','))
+        .any(|o| o == "remount")
+    {
         return fail("remount of a birch mount is not supported yet: unmount and mount again");
     }
     mount_main(Path::new(image), Path::new(mountpoint), &options, false)
