@@ -45,7 +45,6 @@ pub struct MkfsOptions {
     pub log_bytes: u64,
 }
 
-
 /// Space released when the snapshot that could still read it is dropped.
 struct ReleaseOnDrop {
     alloc: Arc<Allocator>,
@@ -549,7 +548,8 @@ impl Engine {
 
     /// Starts a mutation of the running transaction. Hold it only for in-memory work.
     pub fn begin(&self) -> Result<WriteTxn<'_>> {
-        let guard = self.gate.read();
+        // Recursive: an operation that holds [`Engine::hold`] records its items through here.
+        let guard = self.gate.read_recursive();
         if let Some(reason) = self.read_only.read().as_ref() {
             return Err(Error::ReadOnly(reason.clone()));
         }
@@ -557,6 +557,13 @@ impl Engine {
             engine: self,
             _guard: guard,
         })
+    }
+
+    /// Keeps every change of one multi-step operation (a write that allocates, writes data and
+    /// then records extents and the inode) in the same transaction: a commit cannot freeze the
+    /// delta between the steps. Data I/O may happen under it, never a flush or a commit.
+    pub fn hold(&self) -> Result<WriteTxn<'_>> {
+        self.begin()
     }
 
     /// Number of changed items waiting for commit.
@@ -592,7 +599,9 @@ impl Engine {
     pub fn commit(&self) -> Result<u64> {
         let _commit = self.commit_lock.lock();
         if let Some(reason) = self.read_only.read().clone() {
-            if self.active.is_empty() {
+            // A read-only mount has nothing to commit; after a failure, nothing is durable
+            // that was not already, and callers (fsync) must hear so.
+            if self.active.is_empty() && reason.starts_with("mounted read-only") {
                 return Ok(self.committed_generation());
             }
             return Err(Error::ReadOnly(reason));

@@ -118,6 +118,24 @@ fn mounted_source(mountpoint: &Path) -> Option<String> {
     None
 }
 
+/// The mountpoint of a FUSE mount whose source is `image`, if any.
+fn mount_of_source(image: &Path) -> Option<String> {
+    let want = image.to_string_lossy().into_owned();
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    for line in info.lines() {
+        let fields: Vec<&str> = line.split(' ').collect();
+        let Some(dash) = fields.iter().position(|f| *f == "-") else {
+            continue;
+        };
+        if fields.get(dash + 1).is_some_and(|t| t.starts_with("fuse"))
+            && fields.get(dash + 2).map(|s| unescape(s)) == Some(want.clone())
+        {
+            return fields.get(4).map(|m| unescape(m));
+        }
+    }
+    None
+}
+
 fn unescape(s: &str) -> String {
     s.replace("\\040", " ")
         .replace("\\011", "\t")
@@ -154,6 +172,15 @@ fn preflight(image: &Path, mountpoint: &Path) -> Result<(), String> {
             "{}: something is already mounted there",
             mountpoint.display()
         ));
+    }
+    // A live mount of this image is an error; a daemon still finishing its final commit after
+    // an unmount is waited for (the image lock), so an immediate remount works.
+    if let Some(at) = mount_of_source(&canonical(image)) {
+        let who = match FileDevice::open(image, OpenMode::ReadOnly) {
+            Err(e) => e.to_string(),
+            Ok(_) => format!("{}: image is in use", image.display()),
+        };
+        return Err(format!("{who}; it is mounted at {at}"));
     }
     Ok(())
 }

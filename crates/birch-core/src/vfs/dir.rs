@@ -195,6 +195,7 @@ impl Filesystem {
         };
         let state = self.insert_inode(ino, item);
         let mut c = state.data.write();
+        let _op = self.inner.engine.hold()?;
         if let Some(target) = symlink {
             self.write_locked(ino, &mut c, 0, target)?;
             c.item.mtime = t;
@@ -234,6 +235,7 @@ impl Filesystem {
             );
             txn.put(inode_ref_key(ino, parent, name), encode_inode_refs(&refs));
         }
+        drop(_op);
         self.remember(&state);
         let attr = attr_of(ino, &c.item);
         drop(c);

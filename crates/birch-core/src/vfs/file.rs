@@ -202,8 +202,13 @@ impl Filesystem {
 
     /// Writes `bytes` at `offset` (or at the end with `append`); returns bytes written.
     pub fn write(&self, ino: u64, offset: u64, bytes: &[u8], append: bool) -> Result<u32> {
+        self.retry_on_full(|| self.write_once(ino, offset, bytes, append))
+    }
+
+    fn write_once(&self, ino: u64, offset: u64, bytes: &[u8], append: bool) -> Result<u32> {
         let state = self.inode(ino)?;
         let mut data = state.data.write();
+        let _op = self.inner.engine.hold()?;
         if data.item.mode & libc::S_IFMT == libc::S_IFDIR {
             return Err(Error::IsDir(format!("write to dir {ino}")));
         }
@@ -213,6 +218,7 @@ impl Filesystem {
         data.item.mtime = t;
         data.item.ctime = t;
         self.store_inode(ino, &mut data)?;
+        drop(_op);
         drop(data);
         self.maybe_commit();
         Ok(bytes.len() as u32)
@@ -409,12 +415,19 @@ impl Filesystem {
 
     /// Allocates data space; on ENOSPC commits once (freed space is pinned until a commit)
     /// and retries before the caller sees the error.
+    /// (The commit-and-retry on ENOSPC happens at the top of each operation, with no lock
+    /// held: see [`Filesystem::retry_on_full`].)
     fn allocate_with_retry(&self, want: u64) -> Result<(u64, u64)> {
-        match self.inner.engine.allocate_data(1, want) {
+        self.inner.engine.allocate_data(1, want)
+    }
+
+    /// Runs an operation; on ENOSPC commits once (space freed earlier is pinned until a
+    /// commit is durable) and retries before the caller sees the error.
+    fn retry_on_full<T>(&self, mut op: impl FnMut() -> Result<T>) -> Result<T> {
+        match op() {
             Err(Error::NoSpace(_)) => {
-                // Pinned space comes back only after the commit that freed it is durable.
-                let _ = self.inner.engine.commit();
-                self.inner.engine.allocate_data(1, want)
+                self.inner.engine.commit()?;
+                op()
             }
             other => other,
         }
@@ -561,8 +574,13 @@ impl Filesystem {
 
     /// setattr: mode, owner, size, times. ctime moves on every change.
     pub fn setattr(&self, ino: u64, set: &SetAttr) -> Result<Attr> {
+        self.retry_on_full(|| self.setattr_once(ino, set))
+    }
+
+    fn setattr_once(&self, ino: u64, set: &SetAttr) -> Result<Attr> {
         let state = self.inode(ino)?;
         let mut data = state.data.write();
+        let _op = self.inner.engine.hold()?;
         let t = now();
         if let Some(size) = set.size {
             match data.item.mode & libc::S_IFMT {
@@ -602,6 +620,10 @@ impl Filesystem {
     /// fallocate with Linux modes: default, KEEP_SIZE, PUNCH_HOLE (with KEEP_SIZE) and
     /// ZERO_RANGE. Preallocated blocks read as zeros.
     pub fn fallocate(&self, ino: u64, offset: u64, len: u64, mode: i32) -> Result<()> {
+        self.retry_on_full(|| self.fallocate_once(ino, offset, len, mode))
+    }
+
+    fn fallocate_once(&self, ino: u64, offset: u64, len: u64, mode: i32) -> Result<()> {
         let known = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE;
         if mode & !known != 0 {
             return Err(Error::NotSupported(format!("fallocate mode {mode:#x}")));
@@ -615,6 +637,7 @@ impl Filesystem {
             .ok_or_else(|| Error::TooBig(format!("fallocate inode {ino} at {offset}+{len}")))?;
         let state = self.inode(ino)?;
         let mut data = state.data.write();
+        let _op = self.inner.engine.hold()?;
         match data.item.mode & libc::S_IFMT {
             libc::S_IFREG => {}
             libc::S_IFDIR => return Err(Error::IsDir(format!("fallocate of dir {ino}"))),

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# birchbench: install what the benchmark needs, then run bench/birchbench.py.
+#
+#   sudo bench/run.sh --quick                 # ~3 min smoke run, checks every target produced numbers
+#   sudo bench/run.sh --detach                # full run (~1 h) in the background; prints the log path
+#   sudo bench/run.sh --birch-opts fsync=commit --birch-opts fsync=log --detach
+#   sudo bench/run.sh --cleanup               # undo mounts/loop devices left by a killed run
+#   bench/run.sh --help                       # every option (sizes, durations, targets, workloads)
+#
+# Environment: BIRCH (birch binary, default target/release/birch), BIRCHBENCH_DIR (images,
+# default /var/tmp/birchbench), BIRCHBENCH_BUILD=1 (cargo build --release first),
+# BIRCHBENCH_NO_INSTALL=1 (skip apt).  See docs/BENCHMARKS.md.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(dirname "$HERE")"
+cd "$REPO"
+
+for a in "$@"; do
+  case "$a" in
+    -h|--help) exec python3 "$HERE/birchbench.py" --help ;;
+  esac
+done
+
+if [ "$(id -u)" != 0 ]; then
+  echo "birchbench needs root (loop devices, mounts): run it with sudo" >&2
+  exit 2
+fi
+
+# Debian's python3 (matplotlib comes from apt as python3-matplotlib)
+PY=/usr/bin/python3
+[ -x "$PY" ] || PY="$(command -v python3)"
+
+PKGS=(dbench fio sysbench fsmark btrfs-progs xfsprogs e2fsprogs fuse2fs bindfs fuse3 util-linux python3 python3-matplotlib gcc libc6-dev)
+if [ "${BIRCHBENCH_NO_INSTALL:-0}" != 1 ]; then
+  missing=()
+  for p in "${PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "birchbench: installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+  if ! "$PY" -c 'import matplotlib' 2>/dev/null; then
+    "$PY" -m pip install --quiet matplotlib 2>/dev/null \
+      || "$PY" -m pip install --quiet --break-system-packages matplotlib 2>/dev/null \
+      || echo "birchbench: matplotlib unavailable, charts will be skipped" >&2
+  fi
+fi
+modprobe loop 2>/dev/null || true
+modprobe fuse 2>/dev/null || true
+
+if [ "${BIRCHBENCH_BUILD:-0}" = 1 ] && command -v cargo >/dev/null; then
+  echo "birchbench: cargo build --release"
+  cargo build --release
+fi
+
+export BIRCHBENCH_VIA_RUNSH=1 PYTHONDONTWRITEBYTECODE=1
+# the image directory the run uses (for the cleanup safety net below)
+prev=""
+for a in "$@"; do
+  case "$a" in --image-dir=*) export BIRCHBENCH_DIR="${a#--image-dir=}" ;; esac
+  [ "$prev" = "--image-dir" ] && export BIRCHBENCH_DIR="$a"
+  prev="$a"
+done
+
+# Detached runs and --cleanup hand over to python directly (it keeps its own state and cleanup).
+for a in "$@"; do
+  case "$a" in
+    --detach|--cleanup) exec "$PY" "$HERE/birchbench.py" "$@" ;;
+  esac
+done
+
+# Foreground: python cleans up on INT/TERM itself; the trap is the safety net for whatever
+# a hard kill of python left behind (it undoes only what the state file records).
+child=""
+on_signal() {
+  trap - INT TERM
+  if [ -n "$child" ]; then kill -TERM "$child" 2>/dev/null || true; wait "$child" 2>/dev/null || true; fi
+  exit 130
+}
+on_exit() {
+  rc=$?
+  "$PY" "$HERE/birchbench.py" --cleanup >/dev/null 2>&1 || true
+  exit $rc
+}
+trap on_signal INT TERM
+trap on_exit EXIT
+"$PY" "$HERE/birchbench.py" "$@" &
+child=$!
+set +e
+wait "$child"
+rc=$?
+# wait returns early (>128) when a trapped signal arrives; the trap handles that
+exit $rc

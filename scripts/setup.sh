@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Sets up birchfs on a fresh Debian machine and mounts a demo image:
+# installs the packages it needs (fuse3, build tools), builds the release binaries, installs
+# `birch`, `mkfs.birch`, `fsck.birch` and `mount.fuse.birch` into /usr/local/sbin, makes a 1 GiB
+# image at ${BIRCH_IMAGE:-/var/tmp/birch.img} and mounts it at ${BIRCH_MNT:-/mnt/birch}.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SUDO=""; [[ $(id -u) == 0 ]] || SUDO=sudo
+if ! command -v fusermount3 >/dev/null || ! command -v cc >/dev/null; then
+  $SUDO apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 build-essential pkg-config >/dev/null
+fi
+if ! command -v cargo >/dev/null; then
+  echo "setup: cargo not found; install a Rust toolchain (rustup) first" >&2
+  exit 1
+fi
+cargo build --release --locked 2>&1 | tail -1
+for name in birch mkfs.birch fsck.birch mount.fuse.birch; do
+  $SUDO install -m 0755 target/release/birch "/usr/local/sbin/$name"
+done
+IMG=${BIRCH_IMAGE:-/var/tmp/birch.img}
+MNT=${BIRCH_MNT:-/mnt/birch}
+$SUDO mkdir -p "$MNT"
+if mountpoint -q "$MNT"; then
+  echo "setup: $MNT is already mounted"
+  exit 0
+fi
+[[ -e $IMG ]] || $SUDO birch mkfs --size 1G "$IMG"
+$SUDO birch mount "$IMG" "$MNT"
+echo "setup: $IMG is mounted at $MNT (unmount with: birch umount $MNT)"

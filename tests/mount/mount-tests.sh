@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# Tests of the FUSE mount itself, on a real mount of an image file.
+#
+# Proves: a 256-byte name gives ENAMETOOLONG and leaves no trace (fsck clean); a file
+# unlinked while open stays readable and writable and is freed after close; umount is
+# synchronous for the image (20 cycles of write -> umount -> immediate mount -> verify);
+# fsync, rename, link, symlink, xattrs, truncate, fallocate and SEEK_DATA/SEEK_HOLE work through
+# the kernel; clear errors for a missing mountpoint, a missing image, a non-birchfs image and an
+# image already mounted; fsck clean at the end.
+#
+# Skips (exit 77) with a printed reason where /dev/fuse is absent or not root.
+set -uo pipefail
+BIRCH=${BIRCH:-$(pwd)/target/release/birch}
+if [[ ! -e /dev/fuse ]]; then echo "mount-tests: SKIP: /dev/fuse is absent"; exit 77; fi
+if [[ $(id -u) != 0 ]]; then echo "mount-tests: SKIP: needs root"; exit 77; fi
+[[ -x $BIRCH ]] || { echo "mount-tests: $BIRCH not built"; exit 1; }
+
+WORK=$(mktemp -d /var/tmp/birch-mount-tests.XXXXXX)
+IMG=$WORK/img
+MNT=$WORK/mnt
+mkdir -p "$MNT"
+passed=0
+failed=0
+cleanup() {
+  mountpoint -q "$MNT" && { "$BIRCH" umount "$MNT" || umount -l "$MNT"; }
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+ok() { echo "ok   $1"; passed=$((passed + 1)); }
+bad() { echo "FAIL $1"; failed=$((failed + 1)); }
+check() { local name=$1; shift; if "$@"; then ok "$name"; else bad "$name"; fi; }
+
+"$BIRCH" mkfs --size 256M "$IMG" >/dev/null || { echo "mkfs failed"; exit 1; }
+"$BIRCH" mount "$IMG" "$MNT" || { echo "mount failed"; exit 1; }
+
+# --- error paths -------------------------------------------------------------
+long=$(printf 'x%.0s' $(seq 256))
+py_errno() { python3 -c "
+import os, sys, errno
+try:
+    $1
+    print('OK')
+except OSError as e:
+    print(errno.errorcode[e.errno])
+"; }
+check "256-byte name is ENAMETOOLONG" test "$(py_errno "open('$MNT/$long','w')")" = ENAMETOOLONG
+check "255-byte name works" test "$(py_errno "open('$MNT/${long:1}','w').close()")" = OK
+check "ENOTEMPTY" test "$(mkdir -p "$MNT/d/e"; py_errno "os.rmdir('$MNT/d')")" = ENOTEMPTY
+check "EEXIST" test "$(py_errno "os.mkdir('$MNT/d')")" = EEXIST
+check "EISDIR on unlink of dir" test "$(py_errno "os.unlink('$MNT/d')")" = EISDIR
+check "ENOTDIR" test "$(touch "$MNT/f"; py_errno "os.listdir('$MNT/f')")" = ENOTDIR
+check "ENODATA for missing xattr" test "$(py_errno "os.getxattr('$MNT/f','user.none')")" = ENODATA
+check "xattr round trip" test "$(python3 -c "import os; os.setxattr('$MNT/f','user.k',b'v'); print(os.getxattr('$MNT/f','user.k').decode())")" = v
+check "RENAME_NOREPLACE gives EEXIST" test "$(python3 -c "
+import ctypes, os, errno
+libc = ctypes.CDLL(None, use_errno=True)
+r = libc.renameat2(-100, b'$MNT/f', -100, b'$MNT/d', 1)
+print(errno.errorcode[ctypes.get_errno()] if r else 'OK')")" = EEXIST
+
+# --- data paths --------------------------------------------------------------
+head -c 3000000 /dev/urandom > "$WORK/data"
+cp "$WORK/data" "$MNT/big"
+check "large file round trip" cmp -s "$WORK/data" "$MNT/big"
+check "fsync works" python3 -c "import os; f=os.open('$MNT/big', os.O_RDWR); os.write(f, b'z'); os.fsync(f); os.fdatasync(f)"
+check "O_DIRECT|O_SYNC write" python3 -c "
+import os, mmap
+f = os.open('$MNT/direct', os.O_CREAT|os.O_RDWR|os.O_DIRECT|os.O_SYNC, 0o644)
+buf = mmap.mmap(-1, 65536); buf.write(b'q'*65536)
+assert os.pwrite(f, buf, 65536) == 65536
+os.close(f)
+assert open('$MNT/direct','rb').read()[65536:] == b'q'*65536"
+check "truncate and sparse read" python3 -c "
+import os
+f = os.open('$MNT/sparse', os.O_CREAT|os.O_RDWR, 0o644)
+os.pwrite(f, b'end', 10_000_000); os.ftruncate(f, 5_000_000)
+assert os.fstat(f).st_size == 5_000_000
+assert os.pread(f, 100, 4_999_000) == bytes(100)"
+check "SEEK_DATA/SEEK_HOLE" python3 -c "
+import os
+f = os.open('$MNT/holes', os.O_CREAT|os.O_RDWR, 0o644)
+os.pwrite(f, b'a'*4096, 1<<20)
+assert os.lseek(f, 0, os.SEEK_DATA) == 1<<20, os.lseek(f, 0, os.SEEK_DATA)
+assert os.lseek(f, 1<<20, os.SEEK_HOLE) == (1<<20) + 4096"
+check "fallocate punch hole" python3 -c "
+import os, ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+f = os.open('$MNT/punch', os.O_CREAT|os.O_RDWR, 0o644)
+os.write(f, b'b'*16384)
+assert libc.fallocate(f, 3, ctypes.c_long(4096), ctypes.c_long(8192)) == 0, ctypes.get_errno()
+assert os.pread(f, 16384, 0) == b'b'*4096 + bytes(8192) + b'b'*4096"
+check "hard link and symlink" bash -c "ln '$MNT/big' '$MNT/big2' && ln -s big '$MNT/sym' && test \$(stat -c %h '$MNT/big') = 2 && cmp -s '$MNT/sym' '$MNT/big'"
+check "rename over existing" bash -c "echo one > '$MNT/r1' && echo two > '$MNT/r2' && mv '$MNT/r1' '$MNT/r2' && test \"\$(cat '$MNT/r2')\" = one && test ! -e '$MNT/r1'"
+check "d_ino equals st_ino" python3 -c "
+import os
+for e in os.scandir('$MNT'):
+    assert e.inode() == os.lstat(e.path).st_ino, e.name"
+check "nanosecond timestamps" python3 -c "
+import os
+os.utime('$MNT/f', ns=(1_000_000_123, 2_000_000_456))
+st = os.stat('$MNT/f'); assert st.st_mtime_ns == 2_000_000_456, st.st_mtime_ns"
+check "unlinked-while-open file stays usable" python3 -c "
+import os
+f = os.open('$MNT/gone', os.O_CREAT|os.O_RDWR, 0o644)
+os.write(f, b'x'*100000); os.unlink('$MNT/gone')
+os.pwrite(f, b'y', 5); assert os.pread(f, 6, 0) == b'xxxxxy'
+os.close(f)"
+
+"$BIRCH" umount "$MNT"
+check "fsck clean after error paths and data ops" "$BIRCH" fsck "$IMG"
+
+# --- synchronous unmount: 20 cycles ------------------------------------------
+cycle_ok=1
+for i in $(seq 1 20); do
+  "$BIRCH" mount "$IMG" "$MNT" || { cycle_ok=0; break; }
+  if [[ $i -gt 1 ]]; then cmp -s "$WORK/cycle" "$MNT/cycle" || { echo "cycle $i: data of cycle $((i - 1)) missing"; cycle_ok=0; }; fi
+  head -c $((100000 + i * 777)) /dev/urandom > "$WORK/cycle"
+  cp "$WORK/cycle" "$MNT/cycle"
+  "$BIRCH" umount "$MNT" || { cycle_ok=0; break; }
+done
+check "20 cycles of write, umount, immediate mount, verify" test $cycle_ok = 1
+check "fsck clean after cycles" "$BIRCH" fsck "$IMG"
+
+# --- clear errors ------------------------------------------------------------
+expect_fail() { local name=$1 pattern=$2; shift 2; local out; out=$("$@" 2>&1); local rc=$?; if [[ $rc -ne 0 && $out == *"$pattern"* ]]; then ok "$name"; else bad "$name (rc $rc: $out)"; fi; }
+expect_fail "missing mountpoint" "does not exist" "$BIRCH" mount "$IMG" "$WORK/nowhere"
+expect_fail "missing image" "does not exist" "$BIRCH" mount "$WORK/none.img" "$MNT"
+head -c 1M /dev/zero > "$WORK/zero.img"
+expect_fail "not a birchfs image" "not a birchfs image" "$BIRCH" mount "$WORK/zero.img" "$MNT"
+"$BIRCH" mount "$IMG" "$MNT"
+mkdir -p "$WORK/mnt2"
+expect_fail "image already mounted" "in use by pid" "$BIRCH" mount "$IMG" "$WORK/mnt2"
+expect_fail "fsck refuses a mounted image" "in use" "$BIRCH" fsck "$IMG"
+expect_fail "unknown mount option" "unknown mount option" "$BIRCH" mount "$IMG" "$WORK/mnt2" -o bogus
+"$BIRCH" umount "$MNT"
+
+echo "mount-tests: $passed passed, $failed failed"
+[[ $failed -eq 0 ]]
