@@ -64,4 +64,8 @@ if [[ $can_mount == 1 ]]; then
 fi
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
+n_failed=$(printf '%s\n' "${summary[@]}" | grep -c FAILED)
+n_passed=$(printf '%s\n' "${summary[@]}" | grep -c ': ok')
+n_skipped=$(printf '%s\n' "${summary[@]}" | grep -c ': skipped')
+echo "tiers: $n_passed passed, $n_failed failed, $n_skipped skipped"
 exit $status
