@@ -15,9 +15,11 @@ if ! command -v cargo >/dev/null; then
   exit 1
 fi
 cargo build --release --locked 2>&1 | tail -1
-for name in birch mkfs.birch fsck.birch mount.fuse.birch; do
+for name in birch mkfs.birch fsck.birch; do
   $SUDO install -m 0755 target/release/birch "/usr/local/sbin/$name"
 done
+# mount(8) looks for helpers in /sbin only (/usr/sbin on merged-/usr Debian).
+$SUDO install -m 0755 target/release/birch /usr/sbin/mount.fuse.birch
 IMG=${BIRCH_IMAGE:-/var/tmp/birch.img}
 MNT=${BIRCH_MNT:-/mnt/birch}
 $SUDO mkdir -p "$MNT"

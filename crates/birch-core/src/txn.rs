@@ -45,10 +45,23 @@ pub struct MkfsOptions {
     pub log_bytes: u64,
 }
 
-/// Space released when the snapshot that could still read it is dropped.
+/// Space released when no snapshot that could still read it is left. The list of snapshot N
+/// holds what commit N+1 freed; it also holds the list of snapshot N+1 (`next`), so a list is
+/// dropped, and its space released, only after its own snapshot and every older one are gone.
 struct ReleaseOnDrop {
     alloc: Arc<Allocator>,
     ranges: Mutex<Vec<(u64, u64)>>,
+    next: Mutex<Option<Arc<ReleaseOnDrop>>>,
+}
+
+impl ReleaseOnDrop {
+    fn new(alloc: Arc<Allocator>) -> Arc<ReleaseOnDrop> {
+        Arc::new(ReleaseOnDrop {
+            alloc,
+            ranges: Mutex::new(Vec::new()),
+            next: Mutex::new(None),
+        })
+    }
 }
 
 impl Drop for ReleaseOnDrop {
@@ -61,7 +74,7 @@ impl Drop for ReleaseOnDrop {
 pub struct Snapshot {
     pub root: RootPtr,
     pub generation: u64,
-    release: ReleaseOnDrop,
+    release: Arc<ReleaseOnDrop>,
 }
 
 struct ReadState {
@@ -167,9 +180,15 @@ impl Engine {
         self.superblock.lock().clone()
     }
 
-    /// Creates a new, empty filesystem tree on `device` and commits it twice, so that both
-    /// superblock slots hold a valid copy. Callers add the root inode and commit again.
-    pub fn create(device: Arc<dyn BlockDevice>, options: &MkfsOptions) -> Result<Arc<Engine>> {
+    /// Creates a new filesystem tree on `device` and commits it twice (generations 1 and 2),
+    /// so that both superblock slots hold a valid copy.
+    /// `initial` items (the root directory) go into the first tree, so no durable state ever
+    /// lacks them.
+    pub fn create(
+        device: Arc<dyn BlockDevice>,
+        options: &MkfsOptions,
+        initial: Vec<(Key, Vec<u8>)>,
+    ) -> Result<Arc<Engine>> {
         let total_bytes = device.size_bytes();
         let (log_start, log_bytes) = log_area(total_bytes, options.log_bytes);
         if total_bytes < RESERVED_HEAD_BYTES + log_bytes + 64 * NODE_SIZE as u64 {
@@ -232,6 +251,9 @@ impl Engine {
                 owner: FS_TREE_ID,
             };
             let mut writer = TreeWriter::create(ctx, &alloc, 1)?;
+            for (key, value) in initial {
+                writer.insert(key, value)?;
+            }
             for node in writer.write_dirty()? {
                 cache.insert(node);
             }
@@ -267,10 +289,7 @@ impl Engine {
         let snapshot = Arc::new(Snapshot {
             root,
             generation,
-            release: ReleaseOnDrop {
-                alloc: alloc.clone(),
-                ranges: Mutex::new(Vec::new()),
-            },
+            release: ReleaseOnDrop::new(alloc.clone()),
         });
         Arc::new(Engine {
             device,
@@ -312,10 +331,7 @@ impl Engine {
         state.snapshot = Arc::new(Snapshot {
             root,
             generation: 2,
-            release: ReleaseOnDrop {
-                alloc: self.alloc.clone(),
-                ranges: Mutex::new(Vec::new()),
-            },
+            release: ReleaseOnDrop::new(self.alloc.clone()),
         });
         Ok(())
     }
@@ -669,13 +685,11 @@ impl Engine {
             self.cache.insert(node);
         }
         *self.superblock.lock() = sb;
+        let new_release = ReleaseOnDrop::new(self.alloc.clone());
         let new_snapshot = Arc::new(Snapshot {
             root,
             generation,
-            release: ReleaseOnDrop {
-                alloc: self.alloc.clone(),
-                ranges: Mutex::new(Vec::new()),
-            },
+            release: new_release.clone(),
         });
         let old = {
             let mut state = self.state.write();
@@ -685,6 +699,7 @@ impl Engine {
         let freed = self.alloc.take_pinned(generation);
         self.alloc.unpin_count(freed.iter().map(|(_, b)| b).sum());
         old.release.ranges.lock().extend(freed);
+        *old.release.next.lock() = Some(new_release);
         self.counters.add(&self.counters.commits, 1);
         Ok(())
     }

@@ -22,6 +22,9 @@ use fuser::{
     ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 
+/// The root xattr through which the mount helper reaches the daemon (remount ro/rw, sync).
+pub const CONTROL_XATTR: &[u8] = b"trusted.birch.control";
+
 /// Adapter settings.
 #[derive(Debug, Clone)]
 pub struct FuseOptions {
@@ -529,6 +532,13 @@ impl fuser::Filesystem for BirchFuse {
         _position: u32,
         reply: ReplyEmpty,
     ) {
+        if ino.0 == 1 && name.as_bytes() == CONTROL_XATTR {
+            match self.fs.control(value) {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno("control", &e)),
+            }
+            return;
+        }
         match self.fs.setxattr(ino.0, name.as_bytes(), value, flags) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("setxattr", &e)),

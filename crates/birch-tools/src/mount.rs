@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use birch_core::device::{FileDevice, OpenMode};
 use birch_core::{Filesystem, OpenOptions};
 use birch_fuse::{BirchFuse, FuseOptions};
-use fuser::{Config, MountOption, SessionACL};
+use fuser::{Config, SessionACL};
 
 use crate::fail;
 
@@ -20,7 +20,8 @@ struct MountConfig {
     commit_secs: u64,
     threads: usize,
     ttl_secs: f64,
-    vfs: Vec<MountOption>,
+    /// MS_* flags for mount(2).
+    vfs_flags: libc::c_ulong,
 }
 
 fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
@@ -30,7 +31,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         commit_secs: 5,
         threads: 4,
         ttl_secs: 1.0,
-        vfs: Vec::new(),
+        vfs_flags: 0,
     };
     for opt in raw
         .iter()
@@ -67,14 +68,14 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
                 Some("off") => {}
                 _ => return Err(format!("option {opt}: only writeback=off is available")),
             },
-            "noatime" => c.vfs.push(MountOption::NoAtime),
+            "noatime" => c.vfs_flags |= libc::MS_NOATIME,
             "atime" | "relatime" | "strictatime" | "nodiratime" => {}
-            "nodev" => c.vfs.push(MountOption::NoDev),
-            "dev" => c.vfs.push(MountOption::Dev),
-            "nosuid" => c.vfs.push(MountOption::NoSuid),
-            "suid" => c.vfs.push(MountOption::Suid),
-            "noexec" => c.vfs.push(MountOption::NoExec),
-            "exec" => c.vfs.push(MountOption::Exec),
+            "nodev" => c.vfs_flags |= libc::MS_NODEV,
+            "dev" => c.vfs_flags &= !libc::MS_NODEV,
+            "nosuid" => c.vfs_flags |= libc::MS_NOSUID,
+            "suid" => c.vfs_flags &= !libc::MS_NOSUID,
+            "noexec" => c.vfs_flags |= libc::MS_NOEXEC,
+            "exec" => c.vfs_flags &= !libc::MS_NOEXEC,
             "defaults"
             | "_netdev"
             | "auto"
@@ -85,7 +86,8 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
             | "nofail"
             | "async"
             | "default_permissions" => {}
-            "fsname" | "subtype" => {}
+            "fsname" | "subtype" | "user_id" | "group_id" | "rootmode" | "max_read" | "blksize" => {
+            }
             other => {
                 return Err(format!(
                     "unknown mount option {other:?} (see birch mount --help)"
@@ -261,19 +263,7 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
         Ok(fs) => Arc::new(fs),
         Err(e) => return fail(format!("{}: {e}", image.display())),
     };
-    let mut mount_options = vec![
-        MountOption::FSName(canonical(image).to_string_lossy().into_owned()),
-        MountOption::Subtype("birch".into()),
-        MountOption::DefaultPermissions,
-    ];
-    mount_options.push(if config.read_only {
-        MountOption::RO
-    } else {
-        MountOption::RW
-    });
-    mount_options.extend(config.vfs.iter().cloned());
     let mut fuse_config = Config::default();
-    fuse_config.mount_options = mount_options;
     fuse_config.acl = if config.allow_other {
         SessionACL::All
     } else {
@@ -287,14 +277,26 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
             ttl: Duration::from_secs_f64(config.ttl_secs),
         },
     );
-    let session = match fuser::Session::new(adapter, mountpoint, &fuse_config) {
-        Ok(s) => s,
+    let fuse_fd = match kernel_mount(image, mountpoint, config) {
+        Ok(fd) => fd,
         Err(e) => {
             return fail(format!(
                 "mount {} on {}: {e}",
                 image.display(),
                 mountpoint.display()
             ))
+        }
+    };
+    let acl = fuse_config.acl;
+    let session = match fuser::Session::from_fd(adapter, fuse_fd, acl, fuse_config) {
+        Ok(s) => s,
+        Err(e) => {
+            lazy_unmount(mountpoint);
+            return fail(format!(
+                "mount {} on {}: FUSE handshake: {e}",
+                image.display(),
+                mountpoint.display()
+            ));
         }
     };
     let target = canonical(mountpoint);
@@ -310,6 +312,74 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
         return fail(format!("final commit failed: {e}"));
     }
     ExitCode::SUCCESS
+}
+
+/// Mounts /dev/fuse at `mountpoint` as type `fuse.birch` with the image path as source, so
+/// that mount(8), /proc/mounts and `mount -o remount` see a birch filesystem (and call
+/// mount.fuse.birch). Returns the /dev/fuse descriptor the session serves.
+fn kernel_mount(
+    image: &Path,
+    mountpoint: &Path,
+    config: &MountConfig,
+) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::AsRawFd;
+    let dev = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/fuse")
+        .map_err(|e| std::io::Error::new(e.kind(), format!("/dev/fuse: {e}")))?;
+    // SAFETY: geteuid/getegid have no preconditions.
+    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    let mut data = format!(
+        "fd={},rootmode=40000,user_id={uid},group_id={gid},default_permissions",
+        dev.as_raw_fd()
+    );
+    if config.allow_other {
+        data.push_str(",allow_other");
+    }
+    let mut flags = config.vfs_flags;
+    if config.read_only {
+        flags |= libc::MS_RDONLY;
+    }
+    let cstr = |p: &std::ffi::OsStr| {
+        std::ffi::CString::new(p.as_encoded_bytes()).map_err(|_| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, "path with a NUL byte")
+        })
+    };
+    let source = cstr(canonical(image).as_os_str())?;
+    let target = cstr(canonical(mountpoint).as_os_str())?;
+    let fstype = cstr(std::ffi::OsStr::new("fuse.birch"))?;
+    let data = cstr(std::ffi::OsStr::new(&data))?;
+    // SAFETY: mount(2) with valid NUL-terminated strings that outlive the call.
+    let rc = unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            flags,
+            data.as_ptr().cast(),
+        )
+    };
+    if rc != 0 {
+        let err = std::io::Error::last_os_error();
+        let hint = if err.raw_os_error() == Some(libc::EPERM) {
+            " (mounting needs root or CAP_SYS_ADMIN)"
+        } else {
+            ""
+        };
+        return Err(std::io::Error::new(
+            err.kind(),
+            format!("mount(2): {err}{hint}"),
+        ));
+    }
+    Ok(dev.into())
+}
+
+fn lazy_unmount(mountpoint: &Path) {
+    if let Ok(c) = std::ffi::CString::new(canonical(mountpoint).as_os_str().as_encoded_bytes()) {
+        // SAFETY: umount2 with a valid NUL-terminated path.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    }
 }
 
 fn signal_set() -> libc::sigset_t {
@@ -416,7 +486,76 @@ pub fn helper_main(args: &[String]) -> ExitCode {
         .flat_map(|o| o.split(','))
         .any(|o| o == "remount")
     {
-        return fail("remount of a birch mount is not supported yet: unmount and mount again");
+        return remount(Path::new(mountpoint), &options);
     }
     mount_main(Path::new(image), Path::new(mountpoint), &options, false)
+}
+
+/// `mount -o remount,ro|rw MNT`: the daemon commits and stops writing before the kernel turns
+/// the mount read-only, and is told after the kernel made it writable again.
+fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
+    let rest: Vec<String> = raw
+        .iter()
+        .flat_map(|o| o.split(','))
+        .filter(|o| *o != "remount")
+        .map(str::to_string)
+        .collect();
+    let config = match parse_options(&rest) {
+        Ok(c) => c,
+        Err(e) => return fail(e),
+    };
+    let target = canonical(mountpoint);
+    let tell = |command: &str| -> std::io::Result<()> {
+        let path = std::ffi::CString::new(target.as_os_str().as_encoded_bytes())
+            .map_err(|_| std::io::ErrorKind::InvalidInput)?;
+        let name = std::ffi::CString::new(birch_fuse::CONTROL_XATTR)
+            .map_err(|_| std::io::ErrorKind::InvalidInput)?;
+        // SAFETY: setxattr with valid NUL-terminated strings and a buffer of the given length.
+        let rc = unsafe {
+            libc::setxattr(
+                path.as_ptr(),
+                name.as_ptr(),
+                command.as_ptr().cast(),
+                command.len(),
+                0,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    };
+    let kernel = |flags: libc::c_ulong| -> std::io::Result<()> {
+        let path = std::ffi::CString::new(target.as_os_str().as_encoded_bytes())
+            .map_err(|_| std::io::ErrorKind::InvalidInput)?;
+        // SAFETY: mount(2) remount with a valid target and no source, type or data.
+        let rc = unsafe {
+            libc::mount(
+                std::ptr::null(),
+                path.as_ptr(),
+                std::ptr::null(),
+                libc::MS_REMOUNT | flags,
+                std::ptr::null(),
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    };
+    let result = if config.read_only {
+        tell("ro").and_then(|()| {
+            kernel(config.vfs_flags | libc::MS_RDONLY).inspect_err(|_| {
+                let _ = tell("rw");
+            })
+        })
+    } else {
+        kernel(config.vfs_flags).and_then(|()| tell("rw"))
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(format!("{}: remount: {e}", mountpoint.display())),
+    }
 }

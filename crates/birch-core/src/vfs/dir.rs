@@ -43,6 +43,39 @@ fn inode_ref_key(ino: u64, parent: u64, name: &[u8]) -> Key {
     )
 }
 
+/// A dir item or inode ref list grows with names that share one hash. It must fit one item;
+/// past that the name is refused before anything changes.
+fn check_list_size(bytes: &[u8], what: &str) -> Result<()> {
+    if bytes.len() > birch_format::MAX_ITEM_BYTES {
+        return Err(Error::NoSpace(format!(
+            "{what}: too many names share one hash"
+        )));
+    }
+    Ok(())
+}
+
+/// `list` with one more entry named `name`, to size a change before making it.
+fn with_probe_entry(list: &[DirEntry], name: &[u8]) -> Vec<DirEntry> {
+    let mut probe = list.to_vec();
+    probe.push(DirEntry {
+        child: 0,
+        dir_index: 0,
+        file_type: 0,
+        name: name.to_vec(),
+    });
+    probe
+}
+
+fn with_probe_ref(list: &[InodeRef], parent: u64, name: &[u8]) -> Vec<InodeRef> {
+    let mut probe = list.to_vec();
+    probe.push(InodeRef {
+        parent,
+        dir_index: 0,
+        name: name.to_vec(),
+    });
+    probe
+}
+
 fn is_dir(item: &InodeItem) -> bool {
     item.mode & libc::S_IFMT == libc::S_IFDIR
 }
@@ -165,6 +198,10 @@ impl Filesystem {
                 String::from_utf8_lossy(name)
             )));
         }
+        check_list_size(
+            &encode_dir_entries(&with_probe_entry(&slot.dir_item, name)),
+            "create",
+        )?;
         let ino = self.inner.engine.allocate_objectid();
         let t = now();
         let mut gid = caller.gid;
@@ -332,6 +369,14 @@ impl Filesystem {
             )));
         }
         let refs = self.read_refs(ino, newparent, newname)?;
+        check_list_size(
+            &encode_dir_entries(&with_probe_entry(&slot.dir_item, newname)),
+            "link",
+        )?;
+        check_list_size(
+            &encode_inode_refs(&with_probe_ref(&refs.refs, newparent, newname)),
+            "link",
+        )?;
         let t = now();
         let index = d.item.next_dir_index;
         d.item.next_dir_index += 1;
@@ -642,6 +687,14 @@ impl Filesystem {
         } else {
             let dst_slot = self.read_dir_item(newparent, newname)?;
             let new_refs = self.read_refs(src.child, newparent, newname)?;
+            check_list_size(
+                &encode_dir_entries(&with_probe_entry(&dst_slot.dir_item, newname)),
+                "rename",
+            )?;
+            check_list_size(
+                &encode_inode_refs(&with_probe_ref(&new_refs.refs, newparent, newname)),
+                "rename",
+            )?;
             let dst_refs = match &dst {
                 Some(d) => Some(self.read_refs(d.child, newparent, newname)?),
                 None => None,

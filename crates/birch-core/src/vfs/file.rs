@@ -62,6 +62,13 @@ impl Filesystem {
         Ok(out)
     }
 
+    /// Whether the file has any extent item (one range step, not a scan of all extents).
+    fn has_extent_items(&self, ino: u64) -> Result<bool> {
+        let lo = extent_key(ino, 0);
+        let hi = extent_key(ino, u64::MAX);
+        Ok(!self.inner.engine.range(&lo, &hi, 1)?.is_empty())
+    }
+
     /// The inline data of a file, if it is stored inline.
     fn inline_data(&self, ino: u64) -> Result<Option<Vec<u8>>> {
         match self.inner.engine.get(&extent_key(ino, 0))? {
@@ -242,8 +249,7 @@ impl Filesystem {
             .ok_or_else(|| Error::TooBig(format!("write to inode {ino} at {offset}")))?;
         let new_size = data.item.size.max(end);
         let inline = self.inline_data(ino)?;
-        let has_blocks =
-            inline.is_none() && data.item.size > 0 && !self.extents(ino, 0, u64::MAX)?.is_empty();
+        let has_blocks = inline.is_none() && data.item.size > 0 && self.has_extent_items(ino)?;
         if !has_blocks && new_size <= INLINE_MAX_BYTES as u64 {
             let mut content = self.read_locked(ino, data, 0, data.item.size as usize)?;
             content.resize(new_size as usize, 0);

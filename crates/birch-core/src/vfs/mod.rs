@@ -219,7 +219,6 @@ pub(crate) fn inode_key(ino: u64) -> Key {
 impl Filesystem {
     /// Makes a new filesystem on `device` with an empty root directory.
     pub fn mkfs(device: Arc<dyn BlockDevice>, options: &MkfsOptions) -> Result<()> {
-        let engine = Engine::create(device, options)?;
         let t = now();
         let root = InodeItem {
             generation: 1,
@@ -233,8 +232,11 @@ impl Filesystem {
             otime: t,
             ..Default::default()
         };
-        engine.begin()?.put(inode_key(ROOT_OBJECTID), root.encode());
-        engine.commit()?;
+        Engine::create(
+            device,
+            options,
+            vec![(inode_key(ROOT_OBJECTID), root.encode())],
+        )?;
         Ok(())
     }
 
@@ -275,6 +277,11 @@ impl Filesystem {
     /// Opens the filesystem on any device; reclaims orphans left by a crash.
     pub fn open_device(device: Arc<dyn BlockDevice>, options: OpenOptions) -> Result<Filesystem> {
         let engine = Engine::open(device)?;
+        let unknown_ro =
+            engine.superblock().ro_compat & !birch_format::superblock::RO_COMPAT_SUPPORTED;
+        if unknown_ro != 0 && !options.read_only {
+            return Err(Error::ReadOnly(format!("image has read-only-compatible features {unknown_ro:#x} this build does not know; open it read-only")));
+        }
         if options.read_only {
             engine.set_read_only("mounted read-only");
         }
@@ -340,6 +347,27 @@ impl Filesystem {
     /// Commits everything now (`birch sync`, and `fsync` until the fsync log exists).
     pub fn sync(&self) -> Result<()> {
         self.inner.engine.commit().map(|_| ())
+    }
+
+    /// Control commands from the mount helper (`trusted.birch.control` on the root): `ro`
+    /// commits and stops writing (remount,ro), `rw` allows writes again (remount,rw), `sync`
+    /// commits.
+    pub fn control(&self, command: &[u8]) -> Result<()> {
+        match command {
+            b"ro" => {
+                self.inner.engine.commit()?;
+                self.inner
+                    .engine
+                    .set_read_only("mounted read-only (remount)");
+                Ok(())
+            }
+            b"rw" => self.inner.engine.clear_read_only(),
+            b"sync" => self.sync(),
+            other => Err(Error::Invalid(format!(
+                "control command {:?}",
+                String::from_utf8_lossy(other)
+            ))),
+        }
     }
 
     /// Frees inodes without names that nothing holds open, then commits and stops the
