@@ -113,6 +113,14 @@ cleanup() {
 # background and waited for, so that a signal to this script is handled at
 # once (bash runs traps only between foreground commands) and stops it.
 _CHILD=""
+_WATCHDOG=""
+
+_stop_watchdog() {
+  [[ -n $_WATCHDOG ]] || return 0
+  kill -TERM "$_WATCHDOG" 2>/dev/null
+  wait "$_WATCHDOG" 2>/dev/null
+  _WATCHDOG=""
+}
 
 _stop_child() {
   [[ -n $_CHILD ]] || return 0
@@ -143,35 +151,37 @@ _stop_child() {
 # SIGKILL; so if CMD is still there 10 s after the SIGKILL, a watchdog aborts
 # the FUSE connections of our birch mounts, which fails those requests.
 run_guarded() {
-  local t=$1 out=$2 rc child watchdog
+  local t=$1 out=$2 rc child
   shift 2
   timeout -k 30 "$t" "$@" >"$out" 2>&1 </dev/null &
   child=$!
   _CHILD=$child
   (
-    trap - EXIT INT TERM HUP
-    sleep $((t + 40)) &
-    wait $!
+    # Its sleep is killed with it, and holds none of our output pipes.
+    sp=""
+    trap 'kill "$sp" 2>/dev/null; exit 0' TERM
+    trap - EXIT INT HUP
+    sleep $((t + 40)) >/dev/null 2>&1 &
+    sp=$!
+    wait "$sp"
     kill -0 "$child" 2>/dev/null || exit 0
     log "watchdog: '$1' still running $((t + 40))s after its start despite SIGKILL: file system hung"
     for m in "${_CLEANUP_MOUNTS[@]}"; do
       [[ ${m%%:*} == birch ]] && _fuse_abort "${m#*:}"
     done
   ) &
-  watchdog=$!
+  _WATCHDOG=$!
   wait "$child"
   rc=$?
   _CHILD=""
-  kill "$watchdog" 2>/dev/null
-  pkill -P "$watchdog" sleep 2>/dev/null
-  wait "$watchdog" 2>/dev/null
+  _stop_watchdog
   return "$rc"
 }
 
 install_cleanup_trap() {
   trap cleanup EXIT
-  trap 'log "interrupted"; _stop_child; exit 130' INT
-  trap 'log "terminated"; _stop_child; exit 143' TERM HUP
+  trap 'log "interrupted"; _stop_child; _stop_watchdog; exit 130' INT
+  trap 'log "terminated"; _stop_child; _stop_watchdog; exit 143' TERM HUP
 }
 
 # Mark a mount as done with (already unmounted by the normal path).
@@ -256,8 +266,13 @@ mount_target() {
       [[ -n $BIRCH_MOUNT_OPTS ]] && opts=(-o "$BIRCH_MOUNT_OPTS")
       # Register before mounting: a mount that half-succeeds is still cleaned up.
       _CLEANUP_MOUNTS+=("birch:$mnt")
-      timeout -k 5 120 "$BIRCH" mount "$img" "$mnt" "${opts[@]}" >&2 ||
-        die "$BIRCH mount $img $mnt ${opts[*]} failed"
+      # The daemon's output goes to a log file: a daemon left holding our
+      # stdout/stderr would keep a caller's pipe open.
+      local mlog=$RESULTS_DIR/birch-mount-$name.log
+      if ! timeout -k 5 120 "$BIRCH" mount "$img" "$mnt" "${opts[@]}" </dev/null >"$mlog" 2>&1; then
+        sed 's/^/  | /' "$mlog" >&2
+        die "$BIRCH mount $img $mnt ${opts[*]} failed (log $mlog)"
+      fi
       _is_mounted "$mnt" || die "$BIRCH mount returned but nothing is mounted at $mnt"
       log "mounted birch $img at $mnt${opts:+ (${opts[*]})}"
       ;;
