@@ -55,7 +55,20 @@ counters! {
     cache_hits: "Node cache hits.",
     cache_misses: "Node cache misses (device reads of nodes).",
     fsyncs: "fsync and fdatasync calls.",
-    fsync_commits: "fsyncs answered by a full commit.",
+    fsync_commits: "fsyncs answered by a full commit (all reasons).",
+    fsync_log: "fsyncs made durable through the log.",
+    fsync_nothing: "fsyncs that found nothing to make durable.",
+    fsync_fallback_mode: "fsync commits because the mount uses fsync=commit.",
+    fsync_fallback_log_full: "fsync commits because the log area had no room.",
+    fsync_fallback_names: "fsync commits because a name of the inode was removed or renamed.",
+    fsync_fallback_new_parent: "fsync commits because a new name's directory is itself uncommitted.",
+    fsync_fallback_dir: "fsync commits of directories (fsyncdir).",
+    fsync_fallback_other: "fsync commits for other unsafe cases (unlinked inode, hash collision).",
+    log_batches: "Log batches written (one write and one flush each).",
+    log_records: "Item records written to the log.",
+    log_bytes: "Bytes written to the log.",
+    replayed_batches: "Log batches replayed at mount.",
+    replayed_records: "Log records applied at mount.",
 }
 
 impl Counters {

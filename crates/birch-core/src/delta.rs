@@ -67,6 +67,28 @@ impl Delta {
             .collect()
     }
 
+    /// At most `limit` entries in `[lo, hi)` (deletions included) of one object id, and
+    /// whether more remain.
+    pub fn range_limited(
+        &self,
+        lo: &Key,
+        hi: &Key,
+        limit: usize,
+    ) -> (Vec<(Key, DeltaValue)>, bool) {
+        if lo >= hi {
+            return (Vec::new(), false);
+        }
+        let shard = self.shards[shard_of(lo.objectid)].lock();
+        let mut iter = shard.range((Bound::Included(*lo), Bound::Excluded(*hi)));
+        let out: Vec<(Key, DeltaValue)> = iter
+            .by_ref()
+            .take(limit)
+            .map(|(k, v)| (*k, v.clone()))
+            .collect();
+        let more = iter.next().is_some();
+        (out, more)
+    }
+
     /// Entries in `[lo, hi)` for any object ids (visits every shard).
     pub fn range_all(&self, lo: &Key, hi: &Key) -> Vec<(Key, DeltaValue)> {
         if lo >= hi {

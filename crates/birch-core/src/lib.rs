@@ -13,6 +13,7 @@ pub mod counters;
 pub mod delta;
 pub mod device;
 pub mod error;
+pub mod log;
 pub mod txn;
 pub mod vfs;
 

@@ -32,6 +32,8 @@ use crate::counters::Counters;
 use crate::delta::{merge_layers, Delta, DeltaValue};
 use crate::device::BlockDevice;
 use crate::error::{Error, Result};
+use crate::log::{read_log, FsyncLog, LogOutcome, Replay};
+use birch_format::log::LogRecord;
 
 /// Object ids a thread takes from the shared counter at once, so creates on different threads
 /// do not bounce one cache line (the ext4 lesson of seed 002).
@@ -99,6 +101,8 @@ pub struct Engine {
     next_objectid: AtomicU64,
     read_only: RwLock<Option<String>>,
     instance: u64,
+    log: FsyncLog,
+    replay: Mutex<Option<Replay>>,
 }
 
 static INSTANCES: AtomicU64 = AtomicU64::new(1);
@@ -270,6 +274,7 @@ impl Engine {
             },
             counters,
             cache,
+            None,
         );
         // Generation 1 carries the empty root; write it as a real commit.
         engine.write_superblock_pair(root)?;
@@ -284,8 +289,13 @@ impl Engine {
         root: RootPtr,
         counters: Counters,
         cache: NodeCache,
+        replay: Option<Replay>,
     ) -> Arc<Engine> {
         let generation = superblock.generation;
+        let log = match &replay {
+            Some(r) => FsyncLog::new(&superblock, r.tail_lsn, r.next_seq),
+            None => FsyncLog::new(&superblock, superblock.log_head, superblock.log_generation),
+        };
         let snapshot = Arc::new(Snapshot {
             root,
             generation,
@@ -309,6 +319,8 @@ impl Engine {
             superblock: Mutex::new(superblock),
             read_only: RwLock::new(None),
             instance: INSTANCES.fetch_add(1, Ordering::Relaxed),
+            log,
+            replay: Mutex::new(replay),
         })
     }
 
@@ -417,6 +429,7 @@ impl Engine {
         );
         let fsid = superblock.fsid;
         let root = superblock.fs_root;
+        let replay = read_log(&*device, &superblock);
         let engine = Engine::assemble(
             device,
             alloc,
@@ -425,6 +438,7 @@ impl Engine {
             root,
             Counters::default(),
             NodeCache::new(65536),
+            Some(replay),
         );
         engine.rebuild_allocator()?;
         Ok(engine)
@@ -530,36 +544,51 @@ impl Engine {
     /// Items in `[lo, hi)` as of now, at most `limit` of them. `lo` and `hi` must cover one
     /// object id (one delta shard). May do device I/O.
     pub fn range(&self, lo: &Key, hi: &Key, limit: usize) -> Result<Vec<(Key, Arc<[u8]>)>> {
-        let (layers, snapshot) = {
-            let _gate = self.gate.read_recursive();
-            let active = self.active.range(lo, hi);
-            let state = self.state.read_recursive();
-            let frozen = state
-                .frozen
-                .as_ref()
-                .map(|f| f.range(lo, hi))
-                .unwrap_or_default();
-            (vec![active, frozen], state.snapshot.clone())
-        };
-        // Deleted keys may hide tree items: ask the tree for enough to fill `limit`.
-        let deleted = layers.iter().flatten().filter(|(_, v)| v.is_none()).count();
-        let tree = TreeReader {
-            ctx: self.ctx(),
-            root: snapshot.root,
-        }
-        .range(lo, hi, limit.saturating_add(deleted))?;
-        let tree_complete = tree.len() < limit.saturating_add(deleted);
-        let last_tree_key = tree.last().map(|(k, _)| *k);
-        let mut merged = merge_layers(tree, &layers);
-        if !tree_complete {
-            // Delta entries past the last tree key fetched may sort after tree items we did not
-            // fetch; keep only what is certainly in order.
-            if let Some(last) = last_tree_key {
-                merged.retain(|(k, _)| *k <= last);
+        let mut out: Vec<(Key, Arc<[u8]>)> = Vec::new();
+        let mut from = *lo;
+        while out.len() < limit && from < *hi {
+            // Each source gives a chunk; the merge is exact up to the smallest last key of a
+            // source that had more, so work stays proportional to what is returned.
+            let chunk = (limit - out.len()).saturating_mul(2).max(64);
+            let ((active, active_more), (frozen, frozen_more), snapshot) = {
+                let _gate = self.gate.read_recursive();
+                let active = self.active.range_limited(&from, hi, chunk);
+                let state = self.state.read_recursive();
+                let frozen = state
+                    .frozen
+                    .as_ref()
+                    .map(|f| f.range_limited(&from, hi, chunk))
+                    .unwrap_or_default();
+                (active, frozen, state.snapshot.clone())
+            };
+            let tree = TreeReader {
+                ctx: self.ctx(),
+                root: snapshot.root,
+            }
+            .range(&from, hi, chunk)?;
+            let tree_more = tree.len() == chunk;
+            let mut bound: Option<Key> = None;
+            for (more, last) in [
+                (active_more, active.last().map(|e| e.0)),
+                (frozen_more, frozen.last().map(|e| e.0)),
+                (tree_more, tree.last().map(|e| e.0)),
+            ] {
+                if let (true, Some(last)) = (more, last) {
+                    bound = Some(bound.map_or(last, |b| b.min(last)));
+                }
+            }
+            let mut merged = merge_layers(tree, &[active, frozen]);
+            if let Some(bound) = bound {
+                merged.retain(|(k, _)| *k <= bound);
+            }
+            let room = limit - out.len();
+            out.extend(merged.into_iter().take(room));
+            match bound.and_then(|b| b.successor()) {
+                Some(next) => from = next,
+                None => break,
             }
         }
-        merged.truncate(limit);
-        Ok(merged)
+        Ok(out)
     }
 
     /// Starts a mutation of the running transaction. Hold it only for in-memory work.
@@ -580,6 +609,60 @@ impl Engine {
     /// delta between the steps. Data I/O may happen under it, never a flush or a commit.
     pub fn hold(&self) -> Result<WriteTxn<'_>> {
         self.begin()
+    }
+
+    /// Writes fsync records to the log (group commit); returns once durable or when the log is
+    /// full. Does device I/O with no engine lock held.
+    pub fn log_submit(&self, records: Vec<LogRecord>) -> Result<LogOutcome> {
+        self.log.submit(&*self.device, &self.counters, records)
+    }
+
+    /// The items of object `objectid` changed since the last durable commit (running delta
+    /// over frozen delta), with the running generation they will commit in.
+    pub fn changed_items(&self, objectid: u64) -> (u64, Vec<(Key, DeltaValue)>) {
+        let lo = Key {
+            objectid,
+            item_type: 0,
+            offset: 0,
+        };
+        let hi = Key {
+            objectid: objectid.saturating_add(1),
+            item_type: 0,
+            offset: 0,
+        };
+        let _gate = self.gate.read_recursive();
+        let generation = self.running_generation.load(Ordering::SeqCst);
+        let active = self.active.range(&lo, &hi);
+        let state = self.state.read_recursive();
+        let mut merged: std::collections::BTreeMap<Key, DeltaValue> = state
+            .frozen
+            .as_ref()
+            .map(|f| f.range(&lo, &hi))
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
+        merged.extend(active);
+        (generation, merged.into_iter().collect())
+    }
+
+    /// The value of `key` in the last durable commit (no delta).
+    pub fn committed_get(&self, key: &Key) -> Result<Option<Vec<u8>>> {
+        let snapshot = self.state.read().snapshot.clone();
+        TreeReader {
+            ctx: self.ctx(),
+            root: snapshot.root,
+        }
+        .get(key)
+    }
+
+    /// Takes what the log held at open (once).
+    pub fn take_replay(&self) -> Option<Replay> {
+        self.replay.lock().take()
+    }
+
+    /// Makes sure new object ids are above `min` (replay of inodes created after the commit).
+    pub fn raise_objectid(&self, min: u64) {
+        self.next_objectid.fetch_max(min, Ordering::SeqCst);
     }
 
     /// Number of changed items waiting for commit.
@@ -651,16 +734,13 @@ impl Engine {
     fn write_commit(&self, frozen: &Delta, generation: u64, snapshot: &Snapshot) -> Result<()> {
         let ctx = self.ctx();
         let mut writer = TreeWriter::new(ctx, &self.alloc, generation, snapshot.root);
-        for (key, value) in frozen.sorted() {
-            match value {
-                Some(v) => {
-                    writer.insert(key, v.to_vec())?;
-                }
-                None => {
-                    writer.delete(&key)?;
-                }
-            }
-        }
+        // One descent per leaf of changed items, not one per item.
+        let changes: Vec<(Key, Option<Vec<u8>>)> = frozen
+            .sorted()
+            .into_iter()
+            .map(|(k, v)| (k, v.map(|v| v.to_vec())))
+            .collect();
+        writer.apply_sorted(&changes)?;
         let nodes = writer.write_dirty()?;
         self.device
             .flush()
@@ -675,10 +755,14 @@ impl Engine {
             (self.alloc.total_blocks() - self.alloc.free_blocks()) * birch_format::BLOCK_SIZE;
         sb.commit_time_sec = sec;
         sb.commit_time_nsec = nsec;
+        let (log_head, log_seq) = self.log.retire(generation);
+        sb.log_head = log_head;
+        sb.log_generation = log_seq;
         self.write_superblock(&sb)?;
         self.device
             .flush()
             .map_err(|e| Error::io(format!("commit {generation}: flush superblock"), e))?;
+        self.log.set_reusable(log_head);
         // Durable. Publish the new snapshot; the old one releases the space this commit freed
         // once its last reader drops it.
         for node in nodes {

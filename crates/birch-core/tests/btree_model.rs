@@ -163,7 +163,32 @@ fn run_case(seed: u64, ops: u64) {
             let mut w = TreeWriter::new(h.ctx(), &h.alloc, generation, h.root);
             for _ in 0..batch {
                 let a = rng.gen_range(0..key_space);
-                match rng.gen_range(0..10) {
+                match rng.gen_range(0..11) {
+                    10 => {
+                        // A commit-style sorted batch: inserts, overwrites and deletes.
+                        let mut batch: BTreeMap<Key, Option<Vec<u8>>> = BTreeMap::new();
+                        for _ in 0..rng.gen_range(1..80) {
+                            let k = key(rng.gen_range(0..key_space));
+                            let v = if rng.gen_ratio(1, 3) {
+                                None
+                            } else {
+                                Some(vec![rng.gen::<u8>(); rng.gen_range(0..400)])
+                            };
+                            batch.insert(k, v);
+                        }
+                        let batch: Vec<(Key, Option<Vec<u8>>)> = batch.into_iter().collect();
+                        w.apply_sorted(&batch).expect("apply_sorted");
+                        for (k, v) in batch {
+                            match v {
+                                Some(v) => {
+                                    model.insert(k, v);
+                                }
+                                None => {
+                                    model.remove(&k);
+                                }
+                            }
+                        }
+                    }
                     0..=4 => {
                         let len = if rng.gen_ratio(1, 50) {
                             rng.gen_range(1000..7800)

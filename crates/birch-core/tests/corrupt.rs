@@ -543,12 +543,21 @@ fn damage(rng: &mut SmallRng, reseal: bool) -> (Vec<u8>, Damage) {
         Target::Superblock(slot) => (SUPER_OFFSETS[slot], SUPER_BYTES as u64),
         Target::Node(node) => (node.addr, NODE_SIZE as u64),
     };
-    // Pick a block of the target, then bytes in it; resealed damage skips the checksum field.
-    let block = start + rng.gen_range(0..len / BLOCK_SIZE) * BLOCK_SIZE;
+    // Half the cases aim at the first 512 bytes, where the header, item headers and child
+    // pointers sit (the bytes decoding trusts most); the rest pick any block of the target.
+    // Resealed damage skips the checksum field itself.
+    let (block, span) = if rng.gen_bool(0.5) {
+        (start, 512)
+    } else {
+        (
+            start + rng.gen_range(0..len / BLOCK_SIZE) * BLOCK_SIZE,
+            BLOCK_SIZE,
+        )
+    };
     let first = if reseal && block == start { 4 } else { 0 };
     let mut bytes = image.bytes.clone();
     let mut offsets: Vec<u64> = (0..rng.gen_range(1..=4))
-        .map(|_| block + rng.gen_range(first..BLOCK_SIZE))
+        .map(|_| block + rng.gen_range(first..span))
         .collect();
     offsets.sort_unstable();
     offsets.dedup();

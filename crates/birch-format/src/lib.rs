@@ -11,6 +11,7 @@
 pub mod bytes;
 pub mod items;
 pub mod key;
+pub mod log;
 pub mod node;
 pub mod superblock;
 

@@ -25,6 +25,9 @@ use fuser::{
 /// The root xattr through which the mount helper reaches the daemon (remount ro/rw, sync).
 pub const CONTROL_XATTR: &[u8] = b"trusted.birch.control";
 
+/// The root xattr that returns every counter as JSON.
+pub const STATS_XATTR: &[u8] = b"trusted.birch.stats";
+
 /// Adapter settings.
 #[derive(Debug, Clone)]
 pub struct FuseOptions {
@@ -546,6 +549,10 @@ impl fuser::Filesystem for BirchFuse {
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        if ino.0 == 1 && name.as_bytes() == STATS_XATTR {
+            xattr_reply(reply, size, self.fs.stats_json().as_bytes());
+            return;
+        }
         match self.fs.getxattr(ino.0, name.as_bytes()) {
             Ok(value) => xattr_reply(reply, size, &value),
             Err(e) => reply.error(errno("getxattr", &e)),

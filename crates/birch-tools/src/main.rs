@@ -346,6 +346,7 @@ fn inspect(image: &Path, what: &[String]) -> ExitCode {
                     commit_interval: None,
                     read_only: true,
                     wait_for_lock: false,
+                    ..Default::default()
                 },
             ) {
                 Ok(fs) => fs,

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use birch_core::device::{FileDevice, OpenMode};
+use birch_core::vfs::FsyncMode;
 use birch_core::{Filesystem, OpenOptions};
 use birch_fuse::{BirchFuse, FuseOptions};
 use fuser::{Config, SessionACL};
@@ -22,6 +23,7 @@ struct MountConfig {
     ttl_secs: f64,
     /// MS_* flags for mount(2).
     vfs_flags: libc::c_ulong,
+    fsync: FsyncMode,
 }
 
 fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
@@ -32,6 +34,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         threads: 4,
         ttl_secs: 1.0,
         vfs_flags: 0,
+        fsync: FsyncMode::Log,
     };
     for opt in raw
         .iter()
@@ -54,16 +57,11 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
             "commit" => c.commit_secs = number(value)? as u64,
             "threads" => c.threads = (number(value)? as usize).clamp(1, 64),
             "ttl" | "attr_timeout" | "entry_timeout" => c.ttl_secs = number(value)?,
-            "fsync" => {
-                match value {
-                    Some("commit") => {}
-                    Some("log") => return Err(
-                        "option fsync=log: the fsync log is not implemented yet; use fsync=commit"
-                            .into(),
-                    ),
-                    _ => return Err(format!("option {opt}: expected fsync=commit")),
-                }
-            }
+            "fsync" => match value {
+                Some("log") => c.fsync = FsyncMode::Log,
+                Some("commit") => c.fsync = FsyncMode::Commit,
+                _ => return Err(format!("option {opt}: expected fsync=log or fsync=commit")),
+            },
             "writeback" => match value {
                 Some("off") => {}
                 _ => return Err(format!("option {opt}: only writeback=off is available")),
@@ -258,6 +256,7 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
         commit_interval: (config.commit_secs > 0).then(|| Duration::from_secs(config.commit_secs)),
         read_only: config.read_only,
         wait_for_lock: true,
+        fsync: config.fsync,
     };
     let fs = match Filesystem::open(image, options) {
         Ok(fs) => Arc::new(fs),

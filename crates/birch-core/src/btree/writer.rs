@@ -19,7 +19,7 @@ const LEAF_UNDERFLOW_BYTES: usize = LEAF_SPACE / 4;
 const INTERNAL_UNDERFLOW_PTRS: usize = MAX_PTRS / 4;
 
 /// What one descent does when it reaches its leaf.
-enum LeafOp {
+enum LeafOp<'c> {
     /// Insert or overwrite; the old value is returned in `old`.
     Insert {
         key: Key,
@@ -37,6 +37,12 @@ enum LeafOp {
         value: Vec<u8>,
         removed: usize,
         fits: bool,
+    },
+    /// Apply `changes[next..]` while their keys belong to this leaf and it has not overflowed;
+    /// `next` advances past what was applied.
+    Batch {
+        changes: &'c [(Key, Option<Vec<u8>>)],
+        next: usize,
     },
 }
 
@@ -280,7 +286,7 @@ impl<'a> TreeWriter<'a> {
 
     /// One root-to-leaf descent by `search`, copying the path, applying `op` at the leaf and
     /// splitting or merging on the way back up.
-    fn descend(&mut self, search: Key, op: &mut LeafOp) -> Result<()> {
+    fn descend(&mut self, search: Key, op: &mut LeafOp<'_>) -> Result<()> {
         self.ctx.counters.add(&self.ctx.counters.btree_descents, 1);
         let root = self.cow(self.root.addr, self.root.generation, self.root.level)?;
         self.root.addr = root;
@@ -344,7 +350,7 @@ impl<'a> TreeWriter<'a> {
         addr: u64,
         search: Key,
         upper: Key,
-        op: &mut LeafOp,
+        op: &mut LeafOp<'_>,
     ) -> Result<Option<(Key, u64)>> {
         let level = self.node_ref(addr).header.level;
         if level == 0 {
@@ -389,7 +395,7 @@ impl<'a> TreeWriter<'a> {
         self.split_if_needed(addr)
     }
 
-    fn apply_leaf(&mut self, addr: u64, upper: Key, op: &mut LeafOp) {
+    fn apply_leaf(&mut self, addr: u64, upper: Key, op: &mut LeafOp<'_>) {
         let NodeBody::Leaf(items) = &mut self.node_mut(addr).body else {
             unreachable!("level 0 is a leaf")
         };
@@ -404,6 +410,30 @@ impl<'a> TreeWriter<'a> {
                 let end = items.partition_point(|(k, _)| k < hi);
                 *removed = end.saturating_sub(start);
                 items.drain(start..end.max(start));
+            }
+            LeafOp::Batch { changes, next } => {
+                let mut used: usize = items.iter().map(|(_, v)| leaf_item_bytes(v.len())).sum();
+                while let Some((key, value)) = changes.get(*next) {
+                    if *key >= upper || used > LEAF_SPACE {
+                        break;
+                    }
+                    match (items.binary_search_by(|(k, _)| k.cmp(key)), value) {
+                        (Ok(i), Some(v)) => {
+                            used = used + v.len() - items[i].1.len();
+                            items[i].1 = v.clone();
+                        }
+                        (Err(i), Some(v)) => {
+                            used += leaf_item_bytes(v.len());
+                            items.insert(i, (*key, v.clone()));
+                        }
+                        (Ok(i), None) => {
+                            used -= leaf_item_bytes(items[i].1.len());
+                            items.remove(i);
+                        }
+                        (Err(_), None) => {}
+                    }
+                    *next += 1;
+                }
             }
             LeafOp::Replace {
                 lo,
@@ -539,25 +569,74 @@ impl<'a> TreeWriter<'a> {
     /// Encodes and writes every dirty node (no flush). Returns the written nodes so the
     /// caller can put them in the cache once the commit is durable. May do device I/O.
     pub fn write_dirty(&mut self) -> Result<Vec<Arc<Node>>> {
+        /// Adjacent nodes go out in one write of at most this many bytes.
+        const WRITE_RUN_BYTES: usize = 1 << 20;
         let mut written = Vec::with_capacity(self.dirty.len());
         let mut addrs: Vec<u64> = self.dirty.keys().copied().collect();
         addrs.sort_unstable();
+        let mut run: Vec<u8> = Vec::new();
+        let mut run_start = 0u64;
         for addr in addrs {
             let node = self.dirty[&addr].clone();
             let bytes = node
                 .encode()
                 .map_err(|e| Error::corrupt(format!("encode node {addr:#x} for commit"), e))?;
             debug_assert_eq!(bytes.len(), NODE_SIZE);
+            let contiguous = !run.is_empty()
+                && run_start + run.len() as u64 == addr
+                && run.len() + NODE_SIZE <= WRITE_RUN_BYTES;
+            if !contiguous && !run.is_empty() {
+                self.ctx
+                    .device
+                    .write_at(&run, run_start)
+                    .map_err(|e| Error::io(format!("write nodes at {run_start:#x}"), e))?;
+                run.clear();
+            }
+            if run.is_empty() {
+                run_start = addr;
+            }
+            run.extend_from_slice(&bytes);
+            written.push(node);
+        }
+        if !run.is_empty() {
             self.ctx
                 .device
-                .write_at(&bytes, addr)
-                .map_err(|e| Error::io(format!("write node {addr:#x}"), e))?;
-            written.push(node);
+                .write_at(&run, run_start)
+                .map_err(|e| Error::io(format!("write nodes at {run_start:#x}"), e))?;
         }
         self.ctx
             .counters
             .add(&self.ctx.counters.nodes_written, written.len() as u64);
         Ok(written)
+    }
+
+    /// Applies a sorted run of changes (`None` deletes), as many as fit in each leaf per
+    /// descent: a commit of N changed items costs about N / (items per leaf) descents.
+    pub fn apply_sorted(&mut self, changes: &[(Key, Option<Vec<u8>>)]) -> Result<()> {
+        for (key, value) in changes {
+            if let Some(v) = value {
+                check_item(key, v)?;
+            }
+        }
+        let mut done = 0;
+        while done < changes.len() {
+            let mut op = LeafOp::Batch {
+                changes,
+                next: done,
+            };
+            self.descend(changes[done].0, &mut op)?;
+            let LeafOp::Batch { next, .. } = op else {
+                unreachable!("op kind is fixed")
+            };
+            if next == done {
+                return Err(Error::Invalid(format!(
+                    "apply_sorted: no progress at {}",
+                    changes[done].0
+                )));
+            }
+            done = next;
+        }
+        Ok(())
     }
 }
 

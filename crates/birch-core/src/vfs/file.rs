@@ -37,6 +37,8 @@ struct Changes {
     frees: Vec<(u64, u64)>,
     blocks_added: u64,
     blocks_freed: u64,
+    /// Keys that exist now (in the tree or the delta): only these need a deletion recorded.
+    existed: std::collections::HashSet<Key>,
 }
 
 impl Changes {
@@ -393,7 +395,13 @@ impl Filesystem {
         }
         let mut joined = prev_csums;
         joined.extend(csums);
-        changes.set(extent_key(ino, offset), None);
+        // The first new extent is merged away: a key that never existed needs no deletion.
+        let first = extent_key(ino, offset);
+        if changes.existed.contains(&first) {
+            changes.set(first, None);
+        } else {
+            changes.items.retain(|(k, _)| *k != first);
+        }
         changes.set(
             extent_key(ino, prev_off),
             Some(
@@ -447,6 +455,7 @@ impl Filesystem {
             let len = extent.len_bytes();
             let ext_end = start + len;
             changes.set(extent_key(ino, start), None);
+            changes.existed.insert(extent_key(ino, start));
             let (disk_addr, prealloc) = match &extent.kind {
                 ExtentKind::Inline(_) => continue,
                 ExtentKind::Regular { disk_addr, .. } => (*disk_addr, false),
@@ -820,19 +829,6 @@ impl Filesystem {
             }
             _ => Err(Error::Invalid(format!("lseek whence {whence}"))),
         }
-    }
-
-    /// fsync / fdatasync: makes the file's data and metadata durable. For now a full commit
-    /// (the fsync log replaces this). Reports EIO for ever after a failed write of this file.
-    pub fn fsync(&self, ino: u64, _datasync: bool) -> Result<()> {
-        let state = self.inode(ino)?;
-        if state.data.read().write_error {
-            return Err(Error::StickyIo(format!("inode {ino}")));
-        }
-        let counters = self.inner.engine.counters();
-        counters.add(&counters.fsyncs, 1);
-        counters.add(&counters.fsync_commits, 1);
-        self.inner.engine.commit().map(|_| ())
     }
 
     /// Creates and opens a regular file.

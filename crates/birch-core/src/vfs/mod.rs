@@ -10,6 +10,7 @@
 //! records items in memory. Data I/O of one file happens under that file's lock only.
 
 mod dir;
+mod durability;
 mod file;
 mod xattr;
 
@@ -29,6 +30,7 @@ use crate::error::{Error, Result};
 use crate::txn::{Engine, MkfsOptions};
 
 pub use dir::DirEntryOut;
+pub use durability::FsyncMode;
 
 /// Changed items after which the background committer is woken early, bounding memory.
 const DELTA_ITEMS_COMMIT: usize = 200_000;
@@ -42,6 +44,8 @@ pub struct OpenOptions {
     pub read_only: bool,
     /// Wait for another process to release the image instead of failing.
     pub wait_for_lock: bool,
+    /// How fsync makes a file durable.
+    pub fsync: FsyncMode,
 }
 
 impl Default for OpenOptions {
@@ -50,6 +54,7 @@ impl Default for OpenOptions {
             commit_interval: Some(Duration::from_secs(5)),
             read_only: false,
             wait_for_lock: false,
+            fsync: FsyncMode::Log,
         }
     }
 }
@@ -195,6 +200,7 @@ pub(crate) struct Inner {
     stop: AtomicBool,
     next_fh: AtomicU64,
     closed: AtomicBool,
+    pub(crate) fsync_mode: FsyncMode,
 }
 
 /// A mounted-or-embedded birchfs filesystem.
@@ -296,6 +302,7 @@ impl Filesystem {
             stop: AtomicBool::new(false),
             next_fh: AtomicU64::new(1),
             closed: AtomicBool::new(false),
+            fsync_mode: options.fsync,
         });
         let fs = Filesystem { inner };
         if fs.getattr(ROOT_OBJECTID).is_err() {
@@ -304,6 +311,14 @@ impl Filesystem {
             ));
         }
         if !options.read_only {
+            if fs.replay_log()? {
+                // The replay committed; reopen so the free-space map is rebuilt from the new
+                // tree (the extents the log replaced are free again).
+                let device = fs.inner.engine.device().clone();
+                fs.close()?;
+                drop(fs);
+                return Filesystem::open_device(device, options);
+            }
             fs.reclaim_orphans()?;
             if let Some(interval) = options.commit_interval {
                 fs.start_committer(interval);
@@ -347,6 +362,28 @@ impl Filesystem {
     /// Commits everything now (`birch sync`, and `fsync` until the fsync log exists).
     pub fn sync(&self) -> Result<()> {
         self.inner.engine.commit().map(|_| ())
+    }
+
+    /// Every counter of the engine and the device, as one JSON object (the live-mount stats
+    /// interface: `getfattr -n trusted.birch.stats MNT`).
+    pub fn stats_json(&self) -> String {
+        let device_names = ["device_reads", "device_writes", "bytes_written", "flushes"];
+        let engine = self.inner.engine.counters().values();
+        let device = self.inner.engine.device().counters().values();
+        let mut parts: Vec<String> = engine
+            .pairs()
+            .into_iter()
+            .filter(|(n, _)| !device_names.contains(n))
+            .map(|(n, v)| format!("\"{n}\": {v}"))
+            .collect();
+        parts.extend(
+            device
+                .pairs()
+                .into_iter()
+                .filter(|(n, _)| device_names.contains(n))
+                .map(|(n, v)| format!("\"{n}\": {v}")),
+        );
+        format!("{{{}}}", parts.join(", "))
     }
 
     /// Control commands from the mount helper (`trusted.birch.control` on the root): `ro`

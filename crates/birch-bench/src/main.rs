@@ -1,0 +1,837 @@
+//! `birch-engine-bench`: the in-process benchmark of birchfs (no FUSE, no kernel in the path).
+//!
+//! What it measures, on a [`MemDevice`] (default) or on an image file opened like a mount opens
+//! it (`--image PATH`: [`FileDevice`], O_DIRECT, flush = `fdatasync`; the file is created or
+//! truncated and made sparse for each part, so its old content is lost):
+//!
+//! 1. **B-tree** ([`TreeWriter`] and [`TreeReader`] driven directly, like
+//!    `crates/birch-core/tests/btree_model.rs`): inserts/s of random and of sequential keys
+//!    (32-byte values) into one tree, a generation written out and flushed every `batch`
+//!    inserts (the write-out is included in the rate and also shown apart), then lookups/s of
+//!    every inserted key in random and in key order from the committed tree (warm cache).
+//! 2. **Commits** ([`Engine`]): commits/s and node bytes written per commit when each commit
+//!    carries 1, 100 or 10,000 changed items (160-byte inode-sized values, distinct random
+//!    keys of a prefilled tree). The rate counts only the time inside `Engine::commit`.
+//! 3. **Filesystem API** ([`Filesystem`]): each sustained over 4 commits, the commit cost
+//!    included (an explicit `sync` after each quarter, in the timed thread): empty-file
+//!    creates/s (`create` + `release`) in one thread, and in two threads each in its own
+//!    directory (with the scaling ratio to one thread); 4 KiB appends/s to one file; 4 KiB
+//!    random overwrites/s inside a 64 MiB file (written and committed before the clock starts).
+//!
+//! Every row also gives the engine counters per operation (per commit in part 2):
+//! `btree_descents`, `btree_cows`, `nodes_written`, and the device's `flushes` and
+//! `bytes_written`. Figures are reported, never asserted.
+//!
+//! Run:
+//!
+//! ```sh
+//! cargo run --release -p birch-bench -- [--quick] [--image PATH] [--json]
+//! ```
+//!
+//! `--quick` shrinks every part (50,000 B-tree operations instead of 1,000,000) and finishes
+//! in well under 20 s on a MemDevice. `--json` prints the figures as JSON on stdout and the
+//! table on stderr.
+
+use std::error::Error as StdError;
+use std::fmt::Write as _;
+use std::hint::black_box;
+use std::path::PathBuf;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use birch_core::alloc::Allocator;
+use birch_core::btree::{TreeCtx, TreeReader, TreeWriter};
+use birch_core::cache::NodeCache;
+use birch_core::counters::{CounterValues, Counters};
+use birch_core::device::{BlockDevice, FileDevice, MemDevice, OpenMode};
+use birch_core::vfs::{Caller, OpenOptions};
+use birch_core::{Engine, Filesystem, MkfsOptions};
+use birch_format::superblock::RootPtr;
+use birch_format::{ItemType, Key, BLOCK_SIZE, NODE_SIZE};
+use clap::Parser;
+use rand::rngs::SmallRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+type Res<T> = Result<T, Box<dyn StdError + Send + Sync>>;
+
+const SEED: u64 = 0x5eed_b1c4;
+const FSID: [u8; 16] = [0xbe; 16];
+
+#[derive(Parser)]
+#[command(about = "In-process benchmark of the birchfs engine and filesystem API")]
+struct Args {
+    /// Small sizes: finishes in seconds (CI smoke run).
+    #[arg(long)]
+    quick: bool,
+    /// Run on this image file (created or truncated; O_DIRECT) instead of memory.
+    #[arg(long)]
+    image: Option<PathBuf>,
+    /// Print JSON on stdout (the table goes to stderr).
+    #[arg(long)]
+    json: bool,
+    /// Run only these parts (repeatable): btree, commit, create, append, overwrite.
+    #[arg(long, value_parser = ["btree", "commit", "create", "append", "overwrite"])]
+    only: Vec<String>,
+}
+
+impl Args {
+    fn wants(&self, part: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|p| p == part)
+    }
+}
+
+/// How big each part is.
+struct Sizes {
+    btree_ops: usize,
+    btree_batch: usize,
+    commit_prefill: usize,
+    commit_budget: Duration,
+    commit_max: [usize; 3],
+    creates: usize,
+    appends: usize,
+    overwrites: usize,
+}
+
+impl Sizes {
+    fn new(quick: bool) -> Sizes {
+        if quick {
+            Sizes {
+                btree_ops: 50_000,
+                btree_batch: 10_000,
+                commit_prefill: 50_000,
+                commit_budget: Duration::from_millis(500),
+                commit_max: [300, 100, 5],
+                creates: 20_000,
+                appends: 4_000,
+                overwrites: 4_000,
+            }
+        } else {
+            Sizes {
+                btree_ops: 1_000_000,
+                btree_batch: 100_000,
+                commit_prefill: 200_000,
+                commit_budget: Duration::from_secs(3),
+                commit_max: [2_000, 500, 30],
+                creates: 200_000,
+                appends: 40_000,
+                overwrites: 40_000,
+            }
+        }
+    }
+}
+
+/// Where the bench runs.
+enum Target {
+    Mem,
+    Image(PathBuf),
+}
+
+impl Target {
+    /// A fresh device of `size` bytes. For an image the file is truncated to zero first, so
+    /// nothing of an earlier part survives and the image is sparse as `birch mkfs` leaves it.
+    fn device(&self, size: u64) -> Res<Arc<dyn BlockDevice>> {
+        match self {
+            Target::Mem => Ok(Arc::new(MemDevice::new(size))),
+            Target::Image(path) => {
+                let file = std::fs::OpenOptions::new()
+                    .create(true)
+                    .write(true)
+                    .truncate(true)
+                    .open(path)
+                    .map_err(|e| format!("{}: create image: {e}", path.display()))?;
+                file.set_len(size)?;
+                drop(file);
+                let dev = FileDevice::open(path, OpenMode::ReadWrite)?;
+                if !dev.is_direct() {
+                    eprintln!("note: {}: O_DIRECT refused, buffered I/O", path.display());
+                }
+                Ok(Arc::new(dev))
+            }
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Target::Mem => "MemDevice".to_string(),
+            Target::Image(path) => format!("FileDevice O_DIRECT {}", path.display()),
+        }
+    }
+}
+
+/// Engine and device counters at one moment.
+#[derive(Clone, Default)]
+struct Snap {
+    engine: CounterValues,
+    device: CounterValues,
+}
+
+impl Snap {
+    fn of(engine: &Counters, device: &dyn BlockDevice) -> Snap {
+        Snap {
+            engine: engine.values(),
+            device: device.counters().values(),
+        }
+    }
+
+    fn since(&self, earlier: &Snap) -> Snap {
+        Snap {
+            engine: self.engine.since(&earlier.engine),
+            device: self.device.since(&earlier.device),
+        }
+    }
+}
+
+/// One measured figure.
+struct Row {
+    section: &'static str,
+    name: String,
+    ops: u64,
+    secs: f64,
+    unit: &'static str,
+    delta: Snap,
+    extra: Vec<(&'static str, f64)>,
+}
+
+impl Row {
+    fn rate(&self) -> f64 {
+        if self.secs > 0.0 {
+            self.ops as f64 / self.secs
+        } else {
+            0.0
+        }
+    }
+
+    /// (name, value per op) of the counters every row reports.
+    fn per_op(&self) -> Vec<(&'static str, f64)> {
+        let n = self.ops.max(1) as f64;
+        vec![
+            (
+                "btree_descents",
+                self.delta.engine.btree_descents as f64 / n,
+            ),
+            ("btree_cows", self.delta.engine.btree_cows as f64 / n),
+            ("nodes_written", self.delta.engine.nodes_written as f64 / n),
+            ("flushes", self.delta.device.flushes as f64 / n),
+            ("bytes_written", self.delta.device.bytes_written as f64 / n),
+        ]
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    if let Err(e) = run(&args) {
+        eprintln!("birch-engine-bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: &Args) -> Res<()> {
+    let sizes = Sizes::new(args.quick);
+    let target = match &args.image {
+        Some(path) => Target::Image(path.clone()),
+        None => Target::Mem,
+    };
+    let started = Instant::now();
+    let mut rows = Vec::new();
+    eprintln!("birch-engine-bench on {}", target.describe());
+    if args.wants("btree") {
+        bench_btree(&target, &sizes, &mut rows)?;
+    }
+    if args.wants("commit") {
+        bench_commits(&target, &sizes, &mut rows)?;
+    }
+    bench_fs(&target, &sizes, args, &mut rows)?;
+    let total = started.elapsed().as_secs_f64();
+    let table = table(&rows, &target, args.quick, total);
+    if args.json {
+        eprint!("{table}");
+        println!("{}", json(&rows, &target, args.quick, total));
+    } else {
+        print!("{table}");
+    }
+    if let Target::Image(path) = &target {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. B-tree
+
+/// One tree on a device, committed by hand the way the engine does it.
+struct Tree {
+    dev: Arc<dyn BlockDevice>,
+    alloc: Allocator,
+    cache: NodeCache,
+    counters: Counters,
+    root: RootPtr,
+    generation: u64,
+}
+
+impl Tree {
+    fn new(dev: Arc<dyn BlockDevice>) -> Res<Tree> {
+        let alloc = Allocator::new(dev.size_bytes());
+        alloc.mark_used(0, 64);
+        let mut tree = Tree {
+            dev,
+            alloc,
+            cache: NodeCache::new(1 << 17),
+            counters: Counters::default(),
+            root: RootPtr::default(),
+            generation: 1,
+        };
+        let root = {
+            let mut w = TreeWriter::create(tree.ctx(), &tree.alloc, 1)?;
+            for node in w.write_dirty()? {
+                tree.cache.insert(node);
+            }
+            w.root()
+        };
+        tree.dev.flush()?;
+        tree.root = root;
+        Ok(tree)
+    }
+
+    fn ctx(&self) -> TreeCtx<'_> {
+        TreeCtx {
+            device: &*self.dev,
+            cache: &self.cache,
+            counters: &self.counters,
+            fsid: FSID,
+            owner: birch_format::FS_TREE_ID,
+        }
+    }
+
+    fn snap(&self) -> Snap {
+        Snap::of(&self.counters, &*self.dev)
+    }
+
+    /// Inserts `keys` in generations of `batch`; returns (time in inserts, time in
+    /// write-out + flush + release).
+    fn insert_all(&mut self, keys: &[Key], value: &[u8], batch: usize) -> Res<(f64, f64)> {
+        let (mut t_insert, mut t_commit) = (0.0, 0.0);
+        for chunk in keys.chunks(batch) {
+            let generation = self.generation + 1;
+            let start = Instant::now();
+            let mut w = TreeWriter::new(self.ctx(), &self.alloc, generation, self.root);
+            for key in chunk {
+                w.insert(*key, value.to_vec())?;
+            }
+            let mid = Instant::now();
+            for node in w.write_dirty()? {
+                self.cache.insert(node);
+            }
+            let root = w.root();
+            drop(w);
+            self.dev.flush()?;
+            let pinned = self.alloc.take_pinned(generation);
+            self.alloc.release(&pinned);
+            self.root = root;
+            self.generation = generation;
+            t_insert += (mid - start).as_secs_f64();
+            t_commit += mid.elapsed().as_secs_f64();
+        }
+        Ok((t_insert, t_commit))
+    }
+
+    /// Looks up every key; returns how many were found.
+    fn lookup_all(&self, keys: &[Key]) -> Res<usize> {
+        let reader = TreeReader {
+            ctx: self.ctx(),
+            root: self.root,
+        };
+        let mut found = 0;
+        for key in keys {
+            if black_box(reader.get(key)?).is_some() {
+                found += 1;
+            }
+        }
+        Ok(found)
+    }
+}
+
+fn bench_btree(target: &Target, sizes: &Sizes, rows: &mut Vec<Row>) -> Res<()> {
+    let n = sizes.btree_ops;
+    let value = [0xa5u8; 32];
+    let mut rng = SmallRng::seed_from_u64(SEED);
+    let random: Vec<Key> = (0..n)
+        .map(|_| Key::new(rng.gen::<u64>() >> 2, ItemType::InodeItem, 0))
+        .collect();
+    let sequential: Vec<Key> = (0..n as u64)
+        .map(|i| Key::new(256 + i, ItemType::InodeItem, 0))
+        .collect();
+    for (label, keys) in [("random", random), ("sequential", sequential)] {
+        eprintln!("b-tree: {n} {label} inserts ...");
+        let mut tree = Tree::new(target.device(2 << 30)?)?;
+        let before = tree.snap();
+        let (t_insert, t_commit) = tree.insert_all(&keys, &value, sizes.btree_batch)?;
+        let delta = tree.snap().since(&before);
+        let generations = n.div_ceil(sizes.btree_batch) as f64;
+        rows.push(Row {
+            section: "btree",
+            name: format!("insert {label} (gen every {})", sizes.btree_batch),
+            ops: n as u64,
+            secs: t_insert + t_commit,
+            unit: "inserts/s",
+            extra: vec![
+                ("inserts_per_s_excl_writeout", n as f64 / t_insert.max(1e-9)),
+                ("writeout_share", t_commit / (t_insert + t_commit).max(1e-9)),
+                (
+                    "nodes_per_generation",
+                    delta.engine.nodes_written as f64 / generations,
+                ),
+                ("tree_levels", f64::from(tree.root.level) + 1.0),
+            ],
+            delta,
+        });
+        let mut order = keys.clone();
+        if label == "random" {
+            order.shuffle(&mut rng);
+        } else {
+            order.sort_unstable();
+        }
+        let before = tree.snap();
+        let start = Instant::now();
+        let found = tree.lookup_all(&order)?;
+        let secs = start.elapsed().as_secs_f64();
+        let delta = tree.snap().since(&before);
+        rows.push(Row {
+            section: "btree",
+            name: format!("lookup {label} (warm cache)"),
+            ops: n as u64,
+            secs,
+            unit: "lookups/s",
+            extra: vec![
+                ("found", found as f64),
+                (
+                    "cache_misses_per_op",
+                    delta.engine.cache_misses as f64 / n as f64,
+                ),
+            ],
+            delta,
+        });
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Commits
+
+fn bench_commits(target: &Target, sizes: &Sizes, rows: &mut Vec<Row>) -> Res<()> {
+    let dev = target.device(2 << 30)?;
+    drop(Engine::create(
+        dev.clone(),
+        &MkfsOptions::default(),
+        Vec::new(),
+    )?);
+    // Reopen, so the node cache is the size a mount gets.
+    let engine = Engine::open(dev.clone())?;
+    let value = vec![0x3cu8; 160];
+    let key = |i: usize| Key::new(256 + i as u64, ItemType::InodeItem, 0);
+    let prefill = sizes.commit_prefill;
+    eprintln!("commits: prefill {prefill} items ...");
+    for lo in (0..prefill).step_by(50_000) {
+        {
+            let txn = engine.begin()?;
+            for i in lo..(lo + 50_000).min(prefill) {
+                txn.put(key(i), value.clone());
+            }
+        }
+        engine.commit()?;
+    }
+    let mut rng = SmallRng::seed_from_u64(SEED ^ 1);
+    for (items, max) in [1usize, 100, 10_000].into_iter().zip(sizes.commit_max) {
+        eprintln!("commits: {items} item(s) per commit ...");
+        let before = Snap::of(engine.counters(), &*dev);
+        let wall = Instant::now();
+        let mut in_commit = Duration::ZERO;
+        let mut commits = 0u64;
+        while (commits as usize) < max && (commits < 3 || wall.elapsed() < sizes.commit_budget) {
+            let picks = rand::seq::index::sample(&mut rng, prefill, items.min(prefill));
+            {
+                let txn = engine.begin()?;
+                for i in picks {
+                    txn.put(key(i), value.clone());
+                }
+            }
+            let start = Instant::now();
+            engine.commit()?;
+            in_commit += start.elapsed();
+            commits += 1;
+        }
+        let delta = Snap::of(engine.counters(), &*dev).since(&before);
+        let node_bytes = delta.engine.nodes_written as f64 * NODE_SIZE as f64 / commits as f64;
+        rows.push(Row {
+            section: "commit",
+            name: format!("commit of {items} changed item(s)"),
+            ops: commits,
+            secs: in_commit.as_secs_f64(),
+            unit: "commits/s",
+            extra: vec![
+                ("node_bytes_per_commit", node_bytes),
+                (
+                    "ms_per_commit",
+                    in_commit.as_secs_f64() * 1e3 / commits as f64,
+                ),
+                (
+                    "items_per_s",
+                    (commits as usize * items) as f64 / in_commit.as_secs_f64(),
+                ),
+            ],
+            delta,
+        });
+    }
+    drop(engine);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Filesystem API
+
+const CHUNKS: usize = 4;
+
+fn new_fs(target: &Target, size: u64) -> Res<Filesystem> {
+    let dev = target.device(size)?;
+    Filesystem::mkfs(dev.clone(), &MkfsOptions::default())?;
+    Ok(Filesystem::open_device(
+        dev,
+        OpenOptions {
+            commit_interval: None,
+            ..Default::default()
+        },
+    )?)
+}
+
+fn fs_snap(fs: &Filesystem) -> Snap {
+    Snap::of(fs.engine().counters(), &**fs.engine().device())
+}
+
+/// Creates `n` empty files in `dir` in CHUNKS parts with a sync after each; returns (time in
+/// creates, time in sync).
+fn create_files(
+    fs: &Filesystem,
+    dir: u64,
+    n: usize,
+    ready: Option<&Barrier>,
+) -> Res<(Duration, Duration)> {
+    let c = Caller::default();
+    if let Some(barrier) = ready {
+        barrier.wait();
+    }
+    let (mut in_create, mut in_sync) = (Duration::ZERO, Duration::ZERO);
+    let per = n / CHUNKS;
+    for chunk in 0..CHUNKS {
+        let start = Instant::now();
+        for i in chunk * per..(chunk + 1) * per {
+            let name = format!("f{i:07}");
+            let (attr, fh) = fs.create(c, dir, name.as_bytes(), 0o644, 0)?;
+            fs.release(attr.ino, fh)?;
+        }
+        let mid = Instant::now();
+        fs.sync()?;
+        in_create += mid - start;
+        in_sync += mid.elapsed();
+    }
+    Ok((in_create, in_sync))
+}
+
+fn fs_row(name: &str, unit: &'static str, ops: usize, secs: f64, in_sync: f64, delta: Snap) -> Row {
+    let commits = delta.engine.commits as f64;
+    Row {
+        section: "fs",
+        name: name.to_string(),
+        ops: ops as u64,
+        secs,
+        unit,
+        extra: vec![
+            ("commits", commits),
+            ("commit_share", in_sync / secs.max(1e-9)),
+        ],
+        delta,
+    }
+}
+
+/// Writes 4 KiB blocks to one file, `n` in all, in CHUNKS parts with a sync after each; the
+/// offset of each write comes from `at` (None = append). Returns (seconds, seconds in sync).
+fn write_blocks(
+    fs: &Filesystem,
+    ino: u64,
+    n: usize,
+    mut at: impl FnMut() -> Option<u64>,
+) -> Res<(f64, f64)> {
+    let block = vec![0x77u8; BLOCK_SIZE as usize];
+    let start = Instant::now();
+    let mut in_sync = Duration::ZERO;
+    for _ in 0..CHUNKS {
+        for _ in 0..n / CHUNKS {
+            match at() {
+                Some(offset) => fs.write(ino, offset, &block, false)?,
+                None => fs.write(ino, 0, &block, true)?,
+            };
+        }
+        let t = Instant::now();
+        fs.sync()?;
+        in_sync += t.elapsed();
+    }
+    Ok((start.elapsed().as_secs_f64(), in_sync.as_secs_f64()))
+}
+
+fn bench_fs(target: &Target, sizes: &Sizes, args: &Args, rows: &mut Vec<Row>) -> Res<()> {
+    let c = Caller::default();
+    let n = sizes.creates / CHUNKS * CHUNKS;
+    if args.wants("create") {
+        eprintln!("fs: {n} creates, 1 thread ...");
+        let one_thread = {
+            let fs = new_fs(target, 2 << 30)?;
+            let dir = fs.mkdir(c, 1, b"d0", 0o755)?.ino;
+            fs.sync()?;
+            let before = fs_snap(&fs);
+            let start = Instant::now();
+            let (in_create, in_sync) = create_files(&fs, dir, n, None)?;
+            let secs = start.elapsed().as_secs_f64();
+            let delta = fs_snap(&fs).since(&before);
+            let mut row = fs_row(
+                "create empty file, 1 thread",
+                "creates/s",
+                n,
+                secs,
+                in_sync.as_secs_f64(),
+                delta,
+            );
+            row.extra.push((
+                "creates_per_s_excl_commit",
+                n as f64 / in_create.as_secs_f64().max(1e-9),
+            ));
+            let rate = row.rate();
+            rows.push(row);
+            rate
+        };
+
+        eprintln!("fs: {n} creates, 2 threads in 2 directories ...");
+        let fs = new_fs(target, 2 << 30)?;
+        let d0 = fs.mkdir(c, 1, b"d0", 0o755)?.ino;
+        let d1 = fs.mkdir(c, 1, b"d1", 0o755)?.ino;
+        fs.sync()?;
+        let barrier = Barrier::new(3);
+        let before = fs_snap(&fs);
+        let (secs, in_create, in_sync) = std::thread::scope(|s| -> Res<(f64, f64, f64)> {
+            let workers: Vec<_> = [d0, d1]
+                .into_iter()
+                .map(|dir| {
+                    let (fs, barrier) = (&fs, &barrier);
+                    s.spawn(move || create_files(fs, dir, n / 2, Some(barrier)))
+                })
+                .collect();
+            barrier.wait();
+            let start = Instant::now();
+            let (mut in_create, mut in_sync) = (0.0f64, 0.0f64);
+            for w in workers {
+                let (create, sync) = w.join().map_err(|_| "create worker panicked")??;
+                in_create = in_create.max(create.as_secs_f64());
+                in_sync = in_sync.max(sync.as_secs_f64());
+            }
+            Ok((start.elapsed().as_secs_f64(), in_create, in_sync))
+        })?;
+        let delta = fs_snap(&fs).since(&before);
+        let mut row = fs_row(
+            "create empty file, 2 threads / 2 dirs",
+            "creates/s",
+            n / 2 * 2,
+            secs,
+            in_sync,
+            delta,
+        );
+        let ratio = row.rate() / one_thread.max(1e-9);
+        row.extra.push((
+            "creates_per_s_excl_commit",
+            (n / 2 * 2) as f64 / in_create.max(1e-9),
+        ));
+        row.extra.push(("scaling_vs_1_thread", ratio));
+        rows.push(row);
+    }
+
+    if args.wants("append") {
+        let n = sizes.appends / CHUNKS * CHUNKS;
+        eprintln!("fs: {n} 4 KiB appends ...");
+        let fs = new_fs(target, 2 << 30)?;
+        let (attr, fh) = fs.create(c, 1, b"append", 0o644, 0)?;
+        fs.sync()?;
+        let before = fs_snap(&fs);
+        let (secs, in_sync) = write_blocks(&fs, attr.ino, n, || None)?;
+        let delta = fs_snap(&fs).since(&before);
+        let mut row = fs_row("append 4 KiB", "writes/s", n, secs, in_sync, delta);
+        row.extra
+            .push(("MiB_per_s", n as f64 * 4096.0 / secs / (1 << 20) as f64));
+        rows.push(row);
+        fs.release(attr.ino, fh)?;
+    }
+
+    if args.wants("overwrite") {
+        let n = sizes.overwrites / CHUNKS * CHUNKS;
+        const FILE_BYTES: u64 = 64 << 20;
+        eprintln!("fs: {n} 4 KiB random overwrites in a 64 MiB file ...");
+        let fs = new_fs(target, 2 << 30)?;
+        let (attr, fh) = fs.create(c, 1, b"overwrite", 0o644, 0)?;
+        let mib = vec![0x11u8; 1 << 20];
+        for at in (0..FILE_BYTES).step_by(mib.len()) {
+            fs.write(attr.ino, at, &mib, false)?;
+        }
+        fs.sync()?;
+        let mut rng = SmallRng::seed_from_u64(SEED ^ 2);
+        let before = fs_snap(&fs);
+        let (secs, in_sync) = write_blocks(&fs, attr.ino, n, || {
+            Some(rng.gen_range(0..FILE_BYTES / BLOCK_SIZE) * BLOCK_SIZE)
+        })?;
+        let delta = fs_snap(&fs).since(&before);
+        let mut row = fs_row(
+            "random overwrite 4 KiB in 64 MiB",
+            "writes/s",
+            n,
+            secs,
+            in_sync,
+            delta,
+        );
+        let (extents, _) = count_extents(&fs, attr.ino)?;
+        row.extra.push(("file_extents_after", extents as f64));
+        rows.push(row);
+        fs.release(attr.ino, fh)?;
+    }
+    Ok(())
+}
+
+/// Number of extent items of `ino` (and their total bytes), read through the engine.
+fn count_extents(fs: &Filesystem, ino: u64) -> Res<(usize, usize)> {
+    let lo = Key::new(ino, ItemType::ExtentData, 0);
+    let hi = Key::new(ino, ItemType::ExtentData, u64::MAX);
+    let items = fs.engine().range(&lo, &hi, usize::MAX)?;
+    Ok((items.len(), items.iter().map(|(_, v)| v.len()).sum()))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output
+
+fn short(v: f64) -> String {
+    if v == 0.0 {
+        "0".into()
+    } else if v.abs() >= 100.0 {
+        format!("{v:.0}")
+    } else if v.abs() >= 1.0 {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.4}")
+    }
+}
+
+fn table(rows: &[Row], target: &Target, quick: bool, total: f64) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "birch-engine-bench: {}{}, total {total:.1} s",
+        target.describe(),
+        if quick { ", --quick" } else { "" }
+    );
+    let _ = writeln!(
+        out,
+        "{:<7} {:<40} {:>9} {:>8} {:>12} {:<10} {:>8} {:>8} {:>9} {:>9} {:>10}",
+        "part",
+        "benchmark",
+        "ops",
+        "secs",
+        "rate",
+        "unit",
+        "desc/op",
+        "cows/op",
+        "nodes/op",
+        "flush/op",
+        "bytes/op"
+    );
+    for row in rows {
+        let p = row.per_op();
+        let _ = writeln!(
+            out,
+            "{:<7} {:<40} {:>9} {:>8.3} {:>12.0} {:<10} {:>8} {:>8} {:>9} {:>9} {:>10}",
+            row.section,
+            row.name,
+            row.ops,
+            row.secs,
+            row.rate(),
+            row.unit,
+            short(p[0].1),
+            short(p[1].1),
+            short(p[2].1),
+            short(p[3].1),
+            short(p[4].1),
+        );
+        let extra: Vec<String> = row
+            .extra
+            .iter()
+            .map(|(k, v)| format!("{k}={}", short(*v)))
+            .collect();
+        let _ = writeln!(out, "{:<7} {:<40}   {}", "", "", extra.join("  "));
+    }
+    let _ = writeln!(
+        out,
+        "(part commit: ops = commits, per-op columns are per commit; bytes/op = device bytes incl. data and superblocks)"
+    );
+    out
+}
+
+fn json_str(s: &str) -> String {
+    let mut out = String::from("\"");
+    for ch in s.chars() {
+        match ch {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+fn json_num(v: f64) -> String {
+    if v.is_finite() {
+        format!("{v}")
+    } else {
+        "null".into()
+    }
+}
+
+fn json_map(pairs: &[(&str, f64)]) -> String {
+    let inner: Vec<String> = pairs
+        .iter()
+        .map(|(k, v)| format!("{}: {}", json_str(k), json_num(*v)))
+        .collect();
+    format!("{{{}}}", inner.join(", "))
+}
+
+fn json(rows: &[Row], target: &Target, quick: bool, total: f64) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "{{");
+    let _ = writeln!(out, "  \"target\": {},", json_str(&target.describe()));
+    let _ = writeln!(out, "  \"quick\": {quick},");
+    let _ = writeln!(out, "  \"total_seconds\": {},", json_num(total));
+    let _ = writeln!(out, "  \"results\": [");
+    for (i, row) in rows.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "    {{\"section\": {}, \"name\": {}, \"ops\": {}, \"seconds\": {}, \"rate\": {}, \"unit\": {}, \"per_op\": {}, \"extra\": {}}}{}",
+            json_str(row.section),
+            json_str(&row.name),
+            row.ops,
+            json_num(row.secs),
+            json_num(row.rate()),
+            json_str(row.unit),
+            json_map(&row.per_op()),
+            json_map(&row.extra),
+            if i + 1 < rows.len() { "," } else { "" }
+        );
+    }
+    let _ = writeln!(out, "  ]");
+    let _ = write!(out, "}}");
+    out
+}

@@ -1,0 +1,300 @@
+//! The fsync log: one write and one flush per fsync, shared by concurrent fsyncs.
+//!
+//! Owns: placing batches in the circular log area, group commit (the first fsync that finds no
+//! batch in flight becomes the leader, writes everything queued so far as one batch, flushes
+//! once, and wakes every fsync whose records it carried), retiring batches once a commit covers
+//! them, and reading the log back for replay.
+//!
+//! Must not touch: the trees, the delta, inodes. It is handed records (item changes with the
+//! delta generation they belong to) and writes them; no lock is held while the device writes
+//! or flushes: the leader works outside the mutex, followers wait on a condition variable.
+//!
+//! Crash argument, in short (DESIGN.md has the walk-through): a batch is durable only after
+//! its flush, and its fsyncs return only then. Every data block a record references was written
+//! (O_DIRECT) before the batch, so the same flush makes it durable; replay still verifies each
+//! block's checksum and stops at the first batch that fails. A batch is reused only after a
+//! superblock that starts the log past it is durable.
+
+use std::collections::VecDeque;
+
+use birch_format::items::{ExtentKind, FileExtent};
+use birch_format::log::{decode_batch, decode_header, encode_batch, LogRecord};
+use birch_format::superblock::Superblock;
+use birch_format::{ItemType, BLOCK_SIZE};
+use parking_lot::{Condvar, Mutex};
+
+use crate::counters::Counters;
+use crate::device::BlockDevice;
+use crate::error::{Error, Result};
+
+/// A batch written and not yet retired by a commit.
+#[derive(Debug, Clone, Copy)]
+struct LiveBatch {
+    lsn: u64,
+    seq: u64,
+    max_generation: u64,
+}
+
+struct LogState {
+    /// Next byte position to write at.
+    tail_lsn: u64,
+    next_seq: u64,
+    /// Space before this position may be overwritten (a durable superblock starts past it).
+    reusable_lsn: u64,
+    live: VecDeque<LiveBatch>,
+    /// Records queued for the next batch, and that batch's ticket.
+    queued: Vec<LogRecord>,
+    open_ticket: u64,
+    durable_ticket: u64,
+    /// The last ticket whose batch did not fit: its fsyncs fall back to a commit.
+    full_ticket: u64,
+    leader: bool,
+    failed: Option<String>,
+}
+
+/// What became of an fsync's records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogOutcome {
+    /// Durable in the log.
+    Logged,
+    /// The log area had no room: the caller must commit.
+    Full,
+}
+
+/// The fsync log of one filesystem.
+pub struct FsyncLog {
+    state: Mutex<LogState>,
+    wake: Condvar,
+    start: u64,
+    bytes: u64,
+    fsid: [u8; 16],
+}
+
+impl FsyncLog {
+    /// A log continuing after `tail_lsn` / `next_seq` (the end of what replay read), with
+    /// space before `head_lsn` reusable.
+    pub fn new(sb: &Superblock, tail_lsn: u64, next_seq: u64) -> FsyncLog {
+        FsyncLog {
+            state: Mutex::new(LogState {
+                tail_lsn,
+                next_seq,
+                reusable_lsn: sb.log_head,
+                live: VecDeque::new(),
+                queued: Vec::new(),
+                open_ticket: 1,
+                durable_ticket: 0,
+                full_ticket: 0,
+                leader: false,
+                failed: None,
+            }),
+            wake: Condvar::new(),
+            start: sb.log_start,
+            bytes: sb.log_bytes,
+            fsid: sb.fsid,
+        }
+    }
+
+    /// Queues `records` and returns once they are durable (or the log is full). Concurrent
+    /// callers share one write and one flush. Does device I/O with no lock held.
+    pub fn submit(
+        &self,
+        device: &dyn BlockDevice,
+        counters: &Counters,
+        records: Vec<LogRecord>,
+    ) -> Result<LogOutcome> {
+        if self.bytes == 0 {
+            return Ok(LogOutcome::Full);
+        }
+        let mut st = self.state.lock();
+        let ticket = st.open_ticket;
+        st.queued.extend(records);
+        loop {
+            if let Some(reason) = &st.failed {
+                return Err(Error::ReadOnly(format!("fsync log: {reason}")));
+            }
+            if st.full_ticket >= ticket && st.durable_ticket < ticket {
+                return Ok(LogOutcome::Full);
+            }
+            if st.durable_ticket >= ticket {
+                return Ok(LogOutcome::Logged);
+            }
+            if st.leader {
+                self.wake.wait(&mut st);
+                continue;
+            }
+            // Become the leader for everything queued so far.
+            st.leader = true;
+            let batch_ticket = st.open_ticket;
+            st.open_ticket += 1;
+            let records = std::mem::take(&mut st.queued);
+            let seq = st.next_seq;
+            let max_generation = records.iter().map(|r| r.generation).max().unwrap_or(0);
+            let mut lsn = st.tail_lsn;
+            let probe_len = encode_batch(self.fsid, seq, lsn, &records).len() as u64;
+            if lsn % self.bytes + probe_len > self.bytes {
+                lsn = (lsn / self.bytes + 1) * self.bytes; // never straddle the end
+            }
+            if lsn + probe_len - st.reusable_lsn > self.bytes || probe_len > self.bytes / 2 {
+                st.full_ticket = batch_ticket;
+                st.leader = false;
+                self.wake.notify_all();
+                continue;
+            }
+            drop(st);
+            let bytes = encode_batch(self.fsid, seq, lsn, &records);
+            let at = self.start + lsn % self.bytes;
+            let written = device.write_at(&bytes, at).and_then(|()| device.flush());
+            st = self.state.lock();
+            st.leader = false;
+            match written {
+                Ok(()) => {
+                    st.live.push_back(LiveBatch {
+                        lsn,
+                        seq,
+                        max_generation,
+                    });
+                    st.tail_lsn = lsn + bytes.len() as u64;
+                    st.next_seq = seq + 1;
+                    st.durable_ticket = batch_ticket;
+                    counters.add(&counters.log_batches, 1);
+                    counters.add(&counters.log_records, records.len() as u64);
+                    counters.add(&counters.log_bytes, bytes.len() as u64);
+                }
+                Err(e) => {
+                    st.failed = Some(format!("write or flush of batch {seq} at {at:#x}: {e}"))
+                }
+            }
+            self.wake.notify_all();
+        }
+    }
+
+    /// Called by commit `generation` before it writes its superblock: drops the batches the
+    /// commit covers and returns where the live log starts (lsn, seq).
+    pub fn retire(&self, generation: u64) -> (u64, u64) {
+        let mut st = self.state.lock();
+        while st
+            .live
+            .front()
+            .is_some_and(|b| b.max_generation <= generation)
+        {
+            st.live.pop_front();
+        }
+        match st.live.front() {
+            Some(b) => (b.lsn, b.seq),
+            None => (st.tail_lsn, st.next_seq),
+        }
+    }
+
+    /// Called once the superblock naming `head_lsn` is durable: space before it is reusable.
+    pub fn set_reusable(&self, head_lsn: u64) {
+        let mut st = self.state.lock();
+        st.reusable_lsn = st.reusable_lsn.max(head_lsn);
+    }
+}
+
+/// What replay found in the log.
+#[derive(Debug, Default)]
+pub struct Replay {
+    pub records: Vec<LogRecord>,
+    pub batches: u64,
+    /// Where the next batch goes.
+    pub tail_lsn: u64,
+    pub next_seq: u64,
+    /// Why reading stopped (end of log, torn batch, data checksum).
+    pub stop: String,
+}
+
+/// Reads every batch from the superblock's log head while each verifies, has the next
+/// sequence number, and references only data blocks whose checksums match. May do much I/O.
+pub fn read_log(device: &dyn BlockDevice, sb: &Superblock) -> Replay {
+    let mut out = Replay {
+        tail_lsn: sb.log_head,
+        next_seq: sb.log_generation,
+        ..Default::default()
+    };
+    if sb.log_bytes == 0 {
+        out.stop = "no log area".into();
+        return out;
+    }
+    let mut lsn = sb.log_head;
+    let mut read_total = 0u64;
+    loop {
+        if read_total >= sb.log_bytes {
+            out.stop = "read a whole lap".into();
+            return out;
+        }
+        let next_lap = (lsn / sb.log_bytes + 1) * sb.log_bytes;
+        // The writer skips to the next lap when a batch would straddle the end.
+        let batch = read_batch(device, sb, lsn, out.next_seq).or_else(|| {
+            if lsn % sb.log_bytes != 0 {
+                read_batch(device, sb, next_lap, out.next_seq)
+            } else {
+                None
+            }
+        });
+        let Some((at, (len, records))) = batch else {
+            out.stop = format!("no valid batch with sequence {} at lsn {lsn}", out.next_seq);
+            return out;
+        };
+        if let Some(bad) = records.iter().find_map(|r| bad_data(device, r)) {
+            out.stop = format!("batch {} references {bad}", out.next_seq);
+            return out;
+        }
+        out.records.extend(records);
+        out.batches += 1;
+        read_total += len;
+        lsn = at + len;
+        out.tail_lsn = lsn;
+        out.next_seq += 1;
+    }
+}
+
+/// Reads and verifies the batch at `lsn`, which must carry sequence `seq`.
+fn read_batch(
+    device: &dyn BlockDevice,
+    sb: &Superblock,
+    lsn: u64,
+    seq: u64,
+) -> Option<(u64, (u64, Vec<LogRecord>))> {
+    let offset = lsn % sb.log_bytes;
+    let mut first = vec![0u8; BLOCK_SIZE as usize];
+    device.read_at(&mut first, sb.log_start + offset).ok()?;
+    let header = decode_header(&first)?;
+    let len = u64::from(header.len_bytes);
+    if header.fsid != sb.fsid
+        || header.seq != seq
+        || header.lsn != lsn
+        || len == 0
+        || len % BLOCK_SIZE != 0
+        || offset + len > sb.log_bytes
+    {
+        return None;
+    }
+    let mut bytes = vec![0u8; len as usize];
+    device.read_at(&mut bytes, sb.log_start + offset).ok()?;
+    let (_, records) = decode_batch(&bytes).ok()?;
+    Some((lsn, (len, records)))
+}
+
+/// A description of the first data block of a record's extent whose checksum fails.
+fn bad_data(device: &dyn BlockDevice, record: &LogRecord) -> Option<String> {
+    if record.key.kind() != Some(ItemType::ExtentData) {
+        return None;
+    }
+    let value = record.value.as_ref()?;
+    let extent = FileExtent::decode(value).ok()?;
+    let ExtentKind::Regular { disk_addr, csums } = extent.kind else {
+        return None;
+    };
+    let mut block = vec![0u8; BLOCK_SIZE as usize];
+    for (n, want) in csums.iter().enumerate() {
+        let at = disk_addr + n as u64 * BLOCK_SIZE;
+        if device.read_at(&mut block, at).is_err() || birch_format::checksum(&block) != *want {
+            return Some(format!(
+                "data block {at:#x} of {} that fails its checksum",
+                record.key
+            ));
+        }
+    }
+    None
+}

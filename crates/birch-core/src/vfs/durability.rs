@@ -1,0 +1,304 @@
+//! fsync and fdatasync through the log, replay at mount, and the fallbacks to a full commit.
+//!
+//! What an fsync of inode I logs (btrfs tree-log rules, kept small):
+//! - every item of I changed since the last durable commit, from memory (the delta), deleted
+//!   items as deletions: the inode item itself, extents (whose data blocks were written at
+//!   write time, so the log's one flush makes them durable too), xattrs, inode refs;
+//! - for each name of I in those refs, the parent's dir item and dir index, so a new file's
+//!   name survives with it.
+//!
+//! When logging cannot be safe, fsync commits instead (each case counted):
+//! - a name of I was removed or renamed (an inode ref deleted): replaying only I's side could
+//!   leave the old name behind;
+//! - a new name's directory was itself created after the last commit: its own name would be
+//!   missing after replay;
+//! - I is a directory (fsyncdir), or has no names left, or its dir item is shared by another
+//!   name through a hash collision;
+//! - the log area is full; or the mount says `fsync=commit`.
+//!
+//! Replay applies, in log order, the records of generations after the superblock's, then
+//! recomputes link counts, directory sizes and next indexes of what it touched, and commits.
+
+use std::collections::BTreeSet;
+
+use birch_format::items::{decode_dir_entries, decode_inode_refs, ExtentKind, FileExtent};
+use birch_format::log::LogRecord;
+use birch_format::{name_hash, ItemType, Key, ORPHAN_OBJECTID};
+
+use super::{inode_key, Filesystem};
+use crate::counters::Counters;
+use crate::error::{Error, Result};
+use crate::log::LogOutcome;
+
+/// How fsync makes a file durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FsyncMode {
+    /// Through the fsync log: one write and one flush, shared by concurrent fsyncs.
+    #[default]
+    Log,
+    /// A full commit of everything (the seeds' "before").
+    Commit,
+}
+
+/// Why an fsync could not use the log.
+enum Fallback {
+    Names,
+    NewParent,
+    Directory,
+    Other,
+}
+
+impl Filesystem {
+    /// fsync / fdatasync: makes the file's data and metadata durable. Reports EIO for ever
+    /// after a failed write of this file. Holds no inode lock while the device flushes.
+    pub fn fsync(&self, ino: u64, _datasync: bool) -> Result<()> {
+        let state = self.inode(ino)?;
+        if state.data.read().write_error {
+            return Err(Error::StickyIo(format!("inode {ino}")));
+        }
+        let engine = &self.inner.engine;
+        let counters = engine.counters();
+        counters.add(&counters.fsyncs, 1);
+        if self.inner.fsync_mode == FsyncMode::Commit {
+            counters.add(&counters.fsync_fallback_mode, 1);
+            return self.fsync_commit();
+        }
+        let records = {
+            let data = state.data.read();
+            let is_dir = data.item.mode & libc::S_IFMT == libc::S_IFDIR;
+            match self.log_records(ino, is_dir, data.item.nlink) {
+                Ok(Some(records)) => records,
+                Ok(None) => {
+                    counters.add(&counters.fsync_nothing, 1);
+                    return Ok(());
+                }
+                Err(Ok(fallback)) => {
+                    let counter = match fallback {
+                        Fallback::Names => &counters.fsync_fallback_names,
+                        Fallback::NewParent => &counters.fsync_fallback_new_parent,
+                        Fallback::Directory => &counters.fsync_fallback_dir,
+                        Fallback::Other => &counters.fsync_fallback_other,
+                    };
+                    counters.add(counter, 1);
+                    drop(data);
+                    return self.fsync_commit();
+                }
+                Err(Err(e)) => return Err(e),
+            }
+        };
+        match engine.log_submit(records)? {
+            LogOutcome::Logged => {
+                counters.add(&counters.fsync_log, 1);
+                Ok(())
+            }
+            LogOutcome::Full => {
+                counters.add(&counters.fsync_fallback_log_full, 1);
+                self.fsync_commit()
+            }
+        }
+    }
+
+    fn fsync_commit(&self) -> Result<()> {
+        let counters = self.inner.engine.counters();
+        counters.add(&counters.fsync_commits, 1);
+        self.inner.engine.commit().map(|_| ())
+    }
+
+    /// The records an fsync of `ino` writes, `None` when nothing changed since the last commit,
+    /// or the reason logging is unsafe.
+    fn log_records(
+        &self,
+        ino: u64,
+        is_dir: bool,
+        nlink: u32,
+    ) -> std::result::Result<Option<Vec<LogRecord>>, Result<Fallback>> {
+        let engine = &self.inner.engine;
+        let (generation, changed) = engine.changed_items(ino);
+        if changed.is_empty() {
+            return Ok(None);
+        }
+        if is_dir {
+            return Err(Ok(Fallback::Directory));
+        }
+        if nlink == 0 {
+            return Err(Ok(Fallback::Other));
+        }
+        let mut records = Vec::with_capacity(changed.len() + 4);
+        for (key, value) in &changed {
+            if key.kind() == Some(ItemType::InodeRef) {
+                let Some(bytes) = value else {
+                    return Err(Ok(Fallback::Names));
+                };
+                let refs = decode_inode_refs(bytes)
+                    .map_err(|e| Err(Error::corrupt(format!("inode {ino} ref {key}"), e)))?;
+                for r in refs {
+                    if engine
+                        .committed_get(&inode_key(r.parent))
+                        .map_err(Err)?
+                        .is_none()
+                    {
+                        return Err(Ok(Fallback::NewParent));
+                    }
+                    let item_key = Key::new(r.parent, ItemType::DirItem, name_hash(&[&r.name]));
+                    let item = engine.get(&item_key).map_err(Err)?;
+                    let entries = match &item {
+                        Some(bytes) => decode_dir_entries(bytes)
+                            .map_err(|e| Err(Error::corrupt(format!("dir item {item_key}"), e)))?,
+                        None => return Err(Ok(Fallback::Names)),
+                    };
+                    if entries.len() != 1 {
+                        return Err(Ok(Fallback::Other));
+                    }
+                    let index_key = Key::new(r.parent, ItemType::DirIndex, r.dir_index);
+                    let index = engine.get(&index_key).map_err(Err)?;
+                    records.push(LogRecord {
+                        generation,
+                        key: item_key,
+                        value: item,
+                    });
+                    records.push(LogRecord {
+                        generation,
+                        key: index_key,
+                        value: index,
+                    });
+                }
+            }
+            records.push(LogRecord {
+                generation,
+                key: *key,
+                value: value.as_ref().map(|v| v.to_vec()),
+            });
+        }
+        Ok(Some(records))
+    }
+
+    /// Applies what the log holds beyond the last commit, fixes up counts, and commits.
+    /// Returns whether anything was applied.
+    pub(crate) fn replay_log(&self) -> Result<bool> {
+        let engine = &self.inner.engine;
+        let Some(replay) = engine.take_replay() else {
+            return Ok(false);
+        };
+        let committed = engine.committed_generation();
+        let live: Vec<LogRecord> = replay
+            .records
+            .into_iter()
+            .filter(|r| r.generation > committed)
+            .collect();
+        if live.is_empty() {
+            return Ok(false);
+        }
+        log::warn!(
+            "replaying {} log records from {} batches ({})",
+            live.len(),
+            replay.batches,
+            replay.stop
+        );
+        let counters: &Counters = engine.counters();
+        counters.add(&counters.replayed_batches, replay.batches);
+        counters.add(&counters.replayed_records, live.len() as u64);
+        let mut dirs = BTreeSet::new();
+        let mut inodes = BTreeSet::new();
+        let mut max_objectid = 0;
+        {
+            let txn = engine.begin()?;
+            for r in &live {
+                match r.key.kind() {
+                    Some(ItemType::DirItem | ItemType::DirIndex) => {
+                        dirs.insert(r.key.objectid);
+                    }
+                    Some(ItemType::InodeRef) => {
+                        inodes.insert(r.key.objectid);
+                    }
+                    _ => {}
+                }
+                if r.key.objectid != ORPHAN_OBJECTID {
+                    max_objectid = max_objectid.max(r.key.objectid);
+                }
+                if let (Some(ItemType::ExtentData), Some(value)) = (r.key.kind(), &r.value) {
+                    if let Ok(FileExtent {
+                        kind: ExtentKind::Regular { disk_addr, csums },
+                        ..
+                    }) = FileExtent::decode(value)
+                    {
+                        engine.allocator().mark_used(disk_addr, csums.len() as u64);
+                    }
+                }
+                match &r.value {
+                    Some(v) => txn.put(r.key, v.clone()),
+                    None => txn.delete(r.key),
+                }
+            }
+        }
+        engine.raise_objectid(max_objectid + 1);
+        for ino in inodes {
+            self.fix_nlink(ino)?;
+        }
+        for dir in dirs {
+            self.fix_dir(dir)?;
+        }
+        engine.commit()?;
+        Ok(true)
+    }
+
+    /// Recomputes a non-directory's link count from its refs.
+    fn fix_nlink(&self, ino: u64) -> Result<()> {
+        let engine = &self.inner.engine;
+        let Some(bytes) = engine.get(&inode_key(ino))? else {
+            return Ok(());
+        };
+        let mut item = birch_format::items::InodeItem::decode(&bytes)
+            .map_err(|e| Error::corrupt(format!("inode {ino}"), e))?;
+        if item.mode & libc::S_IFMT == libc::S_IFDIR {
+            return Ok(());
+        }
+        let lo = Key::new(ino, ItemType::InodeRef, 0);
+        let hi = Key::new(ino, ItemType::InodeRef, u64::MAX);
+        let mut names = 0u32;
+        for (key, bytes) in engine.range(&lo, &hi, usize::MAX)? {
+            names += decode_inode_refs(&bytes)
+                .map_err(|e| Error::corrupt(format!("ref {key}"), e))?
+                .len() as u32;
+        }
+        if item.nlink != names {
+            item.nlink = names;
+            let txn = engine.begin()?;
+            txn.put(inode_key(ino), item.encode());
+            if names == 0 {
+                txn.put(Key::new(ORPHAN_OBJECTID, ItemType::Orphan, ino), Vec::new());
+            }
+        }
+        Ok(())
+    }
+
+    /// Recomputes a directory's size, link count and next index from its entries.
+    fn fix_dir(&self, dir: u64) -> Result<()> {
+        let engine = &self.inner.engine;
+        let Some(bytes) = engine.get(&inode_key(dir))? else {
+            return Ok(());
+        };
+        let mut item = birch_format::items::InodeItem::decode(&bytes)
+            .map_err(|e| Error::corrupt(format!("inode {dir}"), e))?;
+        let lo = Key::new(dir, ItemType::DirIndex, 0);
+        let hi = Key::new(dir, ItemType::DirIndex, u64::MAX);
+        let mut entries = 0u64;
+        let mut subdirs = 0u32;
+        let mut next_index = item.next_dir_index;
+        for (key, bytes) in engine.range(&lo, &hi, usize::MAX)? {
+            let list = decode_dir_entries(&bytes)
+                .map_err(|e| Error::corrupt(format!("dir index {key}"), e))?;
+            entries += 1;
+            if list.first().is_some_and(|e| e.file_type == libc::DT_DIR) {
+                subdirs += 1;
+            }
+            next_index = next_index.max(key.offset + 1);
+        }
+        if (item.size, item.nlink, item.next_dir_index) != (entries, 2 + subdirs, next_index) {
+            item.size = entries;
+            item.nlink = 2 + subdirs;
+            item.next_dir_index = next_index;
+            engine.begin()?.put(inode_key(dir), item.encode());
+        }
+        Ok(())
+    }
+}
