@@ -69,6 +69,8 @@ def fmt_num(v) -> str:
         return "—"
     if isinstance(v, str):
         return v
+    if float(v).is_integer():
+        return f"{int(v):,}"
     a = abs(v)
     if a >= 100:
         return f"{v:,.0f}"
@@ -580,10 +582,19 @@ class Target:
         run(["sync", "-f", path], timeout=600)
 
     def read_stats(self) -> dict | None:
+        """birchfs's counters: the file MNT/.birch-stats if there is one, else the root's
+        `trusted.birch.stats` xattr; JSON either way.  Read in a child with a timeout: a hung
+        mount must not hang the harness."""
         if not self.is_birch:
             return None
         path = os.path.join(self.mnt, ".birch-stats")
-        rc, out, _ = run(["cat", path], timeout=15)
+        code = ("import os,sys\n"
+                "p=sys.argv[1]\n"
+                "if os.path.isfile(os.path.join(p,'.birch-stats')):\n"
+                "    sys.stdout.write(open(os.path.join(p,'.birch-stats')).read())\n"
+                "else:\n"
+                "    sys.stdout.buffer.write(os.getxattr(p,'trusted.birch.stats'))\n")
+        rc, out, _ = run([sys.executable, "-c", code, self.mnt], timeout=15)
         if rc != 0 or not out.strip():
             return None
         try:
@@ -936,6 +947,7 @@ def write_markdown(res, cases, targets, out) -> str:
     meta = res["meta"]
     L.append(f"# birchbench results, {meta['date']}\n")
     L.append(f"- command: `{meta['command']}`")
+    L.append(f"- birch binary: `{meta['config'].get('birch')}`")
     L.append(f"- machine: {meta['machine']['cpu']} ({meta['machine']['cores']} cores, "
              f"{meta['machine']['mem_gib']} GiB), kernel {meta['machine']['kernel']}")
     L.append(f"- images: {human(meta['config']['image_size'])} each in `{meta['config']['image_dir']}` "
@@ -985,7 +997,10 @@ def write_markdown(res, cases, targets, out) -> str:
                     continue
                 pv = summ[c.id].get(primary.name, {}).get("median", {}).get(m.key)
                 tv = summ[c.id].get(t.name, {}).get("median", {}).get(m.key)
-                r = ratio(pv, tv) if t.supports(c) else None
+                if not t.supports(c):
+                    row.append("n/a")
+                    continue
+                r = ratio(pv, tv)
                 row.append(f"{r:.2f}" if r is not None else "—")
             L.append("| " + " | ".join(row) + " |")
         L.append("")
@@ -1009,11 +1024,12 @@ def write_markdown(res, cases, targets, out) -> str:
                     crow.append((c, b, cnt))
         if birch:
             if crow:
-                L.append(f"birchfs counters ({wl}, medians of the per-run deltas of `.birch-stats`):\n")
+                L.append(f"birchfs counters ({wl}, medians of the per-run deltas of `trusted.birch.stats`, zeros left out):\n")
                 for c, b, cnt in crow:
-                    L.append(f"- {b.name} {c.short}: " + ", ".join(f"{k}={fmt_num(v)}" for k, v in cnt.items()))
+                    L.append(f"- {b.name} {c.short}: " + ", ".join(f"{k}={fmt_num(v)}" for k, v in cnt.items() if v))
             elif any(t.status == "ok" for t in birch):
-                L.append(f"birchfs counters ({wl}): none (this build exposes no `.birch-stats`)")
+                L.append(f"birchfs counters ({wl}): none (this build exposes neither `.birch-stats` "
+                         "nor the `trusted.birch.stats` xattr)")
             L.append("")
     if birch and ratio_rows:
         L.append("## Ratios birchfs/peer (medians)\n")
@@ -1052,7 +1068,11 @@ def write_markdown(res, cases, targets, out) -> str:
 def write_charts(res, cases, targets, out) -> dict:
     charts: dict[str, list[str]] = {}
     try:
-        import matplotlib
+        try:
+            import matplotlib
+        except ImportError:  # another python than Debian's: try the python3-matplotlib package
+            sys.path.append("/usr/lib/python3/dist-packages")
+            import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception as e:  # noqa: BLE001
@@ -1067,8 +1087,13 @@ def write_charts(res, cases, targets, out) -> dict:
         wcases = [c for c in cases if c.wl == wl]
         panels = [(c, m) for c in wcases for m in c.metrics if m.chart]
         if panels:
-            fig, axes = plt.subplots(1, len(panels), figsize=(max(4.5, 3.6 * len(panels)), 4.2), squeeze=False)
-            for ax, (c, m) in zip(axes[0], panels):
+            nc = min(3, len(panels))
+            nr = (len(panels) + nc - 1) // nc
+            fig, axes = plt.subplots(nr, nc, figsize=(max(7, 4.6 * nc), 4.0 * nr), squeeze=False)
+            flat = [ax for row in axes for ax in row]
+            for ax in flat[len(panels):]:
+                ax.axis("off")
+            for ax, (c, m) in zip(flat, panels):
                 ts = [t for t in targets if t.supports(c)]
                 names, vals, lo, hi, cols = [], [], [], [], []
                 for t in ts:
@@ -1087,7 +1112,7 @@ def write_charts(res, cases, targets, out) -> dict:
                 ax.set_xticklabels(names, rotation=40, ha="right", fontsize=8)
                 ax.set_title(f"{c.title}\n{m.head}", fontsize=9)
                 ax.grid(axis="y", alpha=0.3)
-            fig.suptitle(f"{WL_TITLES[wl]} (median, bars: min–max over repeats)", fontsize=10)
+            fig.suptitle(f"{WL_TITLES[wl]}\nmedians; whiskers: min–max over repeats", fontsize=10)
             fig.tight_layout()
             name = f"{wl.lower()}_throughput.png"
             fig.savefig(os.path.join(out, name), dpi=90)
@@ -1095,8 +1120,13 @@ def write_charts(res, cases, targets, out) -> dict:
             charts.setdefault(wl, []).append(name)
         lat_cases = [c for c in wcases if any(m.kind == "lat" for m in c.metrics)]
         if lat_cases:
-            fig, axes = plt.subplots(1, len(lat_cases), figsize=(max(5, 5 * len(lat_cases)), 4.2), squeeze=False)
-            for ax, c in zip(axes[0], lat_cases):
+            nc = min(2, len(lat_cases))
+            nr = (len(lat_cases) + nc - 1) // nc
+            fig, axes = plt.subplots(nr, nc, figsize=(max(7, 5.5 * nc), 4.2 * nr), squeeze=False)
+            flat = [ax for row in axes for ax in row]
+            for ax in flat[len(lat_cases):]:
+                ax.axis("off")
+            for ax, c in zip(flat, lat_cases):
                 lms = [m for m in c.metrics if m.kind == "lat"]
                 ts = [t for t in targets if t.supports(c)]
                 width = 0.8 / max(1, len(lms))
@@ -1111,7 +1141,7 @@ def write_charts(res, cases, targets, out) -> dict:
                 ax.set_title(f"{c.title}: latency", fontsize=9)
                 ax.legend(fontsize=7)
                 ax.grid(axis="y", alpha=0.3)
-            fig.suptitle(f"{WL_TITLES[wl]}: latency percentiles (median over repeats)", fontsize=10)
+            fig.suptitle(f"{WL_TITLES[wl]}\nlatency percentiles, medians over repeats", fontsize=10)
             fig.tight_layout()
             name = f"{wl.lower()}_latency.png"
             fig.savefig(os.path.join(out, name), dpi=90)
@@ -1170,11 +1200,14 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--image-dir", default=os.environ.get("BIRCHBENCH_DIR", "/var/tmp/birchbench"),
                     help="directory on the host fs for images, mount points and tools (env BIRCHBENCH_DIR)")
     ap.add_argument("--image-size", type=parse_size, default=None, help="size of every image [4G; quick 384M]")
-    ap.add_argument("--out", default=None, help="output dir [bench/results/DATE]")
+    ap.add_argument("--out", default=None,
+                    help="output dir [bench/results/DATE; quick: IMAGE_DIR/results/DATE-quick]")
     ap.add_argument("--repeats", type=int, default=None, help="repeats per case [2; quick 1]")
     ap.add_argument("--detach", action="store_true", help="run in the background; print the log path")
     ap.add_argument("--cleanup", action="store_true",
                     help="only undo mounts/loop devices a previous (killed) run left behind, then exit")
+    ap.add_argument("--report", metavar="DIR", default=None,
+                    help="only rewrite DIR/summary.md and the charts from DIR/results.json")
     ap.add_argument("--check", action="store_true", help="check that every target produced numbers (implied by --quick)")
     g = ap.add_argument_group("W1 dbench")
     g.add_argument("--dbench-time", type=int, default=None, help="seconds [30; quick 2]")
@@ -1334,6 +1367,26 @@ def do_check(cfg, cases, targets, runs) -> int:
     return 1 if bad else 0
 
 
+def rerender(out: str) -> int:
+    """Write summary.md and the charts again from OUT/results.json (no benchmark runs)."""
+    with open(os.path.join(out, "results.json")) as f:
+        res = json.load(f)
+    cfg = argparse.Namespace(**res["meta"]["config"])
+    cases = [c for c in build_cases(cfg) if c.id in res["cases"]]
+    targets = []
+    for name, info in res["targets"].items():
+        t = Target(name, info["kind"], cfg, info.get("opts"))
+        t.status, t.error, t.meta = info["status"], info["error"], info["meta"]
+        targets.append(t)
+    res["summary"] = summarize(res["runs"], cases, targets)
+    res["charts"] = write_charts(res, cases, targets, out)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    write_markdown(res, cases, targets, out)
+    print(f"rewrote {out}/summary.md and charts")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--_w5":
@@ -1343,6 +1396,8 @@ def main(argv=None) -> int:
         mdcr_py(argv[1], int(argv[2]), int(argv[3]))
         return 0
     cfg = make_parser().parse_args(argv)
+    if cfg.report:
+        return rerender(os.path.abspath(cfg.report))
     if os.geteuid() != 0:
         print("birchbench needs root (loop devices, mounts)", file=sys.stderr)
         return 2
@@ -1365,14 +1420,16 @@ def main(argv=None) -> int:
 
     detached_child = os.environ.get("BIRCHBENCH_DETACHED") == "1"
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H%M%S") + ("-quick" if cfg.quick else "")
-    out = os.path.abspath(cfg.out or os.path.join(HERE, "results", stamp))
+    # quick runs are smoke tests: their results stay out of the work tree unless --out says so
+    out = os.path.abspath(cfg.out or os.path.join(cfg.image_dir if cfg.quick else HERE, "results", stamp))
     os.makedirs(os.path.join(out, "raw"), exist_ok=True)
     logpath = os.path.join(out, "run.log")
     if cfg.detach and not detached_child:
         args = [a for a in argv if a != "--detach"]
         if cfg.out is None:
             args += ["--out", out]
-        env = dict(os.environ, BIRCHBENCH_DETACHED="1")
+        env = dict(os.environ, BIRCHBENCH_DETACHED="1", BIRCHBENCH_CMD=(
+            ("bench/run.sh " if os.environ.get("BIRCHBENCH_VIA_RUNSH") else "bench/birchbench.py ") + shlex.join(argv)))
         lockf.close()  # the child takes the lock
         with open(logpath, "a") as lf:
             p = subprocess.Popen([sys.executable, os.path.abspath(__file__)] + args, stdin=subprocess.DEVNULL,
@@ -1391,8 +1448,10 @@ def main(argv=None) -> int:
     for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(s, on_signal)
 
-    command = "bench/run.sh " + shlex.join(argv) if os.environ.get("BIRCHBENCH_VIA_RUNSH") else \
-        "bench/birchbench.py " + shlex.join(argv)
+    command = os.environ.get("BIRCHBENCH_CMD") or (
+        ("bench/run.sh " if os.environ.get("BIRCHBENCH_VIA_RUNSH") else "bench/birchbench.py ") + shlex.join(argv))
+    if "BIRCH" in os.environ and "BIRCH=" not in command:
+        command = f"BIRCH={shlex.quote(os.environ['BIRCH'])} {command}"
     t_start = time.time()
     log(f"birchbench: {command}")
     log(f"output: {out}")

@@ -27,6 +27,8 @@ tier() {
 tier "fmt" cargo fmt --all -- --check
 tier "clippy" cargo clippy --all-targets --release --locked -- -D warnings
 tier "cargo test" cargo test --release --locked
+# The mount tiers need the birch binary itself (cargo test does not build it).
+tier "build birch" cargo build --release --locked -p birch-tools
 # pjdfstest on birch beside the kernel ext4 baseline: no failure, and no skip that ext4 does
 # not also skip, except link::link_count_max: glibc's pathconf(_PC_LINK_MAX) answers 127
 # ("unknown") for every FUSE filesystem, whatever the server does, and pjdfstest then skips.

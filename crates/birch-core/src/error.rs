@@ -68,6 +68,8 @@ pub enum Error {
     StickyIo(String),
     #[error("{0}: no such device or address")]
     NoSuchAddress(String),
+    #[error("{0}: no such device")]
+    NoDevice(String),
 }
 
 impl Error {
@@ -100,6 +102,7 @@ impl Error {
             Error::BadHandle(_) => libc::EBADF,
             Error::Busy(_) => libc::EBUSY,
             Error::NoSuchAddress(_) => libc::ENXIO,
+            Error::NoDevice(_) => libc::ENODEV,
         }
     }
 

@@ -102,12 +102,29 @@ impl FsyncLog {
         counters: &Counters,
         records: Vec<LogRecord>,
     ) -> Result<LogOutcome> {
+        let ticket = self.enqueue(records);
+        self.wait(device, counters, ticket)
+    }
+
+    /// Queues records for the next batch; returns its ticket. Records queued earlier are
+    /// written no later than these, so a caller that orders its enqueues orders replay.
+    pub fn enqueue(&self, records: Vec<LogRecord>) -> u64 {
+        let mut st = self.state.lock();
+        st.queued.extend(records);
+        st.open_ticket
+    }
+
+    /// Waits until the batch of `ticket` is durable, leading the write if no one else is.
+    pub fn wait(
+        &self,
+        device: &dyn BlockDevice,
+        counters: &Counters,
+        ticket: u64,
+    ) -> Result<LogOutcome> {
         if self.bytes == 0 {
             return Ok(LogOutcome::Full);
         }
         let mut st = self.state.lock();
-        let ticket = st.open_ticket;
-        st.queued.extend(records);
         loop {
             if let Some(reason) = &st.failed {
                 return Err(Error::ReadOnly(format!("fsync log: {reason}")));
@@ -236,7 +253,13 @@ pub fn read_log(device: &dyn BlockDevice, sb: &Superblock) -> Replay {
             out.stop = format!("no valid batch with sequence {} at lsn {lsn}", out.next_seq);
             return out;
         };
-        if let Some(bad) = records.iter().find_map(|r| bad_data(device, r)) {
+        // Only records replay will apply need their data: older ones are covered by the commit
+        // and their blocks may have been reused since.
+        if let Some(bad) = records
+            .iter()
+            .filter(|r| r.generation > sb.generation)
+            .find_map(|r| bad_data(device, r))
+        {
             out.stop = format!("batch {} references {bad}", out.next_seq);
             return out;
         }

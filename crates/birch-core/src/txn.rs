@@ -617,6 +617,29 @@ impl Engine {
         self.log.submit(&*self.device, &self.counters, records)
     }
 
+    /// Queues fsync records (no I/O); see [`Engine::log_wait`].
+    pub fn log_enqueue(&self, records: Vec<LogRecord>) -> u64 {
+        self.log.enqueue(records)
+    }
+
+    /// Waits for queued records to be durable (group commit). A failed log write turns the
+    /// engine read-only. Does device I/O with no engine lock held.
+    pub fn log_wait(&self, ticket: u64) -> Result<LogOutcome> {
+        let result = self.log.wait(&*self.device, &self.counters, ticket);
+        if let Err(e) = &result {
+            self.set_read_only(format!("fsync log failed: {e}"));
+        }
+        result
+    }
+
+    /// Whether log records read at open still wait for replay (a read-only open).
+    pub fn replay_pending(&self) -> bool {
+        self.replay
+            .lock()
+            .as_ref()
+            .is_some_and(|r| !r.records.is_empty())
+    }
+
     /// The items of object `objectid` changed since the last durable commit (running delta
     /// over frozen delta), with the running generation they will commit in.
     pub fn changed_items(&self, objectid: u64) -> (u64, Vec<(Key, DeltaValue)>) {
@@ -698,12 +721,12 @@ impl Engine {
     pub fn commit(&self) -> Result<u64> {
         let _commit = self.commit_lock.lock();
         if let Some(reason) = self.read_only.read().clone() {
-            // A read-only mount has nothing to commit; after a failure, nothing is durable
-            // that was not already, and callers (fsync) must hear so.
-            if self.active.is_empty() && reason.starts_with("mounted read-only") {
-                return Ok(self.committed_generation());
+            // A read-only mount commits what reached the delta before it turned read-only
+            // (remount,ro sets read-only first, then commits); after a failure, nothing more
+            // is durable, and callers (fsync) must hear so.
+            if !reason.starts_with("mounted read-only") {
+                return Err(Error::ReadOnly(reason));
             }
-            return Err(Error::ReadOnly(reason));
         }
         let (frozen, generation, snapshot) = {
             let _gate = self.gate.write();

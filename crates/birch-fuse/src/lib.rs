@@ -47,11 +47,28 @@ impl Default for FuseOptions {
 pub struct BirchFuse {
     fs: Arc<Filesystem>,
     options: FuseOptions,
+    /// The kernel enforces POSIX ACLs and leaves the umask to us (FUSE_POSIX_ACL +
+    /// FUSE_DONT_MASK were accepted).
+    posix_acl: bool,
 }
 
 impl BirchFuse {
+    /// The umask the filesystem must apply: the kernel applied it already unless FUSE_DONT_MASK
+    /// was negotiated.
+    fn umask(&self, umask: u32) -> u32 {
+        if self.posix_acl {
+            umask
+        } else {
+            0
+        }
+    }
+
     pub fn new(fs: Arc<Filesystem>, options: FuseOptions) -> BirchFuse {
-        BirchFuse { fs, options }
+        BirchFuse {
+            fs,
+            options,
+            posix_acl: false,
+        }
     }
 }
 
@@ -131,10 +148,11 @@ fn file_attr(a: &Attr) -> FileAttr {
     }
 }
 
-fn caller(req: &Request) -> Caller {
+fn caller(req: &Request, umask: u32) -> Caller {
     Caller {
         uid: req.uid(),
         gid: req.gid(),
+        umask,
     }
 }
 
@@ -163,6 +181,10 @@ impl fuser::Filesystem for BirchFuse {
         let supported = wanted & config.capabilities();
         if let Err(missing) = config.add_capabilities(supported) {
             log::warn!("kernel refused capabilities {missing:?}");
+        }
+        let acl = InitFlags::FUSE_POSIX_ACL | InitFlags::FUSE_DONT_MASK;
+        if config.capabilities().contains(acl) && config.add_capabilities(acl).is_ok() {
+            self.posix_acl = true;
         }
         let _ = config.set_max_write(1 << 20);
         let _ = config.set_time_granularity(Duration::from_nanos(1));
@@ -239,12 +261,12 @@ impl fuser::Filesystem for BirchFuse {
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
-        _umask: u32,
+        umask: u32,
         rdev: u32,
         reply: ReplyEntry,
     ) {
         match self.fs.mknod(
-            caller(req),
+            caller(req, self.umask(umask)),
             parent.0,
             name.as_bytes(),
             mode,
@@ -261,10 +283,15 @@ impl fuser::Filesystem for BirchFuse {
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
-        _umask: u32,
+        umask: u32,
         reply: ReplyEntry,
     ) {
-        match self.fs.mkdir(caller(req), parent.0, name.as_bytes(), mode) {
+        match self.fs.mkdir(
+            caller(req, self.umask(umask)),
+            parent.0,
+            name.as_bytes(),
+            mode,
+        ) {
             Ok(a) => reply.entry(&self.options.ttl, &file_attr(&a), Generation(a.generation)),
             Err(e) => reply.error(errno("mkdir", &e)),
         }
@@ -293,7 +320,7 @@ impl fuser::Filesystem for BirchFuse {
         reply: ReplyEntry,
     ) {
         match self.fs.symlink(
-            caller(req),
+            caller(req, 0),
             parent.0,
             link_name.as_bytes(),
             target.as_os_str().as_bytes(),
@@ -579,14 +606,17 @@ impl fuser::Filesystem for BirchFuse {
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
-        _umask: u32,
+        umask: u32,
         flags: i32,
         reply: ReplyCreate,
     ) {
-        match self
-            .fs
-            .create(caller(req), parent.0, name.as_bytes(), mode, flags)
-        {
+        match self.fs.create(
+            caller(req, self.umask(umask)),
+            parent.0,
+            name.as_bytes(),
+            mode,
+            flags,
+        ) {
             Ok((a, fh)) => reply.created(
                 &self.options.ttl,
                 &file_attr(&a),
@@ -614,6 +644,31 @@ impl fuser::Filesystem for BirchFuse {
         }
     }
 
+    fn copy_file_range(
+        &self,
+        _req: &Request,
+        ino_in: INodeNo,
+        _fh_in: FileHandle,
+        offset_in: u64,
+        ino_out: INodeNo,
+        _fh_out: FileHandle,
+        offset_out: u64,
+        len: u64,
+        _flags: fuser::CopyFileRangeFlags,
+        reply: ReplyWrite,
+    ) {
+        match self.fs.copy_file_range(
+            ino_in.0,
+            offset_in,
+            ino_out.0,
+            offset_out,
+            len.min(COPY_MAX),
+        ) {
+            Ok(n) => reply.written(n as u32),
+            Err(e) => reply.error(errno("copy_file_range", &e)),
+        }
+    }
+
     fn lseek(
         &self,
         _req: &Request,
@@ -633,6 +688,9 @@ impl fuser::Filesystem for BirchFuse {
         }
     }
 }
+
+/// Bytes one COPY_FILE_RANGE reply can report (the reply carries a u32).
+const COPY_MAX: u64 = 1 << 30;
 
 /// The xattr size-probe convention: size 0 asks for the length; too small a buffer is ERANGE.
 fn xattr_reply(reply: ReplyXattr, size: u32, value: &[u8]) {

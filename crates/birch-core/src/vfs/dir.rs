@@ -133,6 +133,10 @@ impl Filesystem {
     pub fn lookup(&self, parent: u64, name: &[u8]) -> Result<Attr> {
         check_name_or_dots(name)?;
         let dir = self.dir_state(parent)?;
+        if dir.data.read().item.nlink == 0 {
+            // A removed directory has no entries, not even "." and ".." (Linux: dead dir).
+            return Err(Error::NotFound(format!("lookup in removed dir {parent}")));
+        }
         let ino = match name {
             b"." => parent,
             b".." => self.parent_of(parent)?,
@@ -181,11 +185,17 @@ impl Filesystem {
         rdev: u64,
         symlink: Option<&[u8]>,
     ) -> Result<Attr> {
-        check_name(name)?;
+        check_name_or_dots(name)?;
         let dir = self.dir_state(parent)?;
         let mut d = dir.data.write();
         if d.item.nlink == 0 {
             return Err(Error::NotFound(format!("dir {parent} was removed")));
+        }
+        if is_dot(name) {
+            return Err(Error::Exists(format!(
+                "{:?} in dir {parent}",
+                String::from_utf8_lossy(name)
+            )));
         }
         let kind = FileKind::from_mode(mode);
         if kind == FileKind::Dir && d.item.nlink >= LINK_MAX {
@@ -202,10 +212,26 @@ impl Filesystem {
             &encode_dir_entries(&with_probe_entry(&slot.dir_item, name)),
             "create",
         )?;
+        // Default ACL of the directory, or the umask (symlinks are always 0777).
+        let inherited = if symlink.is_some() {
+            super::acl::Inherited {
+                mode,
+                access: None,
+                default: None,
+            }
+        } else {
+            let parent_default = self.xattr_value(parent, super::acl::ACL_DEFAULT)?;
+            super::acl::inherit(
+                parent_default.as_deref(),
+                mode,
+                caller.umask,
+                kind == FileKind::Dir,
+            )?
+        };
         let ino = self.inner.engine.allocate_objectid();
         let t = now();
         let mut gid = caller.gid;
-        let mut mode = mode;
+        let mut mode = inherited.mode;
         if d.item.mode & libc::S_ISGID != 0 {
             // setgid directory: new entries take its group, and new directories stay setgid.
             gid = d.item.gid;
@@ -271,6 +297,21 @@ impl Filesystem {
                 encode_dir_entries(std::slice::from_ref(&entry)),
             );
             txn.put(inode_ref_key(ino, parent, name), encode_inode_refs(&refs));
+            for (acl_name, acl) in [
+                (super::acl::ACL_ACCESS, inherited.access),
+                (super::acl::ACL_DEFAULT, inherited.default),
+            ] {
+                if let Some(acl) = acl {
+                    let xattrs = [birch_format::items::Xattr {
+                        name: acl_name.to_vec(),
+                        value: acl,
+                    }];
+                    txn.put(
+                        super::xattr::xattr_key(ino, acl_name),
+                        birch_format::items::encode_xattrs(&xattrs),
+                    );
+                }
+            }
         }
         drop(_op);
         self.remember(&state);
@@ -300,6 +341,9 @@ impl Filesystem {
             libc::S_IFREG | libc::S_IFIFO | libc::S_IFSOCK | libc::S_IFCHR | libc::S_IFBLK => {
                 self.make_node(caller, parent, name, mode, rdev, None)
             }
+            libc::S_IFDIR => Err(Error::NotPermitted(
+                "mknod of a directory (use mkdir)".into(),
+            )),
             _ => Err(Error::Invalid(format!("mknod mode {mode:o}"))),
         }
     }
@@ -342,9 +386,22 @@ impl Filesystem {
 
     /// link: a new name for `ino`.
     pub fn link(&self, ino: u64, newparent: u64, newname: &[u8]) -> Result<Attr> {
-        check_name(newname)?;
-        let dir = self.dir_state(newparent)?;
+        check_name_or_dots(newname)?;
         let target = self.inode(ino)?;
+        let dir = self.dir_state(newparent)?;
+        // Linux's order: the new name's directory and the name itself, then the source.
+        {
+            let d = dir.data.read();
+            if d.item.nlink == 0 {
+                return Err(Error::NotFound(format!("dir {newparent} was removed")));
+            }
+            if is_dot(newname) || self.find_entry(newparent, newname)?.is_some() {
+                return Err(Error::Exists(format!(
+                    "{:?} in dir {newparent}",
+                    String::from_utf8_lossy(newname)
+                )));
+            }
+        }
         if is_dir(&target.data.read().item) {
             return Err(Error::NotPermitted(format!("hard link to directory {ino}")));
         }
@@ -434,6 +491,8 @@ impl Filesystem {
 
     /// rmdir an empty directory.
     pub fn rmdir(&self, parent: u64, name: &[u8]) -> Result<()> {
+        check_name_or_dots(name)?;
+        self.dir_state(parent)?;
         if name == b"." {
             return Err(Error::Invalid("rmdir of \".\"".into()));
         }
@@ -444,8 +503,14 @@ impl Filesystem {
     }
 
     fn remove_entry(&self, parent: u64, name: &[u8], want_dir: bool) -> Result<()> {
-        check_name(name)?;
+        check_name_or_dots(name)?;
         let dir = self.dir_state(parent)?;
+        if is_dot(name) {
+            return Err(Error::IsDir(format!(
+                "unlink of {:?}",
+                String::from_utf8_lossy(name)
+            )));
+        }
         let child_ino = {
             let _d = dir.data.read();
             self.find_entry(parent, name)?
@@ -575,17 +640,31 @@ impl Filesystem {
         newname: &[u8],
         flags: u32,
     ) -> Result<()> {
-        check_name(name)?;
-        check_name(newname)?;
         if flags & RENAME_WHITEOUT != 0
             || flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE | RENAME_WHITEOUT) != 0
             || (flags & RENAME_NOREPLACE != 0 && flags & RENAME_EXCHANGE != 0)
         {
             return Err(Error::Invalid(format!("rename flags {flags:#x}")));
         }
+        check_name_or_dots(name)?;
+        check_name_or_dots(newname)?;
         let _rename = self.inner.rename_lock.lock();
         let src_dir = self.dir_state(parent)?;
         let dst_dir = self.dir_state(newparent)?;
+        if is_dot(name) {
+            return Err(Error::Busy("rename of \".\" or \"..\"".into()));
+        }
+        if is_dot(newname) {
+            // Linux: EEXIST with RENAME_NOREPLACE, EBUSY otherwise.
+            return Err(if flags & RENAME_NOREPLACE != 0 {
+                Error::Exists("rename onto \".\" or \"..\"".into())
+            } else {
+                Error::Busy("rename onto \".\" or \"..\"".into())
+            });
+        }
+        if dst_dir.data.read().item.nlink == 0 {
+            return Err(Error::NotFound(format!("dir {newparent} was removed")));
+        }
         let src = self.find_entry(parent, name)?.ok_or_else(|| {
             Error::NotFound(format!(
                 "{:?} in dir {parent}",
@@ -616,6 +695,17 @@ impl Filesystem {
             None => None,
         };
         let src_is_dir = is_dir(&src_state.data.read().item);
+        if let Some(d) = &dst {
+            // The target is an ancestor of the source: Linux's lock_rename answers ENOTEMPTY.
+            if d.file_type == libc::DT_DIR && self.is_ancestor(d.child, parent)? {
+                let what = format!("dir {} is an ancestor of the source", d.child);
+                return Err(if flags & RENAME_EXCHANGE != 0 {
+                    Error::Invalid(what)
+                } else {
+                    Error::NotEmpty(what)
+                });
+            }
+        }
         if src_is_dir && self.is_ancestor(src.child, newparent)? {
             return Err(Error::Invalid(format!(
                 "rename of dir {} into its own subtree",
@@ -1110,6 +1200,10 @@ impl Filesystem {
         }
         Ok(ino)
     }
+}
+
+fn is_dot(name: &[u8]) -> bool {
+    name == b"." || name == b".."
 }
 
 fn check_name_or_dots(name: &[u8]) -> Result<()> {

@@ -63,11 +63,13 @@ impl Filesystem {
             counters.add(&counters.fsync_fallback_mode, 1);
             return self.fsync_commit();
         }
-        let records = {
+        // Collect and enqueue under the inode lock: a later fsync of this file, which sees
+        // later state, queues after this one, so replay applies them in order.
+        let ticket = {
             let data = state.data.read();
             let is_dir = data.item.mode & libc::S_IFMT == libc::S_IFDIR;
             match self.log_records(ino, is_dir, data.item.nlink) {
-                Ok(Some(records)) => records,
+                Ok(Some(records)) => engine.log_enqueue(records),
                 Ok(None) => {
                     counters.add(&counters.fsync_nothing, 1);
                     return Ok(());
@@ -86,7 +88,7 @@ impl Filesystem {
                 Err(Err(e)) => return Err(e),
             }
         };
-        match engine.log_submit(records)? {
+        match engine.log_wait(ticket)? {
             LogOutcome::Logged => {
                 counters.add(&counters.fsync_log, 1);
                 Ok(())

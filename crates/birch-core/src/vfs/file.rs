@@ -251,7 +251,8 @@ impl Filesystem {
             .ok_or_else(|| Error::TooBig(format!("write to inode {ino} at {offset}")))?;
         let new_size = data.item.size.max(end);
         let inline = self.inline_data(ino)?;
-        let has_blocks = inline.is_none() && data.item.size > 0 && self.has_extent_items(ino)?;
+        // Any extent (even preallocated past EOF on an empty file) means the file is in blocks.
+        let has_blocks = inline.is_none() && self.has_extent_items(ino)?;
         if !has_blocks && new_size <= INLINE_MAX_BYTES as u64 {
             let mut content = self.read_locked(ino, data, 0, data.item.size as usize)?;
             content.resize(new_size as usize, 0);
@@ -558,16 +559,10 @@ impl Filesystem {
             return Ok(());
         }
         if new_size < old {
+            // One pass over everything past the new end, preallocated extents beyond EOF
+            // (fallocate KEEP_SIZE) included: two passes would plan from the same old extent.
             let keep_end = round_up(new_size);
-            let changes =
-                self.drop_range(ino, keep_end, round_up(old).max(keep_end + BLOCK_SIZE))?;
-            // Also drop preallocated extents past the end (fallocate KEEP_SIZE).
-            let mut changes = changes;
-            let beyond =
-                self.drop_range(ino, round_up(old).max(keep_end + BLOCK_SIZE), u64::MAX / 2)?;
-            changes.items.extend(beyond.items);
-            changes.frees.extend(beyond.frees);
-            changes.blocks_freed += beyond.blocks_freed;
+            let changes = self.drop_range(ino, keep_end, u64::MAX / 2)?;
             self.apply(ino, data, changes)?;
             if new_size % BLOCK_SIZE != 0 {
                 let tail_start = new_size / BLOCK_SIZE * BLOCK_SIZE;
@@ -610,6 +605,18 @@ impl Filesystem {
         }
         if let Some(mode) = set.mode {
             data.item.mode = (data.item.mode & libc::S_IFMT) | (mode & 0o7777);
+            // An access ACL follows chmod: owner, mask (or group) and other take the new bits.
+            if let Some(acl) = self.xattr_value(ino, super::acl::ACL_ACCESS)? {
+                let updated = super::acl::chmod(&acl, mode)?;
+                let xattrs = [birch_format::items::Xattr {
+                    name: super::acl::ACL_ACCESS.to_vec(),
+                    value: updated,
+                }];
+                self.inner.engine.begin()?.put(
+                    super::xattr::xattr_key(ino, super::acl::ACL_ACCESS),
+                    birch_format::items::encode_xattrs(&xattrs),
+                );
+            }
         }
         if let Some(uid) = set.uid {
             data.item.uid = uid;
@@ -639,34 +646,35 @@ impl Filesystem {
     }
 
     fn fallocate_once(&self, ino: u64, offset: u64, len: u64, mode: i32) -> Result<()> {
+        // Linux's order (vfs_fallocate): length, mode bits, PUNCH_HOLE rules, file type, size.
+        if len == 0 {
+            return Err(Error::Invalid("fallocate of length 0".into()));
+        }
         let known = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE;
         if mode & !known != 0 {
             return Err(Error::NotSupported(format!("fallocate mode {mode:#x}")));
         }
-        if len == 0 {
-            return Err(Error::Invalid("fallocate of length 0".into()));
+        if mode & FALLOC_FL_PUNCH_HOLE != 0
+            && (mode & FALLOC_FL_KEEP_SIZE == 0 || mode & FALLOC_FL_ZERO_RANGE != 0)
+        {
+            return Err(Error::NotSupported(
+                "PUNCH_HOLE needs KEEP_SIZE and excludes ZERO_RANGE".into(),
+            ));
+        }
+        let state = self.inode(ino)?;
+        let mut data = state.data.write();
+        match data.item.mode & libc::S_IFMT {
+            libc::S_IFREG => {}
+            libc::S_IFDIR => return Err(Error::IsDir(format!("fallocate of dir {ino}"))),
+            _ => return Err(Error::NoDevice(format!("fallocate of special file {ino}"))),
         }
         let end = offset
             .checked_add(len)
             .filter(|e| *e <= MAX_FILE_BYTES)
             .ok_or_else(|| Error::TooBig(format!("fallocate inode {ino} at {offset}+{len}")))?;
-        let state = self.inode(ino)?;
-        let mut data = state.data.write();
         let _op = self.inner.engine.hold()?;
-        match data.item.mode & libc::S_IFMT {
-            libc::S_IFREG => {}
-            libc::S_IFDIR => return Err(Error::IsDir(format!("fallocate of dir {ino}"))),
-            _ => {
-                return Err(Error::NoSuchAddress(format!(
-                    "fallocate of special file {ino}"
-                )))
-            }
-        }
         let t = now();
         if mode & FALLOC_FL_PUNCH_HOLE != 0 {
-            if mode & FALLOC_FL_KEEP_SIZE == 0 || mode & FALLOC_FL_ZERO_RANGE != 0 {
-                return Err(Error::NotSupported("PUNCH_HOLE without KEEP_SIZE".into()));
-            }
             let size = data.item.size;
             self.zero_range_locked(ino, &mut data, offset, end.min(size))?;
         } else if mode & FALLOC_FL_ZERO_RANGE != 0 {
@@ -829,6 +837,33 @@ impl Filesystem {
             }
             _ => Err(Error::Invalid(format!("lseek whence {whence}"))),
         }
+    }
+
+    /// copy_file_range: copies through memory in 1 MiB steps (no reflink: format v1 has no
+    /// extent reference counts). Returns the bytes copied; short at the source's end.
+    pub fn copy_file_range(
+        &self,
+        ino_in: u64,
+        offset_in: u64,
+        ino_out: u64,
+        offset_out: u64,
+        len: u64,
+    ) -> Result<u64> {
+        const STEP: u64 = 1 << 20;
+        let mut done = 0u64;
+        while done < len {
+            let step = (len - done).min(STEP);
+            let data = self.read(ino_in, offset_in + done, step as usize)?;
+            if data.is_empty() {
+                break;
+            }
+            self.write(ino_out, offset_out + done, &data, false)?;
+            done += data.len() as u64;
+            if (data.len() as u64) < step {
+                break;
+            }
+        }
+        Ok(done)
     }
 
     /// Creates and opens a regular file.

@@ -9,10 +9,11 @@
 //! an inode lock across a commit or flush, and it holds the engine's write gate only while it
 //! records items in memory. Data I/O of one file happens under that file's lock only.
 
+pub mod acl;
 mod dir;
 mod durability;
 mod file;
-mod xattr;
+pub(crate) mod xattr;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -64,6 +65,9 @@ impl Default for OpenOptions {
 pub struct Caller {
     pub uid: u32,
     pub gid: u32,
+    /// The caller's umask, applied here when the kernel leaves it to the filesystem (POSIX
+    /// ACL support: a directory's default ACL replaces the umask). 0 when already applied.
+    pub umask: u32,
 }
 
 /// File type.
@@ -392,13 +396,22 @@ impl Filesystem {
     pub fn control(&self, command: &[u8]) -> Result<()> {
         match command {
             b"ro" => {
-                self.inner.engine.commit()?;
+                // Read-only first, so no change slips in between; then commit what is there.
                 self.inner
                     .engine
                     .set_read_only("mounted read-only (remount)");
+                self.inner.engine.commit().map(|_| ())
+            }
+            b"rw" => {
+                if self.inner.engine.replay_pending() {
+                    return Err(Error::Invalid("the log of this image was not replayed (it was opened read-only): unmount and mount it read-write".into()));
+                }
+                self.inner.engine.clear_read_only()?;
+                if self.inner.committer.lock().is_none() {
+                    self.start_committer(Duration::from_secs(5));
+                }
                 Ok(())
             }
-            b"rw" => self.inner.engine.clear_read_only(),
             b"sync" => self.sync(),
             other => Err(Error::Invalid(format!(
                 "control command {:?}",

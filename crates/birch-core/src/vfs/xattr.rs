@@ -10,13 +10,13 @@ use crate::error::{Error, Result};
 pub const XATTR_CREATE: i32 = 1;
 pub const XATTR_REPLACE: i32 = 2;
 
-fn xattr_key(ino: u64, name: &[u8]) -> Key {
+pub(crate) fn xattr_key(ino: u64, name: &[u8]) -> Key {
     Key::new(ino, ItemType::Xattr, name_hash(&[name]))
 }
 
 fn check_xattr_name(name: &[u8]) -> Result<()> {
     if name.is_empty() {
-        return Err(Error::Invalid("empty xattr name".into()));
+        return Err(Error::Range("empty xattr name".into()));
     }
     if name.len() > birch_format::NAME_MAX {
         return Err(Error::Range(format!("xattr name of {} bytes", name.len())));
@@ -32,6 +32,15 @@ impl Filesystem {
             }
             None => Ok(Vec::new()),
         }
+    }
+
+    /// The value of an xattr, if set (no inode lock; callers hold what they need).
+    pub(crate) fn xattr_value(&self, ino: u64, name: &[u8]) -> Result<Option<Vec<u8>>> {
+        Ok(self
+            .xattr_list(ino, name)?
+            .into_iter()
+            .find(|x| x.name == name)
+            .map(|x| x.value))
     }
 
     /// Sets an xattr (XATTR_CREATE: must not exist; XATTR_REPLACE: must exist).
