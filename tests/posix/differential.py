@@ -212,7 +212,7 @@ class Differential:
             "mkdir": 8, "rmdir": 5, "unlink": 6, "rename": 9, "link": 5, "symlink": 5,
             "readlink": 3, "chmod": 4, "utime": 4, "setxattr": 5, "getxattr": 3,
             "listxattr": 2, "removexattr": 3, "statvfs": 1, "stat": 4, "listdir": 3,
-            "longname": 1,
+            "longname": 1, "copy_file_range": 3 if open_slots else 0,
         }
         ops = [k for k, v in w.items() if v]
         op = r.choices(ops, [w[k] for k in ops])[0]
@@ -276,6 +276,9 @@ class Differential:
             return ("statvfs",)
         if op == "stat":
             return ("stat", self.rpath(), r.random() < 0.5)
+        if op == "copy_file_range":
+            return ("copy_file_range", slot, r.choice(open_slots), r.choice([1, 100, 4096, 1 << 20]),
+                    self.roff(), self.roff())
         if op == "longname":
             n = r.choice([255, 256])
             return ("longname", r.choice(["", "d0/"]) + "z" * n, r.choice(["creat", "mkdir", "symlink", "rename"]))
@@ -369,6 +372,9 @@ class Differential:
         if k == "listdir":
             res = call(os.listdir, p(op[1]))
             return ("ok", sorted(res[1])) if res[0] == "ok" else res
+        if k == "copy_file_range":
+            _, src, dst, n, offs, offd = op
+            return call(os.copy_file_range, S.fds[src], S.fds[dst], n, offs, offd)
         if k == "longname":
             _, path, what = op
             if what == "creat":
@@ -407,6 +413,8 @@ class Differential:
         elif k in ("write", "pwrite", "read", "pread", "lseek", "ftruncate", "fsync",
                    "fdatasync", "fstat", "fallocate", "seek_data", "seek_hole"):
             slots.append(op[1])
+        elif k == "copy_file_range":
+            slots.extend([op[1], op[2]])
         seen, out = set(), []
         for x in paths:
             if x not in seen:
@@ -699,6 +707,12 @@ class Differential:
             n = self.compare_trees()
         except Mismatch as m:
             self.report(str(m))
+            return 1
+        except OSError as e:
+            # an unexpected failure of a bookkeeping call (fstat, lstat of the tree...) on one side
+            import traceback
+            traceback.print_exc(file=sys.stdout)
+            self.report(f"unexpected {e!r} while checking")
             return 1
         secs = time.monotonic() - t0
         errs = sum(v for k, v in self.counts.items() if ":E" in k)

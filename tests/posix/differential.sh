@@ -5,6 +5,7 @@
 # are allowed: `differential.py --list-allowed`).
 #
 #   tests/posix/differential.sh [OPS] [SEED...]
+#   tests/posix/differential.sh [--ops OPS] [--seed SEED]...
 #
 # OPS   operations per seed (default 1000; CI: 3 seeds x 1000 = 3,000 ops, well under 2 min)
 # SEED  seeds, one run each on a fresh directory of both mounts (default 1 2 3); `random`
@@ -28,11 +29,23 @@ IMG_SIZE=${IMG_SIZE:-512M}
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-usage() { echo "usage: $0 [OPS] [SEED...]" >&2; exit 2; }
-OPS=${1:-1000}
-(($# > 0)) && shift
+usage() { echo "usage: $0 [OPS] [SEED...]   or   $0 [--ops OPS] [--seed SEED]..." >&2; exit 2; }
+OPS=1000
+SEEDS=()
+if [[ ${1:-} == --* ]]; then
+  while (($#)); do
+    case $1 in
+      --ops) OPS=${2:-}; shift 2 || usage ;;
+      --seed) SEEDS+=("${2:-}"); shift 2 || usage ;;
+      *) usage ;;
+    esac
+  done
+else
+  OPS=${1:-1000}
+  (($# > 0)) && shift
+  SEEDS=("$@")
+fi
 [[ $OPS =~ ^[1-9][0-9]*$ ]] || usage
-SEEDS=("$@")
 ((${#SEEDS[@]})) || SEEDS=(1 2 3)
 for i in "${!SEEDS[@]}"; do
   [[ ${SEEDS[i]} == random ]] && SEEDS[i]=$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')

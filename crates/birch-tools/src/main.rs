@@ -77,7 +77,7 @@ enum Command {
         #[arg(short = 'a', short_alias = 'p', short_aliases = ['y', 'n'])]
         auto: bool,
     },
-    /// Print on-disk structures: super, tree fs, node ADDR, inode N.
+    /// Print on-disk structures: super, tree fs, node ADDR, inode N, log.
     Inspect {
         image: PathBuf,
         #[arg(num_args = 1..=2)]
@@ -252,6 +252,14 @@ fn fsck(image: &Path, data: bool, force: bool) -> ExitCode {
             }
             let generation = report.superblock.as_ref().map_or(0, |s| s.generation);
             println!("{}: generation {generation}, {} nodes, {} items, {} inodes, {} data blocks, {} findings", image.display(), report.nodes, report.items, report.inodes, report.data_blocks, report.findings.len());
+            if report.log_batches > 0 {
+                println!(
+                    "{}: {} log batches ({} records) wait for replay at the next read-write mount",
+                    image.display(),
+                    report.log_batches,
+                    report.log_records
+                );
+            }
             if report.is_clean() {
                 ExitCode::SUCCESS
             } else {
@@ -322,6 +330,36 @@ fn inspect(image: &Path, what: &[String]) -> ExitCode {
                 }
             }
         }
+        ["log"] => {
+            let replay = birch_core::log::read_log(&*device, &sb);
+            println!(
+                "log area {:#x} + {} bytes, head lsn {} seq {}",
+                sb.log_start, sb.log_bytes, sb.log_head, sb.log_generation
+            );
+            println!(
+                "{} batches, {} records readable; stopped: {}",
+                replay.batches,
+                replay.records.len(),
+                replay.stop
+            );
+            for r in &replay.records {
+                let shown = match (&r.value, r.key.kind()) {
+                    (Some(v), Some(kind)) => birch_format::items::Item::decode(kind, v)
+                        .map_or_else(|e| format!("undecodable: {e}"), |i| i.to_string()),
+                    (Some(v), None) => format!("{} bytes", v.len()),
+                    (None, _) => "deleted".to_string(),
+                };
+                let applies = if r.generation > sb.generation {
+                    "replays"
+                } else {
+                    "covered by the commit"
+                };
+                println!(
+                    "  generation {} {} {} ({applies})",
+                    r.generation, r.key, shown
+                );
+            }
+        }
         ["node", addr] => {
             let parsed = if let Some(hex) = addr.strip_prefix("0x") {
                 u64::from_str_radix(hex, 16).ok()
@@ -381,7 +419,7 @@ fn inspect(image: &Path, what: &[String]) -> ExitCode {
         }
         other => {
             return fail(format!(
-                "inspect {other:?}: expected super, tree fs, node ADDR or inode N"
+                "inspect {other:?}: expected super, tree fs, node ADDR, inode N or log"
             ))
         }
     }

@@ -1,0 +1,450 @@
+//! The crash matrix: workloads on a recording device, replayed to every crash state.
+//!
+//! Owns: the workloads (the btrfs fsync bug classes and ACE-style bounded sequences), the
+//! construction of crash states (the image at every flush, plus seeded subsets of the writes
+//! since the last flush, some torn at 512 B), and the oracle. Must not touch: production
+//! paths; it only drives the public API, so `birch crashtest` and the tests share it.
+//!
+//! The oracle judges each object on its own: a file fsync'd before the cut (and not renamed or
+//! removed after) holds its fsync'd content or a later one; every file reads back content that
+//! was written at some point (or a prefix of it); fsck is clean; new creates work.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::check::{check, CheckOptions};
+use crate::device::{MemDevice, Recorded};
+use crate::vfs::{Caller, OpenOptions, SetAttr};
+use crate::{Filesystem, MkfsOptions, Result};
+
+/// A small deterministic generator (xorshift64*), so the library needs no RNG crate.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// A number in `0..n` (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    pub fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+}
+
+/// The workloads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Workload {
+    /// Append then fsync, six times.
+    Append,
+    /// Link then fsync; rename then fsync; rewrite then fsync.
+    LinkRename,
+    /// Punch hole, fallocate KEEP_SIZE, truncate then grow, each with fsync.
+    Holes,
+    /// Many files, some fsync'd, a commit in the middle; symlink and xattr changes.
+    Many,
+    /// ACE-style: 1-3 operations over A/foo, A/bar, B/foo, B/bar, A/C, each followed by fsync,
+    /// fdatasync or a commit, chosen by the seed.
+    Ace,
+}
+
+impl Workload {
+    pub const ALL: [Workload; 5] = [
+        Workload::Append,
+        Workload::LinkRename,
+        Workload::Holes,
+        Workload::Many,
+        Workload::Ace,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Workload::Append => "append+fsync",
+            Workload::LinkRename => "link/rename+fsync",
+            Workload::Holes => "punch/fallocate/truncate+fsync",
+            Workload::Many => "many files+symlink+xattr",
+            Workload::Ace => "ace",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Workload> {
+        Workload::ALL
+            .into_iter()
+            .find(|w| w.name() == name || format!("{w:?}").eq_ignore_ascii_case(name))
+    }
+}
+
+/// What a workload did, for the oracle.
+#[derive(Default, Clone)]
+struct History {
+    versions: HashMap<String, Vec<Vec<u8>>>,
+    /// (events when the fsync returned, path, index of the fsync'd version, step number).
+    synced: Vec<(usize, String, usize, usize)>,
+    /// (step number, path) of paths renamed away or removed: an earlier fsync of that path
+    /// is not judged by path any more.
+    moved: Vec<(usize, String)>,
+    /// Steps so far, to order fsyncs and moves that no device event separates.
+    steps: usize,
+}
+
+struct Recorder<'a> {
+    dev: &'a MemDevice,
+    events: Vec<Recorded>,
+}
+
+impl Recorder<'_> {
+    fn mark(&mut self) -> usize {
+        self.events.extend(self.dev.take_recording());
+        self.events.len()
+    }
+}
+
+fn write_version(fs: &Filesystem, h: &mut History, path: &str, content: Vec<u8>) -> Result<()> {
+    fs.write_file(path, &content)?;
+    h.versions
+        .entry(path.to_string())
+        .or_default()
+        .push(content);
+    Ok(())
+}
+
+fn sync_path(
+    fs: &Filesystem,
+    rec: &mut Recorder<'_>,
+    h: &mut History,
+    path: &str,
+    data_only: bool,
+) -> Result<()> {
+    let ino = fs.resolve(path)?;
+    fs.fsync(ino, data_only)?;
+    let mark = rec.mark();
+    h.steps += 1;
+    if let Some(v) = h.versions.get(path) {
+        h.synced
+            .push((mark, path.to_string(), v.len() - 1, h.steps));
+    }
+    Ok(())
+}
+
+fn run_workload(
+    w: Workload,
+    seed: u64,
+    fs: &Filesystem,
+    rec: &mut Recorder<'_>,
+    h: &mut History,
+) -> Result<()> {
+    let c = Caller::default();
+    match w {
+        Workload::Append => {
+            let mut content = Vec::new();
+            for i in 0..6u8 {
+                content.extend(std::iter::repeat_n(i + 1, 3000 + i as usize * 1500));
+                write_version(fs, h, "/A/log", content.clone())?;
+                sync_path(fs, rec, h, "/A/log", i % 2 == 1)?;
+            }
+        }
+        Workload::LinkRename => {
+            write_version(fs, h, "/A/foo", b"foo v1".to_vec())?;
+            sync_path(fs, rec, h, "/A/foo", false)?;
+            let ino = fs.resolve("/A/foo")?;
+            let b = fs.resolve("/B")?;
+            fs.link(ino, b, b"bar")?;
+            fs.fsync(ino, false)?;
+            fs.rename(b, b"bar", b, b"baz", 0)?;
+            fs.fsync(ino, false)?;
+            write_version(fs, h, "/A/foo", b"foo v2, longer than before".to_vec())?;
+            sync_path(fs, rec, h, "/A/foo", false)?;
+        }
+        Workload::Holes => {
+            let mut content = vec![5u8; 40_000];
+            write_version(fs, h, "/B/sparse", content.clone())?;
+            sync_path(fs, rec, h, "/B/sparse", false)?;
+            let ino = fs.resolve("/B/sparse")?;
+            fs.fallocate(ino, 8192, 16384, 3)?;
+            content[8192..24576].fill(0);
+            h.versions
+                .entry("/B/sparse".into())
+                .or_default()
+                .push(content.clone());
+            sync_path(fs, rec, h, "/B/sparse", false)?;
+            fs.fallocate(ino, 40_000, 100_000, 1)?;
+            fs.setattr(
+                ino,
+                &SetAttr {
+                    size: Some(1000),
+                    ..Default::default()
+                },
+            )?;
+            fs.setattr(
+                ino,
+                &SetAttr {
+                    size: Some(50_000),
+                    ..Default::default()
+                },
+            )?;
+            let mut grown = content[..1000].to_vec();
+            grown.resize(50_000, 0);
+            h.versions
+                .entry("/B/sparse".into())
+                .or_default()
+                .push(grown);
+            sync_path(fs, rec, h, "/B/sparse", true)?;
+        }
+        Workload::Many => {
+            for i in 0..12 {
+                let path = format!("/A/f{i}");
+                write_version(fs, h, &path, vec![i as u8 + 1; 500 + i * 900])?;
+                if i % 3 == 0 {
+                    sync_path(fs, rec, h, &path, false)?;
+                }
+                if i == 7 {
+                    fs.sync()?;
+                }
+            }
+            let a = fs.resolve("/A")?;
+            fs.symlink(c, a, b"link", b"f0")?;
+            let f1 = fs.resolve("/A/f1")?;
+            fs.setxattr(f1, b"user.k", b"v", 0)?;
+            fs.fsync(f1, false)?;
+            fs.removexattr(f1, b"user.k")?;
+            fs.fsync(f1, false)?;
+        }
+        Workload::Ace => {
+            let mut rng = Rng::new(seed ^ 0xACE);
+            let paths = ["/A/foo", "/A/bar", "/B/foo", "/B/bar", "/A/C/foo"];
+            fs.mkdir(c, fs.resolve("/A")?, b"C", 0o755)?;
+            let trace = std::env::var_os("BIRCH_CRASH_TRACE").is_some();
+            for step in 0..(1 + rng.below(3)) {
+                let path = paths[rng.below(paths.len() as u64) as usize];
+                if trace {
+                    eprintln!("ace step {step}: {path}");
+                }
+                match rng.below(5) {
+                    0 | 1 => {
+                        let len = 1 + rng.below(9000) as usize;
+                        write_version(fs, h, path, vec![step as u8 + 7; len])?;
+                    }
+                    2 => {
+                        // link to another name, when the source exists and the target does not
+                        let other = paths[rng.below(paths.len() as u64) as usize];
+                        if let (Ok(ino), Err(_)) = (fs.resolve(path), fs.resolve(other)) {
+                            let (dir, name) = other.rsplit_once('/').unwrap_or(("", other));
+                            fs.link(ino, fs.resolve(dir)?, name.as_bytes())?;
+                            if let Some(v) = h.versions.get(path).cloned() {
+                                h.versions.insert(other.to_string(), v);
+                            }
+                        }
+                    }
+                    3 => {
+                        let other = paths[rng.below(paths.len() as u64) as usize];
+                        if other != path && fs.resolve(path).is_ok() {
+                            let (d1, n1) = path.rsplit_once('/').unwrap_or(("", path));
+                            let (d2, n2) = other.rsplit_once('/').unwrap_or(("", other));
+                            fs.rename(
+                                fs.resolve(d1)?,
+                                n1.as_bytes(),
+                                fs.resolve(d2)?,
+                                n2.as_bytes(),
+                                0,
+                            )?;
+                            h.steps += 1;
+                            h.moved.push((h.steps, path.to_string()));
+                            h.moved.push((h.steps, other.to_string()));
+                            if let Some(v) = h.versions.remove(path) {
+                                h.versions.entry(other.to_string()).or_default().extend(v);
+                            }
+                        }
+                    }
+                    _ => {
+                        if fs.resolve(path).is_ok() {
+                            let (d, n) = path.rsplit_once('/').unwrap_or(("", path));
+                            fs.unlink(fs.resolve(d)?, n.as_bytes())?;
+                            h.steps += 1;
+                            h.moved.push((h.steps, path.to_string()));
+                        }
+                    }
+                }
+                match rng.below(3) {
+                    0 if fs.resolve(path).is_ok() => sync_path(fs, rec, h, path, false)?,
+                    1 if fs.resolve(path).is_ok() => sync_path(fs, rec, h, path, true)?,
+                    _ => {
+                        fs.sync()?;
+                        rec.mark();
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Result of a matrix run.
+#[derive(Debug, Default)]
+pub struct CrashReport {
+    pub states: usize,
+    pub failures: Vec<String>,
+}
+
+/// Runs `workload` once on a recording device and checks `states` crash states (every flush
+/// point first, then seeded cuts). `progress` is called after each state.
+pub fn run_matrix(
+    workload: Workload,
+    seed: u64,
+    states: usize,
+    progress: &mut dyn FnMut(),
+) -> Result<CrashReport> {
+    let quiet = || OpenOptions {
+        commit_interval: None,
+        ..Default::default()
+    };
+    let dev = Arc::new(MemDevice::new(96 << 20));
+    Filesystem::mkfs(dev.clone(), &MkfsOptions::default())?;
+    let base = {
+        let fs = Filesystem::open_device(dev.clone(), quiet())?;
+        fs.mkdir(Caller::default(), 1, b"A", 0o755)?;
+        fs.mkdir(Caller::default(), 1, b"B", 0o755)?;
+        fs.close()?;
+        dev.snapshot()
+    };
+    dev.start_recording();
+    let mut history = History::default();
+    let events = {
+        let fs = Filesystem::open_device(dev.clone(), quiet())?;
+        let mut rec = Recorder {
+            dev: &dev,
+            events: Vec::new(),
+        };
+        run_workload(workload, seed, &fs, &mut rec, &mut history)?;
+        rec.mark();
+        if std::env::var_os("BIRCH_CRASH_TRACE").is_some() {
+            eprintln!("counters: {}", fs.engine().counters().values());
+            let kinds: Vec<String> = rec
+                .events
+                .iter()
+                .map(|e| match e {
+                    Recorded::Write { offset, bytes } => format!("W{:#x}+{}", offset, bytes.len()),
+                    Recorded::Flush => "F".into(),
+                })
+                .collect();
+            eprintln!("events: {}", kinds.join(" "));
+            eprintln!("synced: {:?}", history.synced);
+        }
+        std::mem::forget(fs); // power cut: no final commit
+        rec.events
+    };
+    let flushes: Vec<usize> = events
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| matches!(e, Recorded::Flush))
+        .map(|(i, _)| i + 1)
+        .collect();
+    let mut rng = Rng::new(seed);
+    let mut cuts: Vec<(usize, u64)> = vec![(0, 0)];
+    cuts.extend(flushes.iter().map(|f| (*f, 0)));
+    while cuts.len() < states {
+        cuts.push((rng.below(events.len() as u64 + 1) as usize, rng.next() | 1));
+    }
+    let mut report = CrashReport::default();
+    for (n, (cut, subset)) in cuts.iter().enumerate() {
+        if let Err(failure) = check_state(&base, &events, *cut, *subset, &history) {
+            report.failures.push(format!(
+                "{} seed {seed} state {n} (cut {cut}, subset {subset}): {failure}",
+                workload.name()
+            ));
+        }
+        report.states += 1;
+        progress();
+    }
+    Ok(report)
+}
+
+fn check_state(
+    base: &[u8],
+    events: &[Recorded],
+    cut: usize,
+    subset: u64,
+    history: &History,
+) -> std::result::Result<(), String> {
+    let durable_upto = events[..cut]
+        .iter()
+        .rposition(|e| matches!(e, Recorded::Flush))
+        .map_or(0, |i| i + 1);
+    let mut image = base.to_vec();
+    let mut rng = Rng::new(subset);
+    for (i, e) in events[..cut].iter().enumerate() {
+        let Recorded::Write { offset, bytes } = e else {
+            continue;
+        };
+        let at = *offset as usize;
+        if i < durable_upto {
+            image[at..at + bytes.len()].copy_from_slice(bytes);
+        } else if subset != 0 && rng.chance(50) {
+            // An unflushed write lands whole, not at all, or torn at 512 B.
+            let len = if rng.chance(30) {
+                (rng.below(bytes.len() as u64 / 512) as usize + 1) * 512
+            } else {
+                bytes.len()
+            };
+            image[at..at + len].copy_from_slice(&bytes[..len]);
+        }
+    }
+    let crashed = Arc::new(MemDevice::from_bytes(image));
+    let fs = Filesystem::open_device(
+        crashed.clone(),
+        OpenOptions {
+            commit_interval: None,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| format!("open failed: {e}"))?;
+    for (mark, path, version, step) in &history.synced {
+        if *mark > durable_upto || history.moved.iter().any(|(s, p)| p == path && s > step) {
+            continue;
+        }
+        let got = fs
+            .read_file(path)
+            .map_err(|e| format!("fsync'd {path} missing: {e}"))?;
+        let allowed = &history.versions[path][*version..];
+        if !allowed.contains(&got) {
+            return Err(format!(
+                "{path} has {} bytes, not a version at or after the fsync'd one",
+                got.len()
+            ));
+        }
+    }
+    for (path, versions) in &history.versions {
+        if let Ok(got) = fs.read_file(path) {
+            if !(got.is_empty()
+                || versions
+                    .iter()
+                    .any(|v| v.starts_with(&got) || got.starts_with(v)))
+            {
+                return Err(format!("{path} holds content never written"));
+            }
+        }
+    }
+    fs.mkdir(Caller::default(), 1, b"new-after-crash", 0o755)
+        .map_err(|e| format!("create after recovery: {e}"))?;
+    fs.close().map_err(|e| format!("close: {e}"))?;
+    drop(fs);
+    let report = check(&*crashed, CheckOptions { data: true }).map_err(|e| format!("fsck: {e}"))?;
+    if !report.is_clean() {
+        return Err(format!(
+            "fsck: {}",
+            report
+                .findings
+                .iter()
+                .map(|f| f.to_string())
+                .collect::<Vec<_>>()
+                .join("; ")
+        ));
+    }
+    Ok(())
+}
