@@ -24,7 +24,7 @@ impl Rng {
     pub fn new(seed: u64) -> Rng {
         Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
@@ -32,7 +32,7 @@ impl Rng {
     }
     /// A number in `0..n` (n > 0).
     pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
+        self.next_u64() % n.max(1)
     }
     pub fn chance(&mut self, percent: u64) -> bool {
         self.below(100) < percent
@@ -349,7 +349,10 @@ pub fn run_matrix(
     let mut cuts: Vec<(usize, u64)> = vec![(0, 0)];
     cuts.extend(flushes.iter().map(|f| (*f, 0)));
     while cuts.len() < states {
-        cuts.push((rng.below(events.len() as u64 + 1) as usize, rng.next() | 1));
+        cuts.push((
+            rng.below(events.len() as u64 + 1) as usize,
+            rng.next_u64() | 1,
+        ));
     }
     let mut report = CrashReport::default();
     for (n, (cut, subset)) in cuts.iter().enumerate() {

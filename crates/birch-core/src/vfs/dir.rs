@@ -188,14 +188,14 @@ impl Filesystem {
         check_name_or_dots(name)?;
         let dir = self.dir_state(parent)?;
         let mut d = dir.data.write();
-        if d.item.nlink == 0 {
-            return Err(Error::NotFound(format!("dir {parent} was removed")));
-        }
         if is_dot(name) {
             return Err(Error::Exists(format!(
                 "{:?} in dir {parent}",
                 String::from_utf8_lossy(name)
             )));
+        }
+        if d.item.nlink == 0 {
+            return Err(Error::NotFound(format!("dir {parent} was removed")));
         }
         let kind = FileKind::from_mode(mode);
         if kind == FileKind::Dir && d.item.nlink >= LINK_MAX {
@@ -392,10 +392,16 @@ impl Filesystem {
         // Linux's order: the new name's directory and the name itself, then the source.
         {
             let d = dir.data.read();
+            if is_dot(newname) {
+                return Err(Error::Exists(format!(
+                    "{:?} in dir {newparent}",
+                    String::from_utf8_lossy(newname)
+                )));
+            }
             if d.item.nlink == 0 {
                 return Err(Error::NotFound(format!("dir {newparent} was removed")));
             }
-            if is_dot(newname) || self.find_entry(newparent, newname)?.is_some() {
+            if self.find_entry(newparent, newname)?.is_some() {
                 return Err(Error::Exists(format!(
                     "{:?} in dir {newparent}",
                     String::from_utf8_lossy(newname)
