@@ -30,6 +30,8 @@ tier "clippy" cargo clippy --all-targets --release --locked -- -D warnings
 tier "cargo test" cargo test --release --locked
 # The mount tiers need the birch binary itself (cargo test does not build it).
 tier "build birch" cargo build --release --locked -p birch-tools
+# The crash matrix at CLI level: 20 workload runs x 150 crash states (cargo test ran 600 more).
+tier "crashtest" ./target/release/birch crashtest --states 150 --ace-runs 16
 # pjdfstest on birch beside the kernel ext4 baseline: no failure, and no skip that ext4 does
 # not also skip, except link::link_count_max: glibc's pathconf(_PC_LINK_MAX) answers 127
 # ("unknown") for every FUSE filesystem, whatever the server does, and pjdfstest then skips.
