@@ -215,6 +215,14 @@ fn run_workload(
             fs.fsync(f1, false)?;
             fs.removexattr(f1, b"user.k")?;
             fs.fsync(f1, false)?;
+            // Logged, changed and committed, changed back, fsync'd again: the second fsync
+            // must not trust that the first one's record still counts (the commit covered it).
+            write_version(fs, h, "/A/flip", b"one".to_vec())?;
+            sync_path(fs, rec, h, "/A/flip", false)?;
+            write_version(fs, h, "/A/flip", b"two".to_vec())?;
+            fs.sync()?;
+            write_version(fs, h, "/A/flip", b"one".to_vec())?;
+            sync_path(fs, rec, h, "/A/flip", false)?;
         }
         Workload::Ace => {
             let mut rng = Rng::new(seed ^ 0xACE);

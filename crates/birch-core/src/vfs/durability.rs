@@ -69,7 +69,40 @@ impl Filesystem {
             let data = state.data.read();
             let is_dir = data.item.mode & libc::S_IFMT == libc::S_IFDIR;
             match self.log_records(ino, is_dir, data.item.nlink) {
-                Ok(Some(records)) => engine.log_enqueue(records),
+                Ok(Some(records)) => {
+                    // Only what this inode has not queued before: an item queued earlier with
+                    // the same value is in a batch that is durable, or will be once the ticket
+                    // of that batch is, or was retired by the commit that made it durable.
+                    // A queued record only counts while replay would still apply it: once a
+                    // commit covers its generation, replay skips it, and the committed value
+                    // may differ (changed and changed back), so it is logged again.
+                    let committed = engine.committed_generation();
+                    let mut logged = state.logged.lock();
+                    let fresh: Vec<LogRecord> = records
+                        .into_iter()
+                        .filter(|r| {
+                            !logged
+                                .values
+                                .get(&r.key)
+                                .is_some_and(|(v, g)| *v == r.value && *g > committed)
+                        })
+                        .collect();
+                    if fresh.is_empty() {
+                        if logged.ticket == 0 {
+                            counters.add(&counters.fsync_nothing, 1);
+                            return Ok(());
+                        }
+                        logged.ticket
+                    } else {
+                        logged.values.retain(|_, (_, g)| *g > committed);
+                        for r in &fresh {
+                            logged.values.insert(r.key, (r.value.clone(), r.generation));
+                        }
+                        let ticket = engine.log_enqueue(fresh);
+                        logged.ticket = ticket;
+                        ticket
+                    }
+                }
                 Ok(None) => {
                     counters.add(&counters.fsync_nothing, 1);
                     return Ok(());

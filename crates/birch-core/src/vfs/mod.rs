@@ -183,6 +183,17 @@ pub(crate) struct InodeState {
     pub(crate) data: RwLock<InodeData>,
     pub(crate) lookups: AtomicU64,
     pub(crate) opens: AtomicU64,
+    /// What this inode's fsyncs already put in the log, so the next fsync writes only what
+    /// changed since (btrfs logs only new items too).
+    pub(crate) logged: Mutex<Logged>,
+}
+
+/// Item values an inode's fsyncs queued, and the ticket of the last batch that carried them.
+#[derive(Default)]
+pub(crate) struct Logged {
+    /// Key -> (value queued, delta generation of its record).
+    pub(crate) values: HashMap<Key, (Option<Vec<u8>>, u64)>,
+    pub(crate) ticket: u64,
 }
 
 pub(crate) struct InodeData {
@@ -475,6 +486,7 @@ impl Filesystem {
             }),
             lookups: AtomicU64::new(0),
             opens: AtomicU64::new(0),
+            logged: Mutex::new(Logged::default()),
         });
         let mut shard = self.shard(ino).lock();
         Ok(shard.entry(ino).or_insert(state).clone())
@@ -490,6 +502,7 @@ impl Filesystem {
             }),
             lookups: AtomicU64::new(0),
             opens: AtomicU64::new(0),
+            logged: Mutex::new(Logged::default()),
         });
         self.shard(ino).lock().insert(ino, state.clone());
         state
