@@ -33,12 +33,16 @@ pub const STATS_XATTR: &[u8] = b"trusted.birch.stats";
 pub struct FuseOptions {
     /// How long the kernel may cache attributes and names.
     pub ttl: Duration,
+    /// Ask for FUSE_WRITEBACK_CACHE: the kernel collects writes in its page cache and sends
+    /// them later in page-sized pieces; it then owns size, mtime and O_APPEND positioning.
+    pub writeback: bool,
 }
 
 impl Default for FuseOptions {
     fn default() -> Self {
         FuseOptions {
             ttl: Duration::from_secs(1),
+            writeback: false,
         }
     }
 }
@@ -175,9 +179,12 @@ fn open_reply_flags(flags: i32) -> FopenFlags {
 
 impl fuser::Filesystem for BirchFuse {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        let wanted = InitFlags::FUSE_EXPORT_SUPPORT
+        let mut wanted = InitFlags::FUSE_EXPORT_SUPPORT
             | InitFlags::FUSE_PARALLEL_DIROPS
             | InitFlags::FUSE_DO_READDIRPLUS;
+        if self.options.writeback {
+            wanted |= InitFlags::FUSE_WRITEBACK_CACHE;
+        }
         let supported = wanted & config.capabilities();
         if let Err(missing) = config.add_capabilities(supported) {
             log::warn!("kernel refused capabilities {missing:?}");
@@ -402,7 +409,8 @@ impl fuser::Filesystem for BirchFuse {
         _lock: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        let append = flags.0 & libc::O_APPEND != 0;
+        // With the writeback cache the kernel has already placed O_APPEND writes.
+        let append = flags.0 & libc::O_APPEND != 0 && !self.options.writeback;
         let result = self.fs.write(ino.0, offset, data, append).and_then(|n| {
             if flags.0 & libc::O_DIRECT != 0 && flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0 {
                 // Direct handles get no FSYNC after an O_SYNC write: durable before the reply.

@@ -24,6 +24,7 @@ struct MountConfig {
     /// MS_* flags for mount(2).
     vfs_flags: libc::c_ulong,
     fsync: FsyncMode,
+    writeback: bool,
 }
 
 fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
@@ -35,6 +36,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         ttl_secs: 1.0,
         vfs_flags: 0,
         fsync: FsyncMode::Log,
+        writeback: false,
     };
     for opt in raw
         .iter()
@@ -63,8 +65,13 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
                 _ => return Err(format!("option {opt}: expected fsync=log or fsync=commit")),
             },
             "writeback" => match value {
-                Some("off") => {}
-                _ => return Err(format!("option {opt}: only writeback=off is available")),
+                Some("on") => c.writeback = true,
+                Some("off") => c.writeback = false,
+                _ => {
+                    return Err(format!(
+                        "option {opt}: expected writeback=on or writeback=off"
+                    ))
+                }
             },
             "noatime" => c.vfs_flags |= libc::MS_NOATIME,
             "atime" | "relatime" | "strictatime" | "nodiratime" => {}
@@ -274,6 +281,7 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
         fs.clone(),
         FuseOptions {
             ttl: Duration::from_secs_f64(config.ttl_secs),
+            writeback: config.writeback,
         },
     );
     let fuse_fd = match kernel_mount(image, mountpoint, config) {
