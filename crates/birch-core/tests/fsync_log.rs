@@ -107,6 +107,34 @@ fn fsynced_data_survives_power_loss_through_replay() {
     assert!(report.is_clean(), "{:#?}", report.findings);
 }
 
+/// relatime: a read after a write moves atime; fsync of a file whose only change is atime
+/// writes nothing (issue 4: an atime-only change never forces a log write).
+#[test]
+fn atime_only_change_costs_no_log_write() {
+    let dev = fresh();
+    let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+    let (f, _) = fs
+        .create(Caller::default(), 1, b"r", 0o644, 0)
+        .expect("create");
+    fs.write(f.ino, 0, b"data", false).expect("write");
+    fs.sync().expect("commit");
+    let before = fs.getattr(f.ino).expect("attr").atime;
+    fs.read(f.ino, 0, 4)
+        .expect("read moves atime (relatime: atime <= mtime)");
+    assert!(
+        fs.getattr(f.ino).expect("attr").atime > before,
+        "relatime updated atime"
+    );
+    let dev_before = dev.counters().values();
+    fs.fsync(f.ino, false).expect("fsync");
+    let after = dev.counters().values().since(&dev_before);
+    assert_eq!(
+        (after.device_writes, after.flushes),
+        (0, 0),
+        "no log write for an atime-only change"
+    );
+}
+
 /// Postmortem of a bug caught in review: fsync skips items its earlier fsyncs already logged,
 /// but a commit may have covered that record (replay skips it) while the committed value
 /// differs (set to "two", committed, set back to "one"). The second fsync must log it again.

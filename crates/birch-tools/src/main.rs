@@ -52,8 +52,9 @@ enum Command {
     Mount {
         image: PathBuf,
         mountpoint: PathBuf,
-        /// Options: ro, rw, allow_other, commit=SECS, threads=N, ttl=SECS, fsync=commit, and
-        /// the usual VFS options (defaults, noatime, relatime, nodev, nosuid, noexec, _netdev).
+        /// Options: ro, rw, allow_other, commit=SECS, threads=N, ttl=SECS, fsync=log|commit,
+        /// writeback=on|off, and the usual VFS options (defaults, noatime, relatime, nodev,
+        /// nosuid, noexec, _netdev). An unknown option is an error.
         #[arg(short = 'o')]
         options: Vec<String>,
         /// Stay in the foreground.

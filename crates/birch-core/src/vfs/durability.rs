@@ -21,7 +21,9 @@
 
 use std::collections::BTreeSet;
 
-use birch_format::items::{decode_dir_entries, decode_inode_refs, ExtentKind, FileExtent};
+use birch_format::items::{
+    decode_dir_entries, decode_inode_refs, ExtentKind, FileExtent, InodeItem,
+};
 use birch_format::log::LogRecord;
 use birch_format::{name_hash, ItemType, Key, ORPHAN_OBJECTID};
 
@@ -149,7 +151,8 @@ impl Filesystem {
     ) -> std::result::Result<Option<Vec<LogRecord>>, Result<Fallback>> {
         let engine = &self.inner.engine;
         let (generation, changed) = engine.changed_items(ino);
-        if changed.is_empty() {
+        if changed.is_empty() || self.only_atime_changed(ino, &changed) {
+            // An atime-only change (relatime on read) never costs a log write.
             return Ok(None);
         }
         if is_dir {
@@ -205,6 +208,25 @@ impl Filesystem {
             });
         }
         Ok(Some(records))
+    }
+
+    /// Whether the only change since the last commit is the inode item's atime.
+    fn only_atime_changed(&self, ino: u64, changed: &[(Key, crate::delta::DeltaValue)]) -> bool {
+        let [(key, Some(now))] = changed else {
+            return false;
+        };
+        if *key != inode_key(ino) {
+            return false;
+        }
+        let Ok(Some(committed)) = self.inner.engine.committed_get(key) else {
+            return false;
+        };
+        let (Ok(mut a), Ok(b)) = (InodeItem::decode(now), InodeItem::decode(&committed)) else {
+            return false;
+        };
+        a.atime = b.atime;
+        a.transid = b.transid;
+        a == b
     }
 
     /// Applies what the log holds beyond the last commit, fixes up counts, and commits.
