@@ -134,5 +134,41 @@ expect_fail "fsck refuses a mounted image" "in use" "$BIRCH" fsck "$IMG"
 expect_fail "unknown mount option" "unknown mount option" "$BIRCH" mount "$IMG" "$WORK/mnt2" -o bogus
 "$BIRCH" umount "$MNT"
 
+# --- fstab line and mount -t fuse.birch (through mount.fuse.birch) ----------------------------
+if command -v mount.fuse.birch >/dev/null || [[ -x /usr/sbin/mount.fuse.birch ]]; then
+  echo "$IMG $MNT fuse.birch defaults,noatime 0 0" > "$WORK/fstab"
+  if mount -T "$WORK/fstab" "$MNT" && grep -q " $MNT fuse.birch " /proc/mounts; then
+    check "fstab line mounts (mount -T)" test -f "$MNT/cycle"
+    "$BIRCH" umount "$MNT"
+  else
+    bad "fstab line mounts (mount -T)"
+  fi
+  if mount -t fuse.birch "$IMG" "$MNT"; then
+    check "mount -t fuse.birch" cmp -s "$WORK/cycle" "$MNT/cycle"
+    "$BIRCH" umount "$MNT"
+  else
+    bad "mount -t fuse.birch"
+  fi
+else
+  echo "skip fstab/mount -t tests: mount.fuse.birch is not installed (scripts/test.sh installs it)"
+fi
+
+# --- SIGTERM to the daemon: final commit, unmount, image released -----------------------------
+"$BIRCH" mount "$IMG" "$MNT"
+head -c 300000 /dev/urandom > "$WORK/term"
+cp "$WORK/term" "$MNT/term"
+daemon=$(pgrep -f "birch mount -f $IMG" | head -1)
+if [[ -n $daemon ]]; then
+  kill -TERM "$daemon"
+  for _ in $(seq 1 200); do kill -0 "$daemon" 2>/dev/null || break; sleep 0.05; done
+  check "SIGTERM unmounts and the daemon exits" bash -c "! mountpoint -q '$MNT' && ! kill -0 $daemon 2>/dev/null"
+  "$BIRCH" mount "$IMG" "$MNT"
+  check "data written before SIGTERM is there" cmp -s "$WORK/term" "$MNT/term"
+  "$BIRCH" umount "$MNT"
+else
+  bad "SIGTERM test: daemon pid not found"
+fi
+check "fsck clean at the end" "$BIRCH" fsck "$IMG"
+
 echo "mount-tests: $passed passed, $failed failed"
 [[ $failed -eq 0 ]]

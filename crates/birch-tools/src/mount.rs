@@ -208,6 +208,7 @@ pub fn mount_main(image: &Path, mountpoint: &Path, raw: &[String], foreground: b
 }
 
 fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String]) -> ExitCode {
+    use std::os::unix::process::CommandExt;
     let exe = match std::env::current_exe() {
         Ok(e) => e,
         Err(e) => return fail(format!("cannot find own executable: {e}")),
@@ -218,11 +219,12 @@ fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String]) -> ExitCode {
         Err(e) => return fail(format!("{}: {e}", log_path.display())),
     };
     let mut cmd = Command::new(exe);
+    // argv[0] "birch": when this runs as mount.fuse.birch, the daemon must still parse as birch.
+    cmd.arg0("birch");
     cmd.arg("mount").arg("-f").arg(image).arg(mountpoint);
     for o in raw {
         cmd.arg("-o").arg(o);
     }
-    use std::os::unix::process::CommandExt;
     cmd.stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::from(log))

@@ -188,6 +188,21 @@ pub(crate) struct InodeState {
     pub(crate) logged: Mutex<Logged>,
 }
 
+impl InodeState {
+    fn new(item: InodeItem) -> Arc<InodeState> {
+        Arc::new(InodeState {
+            data: RwLock::new(InodeData {
+                item,
+                freed: false,
+                write_error: false,
+            }),
+            lookups: AtomicU64::new(0),
+            opens: AtomicU64::new(0),
+            logged: Mutex::new(Logged::default()),
+        })
+    }
+}
+
 /// Item values an inode's fsyncs queued, and the ticket of the last batch that carried them.
 #[derive(Default)]
 pub(crate) struct Logged {
@@ -478,32 +493,14 @@ impl Filesystem {
             .ok_or_else(|| Error::NotFound(format!("inode {ino}")))?;
         let item =
             InodeItem::decode(&bytes).map_err(|e| Error::corrupt(format!("inode {ino}"), e))?;
-        let state = Arc::new(InodeState {
-            data: RwLock::new(InodeData {
-                item,
-                freed: false,
-                write_error: false,
-            }),
-            lookups: AtomicU64::new(0),
-            opens: AtomicU64::new(0),
-            logged: Mutex::new(Logged::default()),
-        });
+        let state = InodeState::new(item);
         let mut shard = self.shard(ino).lock();
         Ok(shard.entry(ino).or_insert(state).clone())
     }
 
     /// Registers a new inode's state (create paths).
     pub(crate) fn insert_inode(&self, ino: u64, item: InodeItem) -> Arc<InodeState> {
-        let state = Arc::new(InodeState {
-            data: RwLock::new(InodeData {
-                item,
-                freed: false,
-                write_error: false,
-            }),
-            lookups: AtomicU64::new(0),
-            opens: AtomicU64::new(0),
-            logged: Mutex::new(Logged::default()),
-        });
+        let state = InodeState::new(item);
         self.shard(ino).lock().insert(ino, state.clone());
         state
     }
