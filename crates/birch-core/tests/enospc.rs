@@ -79,3 +79,67 @@ fn full_filesystem_fails_cleanly_and_recovers_after_deletes() {
     .expect("reopen");
     assert_eq!(fs.read_file("/after").expect("read back"), chunk);
 }
+
+/// A dying disk: once writes fail, the commit fails, the filesystem turns read-only and says
+/// why, fsync reports the failure (never success), and the image still holds the last good
+/// commit, fsck clean.
+#[test]
+fn failed_commit_turns_read_only_and_never_half_commits() {
+    let dev = Arc::new(MemDevice::new(32 << 20));
+    Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
+    let fs = Filesystem::open_device(
+        dev.clone(),
+        OpenOptions {
+            commit_interval: None,
+            ..Default::default()
+        },
+    )
+    .expect("open");
+    fs.write_file("/kept", b"committed before the disk died")
+        .expect("write");
+    fs.sync().expect("commit");
+    let (f, _) = fs
+        .create(Caller::default(), 1, b"lost", 0o644, 0)
+        .expect("create");
+    dev.fail_writes(true);
+    let err = fs.sync().expect_err("commit on a dead disk fails");
+    assert_eq!(err.errno(), libc::EIO, "{err}");
+    let reason = fs
+        .engine()
+        .read_only_reason()
+        .expect("read-only after a failed commit");
+    assert!(
+        reason.contains("commit"),
+        "the reason says what failed: {reason}"
+    );
+    assert!(
+        fs.fsync(f.ino, false).is_err(),
+        "fsync after a failed commit must not report success"
+    );
+    assert_eq!(
+        fs.mkdir(Caller::default(), 1, b"new", 0o755)
+            .expect_err("read-only")
+            .errno(),
+        libc::EROFS
+    );
+    std::mem::forget(fs);
+    let crashed = Arc::new(dev.crash());
+    let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
+    assert!(report.is_clean(), "{:#?}", report.findings);
+    let fs = Filesystem::open_device(
+        crashed,
+        OpenOptions {
+            commit_interval: None,
+            ..Default::default()
+        },
+    )
+    .expect("reopen");
+    assert_eq!(
+        fs.read_file("/kept").expect("kept"),
+        b"committed before the disk died"
+    );
+    assert!(
+        fs.resolve("/lost").is_err(),
+        "nothing of the failed commit is visible"
+    );
+}
