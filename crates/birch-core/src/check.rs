@@ -15,8 +15,7 @@ use birch_format::items::{self, ExtentKind, FileExtent, InodeItem};
 use birch_format::node::{Expect, Node, NodeBody};
 use birch_format::superblock::{Superblock, RESERVED_HEAD_BYTES, SUPER_BYTES, SUPER_OFFSETS};
 use birch_format::{
-    Key, BLOCK_SIZE, FS_TREE_ID, INLINE_MAX_BYTES, NODE_BLOCKS, NODE_SIZE, ORPHAN_OBJECTID,
-    ROOT_OBJECTID,
+    Key, BLOCK_SIZE, FS_TREE_ID, INLINE_MAX_BYTES, NODE_BLOCKS, NODE_SIZE, ROOT_OBJECTID,
 };
 
 use crate::device::BlockDevice;
@@ -591,7 +590,6 @@ fn check_items(
             );
         }
     }
-    let _ = ORPHAN_OBJECTID;
 }
 
 const DT_DIR: u8 = 4;

@@ -810,11 +810,6 @@ impl Engine {
         self.counters.add(&self.counters.commits, 1);
         Ok(())
     }
-
-    /// Walks the committed tree: every item in `[lo, hi)` of the last commit (no delta).
-    pub fn committed_reader(&self) -> (Arc<Snapshot>, TreeCtx<'_>) {
-        (self.state.read().snapshot.clone(), self.ctx())
-    }
 }
 
 /// A mutation of the running transaction: holds the gate shared, so a commit cannot freeze
@@ -846,9 +841,4 @@ impl WriteTxn<'_> {
     pub fn generation(&self) -> u64 {
         self.engine.running_generation.load(Ordering::SeqCst)
     }
-}
-
-/// Entries of a delta, for diagnostics.
-pub fn delta_entries(delta: &Delta) -> Vec<(Key, DeltaValue)> {
-    delta.sorted()
 }

@@ -56,10 +56,11 @@ pub struct Superblock {
     /// The fsync log area: a fixed region reserved at mkfs.
     pub log_start: u64,
     pub log_bytes: u64,
-    /// Where log records after this commit begin in the log area (reserved for the fsync log;
-    /// 0 with no log). Records of generation <= `generation` are retired.
+    /// The lsn (byte position in the endless circular log) of the first batch this commit did
+    /// not retire; replay starts here. Batches before it are covered by this commit.
     pub log_head: u64,
-    /// Log generation: a counter of passes through the log area, so stale records end replay.
+    /// The sequence number the batch at `log_head` must carry; a stale batch from an earlier
+    /// lap carries another and ends replay.
     pub log_generation: u64,
     /// Wall-clock time of the commit.
     pub commit_time_sec: i64,

@@ -18,7 +18,7 @@ use birch_core::check::{check, CheckOptions};
 use birch_core::device::{BlockDevice, FileDevice, OpenMode};
 use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::node::{Expect, Node};
-use birch_format::{ItemType, Key, FS_TREE_ID, NODE_SIZE};
+use birch_format::{Key, FS_TREE_ID, NODE_SIZE};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -454,7 +454,6 @@ fn inspect(image: &Path, what: &[String]) -> ExitCode {
                 }
                 Err(e) => return fail(e),
             }
-            let _ = ItemType::InodeItem;
         }
         other => {
             return fail(format!(

@@ -570,7 +570,6 @@ impl Filesystem {
             t,
         )?;
         drop(d);
-        self.after_unlink(child_ino, c);
         Ok(())
     }
 
@@ -629,12 +628,6 @@ impl Filesystem {
             );
         }
         Ok(())
-    }
-
-    /// Frees a child with no names at once if nothing holds it.
-    fn after_unlink(&self, child_ino: u64, c: &mut InodeData) {
-        let _ = (child_ino, c);
-        // Freed at the last forget or release (evict_if_unused), or at unmount.
     }
 
     /// rename with Linux flags (RENAME_NOREPLACE, RENAME_EXCHANGE; RENAME_WHITEOUT is EINVAL).

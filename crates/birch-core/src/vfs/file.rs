@@ -7,7 +7,7 @@
 
 use std::sync::atomic::Ordering;
 
-use birch_format::items::{ExtentKind, FileExtent, Timespec};
+use birch_format::items::{ExtentKind, FileExtent};
 use birch_format::{
     ItemType, Key, BLOCK_SIZE, EXTENT_MAX_BLOCKS, INLINE_MAX_BYTES, MAX_FILE_BYTES,
 };
@@ -457,10 +457,11 @@ impl Filesystem {
             let ext_end = start + len;
             changes.set(extent_key(ino, start), None);
             changes.existed.insert(extent_key(ino, start));
-            let (disk_addr, prealloc) = match &extent.kind {
+            let disk_addr = match &extent.kind {
                 ExtentKind::Inline(_) => continue,
-                ExtentKind::Regular { disk_addr, .. } => (*disk_addr, false),
-                ExtentKind::Prealloc { disk_addr, .. } => (*disk_addr, true),
+                ExtentKind::Regular { disk_addr, .. } | ExtentKind::Prealloc { disk_addr, .. } => {
+                    *disk_addr
+                }
             };
             let piece = |lo: u64, hi: u64| -> FileExtent {
                 let skip = (lo - start) / BLOCK_SIZE;
@@ -481,7 +482,6 @@ impl Filesystem {
                     kind,
                 }
             };
-            let _ = prealloc;
             if start < from {
                 changes.set(extent_key(ino, start), Some(piece(start, from).encode()));
             }
@@ -923,6 +923,3 @@ impl Filesystem {
         self.read(ino, 0, size as usize)
     }
 }
-
-#[allow(dead_code)]
-fn unused(_: Timespec) {}

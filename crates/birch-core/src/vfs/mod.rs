@@ -389,7 +389,7 @@ impl Filesystem {
         &self.inner.engine
     }
 
-    /// Commits everything now (`birch sync`, and `fsync` until the fsync log exists).
+    /// Commits everything now (`birch sync`, fsync fallbacks, ENOSPC retries).
     pub fn sync(&self) -> Result<()> {
         self.inner.engine.commit().map(|_| ())
     }
