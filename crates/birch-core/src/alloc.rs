@@ -227,6 +227,43 @@ impl Allocator {
         )))
     }
 
+    /// Like [`Allocator::allocate`], but first tries a run that starts exactly at `goal` (a
+    /// byte address, e.g. the end of a file's previous extent), so appends stay contiguous on
+    /// disk and their extents merge.
+    pub fn allocate_near(
+        &self,
+        goal: u64,
+        min: u64,
+        max: u64,
+        purpose: Purpose,
+    ) -> Result<(u64, u64)> {
+        let floor = if purpose == Purpose::Data {
+            self.reserve_blocks
+        } else {
+            0
+        };
+        let block = goal / BLOCK_SIZE;
+        if goal % BLOCK_SIZE == 0 && self.free_blocks().saturating_sub(floor) >= min {
+            if let Some(group) = self.group_of(block) {
+                let mut g = group.lock();
+                let rel = block - g.first_block;
+                let mut len = 0;
+                while len < max && rel + len < g.blocks && !g.is_used(rel + len) {
+                    len += 1;
+                }
+                if len >= min && len > 0 {
+                    for b in rel..rel + len {
+                        g.set(b, true);
+                    }
+                    g.free -= len;
+                    self.free_blocks.fetch_sub(len, Ordering::Relaxed);
+                    return Ok((goal, len));
+                }
+            }
+        }
+        self.allocate(min, max, purpose)
+    }
+
     /// Records that the running transaction `generation` freed a range. It stays allocated
     /// until the engine releases it after the commit is durable.
     pub fn free_pinned(&self, generation: u64, addr: u64, blocks: u64) {
@@ -285,6 +322,25 @@ impl Allocator {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn allocate_near_takes_the_goal_when_free_and_falls_back_when_not() {
+        let a = super::Allocator::new(64 * super::GROUP_BLOCKS * birch_format::BLOCK_SIZE);
+        let bs = birch_format::BLOCK_SIZE;
+        let (first, n) = a.allocate(1, 1, super::Purpose::Data).expect("space");
+        assert_eq!(n, 1);
+        let (next, n) = a
+            .allocate_near(first + bs, 1, 4, super::Purpose::Data)
+            .expect("space");
+        assert_eq!((next, n), (first + bs, 4));
+        // The goal is taken now: the fallback finds another place.
+        let (other, _) = a
+            .allocate_near(first + bs, 1, 1, super::Purpose::Data)
+            .expect("space");
+        assert_ne!(other, first + bs);
+        assert!(a.is_used(other));
+        assert_eq!(a.free_blocks(), a.total_blocks() - 6);
+    }
+
     use super::*;
 
     #[test]

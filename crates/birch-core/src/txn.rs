@@ -715,6 +715,11 @@ impl Engine {
         self.alloc.allocate(min, max, Purpose::Data)
     }
 
+    /// Data space starting at `goal` if it is free there, anywhere otherwise.
+    pub fn allocate_data_near(&self, goal: u64, min: u64, max: u64) -> Result<(u64, u64)> {
+        self.alloc.allocate_near(goal, min, max, Purpose::Data)
+    }
+
     /// Commits the running transaction; returns the new durable generation (or the current one
     /// when nothing changed). Concurrent callers queue; mutations go on during the commit.
     /// Does device I/O with no engine lock held except the commit lock itself.

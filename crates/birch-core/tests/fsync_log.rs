@@ -67,6 +67,55 @@ fn append_and_fsync_is_one_flush_and_no_superblock_write() {
 }
 
 #[test]
+fn appends_from_many_threads_continue_one_extent_and_log_a_few_records() {
+    use birch_format::{ItemType, Key};
+    // Three allocation groups of 128 MiB, so threads do prefer different places.
+    let dev = Arc::new(MemDevice::new(320 << 20));
+    Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
+    let fs = Arc::new(Filesystem::open_device(dev.clone(), opts()).expect("open"));
+    let (f, _) = fs
+        .create(Caller::default(), 1, b"wal", 0o644, 0)
+        .expect("create");
+    // Every appender thread has its own preferred allocation group; the file still grows
+    // contiguously on disk, so its extents merge and each fsync logs a couple of items,
+    // however long the file has grown since the last commit.
+    let before = fs.engine().counters().values();
+    for round in 0..64u64 {
+        let fs = fs.clone();
+        std::thread::spawn(move || {
+            fs.write(f.ino, round * 4096, &[round as u8; 4096], false)
+                .expect("append");
+            fs.fsync(f.ino, false).expect("fsync");
+        })
+        .join()
+        .expect("appender");
+    }
+    let after = fs.engine().counters().values().since(&before);
+    assert_eq!(after.fsync_log, 64, "{after}");
+    assert!(
+        after.log_records <= 3 * 64,
+        "each fsync logs the inode and the grown extent, not every extent: {after}"
+    );
+    let extents = fs
+        .engine()
+        .range(
+            &Key::new(f.ino, ItemType::ExtentData, 0),
+            &Key::new(f.ino, ItemType::ExtentData, u64::MAX),
+            usize::MAX,
+        )
+        .expect("extents");
+    assert_eq!(
+        extents.len(),
+        1,
+        "64 contiguous appends are one extent item"
+    );
+    for round in 0..64u64 {
+        let got = fs.read(f.ino, round * 4096, 4096).expect("read");
+        assert!(got.iter().all(|&b| b == round as u8), "block {round}");
+    }
+}
+
+#[test]
 fn fsynced_data_survives_power_loss_through_replay() {
     let dev = fresh();
     {

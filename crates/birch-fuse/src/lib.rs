@@ -9,7 +9,7 @@
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use birch_core::vfs::{Attr, Caller, FileKind, SetAttr, SetTime};
@@ -54,6 +54,13 @@ pub struct BirchFuse {
     /// The kernel enforces POSIX ACLs and leaves the umask to us (FUSE_POSIX_ACL +
     /// FUSE_DONT_MASK were accepted).
     posix_acl: bool,
+    /// FUSE_HANDLE_KILLPRIV_V2 was accepted: the kernel sends no GETXATTR of
+    /// `security.capability` before each write and leaves clearing suid/sgid on write and
+    /// truncate to us (writes say so with FUSE_WRITE_KILL_SUIDGID).
+    killpriv: bool,
+    /// Set once the session exists: tells the kernel to drop cached attributes the kernel
+    /// cannot know changed (a write that cleared suid/sgid).
+    notifier: Arc<OnceLock<fuser::Notifier>>,
 }
 
 impl BirchFuse {
@@ -72,7 +79,14 @@ impl BirchFuse {
             fs,
             options,
             posix_acl: false,
+            killpriv: false,
+            notifier: Arc::new(OnceLock::new()),
         }
+    }
+
+    /// Where the mount puts the session's notifier once it exists.
+    pub fn notifier_slot(&self) -> Arc<OnceLock<fuser::Notifier>> {
+        self.notifier.clone()
     }
 }
 
@@ -189,6 +203,10 @@ impl fuser::Filesystem for BirchFuse {
         if let Err(missing) = config.add_capabilities(supported) {
             log::warn!("kernel refused capabilities {missing:?}");
         }
+        let killpriv = InitFlags::FUSE_HANDLE_KILLPRIV_V2;
+        if config.capabilities().contains(killpriv) && config.add_capabilities(killpriv).is_ok() {
+            self.killpriv = true;
+        }
         let acl = InitFlags::FUSE_POSIX_ACL | InitFlags::FUSE_DONT_MASK;
         if config.capabilities().contains(acl) && config.add_capabilities(acl).is_ok() {
             self.posix_acl = true;
@@ -224,7 +242,7 @@ impl fuser::Filesystem for BirchFuse {
 
     fn setattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         mode: Option<u32>,
         uid: Option<u32>,
@@ -248,6 +266,9 @@ impl fuser::Filesystem for BirchFuse {
             atime: atime.map(set_time),
             mtime: mtime.map(set_time),
             ctime: ctime.map(timespec),
+            // fuser does not pass FATTR_KILL_SUIDGID on; the kernel sets it on a truncate by
+            // a caller without CAP_FSETID, which for us is a caller other than root.
+            kill_privs: self.killpriv && size.is_some() && req.uid() != 0,
         };
         match self.fs.setattr(ino.0, &set) {
             Ok(a) => reply.attr(&self.options.ttl, &file_attr(&a)),
@@ -404,21 +425,33 @@ impl fuser::Filesystem for BirchFuse {
         _fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _write_flags: WriteFlags,
+        write_flags: WriteFlags,
         flags: OpenFlags,
         _lock: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
         // With the writeback cache the kernel has already placed O_APPEND writes.
         let append = flags.0 & libc::O_APPEND != 0 && !self.options.writeback;
-        let result = self.fs.write(ino.0, offset, data, append).and_then(|n| {
-            if flags.0 & libc::O_DIRECT != 0 && flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0 {
-                // Direct handles get no FSYNC after an O_SYNC write: durable before the reply.
-                self.fs
-                    .fsync(ino.0, flags.0 & libc::O_SYNC != libc::O_SYNC)?;
-            }
-            Ok(n)
-        });
+        let kill = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
+        let result = self
+            .fs
+            .write_with(ino.0, offset, data, append, kill)
+            .and_then(|(n, dropped)| {
+                if dropped {
+                    // The kernel keeps the old mode cached after a write: make it ask again.
+                    if let Some(notifier) = self.notifier.get() {
+                        if let Err(e) = notifier.inval_inode(ino, -1, 0) {
+                            log::debug!("invalidate attributes of inode {}: {e}", ino.0);
+                        }
+                    }
+                }
+                if flags.0 & libc::O_DIRECT != 0 && flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0 {
+                    // Direct handles get no FSYNC after an O_SYNC write: durable before the reply.
+                    self.fs
+                        .fsync(ino.0, flags.0 & libc::O_SYNC != libc::O_SYNC)?;
+                }
+                Ok(n)
+            });
         match result {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno("write", &e)),

@@ -297,6 +297,7 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
         }
     };
     let acl = fuse_config.acl;
+    let notifier_slot = adapter.notifier_slot();
     let session = match fuser::Session::from_fd(adapter, fuse_fd, acl, fuse_config) {
         Ok(s) => s,
         Err(e) => {
@@ -308,6 +309,7 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
             ));
         }
     };
+    let _ = notifier_slot.set(session.notifier());
     let target = canonical(mountpoint);
     std::thread::spawn(move || wait_for_signal_then_unmount(&target));
     let result = session.run();

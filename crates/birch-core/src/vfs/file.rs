@@ -51,10 +51,23 @@ impl Changes {
 impl Filesystem {
     /// Extents of `ino` that overlap `[from, to)`, in order.
     fn extents(&self, ino: u64, from: u64, to: u64) -> Result<Vec<(u64, FileExtent)>> {
-        let lo = extent_key(ino, from.saturating_sub(EXTENT_MAX_BYTES - 1));
         let hi = extent_key(ino, to);
+        // Extents never overlap, so only the last one starting at or before `from` can reach
+        // into the range from the left. Look back in doubling windows until one is found (or
+        // the longest extent could not reach): a write near other extents reads a few items,
+        // not every extent of the last EXTENT_MAX_BYTES.
+        let mut back = BLOCK_SIZE;
+        let items = loop {
+            let lo = extent_key(ino, from.saturating_sub(back));
+            let items = self.inner.engine.range(&lo, &hi, usize::MAX)?;
+            let found = items.first().is_some_and(|(k, _)| k.offset <= from);
+            if found || back >= EXTENT_MAX_BYTES - 1 || back >= from {
+                break items;
+            }
+            back = (back * 2).min(EXTENT_MAX_BYTES - 1);
+        };
         let mut out = Vec::new();
-        for (key, bytes) in self.inner.engine.range(&lo, &hi, usize::MAX)? {
+        for (key, bytes) in items {
             let extent = FileExtent::decode(&bytes)
                 .map_err(|e| Error::corrupt(format!("inode {ino} extent {key}"), e))?;
             if key.offset + extent.len_bytes() > from {
@@ -211,10 +224,32 @@ impl Filesystem {
 
     /// Writes `bytes` at `offset` (or at the end with `append`); returns bytes written.
     pub fn write(&self, ino: u64, offset: u64, bytes: &[u8], append: bool) -> Result<u32> {
-        self.retry_on_full(|| self.write_once(ino, offset, bytes, append))
+        Ok(self.write_with(ino, offset, bytes, append, false)?.0)
     }
 
-    fn write_once(&self, ino: u64, offset: u64, bytes: &[u8], append: bool) -> Result<u32> {
+    /// [`Filesystem::write`], and with `kill_privs` (the writer lacks CAP_FSETID: FUSE's
+    /// `FUSE_WRITE_KILL_SUIDGID`) also what Linux does to such a write: suid cleared, sgid
+    /// cleared when group-execute is set, `security.capability` dropped. Returns the bytes
+    /// written and whether privileges were dropped (a cached mode is stale then).
+    pub fn write_with(
+        &self,
+        ino: u64,
+        offset: u64,
+        bytes: &[u8],
+        append: bool,
+        kill_privs: bool,
+    ) -> Result<(u32, bool)> {
+        self.retry_on_full(|| self.write_once(ino, offset, bytes, append, kill_privs))
+    }
+
+    fn write_once(
+        &self,
+        ino: u64,
+        offset: u64,
+        bytes: &[u8],
+        append: bool,
+        kill_privs: bool,
+    ) -> Result<(u32, bool)> {
         let state = self.inode(ino)?;
         let mut data = state.data.write();
         let _op = self.inner.engine.hold()?;
@@ -224,13 +259,14 @@ impl Filesystem {
         let offset = if append { data.item.size } else { offset };
         let t = now();
         self.write_locked(ino, &mut data, offset, bytes)?;
+        let dropped = kill_privs && self.kill_privs_locked(ino, &mut data)?;
         data.item.mtime = t;
         data.item.ctime = t;
         self.store_inode(ino, &mut data)?;
         drop(_op);
         drop(data);
         self.maybe_commit();
-        Ok(bytes.len() as u32)
+        Ok((bytes.len() as u32, dropped))
     }
 
     /// Writes with the inode lock held; updates size and nbytes, not times, and stores the
@@ -303,9 +339,10 @@ impl Filesystem {
         let total_blocks = buf.len() as u64 / BLOCK_SIZE;
         let mut new_extents: Vec<(u64, u64, Vec<u32>)> = Vec::new();
         let mut done = 0u64;
+        let mut goal = self.continuation_goal(ino, offset)?;
         while done < total_blocks {
             let want = (total_blocks - done).min(EXTENT_MAX_BLOCKS);
-            let (addr, got) = match self.allocate_with_retry(want) {
+            let (addr, got) = match self.allocate_blocks(goal, want) {
                 Ok(v) => v,
                 Err(e) => {
                     self.give_back(&new_extents);
@@ -331,6 +368,7 @@ impl Filesystem {
                 .collect();
             new_extents.push((offset + done * BLOCK_SIZE, addr, csums));
             done += got;
+            goal = Some(addr + got * BLOCK_SIZE);
         }
         let mut changes = self.drop_range(ino, offset, offset + buf.len() as u64)?;
         let generation = self.inner.engine.running_generation();
@@ -428,12 +466,34 @@ impl Filesystem {
         }
     }
 
-    /// Allocates data space; on ENOSPC commits once (freed space is pinned until a commit)
-    /// and retries before the caller sees the error.
-    /// (The commit-and-retry on ENOSPC happens at the top of each operation, with no lock
-    /// held: see [`Filesystem::retry_on_full`].)
-    fn allocate_with_retry(&self, want: u64) -> Result<(u64, u64)> {
-        self.inner.engine.allocate_data(1, want)
+    /// Allocates 1..=`want` data blocks, at `goal` when that space is free (ENOSPC is
+    /// retried after a commit at the top of each operation, with no lock held: see
+    /// [`Filesystem::retry_on_full`]).
+    fn allocate_blocks(&self, goal: Option<u64>, want: u64) -> Result<(u64, u64)> {
+        match goal {
+            Some(goal) => self.inner.engine.allocate_data_near(goal, 1, want),
+            None => self.inner.engine.allocate_data(1, want),
+        }
+    }
+
+    /// Where a write at `offset` would continue the file on disk: the address just after
+    /// the block before `offset`, if that block is allocated.
+    fn continuation_goal(&self, ino: u64, offset: u64) -> Result<Option<u64>> {
+        if offset < BLOCK_SIZE {
+            return Ok(None);
+        }
+        let before = offset - BLOCK_SIZE;
+        Ok(self
+            .extents(ino, before, offset)?
+            .into_iter()
+            .find_map(|(start, extent)| match extent.kind {
+                ExtentKind::Regular { disk_addr, .. } | ExtentKind::Prealloc { disk_addr, .. }
+                    if start <= before =>
+                {
+                    Some(disk_addr + (offset - start))
+                }
+                _ => None,
+            }))
     }
 
     /// Runs an operation; on ENOSPC commits once (space freed earlier is pinned until a
@@ -600,6 +660,9 @@ impl Filesystem {
             }
             if size != data.item.size {
                 self.truncate_locked(ino, &mut data, size)?;
+            }
+            if set.kill_privs {
+                self.kill_privs_locked(ino, &mut data)?;
             }
             data.item.mtime = t;
         }
@@ -773,7 +836,7 @@ impl Filesystem {
         for (mut s, e) in holes {
             while s < e {
                 let want = ((e - s) / BLOCK_SIZE).min(EXTENT_MAX_BLOCKS);
-                let (addr, got) = match self.allocate_with_retry(want) {
+                let (addr, got) = match self.allocate_blocks(None, want) {
                     Ok(v) => v,
                     Err(err) => {
                         for (a, b) in allocated {

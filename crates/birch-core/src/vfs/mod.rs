@@ -163,6 +163,9 @@ pub struct SetAttr {
     pub atime: Option<SetTime>,
     pub mtime: Option<SetTime>,
     pub ctime: Option<Timespec>,
+    /// With `size`: the caller lacks CAP_FSETID, so the truncate clears suid (and sgid when
+    /// group-execute is set) and drops `security.capability`, as Linux does.
+    pub kill_privs: bool,
 }
 
 /// Filesystem statistics.

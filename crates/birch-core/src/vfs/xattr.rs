@@ -3,7 +3,7 @@
 use birch_format::items::{decode_xattrs, encode_xattrs, Xattr};
 use birch_format::{name_hash, ItemType, Key, XATTR_VALUE_MAX};
 
-use super::{now, Filesystem};
+use super::{now, Filesystem, InodeData};
 use crate::error::{Error, Result};
 
 /// setxattr flags.
@@ -114,6 +114,39 @@ impl Filesystem {
             }
         }
         Ok(out)
+    }
+
+    /// What Linux does to a file written or truncated by a caller without CAP_FSETID
+    /// (`file_remove_privs`): clears suid, clears sgid when group-execute is set, and drops
+    /// `security.capability`. With the inode lock held; the caller stores the inode item.
+    /// Returns whether anything was dropped.
+    pub(crate) fn kill_privs_locked(&self, ino: u64, data: &mut InodeData) -> Result<bool> {
+        let mode = data.item.mode;
+        if mode & libc::S_IFMT != libc::S_IFREG {
+            return Ok(false);
+        }
+        let mut killed = mode & !libc::S_ISUID;
+        if mode & libc::S_IXGRP != 0 {
+            killed &= !libc::S_ISGID;
+        }
+        data.item.mode = killed;
+        let mut dropped = killed != mode;
+        let cap = b"security.capability";
+        if self.inner.engine.get(&xattr_key(ino, cap))?.is_some() {
+            let mut list = self.xattr_list(ino, cap)?;
+            let before = list.len();
+            list.retain(|x| x.name != cap);
+            if list.len() != before {
+                let txn = self.inner.engine.begin()?;
+                if list.is_empty() {
+                    txn.delete(xattr_key(ino, cap));
+                } else {
+                    txn.put(xattr_key(ino, cap), encode_xattrs(&list));
+                }
+                dropped = true;
+            }
+        }
+        Ok(dropped)
     }
 
     /// Removes an xattr.
