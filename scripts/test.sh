@@ -31,7 +31,9 @@ tier "cargo test" cargo test --release --locked
 # The mount tiers need the birch binary itself (cargo test does not build it).
 tier "build birch" cargo build --release --locked -p birch-tools
 # The crash matrix at CLI level: 20 workload runs x 150 crash states (cargo test ran 600 more).
-tier "crashtest" ./target/release/birch crashtest --states 150 --ace-runs 16
+# 12,250 crash states: 4 library workloads + 30 ACE runs + 15 FUSE-level runs (real system
+# calls on a mount of the recording device; skipped with a reason without root or /dev/fuse).
+tier "crashtest" ./target/release/birch crashtest --states 250 --ace-runs 30 --fuse-runs 15
 # pjdfstest on birch beside the kernel ext4 baseline: no failure, and no skip that ext4 does
 # not also skip, except link::link_count_max: glibc's pathconf(_PC_LINK_MAX) answers 127
 # ("unknown") for every FUSE filesystem, whatever the server does, and pjdfstest then skips.

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::check::{check, CheckOptions};
-use crate::device::{MemDevice, Recorded};
+use crate::device::{BlockDevice, MemDevice, OverlayDevice, Recorded};
 use crate::vfs::{Caller, OpenOptions, SetAttr};
 use crate::{Filesystem, MkfsOptions, Result};
 
@@ -81,17 +81,72 @@ impl Workload {
     }
 }
 
-/// What a workload did, for the oracle.
+/// What a workload did, for the oracle. Workloads outside this module (the FUSE-level
+/// matrix of `birch crashtest --fuse`) fill it through the methods.
 #[derive(Default, Clone)]
-struct History {
+pub struct History {
     versions: HashMap<String, Vec<Vec<u8>>>,
     /// (events when the fsync returned, path, index of the fsync'd version, step number).
     synced: Vec<(usize, String, usize, usize)>,
+    /// (events when the directory fsync returned, path, step): the name must exist after a
+    /// crash past that point, with any content once written under it.
+    named: Vec<(usize, String, usize)>,
     /// (step number, path) of paths renamed away or removed: an earlier fsync of that path
     /// is not judged by path any more.
     moved: Vec<(usize, String)>,
     /// Steps so far, to order fsyncs and moves that no device event separates.
     steps: usize,
+}
+
+impl History {
+    /// `path` now holds `content` (a write, truncate or hole punch through any name).
+    pub fn version(&mut self, path: &str, content: Vec<u8>) {
+        self.versions
+            .entry(path.to_string())
+            .or_default()
+            .push(content);
+    }
+
+    /// `path` was made a name of the file `from` names (a link): it shares the history.
+    pub fn linked(&mut self, from: &str, path: &str) {
+        if let Some(v) = self.versions.get(from).cloned() {
+            self.versions.insert(path.to_string(), v);
+        }
+    }
+
+    /// An fsync of `path` returned once `mark` device events were recorded: its current
+    /// version (or a later one) must survive any crash after `mark`.
+    pub fn synced(&mut self, mark: usize, path: &str) {
+        self.steps += 1;
+        if let Some(v) = self.versions.get(path) {
+            self.synced
+                .push((mark, path.to_string(), v.len() - 1, self.steps));
+        }
+    }
+
+    /// A directory fsync returned at `mark`: the name `path` in it must survive.
+    pub fn named(&mut self, mark: usize, path: &str) {
+        self.steps += 1;
+        if self.versions.contains_key(path) {
+            self.named.push((mark, path.to_string(), self.steps));
+        }
+    }
+
+    /// `from` was renamed to `to` (replacing whatever `to` named).
+    pub fn renamed(&mut self, from: &str, to: &str) {
+        self.steps += 1;
+        self.moved.push((self.steps, from.to_string()));
+        self.moved.push((self.steps, to.to_string()));
+        if let Some(v) = self.versions.remove(from) {
+            self.versions.entry(to.to_string()).or_default().extend(v);
+        }
+    }
+
+    /// `path` was unlinked.
+    pub fn removed(&mut self, path: &str) {
+        self.steps += 1;
+        self.moved.push((self.steps, path.to_string()));
+    }
 }
 
 struct Recorder<'a> {
@@ -108,10 +163,7 @@ impl Recorder<'_> {
 
 fn write_version(fs: &Filesystem, h: &mut History, path: &str, content: Vec<u8>) -> Result<()> {
     fs.write_file(path, &content)?;
-    h.versions
-        .entry(path.to_string())
-        .or_default()
-        .push(content);
+    h.version(path, content);
     Ok(())
 }
 
@@ -125,11 +177,7 @@ fn sync_path(
     let ino = fs.resolve(path)?;
     fs.fsync(ino, data_only)?;
     let mark = rec.mark();
-    h.steps += 1;
-    if let Some(v) = h.versions.get(path) {
-        h.synced
-            .push((mark, path.to_string(), v.len() - 1, h.steps));
-    }
+    h.synced(mark, path);
     Ok(())
 }
 
@@ -245,9 +293,7 @@ fn run_workload(
                         if let (Ok(ino), Err(_)) = (fs.resolve(path), fs.resolve(other)) {
                             let (dir, name) = other.rsplit_once('/').unwrap_or(("", other));
                             fs.link(ino, fs.resolve(dir)?, name.as_bytes())?;
-                            if let Some(v) = h.versions.get(path).cloned() {
-                                h.versions.insert(other.to_string(), v);
-                            }
+                            h.linked(path, other);
                         }
                     }
                     3 => {
@@ -262,20 +308,14 @@ fn run_workload(
                                 n2.as_bytes(),
                                 0,
                             )?;
-                            h.steps += 1;
-                            h.moved.push((h.steps, path.to_string()));
-                            h.moved.push((h.steps, other.to_string()));
-                            if let Some(v) = h.versions.remove(path) {
-                                h.versions.entry(other.to_string()).or_default().extend(v);
-                            }
+                            h.renamed(path, other);
                         }
                     }
                     _ => {
                         if fs.resolve(path).is_ok() {
                             let (d, n) = path.rsplit_once('/').unwrap_or(("", path));
                             fs.unlink(fs.resolve(d)?, n.as_bytes())?;
-                            h.steps += 1;
-                            h.moved.push((h.steps, path.to_string()));
+                            h.removed(path);
                         }
                     }
                 }
@@ -347,6 +387,30 @@ pub fn run_matrix(
         std::mem::forget(fs); // power cut: no final commit
         rec.events
     };
+    Ok(check_recording(
+        workload.name(),
+        seed,
+        &base,
+        &events,
+        &history,
+        states,
+        progress,
+    ))
+}
+
+/// Checks `states` crash states of a recorded run (`base` is the image when recording
+/// started): the image at every flush first, then seeded cuts with subsets of the unflushed
+/// writes, some torn at 512 B. Each state is opened (replay), judged by the oracle against
+/// `history`, and checked by fsck.
+pub fn check_recording(
+    name: &str,
+    seed: u64,
+    base: &[u8],
+    events: &[Recorded],
+    history: &History,
+    states: usize,
+    progress: &mut dyn FnMut(),
+) -> CrashReport {
     let flushes: Vec<usize> = events
         .iter()
         .enumerate()
@@ -363,21 +427,22 @@ pub fn run_matrix(
         ));
     }
     let mut report = CrashReport::default();
+    // One copy of the base image per run; each state is an overlay of its writes.
+    let base: Arc<dyn BlockDevice> = Arc::new(MemDevice::from_bytes(base.to_vec()));
     for (n, (cut, subset)) in cuts.iter().enumerate() {
-        if let Err(failure) = check_state(&base, &events, *cut, *subset, &history) {
+        if let Err(failure) = check_state(&base, events, *cut, *subset, history) {
             report.failures.push(format!(
-                "{} seed {seed} state {n} (cut {cut}, subset {subset}): {failure}",
-                workload.name()
+                "{name} seed {seed} state {n} (cut {cut}, subset {subset}): {failure}"
             ));
         }
         report.states += 1;
         progress();
     }
-    Ok(report)
+    report
 }
 
 fn check_state(
-    base: &[u8],
+    base: &Arc<dyn BlockDevice>,
     events: &[Recorded],
     cut: usize,
     subset: u64,
@@ -387,26 +452,30 @@ fn check_state(
         .iter()
         .rposition(|e| matches!(e, Recorded::Flush))
         .map_or(0, |i| i + 1);
-    let mut image = base.to_vec();
+    let crashed = Arc::new(OverlayDevice::new(base.clone()));
     let mut rng = Rng::new(subset);
     for (i, e) in events[..cut].iter().enumerate() {
         let Recorded::Write { offset, bytes } = e else {
             continue;
         };
-        let at = *offset as usize;
-        if i < durable_upto {
-            image[at..at + bytes.len()].copy_from_slice(bytes);
+        let landed = if i < durable_upto {
+            Some(bytes.len())
         } else if subset != 0 && rng.chance(50) {
             // An unflushed write lands whole, not at all, or torn at 512 B.
-            let len = if rng.chance(30) {
+            Some(if rng.chance(30) {
                 (rng.below(bytes.len() as u64 / 512) as usize + 1) * 512
             } else {
                 bytes.len()
-            };
-            image[at..at + len].copy_from_slice(&bytes[..len]);
+            })
+        } else {
+            None
+        };
+        if let Some(len) = landed {
+            crashed
+                .patch(*offset, &bytes[..len])
+                .map_err(|e| format!("building the crash state: {e}"))?;
         }
     }
-    let crashed = Arc::new(MemDevice::from_bytes(image));
     let fs = Filesystem::open_device(
         crashed.clone(),
         OpenOptions {
@@ -429,6 +498,13 @@ fn check_state(
                 got.len()
             ));
         }
+    }
+    for (mark, path, step) in &history.named {
+        if *mark > durable_upto || history.moved.iter().any(|(s, p)| p == path && s > step) {
+            continue;
+        }
+        fs.resolve(path)
+            .map_err(|e| format!("{path}, made durable by a directory fsync, missing: {e}"))?;
     }
     for (path, versions) in &history.versions {
         if let Ok(got) = fs.read_file(path) {

@@ -8,6 +8,7 @@
 //! birchfs image, mount failed); 2 usage error. fsck follows fsck(8): 0 clean, 4 errors left
 //! uncorrected, 8 operational error.
 
+mod fusecrash;
 mod mount;
 
 use std::path::{Path, PathBuf};
@@ -95,6 +96,10 @@ enum Command {
         /// Runs of the ACE workload (each with the next seed).
         #[arg(long, default_value_t = 10)]
         ace_runs: u64,
+        /// Runs of the FUSE-level workload: real system calls on a mount of this process
+        /// over a recording device (every third with writeback=on). Needs root and /dev/fuse.
+        #[arg(long, default_value_t = 0)]
+        fuse_runs: u64,
     },
     /// Print on-disk structures: super, tree fs, node ADDR, inode N, log.
     Inspect {
@@ -156,7 +161,8 @@ fn main() -> ExitCode {
             seed,
             states,
             ace_runs,
-        } => crashtest(&workload, seed, states, ace_runs),
+            fuse_runs,
+        } => crashtest(&workload, seed, states, ace_runs, fuse_runs),
     }
 }
 
@@ -464,7 +470,13 @@ fn inspect(image: &Path, what: &[String]) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-fn crashtest(names: &[String], seed: Option<u64>, states: usize, ace_runs: u64) -> ExitCode {
+fn crashtest(
+    names: &[String],
+    seed: Option<u64>,
+    states: usize,
+    ace_runs: u64,
+    fuse_runs: u64,
+) -> ExitCode {
     use birch_core::crashtest::{run_matrix, Workload};
     // Every crash state replays a log; those notes would drown the summary.
     log::set_max_level(log::LevelFilter::Error);
@@ -501,7 +513,13 @@ fn crashtest(names: &[String], seed: Option<u64>, states: usize, ace_runs: u64) 
             (0..n).map(move |i| (*w, seed.wrapping_add(i)))
         })
         .collect();
-    let bar = indicatif::ProgressBar::new((runs.len() * states) as u64);
+    let fuse_skip = if fuse_runs > 0 {
+        fusecrash::unavailable()
+    } else {
+        None
+    };
+    let fuse_runs = if fuse_skip.is_some() { 0 } else { fuse_runs };
+    let bar = indicatif::ProgressBar::new(((runs.len() as u64 + fuse_runs) * states as u64).max(1));
     bar.set_style(
         indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} crash states {msg}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
@@ -521,7 +539,27 @@ fn crashtest(names: &[String], seed: Option<u64>, states: usize, ace_runs: u64) 
             )),
         }
     }
+    for i in 0..fuse_runs {
+        let writeback = i % 3 == 2;
+        bar.set_message(if writeback {
+            "fuse writeback=on"
+        } else {
+            "fuse"
+        });
+        let run_seed = seed.wrapping_add(1_000_000 + i);
+        let report = fusecrash::run(run_seed, writeback, states, &mut || bar.inc(1));
+        total += report.states;
+        failures.extend(report.failures);
+    }
     bar.finish_and_clear();
+    if let Some(reason) = fuse_skip {
+        println!("birch crashtest: FUSE-level runs skipped: {reason}");
+    } else if fuse_runs > 0 {
+        println!(
+            "birch crashtest: {fuse_runs} FUSE-level runs (seeds {} ..)",
+            seed.wrapping_add(1_000_000)
+        );
+    }
     for f in &failures {
         println!("FAIL {f}");
     }

@@ -570,3 +570,73 @@ fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
         Err(e) => fail(format!("{}: remount: {e}", mountpoint.display())),
     }
 }
+
+/// A filesystem served by this process on a real FUSE mount (for `birch crashtest --fuse`):
+/// the kernel path, its page cache and its request ordering are all in play.
+pub(crate) struct InProcessMount {
+    mountpoint: PathBuf,
+    session: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+}
+
+impl InProcessMount {
+    /// Mounts `fs` at `mountpoint` and serves it from background threads.
+    pub(crate) fn start(
+        fs: Arc<Filesystem>,
+        mountpoint: &Path,
+        writeback: bool,
+    ) -> Result<InProcessMount, String> {
+        let config = MountConfig {
+            read_only: false,
+            allow_other: false,
+            commit_secs: 0,
+            threads: 4,
+            ttl_secs: 1.0,
+            vfs_flags: 0,
+            fsync: FsyncMode::Log,
+            writeback,
+        };
+        let mut fuse_config = Config::default();
+        fuse_config.acl = SessionACL::Owner;
+        fuse_config.n_threads = Some(config.threads);
+        fuse_config.clone_fd = true;
+        let adapter = BirchFuse::new(
+            fs,
+            FuseOptions {
+                ttl: Duration::from_secs_f64(config.ttl_secs),
+                writeback,
+            },
+        );
+        let fd = kernel_mount(Path::new("crashtest"), mountpoint, &config)
+            .map_err(|e| format!("mount on {}: {e}", mountpoint.display()))?;
+        let notifier_slot = adapter.notifier_slot();
+        let session = fuser::Session::from_fd(adapter, fd, SessionACL::Owner, fuse_config)
+            .map_err(|e| {
+                lazy_unmount(mountpoint);
+                format!("FUSE handshake on {}: {e}", mountpoint.display())
+            })?;
+        let _ = notifier_slot.set(session.notifier());
+        let handle = std::thread::spawn(move || session.run());
+        Ok(InProcessMount {
+            mountpoint: canonical(mountpoint),
+            session: Some(handle),
+        })
+    }
+
+    /// Unmounts and waits for the session threads to end.
+    pub(crate) fn stop(mut self) {
+        self.unmount();
+    }
+
+    fn unmount(&mut self) {
+        lazy_unmount(&self.mountpoint);
+        if let Some(handle) = self.session.take() {
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Drop for InProcessMount {
+    fn drop(&mut self) {
+        self.unmount();
+    }
+}

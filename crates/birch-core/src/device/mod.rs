@@ -10,9 +10,11 @@
 
 mod file;
 mod mem;
+mod overlay;
 
 pub use file::{FileDevice, OpenMode};
 pub use mem::{MemDevice, Recorded};
+pub use overlay::OverlayDevice;
 
 use std::io;
 

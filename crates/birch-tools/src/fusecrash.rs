@@ -1,0 +1,391 @@
+//! The crash matrix through a real FUSE mount (`birch crashtest --fuse-runs N`).
+//!
+//! Owns: the FUSE-level workloads and their model. A birchfs over a recording in-memory device
+//! is mounted in this process; the workload makes real system calls on the mount (buffered
+//! writes, O_APPEND, O_DIRECT|O_SYNC writes whose WRITE must be durable when it returns,
+//! truncate, hole punching, links, renames, unlinks, xattrs; then fsync, fdatasync, a
+//! directory fsync or a commit), so the kernel's side (its page cache with `writeback=on`,
+//! the FSYNC after writeback, FSYNCDIR, direct-I/O handles) is in the recording too. The
+//! crash states and the oracle are the library matrix's ([`check_recording`]).
+//!
+//! Must not touch: the filesystem's internals; it goes through the kernel only (plus the
+//! in-process commit that stands in for `birch sync`).
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use birch_core::crashtest::{check_recording, CrashReport, History, Rng};
+use birch_core::device::{MemDevice, Recorded};
+use birch_core::vfs::{Caller, OpenOptions};
+use birch_core::{Filesystem, MkfsOptions};
+
+use crate::mount::InProcessMount;
+
+const PATHS: [&str; 5] = ["/A/foo", "/A/bar", "/B/foo", "/B/bar", "/A/C/foo"];
+
+/// Why the FUSE matrix cannot run here, if it cannot (not root, no /dev/fuse).
+pub fn unavailable() -> Option<String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("needs root (mount(2))".into());
+    }
+    if !Path::new("/dev/fuse").exists() {
+        return Some("/dev/fuse is absent".into());
+    }
+    None
+}
+
+/// The files the workload made, as the oracle needs them: which inode each path names and
+/// what each inode holds.
+#[derive(Default)]
+struct Model {
+    names: HashMap<&'static str, usize>,
+    contents: Vec<Vec<u8>>,
+}
+
+impl Model {
+    /// Records the new content of inode `ino` under every name it has.
+    fn changed(&self, h: &mut History, ino: usize) {
+        for (path, i) in &self.names {
+            if *i == ino {
+                h.version(path, self.contents[ino].clone());
+            }
+        }
+    }
+
+    fn inode_of(&mut self, path: &'static str, h: &mut History) -> usize {
+        if let Some(i) = self.names.get(path) {
+            return *i;
+        }
+        self.contents.push(Vec::new());
+        let i = self.contents.len() - 1;
+        self.names.insert(path, i);
+        h.version(path, Vec::new());
+        i
+    }
+}
+
+struct Run<'a> {
+    mnt: PathBuf,
+    dev: &'a MemDevice,
+    fs: &'a Filesystem,
+    events: Vec<Recorded>,
+    history: History,
+    model: Model,
+}
+
+fn io(what: &str, path: &str, e: std::io::Error) -> String {
+    format!("{what} {path}: {e}")
+}
+
+impl Run<'_> {
+    fn real(&self, path: &str) -> PathBuf {
+        self.mnt.join(path.trim_start_matches('/'))
+    }
+
+    fn mark(&mut self) -> usize {
+        self.events.extend(self.dev.take_recording());
+        self.events.len()
+    }
+
+    fn open(&self, path: &str, flags: i32) -> Result<std::fs::File, String> {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .custom_flags(flags)
+            .open(self.real(path))
+            .map_err(|e| io("open", path, e))
+    }
+
+    /// One operation on `path`, chosen by the generator; returns whether it changed content.
+    fn operation(&mut self, rng: &mut Rng, step: u8, path: &'static str) -> Result<(), String> {
+        let fill = step.wrapping_mul(37).wrapping_add(11) | 1;
+        match rng.below(9) {
+            0 | 1 => {
+                let off = rng.below(12_000) as usize;
+                let len = 1 + rng.below(9_000) as usize;
+                let f = self.open(path, 0)?;
+                f.write_all_at(&vec![fill; len], off as u64)
+                    .map_err(|e| io("pwrite", path, e))?;
+                let ino = self.model.inode_of(path, &mut self.history);
+                let c = &mut self.model.contents[ino];
+                if c.len() < off + len {
+                    c.resize(off + len, 0);
+                }
+                c[off..off + len].fill(fill);
+                self.model.changed(&mut self.history, ino);
+            }
+            2 => {
+                let len = 1 + rng.below(6_000) as usize;
+                let mut f = self.open(path, libc::O_APPEND)?;
+                std::io::Write::write_all(&mut f, &vec![fill; len])
+                    .map_err(|e| io("append", path, e))?;
+                let ino = self.model.inode_of(path, &mut self.history);
+                let c = &mut self.model.contents[ino];
+                c.resize(c.len() + len, fill);
+                self.model.changed(&mut self.history, ino);
+            }
+            3 => {
+                // O_DIRECT|O_SYNC: the WRITE is durable before it is answered, with no fsync.
+                let off = 4096 * rng.below(4) as usize;
+                let len = 4096 * (1 + rng.below(2) as usize);
+                let buf = AlignedBlock::new(len, fill);
+                let f = self.open(path, libc::O_DIRECT | libc::O_SYNC)?;
+                f.write_all_at(buf.bytes(), off as u64)
+                    .map_err(|e| io("O_DIRECT|O_SYNC pwrite", path, e))?;
+                drop(f);
+                let ino = self.model.inode_of(path, &mut self.history);
+                let c = &mut self.model.contents[ino];
+                if c.len() < off + len {
+                    c.resize(off + len, 0);
+                }
+                c[off..off + len].fill(fill);
+                self.model.changed(&mut self.history, ino);
+                let mark = self.mark();
+                self.history.synced(mark, path);
+            }
+            4 if self.model.names.contains_key(path) => {
+                let size = rng.below(15_000) as usize;
+                let f = self.open(path, 0)?;
+                f.set_len(size as u64)
+                    .map_err(|e| io("truncate", path, e))?;
+                let ino = self.model.names[path];
+                self.model.contents[ino].resize(size, 0);
+                self.model.changed(&mut self.history, ino);
+            }
+            5 if self.model.names.contains_key(path) => {
+                let other = PATHS[rng.below(PATHS.len() as u64) as usize];
+                if !self.model.names.contains_key(other) {
+                    std::fs::hard_link(self.real(path), self.real(other))
+                        .map_err(|e| io("link", path, e))?;
+                    self.model.names.insert(other, self.model.names[path]);
+                    self.history.linked(path, other);
+                }
+            }
+            6 if self.model.names.contains_key(path) => {
+                let other = PATHS[rng.below(PATHS.len() as u64) as usize];
+                if other != path {
+                    std::fs::rename(self.real(path), self.real(other))
+                        .map_err(|e| io("rename", path, e))?;
+                    // Two names of one inode: rename(2) does nothing.
+                    if self.model.names.get(other) != self.model.names.get(path) {
+                        let ino = self.model.names.remove(path).unwrap_or_default();
+                        self.model.names.insert(other, ino);
+                        self.history.renamed(path, other);
+                    }
+                }
+            }
+            7 if self.model.names.contains_key(path) => {
+                if rng.chance(50) {
+                    std::fs::remove_file(self.real(path)).map_err(|e| io("unlink", path, e))?;
+                    self.model.names.remove(path);
+                    self.history.removed(path);
+                } else {
+                    let off = 4096 * rng.below(3);
+                    let f = self.open(path, 0)?;
+                    // SAFETY: fallocate on an open descriptor with plain integer arguments.
+                    let rc = unsafe {
+                        libc::fallocate(
+                            f.as_raw_fd(),
+                            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                            off as i64,
+                            4096,
+                        )
+                    };
+                    if rc != 0 {
+                        return Err(io("punch hole", path, std::io::Error::last_os_error()));
+                    }
+                    let ino = self.model.names[path];
+                    let c = &mut self.model.contents[ino];
+                    let end = (off as usize + 4096).min(c.len());
+                    if (off as usize) < end {
+                        c[off as usize..end].fill(0);
+                    }
+                    self.model.changed(&mut self.history, ino);
+                }
+            }
+            _ if self.model.names.contains_key(path) => {
+                let name = CString::new("user.k").map_err(|e| e.to_string())?;
+                let p = CString::new(self.real(path).as_os_str().as_encoded_bytes())
+                    .map_err(|e| e.to_string())?;
+                // SAFETY: valid NUL-terminated strings and a buffer of the given length.
+                let rc = unsafe {
+                    if rng.chance(60) {
+                        libc::setxattr(p.as_ptr(), name.as_ptr(), [fill].as_ptr().cast(), 1, 0)
+                    } else {
+                        libc::removexattr(p.as_ptr(), name.as_ptr())
+                    }
+                };
+                let e = std::io::Error::last_os_error();
+                if rc != 0 && e.raw_os_error() != Some(libc::ENODATA) {
+                    return Err(io("xattr", path, e));
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// What follows an operation: fsync, fdatasync, a directory fsync, a commit, or nothing.
+    fn durability(
+        &mut self,
+        rng: &mut Rng,
+        path: &'static str,
+        writeback: bool,
+    ) -> Result<(), String> {
+        let exists = self.model.names.contains_key(path);
+        // With the writeback cache, dirty pages of other files could be caught half-flushed
+        // by a commit, which no version of the file ever held: there every content change is
+        // fsync'd at once, and nothing else commits.
+        let choice = if writeback {
+            rng.below(2)
+        } else {
+            rng.below(5)
+        };
+        match choice {
+            0 | 1 if exists => {
+                let f = self.open(path, 0)?;
+                if choice == 0 {
+                    f.sync_all().map_err(|e| io("fsync", path, e))?;
+                } else {
+                    f.sync_data().map_err(|e| io("fdatasync", path, e))?;
+                }
+                drop(f);
+                let mark = self.mark();
+                self.history.synced(mark, path);
+            }
+            2 => {
+                let dir = path.rsplit_once('/').map_or("/", |(d, _)| d);
+                let d = std::fs::File::open(self.real(dir)).map_err(|e| io("open dir", dir, e))?;
+                d.sync_all().map_err(|e| io("fsyncdir", dir, e))?;
+                let mark = self.mark();
+                if exists {
+                    self.history.named(mark, path);
+                }
+            }
+            3 => {
+                self.fs.sync().map_err(|e| format!("commit: {e}"))?;
+                self.mark();
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// A 4 KiB-aligned buffer for O_DIRECT.
+struct AlignedBlock {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+impl AlignedBlock {
+    fn new(len: usize, fill: u8) -> AlignedBlock {
+        let layout = std::alloc::Layout::from_size_align(len.max(4096), 4096)
+            .unwrap_or_else(|_| std::alloc::Layout::new::<[u8; 4096]>());
+        // SAFETY: a non-zero size layout; checked for null below.
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        // SAFETY: ptr is valid for layout.size() bytes.
+        unsafe { std::ptr::write_bytes(ptr, fill, layout.size()) };
+        AlignedBlock { ptr, layout }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: ptr is valid and initialised for layout.size() bytes while self lives.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.layout.size()) }
+    }
+}
+
+impl Drop for AlignedBlock {
+    fn drop(&mut self) {
+        // SAFETY: allocated in new with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
+    }
+}
+
+/// One FUSE-level run: a seeded sequence of 4–10 operations, each followed by a durability
+/// call, on a mount over a recording device; then `states` crash states checked.
+pub fn run(seed: u64, writeback: bool, states: usize, progress: &mut dyn FnMut()) -> CrashReport {
+    let name = if writeback {
+        "fuse writeback=on"
+    } else {
+        "fuse"
+    };
+    match record(seed, writeback) {
+        Ok((base, events, history)) => {
+            check_recording(name, seed, &base, &events, &history, states, progress)
+        }
+        Err(e) => CrashReport {
+            states: 0,
+            failures: vec![format!("{name} seed {seed}: workload failed: {e}")],
+        },
+    }
+}
+
+type Recording = (Vec<u8>, Vec<Recorded>, History);
+
+fn record(seed: u64, writeback: bool) -> Result<Recording, String> {
+    let mut rng = Rng::new(seed);
+    let quiet = OpenOptions {
+        commit_interval: None,
+        ..Default::default()
+    };
+    let dev = Arc::new(MemDevice::new(96 << 20));
+    Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).map_err(|e| e.to_string())?;
+    let base = {
+        let fs = Filesystem::open_device(dev.clone(), quiet.clone()).map_err(|e| e.to_string())?;
+        let c = Caller::default();
+        let a = fs.mkdir(c, 1, b"A", 0o755).map_err(|e| e.to_string())?;
+        fs.mkdir(c, 1, b"B", 0o755).map_err(|e| e.to_string())?;
+        fs.mkdir(c, a.ino, b"C", 0o755).map_err(|e| e.to_string())?;
+        fs.close().map_err(|e| e.to_string())?;
+        dev.snapshot()
+    };
+    dev.start_recording();
+    // Background commits race with the workload, except under the writeback cache (above).
+    let options = OpenOptions {
+        commit_interval: (!writeback && rng.chance(50))
+            .then(|| Duration::from_millis(5 + rng.below(40))),
+        ..quiet
+    };
+    let fs = Arc::new(Filesystem::open_device(dev.clone(), options).map_err(|e| e.to_string())?);
+    let mnt = std::env::temp_dir().join(format!("birch-crashtest-{}-{seed}", std::process::id()));
+    std::fs::create_dir_all(&mnt).map_err(|e| io("mkdir", &mnt.display().to_string(), e))?;
+    let mount = InProcessMount::start(fs.clone(), &mnt, writeback)?;
+    let mut run = Run {
+        mnt: mnt.clone(),
+        dev: &dev,
+        fs: &fs,
+        events: Vec::new(),
+        history: History::default(),
+        model: Model::default(),
+    };
+    let steps = 4 + rng.below(7);
+    let mut result = Ok(());
+    for step in 0..steps {
+        let path = PATHS[rng.below(PATHS.len() as u64) as usize];
+        result = run
+            .operation(&mut rng, step as u8, path)
+            .and_then(|()| run.durability(&mut rng, path, writeback));
+        if result.is_err() {
+            break;
+        }
+    }
+    // Power cut: what reached the device so far is all a crash can keep.
+    run.mark();
+    let Run {
+        events, history, ..
+    } = run;
+    mount.stop();
+    let _ = std::fs::remove_dir(&mnt);
+    result.map(|()| (base, events, history))
+}
