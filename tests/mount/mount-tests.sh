@@ -6,7 +6,8 @@
 # synchronous for the image (20 cycles of write -> umount -> immediate mount -> verify);
 # fsync, rename, link, symlink, xattrs, truncate, fallocate and SEEK_DATA/SEEK_HOLE work through
 # the kernel; clear errors for a missing mountpoint, a missing image, a non-birchfs image and an
-# image already mounted; fsck clean at the end.
+# image already mounted; SIGTERM and SIGKILL of the daemon (fsync'd data replayed from the log,
+# fsck checking the pending log replayed in memory); fsck clean at the end.
 #
 # Skips (exit 77) with a printed reason where /dev/fuse is absent or not root.
 set -uo pipefail
@@ -167,6 +168,29 @@ if [[ -n $daemon ]]; then
   "$BIRCH" umount "$MNT"
 else
   bad "SIGTERM test: daemon pid not found"
+fi
+# --- SIGKILL after fsync: the log holds the file; fsck replays it in memory, mount replays it ---
+"$BIRCH" mount -o commit=0 "$IMG" "$MNT"
+head -c 200000 /dev/urandom > "$WORK/killed"
+python3 -c "
+import os, sys
+fd = os.open('$MNT/killed', os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+os.write(fd, open('$WORK/killed', 'rb').read())
+os.fsync(fd)
+"
+daemon=$(pgrep -f "birch mount -f $IMG" | head -1)
+if [[ -n $daemon ]]; then
+  kill -KILL "$daemon"
+  for _ in $(seq 1 200); do kill -0 "$daemon" 2>/dev/null || break; sleep 0.05; done
+  umount -l "$MNT" 2>/dev/null
+  out=$("$BIRCH" fsck "$IMG" 2>&1); rc=$?
+  check "fsck after SIGKILL sees the pending log and checks it replayed in memory" \
+    bash -c "[[ $rc -eq 0 && '$out' == *'wait for replay'* && '$out' == *'with the log replayed in memory'*'0 findings'* ]]"
+  "$BIRCH" mount "$IMG" "$MNT"
+  check "fsync'd data survives SIGKILL (log replay at mount)" cmp -s "$WORK/killed" "$MNT/killed"
+  "$BIRCH" umount "$MNT"
+else
+  bad "SIGKILL test: daemon pid not found"
 fi
 check "fsck clean at the end" "$BIRCH" fsck "$IMG"
 

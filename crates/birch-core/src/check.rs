@@ -6,10 +6,13 @@
 //! checksums) and the named [`FindingKind`]s they report.
 //!
 //! Must not touch: any writer. It recomputes what it expects from the raw items and never
-//! reuses writer helpers for the "expected" side.
+//! reuses writer helpers for the "expected" side. (The one exception, [`check_replayed`],
+//! lets the filesystem replay a pending log into a memory overlay, then checks the result
+//! with the same passes; the image is never written.)
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
+use std::sync::Arc;
 
 use birch_format::items::{self, ExtentKind, FileExtent, InodeItem};
 use birch_format::node::{Expect, Node, NodeBody};
@@ -18,7 +21,7 @@ use birch_format::{
     Key, BLOCK_SIZE, FS_TREE_ID, INLINE_MAX_BYTES, NODE_BLOCKS, NODE_SIZE, ROOT_OBJECTID,
 };
 
-use crate::device::BlockDevice;
+use crate::device::{BlockDevice, OverlayDevice};
 use crate::error::Result;
 use crate::txn::Engine;
 
@@ -125,6 +128,23 @@ impl Report {
 pub struct CheckOptions {
     /// Also read every data block and verify its checksum.
     pub data: bool,
+}
+
+/// Checks the state a read-write mount would see: the log's batches replayed and committed
+/// into a copy-on-write overlay in memory, the image itself untouched. For an image whose
+/// [`Report::log_batches`] is not zero (after a crash with fsyncs since the last commit).
+pub fn check_replayed(device: Arc<dyn BlockDevice>, options: CheckOptions) -> Result<Report> {
+    let overlay = Arc::new(OverlayDevice::new(device));
+    let fs = crate::Filesystem::open_device(
+        overlay.clone(),
+        crate::vfs::OpenOptions {
+            commit_interval: None,
+            ..Default::default()
+        },
+    )?;
+    fs.close()?;
+    drop(fs);
+    check(&*overlay, options)
 }
 
 /// Checks the committed state on `device`. Errors only when the image cannot be read at all

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use birch_core::check::{check, CheckOptions};
+use birch_core::check::{check, check_replayed, CheckOptions};
 use birch_core::device::{BlockDevice, FileDevice, OpenMode};
 use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::node::{Expect, Node};
@@ -288,7 +288,16 @@ fn fsck(image: &Path, data: bool, force: bool) -> ExitCode {
     let spinner = indicatif::ProgressBar::new_spinner();
     spinner.set_message(format!("checking {}", image.display()));
     spinner.enable_steady_tick(std::time::Duration::from_millis(120));
-    let result = check(&device, CheckOptions { data });
+    let device: Arc<dyn BlockDevice> = Arc::new(device);
+    let result = check(&*device, CheckOptions { data });
+    // With fsyncs logged since the last commit, also check what the next mount will see: the
+    // log replayed in memory (the image is not written).
+    let replayed = match &result {
+        Ok(report) if report.log_batches > 0 => {
+            Some(check_replayed(device.clone(), CheckOptions { data }))
+        }
+        _ => None,
+    };
     spinner.finish_and_clear();
     match result {
         Ok(report) => {
@@ -297,6 +306,7 @@ fn fsck(image: &Path, data: bool, force: bool) -> ExitCode {
             }
             let generation = report.superblock.as_ref().map_or(0, |s| s.generation);
             println!("{}: generation {generation}, {} nodes, {} items, {} inodes, {} data blocks, {} findings", image.display(), report.nodes, report.items, report.inodes, report.data_blocks, report.findings.len());
+            let mut clean = report.is_clean();
             if report.log_batches > 0 {
                 println!(
                     "{}: {} log batches ({} records) wait for replay at the next read-write mount",
@@ -305,7 +315,29 @@ fn fsck(image: &Path, data: bool, force: bool) -> ExitCode {
                     report.log_records
                 );
             }
-            if report.is_clean() {
+            match replayed {
+                Some(Ok(after)) => {
+                    for finding in &after.findings {
+                        println!("after replay: {finding}");
+                    }
+                    println!(
+                        "{}: with the log replayed in memory: {} inodes, {} findings",
+                        image.display(),
+                        after.inodes,
+                        after.findings.len()
+                    );
+                    clean &= after.is_clean();
+                }
+                Some(Err(e)) => {
+                    println!(
+                        "{}: replaying the log in memory failed: {e}",
+                        image.display()
+                    );
+                    clean = false;
+                }
+                None => {}
+            }
+            if clean {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::from(4)
