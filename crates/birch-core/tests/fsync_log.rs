@@ -116,6 +116,51 @@ fn appends_from_many_threads_continue_one_extent_and_log_a_few_records() {
 }
 
 #[test]
+fn fdatasync_of_an_overwrite_skips_the_inode_item() {
+    let dev = fresh();
+    let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+    let (f, _) = fs
+        .create(Caller::default(), 1, b"data", 0o644, 0)
+        .expect("create");
+    fs.write(f.ino, 0, &[1u8; 8192], false).expect("write");
+    fs.sync().expect("commit");
+    fs.write(f.ino, 0, &[2u8; 8192], false).expect("overwrite");
+    let before = fs.engine().counters().values();
+    fs.fsync(f.ino, true).expect("fdatasync");
+    let after = fs.engine().counters().values().since(&before);
+    assert_eq!(
+        (after.fsync_log, after.log_records),
+        (1, 1),
+        "only the extent: mtime/ctime are not needed to read the data: {after}"
+    );
+    let before = fs.engine().counters().values();
+    fs.fsync(f.ino, false).expect("fsync");
+    let after = fs.engine().counters().values().since(&before);
+    assert_eq!(
+        after.log_records, 1,
+        "fsync logs the inode item fdatasync left out: {after}"
+    );
+    // A size change is never skipped.
+    fs.write(f.ino, 8192, &[3u8; 4096], false).expect("append");
+    let before = fs.engine().counters().values();
+    fs.fsync(f.ino, true).expect("fdatasync");
+    let after = fs.engine().counters().values().since(&before);
+    assert_eq!(after.log_records, 2, "extent and inode (size): {after}");
+    std::mem::forget(fs); // power cut
+    let crashed = Arc::new(dev.crash());
+    let fs = Filesystem::open_device(crashed.clone(), opts()).expect("replay");
+    let got = fs.read(f.ino, 0, 12288).expect("read");
+    assert_eq!(got.len(), 12288);
+    assert!(got[..8192].iter().all(|&b| b == 2));
+    assert!(got[8192..].iter().all(|&b| b == 3));
+    fs.close().expect("close");
+    drop(fs);
+    assert!(check(&*crashed, CheckOptions { data: true })
+        .expect("fsck")
+        .is_clean());
+}
+
+#[test]
 fn fsynced_data_survives_power_loss_through_replay() {
     let dev = fresh();
     {

@@ -7,6 +7,10 @@
 //! - for each name of I in those refs, the parent's dir item and dir index, so a new file's
 //!   name survives with it.
 //!
+//! fdatasync leaves out the inode item when only its timestamps changed since it was last
+//! logged or committed (an overwrite in place): size, block count and mode, which reading the
+//! data back needs, always go.
+//!
 //! When logging cannot be safe, fsync commits instead (each case counted):
 //! - a name of I was removed or renamed (an inode ref deleted): replaying only I's side could
 //!   leave the old name behind;
@@ -53,7 +57,7 @@ enum Fallback {
 impl Filesystem {
     /// fsync / fdatasync: makes the file's data and metadata durable. Reports EIO for ever
     /// after a failed write of this file. Holds no inode lock while the device flushes.
-    pub fn fsync(&self, ino: u64, _datasync: bool) -> Result<()> {
+    pub fn fsync(&self, ino: u64, datasync: bool) -> Result<()> {
         let state = self.inode(ino)?;
         if state.data.read().write_error {
             return Err(Error::StickyIo(format!("inode {ino}")));
@@ -80,7 +84,7 @@ impl Filesystem {
                     // may differ (changed and changed back), so it is logged again.
                     let committed = engine.committed_generation();
                     let mut logged = state.logged.lock();
-                    let fresh: Vec<LogRecord> = records
+                    let mut fresh: Vec<LogRecord> = records
                         .into_iter()
                         .filter(|r| {
                             !logged
@@ -89,6 +93,19 @@ impl Filesystem {
                                 .is_some_and(|(v, g)| *v == r.value && *g > committed)
                         })
                         .collect();
+                    if datasync {
+                        // fdatasync: an inode item whose only change is its timestamps is
+                        // not needed to read the data back (size, blocks and mode are).
+                        let key = inode_key(ino);
+                        let reference = match logged.values.get(&key) {
+                            Some((v, g)) if *g > committed => v.clone(),
+                            _ => engine.committed_get(&key)?,
+                        };
+                        fresh.retain(|r| {
+                            r.key != key
+                                || !only_times_differ(r.value.as_deref(), reference.as_deref())
+                        });
+                    }
                     if fresh.is_empty() {
                         if logged.ticket == 0 {
                             counters.add(&counters.fsync_nothing, 1);
@@ -358,4 +375,19 @@ impl Filesystem {
         }
         Ok(())
     }
+}
+
+/// Whether two encoded inode items differ in their timestamps (and transaction id) only.
+fn only_times_differ(new: Option<&[u8]>, old: Option<&[u8]>) -> bool {
+    let (Some(new), Some(old)) = (new, old) else {
+        return false;
+    };
+    let (Ok(mut a), Ok(b)) = (InodeItem::decode(new), InodeItem::decode(old)) else {
+        return false;
+    };
+    a.atime = b.atime;
+    a.mtime = b.mtime;
+    a.ctime = b.ctime;
+    a.transid = b.transid;
+    a == b
 }
