@@ -8,10 +8,12 @@ use crate::{
     FormatError, BLOCK_SIZE, EXTENT_MAX_BLOCKS, INLINE_MAX_BYTES, NAME_MAX, XATTR_VALUE_MAX,
 };
 
-/// A point in time with nanoseconds.
+/// A point in time with nanoseconds; 12 bytes on disk (i64 seconds, then u32 nanoseconds).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, Hash)]
 pub struct Timespec {
+    /// Seconds since the Unix epoch; negative before 1970.
     pub sec: i64,
+    /// Nanoseconds within the second, < 10^9; the decoder refuses larger values (`Invalid`).
     pub nsec: u32,
 }
 
@@ -30,7 +32,7 @@ impl Timespec {
     }
 }
 
-/// Encoded size of an inode item.
+/// Encoded size of an inode item in bytes, exactly; the last 40 are reserved zeros.
 pub const INODE_ITEM_BYTES: usize = 160;
 
 /// `(ino, InodeItem, 0)`.
@@ -40,26 +42,38 @@ pub struct InodeItem {
     pub generation: u64,
     /// Transaction generation of the last change.
     pub transid: u64,
+    /// st_size in bytes. For a directory: its entry count, without `.` and `..`.
     pub size: u64,
     /// Bytes of data blocks the inode references (st_blocks * 512).
     pub nbytes: u64,
+    /// Link count, at most [`crate::LINK_MAX`]; a directory's is 2 + its subdirectories. 0
+    /// while the inode is an orphan.
     pub nlink: u32,
+    /// Owner user id.
     pub uid: u32,
+    /// Owner group id.
     pub gid: u32,
     /// File type and permission bits, as st_mode.
     pub mode: u32,
+    /// Device number of a character or block device node; 0 otherwise.
     pub rdev: u64,
+    /// Inode flags; none defined in v1, written as 0.
     pub flags: u64,
     /// The next dir index a new entry of this directory gets; never reused, so readdir
     /// cookies stay valid while entries come and go.
     pub next_dir_index: u64,
+    /// Last access time.
     pub atime: Timespec,
+    /// Last data modification time.
     pub mtime: Timespec,
+    /// Last status (inode) change time.
     pub ctime: Timespec,
+    /// Creation time; set once when the inode is made.
     pub otime: Timespec,
 }
 
 impl InodeItem {
+    /// Encodes to exactly [`INODE_ITEM_BYTES`], reserved bytes zero.
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::with_capacity(INODE_ITEM_BYTES);
         w.u64(self.generation);
@@ -81,6 +95,8 @@ impl InodeItem {
         bytes
     }
 
+    /// Decodes an inode payload. `Invalid` if it is not exactly [`INODE_ITEM_BYTES`] long or
+    /// a timestamp has nanoseconds >= 10^9. Reserved bytes are not checked.
     pub fn decode(bytes: &[u8]) -> Result<InodeItem, FormatError> {
         if bytes.len() != INODE_ITEM_BYTES {
             return Err(FormatError::invalid(
@@ -132,8 +148,11 @@ fn decode_name(r: &mut Reader<'_>) -> Result<Vec<u8>, FormatError> {
 /// than one only on a hash collision), so tens of thousands of links cost one item each.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InodeRef {
+    /// Object id of the directory holding the name.
     pub parent: u64,
+    /// Index of the matching `(parent, DirIndex, index)` item.
     pub dir_index: u64,
+    /// The name within `parent`, 1 ..= [`NAME_MAX`] bytes.
     pub name: Vec<u8>,
 }
 
@@ -141,29 +160,46 @@ pub struct InodeRef {
 /// one only on a hash collision); `(dir, DirIndex, index)` holds exactly one.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DirEntry {
+    /// Object id of the inode the name points to.
     pub child: u64,
+    /// Index of the entry's `(dir, DirIndex, index)` item: >= 2, never reused in its directory.
     pub dir_index: u64,
     /// d_type (DT_REG = 8, DT_DIR = 4, ...).
     pub file_type: u8,
+    /// The name, 1 ..= [`NAME_MAX`] bytes.
     pub name: Vec<u8>,
 }
 
 /// One xattr: `(ino, Xattr, hash(name))` holds a list of these.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Xattr {
+    /// Full name with its namespace prefix (e.g. `user.k`), 1 ..= [`NAME_MAX`] bytes.
     pub name: Vec<u8>,
+    /// The value, 0 ..= [`XATTR_VALUE_MAX`] bytes.
     pub value: Vec<u8>,
 }
 
 /// Where a file extent's bytes are.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExtentKind {
-    /// Bytes stored in the item itself.
+    /// Bytes stored in the item itself (kind 0): the whole file, at most
+    /// [`INLINE_MAX_BYTES`], in the one extent at file offset 0.
     Inline(Vec<u8>),
-    /// Blocks on disk with one crc32c per block.
-    Regular { disk_addr: u64, csums: Vec<u32> },
-    /// Allocated blocks that read as zeros (fallocate).
-    Prealloc { disk_addr: u64, blocks: u64 },
+    /// Blocks on disk with one crc32c per block (kind 1).
+    Regular {
+        /// Byte address of the first block: non-zero, block aligned.
+        disk_addr: u64,
+        /// crc32c of each 4096-byte block, in order; its length is the extent's block count,
+        /// 1 ..= [`EXTENT_MAX_BLOCKS`].
+        csums: Vec<u32>,
+    },
+    /// Allocated blocks that read as zeros (fallocate) (kind 2).
+    Prealloc {
+        /// Byte address of the first block: non-zero, block aligned.
+        disk_addr: u64,
+        /// Length in blocks, 1 ..= [`EXTENT_MAX_BLOCKS`].
+        blocks: u64,
+    },
 }
 
 /// `(ino, ExtentData, file_offset)`.
@@ -171,6 +207,7 @@ pub enum ExtentKind {
 pub struct FileExtent {
     /// Generation the extent was written in.
     pub generation: u64,
+    /// Where the bytes are: inline, regular blocks or preallocated blocks.
     pub kind: ExtentKind,
 }
 
@@ -193,6 +230,7 @@ impl FileExtent {
         }
     }
 
+    /// Encodes the payload: 13 + len bytes inline, 21 + 4 x blocks regular, 25 prealloc.
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::default();
         w.u64(self.generation);
@@ -219,6 +257,9 @@ impl FileExtent {
         w.into_bytes()
     }
 
+    /// Decodes an extent payload. `Invalid` for an unknown kind, an inline length over
+    /// [`INLINE_MAX_BYTES`], a zero or unaligned address, a block count outside
+    /// 1 ..= [`EXTENT_MAX_BLOCKS`], or trailing bytes; `Truncated` if the payload is cut short.
     pub fn decode(bytes: &[u8]) -> Result<FileExtent, FormatError> {
         let mut r = Reader::new(bytes, "file extent");
         let generation = r.u64()?;
@@ -294,6 +335,8 @@ pub fn encode_inode_refs(refs: &[InodeRef]) -> Vec<u8> {
     w.into_bytes()
 }
 
+/// Decodes an inode ref payload: one or more entries back to back. `Invalid` for a name
+/// length outside 1 ..= [`NAME_MAX`] or an empty payload; `Truncated` for a cut entry.
 pub fn decode_inode_refs(bytes: &[u8]) -> Result<Vec<InodeRef>, FormatError> {
     let mut r = Reader::new(bytes, "inode ref");
     let mut out = Vec::new();
@@ -326,6 +369,9 @@ pub fn encode_dir_entries(entries: &[DirEntry]) -> Vec<u8> {
     w.into_bytes()
 }
 
+/// Decodes a dir item payload: one or more entries back to back. `Invalid` for a name length
+/// outside 1 ..= [`NAME_MAX`] or an empty payload; `Truncated` for a cut entry. The file type
+/// is not checked.
 pub fn decode_dir_entries(bytes: &[u8]) -> Result<Vec<DirEntry>, FormatError> {
     let mut r = Reader::new(bytes, "dir entry");
     let mut out = Vec::new();
@@ -347,6 +393,7 @@ pub fn decode_dir_entries(bytes: &[u8]) -> Result<Vec<DirEntry>, FormatError> {
     Ok(out)
 }
 
+/// Encodes a list of xattrs, back to back: name, u16 value length, value.
 pub fn encode_xattrs(xattrs: &[Xattr]) -> Vec<u8> {
     let mut w = Writer::default();
     for x in xattrs {
@@ -357,6 +404,9 @@ pub fn encode_xattrs(xattrs: &[Xattr]) -> Vec<u8> {
     w.into_bytes()
 }
 
+/// Decodes an xattr payload: one or more entries back to back. `Invalid` for a name length
+/// outside 1 ..= [`NAME_MAX`], a value over [`XATTR_VALUE_MAX`] or an empty payload;
+/// `Truncated` for a cut entry.
 pub fn decode_xattrs(bytes: &[u8]) -> Result<Vec<Xattr>, FormatError> {
     let mut r = Reader::new(bytes, "xattr");
     let mut out = Vec::new();
@@ -388,17 +438,25 @@ pub fn decode_xattrs(bytes: &[u8]) -> Result<Vec<Xattr>, FormatError> {
 /// Any item, decoded by its key type. Used by printers and checkers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Item {
+    /// An [`ItemType::InodeItem`] payload.
     Inode(InodeItem),
+    /// An [`ItemType::InodeRef`] payload: one or more names (several only on a hash collision).
     InodeRefs(Vec<InodeRef>),
+    /// An [`ItemType::DirItem`] payload: one or more entries (several only on a hash collision).
     DirItem(Vec<DirEntry>),
+    /// An [`ItemType::DirIndex`] payload: exactly one entry.
     DirIndex(DirEntry),
+    /// An [`ItemType::Xattr`] payload: one or more xattrs.
     Xattrs(Vec<Xattr>),
+    /// An [`ItemType::ExtentData`] payload.
     Extent(FileExtent),
+    /// An [`ItemType::Orphan`] item; its payload is empty.
     Orphan,
 }
 
 impl Item {
-    /// Decodes a payload of the given type.
+    /// Decodes a payload of the given type, with that type's errors; also `Invalid` for a
+    /// dir index that is not exactly one entry or an orphan with a non-empty payload.
     pub fn decode(kind: ItemType, bytes: &[u8]) -> Result<Item, FormatError> {
         Ok(match kind {
             ItemType::InodeItem => Item::Inode(InodeItem::decode(bytes)?),

@@ -5,7 +5,7 @@ use std::fmt;
 use crate::bytes::{Reader, Writer};
 use crate::FormatError;
 
-/// Encoded size of a key.
+/// Encoded size of a key in bytes: objectid (8), type (1), offset (8).
 pub const KEY_BYTES: usize = 17;
 
 /// Item type codes. The numbers are on disk; the gaps match btrfs's numbering for familiarity.
@@ -43,8 +43,10 @@ impl ItemType {
         })
     }
 
-    /// The lowest and highest codes, for range scans over every type of one object.
+    /// The lowest type code, for range scans over every type of one object. Not a valid
+    /// type: no item is written with it.
     pub const MIN: u8 = 0;
+    /// The highest type code, the upper bound of such range scans. Not a valid type.
     pub const MAX: u8 = u8::MAX;
 }
 
@@ -66,17 +68,24 @@ impl fmt::Display for ItemType {
 /// An item key. The type is kept as a raw byte so that range bounds may use any code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct Key {
+    /// The object the item belongs to: an inode number, or a reserved id such as
+    /// [`crate::ORPHAN_OBJECTID`]. Bytes 0..8; sorts first.
     pub objectid: u64,
+    /// Raw [`ItemType`] code, byte 8; sorts second. Unknown codes are kept, not rejected.
     pub item_type: u8,
+    /// Byte 9..17; its meaning depends on the type: 0, a name hash, a dir index, a file
+    /// offset in bytes, or an inode number. Sorts last.
     pub offset: u64,
 }
 
 impl Key {
+    /// The smallest key, `(0, 0, 0)`: the lower bound of a scan over the whole tree.
     pub const MIN: Key = Key {
         objectid: 0,
         item_type: 0,
         offset: 0,
     };
+    /// The largest key, all ones: the upper bound of a scan over the whole tree.
     pub const MAX: Key = Key {
         objectid: u64::MAX,
         item_type: u8::MAX,

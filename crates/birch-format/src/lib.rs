@@ -8,6 +8,8 @@
 //! bytes: every failure is a [`FormatError`] that says where and what, never a panic.
 //! `docs/FORMAT.md` documents every byte defined here; change both in one commit.
 
+#![warn(missing_docs)]
+
 pub mod bytes;
 pub mod items;
 pub mod key;
@@ -54,7 +56,8 @@ pub const FIRST_FREE_OBJECTID: u64 = 256;
 /// Object id under which orphan items are keyed: (ORPHAN_OBJECTID, Orphan, inode).
 pub const ORPHAN_OBJECTID: u64 = u64::MAX - 5;
 
-/// crc32c of a byte slice: the checksum of every node, superblock, data block and log record.
+/// crc32c (Castagnoli) of a byte slice: the checksum of every node, superblock, data block and
+/// log batch.
 pub fn checksum(bytes: &[u8]) -> u32 {
     crc32c::crc32c(bytes)
 }
@@ -74,32 +77,64 @@ pub fn name_hash(parts: &[&[u8]]) -> u64 {
 /// Everything that can be wrong with bytes read from disk.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FormatError {
+    /// The magic bytes are not this structure's (`BIRCHFS1`, `BNOD`, `BLOG`): not birchfs
+    /// data at all, as opposed to damaged birchfs data. Checked before the checksum.
     #[error("bad magic at {what}: found {found:02x?}")]
-    BadMagic { what: String, found: Vec<u8> },
+    BadMagic {
+        /// The structure and where it was read, e.g. `slot 0` or `node 0x24000 (owner 5)`.
+        what: String,
+        /// The bytes found where the magic belongs.
+        found: Vec<u8>,
+    },
+    /// The stored crc32c does not match the bytes it covers: a torn write or media damage.
     #[error("checksum mismatch at {what}: stored {stored:#010x}, computed {computed:#010x}")]
     BadChecksum {
+        /// The structure and where it was read.
         what: String,
+        /// The checksum read from disk.
         stored: u32,
+        /// The crc32c of the bytes as read.
         computed: u32,
     },
+    /// A valid superblock of a format version other than [`FORMAT_VERSION`]: a newer (or
+    /// older) image, not damage. Stops the open even if the other slot is fine.
     #[error(
         "unsupported format version {found} at {what} (this build reads version {FORMAT_VERSION})"
     )]
-    BadVersion { what: String, found: u32 },
+    BadVersion {
+        /// The superblock slot it was read from.
+        what: String,
+        /// The version stored on disk.
+        found: u32,
+    },
+    /// The superblock sets `incompat` feature bits this build does not know, so it cannot
+    /// read the image safely. Stops the open even if the other slot is fine.
     #[error(
         "unknown incompatible feature flags {flags:#x}: this build cannot read the image safely"
     )]
-    UnknownIncompat { flags: u64 },
+    UnknownIncompat {
+        /// The unknown bits only (the stored mask minus [`superblock::INCOMPAT_SUPPORTED`]).
+        flags: u64,
+    },
+    /// A field decoded but breaks an invariant of the format (a range, an alignment, an
+    /// ordering, a count). Built with [`FormatError::invalid`].
     #[error("{what}: {found}, expected {expected}")]
     Invalid {
+        /// The field and where it was read, e.g. `node 0x24000 (owner 5) slot 3 data range`.
         what: String,
+        /// The value found, printed.
         found: String,
+        /// What the format requires there, printed.
         expected: String,
     },
+    /// The bytes end before the structure does.
     #[error("{what}: truncated, need {need} bytes, have {have}")]
     Truncated {
+        /// The structure being decoded.
         what: String,
+        /// Bytes needed to finish the read that failed, counted from the start of the input.
         need: usize,
+        /// Bytes the input holds.
         have: usize,
     },
 }

@@ -12,9 +12,9 @@ use crate::bytes::{Reader, Writer};
 use crate::key::Key;
 use crate::{checksum, FormatError, BLOCK_SIZE};
 
-/// "BLOG".
+/// "BLOG", at byte 0 of every batch (the checksum follows it, at byte 4).
 pub const LOG_MAGIC: [u8; 4] = *b"BLOG";
-/// Batch header size.
+/// Batch header size in bytes; records start at this offset.
 pub const LOG_HEADER_BYTES: usize = 64;
 
 /// One record: an item change of the running transaction `generation`.
@@ -23,6 +23,7 @@ pub struct LogRecord {
     /// Delta generation the change belongs to; replay skips records the superblock's
     /// generation already covers.
     pub generation: u64,
+    /// Key of the item the record sets or deletes (17 bytes at record offset 8).
     pub key: Key,
     /// New value, or `None` for a deletion.
     pub value: Option<Vec<u8>>,
@@ -31,6 +32,7 @@ pub struct LogRecord {
 /// A decoded batch header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchHeader {
+    /// Filesystem id; replay refuses a batch whose fsid is not the superblock's.
     pub fsid: [u8; 16],
     /// Sequence number: consecutive batches carry consecutive numbers.
     pub seq: u64,
@@ -38,6 +40,7 @@ pub struct BatchHeader {
     pub lsn: u64,
     /// Total length, a multiple of the block size.
     pub len_bytes: u32,
+    /// Number of records in the batch body.
     pub records: u32,
 }
 
@@ -94,7 +97,10 @@ pub fn decode_header(first_block: &[u8]) -> Option<BatchHeader> {
     })
 }
 
-/// Verifies and decodes a whole batch.
+/// Verifies and decodes a whole batch; `bytes` must be exactly `len_bytes` long. Errors:
+/// `BadMagic` (no `BLOG` or a cut header), `Invalid` (length mismatch, record kind not 0/1,
+/// value over [`crate::MAX_ITEM_BYTES`]), `BadChecksum`, `Truncated` (records overrun the body).
+/// Does not check fsid, seq or lsn: that is the caller's.
 pub fn decode_batch(bytes: &[u8]) -> Result<(BatchHeader, Vec<LogRecord>), FormatError> {
     let header = decode_header(bytes).ok_or_else(|| FormatError::BadMagic {
         what: "log batch".into(),
@@ -105,6 +111,13 @@ pub fn decode_batch(bytes: &[u8]) -> Result<(BatchHeader, Vec<LogRecord>), Forma
             "log batch length",
             bytes.len(),
             header.len_bytes,
+        ));
+    }
+    if bytes.len() < LOG_HEADER_BYTES {
+        return Err(FormatError::invalid(
+            "log batch shorter than its header",
+            bytes.len(),
+            LOG_HEADER_BYTES,
         ));
     }
     let stored = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
@@ -176,6 +189,19 @@ mod tests {
             let mut torn = bytes.clone();
             torn[at] ^= 1;
             assert!(decode_batch(&torn).is_err(), "flip at {at}");
+        }
+    }
+
+    #[test]
+    fn a_sealed_batch_shorter_than_its_header_is_an_error_not_a_panic() {
+        let full = encode_batch([3; 16], 1, 0, &[]);
+        for len in 48..LOG_HEADER_BYTES {
+            let mut cut = full[..len].to_vec();
+            // magic, checksum, fsid, seq, lsn, then the length at byte 40
+            cut[40..44].copy_from_slice(&(len as u32).to_le_bytes());
+            let sum = checksum(&cut[8..]);
+            cut[4..8].copy_from_slice(&sum.to_le_bytes());
+            assert!(decode_batch(&cut).is_err(), "length {len}");
         }
     }
 }

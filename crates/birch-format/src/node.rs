@@ -10,9 +10,9 @@ use crate::bytes::{Reader, Writer};
 use crate::key::{Key, KEY_BYTES};
 use crate::{checksum, FormatError, NODE_SIZE};
 
-/// "BNOD".
+/// "BNOD", at byte 4 of every node (after the checksum).
 pub const NODE_MAGIC: [u8; 4] = *b"BNOD";
-/// Header size.
+/// Node header size in bytes; item headers or pointers start at this offset.
 pub const HEADER_BYTES: usize = 64;
 /// Size of one leaf item header: key, data offset, data size.
 pub const ITEM_HEADER_BYTES: usize = KEY_BYTES + 8;
@@ -28,14 +28,15 @@ pub const MAX_LEVEL: u8 = 8;
 /// Identity fields of a node header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NodeHeader {
+    /// Filesystem id; must equal the superblock's.
     pub fsid: [u8; 16],
     /// Byte address the node is written at; a node read from elsewhere is misplaced.
     pub addr: u64,
     /// Generation the node was written in.
     pub generation: u64,
-    /// Tree id that owns the node.
+    /// Tree id that owns the node; in v1 always [`crate::FS_TREE_ID`].
     pub owner: u64,
-    /// 0 for leaves.
+    /// 0 for leaves, 1.. for internal nodes; < [`MAX_LEVEL`].
     pub level: u8,
 }
 
@@ -44,31 +45,43 @@ pub struct NodeHeader {
 pub struct ChildPtr {
     /// Lowest key in the child's subtree (a lower bound for it).
     pub key: Key,
+    /// Byte address of the child node: non-zero, block aligned.
     pub addr: u64,
+    /// Generation the child was written in: <= this node's; the child's header must agree.
     pub generation: u64,
 }
 
 /// A node's contents.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NodeBody {
+    /// Level 0: items as `(key, payload)` in strictly ascending key order; headers plus
+    /// payloads take at most [`LEAF_SPACE`] bytes.
     Leaf(Vec<(Key, Vec<u8>)>),
+    /// Level 1..: 1 ..= [`MAX_PTRS`] child pointers in strictly ascending key order.
     Internal(Vec<ChildPtr>),
 }
 
 /// A decoded node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Node {
+    /// Identity fields; the checksum and item count are derived at encode.
     pub header: NodeHeader,
+    /// Items or child pointers; must match `header.level` (leaf iff level 0).
     pub body: NodeBody,
 }
 
 /// What the reader expects of a node, from the pointer that led to it.
 #[derive(Debug, Clone, Copy)]
 pub struct Expect {
+    /// The superblock's fsid.
     pub fsid: [u8; 16],
+    /// Byte address the node was read from; the header must name the same.
     pub addr: u64,
+    /// Generation from the parent pointer (or the superblock's root pointer).
     pub generation: u64,
+    /// Tree id the node must belong to.
     pub owner: u64,
+    /// Level the node must have (parent's level - 1, or the root's); `None` accepts any.
     pub level: Option<u8>,
 }
 
@@ -94,6 +107,7 @@ impl Node {
         }
     }
 
+    /// True when the node holds no items or pointers (only an empty leaf can be valid).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -240,6 +254,9 @@ impl Node {
     }
 
     /// Decodes node bytes and checks them against what the parent pointer promised.
+    /// Errors: `Truncated` if `bytes` is not [`NODE_SIZE`] long, `BadMagic`, `BadChecksum`,
+    /// then `Invalid` for a header field that differs from `expect`, a count that cannot fit,
+    /// a payload range not packed as the format requires, or a broken [`Node::validate`] rule.
     pub fn decode(bytes: &[u8], expect: &Expect) -> Result<Node, FormatError> {
         let at = format!("node {:#x} (owner {})", expect.addr, expect.owner);
         if bytes.len() != NODE_SIZE {

@@ -5,7 +5,8 @@ use std::fmt;
 use crate::bytes::{Reader, Writer};
 use crate::{checksum, FormatError, BLOCK_SIZE, FORMAT_VERSION, NODE_SIZE};
 
-/// "BIRCHFS" + format family byte.
+/// "BIRCHFS" + format family byte, at byte 8. Checked before the checksum, so "not birchfs"
+/// and "damaged birchfs" are told apart.
 pub const SUPER_MAGIC: [u8; 8] = *b"BIRCHFS1";
 /// Encoded size of a superblock: one block.
 pub const SUPER_BYTES: usize = BLOCK_SIZE as usize;
@@ -18,7 +19,10 @@ pub const RESERVED_HEAD_BYTES: u64 = 128 * 1024;
 /// Feature flags this build understands. An image with an unknown incompat flag is refused;
 /// unknown compat flags are ignored; unknown ro_compat flags allow read-only use.
 pub const INCOMPAT_SUPPORTED: u64 = 0;
+/// Compatible feature flags this build understands: none in v1. Unknown bits are ignored.
 pub const COMPAT_SUPPORTED: u64 = 0;
+/// Read-only-compatible feature flags this build understands: none in v1. An unknown bit
+/// allows read-only use only; the writable open refuses it ([`Superblock::validate`] does not).
 pub const RO_COMPAT_SUPPORTED: u64 = 0;
 
 /// Pointer to a tree root.
@@ -35,19 +39,29 @@ pub struct RootPtr {
 /// The decoded superblock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Superblock {
+    /// Format version; decoding refuses anything but [`FORMAT_VERSION`] (`BadVersion`).
     pub version: u32,
+    /// Block size in bytes; must be [`BLOCK_SIZE`] (4096).
     pub block_size: u32,
+    /// Node size in bytes; must be [`NODE_SIZE`] (16384).
     pub node_size: u32,
+    /// Filesystem id, random at mkfs; every node header and log batch repeats it.
     pub fsid: [u8; 16],
+    /// Volume label, UTF-8 in a 64-byte NUL-padded field: at most 63 bytes are stored
+    /// (longer labels are cut); read up to the first NUL.
     pub label: String,
     /// Generation of the commit this superblock describes.
     pub generation: u64,
+    /// Incompatible feature flags; a bit outside [`INCOMPAT_SUPPORTED`] is refused
+    /// (`UnknownIncompat`).
     pub incompat: u64,
+    /// Compatible feature flags; unknown bits are ignored.
     pub compat: u64,
+    /// Read-only-compatible feature flags; an unknown bit allows read-only use only.
     pub ro_compat: u64,
     /// Size of the filesystem in bytes (a multiple of the block size).
     pub total_bytes: u64,
-    /// Bytes referenced by trees and file extents at this commit.
+    /// Blocks in use at this commit x [`BLOCK_SIZE`], pinned space included. Informational.
     pub bytes_used: u64,
     /// The fs tree, holding every inode, name, extent and xattr.
     pub fs_root: RootPtr,
@@ -55,6 +69,8 @@ pub struct Superblock {
     pub next_objectid: u64,
     /// The fsync log area: a fixed region reserved at mkfs.
     pub log_start: u64,
+    /// Size of the log area in bytes (mkfs rounds it down to a block); 0 means no log area.
+    /// When non-zero, `log_start + log_bytes` must not pass `total_bytes`.
     pub log_bytes: u64,
     /// The lsn (byte position in the endless circular log) of the first batch this commit did
     /// not retire; replay starts here. Batches before it are covered by this commit.
@@ -62,8 +78,9 @@ pub struct Superblock {
     /// The sequence number the batch at `log_head` must carry; a stale batch from an earlier
     /// lap carries another and ends replay.
     pub log_generation: u64,
-    /// Wall-clock time of the commit.
+    /// Wall-clock time of the commit, seconds since the Unix epoch (signed).
     pub commit_time_sec: i64,
+    /// Nanoseconds of the commit time (not range-checked on decode).
     pub commit_time_nsec: u32,
 }
 
@@ -115,7 +132,9 @@ impl Superblock {
         bytes
     }
 
-    /// Decodes and validates one slot's bytes. `what` names the slot for messages.
+    /// Decodes and validates one slot's bytes. `what` names the slot for messages. Errors:
+    /// `Truncated` (under [`SUPER_BYTES`]), `BadMagic`, `BadChecksum`, `BadVersion`, then
+    /// those of [`Superblock::validate`]. Does not check the slot matches the generation.
     pub fn decode(bytes: &[u8], what: &str) -> Result<Superblock, FormatError> {
         if bytes.len() < SUPER_BYTES {
             return Err(FormatError::Truncated {
@@ -195,7 +214,10 @@ impl Superblock {
         Ok(sb)
     }
 
-    /// Checks the fields against each other and against what this build supports.
+    /// Checks the fields against each other and against what this build supports:
+    /// `UnknownIncompat` for unknown incompat bits, `Invalid` for a wrong block or node size,
+    /// a bad `total_bytes`, a root pointer outside the device or ahead of `generation`, a root
+    /// level >= [`crate::node::MAX_LEVEL`], or a log area outside the device.
     pub fn validate(&self, what: &str) -> Result<(), FormatError> {
         let unknown = self.incompat & !INCOMPAT_SUPPORTED;
         if unknown != 0 {
