@@ -106,7 +106,11 @@ impl Run<'_> {
     /// One operation on `path`, chosen by the generator; returns whether it changed content.
     fn operation(&mut self, rng: &mut Rng, step: u8, path: &'static str) -> Result<(), String> {
         let fill = step.wrapping_mul(37).wrapping_add(11) | 1;
-        match rng.below(9) {
+        let op = rng.below(9);
+        if std::env::var_os("BIRCH_CRASH_TRACE").is_some() {
+            eprintln!("  operation {op} (0-1 pwrite, 2 append, 3 O_DIRECT|O_SYNC, 4 truncate, 5 link, 6 rename, 7 unlink/punch, 8 xattr)");
+        }
+        match op {
             0 | 1 => {
                 let off = rng.below(12_000) as usize;
                 let len = 1 + rng.below(9_000) as usize;
@@ -248,6 +252,9 @@ impl Run<'_> {
         } else {
             rng.below(5)
         };
+        if std::env::var_os("BIRCH_CRASH_TRACE").is_some() {
+            eprintln!("  durability {choice} (0 fsync, 1 fdatasync, 2 fsyncdir, 3 commit, 4 none)");
+        }
         match choice {
             0 | 1 if exists => {
                 let f = self.open(path, 0)?;
@@ -370,9 +377,17 @@ fn record(seed: u64, writeback: bool) -> Result<Recording, String> {
         model: Model::default(),
     };
     let steps = 4 + rng.below(7);
+    let trace = std::env::var_os("BIRCH_CRASH_TRACE").is_some();
     let mut result = Ok(());
     for step in 0..steps {
         let path = PATHS[rng.below(PATHS.len() as u64) as usize];
+        if trace {
+            let events = run.mark();
+            eprintln!(
+                "fuse step {step} on {path}: events so far {events}, names {:?}",
+                run.model.names
+            );
+        }
         result = run
             .operation(&mut rng, step as u8, path)
             .and_then(|()| run.durability(&mut rng, path, writeback));

@@ -117,6 +117,14 @@ impl Filesystem {
                         for r in &fresh {
                             logged.values.insert(r.key, (r.value.clone(), r.generation));
                         }
+                        {
+                            let mut names = self.inner.logged_names.lock();
+                            for r in fresh.iter().filter(|r| {
+                                r.key.kind() == Some(ItemType::DirItem) && r.value.is_some()
+                            }) {
+                                names.insert(r.key, (ino, r.generation));
+                            }
+                        }
                         let ticket = engine.log_enqueue(fresh);
                         logged.ticket = ticket;
                         ticket
@@ -204,6 +212,14 @@ impl Filesystem {
                     if entries.len() != 1 {
                         return Err(Ok(Fallback::Other));
                     }
+                    // The name's key held another inode's entry that replay would bring back
+                    // (committed, or logged by that inode's fsync) before this record
+                    // overwrites it: that inode would keep a name without an entry. btrfs
+                    // handles the same case (a name reused after a rename or unlink) by
+                    // logging the other inode or committing; birchfs commits.
+                    if self.name_held_by_other(ino, &item_key).map_err(Err)? {
+                        return Err(Ok(Fallback::Names));
+                    }
                     let index_key = Key::new(r.parent, ItemType::DirIndex, r.dir_index);
                     let index = engine.get(&index_key).map_err(Err)?;
                     records.push(LogRecord {
@@ -225,6 +241,24 @@ impl Filesystem {
             });
         }
         Ok(Some(records))
+    }
+
+    /// Whether replay, before applying a record of `ino` for dir item `key`, could find there
+    /// an entry of another inode: in the committed tree, or logged by another fsync whose
+    /// batch a commit has not covered yet.
+    fn name_held_by_other(&self, ino: u64, key: &Key) -> Result<bool> {
+        let engine = &self.inner.engine;
+        if let Some(bytes) = engine.committed_get(key)? {
+            let entries = decode_dir_entries(&bytes)
+                .map_err(|e| Error::corrupt(format!("committed dir item {key}"), e))?;
+            if entries.iter().any(|e| e.child != ino) {
+                return Ok(true);
+            }
+        }
+        let committed = engine.committed_generation();
+        let mut logged = self.inner.logged_names.lock();
+        logged.retain(|_, (_, g)| *g > committed);
+        Ok(logged.get(key).is_some_and(|(child, _)| *child != ino))
     }
 
     /// Whether the only change since the last commit is the inode item's atime.

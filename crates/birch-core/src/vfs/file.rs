@@ -41,6 +41,10 @@ struct Changes {
     existed: std::collections::HashSet<Key>,
 }
 
+/// A block run written for a file and not yet recorded: (file offset, disk address, crc32c
+/// of each block).
+type NewExtent = (u64, u64, Vec<u32>);
+
 impl Changes {
     fn set(&mut self, key: Key, value: Option<Vec<u8>>) {
         self.items.retain(|(k, _)| *k != key);
@@ -82,6 +86,15 @@ impl Filesystem {
         let lo = extent_key(ino, 0);
         let hi = extent_key(ino, u64::MAX);
         Ok(!self.inner.engine.range(&lo, &hi, 1)?.is_empty())
+    }
+
+    /// Whether a regular file keeps its data in blocks (not inline), so a block-aligned write
+    /// goes to new blocks whatever the file holds.
+    fn in_blocks(&self, ino: u64, data: &InodeData) -> Result<bool> {
+        if data.item.mode & libc::S_IFMT != libc::S_IFREG {
+            return Ok(false);
+        }
+        Ok(self.inline_data(ino)?.is_none() && self.has_extent_items(ino)?)
     }
 
     /// The inline data of a file, if it is stored inline.
@@ -251,14 +264,56 @@ impl Filesystem {
         kill_privs: bool,
     ) -> Result<(u32, bool)> {
         let state = self.inode(ino)?;
+        // Whole blocks at a block offset of a file already in blocks (O_DIRECT writes, seed
+        // 001): allocate and write the data before taking the inode lock, so writers to
+        // different parts of one file overlap their device writes; the lock then only covers
+        // recording the extents.
+        let aligned = !append
+            && !bytes.is_empty()
+            && offset % BLOCK_SIZE == 0
+            && bytes.len() as u64 % BLOCK_SIZE == 0
+            && offset
+                .checked_add(bytes.len() as u64)
+                .is_some_and(|end| end <= MAX_FILE_BYTES);
+        let prewritten = if aligned && self.in_blocks(ino, &state.data.read())? {
+            match self.write_new_blocks(ino, offset, bytes) {
+                Ok(extents) => Some(extents),
+                Err(e) => {
+                    if matches!(e, Error::Io { .. }) {
+                        state.data.write().write_error = true;
+                    }
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
         let mut data = state.data.write();
-        let _op = self.inner.engine.hold()?;
+        let _op = match self.inner.engine.hold() {
+            Ok(op) => op,
+            Err(e) => {
+                self.give_back(prewritten.as_deref().unwrap_or_default());
+                return Err(e);
+            }
+        };
         if data.item.mode & libc::S_IFMT == libc::S_IFDIR {
+            self.give_back(prewritten.as_deref().unwrap_or_default());
             return Err(Error::IsDir(format!("write to dir {ino}")));
         }
         let offset = if append { data.item.size } else { offset };
         let t = now();
-        self.write_locked(ino, &mut data, offset, bytes)?;
+        match prewritten {
+            // Still in blocks (a truncate to zero between could have made it inline-able).
+            Some(extents) if self.in_blocks(ino, &data)? => {
+                self.record_new_blocks(ino, &mut data, offset, bytes.len() as u64, extents)?;
+                data.item.size = data.item.size.max(offset + bytes.len() as u64);
+            }
+            Some(extents) => {
+                self.give_back(&extents);
+                self.write_locked(ino, &mut data, offset, bytes)?;
+            }
+            None => self.write_locked(ino, &mut data, offset, bytes)?,
+        }
         let dropped = kill_privs && self.kill_privs_locked(ino, &mut data)?;
         data.item.mtime = t;
         data.item.ctime = t;
@@ -335,9 +390,21 @@ impl Filesystem {
 
     /// Writes whole blocks at a block-aligned file offset into new extents.
     fn write_blocks(&self, ino: u64, data: &mut InodeData, offset: u64, buf: &[u8]) -> Result<()> {
+        let new_extents = self.write_new_blocks(ino, offset, buf).inspect_err(|e| {
+            if matches!(e, Error::Io { .. }) {
+                data.write_error = true;
+            }
+        })?;
+        self.record_new_blocks(ino, data, offset, buf.len() as u64, new_extents)
+    }
+
+    /// Allocates new blocks for `buf` (whole blocks for a block-aligned file offset) and
+    /// writes them; returns the extents (file offset, disk address, checksums) to record.
+    /// Needs no inode lock: the blocks are new and referenced by nothing until recorded.
+    fn write_new_blocks(&self, ino: u64, offset: u64, buf: &[u8]) -> Result<Vec<NewExtent>> {
         debug_assert!(offset % BLOCK_SIZE == 0 && buf.len() as u64 % BLOCK_SIZE == 0);
         let total_blocks = buf.len() as u64 / BLOCK_SIZE;
-        let mut new_extents: Vec<(u64, u64, Vec<u32>)> = Vec::new();
+        let mut new_extents: Vec<NewExtent> = Vec::new();
         let mut done = 0u64;
         let mut goal = self.continuation_goal(ino, offset)?;
         while done < total_blocks {
@@ -353,7 +420,6 @@ impl Filesystem {
             if let Err(e) = self.inner.engine.device().write_at(slice, addr) {
                 self.inner.engine.allocator().free_now(addr, got);
                 self.give_back(&new_extents);
-                data.write_error = true;
                 return Err(Error::io(
                     format!(
                         "write inode {ino} offset {} to block {addr:#x}",
@@ -370,7 +436,21 @@ impl Filesystem {
             done += got;
             goal = Some(addr + got * BLOCK_SIZE);
         }
-        let mut changes = self.drop_range(ino, offset, offset + buf.len() as u64)?;
+        Ok(new_extents)
+    }
+
+    /// Replaces `[offset, offset + len)` of the file with blocks [`Filesystem::write_new_blocks`]
+    /// wrote, with the inode lock held: one range drop, the new extent items, and a merge with
+    /// the extent before them.
+    fn record_new_blocks(
+        &self,
+        ino: u64,
+        data: &mut InodeData,
+        offset: u64,
+        len: u64,
+        new_extents: Vec<NewExtent>,
+    ) -> Result<()> {
+        let mut changes = self.drop_range(ino, offset, offset + len)?;
         let generation = self.inner.engine.running_generation();
         for (file_offset, addr, csums) in new_extents {
             changes.blocks_added += csums.len() as u64;
@@ -457,7 +537,7 @@ impl Filesystem {
         Ok(())
     }
 
-    fn give_back(&self, extents: &[(u64, u64, Vec<u32>)]) {
+    fn give_back(&self, extents: &[NewExtent]) {
         for (_, addr, csums) in extents {
             self.inner
                 .engine

@@ -234,6 +234,10 @@ pub(crate) struct Inner {
     next_fh: AtomicU64,
     closed: AtomicBool,
     pub(crate) fsync_mode: FsyncMode,
+    /// Dir item keys some fsync logged, with the inode the logged entry names and the
+    /// generation it was logged in: a later fsync of another inode under the same key would
+    /// make replay drop that entry while the inode keeps its name (durability.rs).
+    pub(crate) logged_names: Mutex<HashMap<birch_format::Key, (u64, u64)>>,
 }
 
 /// A mounted-or-embedded birchfs filesystem.
@@ -336,6 +340,7 @@ impl Filesystem {
             next_fh: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             fsync_mode: options.fsync,
+            logged_names: Mutex::new(HashMap::new()),
         });
         let fs = Filesystem { inner };
         if fs.getattr(ROOT_OBJECTID).is_err() {
