@@ -68,6 +68,7 @@ if [[ $can_mount == 1 ]]; then
   install -m 0755 target/release/birch /usr/sbin/mount.fuse.birch
   tier "posix setup" bash tests/posix/setup.sh
   tier "mount tests" bash tests/mount/mount-tests.sh
+  tier "FUSE op tests" python3 tests/mount/fuse-ops.py
   tier "pjdfstest birch vs ext4" pjdfstest_tier
   tier "fsx birch" bash tests/posix/fsx.sh birch
   tier "differential birch vs ext4" bash tests/posix/differential.sh

@@ -84,6 +84,29 @@ impl BirchFuse {
         }
     }
 
+    /// The groups of a caller that lacks CAP_FSETID, primary first, as far as the sgid rule
+    /// of a write, truncate or chown of `ino` needs them: the supplementary groups (from
+    /// /proc) only matter, and are only read, when the file has sgid without group-execute.
+    fn caller_groups(&self, req: &Request, ino: u64) -> Vec<u32> {
+        let mut groups = vec![req.gid()];
+        let needs_all = self
+            .fs
+            .getattr(ino)
+            .is_ok_and(|a| a.perm & libc::S_ISGID != 0 && a.perm & libc::S_IXGRP == 0);
+        if needs_all {
+            let status =
+                std::fs::read_to_string(format!("/proc/{}/status", req.pid())).unwrap_or_default();
+            if let Some(line) = status.lines().find(|l| l.starts_with("Groups:")) {
+                groups.extend(
+                    line["Groups:".len()..]
+                        .split_whitespace()
+                        .filter_map(|g| g.parse::<u32>().ok()),
+                );
+            }
+        }
+        groups
+    }
+
     /// Where the mount puts the session's notifier once it exists.
     pub fn notifier_slot(&self) -> Arc<OnceLock<fuser::Notifier>> {
         self.notifier.clone()
@@ -177,7 +200,24 @@ fn caller(req: &Request, umask: u32) -> Caller {
 fn set_time(t: TimeOrNow) -> SetTime {
     match t {
         TimeOrNow::Now => SetTime::Now,
-        TimeOrNow::SpecificTime(t) => SetTime::At(timespec(t)),
+        TimeOrNow::SpecificTime(t) => SetTime::At(timespec_from_kernel(t)),
+    }
+}
+
+/// A time the kernel sent (SETATTR). fuser 0.18 decodes a negative (sec, nsec) as
+/// `UNIX_EPOCH - (|sec| s + nsec ns)`, subtracting the nanoseconds that should be added;
+/// undo that, so 1969-12-31 23:59:59.25 stays .25 and does not become .75 of the second
+/// before. (Its encoding of replies is right: [`system_time`] is its inverse.)
+fn timespec_from_kernel(t: SystemTime) -> Timespec {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(_) => timespec(t),
+        Err(e) => {
+            let d = e.duration();
+            Timespec {
+                sec: -(d.as_secs() as i64),
+                nsec: d.subsec_nanos(),
+            }
+        }
     }
 }
 
@@ -265,10 +305,12 @@ impl fuser::Filesystem for BirchFuse {
             size,
             atime: atime.map(set_time),
             mtime: mtime.map(set_time),
-            ctime: ctime.map(timespec),
+            ctime: ctime.map(timespec_from_kernel),
             // fuser does not pass FATTR_KILL_SUIDGID on; the kernel sets it on a truncate by
             // a caller without CAP_FSETID, which for us is a caller other than root.
             kill_privs: self.killpriv && size.is_some() && req.uid() != 0,
+            caller_groups: (req.uid() != 0 && (size.is_some() || uid.is_some() || gid.is_some()))
+                .then(|| self.caller_groups(req, ino.0)),
         };
         match self.fs.setattr(ino.0, &set) {
             Ok(a) => reply.attr(&self.options.ttl, &file_attr(&a)),
@@ -420,7 +462,7 @@ impl fuser::Filesystem for BirchFuse {
 
     fn write(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
         offset: u64,
@@ -432,10 +474,12 @@ impl fuser::Filesystem for BirchFuse {
     ) {
         // With the writeback cache the kernel has already placed O_APPEND writes.
         let append = flags.0 & libc::O_APPEND != 0 && !self.options.writeback;
-        let kill = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
+        let kill = write_flags
+            .contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID)
+            .then(|| self.caller_groups(req, ino.0));
         let result = self
             .fs
-            .write_with(ino.0, offset, data, append, kill)
+            .write_with(ino.0, offset, data, append, kill.as_deref())
             .and_then(|(n, dropped)| {
                 if dropped {
                     // The kernel keeps the old mode cached after a write: make it ask again.
@@ -741,5 +785,32 @@ fn xattr_reply(reply: ReplyXattr, size: u32, value: &[u8]) {
         reply.error(Errno::ERANGE);
     } else {
         reply.data(value);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_before_1970_from_the_kernel_keep_their_nanoseconds() {
+        // What fuser 0.18 hands over for the wire value (-86400 s, 999999999 ns).
+        let from_fuser = UNIX_EPOCH - Duration::new(86_400, 999_999_999);
+        let t = timespec_from_kernel(from_fuser);
+        assert_eq!((t.sec, t.nsec), (-86_400, 999_999_999));
+        // Whole seconds and times after 1970 are unchanged.
+        let t = timespec_from_kernel(UNIX_EPOCH - Duration::from_secs(5));
+        assert_eq!((t.sec, t.nsec), (-5, 0));
+        let t = timespec_from_kernel(UNIX_EPOCH + Duration::new(7, 3));
+        assert_eq!((t.sec, t.nsec), (7, 3));
+        // Our replies encode through system_time, which fuser turns back into (sec, nsec).
+        let back = system_time(Timespec {
+            sec: -86_400,
+            nsec: 999_999_999,
+        });
+        assert_eq!(
+            back,
+            UNIX_EPOCH - Duration::from_secs(86_400) + Duration::from_nanos(999_999_999)
+        );
     }
 }

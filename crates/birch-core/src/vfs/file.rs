@@ -237,20 +237,21 @@ impl Filesystem {
 
     /// Writes `bytes` at `offset` (or at the end with `append`); returns bytes written.
     pub fn write(&self, ino: u64, offset: u64, bytes: &[u8], append: bool) -> Result<u32> {
-        Ok(self.write_with(ino, offset, bytes, append, false)?.0)
+        Ok(self.write_with(ino, offset, bytes, append, None)?.0)
     }
 
-    /// [`Filesystem::write`], and with `kill_privs` (the writer lacks CAP_FSETID: FUSE's
-    /// `FUSE_WRITE_KILL_SUIDGID`) also what Linux does to such a write: suid cleared, sgid
-    /// cleared when group-execute is set, `security.capability` dropped. Returns the bytes
-    /// written and whether privileges were dropped (a cached mode is stale then).
+    /// [`Filesystem::write`], and with `kill_privs` (the writer lacks CAP_FSETID, as FUSE's
+    /// `FUSE_WRITE_KILL_SUIDGID` says; its groups, primary first) also what Linux does to such
+    /// a write: suid cleared, sgid cleared when group-execute is set or the writer is not in
+    /// the file's group, `security.capability` dropped. Returns the bytes written and whether
+    /// privileges were dropped (a cached mode is stale then).
     pub fn write_with(
         &self,
         ino: u64,
         offset: u64,
         bytes: &[u8],
         append: bool,
-        kill_privs: bool,
+        kill_privs: Option<&[u32]>,
     ) -> Result<(u32, bool)> {
         self.retry_on_full(|| self.write_once(ino, offset, bytes, append, kill_privs))
     }
@@ -261,7 +262,7 @@ impl Filesystem {
         offset: u64,
         bytes: &[u8],
         append: bool,
-        kill_privs: bool,
+        kill_privs: Option<&[u32]>,
     ) -> Result<(u32, bool)> {
         let state = self.inode(ino)?;
         // Whole blocks at a block offset of a file already in blocks (O_DIRECT writes, seed
@@ -314,7 +315,10 @@ impl Filesystem {
             }
             None => self.write_locked(ino, &mut data, offset, bytes)?,
         }
-        let dropped = kill_privs && self.kill_privs_locked(ino, &mut data)?;
+        let dropped = match kill_privs {
+            Some(groups) => self.kill_privs_locked(ino, &mut data, Some(groups))?,
+            None => false,
+        };
         data.item.mtime = t;
         data.item.ctime = t;
         self.store_inode(ino, &mut data)?;
@@ -742,7 +746,7 @@ impl Filesystem {
                 self.truncate_locked(ino, &mut data, size)?;
             }
             if set.kill_privs {
-                self.kill_privs_locked(ino, &mut data)?;
+                self.kill_privs_locked(ino, &mut data, set.caller_groups.as_deref())?;
             }
             data.item.mtime = t;
         }
@@ -760,6 +764,11 @@ impl Filesystem {
                     birch_format::items::encode_xattrs(&xattrs),
                 );
             }
+        }
+        if set.uid.is_some() || set.gid.is_some() {
+            // chown of a non-directory: suid always goes, sgid as for a write (Linux's
+            // chown_common asks for ATTR_KILL_SUID | ATTR_KILL_SGID | ATTR_KILL_PRIV).
+            self.kill_privs_locked(ino, &mut data, set.caller_groups.as_deref())?;
         }
         if let Some(uid) = set.uid {
             data.item.uid = uid;

@@ -164,8 +164,13 @@ pub struct SetAttr {
     pub mtime: Option<SetTime>,
     pub ctime: Option<Timespec>,
     /// With `size`: the caller lacks CAP_FSETID, so the truncate clears suid (and sgid when
-    /// group-execute is set) and drops `security.capability`, as Linux does.
+    /// group-execute is set or the caller is outside the file's group) and drops
+    /// `security.capability`, as Linux does.
     pub kill_privs: bool,
+    /// The caller's groups (primary first) when it lacks CAP_FSETID; `None` for a privileged
+    /// caller. Decides whether a truncate or chown also drops an sgid bit without
+    /// group-execute.
+    pub caller_groups: Option<Vec<u32>>,
 }
 
 /// Filesystem statistics.

@@ -116,17 +116,24 @@ impl Filesystem {
         Ok(out)
     }
 
-    /// What Linux does to a file written or truncated by a caller without CAP_FSETID
-    /// (`file_remove_privs`): clears suid, clears sgid when group-execute is set, and drops
-    /// `security.capability`. With the inode lock held; the caller stores the inode item.
-    /// Returns whether anything was dropped.
-    pub(crate) fn kill_privs_locked(&self, ino: u64, data: &mut InodeData) -> Result<bool> {
+    /// What Linux does to a file written, truncated or chowned (`file_remove_privs`,
+    /// `setattr_should_drop_sgid`): clears suid; clears sgid when group-execute is set, or when
+    /// the caller (its groups in `caller_groups`, `None` for a caller with CAP_FSETID) is not
+    /// in the file's group; drops `security.capability`. With the inode lock held; the caller
+    /// stores the inode item. Returns whether anything was dropped.
+    pub(crate) fn kill_privs_locked(
+        &self,
+        ino: u64,
+        data: &mut InodeData,
+        caller_groups: Option<&[u32]>,
+    ) -> Result<bool> {
         let mode = data.item.mode;
         if mode & libc::S_IFMT != libc::S_IFREG {
             return Ok(false);
         }
         let mut killed = mode & !libc::S_ISUID;
-        if mode & libc::S_IXGRP != 0 {
+        let outside_group = caller_groups.is_some_and(|g| !g.contains(&data.item.gid));
+        if mode & libc::S_IXGRP != 0 || outside_group {
             killed &= !libc::S_ISGID;
         }
         data.item.mode = killed;
