@@ -345,7 +345,9 @@ fn a_crash_during_replay_replays_again() {
         fs.sync().expect("commit dir");
         for i in 0..6u8 {
             let name = format!("f{i}");
-            let (f, _) = fs.create(c, d.ino, name.as_bytes(), 0o644, 0).expect("create");
+            let (f, _) = fs
+                .create(c, d.ino, name.as_bytes(), 0o644, 0)
+                .expect("create");
             let content = vec![i + 1; 3000 + usize::from(i) * 2500];
             fs.write(f.ino, 0, &content, false).expect("write");
             fs.fsync(f.ino, i % 2 == 1).expect("fsync");
