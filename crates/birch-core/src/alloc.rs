@@ -28,7 +28,10 @@ pub const GROUP_BLOCKS: u64 = 32768;
 /// Who the space is for: data may not dip into the metadata reserve.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Purpose {
+    /// File data: fails with `NoSpace` rather than take the metadata reserve.
     Data,
+    /// Tree nodes: may use the metadata reserve, so a commit can still complete when data
+    /// has filled the device.
     Metadata,
 }
 

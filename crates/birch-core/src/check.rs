@@ -28,42 +28,73 @@ use crate::txn::Engine;
 /// Every kind of problem fsck names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum FindingKind {
+    /// A superblock copy is unreadable or invalid, or the two copies disagree on the fsid.
     SuperblockSlotBad,
+    /// A tree node cannot be read from the device or fails to decode (checksum, header,
+    /// expected owner, generation or level).
     NodeUnreadable,
+    /// A key in a node lies outside the key range its parent pointer allows.
     NodeKeyOutOfRange,
+    /// An internal node's pointer key differs from the first key of the child it points to.
     PointerKeyMismatch,
+    /// A block is referenced by two nodes or extents (or a node and an extent).
     BlockReferencedTwice,
+    /// A node or extent lies (partly) past the end of the device or is not block-aligned.
     BlockOutOfBounds,
+    /// A node or extent overlaps the reserved head (superblocks) or the fsync log area.
     BlockInReservedArea,
+    /// A leaf item has an unknown type code or a payload that does not decode.
     ItemUndecodable,
+    /// Items exist for an object id that has no inode item.
     ItemWithoutInode,
+    /// An inode's nlink differs from its inode refs (files) or 2 + subdirectories (dirs).
     InodeNlinkMismatch,
+    /// A dir item (by name hash) has no matching dir index entry.
     DirItemWithoutIndex,
+    /// A dir index entry has no matching dir item, or its stored index differs from its key.
     DirIndexWithoutItem,
+    /// A directory entry names an inode that does not exist.
     DirEntryDangling,
+    /// An inode ref names a parent entry that does not exist.
     InodeRefWithoutDirEntry,
+    /// A directory entry whose child has no inode ref back to it.
     DirEntryWithoutInodeRef,
+    /// A directory's size differs from its number of entries.
     DirSizeMismatch,
+    /// An inode with no names and no orphan item: it would leak.
     OrphanMissing,
+    /// An orphan item for an inode that no longer exists.
     OrphanStale,
+    /// A regular extent starts at a file offset that is not block-aligned.
     ExtentMisaligned,
+    /// A file extent starts before the end of the previous one.
     ExtentOverlap,
+    /// An extent starts (regular) or ends (inline) past the file size.
     ExtentPastSize,
+    /// An inline extent not at offset 0, larger than `INLINE_MAX_BYTES`, or not the
+    /// file's only extent.
     InlineExtentInvalid,
+    /// A data block's crc32c differs from its extent's checksum (only with
+    /// [`CheckOptions::data`]).
     DataChecksumMismatch,
+    /// A data block could not be read (only with [`CheckOptions::data`]).
     DataUnreadable,
+    /// The root directory (inode 1) has no inode item.
     RootDirMissing,
 }
 
 /// One problem: where, what was found, what was expected.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Finding {
+    /// What kind of problem.
     pub kind: FindingKind,
     /// Block (byte address) or node, if the finding has one.
     pub block: Option<u64>,
     /// Tree, generation and slot, where known.
     pub location: String,
+    /// What fsck found there, in words.
     pub found: String,
+    /// What the format requires instead.
     pub expected: String,
 }
 
@@ -84,18 +115,26 @@ impl fmt::Display for Finding {
 /// What fsck looked at and found.
 #[derive(Debug, Default)]
 pub struct Report {
+    /// The superblock the check used (the newest valid copy); set when the check finished.
     pub superblock: Option<Superblock>,
+    /// Every problem found, in pass order; empty for a clean image.
     pub findings: Vec<Finding>,
+    /// Tree nodes visited.
     pub nodes: u64,
+    /// Leaf items visited.
     pub items: u64,
+    /// Inode items checked.
     pub inodes: u64,
+    /// Data blocks referenced by regular extents (in blocks, not bytes).
     pub data_blocks: u64,
     /// Log batches after the last commit that the next read-write open will replay, their
     /// records, and why reading the log stopped. A torn tail is normal after a crash, not a
     /// finding: the committed tree checked here is consistent on its own, and replay applies
     /// only batches that verify.
     pub log_batches: u64,
+    /// Records in those batches newer than the committed generation.
     pub log_records: u64,
+    /// Why reading the log stopped (end of log, torn batch, ...).
     pub log_stop: String,
 }
 

@@ -21,9 +21,12 @@ use crate::{Filesystem, MkfsOptions, Result};
 pub struct Rng(u64);
 
 impl Rng {
+    /// A generator seeded with `seed`; the same seed always gives the same sequence. Any seed
+    /// works (0 included): the state is forced odd, never zero.
     pub fn new(seed: u64) -> Rng {
         Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
+    /// The next pseudo-random 64-bit number. Not cryptographic.
     pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
@@ -34,6 +37,7 @@ impl Rng {
     pub fn below(&mut self, n: u64) -> u64 {
         self.next_u64() % n.max(1)
     }
+    /// True with probability `percent`/100 (100 or more: always).
     pub fn chance(&mut self, percent: u64) -> bool {
         self.below(100) < percent
     }
@@ -56,6 +60,7 @@ pub enum Workload {
 }
 
 impl Workload {
+    /// Every workload, in the order `birch crashtest` runs them.
     pub const ALL: [Workload; 5] = [
         Workload::Append,
         Workload::LinkRename,
@@ -64,6 +69,7 @@ impl Workload {
         Workload::Ace,
     ];
 
+    /// The workload's display name, as reports and the command line use it.
     pub fn name(self) -> &'static str {
         match self {
             Workload::Append => "append+fsync",
@@ -74,6 +80,8 @@ impl Workload {
         }
     }
 
+    /// The workload called `name`: its display name or its variant name (any case);
+    /// `None` if there is none.
     pub fn parse(name: &str) -> Option<Workload> {
         Workload::ALL
             .into_iter()
@@ -336,7 +344,9 @@ fn run_workload(
 /// Result of a matrix run.
 #[derive(Debug, Default)]
 pub struct CrashReport {
+    /// Crash states checked (the initial image, every flush point, then seeded cuts).
     pub states: usize,
+    /// One line per state the oracle rejected: workload, seed, state, cut and why.
     pub failures: Vec<String>,
 }
 

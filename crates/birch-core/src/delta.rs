@@ -112,6 +112,8 @@ impl Delta {
         self.shards.iter().map(|s| s.lock().len()).sum()
     }
 
+    /// Whether no shard holds an entry. Locks each shard in turn, so under concurrent writers
+    /// the answer is only a snapshot.
     pub fn is_empty(&self) -> bool {
         self.shards.iter().all(|s| s.lock().is_empty())
     }

@@ -13,61 +13,102 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Every failure the core reports.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// The device (or the fsync log) failed a read, write or flush. Maps to `EIO`.
     #[error("{context}: I/O error: {source}")]
-    Io { context: String, source: io::Error },
+    Io {
+        /// What was being done: operation, inode, block.
+        context: String,
+        /// The error the device returned.
+        source: io::Error,
+    },
+    /// Metadata read from the device failed to decode or verify (checksum, magic, bounds).
+    /// Maps to `EIO`; fsck is the remedy.
     #[error("{context}: corrupt metadata: {source}")]
     Corrupt {
+        /// What was being read: operation, inode, block.
         context: String,
+        /// The decoding failure from `birch-format`.
         source: FormatError,
     },
+    /// A file data block failed its checksum on read. Maps to `EIO`.
     #[error("{0}: data checksum mismatch")]
     DataChecksum(String),
+    /// The allocator (or an inode's xattr space) cannot satisfy the request. Maps to `ENOSPC`.
     #[error("{0}: no space left on device")]
     NoSpace(String),
+    /// The filesystem is mounted read-only or was forced read-only after a failed commit or
+    /// log flush; the string is the reason. Maps to `EROFS`.
     #[error("filesystem is read-only: {0}")]
     ReadOnly(String),
+    /// A name, inode or item does not exist. Maps to `ENOENT`.
     #[error("{0}: no such file or directory")]
     NotFound(String),
+    /// The target name already exists (create, mkdir, link, `RENAME_NOREPLACE`). Maps to `EEXIST`.
     #[error("{0}: file exists")]
     Exists(String),
+    /// rmdir or rename over a directory that still has entries. Maps to `ENOTEMPTY`.
     #[error("{0}: directory not empty")]
     NotEmpty(String),
+    /// A directory operation on something that is not a directory. Maps to `ENOTDIR`.
     #[error("{0}: not a directory")]
     NotDir(String),
+    /// A file operation (or unlink) on a directory. Maps to `EISDIR`.
     #[error("{0}: is a directory")]
     IsDir(String),
+    /// A file name longer than the format allows, or a symlink target of `PATH_MAX` bytes or
+    /// more. Maps to `ENAMETOOLONG`.
     #[error("{0}: file name too long")]
     NameTooLong(String),
+    /// A malformed argument, option or on-disk state the operation refuses. Maps to `EINVAL`.
     #[error("{0}: invalid argument")]
     Invalid(String),
+    /// The link count (or a directory's subdirectory count) would overflow. Maps to `EMLINK`.
     #[error("{0}: too many links")]
     TooManyLinks(String),
+    /// An offset or size beyond the maximum file size. Maps to `EFBIG`.
     #[error("{0}: file too large")]
     TooBig(String),
+    /// The requested extended attribute does not exist. Maps to `ENODATA`.
     #[error("{0}: no such attribute")]
     NoData(String),
+    /// An xattr name that is empty or longer than the format allows. Maps to `ERANGE`.
     #[error("{0}: result does not fit the buffer")]
     Range(String),
+    /// An xattr value larger than `XATTR_VALUE_MAX` bytes. Maps to `E2BIG`.
     #[error("{0}: argument list too long")]
     TooLong(String),
+    /// An operation forbidden regardless of permissions (e.g. hard link to a directory).
+    /// Maps to `EPERM`.
     #[error("{0}: operation not permitted")]
     NotPermitted(String),
+    /// Permission denied. Not produced by the core today (the kernel checks permissions);
+    /// kept for the errno mapping. Maps to `EACCES`.
     #[error("{0}: permission denied")]
     Access(String),
+    /// A link or rename across filesystems. Not produced by the core today. Maps to `EXDEV`.
     #[error("{0}: cross-device link")]
     CrossDevice(String),
+    /// Path resolution too deep (directory tree deeper than 4096 levels). Maps to `ELOOP`.
     #[error("{0}: too many levels of symbolic links")]
     Loop(String),
+    /// An unsupported operation or mode (e.g. an fallocate mode). Maps to `EOPNOTSUPP`.
     #[error("{0}: operation not supported")]
     NotSupported(String),
+    /// An unknown or stale file handle. Not produced by the core today. Maps to `EBADF`.
     #[error("{0}: bad file handle")]
     BadHandle(String),
+    /// The target is in use or changed underneath the operation (rename of `.`/`..`, an entry
+    /// replaced during unlink). Maps to `EBUSY`.
     #[error("{0}: device or resource busy")]
     Busy(String),
+    /// An earlier write-back of this file failed; fsync keeps reporting it. Maps to `EIO`.
     #[error("{0}: earlier write failed")]
     StickyIo(String),
+    /// SEEK_DATA / SEEK_HOLE at or past the end of the file, or no data after the offset.
+    /// Maps to `ENXIO`.
     #[error("{0}: no such device or address")]
     NoSuchAddress(String),
+    /// fallocate on a special file. Maps to `ENODEV`.
     #[error("{0}: no such device")]
     NoDevice(String),
 }

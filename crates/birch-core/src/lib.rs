@@ -5,6 +5,8 @@
 //! the engine; `check` reads through the engine and `btree` and never writes. The on-disk
 //! format lives in the `birch-format` crate. Nothing here knows about FUSE.
 
+#![warn(missing_docs)]
+
 pub mod alloc;
 pub mod btree;
 pub mod cache;

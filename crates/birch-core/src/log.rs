@@ -212,10 +212,14 @@ impl FsyncLog {
 /// What replay found in the log.
 #[derive(Debug, Default)]
 pub struct Replay {
+    /// Records of every verified batch, in log order. Includes records whose generation the
+    /// committed tree already covers; replay applies only those newer than the superblock's.
     pub records: Vec<LogRecord>,
+    /// Number of batches that verified and were read.
     pub batches: u64,
     /// Where the next batch goes.
     pub tail_lsn: u64,
+    /// Sequence number the next batch written must carry.
     pub next_seq: u64,
     /// Why reading stopped (end of log, torn batch, data checksum).
     pub stop: String,

@@ -42,6 +42,7 @@ const OBJECTID_BATCH: u64 = 64;
 /// Options of a new image.
 #[derive(Debug, Clone, Default)]
 pub struct MkfsOptions {
+    /// Volume label, stored in the superblock; at most 63 bytes are kept, longer ones are cut.
     pub label: String,
     /// Bytes of the fsync log area; 0 picks 1/64 of the device, between 4 and 128 MiB.
     pub log_bytes: u64,
@@ -74,7 +75,10 @@ impl Drop for ReleaseOnDrop {
 
 /// A committed, immutable tree version.
 pub struct Snapshot {
+    /// Root of the filesystem tree as of this commit.
     pub root: RootPtr,
+    /// Generation (commit number) that wrote this tree. While the snapshot is held, space
+    /// freed by later commits stays pinned.
     pub generation: u64,
     release: Arc<ReleaseOnDrop>,
 }

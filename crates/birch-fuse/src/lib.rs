@@ -6,6 +6,8 @@
 //! requests. Must not touch: filesystem logic or caching of its own; every errno comes from
 //! [`birch_core::Error::errno`].
 
+#![warn(missing_docs)]
+
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
@@ -74,6 +76,9 @@ impl BirchFuse {
         }
     }
 
+    /// An adapter over `fs`. POSIX ACLs and kill-priv start off and are switched on in `init`
+    /// only if the kernel accepts them; the notifier slot starts empty (see
+    /// [`BirchFuse::notifier_slot`]). Does no I/O.
     pub fn new(fs: Arc<Filesystem>, options: FuseOptions) -> BirchFuse {
         BirchFuse {
             fs,

@@ -26,10 +26,15 @@ pub use writer::TreeWriter;
 /// What a tree needs to read its nodes.
 #[derive(Clone, Copy)]
 pub struct TreeCtx<'a> {
+    /// The device nodes are read from on a cache miss.
     pub device: &'a dyn BlockDevice,
+    /// Cache of verified nodes, consulted before the device.
     pub cache: &'a NodeCache,
+    /// Where node reads and cache hits are counted.
     pub counters: &'a Counters,
+    /// Filesystem id every node header must carry; a mismatch is `Corrupt`.
     pub fsid: [u8; 16],
+    /// Tree id every node header must carry (e.g. `FS_TREE_ID`).
     pub owner: u64,
 }
 
@@ -143,7 +148,10 @@ fn scan_node(
 
 /// Read access to one committed tree.
 pub struct TreeReader<'a> {
+    /// How to read and verify nodes.
     pub ctx: TreeCtx<'a>,
+    /// Root of the committed tree to read: address, generation and level. The snapshot
+    /// it names must stay unreleased while the reader is in use.
     pub root: RootPtr,
 }
 

@@ -14,7 +14,14 @@ const BLOCK: usize = birch_format::BLOCK_SIZE as usize;
 /// One recorded device event, for crash tests that rebuild states between flushes.
 #[derive(Debug, Clone)]
 pub enum Recorded {
-    Write { offset: u64, bytes: Arc<[u8]> },
+    /// A write of `bytes` at byte `offset`, as the device received it (not yet durable).
+    Write {
+        /// Byte offset on the device.
+        offset: u64,
+        /// The bytes written, shared with the device's own copy.
+        bytes: Arc<[u8]>,
+    },
+    /// A flush: every write recorded before it is durable.
     Flush,
 }
 

@@ -24,6 +24,7 @@ pub struct OverlayDevice {
 }
 
 impl OverlayDevice {
+    /// An empty overlay over `base`: it reads exactly like `base` until written. Does no I/O.
     pub fn new(base: Arc<dyn BlockDevice>) -> OverlayDevice {
         OverlayDevice {
             base,

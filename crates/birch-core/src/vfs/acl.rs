@@ -8,7 +8,9 @@
 
 use crate::error::{Error, Result};
 
+/// Name of the xattr holding an inode's access ACL; chmod rewrites it to follow the mode.
 pub const ACL_ACCESS: &[u8] = b"system.posix_acl_access";
+/// Name of the xattr holding a directory's default ACL, inherited by inodes created in it.
 pub const ACL_DEFAULT: &[u8] = b"system.posix_acl_default";
 
 const VERSION: u32 = 2;
@@ -64,8 +66,11 @@ fn is_minimal(entries: &[Entry]) -> bool {
 /// What a new inode gets from its directory's default ACL: its mode, its access ACL, and (for
 /// directories) its own default ACL. `mode` carries type and permission bits as requested.
 pub struct Inherited {
+    /// Type and permission bits of the new inode, after the default ACL (or umask) is applied.
     pub mode: u32,
+    /// Access ACL to store on the new inode; `None` when the mode alone expresses it.
     pub access: Option<Vec<u8>>,
+    /// Default ACL to store on a new directory (a copy of the parent's); `None` otherwise.
     pub default: Option<Vec<u8>>,
 }
 

@@ -16,10 +16,13 @@ use crate::error::{Error, Result};
 /// One readdir entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DirEntryOut {
+    /// Inode number the entry names.
     pub ino: u64,
     /// The offset of the entry after this one (the cookie to continue from).
     pub next_offset: u64,
+    /// File type of the child, as stored in the entry (the d_type).
     pub kind: FileKind,
+    /// Entry name in bytes, without a NUL; never contains `/`.
     pub name: Vec<u8>,
 }
 

@@ -63,7 +63,9 @@ impl Default for OpenOptions {
 /// The caller of an operation: ownership of new inodes comes from here.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Caller {
+    /// User id that owns inodes the caller creates.
     pub uid: u32,
+    /// Group id of new inodes, unless the parent directory is set-group-id (then its group).
     pub gid: u32,
     /// The caller's umask, applied here when the kernel leaves it to the filesystem (POSIX
     /// ACL support: a directory's default ACL replaces the umask). 0 when already applied.
@@ -73,12 +75,19 @@ pub struct Caller {
 /// File type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FileKind {
+    /// Regular file.
     File,
+    /// Directory.
     Dir,
+    /// Symbolic link.
     Symlink,
+    /// Named pipe.
     Fifo,
+    /// Unix domain socket.
     Socket,
+    /// Character device node; `Attr::rdev` names the device.
     CharDevice,
+    /// Block device node; `Attr::rdev` names the device.
     BlockDevice,
 }
 
@@ -126,21 +135,33 @@ impl FileKind {
 /// Attributes of an inode, as stat reports them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Attr {
+    /// Inode number.
     pub ino: u64,
+    /// Size in bytes (st_size); for a symlink, the target's length.
     pub size: u64,
     /// 512-byte blocks allocated.
     pub blocks: u64,
+    /// Last access time.
     pub atime: Timespec,
+    /// Last data modification time.
     pub mtime: Timespec,
+    /// Last status (inode) change time.
     pub ctime: Timespec,
+    /// Creation (birth) time.
     pub crtime: Timespec,
+    /// File type (the `S_IFMT` part of st_mode).
     pub kind: FileKind,
     /// Permission bits and suid/sgid/sticky (st_mode without the type).
     pub perm: u32,
+    /// Hard link count.
     pub nlink: u32,
+    /// Owner user id.
     pub uid: u32,
+    /// Owner group id.
     pub gid: u32,
+    /// Device number of a character or block device node; 0 otherwise.
     pub rdev: u64,
+    /// Preferred I/O size in bytes: the filesystem block size.
     pub blksize: u32,
     /// NFS generation of the inode.
     pub generation: u64,
@@ -149,19 +170,30 @@ pub struct Attr {
 /// A time to set: a given one, or now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SetTime {
+    /// The current time, taken once per operation.
     Now,
+    /// This exact time.
     At(Timespec),
 }
 
 /// Which attributes to change.
 #[derive(Debug, Clone, Default)]
 pub struct SetAttr {
+    /// New permission bits (`0o7777`; the file type is kept); also updates an access ACL.
     pub mode: Option<u32>,
+    /// New owner. A chown of a regular file also clears suid, and sgid as a write would
+    /// (see `caller_groups`).
     pub uid: Option<u32>,
+    /// New group; clears suid/sgid of a regular file as for `uid`.
     pub gid: Option<u32>,
+    /// New size in bytes (truncate or extend with a hole). `IsDir` on a directory,
+    /// `Invalid` on a special file, `TooBig` past the maximum file size.
     pub size: Option<u64>,
+    /// New access time.
     pub atime: Option<SetTime>,
+    /// New modification time.
     pub mtime: Option<SetTime>,
+    /// New change time; `None` sets it to now (every setattr moves ctime).
     pub ctime: Option<Timespec>,
     /// With `size`: the caller lacks CAP_FSETID, so the truncate clears suid (and sgid when
     /// group-execute is set or the caller is outside the file's group) and drops
@@ -176,13 +208,21 @@ pub struct SetAttr {
 /// Filesystem statistics.
 #[derive(Debug, Clone, Copy)]
 pub struct StatFs {
+    /// Total blocks (of `frsize` bytes) in the device.
     pub blocks: u64,
+    /// Free blocks, pinned (freed but not yet committed) blocks excluded.
     pub bfree: u64,
+    /// Blocks data may still take: free minus the metadata reserve.
     pub bavail: u64,
+    /// Total inode numbers (2^32).
     pub files: u64,
+    /// Inode numbers not yet handed out.
     pub ffree: u64,
+    /// Block size in bytes.
     pub bsize: u32,
+    /// Longest file name in bytes.
     pub namelen: u32,
+    /// Fragment size in bytes (the block size; `blocks` counts these).
     pub frsize: u32,
 }
 
