@@ -58,6 +58,17 @@ impl Model {
         }
     }
 
+    /// `len` bytes of `fill` were written at `off` through `path` (creating it if new).
+    fn wrote(&mut self, h: &mut History, path: &'static str, off: usize, len: usize, fill: u8) {
+        let ino = self.inode_of(path, h);
+        let c = &mut self.contents[ino];
+        if c.len() < off + len {
+            c.resize(off + len, 0);
+        }
+        c[off..off + len].fill(fill);
+        self.changed(h, ino);
+    }
+
     fn inode_of(&mut self, path: &'static str, h: &mut History) -> usize {
         if let Some(i) = self.names.get(path) {
             return *i;
@@ -117,13 +128,7 @@ impl Run<'_> {
                 let f = self.open(path, 0)?;
                 f.write_all_at(&vec![fill; len], off as u64)
                     .map_err(|e| io("pwrite", path, e))?;
-                let ino = self.model.inode_of(path, &mut self.history);
-                let c = &mut self.model.contents[ino];
-                if c.len() < off + len {
-                    c.resize(off + len, 0);
-                }
-                c[off..off + len].fill(fill);
-                self.model.changed(&mut self.history, ino);
+                self.model.wrote(&mut self.history, path, off, len, fill);
             }
             2 => {
                 let len = 1 + rng.below(6_000) as usize;
@@ -144,13 +149,7 @@ impl Run<'_> {
                 f.write_all_at(buf.bytes(), off as u64)
                     .map_err(|e| io("O_DIRECT|O_SYNC pwrite", path, e))?;
                 drop(f);
-                let ino = self.model.inode_of(path, &mut self.history);
-                let c = &mut self.model.contents[ino];
-                if c.len() < off + len {
-                    c.resize(off + len, 0);
-                }
-                c[off..off + len].fill(fill);
-                self.model.changed(&mut self.history, ino);
+                self.model.wrote(&mut self.history, path, off, len, fill);
                 let mark = self.mark();
                 self.history.synced(mark, path);
             }
