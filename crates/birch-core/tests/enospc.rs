@@ -11,9 +11,9 @@ use birch_core::device::MemDevice;
 use birch_core::vfs::{Caller, OpenOptions, SetAttr};
 use birch_core::{Filesystem, MkfsOptions};
 
-#[test]
-fn full_filesystem_fails_cleanly_and_recovers_after_deletes() {
-    let dev = Arc::new(MemDevice::new(24 << 20));
+/// A new filesystem of `bytes` on a memory device, with no background commits.
+fn fresh(bytes: u64) -> (Arc<MemDevice>, Filesystem) {
+    let dev = Arc::new(MemDevice::new(bytes));
     Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
     let fs = Filesystem::open_device(
         dev.clone(),
@@ -23,6 +23,12 @@ fn full_filesystem_fails_cleanly_and_recovers_after_deletes() {
         },
     )
     .expect("open");
+    (dev, fs)
+}
+
+#[test]
+fn full_filesystem_fails_cleanly_and_recovers_after_deletes() {
+    let (dev, fs) = fresh(24 << 20);
     let chunk = vec![0xabu8; 256 * 1024];
     let mut files = Vec::new();
     let mut hit_enospc = false;
@@ -85,16 +91,7 @@ fn full_filesystem_fails_cleanly_and_recovers_after_deletes() {
 /// commit, fsck clean.
 #[test]
 fn failed_commit_turns_read_only_and_never_half_commits() {
-    let dev = Arc::new(MemDevice::new(32 << 20));
-    Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
-    let fs = Filesystem::open_device(
-        dev.clone(),
-        OpenOptions {
-            commit_interval: None,
-            ..Default::default()
-        },
-    )
-    .expect("open");
+    let (dev, fs) = fresh(32 << 20);
     fs.write_file("/kept", b"committed before the disk died")
         .expect("write");
     fs.sync().expect("commit");

@@ -114,7 +114,7 @@ impl Run<'_> {
             .map_err(|e| io("open", path, e))
     }
 
-    /// One operation on `path`, chosen by the generator; returns whether it changed content.
+    /// One operation on `path`, chosen by the generator, recorded in the model and history.
     fn operation(&mut self, rng: &mut Rng, step: u8, path: &'static str) -> Result<(), String> {
         let fill = step.wrapping_mul(37).wrapping_add(11) | 1;
         let op = rng.below(9);
@@ -144,9 +144,11 @@ impl Run<'_> {
                 // O_DIRECT|O_SYNC: the WRITE is durable before it is answered, with no fsync.
                 let off = 4096 * rng.below(4) as usize;
                 let len = 4096 * (1 + rng.below(2) as usize);
-                let buf = AlignedBlock::new(len, fill);
+                // O_DIRECT wants a 4 KiB-aligned buffer: take an aligned window of a larger one.
+                let backing = vec![fill; len + 4096];
+                let at = backing.as_ptr().align_offset(4096).min(4096);
                 let f = self.open(path, libc::O_DIRECT | libc::O_SYNC)?;
-                f.write_all_at(buf.bytes(), off as u64)
+                f.write_all_at(&backing[at..at + len], off as u64)
                     .map_err(|e| io("O_DIRECT|O_SYNC pwrite", path, e))?;
                 drop(f);
                 self.model.wrote(&mut self.history, path, off, len, fill);
@@ -282,39 +284,6 @@ impl Run<'_> {
             _ => {}
         }
         Ok(())
-    }
-}
-
-/// A 4 KiB-aligned buffer for O_DIRECT.
-struct AlignedBlock {
-    ptr: *mut u8,
-    layout: std::alloc::Layout,
-}
-
-impl AlignedBlock {
-    fn new(len: usize, fill: u8) -> AlignedBlock {
-        let layout = std::alloc::Layout::from_size_align(len.max(4096), 4096)
-            .unwrap_or_else(|_| std::alloc::Layout::new::<[u8; 4096]>());
-        // SAFETY: a non-zero size layout; checked for null below.
-        let ptr = unsafe { std::alloc::alloc(layout) };
-        if ptr.is_null() {
-            std::alloc::handle_alloc_error(layout);
-        }
-        // SAFETY: ptr is valid for layout.size() bytes.
-        unsafe { std::ptr::write_bytes(ptr, fill, layout.size()) };
-        AlignedBlock { ptr, layout }
-    }
-
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: ptr is valid and initialised for layout.size() bytes while self lives.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.layout.size()) }
-    }
-}
-
-impl Drop for AlignedBlock {
-    fn drop(&mut self) {
-        // SAFETY: allocated in new with this layout.
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
     }
 }
 

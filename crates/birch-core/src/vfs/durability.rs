@@ -102,8 +102,11 @@ impl Filesystem {
                             _ => engine.committed_get(&key)?,
                         };
                         fresh.retain(|r| {
-                            r.key != key
-                                || !only_times_differ(r.value.as_deref(), reference.as_deref())
+                            let same = match (r.value.as_deref(), reference.as_deref()) {
+                                (Some(new), Some(old)) => differs_only_in_times(new, old, true),
+                                _ => false,
+                            };
+                            r.key != key || !same
                         });
                     }
                     if fresh.is_empty() {
@@ -272,12 +275,7 @@ impl Filesystem {
         let Ok(Some(committed)) = self.inner.engine.committed_get(key) else {
             return false;
         };
-        let (Ok(mut a), Ok(b)) = (InodeItem::decode(now), InodeItem::decode(&committed)) else {
-            return false;
-        };
-        a.atime = b.atime;
-        a.transid = b.transid;
-        a == b
+        differs_only_in_times(now, &committed, false)
     }
 
     /// Applies what the log holds beyond the last commit, fixes up counts, and commits.
@@ -411,17 +409,17 @@ impl Filesystem {
     }
 }
 
-/// Whether two encoded inode items differ in their timestamps (and transaction id) only.
-fn only_times_differ(new: Option<&[u8]>, old: Option<&[u8]>) -> bool {
-    let (Some(new), Some(old)) = (new, old) else {
-        return false;
-    };
+/// Whether two encoded inode items differ only in atime (and, with `modify_times`, also
+/// mtime and ctime) and the transaction id.
+fn differs_only_in_times(new: &[u8], old: &[u8], modify_times: bool) -> bool {
     let (Ok(mut a), Ok(b)) = (InodeItem::decode(new), InodeItem::decode(old)) else {
         return false;
     };
     a.atime = b.atime;
-    a.mtime = b.mtime;
-    a.ctime = b.ctime;
     a.transid = b.transid;
+    if modify_times {
+        a.mtime = b.mtime;
+        a.ctime = b.ctime;
+    }
     a == b
 }

@@ -276,7 +276,14 @@ impl Filesystem {
             && offset
                 .checked_add(bytes.len() as u64)
                 .is_some_and(|end| end <= MAX_FILE_BYTES);
-        let prewritten = if aligned && self.in_blocks(ino, &state.data.read())? {
+        // A file larger than the inline limit is, in practice, in blocks: a hint that costs no
+        // tree search; the exact check below, under the lock, decides.
+        let likely_in_blocks = {
+            let data = state.data.read();
+            data.item.mode & libc::S_IFMT == libc::S_IFREG
+                && data.item.size > INLINE_MAX_BYTES as u64
+        };
+        let prewritten = if aligned && likely_in_blocks {
             match self.write_new_blocks(ino, offset, bytes) {
                 Ok(extents) => Some(extents),
                 Err(e) => {
@@ -304,7 +311,8 @@ impl Filesystem {
         let offset = if append { data.item.size } else { offset };
         let t = now();
         match prewritten {
-            // Still in blocks (a truncate to zero between could have made it inline-able).
+            // In blocks (the same look-ups write_locked would do); otherwise the blocks go
+            // back and the general path writes.
             Some(extents) if self.in_blocks(ino, &data)? => {
                 self.record_new_blocks(ino, &mut data, offset, bytes.len() as u64, extents)?;
                 data.item.size = data.item.size.max(offset + bytes.len() as u64);
