@@ -54,11 +54,11 @@ impl NodeCache {
                 && node.header.owner == expect.owner
                 && expect.level.is_none_or(|l| l == node.header.level)
             {
-                counters.add(&counters.cache_hits, 1);
+                counters.add(|c| &c.cache_hits, 1);
                 return Ok(node.clone());
             }
         }
-        counters.add(&counters.cache_misses, 1);
+        counters.add(|c| &c.cache_misses, 1);
         let mut bytes = vec![0u8; NODE_SIZE];
         device
             .read_at(&mut bytes, expect.addr)

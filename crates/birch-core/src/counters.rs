@@ -1,16 +1,50 @@
 //! Named counters: cheap relaxed atomics that tests, `inspect` and the benchmark read.
 //!
-//! Owns only the numbers; it makes no decisions.
+//! Owns only the numbers; it makes no decisions. Each thread adds to its own stripe (a
+//! cache-line-aligned copy of every counter) and a read sums the stripes, so counting on one
+//! core never invalidates another core's cache line: the hot read paths (a node cache hit, a
+//! descent) count on every call from every thread.
 
+use std::cell::Cell;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+/// Stripes per counter set; threads beyond this share stripes (still correct, just slower).
+const STRIPES: usize = 8;
+
+static NEXT_STRIPE: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    static STRIPE: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+/// This thread's stripe index, handed out round robin on first use.
+fn stripe_index() -> usize {
+    STRIPE.with(|s| {
+        if s.get() == usize::MAX {
+            s.set(NEXT_STRIPE.fetch_add(1, Ordering::Relaxed) % STRIPES);
+        }
+        s.get()
+    })
+}
+
+/// One stripe on its own cache lines (128 bytes covers adjacent-line prefetch).
+#[derive(Default, Debug)]
+#[repr(align(128))]
+struct Padded(CounterStripe);
 
 macro_rules! counters {
     ($($name:ident: $doc:literal),* $(,)?) => {
-        /// A set of named counters.
+        /// One thread's copy of every counter; [`Counters::add`] picks the field.
+        #[derive(Default, Debug)]
+        pub struct CounterStripe {
+            $(#[doc = $doc] pub $name: AtomicU64,)*
+        }
+
+        /// A set of named counters, striped by thread.
         #[derive(Default, Debug)]
         pub struct Counters {
-            $(#[doc = $doc] pub $name: AtomicU64,)*
+            stripes: [Padded; STRIPES],
         }
 
         /// A plain copy of [`Counters`] at one moment.
@@ -22,7 +56,11 @@ macro_rules! counters {
         impl Counters {
             /// Reads every counter.
             pub fn values(&self) -> CounterValues {
-                CounterValues { $($name: self.$name.load(Ordering::Relaxed),)* }
+                let mut v = CounterValues::default();
+                for stripe in &self.stripes {
+                    $(v.$name += stripe.0.$name.load(Ordering::Relaxed);)*
+                }
+                v
             }
         }
 
@@ -72,9 +110,10 @@ counters! {
 }
 
 impl Counters {
-    /// Adds `n` to one counter.
-    pub fn add(&self, counter: &AtomicU64, n: u64) {
-        counter.fetch_add(n, Ordering::Relaxed);
+    /// Adds `n` to the counter that `field` picks, in this thread's stripe:
+    /// `counters.add(|c| &c.commits, 1)`.
+    pub fn add(&self, field: impl Fn(&CounterStripe) -> &AtomicU64, n: u64) {
+        field(&self.stripes[stripe_index()].0).fetch_add(n, Ordering::Relaxed);
     }
 }
 

@@ -10,6 +10,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Bound;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use birch_format::Key;
@@ -23,12 +24,16 @@ const SHARDS: usize = 64;
 /// Changed items of one generation.
 pub struct Delta {
     shards: Vec<Mutex<BTreeMap<Key, DeltaValue>>>,
+    /// Number of keys over all shards, kept beside them so that asking costs one load instead
+    /// of a lock of every shard (the filesystem asks after each operation).
+    entries: AtomicUsize,
 }
 
 impl Default for Delta {
     fn default() -> Self {
         Delta {
             shards: (0..SHARDS).map(|_| Mutex::new(BTreeMap::new())).collect(),
+            entries: AtomicUsize::new(0),
         }
     }
 }
@@ -46,9 +51,13 @@ impl Delta {
 
     /// Records a new value or a deletion.
     pub fn put(&self, key: Key, value: DeltaValue) {
-        self.shards[shard_of(key.objectid)]
+        let added = self.shards[shard_of(key.objectid)]
             .lock()
-            .insert(key, value);
+            .insert(key, value)
+            .is_none();
+        if added {
+            self.entries.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Entries in `[lo, hi)`. Both keys must have the same object id (one shard).
@@ -107,9 +116,9 @@ impl Delta {
         out
     }
 
-    /// Number of entries.
+    /// Number of entries: exact when no `put` runs at the same time, one load in any case.
     pub fn len(&self) -> usize {
-        self.shards.iter().map(|s| s.lock().len()).sum()
+        self.entries.load(Ordering::Relaxed)
     }
 
     /// Whether no shard holds an entry. Locks each shard in turn, so under concurrent writers
@@ -119,13 +128,19 @@ impl Delta {
     }
 
     /// Moves every entry out into a new delta (the freeze at commit).
+    /// The caller must keep `put` out while this runs (the engine holds its gate exclusively),
+    /// or the entry counts of the two deltas drift.
     pub fn take(&self) -> Delta {
+        let shards: Vec<Mutex<BTreeMap<Key, DeltaValue>>> = self
+            .shards
+            .iter()
+            .map(|s| Mutex::new(std::mem::take(&mut *s.lock())))
+            .collect();
+        let entries = shards.iter().map(|s| s.lock().len()).sum();
+        self.entries.store(0, Ordering::Relaxed);
         Delta {
-            shards: self
-                .shards
-                .iter()
-                .map(|s| Mutex::new(std::mem::take(&mut *s.lock())))
-                .collect(),
+            shards,
+            entries: AtomicUsize::new(entries),
         }
     }
 
@@ -169,5 +184,20 @@ mod tests {
         let out = merge_layers(tree, &[active, frozen]);
         let keys: Vec<(u64, u8)> = out.iter().map(|(k, v)| (k.objectid, v[0])).collect();
         assert_eq!(keys, vec![(1, 1), (2, 22), (4, 4)]);
+    }
+
+    #[test]
+    fn len_counts_keys_not_puts_and_moves_with_take() {
+        let k = |o| Key::new(o, ItemType::InodeItem, 0);
+        let d = Delta::default();
+        d.put(k(1), None);
+        d.put(k(1), Some(Arc::from(vec![1u8])));
+        d.put(k(70), None);
+        assert_eq!(d.len(), 2);
+        let frozen = d.take();
+        assert_eq!((d.len(), frozen.len()), (0, 2));
+        assert!(d.is_empty());
+        d.put(k(1), None);
+        assert_eq!(d.len(), 1);
     }
 }

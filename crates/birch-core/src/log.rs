@@ -173,9 +173,9 @@ impl FsyncLog {
                     st.tail_lsn = lsn + bytes.len() as u64;
                     st.next_seq = seq + 1;
                     st.durable_ticket = batch_ticket;
-                    counters.add(&counters.log_batches, 1);
-                    counters.add(&counters.log_records, records.len() as u64);
-                    counters.add(&counters.log_bytes, bytes.len() as u64);
+                    counters.add(|c| &c.log_batches, 1);
+                    counters.add(|c| &c.log_records, records.len() as u64);
+                    counters.add(|c| &c.log_bytes, bytes.len() as u64);
                 }
                 Err(e) => {
                     st.failed = Some(format!("write or flush of batch {seq} at {at:#x}: {e}"))

@@ -12,7 +12,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -104,6 +104,9 @@ pub struct Engine {
     superblock: Mutex<Superblock>,
     next_objectid: AtomicU64,
     read_only: RwLock<Option<String>>,
+    /// Whether `read_only` holds a reason: every mutation asks, so the common answer (no)
+    /// costs one load instead of a lock on a line every core writes.
+    read_only_set: AtomicBool,
     instance: u64,
     log: FsyncLog,
     replay: Mutex<Option<Replay>>,
@@ -322,6 +325,7 @@ impl Engine {
             next_objectid: AtomicU64::new(superblock.next_objectid),
             superblock: Mutex::new(superblock),
             read_only: RwLock::new(None),
+            read_only_set: AtomicBool::new(false),
             instance: INSTANCES.fetch_add(1, Ordering::Relaxed),
             log,
             replay: Mutex::new(replay),
@@ -364,7 +368,7 @@ impl Engine {
                 e,
             )
         })?;
-        self.counters.add(&self.counters.superblock_writes, 1);
+        self.counters.add(|c| &c.superblock_writes, 1);
         Ok(())
     }
 
@@ -508,6 +512,7 @@ impl Engine {
             let reason = reason.into();
             log::error!("birchfs is now read-only: {reason}");
             *ro = Some(reason);
+            self.read_only_set.store(true, Ordering::SeqCst);
         }
     }
 
@@ -520,6 +525,7 @@ impl Engine {
             }
         }
         *ro = None;
+        self.read_only_set.store(false, Ordering::SeqCst);
         Ok(())
     }
 
@@ -599,8 +605,10 @@ impl Engine {
     pub fn begin(&self) -> Result<WriteTxn<'_>> {
         // Recursive: an operation that holds [`Engine::hold`] records its items through here.
         let guard = self.gate.read_recursive();
-        if let Some(reason) = self.read_only.read().as_ref() {
-            return Err(Error::ReadOnly(reason.clone()));
+        if self.read_only_set.load(Ordering::SeqCst) {
+            if let Some(reason) = self.read_only.read().as_ref() {
+                return Err(Error::ReadOnly(reason.clone()));
+            }
         }
         Ok(WriteTxn {
             engine: self,
@@ -816,7 +824,7 @@ impl Engine {
         self.alloc.unpin_count(freed.iter().map(|(_, b)| b).sum());
         old.release.ranges.lock().extend(freed);
         *old.release.next.lock() = Some(new_release);
-        self.counters.add(&self.counters.commits, 1);
+        self.counters.add(|c| &c.commits, 1);
         Ok(())
     }
 }

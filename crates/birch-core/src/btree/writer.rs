@@ -163,7 +163,7 @@ impl<'a> TreeWriter<'a> {
         node.header.generation = self.generation;
         self.dirty.insert(new_addr, Arc::new(node));
         self.alloc.free_pinned(self.generation, addr, NODE_BLOCKS);
-        self.ctx.counters.add(&self.ctx.counters.btree_cows, 1);
+        self.ctx.counters.add(|c| &c.btree_cows, 1);
         Ok(new_addr)
     }
 
@@ -287,7 +287,7 @@ impl<'a> TreeWriter<'a> {
     /// One root-to-leaf descent by `search`, copying the path, applying `op` at the leaf and
     /// splitting or merging on the way back up.
     fn descend(&mut self, search: Key, op: &mut LeafOp<'_>) -> Result<()> {
-        self.ctx.counters.add(&self.ctx.counters.btree_descents, 1);
+        self.ctx.counters.add(|c| &c.btree_descents, 1);
         let root = self.cow(self.root.addr, self.root.generation, self.root.level)?;
         self.root.addr = root;
         self.root.generation = self.generation;
@@ -483,7 +483,7 @@ impl<'a> TreeWriter<'a> {
                 NodeBody::Internal(ptrs.split_off(at))
             }
         };
-        self.ctx.counters.add(&self.ctx.counters.btree_splits, 1);
+        self.ctx.counters.add(|c| &c.btree_splits, 1);
         let sep = match &right_body {
             NodeBody::Leaf(items) => items.first().map(|(k, _)| *k),
             NodeBody::Internal(ptrs) => ptrs.first().map(|p| p.key),
@@ -562,7 +562,7 @@ impl<'a> TreeWriter<'a> {
         ptrs[left_slot].addr = left;
         ptrs[left_slot].generation = generation;
         ptrs.remove(right_slot);
-        self.ctx.counters.add(&self.ctx.counters.btree_merges, 1);
+        self.ctx.counters.add(|c| &c.btree_merges, 1);
         Ok(())
     }
 
@@ -606,7 +606,7 @@ impl<'a> TreeWriter<'a> {
         }
         self.ctx
             .counters
-            .add(&self.ctx.counters.nodes_written, written.len() as u64);
+            .add(|c| &c.nodes_written, written.len() as u64);
         Ok(written)
     }
 

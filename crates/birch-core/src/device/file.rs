@@ -199,7 +199,7 @@ fn aligned(len: usize) -> (Vec<u8>, usize) {
 impl BlockDevice for FileDevice {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         check_range(offset, buf.len(), self.size)?;
-        self.counters.add(&self.counters.device_reads, 1);
+        self.counters.add(|c| &c.device_reads, 1);
         if !self.direct || buf.as_ptr().align_offset(ALIGN) == 0 {
             return self.file.read_exact_at(buf, offset);
         }
@@ -212,9 +212,8 @@ impl BlockDevice for FileDevice {
 
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         check_range(offset, buf.len(), self.size)?;
-        self.counters.add(&self.counters.device_writes, 1);
-        self.counters
-            .add(&self.counters.bytes_written, buf.len() as u64);
+        self.counters.add(|c| &c.device_writes, 1);
+        self.counters.add(|c| &c.bytes_written, buf.len() as u64);
         if !self.direct || buf.as_ptr().align_offset(ALIGN) == 0 {
             return self.file.write_all_at(buf, offset);
         }
@@ -225,7 +224,7 @@ impl BlockDevice for FileDevice {
     }
 
     fn flush(&self) -> io::Result<()> {
-        self.counters.add(&self.counters.flushes, 1);
+        self.counters.add(|c| &c.flushes, 1);
         self.file.sync_data()
     }
 

@@ -67,7 +67,7 @@ impl BlockDevice for OverlayDevice {
             let rel = (b - first) as usize * BLOCK;
             buf[rel..rel + BLOCK].copy_from_slice(data);
         }
-        self.counters.add(&self.counters.device_reads, 1);
+        self.counters.add(|c| &c.device_reads, 1);
         Ok(())
     }
 
@@ -78,14 +78,13 @@ impl BlockDevice for OverlayDevice {
         for (n, chunk) in buf.chunks(BLOCK).enumerate() {
             blocks.insert(first + n as u64, chunk.into());
         }
-        self.counters.add(&self.counters.device_writes, 1);
-        self.counters
-            .add(&self.counters.bytes_written, buf.len() as u64);
+        self.counters.add(|c| &c.device_writes, 1);
+        self.counters.add(|c| &c.bytes_written, buf.len() as u64);
         Ok(())
     }
 
     fn flush(&self) -> io::Result<()> {
-        self.counters.add(&self.counters.flushes, 1);
+        self.counters.add(|c| &c.flushes, 1);
         Ok(())
     }
 

@@ -64,9 +64,9 @@ impl Filesystem {
         }
         let engine = &self.inner.engine;
         let counters = engine.counters();
-        counters.add(&counters.fsyncs, 1);
+        counters.add(|c| &c.fsyncs, 1);
         if self.inner.fsync_mode == FsyncMode::Commit {
-            counters.add(&counters.fsync_fallback_mode, 1);
+            counters.add(|c| &c.fsync_fallback_mode, 1);
             return self.fsync_commit();
         }
         // Collect and enqueue under the inode lock: a later fsync of this file, which sees
@@ -111,7 +111,7 @@ impl Filesystem {
                     }
                     if fresh.is_empty() {
                         if logged.ticket == 0 {
-                            counters.add(&counters.fsync_nothing, 1);
+                            counters.add(|c| &c.fsync_nothing, 1);
                             return Ok(());
                         }
                         logged.ticket
@@ -134,17 +134,19 @@ impl Filesystem {
                     }
                 }
                 Ok(None) => {
-                    counters.add(&counters.fsync_nothing, 1);
+                    counters.add(|c| &c.fsync_nothing, 1);
                     return Ok(());
                 }
                 Err(Ok(fallback)) => {
-                    let counter = match fallback {
-                        Fallback::Names => &counters.fsync_fallback_names,
-                        Fallback::NewParent => &counters.fsync_fallback_new_parent,
-                        Fallback::Directory => &counters.fsync_fallback_dir,
-                        Fallback::Other => &counters.fsync_fallback_other,
-                    };
-                    counters.add(counter, 1);
+                    counters.add(
+                        |c| match fallback {
+                            Fallback::Names => &c.fsync_fallback_names,
+                            Fallback::NewParent => &c.fsync_fallback_new_parent,
+                            Fallback::Directory => &c.fsync_fallback_dir,
+                            Fallback::Other => &c.fsync_fallback_other,
+                        },
+                        1,
+                    );
                     drop(data);
                     return self.fsync_commit();
                 }
@@ -153,11 +155,11 @@ impl Filesystem {
         };
         match engine.log_wait(ticket)? {
             LogOutcome::Logged => {
-                counters.add(&counters.fsync_log, 1);
+                counters.add(|c| &c.fsync_log, 1);
                 Ok(())
             }
             LogOutcome::Full => {
-                counters.add(&counters.fsync_fallback_log_full, 1);
+                counters.add(|c| &c.fsync_fallback_log_full, 1);
                 self.fsync_commit()
             }
         }
@@ -165,7 +167,7 @@ impl Filesystem {
 
     fn fsync_commit(&self) -> Result<()> {
         let counters = self.inner.engine.counters();
-        counters.add(&counters.fsync_commits, 1);
+        counters.add(|c| &c.fsync_commits, 1);
         self.inner.engine.commit().map(|_| ())
     }
 
@@ -301,8 +303,8 @@ impl Filesystem {
             replay.stop
         );
         let counters: &Counters = engine.counters();
-        counters.add(&counters.replayed_batches, replay.batches);
-        counters.add(&counters.replayed_records, live.len() as u64);
+        counters.add(|c| &c.replayed_batches, replay.batches);
+        counters.add(|c| &c.replayed_records, live.len() as u64);
         let mut dirs = BTreeSet::new();
         let mut inodes = BTreeSet::new();
         let mut max_objectid = 0;
