@@ -223,7 +223,7 @@ impl Filesystem {
                 default: None,
             }
         } else {
-            let parent_default = self.xattr_value(parent, super::acl::ACL_DEFAULT)?;
+            let parent_default = self.xattr_value(parent, &d, super::acl::ACL_DEFAULT)?;
             super::acl::inherit(
                 parent_default.as_deref(),
                 mode,
@@ -261,6 +261,18 @@ impl Filesystem {
         };
         let state = self.insert_inode(ino, item);
         let mut c = state.data.write();
+        // A new inode has no xattrs but the ACLs it inherits (put below).
+        *c.xattrs_absent.get_mut() = super::xattr::ABSENT_CAPABILITY
+            | if inherited.default.is_none() {
+                super::xattr::ABSENT_ACL_DEFAULT
+            } else {
+                0
+            }
+            | if inherited.access.is_none() {
+                super::xattr::ABSENT_ACL_ACCESS
+            } else {
+                0
+            };
         let _op = self.inner.engine.hold()?;
         if let Some(target) = symlink {
             self.write_locked(ino, &mut c, 0, target)?;

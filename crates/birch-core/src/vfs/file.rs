@@ -761,7 +761,7 @@ impl Filesystem {
         if let Some(mode) = set.mode {
             data.item.mode = (data.item.mode & libc::S_IFMT) | (mode & 0o7777);
             // An access ACL follows chmod: owner, mask (or group) and other take the new bits.
-            if let Some(acl) = self.xattr_value(ino, super::acl::ACL_ACCESS)? {
+            if let Some(acl) = self.xattr_value(ino, &data, super::acl::ACL_ACCESS)? {
                 let updated = super::acl::chmod(&acl, mode)?;
                 let xattrs = [birch_format::items::Xattr {
                     name: super::acl::ACL_ACCESS.to_vec(),
@@ -771,6 +771,7 @@ impl Filesystem {
                     super::xattr::xattr_key(ino, super::acl::ACL_ACCESS),
                     birch_format::items::encode_xattrs(&xattrs),
                 );
+                *data.xattrs_absent.get_mut() = 0;
             }
         }
         if set.uid.is_some() || set.gid.is_some() {

@@ -17,7 +17,7 @@ pub(crate) mod xattr;
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -243,6 +243,7 @@ impl InodeState {
                 item,
                 freed: false,
                 write_error: false,
+                xattrs_absent: AtomicU8::new(0),
             }),
             lookups: AtomicU64::new(0),
             opens: AtomicU64::new(0),
@@ -265,6 +266,12 @@ pub(crate) struct InodeData {
     pub(crate) freed: bool,
     /// A data write failed: fsync reports EIO from now on (databases rely on this).
     pub(crate) write_error: bool,
+    /// xattrs known to be absent ([`xattr::ABSENT_ACL_DEFAULT`] and friends), so the lookups
+    /// that every create, write and chmod makes cost a tree search only once per inode.
+    /// A bit is set under the read or the write lock (through `&self`), and cleared only
+    /// through `&mut self`, that is under the write lock, by every change of the inode's
+    /// xattr items: a set bit can never outlive the item it denies.
+    pub(crate) xattrs_absent: AtomicU8,
 }
 
 const TABLE_SHARDS: usize = 64;

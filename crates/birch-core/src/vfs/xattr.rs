@@ -1,5 +1,7 @@
 //! Extended attributes: `(ino, Xattr, hash(name))` items holding lists of name/value pairs.
 
+use std::sync::atomic::Ordering;
+
 use birch_format::items::{decode_xattrs, encode_xattrs, Xattr};
 use birch_format::{name_hash, ItemType, Key, XATTR_VALUE_MAX};
 
@@ -9,6 +11,26 @@ use crate::error::{Error, Result};
 /// setxattr flags.
 pub const XATTR_CREATE: i32 = 1;
 pub const XATTR_REPLACE: i32 = 2;
+
+/// [`InodeData::xattrs_absent`] bit: no `system.posix_acl_default` (asked by every create in
+/// the directory).
+pub(crate) const ABSENT_ACL_DEFAULT: u8 = 1;
+/// No `system.posix_acl_access` (asked by chmod).
+pub(crate) const ABSENT_ACL_ACCESS: u8 = 2;
+/// No `security.capability` (asked by every write of a caller without CAP_FSETID).
+pub(crate) const ABSENT_CAPABILITY: u8 = 4;
+
+const CAPABILITY: &[u8] = b"security.capability";
+
+/// The absent-bit that stands for `name`, if it has one.
+fn absent_bit(name: &[u8]) -> Option<u8> {
+    match name {
+        super::acl::ACL_DEFAULT => Some(ABSENT_ACL_DEFAULT),
+        super::acl::ACL_ACCESS => Some(ABSENT_ACL_ACCESS),
+        CAPABILITY => Some(ABSENT_CAPABILITY),
+        _ => None,
+    }
+}
 
 pub(crate) fn xattr_key(ino: u64, name: &[u8]) -> Key {
     Key::new(ino, ItemType::Xattr, name_hash(&[name]))
@@ -34,13 +56,29 @@ impl Filesystem {
         }
     }
 
-    /// The value of an xattr, if set (no inode lock; callers hold what they need).
-    pub(crate) fn xattr_value(&self, ino: u64, name: &[u8]) -> Result<Option<Vec<u8>>> {
-        Ok(self
+    /// The value of an xattr, if set. The caller holds the inode's lock (read or write) and
+    /// passes its data: an absence is remembered there ([`InodeData::xattrs_absent`]).
+    pub(crate) fn xattr_value(
+        &self,
+        ino: u64,
+        data: &InodeData,
+        name: &[u8],
+    ) -> Result<Option<Vec<u8>>> {
+        let bit = absent_bit(name);
+        if let Some(bit) = bit {
+            if data.xattrs_absent.load(Ordering::Relaxed) & bit != 0 {
+                return Ok(None);
+            }
+        }
+        let value = self
             .xattr_list(ino, name)?
             .into_iter()
             .find(|x| x.name == name)
-            .map(|x| x.value))
+            .map(|x| x.value);
+        if let (None, Some(bit)) = (&value, bit) {
+            data.xattrs_absent.fetch_or(bit, Ordering::Relaxed);
+        }
+        Ok(value)
     }
 
     /// Sets an xattr (XATTR_CREATE: must not exist; XATTR_REPLACE: must exist).
@@ -78,26 +116,23 @@ impl Filesystem {
             let txn = self.inner.engine.begin()?;
             txn.put(xattr_key(ino, name), encoded);
         }
+        *data.xattrs_absent.get_mut() = 0;
         self.store_inode(ino, &mut data)
     }
 
     /// The value of an xattr.
     pub fn getxattr(&self, ino: u64, name: &[u8]) -> Result<Vec<u8>> {
         check_xattr_name(name)?;
-        if name == b"security.capability" {
-            // Asked before every write by the kernel; we store none, so answer from memory.
-            let _ = self.inode(ino)?;
-            if self.inner.engine.get(&xattr_key(ino, name))?.is_none() {
-                return Err(Error::NoData(format!("security.capability of inode {ino}")));
-            }
-        }
         let state = self.inode(ino)?;
-        let _data = state.data.read();
-        self.xattr_list(ino, name)?
-            .into_iter()
-            .find(|x| x.name == name)
-            .map(|x| x.value)
-            .ok_or_else(|| Error::NoData(format!("xattr of inode {ino}")))
+        let data = state.data.read();
+        // security.capability is asked before every write by a kernel without KILLPRIV_V2:
+        // after the first miss the answer comes from memory.
+        self.xattr_value(ino, &data, name)?.ok_or_else(|| {
+            Error::NoData(format!(
+                "xattr {:?} of inode {ino}",
+                String::from_utf8_lossy(name)
+            ))
+        })
     }
 
     /// Every xattr name, each followed by a NUL byte.
@@ -138,8 +173,8 @@ impl Filesystem {
         }
         data.item.mode = killed;
         let mut dropped = killed != mode;
-        let cap = b"security.capability";
-        if self.inner.engine.get(&xattr_key(ino, cap))?.is_some() {
+        let cap = CAPABILITY;
+        if self.xattr_value(ino, data, cap)?.is_some() {
             let mut list = self.xattr_list(ino, cap)?;
             let before = list.len();
             list.retain(|x| x.name != cap);
@@ -176,6 +211,7 @@ impl Filesystem {
                 txn.put(xattr_key(ino, name), encode_xattrs(&list));
             }
         }
+        *data.xattrs_absent.get_mut() = 0;
         self.store_inode(ino, &mut data)
     }
 }
