@@ -39,8 +39,11 @@ impl Default for Delta {
 }
 
 fn shard_of(objectid: u64) -> usize {
-    // Mix the bits: consecutive inode numbers land in different shards.
-    (objectid.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 58) as usize % SHARDS
+    // A thread takes object ids in batches of 64 (`Engine::allocate_objectid`): a batch
+    // shares a shard, so one thread's new inodes stay in one warm map and two threads' new
+    // inodes meet in one shard only by the hash below, which spreads the batches.
+    let batch = objectid >> crate::txn::OBJECTID_BATCH.trailing_zeros();
+    (batch.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 58) as usize % SHARDS
 }
 
 impl Delta {

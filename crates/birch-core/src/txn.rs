@@ -37,7 +37,7 @@ use birch_format::log::LogRecord;
 
 /// Object ids a thread takes from the shared counter at once, so creates on different threads
 /// do not bounce one cache line (the ext4 lesson of seed 002).
-const OBJECTID_BATCH: u64 = 64;
+pub(crate) const OBJECTID_BATCH: u64 = 64;
 
 /// Options of a new image.
 #[derive(Debug, Clone, Default)]
@@ -775,11 +775,9 @@ impl Engine {
         let ctx = self.ctx();
         let mut writer = TreeWriter::new(ctx, &self.alloc, generation, snapshot.root);
         // One descent per leaf of changed items, not one per item.
-        let changes: Vec<(Key, Option<Vec<u8>>)> = frozen
-            .sorted()
-            .into_iter()
-            .map(|(k, v)| (k, v.map(|v| v.to_vec())))
-            .collect();
+        let sorted = frozen.sorted();
+        let changes: Vec<(Key, Option<&[u8]>)> =
+            sorted.iter().map(|(k, v)| (*k, v.as_deref())).collect();
         writer.apply_sorted(&changes)?;
         let nodes = writer.write_dirty()?;
         self.device

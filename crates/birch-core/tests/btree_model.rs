@@ -177,7 +177,9 @@ fn run_case(seed: u64, ops: u64) {
                             batch.insert(k, v);
                         }
                         let batch: Vec<(Key, Option<Vec<u8>>)> = batch.into_iter().collect();
-                        w.apply_sorted(&batch).expect("apply_sorted");
+                        let borrowed: Vec<(Key, Option<&[u8]>)> =
+                            batch.iter().map(|(k, v)| (*k, v.as_deref())).collect();
+                        w.apply_sorted(&borrowed).expect("apply_sorted");
                         for (k, v) in batch {
                             match v {
                                 Some(v) => {

@@ -41,7 +41,7 @@ enum LeafOp<'c> {
     /// Apply `changes[next..]` while their keys belong to this leaf and it has not overflowed;
     /// `next` advances past what was applied.
     Batch {
-        changes: &'c [(Key, Option<Vec<u8>>)],
+        changes: &'c [(Key, Option<&'c [u8]>)],
         next: usize,
     },
 }
@@ -420,11 +420,11 @@ impl<'a> TreeWriter<'a> {
                     match (items.binary_search_by(|(k, _)| k.cmp(key)), value) {
                         (Ok(i), Some(v)) => {
                             used = used + v.len() - items[i].1.len();
-                            items[i].1 = v.clone();
+                            items[i].1 = v.to_vec();
                         }
                         (Err(i), Some(v)) => {
                             used += leaf_item_bytes(v.len());
-                            items.insert(i, (*key, v.clone()));
+                            items.insert(i, (*key, v.to_vec()));
                         }
                         (Ok(i), None) => {
                             used -= leaf_item_bytes(items[i].1.len());
@@ -611,8 +611,9 @@ impl<'a> TreeWriter<'a> {
     }
 
     /// Applies a sorted run of changes (`None` deletes), as many as fit in each leaf per
-    /// descent: a commit of N changed items costs about N / (items per leaf) descents.
-    pub fn apply_sorted(&mut self, changes: &[(Key, Option<Vec<u8>>)]) -> Result<()> {
+    /// descent: a commit of N changed items costs about N / (items per leaf) descents. Values
+    /// are borrowed: each is copied once, into its leaf.
+    pub fn apply_sorted(&mut self, changes: &[(Key, Option<&[u8]>)]) -> Result<()> {
         for (key, value) in changes {
             if let Some(v) = value {
                 check_item(key, v)?;

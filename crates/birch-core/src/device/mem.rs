@@ -27,8 +27,9 @@ pub enum Recorded {
 
 struct State {
     durable: Vec<u8>,
-    /// Unflushed blocks by block index, newest content.
-    pending: BTreeMap<u64, Box<[u8]>>,
+    /// Unflushed blocks by block index, newest content: the write that carried the block
+    /// and where in it the block starts (one shared copy per write, not one per block).
+    pending: BTreeMap<u64, (Arc<[u8]>, usize)>,
     record: Option<Vec<Recorded>>,
     fail_writes: bool,
 }
@@ -84,9 +85,9 @@ impl MemDevice {
     pub fn snapshot(&self) -> Vec<u8> {
         let state = self.state.lock();
         let mut bytes = state.durable.clone();
-        for (block, data) in &state.pending {
+        for (block, (data, from)) in &state.pending {
             let at = *block as usize * BLOCK;
-            bytes[at..at + BLOCK].copy_from_slice(data);
+            bytes[at..at + BLOCK].copy_from_slice(&data[*from..*from + BLOCK]);
         }
         bytes
     }
@@ -131,9 +132,9 @@ impl BlockDevice for MemDevice {
         buf.copy_from_slice(&state.durable[at..at + buf.len()]);
         let first = offset / birch_format::BLOCK_SIZE;
         let count = (buf.len() / BLOCK) as u64;
-        for (block, data) in state.pending.range(first..first + count) {
+        for (block, (data, from)) in state.pending.range(first..first + count) {
             let rel = (block - first) as usize * BLOCK;
-            buf[rel..rel + BLOCK].copy_from_slice(data);
+            buf[rel..rel + BLOCK].copy_from_slice(&data[*from..*from + BLOCK]);
         }
         self.counters.add(|c| &c.device_reads, 1);
         Ok(())
@@ -146,14 +147,14 @@ impl BlockDevice for MemDevice {
             return Err(io::Error::from_raw_os_error(libc::EIO));
         }
         let first = offset / birch_format::BLOCK_SIZE;
-        for (n, chunk) in buf.chunks(BLOCK).enumerate() {
-            state.pending.insert(first + n as u64, chunk.into());
+        let bytes: Arc<[u8]> = buf.into();
+        for n in 0..buf.len() / BLOCK {
+            state
+                .pending
+                .insert(first + n as u64, (bytes.clone(), n * BLOCK));
         }
         if let Some(record) = state.record.as_mut() {
-            record.push(Recorded::Write {
-                offset,
-                bytes: buf.into(),
-            });
+            record.push(Recorded::Write { offset, bytes });
         }
         self.counters.add(|c| &c.device_writes, 1);
         self.counters.add(|c| &c.bytes_written, buf.len() as u64);
@@ -166,9 +167,9 @@ impl BlockDevice for MemDevice {
             return Err(io::Error::from_raw_os_error(libc::EIO));
         }
         let pending = std::mem::take(&mut state.pending);
-        for (block, data) in pending {
+        for (block, (data, from)) in pending {
             let at = block as usize * BLOCK;
-            state.durable[at..at + BLOCK].copy_from_slice(&data);
+            state.durable[at..at + BLOCK].copy_from_slice(&data[from..from + BLOCK]);
         }
         if let Some(record) = state.record.as_mut() {
             record.push(Recorded::Flush);
