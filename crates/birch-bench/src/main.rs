@@ -15,8 +15,10 @@
 //! 3. **Filesystem API** ([`Filesystem`]): each sustained over 4 commits, the commit cost
 //!    included (an explicit `sync` after each quarter, in the timed thread): empty-file
 //!    creates/s (`create` + `release`) in one thread, and in two threads each in its own
-//!    directory (with the scaling ratio to one thread); 4 KiB appends/s to one file; 4 KiB
-//!    random overwrites/s inside a 64 MiB file (written and committed before the clock starts).
+//!    directory, 3 interleaved rounds with the median reported, the scaling ratio to one thread,
+//!    and the scaling a share-nothing calibration got from the machine in the same rounds;
+//!    4 KiB appends/s to one file; 4 KiB random overwrites/s inside a 64 MiB file (written and
+//!    committed before the clock starts). The MemDevice's pages are mapped before the clock.
 //!
 //! Every row also gives the engine counters per operation (per commit in part 2):
 //! `btree_descents`, `btree_cows`, `nodes_written`, and the device's `flushes` and
