@@ -18,7 +18,8 @@
 //!    directory, 3 interleaved rounds with the median reported, the scaling ratio to one thread,
 //!    and the scaling a share-nothing calibration got from the machine in the same rounds;
 //!    4 KiB appends/s to one file; 4 KiB random overwrites/s inside a 64 MiB file (written and
-//!    committed before the clock starts). The MemDevice's pages are mapped before the clock.
+//!    committed before the clock starts). The MemDevice's pages are mapped before the clock,
+//!    and it writes in place (`MemDevice::for_benchmarks`).
 //!
 //! Every row also gives the engine counters per operation (per commit in part 2):
 //! `btree_descents`, `btree_cows`, `nodes_written`, and the device's `flushes` and
@@ -138,7 +139,7 @@ impl Target {
     /// nothing of an earlier part survives and the image is sparse as `birch mkfs` leaves it.
     fn device(&self, size: u64) -> Res<Arc<dyn BlockDevice>> {
         match self {
-            Target::Mem => Ok(Arc::new(MemDevice::prefaulted(size))),
+            Target::Mem => Ok(Arc::new(MemDevice::for_benchmarks(size))),
             Target::Image(path) => {
                 let file = std::fs::OpenOptions::new()
                     .create(true)

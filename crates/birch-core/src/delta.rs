@@ -101,6 +101,19 @@ impl Delta {
         (out, more)
     }
 
+    /// The entry (a value or a deletion) with the greatest key in `[floor, key]`. Both keys
+    /// must have the same object id (one shard).
+    pub fn last_in(&self, floor: &Key, key: &Key) -> Option<(Key, DeltaValue)> {
+        if floor > key {
+            return None;
+        }
+        let shard = self.shards[shard_of(key.objectid)].lock();
+        shard
+            .range((Bound::Included(*floor), Bound::Included(*key)))
+            .next_back()
+            .map(|(k, v)| (*k, v.clone()))
+    }
+
     /// Entries in `[lo, hi)` for any object ids (visits every shard).
     pub fn range_all(&self, lo: &Key, hi: &Key) -> Vec<(Key, DeltaValue)> {
         if lo >= hi {
@@ -187,6 +200,21 @@ mod tests {
         let out = merge_layers(tree, &[active, frozen]);
         let keys: Vec<(u64, u8)> = out.iter().map(|(k, v)| (k.objectid, v[0])).collect();
         assert_eq!(keys, vec![(1, 1), (2, 22), (4, 4)]);
+    }
+
+    #[test]
+    fn last_in_sees_deletions_and_stays_in_bounds() {
+        let k = |o| Key::new(7, ItemType::ExtentData, o);
+        let d = Delta::default();
+        d.put(k(10), Some(Arc::from(vec![1u8])));
+        d.put(k(20), None);
+        assert_eq!(
+            d.last_in(&k(0), &k(25)).map(|e| (e.0, e.1.is_some())),
+            Some((k(20), false))
+        );
+        assert_eq!(d.last_in(&k(0), &k(19)).map(|e| e.0), Some(k(10)));
+        assert_eq!(d.last_in(&k(11), &k(19)), None);
+        assert_eq!(d.last_in(&k(30), &k(19)), None);
     }
 
     #[test]

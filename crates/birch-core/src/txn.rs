@@ -559,7 +559,7 @@ impl Engine {
         while out.len() < limit && from < *hi {
             // Each source gives a chunk; the merge is exact up to the smallest last key of a
             // source that had more, so work stays proportional to what is returned.
-            let chunk = (limit - out.len()).saturating_mul(2).max(64);
+            let chunk = (limit - out.len()).saturating_mul(2).max(8);
             let ((active, active_more), (frozen, frozen_more), snapshot) = {
                 let _gate = self.gate.read_recursive();
                 let active = self.active.range_limited(&from, hi, chunk);
@@ -599,6 +599,53 @@ impl Engine {
             }
         }
         Ok(out)
+    }
+
+    /// The item with the greatest key in `[floor, key]` as of now (a deletion in the delta
+    /// hides older layers' items). Both keys must have the same object id. One look per layer
+    /// (a descent of the tree), again only past a deleted key. May do device I/O.
+    pub fn last_in(&self, floor: &Key, key: &Key) -> Result<Option<(Key, Arc<[u8]>)>> {
+        let mut upper = *key;
+        while *floor <= upper {
+            let (active, frozen, snapshot) = {
+                let _gate = self.gate.read_recursive();
+                let active = self.active.last_in(floor, &upper);
+                let state = self.state.read_recursive();
+                let frozen = state.frozen.as_ref().and_then(|f| f.last_in(floor, &upper));
+                (active, frozen, state.snapshot.clone())
+            };
+            let tree = TreeReader {
+                ctx: self.ctx(),
+                root: snapshot.root,
+            }
+            .last_in(floor, &upper)?;
+            // The greatest key any layer has; its value comes from the newest layer that
+            // holds it (a layer whose own last key is smaller holds nothing at that key).
+            let Some(top) = [
+                active.as_ref().map(|e| e.0),
+                frozen.as_ref().map(|e| e.0),
+                tree.as_ref().map(|e| e.0),
+            ]
+            .into_iter()
+            .flatten()
+            .max() else {
+                return Ok(None);
+            };
+            let value = match (active, frozen, tree) {
+                (Some((k, v)), _, _) if k == top => v,
+                (_, Some((k, v)), _) if k == top => v,
+                (_, _, Some((_, v))) => Some(Arc::from(v)),
+                _ => None,
+            };
+            match value {
+                Some(v) => return Ok(Some((top, v))),
+                None => match top.predecessor() {
+                    Some(p) => upper = p,
+                    None => break,
+                },
+            }
+        }
+        Ok(None)
     }
 
     /// Starts a mutation of the running transaction. Hold it only for in-memory work.
@@ -855,5 +902,56 @@ impl WriteTxn<'_> {
     /// The generation these changes will commit in.
     pub fn generation(&self) -> u64 {
         self.engine.running_generation.load(Ordering::SeqCst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::MemDevice;
+
+    fn k(offset: u64) -> Key {
+        Key::new(300, ItemType::ExtentData, offset)
+    }
+
+    fn last(engine: &Engine, floor: u64, key: u64) -> Option<u64> {
+        engine
+            .last_in(&k(floor), &k(key))
+            .expect("last_in")
+            .map(|(key, _)| key.offset)
+    }
+
+    #[test]
+    fn last_in_merges_the_delta_over_the_tree() {
+        let dev: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(32 << 20));
+        drop(Engine::create(dev.clone(), &MkfsOptions::default(), Vec::new()).expect("create"));
+        let engine = Engine::open(dev).expect("open");
+        {
+            let txn = engine.begin().expect("begin");
+            for offset in [10, 20, 30] {
+                txn.put(k(offset), vec![offset as u8]);
+            }
+        }
+        engine.commit().expect("commit");
+        assert_eq!(last(&engine, 0, 35), Some(30));
+        {
+            // Newer layer: 30 deleted, 25 added; the tree still has 30.
+            let txn = engine.begin().expect("begin");
+            txn.delete(k(30));
+            txn.put(k(25), vec![25]);
+        }
+        assert_eq!(last(&engine, 0, 35), Some(25));
+        assert_eq!(
+            last(&engine, 26, 35),
+            None,
+            "a deletion hides the tree's item"
+        );
+        engine.begin().expect("begin").delete(k(25));
+        assert_eq!(last(&engine, 0, 35), Some(20));
+        assert_eq!(last(&engine, 0, 19), Some(10));
+        assert_eq!(last(&engine, 11, 19), None);
+        assert_eq!(last(&engine, 0, 9), None);
+        let value = engine.last_in(&k(0), &k(20)).expect("last_in");
+        assert_eq!(value.map(|(_, v)| v.to_vec()), Some(vec![20]));
     }
 }

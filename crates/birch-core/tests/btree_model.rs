@@ -277,6 +277,23 @@ fn run_case(seed: u64, ops: u64) {
             .collect();
         let via_model: Vec<Key> = model.range(lo..hi.max(lo)).map(|(k, _)| *k).collect();
         assert_eq!(via_cursor, via_model, "seed {seed}: cursor range");
+        // Reverse look: the last item in [floor, at], against the model, also past the ends.
+        for _ in 0..8 {
+            let at = key(rng.gen_range(0..key_space + 20));
+            let floor = key(rng
+                .gen_range(0..key_space + 20)
+                .saturating_sub(rng.gen_range(0..200)));
+            let got = reader.last_in(&floor, &at).expect("last_in");
+            let want = if floor <= at {
+                model
+                    .range(floor..=at)
+                    .next_back()
+                    .map(|(k, v)| (*k, v.clone()))
+            } else {
+                None
+            };
+            assert_eq!(got, want, "seed {seed}: last_in({floor}, {at})");
+        }
     }
     // Every allocated block is a reachable node, or reserved.
     let nodes = count_nodes(&h);

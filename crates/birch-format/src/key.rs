@@ -122,6 +122,25 @@ impl Key {
         })
     }
 
+    /// The previous key in order, or `None` at the minimum.
+    pub fn predecessor(&self) -> Option<Key> {
+        if let Some(offset) = self.offset.checked_sub(1) {
+            return Some(Key { offset, ..*self });
+        }
+        if let Some(item_type) = self.item_type.checked_sub(1) {
+            return Some(Key {
+                item_type,
+                offset: u64::MAX,
+                ..*self
+            });
+        }
+        self.objectid.checked_sub(1).map(|objectid| Key {
+            objectid,
+            item_type: u8::MAX,
+            offset: u64::MAX,
+        })
+    }
+
     /// The next key in order, or `None` at the maximum.
     pub fn successor(&self) -> Option<Key> {
         if let Some(offset) = self.offset.checked_add(1) {

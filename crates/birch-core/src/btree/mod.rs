@@ -114,6 +114,43 @@ pub(crate) fn scan(
     Ok(out)
 }
 
+fn last_in_node(
+    source: &dyn NodeSource,
+    node: &Node,
+    floor: &Key,
+    key: &Key,
+) -> Result<Option<(Key, Vec<u8>)>> {
+    match &node.body {
+        NodeBody::Leaf(items) => {
+            let end = items.partition_point(|(k, _)| k <= key);
+            Ok(end
+                .checked_sub(1)
+                .map(|i| &items[i])
+                .filter(|(k, _)| k >= floor)
+                .map(|(k, v)| (*k, v.clone())))
+        }
+        NodeBody::Internal(ptrs) => {
+            // The child that would hold `key` (as `child_slot` routes: the first child also
+            // takes keys below its separator), then, when that child has nothing in range, the
+            // ones before it, until a separator shows everything earlier is below `floor`.
+            if ptrs.is_empty() {
+                return Ok(None);
+            }
+            let end = ptrs.partition_point(|p| p.key <= *key).clamp(1, ptrs.len());
+            for p in ptrs[..end].iter().rev() {
+                let child = source.node(p.addr, p.generation, node.header.level - 1)?;
+                if let Some(found) = last_in_node(source, &child, floor, key)? {
+                    return Ok(Some(found));
+                }
+                if p.key <= *floor {
+                    break;
+                }
+            }
+            Ok(None)
+        }
+    }
+}
+
 fn scan_node(
     source: &dyn NodeSource,
     node: &Node,
@@ -164,6 +201,18 @@ impl TreeReader<'_> {
     /// Up to `limit` items in `[lo, hi)`. May do device I/O.
     pub fn range(&self, lo: &Key, hi: &Key, limit: usize) -> Result<Vec<(Key, Vec<u8>)>> {
         scan(&self.ctx, &self.root, lo, hi, limit)
+    }
+
+    /// The item with the greatest key in `[floor, key]`, if any: one descent (two when the
+    /// answer is the last item of the leaf before). May do device I/O.
+    pub fn last_in(&self, floor: &Key, key: &Key) -> Result<Option<(Key, Vec<u8>)>> {
+        if floor > key {
+            return Ok(None);
+        }
+        let node = self
+            .ctx
+            .node(self.root.addr, self.root.generation, self.root.level)?;
+        last_in_node(&self.ctx, &node, floor, key)
     }
 
     /// A cursor over `[lo, hi)`.

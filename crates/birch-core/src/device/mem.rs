@@ -32,6 +32,9 @@ struct State {
     pending: BTreeMap<u64, (Arc<[u8]>, usize)>,
     record: Option<Vec<Recorded>>,
     fail_writes: bool,
+    /// Writes land in `durable` at once (a benchmark device: one copy per write, as a page
+    /// cache makes, and nothing for `crash` to drop). Recording turns it off.
+    write_through: bool,
 }
 
 /// A memory device. Writes stay pending until `flush`; `crash` drops what is pending.
@@ -48,9 +51,10 @@ impl MemDevice {
         MemDevice::from_bytes(vec![0; size as usize])
     }
 
-    /// Like [`MemDevice::new`], but every page is written once now, so the kernel's zeroing of
-    /// fresh memory is paid here and not inside whatever the caller times next (benchmarks).
-    pub fn prefaulted(size: u64) -> MemDevice {
+    /// A device for benchmarks: every page is written once now, so the kernel's zeroing of
+    /// fresh memory is paid here and not inside whatever the caller times next, and writes
+    /// land in place (one copy each, as a page cache takes them; `crash` keeps them all).
+    pub fn for_benchmarks(size: u64) -> MemDevice {
         let size = size - size % birch_format::BLOCK_SIZE;
         let mut bytes = vec![0u8; size as usize];
         for page in bytes.chunks_mut(4096) {
@@ -58,7 +62,9 @@ impl MemDevice {
             page[0] = 0;
             std::hint::black_box(&mut page[0]);
         }
-        MemDevice::from_bytes(bytes)
+        let dev = MemDevice::from_bytes(bytes);
+        dev.state.lock().write_through = true;
+        dev
     }
 
     /// A device holding `bytes` as its durable content.
@@ -70,6 +76,7 @@ impl MemDevice {
                 pending: BTreeMap::new(),
                 record: None,
                 fail_writes: false,
+                write_through: false,
             }),
             size,
             counters: Counters::default(),
@@ -94,7 +101,9 @@ impl MemDevice {
 
     /// Starts recording every write and flush.
     pub fn start_recording(&self) {
-        self.state.lock().record = Some(Vec::new());
+        let mut state = self.state.lock();
+        state.record = Some(Vec::new());
+        state.write_through = false;
     }
 
     /// Takes the recording so far.
@@ -147,6 +156,13 @@ impl BlockDevice for MemDevice {
             return Err(io::Error::from_raw_os_error(libc::EIO));
         }
         let first = offset / birch_format::BLOCK_SIZE;
+        if state.write_through {
+            let at = offset as usize;
+            state.durable[at..at + buf.len()].copy_from_slice(buf);
+            self.counters.add(|c| &c.device_writes, 1);
+            self.counters.add(|c| &c.bytes_written, buf.len() as u64);
+            return Ok(());
+        }
         let bytes: Arc<[u8]> = buf.into();
         for n in 0..buf.len() / BLOCK {
             state
@@ -204,6 +220,18 @@ mod tests {
         let after = dev.crash();
         after.read_at(&mut buf, 0).expect("read");
         assert_eq!((buf[0], buf[BLOCK]), (1, 0));
+    }
+
+    #[test]
+    fn a_benchmark_device_writes_in_place() {
+        let dev = MemDevice::for_benchmarks(64 * 1024);
+        dev.write_at(&[7; 2 * BLOCK], BLOCK as u64).expect("write");
+        let mut buf = vec![0; 3 * BLOCK];
+        dev.read_at(&mut buf, 0).expect("read");
+        assert_eq!((buf[0], buf[BLOCK], buf[2 * BLOCK + 1]), (0, 7, 7));
+        let after = dev.crash();
+        after.read_at(&mut buf, 0).expect("read");
+        assert_eq!((buf[0], buf[BLOCK], buf[2 * BLOCK + 1]), (0, 7, 7));
     }
 
     #[test]

@@ -57,19 +57,17 @@ impl Filesystem {
     fn extents(&self, ino: u64, from: u64, to: u64) -> Result<Vec<(u64, FileExtent)>> {
         let hi = extent_key(ino, to);
         // Extents never overlap, so only the last one starting at or before `from` can reach
-        // into the range from the left. Look back in doubling windows until one is found (or
-        // the longest extent could not reach): a write near other extents reads a few items,
-        // not every extent of the last EXTENT_MAX_BYTES.
-        let mut back = BLOCK_SIZE;
-        let items = loop {
-            let lo = extent_key(ino, from.saturating_sub(back));
-            let items = self.inner.engine.range(&lo, &hi, usize::MAX)?;
-            let found = items.first().is_some_and(|(k, _)| k.offset <= from);
-            if found || back >= EXTENT_MAX_BYTES - 1 || back >= from {
-                break items;
-            }
-            back = (back * 2).min(EXTENT_MAX_BYTES - 1);
+        // into the range from the left: one reverse look finds it, then a range from there.
+        let reach_floor = extent_key(ino, from.saturating_sub(EXTENT_MAX_BYTES - 1));
+        let lo = match self
+            .inner
+            .engine
+            .last_in(&reach_floor, &extent_key(ino, from))?
+        {
+            Some((key, _)) => key,
+            None => extent_key(ino, from),
         };
+        let items = self.inner.engine.range(&lo, &hi, usize::MAX)?;
         let mut out = Vec::new();
         for (key, bytes) in items {
             let extent = FileExtent::decode(&bytes)
