@@ -85,6 +85,7 @@ counters! {
     flushes: "Device flushes.",
     superblock_writes: "Superblock writes.",
     commits: "Transactions committed.",
+    commit_wait_us: "Microseconds callers of commit spent waiting for another commit to end.",
     nodes_written: "B-tree nodes written by commits.",
     btree_descents: "Root-to-leaf descents of the B-tree writer.",
     btree_cows: "Nodes copied on write.",

@@ -394,7 +394,7 @@ pub fn run_matrix(
             eprintln!("events: {}", kinds.join(" "));
             eprintln!("synced: {:?}", history.synced);
         }
-        std::mem::forget(fs); // power cut: no final commit
+        fs.power_cut(); // power cut: no final commit
         rec.events
     };
     Ok(check_recording(

@@ -5,7 +5,8 @@
 //! shard, so a range scan of an inode or directory takes one lock.
 //!
 //! Must not touch: the tree or the device. The engine freezes the running delta at commit
-//! (generation N) while a new one collects generation N+1; a frozen delta never changes. The
+//! (generation N) while a new one collects generation N+1; a frozen delta ([`FrozenDelta`])
+//! never changes, so it has no locks. The
 //! fsync log (later) reads an inode's items here, so it can log them without a commit.
 
 use std::collections::BTreeMap;
@@ -46,6 +47,45 @@ fn shard_of(objectid: u64) -> usize {
     (batch.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 58) as usize % SHARDS
 }
 
+type Map = BTreeMap<Key, DeltaValue>;
+
+fn map_range(map: &Map, lo: &Key, hi: &Key) -> Vec<(Key, DeltaValue)> {
+    if lo >= hi {
+        return Vec::new();
+    }
+    map.range((Bound::Included(*lo), Bound::Excluded(*hi)))
+        .map(|(k, v)| (*k, v.clone()))
+        .collect()
+}
+
+fn map_range_limited(
+    map: &Map,
+    lo: &Key,
+    hi: &Key,
+    limit: usize,
+) -> (Vec<(Key, DeltaValue)>, bool) {
+    if lo >= hi {
+        return (Vec::new(), false);
+    }
+    let mut iter = map.range((Bound::Included(*lo), Bound::Excluded(*hi)));
+    let out: Vec<(Key, DeltaValue)> = iter
+        .by_ref()
+        .take(limit)
+        .map(|(k, v)| (*k, v.clone()))
+        .collect();
+    let more = iter.next().is_some();
+    (out, more)
+}
+
+fn map_last_in(map: &Map, floor: &Key, key: &Key) -> Option<(Key, DeltaValue)> {
+    if floor > key {
+        return None;
+    }
+    map.range((Bound::Included(*floor), Bound::Included(*key)))
+        .next_back()
+        .map(|(k, v)| (*k, v.clone()))
+}
+
 impl Delta {
     /// The delta's entry for `key`: `Some(None)` is a deletion, `None` means unchanged.
     pub fn get(&self, key: &Key) -> Option<DeltaValue> {
@@ -69,14 +109,7 @@ impl Delta {
             lo.objectid == hi.objectid
                 || hi.objectid == lo.objectid + 1 && hi.item_type == 0 && hi.offset == 0
         );
-        if lo >= hi {
-            return Vec::new();
-        }
-        let shard = self.shards[shard_of(lo.objectid)].lock();
-        shard
-            .range((Bound::Included(*lo), Bound::Excluded(*hi)))
-            .map(|(k, v)| (*k, v.clone()))
-            .collect()
+        map_range(&self.shards[shard_of(lo.objectid)].lock(), lo, hi)
     }
 
     /// At most `limit` entries in `[lo, hi)` (deletions included) of one object id, and
@@ -87,49 +120,13 @@ impl Delta {
         hi: &Key,
         limit: usize,
     ) -> (Vec<(Key, DeltaValue)>, bool) {
-        if lo >= hi {
-            return (Vec::new(), false);
-        }
-        let shard = self.shards[shard_of(lo.objectid)].lock();
-        let mut iter = shard.range((Bound::Included(*lo), Bound::Excluded(*hi)));
-        let out: Vec<(Key, DeltaValue)> = iter
-            .by_ref()
-            .take(limit)
-            .map(|(k, v)| (*k, v.clone()))
-            .collect();
-        let more = iter.next().is_some();
-        (out, more)
+        map_range_limited(&self.shards[shard_of(lo.objectid)].lock(), lo, hi, limit)
     }
 
     /// The entry (a value or a deletion) with the greatest key in `[floor, key]`. Both keys
     /// must have the same object id (one shard).
     pub fn last_in(&self, floor: &Key, key: &Key) -> Option<(Key, DeltaValue)> {
-        if floor > key {
-            return None;
-        }
-        let shard = self.shards[shard_of(key.objectid)].lock();
-        shard
-            .range((Bound::Included(*floor), Bound::Included(*key)))
-            .next_back()
-            .map(|(k, v)| (*k, v.clone()))
-    }
-
-    /// Entries in `[lo, hi)` for any object ids (visits every shard).
-    pub fn range_all(&self, lo: &Key, hi: &Key) -> Vec<(Key, DeltaValue)> {
-        if lo >= hi {
-            return Vec::new();
-        }
-        let mut out: Vec<(Key, DeltaValue)> = Vec::new();
-        for shard in &self.shards {
-            out.extend(
-                shard
-                    .lock()
-                    .range((Bound::Included(*lo), Bound::Excluded(*hi)))
-                    .map(|(k, v)| (*k, v.clone())),
-            );
-        }
-        out.sort_by_key(|a| a.0);
-        out
+        map_last_in(&self.shards[shard_of(key.objectid)].lock(), floor, key)
     }
 
     /// Number of entries: exact when no `put` runs at the same time, one load in any case.
@@ -143,26 +140,71 @@ impl Delta {
         self.shards.iter().all(|s| s.lock().is_empty())
     }
 
-    /// Moves every entry out into a new delta (the freeze at commit).
-    /// The caller must keep `put` out while this runs (the engine holds its gate exclusively),
-    /// or the entry counts of the two deltas drift.
-    pub fn take(&self) -> Delta {
-        let shards: Vec<Mutex<BTreeMap<Key, DeltaValue>>> = self
+    /// Moves every entry out into a frozen delta (the freeze at commit). The caller must keep
+    /// `put` out while this runs (the engine holds its gate exclusively), or the entry count
+    /// drifts.
+    pub fn take(&self) -> FrozenDelta {
+        let shards: Vec<Map> = self
             .shards
             .iter()
-            .map(|s| Mutex::new(std::mem::take(&mut *s.lock())))
+            .map(|s| std::mem::take(&mut *s.lock()))
             .collect();
-        let entries = shards.iter().map(|s| s.lock().len()).sum();
         self.entries.store(0, Ordering::Relaxed);
-        Delta {
-            shards,
-            entries: AtomicUsize::new(entries),
-        }
+        FrozenDelta { shards }
+    }
+}
+
+/// A delta after the freeze: the same maps, never changed again, so readers and the commit
+/// read them with no lock at all.
+pub struct FrozenDelta {
+    shards: Vec<Map>,
+}
+
+impl FrozenDelta {
+    /// The entry for `key`: `Some(None)` is a deletion, `None` means unchanged.
+    pub fn get(&self, key: &Key) -> Option<DeltaValue> {
+        self.shards[shard_of(key.objectid)].get(key).cloned()
     }
 
-    /// Every entry in key order.
-    pub fn sorted(&self) -> Vec<(Key, DeltaValue)> {
-        self.range_all(&Key::MIN, &Key::MAX)
+    /// Entries in `[lo, hi)` of one object id.
+    pub fn range(&self, lo: &Key, hi: &Key) -> Vec<(Key, DeltaValue)> {
+        map_range(&self.shards[shard_of(lo.objectid)], lo, hi)
+    }
+
+    /// At most `limit` entries in `[lo, hi)` of one object id, and whether more remain.
+    pub fn range_limited(
+        &self,
+        lo: &Key,
+        hi: &Key,
+        limit: usize,
+    ) -> (Vec<(Key, DeltaValue)>, bool) {
+        map_range_limited(&self.shards[shard_of(lo.objectid)], lo, hi, limit)
+    }
+
+    /// The entry with the greatest key in `[floor, key]` (one object id).
+    pub fn last_in(&self, floor: &Key, key: &Key) -> Option<(Key, DeltaValue)> {
+        map_last_in(&self.shards[shard_of(key.objectid)], floor, key)
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.len()).sum()
+    }
+
+    /// Whether there are no entries.
+    pub fn is_empty(&self) -> bool {
+        self.shards.iter().all(|s| s.is_empty())
+    }
+
+    /// Every entry in key order, borrowed (`None` deletes): what a commit applies. The
+    /// shards are sorted runs, which the stable sort merges.
+    pub fn sorted(&self) -> Vec<(Key, Option<&[u8]>)> {
+        let mut out: Vec<(Key, Option<&[u8]>)> = Vec::with_capacity(self.len());
+        for shard in &self.shards {
+            out.extend(shard.iter().map(|(k, v)| (*k, v.as_deref())));
+        }
+        out.sort_by_key(|e| e.0);
+        out
     }
 }
 
@@ -227,6 +269,9 @@ mod tests {
         assert_eq!(d.len(), 2);
         let frozen = d.take();
         assert_eq!((d.len(), frozen.len()), (0, 2));
+        let keys: Vec<u64> = frozen.sorted().iter().map(|e| e.0.objectid).collect();
+        assert_eq!(keys, vec![1, 70]);
+        assert_eq!(frozen.last_in(&k(0), &k(80)).map(|e| e.0), Some(k(70)));
         assert!(d.is_empty());
         d.put(k(1), None);
         assert_eq!(d.len(), 1);

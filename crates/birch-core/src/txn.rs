@@ -29,7 +29,7 @@ use crate::alloc::{Allocator, Purpose};
 use crate::btree::{TreeCtx, TreeReader, TreeWriter};
 use crate::cache::NodeCache;
 use crate::counters::Counters;
-use crate::delta::{merge_layers, Delta, DeltaValue};
+use crate::delta::{merge_layers, Delta, DeltaValue, FrozenDelta};
 use crate::device::BlockDevice;
 use crate::error::{Error, Result};
 use crate::log::{read_log, FsyncLog, LogOutcome, Replay};
@@ -84,7 +84,7 @@ pub struct Snapshot {
 }
 
 struct ReadState {
-    frozen: Option<Arc<Delta>>,
+    frozen: Option<Arc<FrozenDelta>>,
     snapshot: Arc<Snapshot>,
 }
 
@@ -783,7 +783,16 @@ impl Engine {
     /// when nothing changed). Concurrent callers queue; mutations go on during the commit.
     /// Does device I/O with no engine lock held except the commit lock itself.
     pub fn commit(&self) -> Result<u64> {
-        let _commit = self.commit_lock.lock();
+        let _commit = match self.commit_lock.try_lock() {
+            Some(guard) => guard,
+            None => {
+                let start = std::time::Instant::now();
+                let guard = self.commit_lock.lock();
+                let waited = start.elapsed().as_micros() as u64;
+                self.counters.add(|c| &c.commit_wait_us, waited);
+                guard
+            }
+        };
         if let Some(reason) = self.read_only.read().clone() {
             // A read-only mount commits what reached the delta before it turned read-only
             // (remount,ro sets read-only first, then commits); after a failure, nothing more
@@ -809,23 +818,33 @@ impl Engine {
             state.frozen = Some(frozen.clone());
             (frozen, generation, state.snapshot.clone())
         };
-        match self.write_commit(&frozen, generation, &snapshot) {
+        let sorted = frozen.sorted();
+        let result = match self.write_commit(&sorted, generation, &snapshot) {
             Ok(()) => Ok(generation),
             Err(e) => {
                 self.set_read_only(format!("commit of generation {generation} failed: {e}"));
                 Err(e)
             }
-        }
+        };
+        // The next commit may start now; freeing the frozen items (the last reference to them
+        // is ours once the snapshot is published) happens outside the commit lock.
+        drop(_commit);
+        drop(sorted);
+        drop(snapshot);
+        drop(frozen);
+        result
     }
 
-    fn write_commit(&self, frozen: &Delta, generation: u64, snapshot: &Snapshot) -> Result<()> {
+    fn write_commit(
+        &self,
+        changes: &[(Key, Option<&[u8]>)],
+        generation: u64,
+        snapshot: &Snapshot,
+    ) -> Result<()> {
         let ctx = self.ctx();
         let mut writer = TreeWriter::new(ctx, &self.alloc, generation, snapshot.root);
         // One descent per leaf of changed items, not one per item.
-        let sorted = frozen.sorted();
-        let changes: Vec<(Key, Option<&[u8]>)> =
-            sorted.iter().map(|(k, v)| (*k, v.as_deref())).collect();
-        writer.apply_sorted(&changes)?;
+        writer.apply_sorted(changes)?;
         let nodes = writer.write_dirty()?;
         self.device
             .flush()

@@ -119,7 +119,7 @@ fn failed_commit_turns_read_only_and_never_half_commits() {
             .errno(),
         libc::EROFS
     );
-    std::mem::forget(fs);
+    fs.power_cut();
     let crashed = Arc::new(dev.crash());
     let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
     assert!(report.is_clean(), "{:#?}", report.findings);

@@ -146,7 +146,7 @@ fn fdatasync_of_an_overwrite_skips_the_inode_item() {
     fs.fsync(f.ino, true).expect("fdatasync");
     let after = fs.engine().counters().values().since(&before);
     assert_eq!(after.log_records, 2, "extent and inode (size): {after}");
-    std::mem::forget(fs); // power cut
+    fs.power_cut(); // power cut
     let crashed = Arc::new(dev.crash());
     let fs = Filesystem::open_device(crashed.clone(), opts()).expect("replay");
     let got = fs.read(f.ino, 0, 12288).expect("read");
@@ -183,7 +183,7 @@ fn a_name_reused_after_rename_survives_a_crash_consistently() {
         let (y, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create y");
         fs.write(y.ino, 0, b"second", false).expect("write y");
         fs.fsync(y.ino, true).expect("fdatasync y");
-        std::mem::forget(fs); // power cut
+        fs.power_cut(); // power cut
         let crashed = Arc::new(dev.crash());
         let fs = Filesystem::open_device(crashed.clone(), opts()).expect("replay");
         assert_eq!(
@@ -225,7 +225,7 @@ fn fsynced_data_survives_power_loss_through_replay() {
             1,
             "only the explicit commit ran"
         );
-        std::mem::forget(fs); // power cut: no close, no final commit
+        fs.power_cut(); // power cut: no close, no final commit
     }
     let crashed = Arc::new(dev.crash());
     let fs = Filesystem::open_device(crashed.clone(), opts()).expect("reopen with replay");
@@ -290,7 +290,7 @@ fn a_value_changed_back_after_a_commit_is_logged_again() {
         fs.setxattr(f.ino, b"user.k", b"one", 0)
             .expect("set one again");
         fs.fsync(f.ino, false).expect("fsync one again");
-        std::mem::forget(fs);
+        fs.power_cut();
     }
     let crashed = Arc::new(dev.crash());
     let fs = Filesystem::open_device(crashed, opts()).expect("reopen");
@@ -355,7 +355,7 @@ fn a_crash_during_replay_replays_again() {
             history.version(&path, content);
             history.synced(0, &path);
         }
-        std::mem::forget(fs); // power cut with six files only in the log
+        fs.power_cut(); // power cut with six files only in the log
     }
     let base = dev.crash().snapshot();
     let replaying = Arc::new(MemDevice::from_bytes(base.clone()));

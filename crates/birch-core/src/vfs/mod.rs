@@ -506,6 +506,24 @@ impl Filesystem {
         }
     }
 
+    /// Drops the filesystem as a power cut would: the background committer is stopped (a
+    /// commit it has begun completes, as one could before a real cut), then nothing more is
+    /// written: no orphan reclaim, no final commit. Crash tests use this rather than leaking
+    /// the filesystem, and with it the device, through `mem::forget`.
+    pub fn power_cut(self) {
+        self.inner.closed.store(true, Ordering::SeqCst);
+        self.inner.stop.store(true, Ordering::SeqCst);
+        {
+            let (lock, cvar) = &self.inner.wake;
+            *lock.lock() = true;
+            cvar.notify_all();
+        }
+        if let Some(handle) = self.inner.committer.lock().take() {
+            let _ = handle.join();
+        }
+        // Drop runs `close`, which finds `closed` set and returns at once.
+    }
+
     /// Frees inodes without names that nothing holds open, then commits and stops the
     /// committer. Idempotent; also run on drop.
     pub fn close(&self) -> Result<()> {
