@@ -826,11 +826,13 @@ impl Engine {
                 Err(e)
             }
         };
-        // The next commit may start now; freeing the frozen items (the last reference to them
-        // is ours once the snapshot is published) happens outside the commit lock.
+        // The old snapshot goes first, under the lock: its release list holds the space this
+        // commit freed, and a caller that waited for the lock (an ENOSPC retry) must find that
+        // space back. Freeing the frozen items (the last reference to them is ours once the
+        // snapshot is published) happens outside the lock; the next commit may start now.
+        drop(snapshot);
         drop(_commit);
         drop(sorted);
-        drop(snapshot);
         drop(frozen);
         result
     }
