@@ -134,10 +134,9 @@ impl Delta {
         self.entries.load(Ordering::Relaxed)
     }
 
-    /// Whether no shard holds an entry. Locks each shard in turn, so under concurrent writers
-    /// the answer is only a snapshot.
+    /// Whether there are no entries (as exact as [`Delta::len`]).
     pub fn is_empty(&self) -> bool {
-        self.shards.iter().all(|s| s.lock().is_empty())
+        self.len() == 0
     }
 
     /// Moves every entry out into a frozen delta (the freeze at commit). The caller must keep

@@ -174,7 +174,8 @@ impl Filesystem {
         data.item.mode = killed;
         let mut dropped = killed != mode;
         let cap = CAPABILITY;
-        if self.xattr_value(ino, data, cap)?.is_some() {
+        if data.xattrs_absent.load(Ordering::Relaxed) & ABSENT_CAPABILITY == 0 {
+            // One search: the list under the name's hash, without the capability if it is there.
             let mut list = self.xattr_list(ino, cap)?;
             let before = list.len();
             list.retain(|x| x.name != cap);
@@ -187,6 +188,8 @@ impl Filesystem {
                 }
                 dropped = true;
             }
+            data.xattrs_absent
+                .fetch_or(ABSENT_CAPABILITY, Ordering::Relaxed);
         }
         Ok(dropped)
     }
