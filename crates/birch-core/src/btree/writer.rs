@@ -412,28 +412,36 @@ impl<'a> TreeWriter<'a> {
                 items.drain(start..end.max(start));
             }
             LeafOp::Batch { changes, next } => {
+                // One merge of the leaf's items with the run of changes that belongs here: an
+                // insert into the middle of the item vector would shift the tail once per item.
                 let mut used: usize = items.iter().map(|(_, v)| leaf_item_bytes(v.len())).sum();
+                let old = std::mem::take(items);
+                let mut merged: Vec<(Key, Vec<u8>)> = Vec::with_capacity(old.len() + 16);
+                let mut old = old.into_iter().peekable();
                 while let Some((key, value)) = changes.get(*next) {
                     if *key >= upper || used > LEAF_SPACE {
                         break;
                     }
-                    match (items.binary_search_by(|(k, _)| k.cmp(key)), value) {
-                        (Ok(i), Some(v)) => {
-                            used = used + v.len() - items[i].1.len();
-                            items[i].1 = v.to_vec();
+                    while let Some(item) = old.next_if(|(k, _)| k < key) {
+                        merged.push(item);
+                    }
+                    let existing = old.next_if(|(k, _)| k == key);
+                    match (existing, value) {
+                        (Some((_, prev)), Some(v)) => {
+                            used = used + v.len() - prev.len();
+                            merged.push((*key, v.to_vec()));
                         }
-                        (Err(i), Some(v)) => {
+                        (None, Some(v)) => {
                             used += leaf_item_bytes(v.len());
-                            items.insert(i, (*key, v.to_vec()));
+                            merged.push((*key, v.to_vec()));
                         }
-                        (Ok(i), None) => {
-                            used -= leaf_item_bytes(items[i].1.len());
-                            items.remove(i);
-                        }
-                        (Err(_), None) => {}
+                        (Some((_, prev)), None) => used -= leaf_item_bytes(prev.len()),
+                        (None, None) => {}
                     }
                     *next += 1;
                 }
+                merged.extend(old);
+                *items = merged;
             }
             LeafOp::Replace {
                 lo,
