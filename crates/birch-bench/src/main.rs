@@ -561,6 +561,12 @@ fn fs_row(name: &str, unit: &'static str, ops: usize, secs: f64, in_sync: f64, d
                 "commit_wait_share",
                 delta.engine.commit_wait_us as f64 / 1e6 / secs.max(1e-9),
             ),
+            (
+                "commit_help_share",
+                delta.engine.commit_help_us as f64 / 1e6 / secs.max(1e-9),
+            ),
+            ("commit_jobs", delta.engine.commit_jobs as f64),
+            ("commit_jobs_helped", delta.engine.commit_jobs_helped as f64),
         ],
         delta,
     }

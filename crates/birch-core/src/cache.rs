@@ -15,7 +15,7 @@ use birch_format::node::{Expect, Node};
 use birch_format::NODE_SIZE;
 use parking_lot::Mutex;
 
-use crate::counters::Counters;
+use crate::counters::{CachePadded, Counters};
 use crate::device::BlockDevice;
 use crate::error::{Error, Result};
 
@@ -23,7 +23,7 @@ const SHARDS: usize = 16;
 
 /// A sharded cache of decoded nodes.
 pub struct NodeCache {
-    shards: Vec<Mutex<HashMap<u64, Arc<Node>>>>,
+    shards: Vec<CachePadded<Mutex<HashMap<u64, Arc<Node>>>>>,
     capacity_per_shard: usize,
 }
 
@@ -31,7 +31,9 @@ impl NodeCache {
     /// A cache holding about `capacity` nodes.
     pub fn new(capacity: usize) -> NodeCache {
         NodeCache {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS)
+                .map(|_| CachePadded(Mutex::new(HashMap::new())))
+                .collect(),
             capacity_per_shard: (capacity / SHARDS).max(16),
         }
     }

@@ -9,6 +9,19 @@ use std::cell::Cell;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+/// A value alone on its cache lines (two lines: the adjacent-line prefetcher pairs them), so
+/// that shards of a map that different cores lock do not share a line (false sharing).
+#[repr(align(128))]
+#[derive(Debug, Default)]
+pub struct CachePadded<T>(pub T);
+
+impl<T> std::ops::Deref for CachePadded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
 /// Stripes per counter set; threads beyond this share stripes (still correct, just slower).
 const STRIPES: usize = 8;
 
@@ -85,7 +98,10 @@ counters! {
     flushes: "Device flushes.",
     superblock_writes: "Superblock writes.",
     commits: "Transactions committed.",
-    commit_wait_us: "Microseconds callers of commit spent waiting for another commit to end.",
+    commit_wait_us: "Microseconds callers of commit spent waiting for (or helping) another commit.",
+    commit_jobs: "Jobs of parallel commit applies (runs of subtrees applied as one piece).",
+    commit_jobs_helped: "Jobs of parallel commit applies run by a caller waiting for the commit.",
+    commit_help_us: "Microseconds callers of commit spent running jobs of another's commit.",
     nodes_written: "B-tree nodes written by commits.",
     btree_descents: "Root-to-leaf descents of the B-tree writer.",
     btree_cows: "Nodes copied on write.",

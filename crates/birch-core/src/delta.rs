@@ -17,6 +17,8 @@ use std::sync::Arc;
 use birch_format::Key;
 use parking_lot::Mutex;
 
+use crate::counters::CachePadded;
+
 /// A value in the delta: new bytes, or `None` for a deletion.
 pub type DeltaValue = Option<Arc<[u8]>>;
 
@@ -24,17 +26,23 @@ const SHARDS: usize = 64;
 
 /// Changed items of one generation.
 pub struct Delta {
-    shards: Vec<Mutex<BTreeMap<Key, DeltaValue>>>,
-    /// Number of keys over all shards, kept beside them so that asking costs one load instead
-    /// of a lock of every shard (the filesystem asks after each operation).
+    /// Each shard on its own cache lines with its entry count beside it: a put writes only its
+    /// own shard's lines, never a line that another core's puts write (false sharing; see
+    /// DESIGN §8).
+    shards: Box<[CachePadded<Shard>]>,
+}
+
+#[derive(Default)]
+struct Shard {
+    map: Mutex<Map>,
+    /// Keys in `map`, written under its lock, readable without it.
     entries: AtomicUsize,
 }
 
 impl Default for Delta {
     fn default() -> Self {
         Delta {
-            shards: (0..SHARDS).map(|_| Mutex::new(BTreeMap::new())).collect(),
-            entries: AtomicUsize::new(0),
+            shards: (0..SHARDS).map(|_| CachePadded(Shard::default())).collect(),
         }
     }
 }
@@ -89,17 +97,18 @@ fn map_last_in(map: &Map, floor: &Key, key: &Key) -> Option<(Key, DeltaValue)> {
 impl Delta {
     /// The delta's entry for `key`: `Some(None)` is a deletion, `None` means unchanged.
     pub fn get(&self, key: &Key) -> Option<DeltaValue> {
-        self.shards[shard_of(key.objectid)].lock().get(key).cloned()
+        self.shards[shard_of(key.objectid)]
+            .map
+            .lock()
+            .get(key)
+            .cloned()
     }
 
     /// Records a new value or a deletion.
     pub fn put(&self, key: Key, value: DeltaValue) {
-        let added = self.shards[shard_of(key.objectid)]
-            .lock()
-            .insert(key, value)
-            .is_none();
-        if added {
-            self.entries.fetch_add(1, Ordering::Relaxed);
+        let shard = &self.shards[shard_of(key.objectid)];
+        if shard.map.lock().insert(key, value).is_none() {
+            shard.entries.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -109,7 +118,7 @@ impl Delta {
             lo.objectid == hi.objectid
                 || hi.objectid == lo.objectid + 1 && hi.item_type == 0 && hi.offset == 0
         );
-        map_range(&self.shards[shard_of(lo.objectid)].lock(), lo, hi)
+        map_range(&self.shards[shard_of(lo.objectid)].map.lock(), lo, hi)
     }
 
     /// At most `limit` entries in `[lo, hi)` (deletions included) of one object id, and
@@ -120,18 +129,27 @@ impl Delta {
         hi: &Key,
         limit: usize,
     ) -> (Vec<(Key, DeltaValue)>, bool) {
-        map_range_limited(&self.shards[shard_of(lo.objectid)].lock(), lo, hi, limit)
+        map_range_limited(
+            &self.shards[shard_of(lo.objectid)].map.lock(),
+            lo,
+            hi,
+            limit,
+        )
     }
 
     /// The entry (a value or a deletion) with the greatest key in `[floor, key]`. Both keys
     /// must have the same object id (one shard).
     pub fn last_in(&self, floor: &Key, key: &Key) -> Option<(Key, DeltaValue)> {
-        map_last_in(&self.shards[shard_of(key.objectid)].lock(), floor, key)
+        map_last_in(&self.shards[shard_of(key.objectid)].map.lock(), floor, key)
     }
 
-    /// Number of entries: exact when no `put` runs at the same time, one load in any case.
+    /// Number of entries: exact when no `put` runs at the same time; a load per shard and no
+    /// lock in any case.
     pub fn len(&self) -> usize {
-        self.entries.load(Ordering::Relaxed)
+        self.shards
+            .iter()
+            .map(|s| s.entries.load(Ordering::Relaxed))
+            .sum()
     }
 
     /// Whether there are no entries (as exact as [`Delta::len`]).
@@ -146,9 +164,12 @@ impl Delta {
         let shards: Vec<Map> = self
             .shards
             .iter()
-            .map(|s| std::mem::take(&mut *s.lock()))
+            .map(|s| {
+                let mut map = s.map.lock();
+                s.entries.store(0, Ordering::Relaxed);
+                std::mem::take(&mut *map)
+            })
             .collect();
-        self.entries.store(0, Ordering::Relaxed);
         FrozenDelta { shards }
     }
 }
@@ -193,6 +214,36 @@ impl FrozenDelta {
     /// Whether there are no entries.
     pub fn is_empty(&self) -> bool {
         self.shards.iter().all(|s| s.is_empty())
+    }
+
+    /// Every `step`-th key of each shard, sorted: a sample in which each key stands for about
+    /// `step` entries (plans a parallel apply without sorting everything first).
+    pub fn sample(&self, step: usize) -> Vec<Key> {
+        let mut out: Vec<Key> = Vec::with_capacity(self.len() / step.max(1) + SHARDS);
+        for shard in &self.shards {
+            out.extend(shard.keys().step_by(step.max(1)).copied());
+        }
+        out.sort_unstable();
+        out
+    }
+
+    /// The entries with `lo <= key < hi` (`hi` None: no upper bound), sorted, values borrowed.
+    pub fn sorted_range(&self, lo: &Key, hi: Option<&Key>) -> Vec<(Key, Option<&[u8]>)> {
+        let upper = match hi {
+            Some(h) if h <= lo => return Vec::new(),
+            Some(h) => Bound::Excluded(*h),
+            None => Bound::Unbounded,
+        };
+        let mut out: Vec<(Key, Option<&[u8]>)> = Vec::new();
+        for shard in &self.shards {
+            out.extend(
+                shard
+                    .range((Bound::Included(*lo), upper))
+                    .map(|(k, v)| (*k, v.as_deref())),
+            );
+        }
+        out.sort_unstable_by_key(|e| e.0);
+        out
     }
 
     /// Every entry in key order, borrowed (`None` deletes): what a commit applies. The

@@ -12,20 +12,21 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use birch_format::node::NodeBody;
+use birch_format::node::{Node, NodeBody};
 use birch_format::superblock::{
     RootPtr, Superblock, RESERVED_HEAD_BYTES, SUPER_BYTES, SUPER_OFFSETS,
 };
 use birch_format::{
     ItemType, Key, FIRST_FREE_OBJECTID, FORMAT_VERSION, FS_TREE_ID, NODE_BLOCKS, NODE_SIZE,
 };
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
 
 use crate::alloc::{Allocator, Purpose};
+use crate::btree::parallel::{self, Job, JobOutput};
 use crate::btree::{TreeCtx, TreeReader, TreeWriter};
 use crate::cache::NodeCache;
 use crate::counters::Counters;
@@ -38,6 +39,85 @@ use birch_format::log::LogRecord;
 /// Object ids a thread takes from the shared counter at once, so creates on different threads
 /// do not bounce one cache line (the ext4 lesson of seed 002).
 pub(crate) const OBJECTID_BATCH: u64 = 64;
+
+/// Commits of at least this many changed items cut their apply into jobs (see [`Board`]).
+const PARALLEL_APPLY_MIN: usize = 16_384;
+/// How many jobs such a commit is cut into: enough that two or three threads finish close
+/// together whatever the jobs' sizes.
+const PARALLEL_APPLY_JOBS: usize = 8;
+/// A parallel apply is planned from every this-many-th changed key.
+const PARALLEL_SAMPLE_STEP: usize = 16;
+
+/// The jobs of one commit's parallel apply. The committing thread runs them, and so does
+/// every caller of [`Engine::commit`] that would otherwise sleep until the commit ends (two
+/// threads that sync at once: the second helps the first's commit, then commits what is left).
+/// Each job owns its subtrees, so jobs share nothing but the allocator and the cache.
+struct Board {
+    jobs: Vec<Mutex<Option<Job>>>,
+    next: AtomicUsize,
+    outputs: Mutex<Vec<Option<Result<JobOutput>>>>,
+    done: Condvar,
+    frozen: Arc<FrozenDelta>,
+    generation: u64,
+}
+
+impl Board {
+    fn has_unclaimed(&self) -> bool {
+        self.next.load(Ordering::SeqCst) < self.jobs.len()
+    }
+
+    /// Claims and runs jobs until none is left unclaimed; `helping` counts them as help.
+    fn work(&self, engine: &Engine, helping: bool) {
+        loop {
+            let index = self.next.fetch_add(1, Ordering::SeqCst);
+            let Some(slot) = self.jobs.get(index) else {
+                return;
+            };
+            let Some(job) = slot.lock().take() else {
+                continue;
+            };
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let changes = self.frozen.sorted_range(&job.lo, job.hi.as_ref());
+                parallel::run_job(engine.ctx(), &engine.alloc, self.generation, job, &changes)
+            }));
+            let result = run.unwrap_or_else(|_| {
+                Err(Error::Invalid(format!(
+                    "commit {}: job {index} of the parallel apply panicked",
+                    self.generation
+                )))
+            });
+            engine.counters.add(|c| &c.commit_jobs, 1);
+            if helping {
+                engine.counters.add(|c| &c.commit_jobs_helped, 1);
+            }
+            let mut outputs = self.outputs.lock();
+            outputs[index] = Some(result);
+            self.done.notify_all();
+        }
+    }
+
+    /// Waits until every job has an output; returns them in job order.
+    fn wait_all(&self) -> Vec<Result<JobOutput>> {
+        let mut outputs = self.outputs.lock();
+        while outputs.iter().any(Option::is_none) {
+            self.done.wait(&mut outputs);
+        }
+        outputs.drain(..).flatten().collect()
+    }
+}
+
+/// The commit lock; releasing it wakes the callers waiting for it.
+struct CommitGuard<'e> {
+    engine: &'e Engine,
+    guard: Option<MutexGuard<'e, ()>>,
+}
+
+impl Drop for CommitGuard<'_> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        self.engine.commit_event();
+    }
+}
 
 /// Options of a new image.
 #[derive(Debug, Clone, Default)]
@@ -101,6 +181,13 @@ pub struct Engine {
     running_generation: AtomicU64,
     state: RwLock<ReadState>,
     commit_lock: Mutex<()>,
+    /// Bumped (and waiters woken) when the commit lock is released and when a commit posts
+    /// jobs for waiters to help with.
+    commit_events: (Mutex<u64>, Condvar),
+    /// The jobs of the parallel apply in progress, if any.
+    board: Mutex<Option<Arc<Board>>>,
+    /// Commits of at least this many changed items cut their apply into jobs.
+    parallel_apply_min: AtomicUsize,
     superblock: Mutex<Superblock>,
     next_objectid: AtomicU64,
     read_only: RwLock<Option<String>>,
@@ -322,6 +409,9 @@ impl Engine {
                 snapshot,
             }),
             commit_lock: Mutex::new(()),
+            commit_events: (Mutex::new(0), Condvar::new()),
+            board: Mutex::new(None),
+            parallel_apply_min: AtomicUsize::new(PARALLEL_APPLY_MIN),
             next_objectid: AtomicU64::new(superblock.next_objectid),
             superblock: Mutex::new(superblock),
             read_only: RwLock::new(None),
@@ -783,16 +873,7 @@ impl Engine {
     /// when nothing changed). Concurrent callers queue; mutations go on during the commit.
     /// Does device I/O with no engine lock held except the commit lock itself.
     pub fn commit(&self) -> Result<u64> {
-        let _commit = match self.commit_lock.try_lock() {
-            Some(guard) => guard,
-            None => {
-                let start = std::time::Instant::now();
-                let guard = self.commit_lock.lock();
-                let waited = start.elapsed().as_micros() as u64;
-                self.counters.add(|c| &c.commit_wait_us, waited);
-                guard
-            }
-        };
+        let _commit = self.lock_commit();
         if let Some(reason) = self.read_only.read().clone() {
             // A read-only mount commits what reached the delta before it turned read-only
             // (remount,ro sets read-only first, then commits); after a failure, nothing more
@@ -818,8 +899,7 @@ impl Engine {
             state.frozen = Some(frozen.clone());
             (frozen, generation, state.snapshot.clone())
         };
-        let sorted = frozen.sorted();
-        let result = match self.write_commit(&sorted, generation, &snapshot) {
+        let result = match self.write_commit(&frozen, generation, &snapshot) {
             Ok(()) => Ok(generation),
             Err(e) => {
                 self.set_read_only(format!("commit of generation {generation} failed: {e}"));
@@ -832,22 +912,130 @@ impl Engine {
         // snapshot is published) happens outside the lock; the next commit may start now.
         drop(snapshot);
         drop(_commit);
-        drop(sorted);
         drop(frozen);
         result
     }
 
+    /// Takes the commit lock. A caller that finds it held helps with the jobs of the commit
+    /// in progress while it waits (see [`Board`]).
+    fn lock_commit(&self) -> CommitGuard<'_> {
+        if let Some(guard) = self.commit_lock.try_lock() {
+            return CommitGuard {
+                engine: self,
+                guard: Some(guard),
+            };
+        }
+        let start = std::time::Instant::now();
+        let guard = loop {
+            let board = self.board.lock().clone();
+            if let Some(board) = board {
+                let helping = std::time::Instant::now();
+                board.work(self, true);
+                let helped = helping.elapsed().as_micros() as u64;
+                self.counters.add(|c| &c.commit_help_us, helped);
+            }
+            let (lock, cvar) = &self.commit_events;
+            let mut epoch = lock.lock();
+            if let Some(guard) = self.commit_lock.try_lock() {
+                break guard;
+            }
+            // A board posted since the look above bumped the epoch before this lock was
+            // taken, or bumps it after the wait below begins: either way it is seen.
+            if self
+                .board
+                .lock()
+                .as_ref()
+                .is_some_and(|b| b.has_unclaimed())
+            {
+                continue;
+            }
+            let seen = *epoch;
+            while *epoch == seen {
+                cvar.wait(&mut epoch);
+            }
+        };
+        let waited = start.elapsed().as_micros() as u64;
+        self.counters.add(|c| &c.commit_wait_us, waited);
+        CommitGuard {
+            engine: self,
+            guard: Some(guard),
+        }
+    }
+
+    /// Wakes the callers waiting in [`Engine::lock_commit`] to look again.
+    fn commit_event(&self) {
+        let (lock, cvar) = &self.commit_events;
+        *lock.lock() += 1;
+        cvar.notify_all();
+    }
+
+    /// The smallest commit, in changed items, whose apply is cut into jobs that waiting
+    /// committers help with (default 16,384). Tests lower it to run the parallel apply on
+    /// small trees.
+    pub fn set_parallel_apply_min(&self, items: usize) {
+        self.parallel_apply_min.store(items, Ordering::Relaxed);
+    }
+
+    /// Applies `frozen` to the tree of `writer`; returns the nodes already written (by jobs).
+    fn apply(
+        &self,
+        writer: &mut TreeWriter<'_>,
+        frozen: &Arc<FrozenDelta>,
+        generation: u64,
+    ) -> Result<Vec<Arc<Node>>> {
+        let min = self.parallel_apply_min.load(Ordering::Relaxed);
+        let planned = if frozen.len() >= min.max(1) {
+            let sample = frozen.sample(PARALLEL_SAMPLE_STEP);
+            parallel::plan(
+                self.ctx(),
+                writer.root(),
+                &sample,
+                PARALLEL_SAMPLE_STEP,
+                PARALLEL_APPLY_JOBS,
+            )?
+        } else {
+            None
+        };
+        let Some(mut plan) = planned else {
+            // One descent per leaf of changed items, not one per item.
+            writer.apply_sorted(&frozen.sorted())?;
+            return Ok(Vec::new());
+        };
+        let jobs = std::mem::take(&mut plan.jobs);
+        let board = Arc::new(Board {
+            outputs: Mutex::new(jobs.iter().map(|_| None).collect()),
+            jobs: jobs.into_iter().map(|j| Mutex::new(Some(j))).collect(),
+            next: AtomicUsize::new(0),
+            done: Condvar::new(),
+            frozen: frozen.clone(),
+            generation,
+        });
+        *self.board.lock() = Some(board.clone());
+        self.commit_event();
+        board.work(self, false);
+        let results = board.wait_all();
+        *self.board.lock() = None;
+        let mut outputs = Vec::with_capacity(results.len());
+        let mut nodes = Vec::new();
+        for result in results {
+            let mut output = result?;
+            nodes.append(&mut output.nodes);
+            outputs.push(output);
+        }
+        parallel::assemble(writer, plan, outputs)?;
+        Ok(nodes)
+    }
+
     fn write_commit(
         &self,
-        changes: &[(Key, Option<&[u8]>)],
+        frozen: &Arc<FrozenDelta>,
         generation: u64,
         snapshot: &Snapshot,
     ) -> Result<()> {
         let ctx = self.ctx();
         let mut writer = TreeWriter::new(ctx, &self.alloc, generation, snapshot.root);
-        // One descent per leaf of changed items, not one per item.
-        writer.apply_sorted(changes)?;
-        let nodes = writer.write_dirty()?;
+        let mut nodes = self.apply(&mut writer, frozen, generation)?;
+        nodes.extend(writer.write_dirty()?);
         self.device
             .flush()
             .map_err(|e| Error::io(format!("commit {generation}: flush nodes"), e))?;

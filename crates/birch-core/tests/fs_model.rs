@@ -1986,8 +1986,12 @@ fn new_device() -> Arc<MemDevice> {
     dev
 }
 
+/// Opens with a parallel-apply threshold of 16 changed items, so commits of these small trees
+/// take the parallel path (plan, jobs, assembly; helpers in the concurrent variant) too.
 fn open(dev: &Arc<MemDevice>) -> Filesystem {
-    Filesystem::open_device(dev.clone(), quiet()).expect("open")
+    let fs = Filesystem::open_device(dev.clone(), quiet()).expect("open");
+    fs.engine().set_parallel_apply_min(16);
+    fs
 }
 
 fn reopen(fs: Filesystem, dev: &Arc<MemDevice>, what: &str) -> Filesystem {

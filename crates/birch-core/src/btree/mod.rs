@@ -8,6 +8,7 @@
 //! allocator it is handed). Committed nodes are immutable: a writer copies a node the first
 //! time it changes it in a generation and changes the copy in place after that.
 
+pub mod parallel;
 mod writer;
 
 use std::sync::Arc;

@@ -18,6 +18,10 @@ use crate::error::{Error, Result};
 const LEAF_UNDERFLOW_BYTES: usize = LEAF_SPACE / 4;
 const INTERNAL_UNDERFLOW_PTRS: usize = MAX_PTRS / 4;
 
+/// Address of a subtree writer's top node: never allocated (addresses are block-aligned) and
+/// never written.
+const SUBTREE_TOP: u64 = u64::MAX;
+
 /// What one descent does when it reaches its leaf.
 enum LeafOp<'c> {
     /// Insert or overwrite; the old value is returned in `old`.
@@ -352,11 +356,26 @@ impl<'a> TreeWriter<'a> {
         upper: Key,
         op: &mut LeafOp<'_>,
     ) -> Result<Option<(Key, u64)>> {
-        let level = self.node_ref(addr).header.level;
-        if level == 0 {
+        if self.node_ref(addr).header.level == 0 {
             self.apply_leaf(addr, upper, op);
-            return self.split_if_needed(addr);
+        } else {
+            self.descend_child(addr, search, upper, op)?;
         }
+        self.split_if_needed(addr)
+    }
+
+    /// The part of a descent below the dirty internal node `addr`: copies and descends into
+    /// the child for `search`, then records the child's new address, first key and split in
+    /// `addr` and merges the child when it became small. Leaves splitting `addr` itself to the
+    /// caller (a subtree writer's top never splits).
+    fn descend_child(
+        &mut self,
+        addr: u64,
+        search: Key,
+        upper: Key,
+        op: &mut LeafOp<'_>,
+    ) -> Result<()> {
+        let level = self.node_ref(addr).header.level;
         let (slot, child, child_upper) = {
             let NodeBody::Internal(ptrs) = &self.node_ref(addr).body else {
                 unreachable!("level > 0 is internal")
@@ -392,7 +411,7 @@ impl<'a> TreeWriter<'a> {
         if split.is_none() {
             self.merge_if_underfull(addr, slot, level)?;
         }
-        self.split_if_needed(addr)
+        Ok(())
     }
 
     fn apply_leaf(&mut self, addr: u64, upper: Key, op: &mut LeafOp<'_>) {
@@ -574,6 +593,132 @@ impl<'a> TreeWriter<'a> {
         Ok(())
     }
 
+    /// A writer over a run of sibling subtrees (`ptrs`, at `level`) instead of a whole tree:
+    /// its top is an unwritten internal node that holds the run, may grow past [`MAX_PTRS`]
+    /// and never splits, so [`TreeWriter::apply_sorted`] below it changes only nodes inside
+    /// the run. With `premade`, the run is instead one new leaf of those items (a piece of a
+    /// leaf cut for parallel apply). [`TreeWriter::finish_subtree`] returns the new run.
+    pub(crate) fn subtree(
+        ctx: TreeCtx<'a>,
+        alloc: &'a Allocator,
+        generation: u64,
+        level: u8,
+        ptrs: Vec<ChildPtr>,
+        premade: Option<(Key, Vec<(Key, Vec<u8>)>)>,
+    ) -> Result<TreeWriter<'a>> {
+        let mut w = TreeWriter {
+            ctx,
+            alloc,
+            generation,
+            root: RootPtr::default(),
+            dirty: HashMap::new(),
+        };
+        let ptrs = match premade {
+            Some((lo, items)) => {
+                let key = items.first().map_or(lo, |(k, _)| *k);
+                let addr = w.new_node(0, NodeBody::Leaf(items))?;
+                vec![ChildPtr {
+                    key,
+                    addr,
+                    generation,
+                }]
+            }
+            None => ptrs,
+        };
+        if ptrs.is_empty() {
+            return Err(Error::Invalid("subtree writer over no subtrees".into()));
+        }
+        let header = NodeHeader {
+            fsid: ctx.fsid,
+            addr: SUBTREE_TOP,
+            generation,
+            owner: ctx.owner,
+            level: level + 1,
+        };
+        w.dirty.insert(
+            SUBTREE_TOP,
+            Arc::new(Node {
+                header,
+                body: NodeBody::Internal(ptrs),
+            }),
+        );
+        w.root = RootPtr {
+            addr: SUBTREE_TOP,
+            generation,
+            level: level + 1,
+        };
+        Ok(w)
+    }
+
+    /// Ends a subtree writer's changes: returns the run of subtrees that replaces the one it
+    /// started from, without the nodes that became empty (possibly none at all).
+    pub(crate) fn finish_subtree(&mut self) -> Vec<ChildPtr> {
+        let Some(top) = self.dirty.remove(&SUBTREE_TOP) else {
+            return Vec::new();
+        };
+        let NodeBody::Internal(ptrs) = &top.body else {
+            return Vec::new();
+        };
+        let mut kept = Vec::with_capacity(ptrs.len());
+        for ptr in ptrs {
+            let empty = ptr.generation == self.generation
+                && self.dirty.get(&ptr.addr).is_some_and(|n| n.is_empty());
+            if empty {
+                self.drop_dirty(ptr.addr);
+            } else {
+                kept.push(*ptr);
+            }
+        }
+        self.root = RootPtr::default();
+        kept
+    }
+
+    /// New internal nodes at `level` over `children` (in key order), as few as hold them and
+    /// evenly filled; returns pointers to them. Assembly of a parallel apply uses this to
+    /// rebuild the nodes above the subtrees its jobs changed.
+    pub(crate) fn build_level(
+        &mut self,
+        level: u8,
+        children: Vec<ChildPtr>,
+    ) -> Result<Vec<ChildPtr>> {
+        let count = children.len().div_ceil(MAX_PTRS);
+        let mut out = Vec::with_capacity(count);
+        let mut rest = children.into_iter();
+        for i in 0..count {
+            let take = (rest.len()) / (count - i);
+            let chunk: Vec<ChildPtr> = rest.by_ref().take(take).collect();
+            let key = chunk[0].key;
+            let addr = self.new_node(level, NodeBody::Internal(chunk))?;
+            out.push(ChildPtr {
+                key,
+                addr,
+                generation: self.generation,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Frees a committed node that this generation replaces without copying it (pinned until
+    /// the commit is durable).
+    pub(crate) fn retire(&mut self, addr: u64, generation: u64) {
+        debug_assert!(generation < self.generation, "retire of a dirty node");
+        self.alloc.free_pinned(self.generation, addr, NODE_BLOCKS);
+    }
+
+    /// Makes `root` the tree's root (assembly of a parallel apply); `None` makes it one new
+    /// empty leaf.
+    pub(crate) fn set_root(&mut self, root: Option<RootPtr>) -> Result<()> {
+        self.root = match root {
+            Some(root) => root,
+            None => RootPtr {
+                addr: self.new_node(0, NodeBody::Leaf(Vec::new()))?,
+                generation: self.generation,
+                level: 0,
+            },
+        };
+        Ok(())
+    }
+
     /// Encodes and writes every dirty node (no flush). Returns the written nodes so the
     /// caller can put them in the cache once the commit is durable. May do device I/O.
     pub fn write_dirty(&mut self) -> Result<Vec<Arc<Node>>> {
@@ -627,13 +772,19 @@ impl<'a> TreeWriter<'a> {
                 check_item(key, v)?;
             }
         }
+        let below_top = self.root.addr == SUBTREE_TOP;
         let mut done = 0;
         while done < changes.len() {
             let mut op = LeafOp::Batch {
                 changes,
                 next: done,
             };
-            self.descend(changes[done].0, &mut op)?;
+            if below_top {
+                self.ctx.counters.add(|c| &c.btree_descents, 1);
+                self.descend_child(SUBTREE_TOP, changes[done].0, Key::MAX, &mut op)?;
+            } else {
+                self.descend(changes[done].0, &mut op)?;
+            }
             let LeafOp::Batch { next, .. } = op else {
                 unreachable!("op kind is fixed")
             };

@@ -26,6 +26,7 @@ use birch_format::items::{InodeItem, Timespec};
 use birch_format::{ItemType, Key, BLOCK_SIZE, ORPHAN_OBJECTID, ROOT_OBJECTID};
 use parking_lot::{Condvar, Mutex, RwLock};
 
+use crate::counters::CachePadded;
 use crate::device::{BlockDevice, FileDevice, OpenMode};
 use crate::error::{Error, Result};
 use crate::txn::{Engine, MkfsOptions};
@@ -278,7 +279,7 @@ const TABLE_SHARDS: usize = 64;
 
 pub(crate) struct Inner {
     pub(crate) engine: Arc<Engine>,
-    table: Vec<Mutex<HashMap<u64, Arc<InodeState>>>>,
+    table: Vec<CachePadded<Mutex<HashMap<u64, Arc<InodeState>>>>>,
     pub(crate) rename_lock: Mutex<()>,
     committer: Mutex<Option<JoinHandle<()>>>,
     wake: (Mutex<bool>, Condvar),
@@ -383,7 +384,7 @@ impl Filesystem {
         let inner = Arc::new(Inner {
             engine,
             table: (0..TABLE_SHARDS)
-                .map(|_| Mutex::new(HashMap::new()))
+                .map(|_| CachePadded(Mutex::new(HashMap::new())))
                 .collect(),
             rename_lock: Mutex::new(()),
             committer: Mutex::new(None),
@@ -546,9 +547,19 @@ impl Filesystem {
         self.inner.engine.commit().map(|_| ())
     }
 
-    /// Wakes the committer if the delta has grown large.
+    /// Wakes the committer if the delta has grown large. Counting the delta reads a line of
+    /// every shard, so each thread looks only on every 32nd call (the threshold is far above
+    /// what 32 operations add).
     pub(crate) fn maybe_commit(&self) {
-        if self.inner.engine.pending_items() > DELTA_ITEMS_COMMIT {
+        thread_local! {
+            static CALLS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+        }
+        let call = CALLS.with(|c| {
+            let n = c.get().wrapping_add(1);
+            c.set(n);
+            n
+        });
+        if call % 32 == 0 && self.inner.engine.pending_items() > DELTA_ITEMS_COMMIT {
             let (lock, cvar) = &self.inner.wake;
             *lock.lock() = true;
             cvar.notify_one();
