@@ -48,11 +48,18 @@ impl Default for Delta {
 }
 
 fn shard_of(objectid: u64) -> usize {
-    // A thread takes object ids in batches of 64 (`Engine::allocate_objectid`): a batch
-    // shares a shard, so one thread's new inodes stay in one warm map and two threads' new
-    // inodes meet in one shard only by the hash below, which spreads the batches.
+    batch_shard(objectid, SHARDS)
+}
+
+/// The shard (of `shards`, at most 64) of object `objectid` in maps sharded by object id.
+/// A thread takes object ids in batches of 64 (`Engine::allocate_objectid`): a batch shares a
+/// shard, so one thread's new inodes stay in one warm map and two threads' new inodes meet
+/// in one shard only by the hash, which spreads the batches. A directory has a batch of its
+/// own (`Engine::allocate_objectid_alone`), so two directories that threads fill at once
+/// (their entries are items of the directory's object) do not share a shard by birth.
+pub(crate) fn batch_shard(objectid: u64, shards: usize) -> usize {
     let batch = objectid >> crate::txn::OBJECTID_BATCH.trailing_zeros();
-    (batch.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 58) as usize % SHARDS
+    (batch.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 58) as usize % shards
 }
 
 type Map = BTreeMap<Key, DeltaValue>;

@@ -859,6 +859,14 @@ impl Engine {
         })
     }
 
+    /// A new object id that shares its batch of 64 with no other object (a directory: its
+    /// entries then get a delta shard and inode-table shard of their own, see
+    /// `delta::batch_shard`). The rest of the batch is never used.
+    pub fn allocate_objectid_alone(&self) -> u64 {
+        self.next_objectid
+            .fetch_add(OBJECTID_BATCH, Ordering::Relaxed)
+    }
+
     /// Allocates data blocks: a run of `min..=max` blocks.
     pub fn allocate_data(&self, min: u64, max: u64) -> Result<(u64, u64)> {
         self.alloc.allocate(min, max, Purpose::Data)

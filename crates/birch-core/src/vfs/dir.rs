@@ -231,7 +231,11 @@ impl Filesystem {
                 kind == FileKind::Dir,
             )?
         };
-        let ino = self.inner.engine.allocate_objectid();
+        let ino = if kind == FileKind::Dir {
+            self.inner.engine.allocate_objectid_alone()
+        } else {
+            self.inner.engine.allocate_objectid()
+        };
         let t = now();
         let mut gid = caller.gid;
         let mut mode = inherited.mode;

@@ -567,7 +567,7 @@ impl Filesystem {
     }
 
     fn shard(&self, ino: u64) -> &Mutex<HashMap<u64, Arc<InodeState>>> {
-        &self.inner.table[(ino as usize) % TABLE_SHARDS]
+        &self.inner.table[crate::delta::batch_shard(ino, TABLE_SHARDS)]
     }
 
     /// The in-memory state of `ino`, loading the inode item on first use.
