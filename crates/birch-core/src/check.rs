@@ -339,6 +339,17 @@ fn walk_tree(
                             level: Some(level - 1),
                         };
                         if let Ok(c) = Node::decode(&child, &expect) {
+                            if c.is_empty() {
+                                // Only a root may be empty (an empty filesystem tree is one
+                                // empty leaf); an empty child has no key for its pointer.
+                                report.add(
+                                    FindingKind::PointerKeyMismatch,
+                                    Some(addr),
+                                    format!("fs tree node generation {generation}, slot {slot}"),
+                                    format!("pointer key {} to an empty node", ptr.key),
+                                    "a child holding the pointer's key",
+                                );
+                            }
                             if let Some(first) = c.first_key() {
                                 if first != ptr.key {
                                     report.add(

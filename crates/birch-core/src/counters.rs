@@ -23,7 +23,7 @@ impl<T> std::ops::Deref for CachePadded<T> {
 }
 
 /// Stripes per counter set; threads beyond this share stripes (still correct, just slower).
-const STRIPES: usize = 8;
+pub(crate) const STRIPES: usize = 8;
 
 static NEXT_STRIPE: AtomicUsize = AtomicUsize::new(0);
 
@@ -32,7 +32,7 @@ thread_local! {
 }
 
 /// This thread's stripe index, handed out round robin on first use.
-fn stripe_index() -> usize {
+pub(crate) fn stripe_index() -> usize {
     STRIPE.with(|s| {
         if s.get() == usize::MAX {
             s.set(NEXT_STRIPE.fetch_add(1, Ordering::Relaxed) % STRIPES);

@@ -17,6 +17,7 @@ pub mod delta;
 pub mod device;
 pub mod error;
 pub mod log;
+mod striped;
 pub mod txn;
 pub mod vfs;
 

@@ -25,6 +25,8 @@ use birch_format::{
 };
 use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
 
+use crate::striped::Striped;
+
 use crate::alloc::{Allocator, Purpose};
 use crate::btree::parallel::{self, Job, JobOutput};
 use crate::btree::{TreeCtx, TreeReader, TreeWriter};
@@ -80,9 +82,14 @@ impl Board {
                 let changes = self.frozen.sorted_range(&job.lo, job.hi.as_ref());
                 parallel::run_job(engine.ctx(), &engine.alloc, self.generation, job, &changes)
             }));
-            let result = run.unwrap_or_else(|_| {
+            let result = run.unwrap_or_else(|panic| {
+                let why = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
                 Err(Error::Invalid(format!(
-                    "commit {}: job {index} of the parallel apply panicked",
+                    "commit {}: job {index} of the parallel apply panicked: {why}",
                     self.generation
                 )))
             });
@@ -163,9 +170,22 @@ pub struct Snapshot {
     release: Arc<ReleaseOnDrop>,
 }
 
+/// What readers need besides the active delta; each stripe of [`Engine::state`] has a copy.
 struct ReadState {
     frozen: Option<Arc<FrozenDelta>>,
-    snapshot: Arc<Snapshot>,
+    /// The current snapshot behind a pin of this stripe's own: a reader clones the pin, so
+    /// readers of different stripes count references on different cache lines.
+    snapshot: Arc<SnapshotPin>,
+}
+
+/// One stripe's hold on the current snapshot (see [`ReadState::snapshot`]).
+struct SnapshotPin(Arc<Snapshot>);
+
+impl std::ops::Deref for SnapshotPin {
+    type Target = Snapshot;
+    fn deref(&self) -> &Snapshot {
+        &self.0
+    }
 }
 
 /// The copy-on-write engine over one device.
@@ -176,10 +196,10 @@ pub struct Engine {
     counters: Counters,
     fsid: [u8; 16],
     /// Shared by every mutation of the running delta; exclusive only for the freeze.
-    gate: RwLock<()>,
+    gate: Striped<()>,
     active: Delta,
     running_generation: AtomicU64,
-    state: RwLock<ReadState>,
+    state: Striped<ReadState>,
     commit_lock: Mutex<()>,
     /// Bumped (and waiters woken) when the commit lock is released and when a commit posts
     /// jobs for waiters to help with.
@@ -401,12 +421,12 @@ impl Engine {
             alloc,
             counters,
             fsid,
-            gate: RwLock::new(()),
+            gate: Striped::new(|| ()),
             active: Delta::default(),
             running_generation: AtomicU64::new(generation + 1),
-            state: RwLock::new(ReadState {
+            state: Striped::new(|| ReadState {
                 frozen: None,
-                snapshot,
+                snapshot: Arc::new(SnapshotPin(snapshot.clone())),
             }),
             commit_lock: Mutex::new(()),
             commit_events: (Mutex::new(0), Condvar::new()),
@@ -437,12 +457,14 @@ impl Engine {
                 .map_err(|e| Error::io("mkfs: flush", e))?;
         }
         self.running_generation.store(3, Ordering::SeqCst);
-        let mut state = self.state.write();
-        state.snapshot = Arc::new(Snapshot {
+        let snapshot = Arc::new(Snapshot {
             root,
             generation: 2,
             release: ReleaseOnDrop::new(self.alloc.clone()),
         });
+        self.state
+            .write()
+            .each(|state| state.snapshot = Arc::new(SnapshotPin(snapshot.clone())));
         Ok(())
     }
 
@@ -622,11 +644,11 @@ impl Engine {
     /// The value of `key` as of now. May do device I/O (no lock held while it does).
     pub fn get(&self, key: &Key) -> Result<Option<Vec<u8>>> {
         let snapshot = {
-            let _gate = self.gate.read_recursive();
+            let _gate = self.gate.read();
             if let Some(value) = self.active.get(key) {
                 return Ok(value.map(|v| v.to_vec()));
             }
-            let state = self.state.read_recursive();
+            let state = self.state.read();
             if let Some(frozen) = &state.frozen {
                 if let Some(value) = frozen.get(key) {
                     return Ok(value.map(|v| v.to_vec()));
@@ -651,9 +673,9 @@ impl Engine {
             // source that had more, so work stays proportional to what is returned.
             let chunk = (limit - out.len()).saturating_mul(2).max(8);
             let ((active, active_more), (frozen, frozen_more), snapshot) = {
-                let _gate = self.gate.read_recursive();
+                let _gate = self.gate.read();
                 let active = self.active.range_limited(&from, hi, chunk);
-                let state = self.state.read_recursive();
+                let state = self.state.read();
                 let frozen = state
                     .frozen
                     .as_ref()
@@ -698,9 +720,9 @@ impl Engine {
         let mut upper = *key;
         while *floor <= upper {
             let (active, frozen, snapshot) = {
-                let _gate = self.gate.read_recursive();
+                let _gate = self.gate.read();
                 let active = self.active.last_in(floor, &upper);
-                let state = self.state.read_recursive();
+                let state = self.state.read();
                 let frozen = state.frozen.as_ref().and_then(|f| f.last_in(floor, &upper));
                 (active, frozen, state.snapshot.clone())
             };
@@ -741,7 +763,7 @@ impl Engine {
     /// Starts a mutation of the running transaction. Hold it only for in-memory work.
     pub fn begin(&self) -> Result<WriteTxn<'_>> {
         // Recursive: an operation that holds [`Engine::hold`] records its items through here.
-        let guard = self.gate.read_recursive();
+        let guard = self.gate.read();
         if self.read_only_set.load(Ordering::SeqCst) {
             if let Some(reason) = self.read_only.read().as_ref() {
                 return Err(Error::ReadOnly(reason.clone()));
@@ -802,10 +824,10 @@ impl Engine {
             item_type: 0,
             offset: 0,
         };
-        let _gate = self.gate.read_recursive();
+        let _gate = self.gate.read();
         let generation = self.running_generation.load(Ordering::SeqCst);
         let active = self.active.range(&lo, &hi);
-        let state = self.state.read_recursive();
+        let state = self.state.read();
         let mut merged: std::collections::BTreeMap<Key, DeltaValue> = state
             .frozen
             .as_ref()
@@ -904,8 +926,11 @@ impl Engine {
             self.running_generation
                 .store(generation + 1, Ordering::SeqCst);
             let mut state = self.state.write();
-            state.frozen = Some(frozen.clone());
-            (frozen, generation, state.snapshot.clone())
+            state.each(|s| s.frozen = Some(frozen.clone()));
+            let Some(snapshot) = state.first().map(|s| s.snapshot.0.clone()) else {
+                return Err(Error::Invalid("engine read state has no stripes".into()));
+            };
+            (frozen, generation, snapshot)
         };
         let result = match self.write_commit(&frozen, generation, &snapshot) {
             Ok(()) => Ok(generation),
@@ -1023,15 +1048,8 @@ impl Engine {
         board.work(self, false);
         let results = board.wait_all();
         *self.board.lock() = None;
-        let mut outputs = Vec::with_capacity(results.len());
-        let mut nodes = Vec::new();
-        for result in results {
-            let mut output = result?;
-            nodes.append(&mut output.nodes);
-            outputs.push(output);
-        }
-        parallel::assemble(writer, plan, outputs)?;
-        Ok(nodes)
+        let outputs = results.into_iter().collect::<Result<Vec<JobOutput>>>()?;
+        parallel::assemble(writer, plan, outputs)
     }
 
     fn write_commit(
@@ -1077,10 +1095,15 @@ impl Engine {
             generation,
             release: new_release.clone(),
         });
-        let old = {
-            let mut state = self.state.write();
+        let mut old: Option<Arc<Snapshot>> = None;
+        self.state.write().each(|state| {
             state.frozen = None;
-            std::mem::replace(&mut state.snapshot, new_snapshot)
+            let pin = Arc::new(SnapshotPin(new_snapshot.clone()));
+            let previous = std::mem::replace(&mut state.snapshot, pin);
+            old.get_or_insert_with(|| previous.0.clone());
+        });
+        let Some(old) = old else {
+            return Err(Error::Invalid("engine read state has no stripes".into()));
         };
         let freed = self.alloc.take_pinned(generation);
         self.alloc.unpin_count(freed.iter().map(|(_, b)| b).sum());

@@ -460,7 +460,16 @@ fn run_parallel_case(seed: u64, rounds: u64) -> u64 {
     for round in 0..rounds {
         let mut batch: BTreeMap<Key, Option<Vec<u8>>> = BTreeMap::new();
         let count = rng.gen_range(1..3000);
-        let shape = rng.gen_range(0..5);
+        let shape = rng.gen_range(0..6);
+        if shape == 5 && !model.is_empty() {
+            // A contiguous run of existing keys deleted (a directory removed with its files).
+            let keys: Vec<Key> = model.keys().copied().collect();
+            let from = rng.gen_range(0..keys.len());
+            let to = (from + rng.gen_range(1..4000)).min(keys.len());
+            for k in &keys[from..to] {
+                batch.insert(*k, None);
+            }
+        }
         for _ in 0..count {
             let n = match shape {
                 // Appends past the right edge (new inodes), with a few random changes.
@@ -516,6 +525,23 @@ fn run_parallel_case(seed: u64, rounds: u64) -> u64 {
             items == expected,
             "seed {seed}: tree differs from model after round {round} (parallel: {parallel})"
         );
+        if parallel {
+            // Deletes shrink the tree: an emptied tree is one leaf, and a root never keeps a
+            // single child.
+            if model.is_empty() {
+                assert_eq!(h.root.level, 0, "seed {seed}: an empty tree is one leaf");
+            }
+            if h.root.level > 0 {
+                let root = h
+                    .ctx()
+                    .read(h.root.addr, h.root.generation, h.root.level)
+                    .expect("root");
+                assert!(
+                    root.len() > 1,
+                    "seed {seed}: a root with one child after round {round}"
+                );
+            }
+        }
         let nodes = count_nodes(&h);
         let used = h.alloc.total_blocks() - h.alloc.free_blocks();
         assert_eq!(
@@ -546,4 +572,65 @@ fn parallel_apply_matches_model() {
     }
     assert!(parallel > 0, "no round took the parallel path");
     eprintln!("parallel_apply: {parallel} parallel rounds matched the model");
+}
+
+/// Deleting nearly everything from a tree of three levels through the parallel apply leaves
+/// no empty leaf and no chain of one-child nodes: the tree shrinks to one leaf, as the serial
+/// apply's merges and root collapse make it (review of the parallel apply: a job over one
+/// internal subtree that deleted all of it left that subtree's last, empty leaf behind).
+#[test]
+fn parallel_apply_shrinks_a_deep_tree() {
+    let mut h = Harness::new();
+    let mut model: BTreeMap<Key, Vec<u8>> = BTreeMap::new();
+    let fill: Vec<(Key, Option<Vec<u8>>)> = (0..80_000u64)
+        .map(|n| (key(n), Some(vec![(n % 251) as u8; 150])))
+        .collect();
+    let mut generation = h.generation;
+    // Two jobs for the big delete: each gets whole subtrees of internal nodes, not leaves.
+    for (keep, threads, jobs) in [(usize::MAX, 1, 8), (10, 2, 2), (0, 3, 8)] {
+        generation += 1;
+        let changes: Vec<(Key, Option<Vec<u8>>)> = if keep == usize::MAX {
+            fill.clone()
+        } else {
+            model.keys().skip(keep).map(|k| (*k, None)).collect()
+        };
+        let (root, parallel) = parallel_round(&h, generation, &changes, 4, jobs, threads);
+        assert_eq!(
+            parallel,
+            h.root.level > 0,
+            "a tree of more than one leaf is cut"
+        );
+        h.device.flush().expect("flush");
+        let pinned = h.alloc.take_pinned(generation);
+        h.alloc.release(&pinned);
+        h.root = root;
+        h.generation = generation;
+        for (k, v) in changes {
+            match v {
+                Some(v) => model.insert(k, v),
+                None => model.remove(&k),
+            };
+        }
+        let expected: Vec<(Key, Vec<u8>)> = model.iter().map(|(k, v)| (*k, v.clone())).collect();
+        assert!(
+            walk(&h) == expected,
+            "tree differs from model (keep {keep})"
+        );
+        let used = h.alloc.total_blocks() - h.alloc.free_blocks();
+        assert_eq!(
+            used,
+            32 + count_nodes(&h) * NODE_BLOCKS,
+            "leak (keep {keep})"
+        );
+        match keep {
+            usize::MAX => assert!(h.root.level >= 2, "80,000 items make three levels"),
+            _ => assert_eq!(
+                h.root.level,
+                0,
+                "{} items left in a tree of level {}",
+                model.len(),
+                h.root.level
+            ),
+        }
+    }
 }

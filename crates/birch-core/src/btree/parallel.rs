@@ -11,6 +11,7 @@
 //! slice, [`Job::lo`]..[`Job::hi`]), the superblock, the cache, flushes. Who runs the jobs and
 //! when is the engine's business.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use birch_format::node::{ChildPtr, Node, NodeBody};
@@ -243,23 +244,63 @@ pub fn run_job(
 
 /// Puts the jobs' outputs (`outputs[i]` from `plan.jobs[i]`) together under new nodes for
 /// the expanded path, in `writer` (a writer over the tree the plan was made from, with no
-/// changes of its own yet), and makes the result its root.
-pub fn assemble(writer: &mut TreeWriter<'_>, plan: Plan, outputs: Vec<JobOutput>) -> Result<()> {
-    let mut outputs: Vec<Option<JobOutput>> = outputs.into_iter().map(Some).collect();
+/// changes of its own yet), and makes the result its root: a root with one child gives way
+/// to the child, so deletes shrink the tree as the serial apply does. Returns the nodes the
+/// jobs wrote that the new tree references (for the cache, once the commit is durable).
+pub fn assemble(
+    writer: &mut TreeWriter<'_>,
+    plan: Plan,
+    outputs: Vec<JobOutput>,
+) -> Result<Vec<Arc<Node>>> {
+    let mut written: HashMap<u64, Arc<Node>> = HashMap::new();
+    let mut outputs: Vec<Option<JobOutput>> = outputs
+        .into_iter()
+        .map(|mut out| {
+            written.extend(out.nodes.drain(..).map(|n| (n.header.addr, n)));
+            Some(out)
+        })
+        .collect();
     let mut level = plan.root_level;
     let mut run = assemble_part(writer, plan.top, &mut outputs)?;
     while run.len() > 1 {
         level += 1;
         run = writer.build_level(level, run)?;
     }
-    match run.first() {
-        Some(ptr) => writer.set_root(Some(RootPtr {
-            addr: ptr.addr,
-            generation: ptr.generation,
-            level,
-        })),
-        None => writer.set_root(None),
+    let Some(mut root) = run.first().copied() else {
+        writer.set_root(None)?;
+        return Ok(written.into_values().collect());
+    };
+    let generation = writer.generation();
+    while level > 0 {
+        let node = if let Some(node) = writer.dirty_node(root.addr) {
+            node
+        } else if let Some(node) = written.get(&root.addr) {
+            node.clone()
+        } else {
+            writer.ctx().read(root.addr, root.generation, level)?
+        };
+        let NodeBody::Internal(ptrs) = &node.body else {
+            break;
+        };
+        let [only] = ptrs.as_slice() else {
+            break;
+        };
+        if root.generation < generation {
+            writer.retire(root.addr, root.generation);
+        } else if writer.dirty_node(root.addr).is_some() {
+            writer.discard(root.addr);
+        } else if written.remove(&root.addr).is_some() {
+            writer.free_new(root.addr);
+        }
+        root = *only;
+        level -= 1;
     }
+    writer.set_root(Some(RootPtr {
+        addr: root.addr,
+        generation: root.generation,
+        level,
+    }))?;
+    Ok(written.into_values().collect())
 }
 
 fn take_output(outputs: &mut [Option<JobOutput>], index: usize) -> Result<Vec<ChildPtr>> {

@@ -115,6 +115,16 @@ impl<'a> TreeWriter<'a> {
         self.root
     }
 
+    /// The generation this writer writes.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// How this writer reads nodes.
+    pub(crate) fn ctx(&self) -> TreeCtx<'a> {
+        self.ctx
+    }
+
     /// Number of nodes changed in this generation.
     pub fn dirty_count(&self) -> usize {
         self.dirty.len()
@@ -661,9 +671,7 @@ impl<'a> TreeWriter<'a> {
         };
         let mut kept = Vec::with_capacity(ptrs.len());
         for ptr in ptrs {
-            let empty = ptr.generation == self.generation
-                && self.dirty.get(&ptr.addr).is_some_and(|n| n.is_empty());
-            if empty {
+            if ptr.generation == self.generation && self.prune_empty(ptr.addr) {
                 self.drop_dirty(ptr.addr);
             } else {
                 kept.push(*ptr);
@@ -671,6 +679,54 @@ impl<'a> TreeWriter<'a> {
         }
         self.root = RootPtr::default();
         kept
+    }
+
+    /// Removes, below the dirty node `addr`, every dirty subtree left without items (a merge
+    /// keeps the last child of a node even when it is empty); returns whether `addr` itself is
+    /// now empty. Clean (committed) nodes always hold items.
+    fn prune_empty(&mut self, addr: u64) -> bool {
+        let Some(node) = self.dirty.get(&addr) else {
+            return false;
+        };
+        let NodeBody::Internal(ptrs) = &node.body else {
+            return node.is_empty();
+        };
+        let candidates: Vec<u64> = ptrs
+            .iter()
+            .filter(|p| p.generation == self.generation)
+            .map(|p| p.addr)
+            .collect();
+        let mut empty = Vec::new();
+        for child in candidates {
+            if self.prune_empty(child) {
+                empty.push(child);
+            }
+        }
+        if !empty.is_empty() {
+            if let NodeBody::Internal(ptrs) = &mut self.node_mut(addr).body {
+                ptrs.retain(|p| !empty.contains(&p.addr));
+            }
+            for child in empty {
+                self.drop_dirty(child);
+            }
+        }
+        self.node_ref(addr).is_empty()
+    }
+
+    /// A node this writer made in this generation and still holds, if `addr` is one.
+    pub(crate) fn dirty_node(&self, addr: u64) -> Option<Arc<Node>> {
+        self.dirty.get(&addr).cloned()
+    }
+
+    /// Drops a node this writer made (`dirty_node`); its space is free at once.
+    pub(crate) fn discard(&mut self, addr: u64) {
+        self.drop_dirty(addr);
+    }
+
+    /// Frees a node made in this generation by another writer (a job of a parallel apply) that
+    /// nothing will reference: no committed state has seen it.
+    pub(crate) fn free_new(&mut self, addr: u64) {
+        self.alloc.free_now(addr, NODE_BLOCKS);
     }
 
     /// New internal nodes at `level` over `children` (in key order), as few as hold them and
