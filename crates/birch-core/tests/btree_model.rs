@@ -451,6 +451,28 @@ fn parallel_round(
     (w.root(), true)
 }
 
+/// Makes a round's tree current (flush, release what it pinned) and applies its changes to
+/// the model.
+fn finish_round(
+    h: &mut Harness,
+    root: RootPtr,
+    generation: u64,
+    changes: Vec<(Key, Option<Vec<u8>>)>,
+    model: &mut BTreeMap<Key, Vec<u8>>,
+) {
+    h.device.flush().expect("flush");
+    let pinned = h.alloc.take_pinned(generation);
+    h.alloc.release(&pinned);
+    h.root = root;
+    h.generation = generation;
+    for (k, v) in changes {
+        match v {
+            Some(v) => model.insert(k, v),
+            None => model.remove(&k),
+        };
+    }
+}
+
 fn run_parallel_case(seed: u64, rounds: u64) -> u64 {
     let mut rng = SmallRng::seed_from_u64(seed);
     let mut h = Harness::new();
@@ -505,17 +527,7 @@ fn run_parallel_case(seed: u64, rounds: u64) -> u64 {
         let threads = rng.gen_range(1..4);
         let (root, parallel) = parallel_round(&h, generation, &changes, weight, jobs, threads);
         parallel_rounds += u64::from(parallel);
-        h.device.flush().expect("flush");
-        let pinned = h.alloc.take_pinned(generation);
-        h.alloc.release(&pinned);
-        h.root = root;
-        h.generation = generation;
-        for (k, v) in changes {
-            match v {
-                Some(v) => model.insert(k, v),
-                None => model.remove(&k),
-            };
-        }
+        finish_round(&mut h, root, generation, changes, &mut model);
         if rng.gen_ratio(1, 3) {
             h.cache = NodeCache::new(1 << 16);
         }
@@ -600,17 +612,7 @@ fn parallel_apply_shrinks_a_deep_tree() {
             h.root.level > 0,
             "a tree of more than one leaf is cut"
         );
-        h.device.flush().expect("flush");
-        let pinned = h.alloc.take_pinned(generation);
-        h.alloc.release(&pinned);
-        h.root = root;
-        h.generation = generation;
-        for (k, v) in changes {
-            match v {
-                Some(v) => model.insert(k, v),
-                None => model.remove(&k),
-            };
-        }
+        finish_round(&mut h, root, generation, changes, &mut model);
         let expected: Vec<(Key, Vec<u8>)> = model.iter().map(|(k, v)| (*k, v.clone())).collect();
         assert!(
             walk(&h) == expected,

@@ -88,19 +88,24 @@ impl<'a> TreeWriter<'a> {
         }
     }
 
+    /// A writer with no root yet and nothing dirty; its constructors give it one.
+    fn rootless(ctx: TreeCtx<'a>, alloc: &'a Allocator, generation: u64) -> TreeWriter<'a> {
+        TreeWriter {
+            ctx,
+            alloc,
+            generation,
+            root: RootPtr::default(),
+            dirty: HashMap::new(),
+        }
+    }
+
     /// A writer over a new empty tree (mkfs).
     pub fn create(
         ctx: TreeCtx<'a>,
         alloc: &'a Allocator,
         generation: u64,
     ) -> Result<TreeWriter<'a>> {
-        let mut w = TreeWriter {
-            ctx,
-            alloc,
-            generation,
-            root: RootPtr::default(),
-            dirty: HashMap::new(),
-        };
+        let mut w = TreeWriter::rootless(ctx, alloc, generation);
         let addr = w.new_node(0, NodeBody::Leaf(Vec::new()))?;
         w.root = RootPtr {
             addr,
@@ -616,13 +621,7 @@ impl<'a> TreeWriter<'a> {
         ptrs: Vec<ChildPtr>,
         premade: Option<(Key, Vec<(Key, Vec<u8>)>)>,
     ) -> Result<TreeWriter<'a>> {
-        let mut w = TreeWriter {
-            ctx,
-            alloc,
-            generation,
-            root: RootPtr::default(),
-            dirty: HashMap::new(),
-        };
+        let mut w = TreeWriter::rootless(ctx, alloc, generation);
         let ptrs = match premade {
             Some((lo, items)) => {
                 let key = items.first().map_or(lo, |(k, _)| *k);
