@@ -3,8 +3,9 @@
 //!
 //! Owns: the stripes and which stripe a thread reads. A reader takes the read lock of its own
 //! stripe only (each stripe alone on its cache lines), so readers on different cores write no
-//! common line; a writer takes every stripe's write lock, in stripe order, and changes every
-//! stripe's copy of the value. Must not touch: what the value means.
+//! common line; a writer takes every stripe's write lock and changes every
+//! stripe's copy of the value, never holding some stripes while it waits for another. Must
+//! not touch: what the value means.
 
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -50,10 +51,24 @@ impl<T> Striped<T> {
         self.stripes[stripe_index() % self.stripes.len()].read_recursive()
     }
 
-    /// Every stripe, write-locked in order.
+    /// Every stripe, write-locked. Never holds some stripes while it waits for another: it
+    /// takes them with `try_write`, and when one is busy it lets go of all, waits for that one
+    /// alone, and starts over. So a writer waiting on one long reader (an operation doing data
+    /// I/O under the gate) blocks no reader of the other stripes, as one lock would not.
     pub(crate) fn write(&self) -> StripedWrite<'_, T> {
-        StripedWrite {
-            guards: self.stripes.iter().map(|s| s.write()).collect(),
+        'attempt: loop {
+            let mut guards = Vec::with_capacity(self.stripes.len());
+            for stripe in self.stripes.iter() {
+                match stripe.try_write() {
+                    Some(guard) => guards.push(guard),
+                    None => {
+                        drop(guards);
+                        drop(stripe.write());
+                        continue 'attempt;
+                    }
+                }
+            }
+            return StripedWrite { guards };
         }
     }
 }
@@ -76,6 +91,27 @@ mod tests {
                 .collect()
         });
         assert!(seen.iter().all(|v| *v == 7), "{seen:?}");
+    }
+
+    #[test]
+    fn a_waiting_writer_holds_no_stripe() {
+        let lock = Arc::new(Striped::new(|| 0u64));
+        // The last stripe is held; a writer must wait for it, and while it waits a reader of
+        // any other stripe still gets in (a writer that took stripes in order would hold all
+        // the others).
+        let reader = lock.stripes[STRIPES - 1].read();
+        let writer = {
+            let lock = lock.clone();
+            std::thread::spawn(move || lock.write().each(|v| *v += 1))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        for stripe in lock.stripes.iter() {
+            let got = stripe.try_read_recursive().is_some();
+            assert!(got, "a stripe stayed locked while the writer waited");
+        }
+        drop(reader);
+        writer.join().expect("writer");
+        assert_eq!(*lock.read(), 1);
     }
 
     #[test]

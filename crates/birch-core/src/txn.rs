@@ -432,7 +432,12 @@ impl Engine {
             commit_events: (Mutex::new(0), Condvar::new()),
             board: Mutex::new(None),
             parallel_apply_min: AtomicUsize::new(PARALLEL_APPLY_MIN),
-            next_objectid: AtomicU64::new(superblock.next_objectid),
+            next_objectid: AtomicU64::new(
+                superblock
+                    .next_objectid
+                    .div_ceil(OBJECTID_BATCH)
+                    .saturating_mul(OBJECTID_BATCH),
+            ),
             superblock: Mutex::new(superblock),
             read_only: RwLock::new(None),
             read_only_set: AtomicBool::new(false),
@@ -856,7 +861,10 @@ impl Engine {
 
     /// Makes sure new object ids are above `min` (replay of inodes created after the commit).
     pub fn raise_objectid(&self, min: u64) {
-        self.next_objectid.fetch_max(min, Ordering::SeqCst);
+        // Kept a multiple of the batch size, so a batch taken later is one whole shard's batch
+        // (a directory's must share its shard with nothing, see `allocate_objectid_alone`).
+        let aligned = min.div_ceil(OBJECTID_BATCH).saturating_mul(OBJECTID_BATCH);
+        self.next_objectid.fetch_max(aligned, Ordering::SeqCst);
     }
 
     /// Number of changed items waiting for commit.

@@ -334,6 +334,17 @@ impl<'a> TreeWriter<'a> {
             };
         }
         self.collapse_root();
+        let root_emptied = self.root.level > 0 && self.node_ref(self.root.addr).is_empty();
+        if root_emptied {
+            // Every item is gone (its last leaf was removed, and with it each emptied parent).
+            let old = self.root.addr;
+            self.root = RootPtr {
+                addr: self.new_node(0, NodeBody::Leaf(Vec::new()))?,
+                generation: self.generation,
+                level: 0,
+            };
+            self.drop_dirty(old);
+        }
         Ok(())
     }
 
@@ -544,15 +555,15 @@ impl<'a> TreeWriter<'a> {
             };
             (ptrs.len(), ptrs[slot])
         };
-        if count < 2 {
-            return Ok(());
-        }
         let child_node = self.node_ref(child.addr);
         let underfull = match &child_node.body {
             NodeBody::Leaf(_) => child_node.used_bytes() < LEAF_UNDERFLOW_BYTES,
             NodeBody::Internal(ptrs) => ptrs.len() < INTERNAL_UNDERFLOW_PTRS,
         };
-        if child_node.is_empty() {
+        // An empty child goes even when it is the only one: its parent, now empty too, goes
+        // on the way up, and an emptied root becomes an empty leaf (`descend`). Only a subtree
+        // writer's top keeps its last child (`finish_subtree` prunes it).
+        if child_node.is_empty() && (count >= 2 || addr != SUBTREE_TOP) {
             let NodeBody::Internal(ptrs) = &mut self.node_mut(addr).body else {
                 unreachable!("internal")
             };
@@ -560,7 +571,7 @@ impl<'a> TreeWriter<'a> {
             self.drop_dirty(child.addr);
             return Ok(());
         }
-        if !underfull {
+        if !underfull || count < 2 {
             return Ok(());
         }
         let (left_slot, right_slot) = if slot + 1 < count {
@@ -672,17 +683,21 @@ impl<'a> TreeWriter<'a> {
         for ptr in ptrs {
             if ptr.generation == self.generation && self.prune_empty(ptr.addr) {
                 self.drop_dirty(ptr.addr);
-            } else {
-                kept.push(*ptr);
+                continue;
             }
+            let mut ptr = *ptr;
+            if let Some(first) = self.dirty_node(ptr.addr).and_then(|n| n.first_key()) {
+                ptr.key = first;
+            }
+            kept.push(ptr);
         }
         self.root = RootPtr::default();
         kept
     }
 
-    /// Removes, below the dirty node `addr`, every dirty subtree left without items (a merge
-    /// keeps the last child of a node even when it is empty); returns whether `addr` itself is
-    /// now empty. Clean (committed) nodes always hold items.
+    /// Removes, below the dirty node `addr`, every dirty subtree left without items, and
+    /// refreshes the pointer keys above what it removed; returns whether `addr` itself is now
+    /// empty. Clean (committed) nodes are left alone.
     fn prune_empty(&mut self, addr: u64) -> bool {
         let Some(node) = self.dirty.get(&addr) else {
             return false;
@@ -709,7 +724,35 @@ impl<'a> TreeWriter<'a> {
                 self.drop_dirty(child);
             }
         }
+        self.refresh_pointer_keys(addr);
         self.node_ref(addr).is_empty()
+    }
+
+    /// Sets the key of each pointer of the dirty internal node `addr` to its dirty child's
+    /// first key (pruning below a child can remove its first item).
+    fn refresh_pointer_keys(&mut self, addr: u64) {
+        let firsts: Vec<Option<Key>> = match &self.node_ref(addr).body {
+            NodeBody::Internal(ptrs) => ptrs
+                .iter()
+                .map(|p| {
+                    if p.generation != self.generation {
+                        return None;
+                    }
+                    self.dirty.get(&p.addr).and_then(|n| n.first_key())
+                })
+                .collect(),
+            NodeBody::Leaf(_) => return,
+        };
+        if firsts.iter().all(Option::is_none) {
+            return;
+        }
+        if let NodeBody::Internal(ptrs) = &mut self.node_mut(addr).body {
+            for (ptr, first) in ptrs.iter_mut().zip(firsts) {
+                if let Some(first) = first {
+                    ptr.key = first;
+                }
+            }
+        }
     }
 
     /// A node this writer made in this generation and still holds, if `addr` is one.
