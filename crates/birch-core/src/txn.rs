@@ -624,9 +624,16 @@ impl Engine {
 
     /// Turns the engine read-only (a failed commit or write; or a read-only mount).
     pub fn set_read_only(&self, reason: impl Into<String>) {
+        let reason = reason.into();
         let mut ro = self.read_only.write();
-        if ro.is_none() {
-            let reason = reason.into();
+        // A failure replaces a chosen read-only state (a read-only mount or remount): once a
+        // commit has failed, no later commit may run and no remount may make it writable.
+        let chosen = |r: &String| r.starts_with("mounted read-only");
+        let replace = match ro.as_ref() {
+            None => true,
+            Some(current) => chosen(current) && !chosen(&reason),
+        };
+        if replace {
             log::error!("birchfs is now read-only: {reason}");
             *ro = Some(reason);
             self.read_only_set.store(true, Ordering::SeqCst);

@@ -140,3 +140,34 @@ fn failed_commit_turns_read_only_and_never_half_commits() {
         "nothing of the failed commit is visible"
     );
 }
+
+/// A commit that fails on a read-only (re)mount turns the read-only state into a failure:
+/// `rw` is refused and no later commit runs, so the failed commit's changes can never be
+/// replaced by a newer freeze and lost to readers (review of the striped read state).
+#[test]
+fn failed_commit_on_a_read_only_remount_sticks() {
+    let (dev, fs) = fresh(32 << 20);
+    fs.write_file("/kept", b"committed").expect("write");
+    fs.sync().expect("commit");
+    fs.write_file("/pending", b"in the delta").expect("write");
+    dev.fail_writes(true);
+    fs.control(b"ro").expect_err("the remount's commit fails");
+    let reason = fs.engine().read_only_reason().expect("read-only");
+    assert!(
+        reason.contains("commit"),
+        "the failure replaces the remount's reason: {reason}"
+    );
+    dev.fail_writes(false);
+    fs.control(b"rw")
+        .expect_err("no remount rw after a failed commit");
+    fs.sync().expect_err("no commit after a failed one");
+    assert_eq!(
+        fs.read_file("/pending")
+            .expect("still readable from memory"),
+        b"in the delta"
+    );
+    fs.power_cut();
+    let crashed = Arc::new(dev.crash());
+    let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
+    assert!(report.is_clean(), "{:#?}", report.findings);
+}
