@@ -11,6 +11,9 @@ use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::counters::{stripe_index, CachePadded, STRIPES};
 
+// `StripedWrite::first` relies on at least one stripe.
+const _: () = assert!(STRIPES > 0);
+
 /// The lock; each stripe holds its own copy of the value.
 pub(crate) struct Striped<T> {
     stripes: Box<[CachePadded<RwLock<T>>]>,
@@ -30,8 +33,8 @@ impl<T> StripedWrite<'_, T> {
     }
 
     /// The first stripe's copy (every copy agrees on what the caller keeps in step).
-    pub(crate) fn first(&self) -> Option<&T> {
-        self.guards.first().map(|g| &**g)
+    pub(crate) fn first(&self) -> &T {
+        &self.guards[0]
     }
 }
 

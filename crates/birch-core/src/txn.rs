@@ -42,6 +42,13 @@ use birch_format::log::LogRecord;
 /// do not bounce one cache line (the ext4 lesson of seed 002).
 pub(crate) const OBJECTID_BATCH: u64 = 64;
 
+/// `id` rounded up to a whole batch. The object-id mark is kept so (at open, after replay), so
+/// a batch taken later is one whole shard's batch: a directory's must share its shard with
+/// nothing (`Engine::allocate_objectid_alone`).
+fn batch_aligned(id: u64) -> u64 {
+    id.div_ceil(OBJECTID_BATCH).saturating_mul(OBJECTID_BATCH)
+}
+
 /// Commits of at least this many changed items cut their apply into jobs (see [`Board`]).
 const PARALLEL_APPLY_MIN: usize = 16_384;
 /// How many jobs such a commit is cut into: enough that two or three threads finish close
@@ -432,12 +439,7 @@ impl Engine {
             commit_events: (Mutex::new(0), Condvar::new()),
             board: Mutex::new(None),
             parallel_apply_min: AtomicUsize::new(PARALLEL_APPLY_MIN),
-            next_objectid: AtomicU64::new(
-                superblock
-                    .next_objectid
-                    .div_ceil(OBJECTID_BATCH)
-                    .saturating_mul(OBJECTID_BATCH),
-            ),
+            next_objectid: AtomicU64::new(batch_aligned(superblock.next_objectid)),
             superblock: Mutex::new(superblock),
             read_only: RwLock::new(None),
             read_only_set: AtomicBool::new(false),
@@ -868,10 +870,8 @@ impl Engine {
 
     /// Makes sure new object ids are above `min` (replay of inodes created after the commit).
     pub fn raise_objectid(&self, min: u64) {
-        // Kept a multiple of the batch size, so a batch taken later is one whole shard's batch
-        // (a directory's must share its shard with nothing, see `allocate_objectid_alone`).
-        let aligned = min.div_ceil(OBJECTID_BATCH).saturating_mul(OBJECTID_BATCH);
-        self.next_objectid.fetch_max(aligned, Ordering::SeqCst);
+        self.next_objectid
+            .fetch_max(batch_aligned(min), Ordering::SeqCst);
     }
 
     /// Number of changed items waiting for commit.
@@ -942,10 +942,7 @@ impl Engine {
                 .store(generation + 1, Ordering::SeqCst);
             let mut state = self.state.write();
             state.each(|s| s.frozen = Some(frozen.clone()));
-            let Some(snapshot) = state.first().map(|s| s.snapshot.0.clone()) else {
-                return Err(Error::Invalid("engine read state has no stripes".into()));
-            };
-            (frozen, generation, snapshot)
+            (frozen, generation, state.first().snapshot.0.clone())
         };
         let result = match self.write_commit(&frozen, generation, &snapshot) {
             Ok(()) => Ok(generation),
@@ -1110,15 +1107,14 @@ impl Engine {
             generation,
             release: new_release.clone(),
         });
-        let mut old: Option<Arc<Snapshot>> = None;
-        self.state.write().each(|state| {
-            state.frozen = None;
-            let pin = Arc::new(SnapshotPin(new_snapshot.clone()));
-            let previous = std::mem::replace(&mut state.snapshot, pin);
-            old.get_or_insert_with(|| previous.0.clone());
-        });
-        let Some(old) = old else {
-            return Err(Error::Invalid("engine read state has no stripes".into()));
+        let old = {
+            let mut state = self.state.write();
+            let old = state.first().snapshot.0.clone();
+            state.each(|s| {
+                s.frozen = None;
+                s.snapshot = Arc::new(SnapshotPin(new_snapshot.clone()));
+            });
+            old
         };
         let freed = self.alloc.take_pinned(generation);
         self.alloc.unpin_count(freed.iter().map(|(_, b)| b).sum());

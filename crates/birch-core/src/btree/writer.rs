@@ -562,7 +562,7 @@ impl<'a> TreeWriter<'a> {
         };
         // An empty child goes even when it is the only one: its parent, now empty too, goes
         // on the way up, and an emptied root becomes an empty leaf (`descend`). Only a subtree
-        // writer's top keeps its last child (`finish_subtree` prunes it).
+        // writer's top keeps its last child (`finish_subtree` drops it if empty).
         if child_node.is_empty() && (count >= 2 || addr != SUBTREE_TOP) {
             let NodeBody::Internal(ptrs) = &mut self.node_mut(addr).body else {
                 unreachable!("internal")
@@ -679,80 +679,21 @@ impl<'a> TreeWriter<'a> {
         let NodeBody::Internal(ptrs) = &top.body else {
             return Vec::new();
         };
+        // Descents remove every node they empty, up to the top's children; the top keeps
+        // its last child even when it is empty (`merge_if_underfull`), so only a direct child
+        // can be empty here.
         let mut kept = Vec::with_capacity(ptrs.len());
         for ptr in ptrs {
-            if ptr.generation == self.generation && self.prune_empty(ptr.addr) {
+            let empty = ptr.generation == self.generation
+                && self.dirty.get(&ptr.addr).is_some_and(|n| n.is_empty());
+            if empty {
                 self.drop_dirty(ptr.addr);
-                continue;
+            } else {
+                kept.push(*ptr);
             }
-            let mut ptr = *ptr;
-            if let Some(first) = self.dirty_node(ptr.addr).and_then(|n| n.first_key()) {
-                ptr.key = first;
-            }
-            kept.push(ptr);
         }
         self.root = RootPtr::default();
         kept
-    }
-
-    /// Removes, below the dirty node `addr`, every dirty subtree left without items, and
-    /// refreshes the pointer keys above what it removed; returns whether `addr` itself is now
-    /// empty. Clean (committed) nodes are left alone.
-    fn prune_empty(&mut self, addr: u64) -> bool {
-        let Some(node) = self.dirty.get(&addr) else {
-            return false;
-        };
-        let NodeBody::Internal(ptrs) = &node.body else {
-            return node.is_empty();
-        };
-        let candidates: Vec<u64> = ptrs
-            .iter()
-            .filter(|p| p.generation == self.generation)
-            .map(|p| p.addr)
-            .collect();
-        let mut empty = Vec::new();
-        for child in candidates {
-            if self.prune_empty(child) {
-                empty.push(child);
-            }
-        }
-        if !empty.is_empty() {
-            if let NodeBody::Internal(ptrs) = &mut self.node_mut(addr).body {
-                ptrs.retain(|p| !empty.contains(&p.addr));
-            }
-            for child in empty {
-                self.drop_dirty(child);
-            }
-        }
-        self.refresh_pointer_keys(addr);
-        self.node_ref(addr).is_empty()
-    }
-
-    /// Sets the key of each pointer of the dirty internal node `addr` to its dirty child's
-    /// first key (pruning below a child can remove its first item).
-    fn refresh_pointer_keys(&mut self, addr: u64) {
-        let firsts: Vec<Option<Key>> = match &self.node_ref(addr).body {
-            NodeBody::Internal(ptrs) => ptrs
-                .iter()
-                .map(|p| {
-                    if p.generation != self.generation {
-                        return None;
-                    }
-                    self.dirty.get(&p.addr).and_then(|n| n.first_key())
-                })
-                .collect(),
-            NodeBody::Leaf(_) => return,
-        };
-        if firsts.iter().all(Option::is_none) {
-            return;
-        }
-        if let NodeBody::Internal(ptrs) = &mut self.node_mut(addr).body {
-            for (ptr, first) in ptrs.iter_mut().zip(firsts) {
-                if let Some(first) = first {
-                    ptr.key = first;
-                }
-            }
-        }
     }
 
     /// A node this writer made in this generation and still holds, if `addr` is one.
