@@ -4,27 +4,15 @@
 
 #![allow(clippy::expect_used)]
 
+mod common;
+
 use std::sync::Arc;
 
 use birch_core::check::{check, CheckOptions};
-use birch_core::device::MemDevice;
 use birch_core::vfs::{Caller, OpenOptions, SetAttr};
-use birch_core::{Filesystem, MkfsOptions};
+use birch_core::Filesystem;
 
-/// A new filesystem of `bytes` on a memory device, with no background commits.
-fn fresh(bytes: u64) -> (Arc<MemDevice>, Filesystem) {
-    let dev = Arc::new(MemDevice::new(bytes));
-    Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
-    let fs = Filesystem::open_device(
-        dev.clone(),
-        OpenOptions {
-            commit_interval: None,
-            ..Default::default()
-        },
-    )
-    .expect("open");
-    (dev, fs)
-}
+use common::fresh;
 
 #[test]
 fn full_filesystem_fails_cleanly_and_recovers_after_deletes() {

@@ -6,12 +6,14 @@
 
 #![allow(clippy::expect_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use birch_core::check::{check, CheckOptions};
 use birch_core::device::MemDevice;
-use birch_core::vfs::{Caller, OpenOptions};
+use birch_core::vfs::Caller;
 use birch_core::{Filesystem, MkfsOptions};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -19,14 +21,7 @@ use rand::{Rng, SeedableRng};
 const THREADS: usize = 3;
 
 fn open(dev: &Arc<MemDevice>) -> Filesystem {
-    let fs = Filesystem::open_device(
-        dev.clone(),
-        OpenOptions {
-            commit_interval: None,
-            ..Default::default()
-        },
-    )
-    .expect("open");
+    let fs = common::open_quiet(dev);
     fs.engine().set_parallel_apply_min(64);
     fs
 }

@@ -6,12 +6,14 @@
 
 #![allow(clippy::expect_used)]
 
+mod common;
+
 use std::sync::Arc;
 
 use birch_core::check::{check, CheckOptions};
 use birch_core::device::MemDevice;
-use birch_core::vfs::{Caller, OpenOptions, SetAttr};
-use birch_core::{Error, Filesystem, MkfsOptions};
+use birch_core::vfs::{Caller, SetAttr};
+use birch_core::{Error, Filesystem};
 
 const ACL_ACCESS: &[u8] = b"system.posix_acl_access";
 const ACL_DEFAULT: &[u8] = b"system.posix_acl_default";
@@ -35,17 +37,7 @@ const MASK: u16 = 0x10;
 const OTHER: u16 = 0x20;
 
 fn setup() -> (Arc<MemDevice>, Filesystem) {
-    let dev = Arc::new(MemDevice::new(64 << 20));
-    Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
-    let fs = Filesystem::open_device(
-        dev.clone(),
-        OpenOptions {
-            commit_interval: None,
-            ..Default::default()
-        },
-    )
-    .expect("open");
-    (dev, fs)
+    common::fresh(64 << 20)
 }
 
 fn finish(dev: &MemDevice, fs: Filesystem) {
