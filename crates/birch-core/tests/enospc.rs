@@ -159,3 +159,48 @@ fn failed_commit_on_a_read_only_remount_sticks() {
     let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
     assert!(report.is_clean(), "{:#?}", report.findings);
 }
+
+/// A file unlinked while open keeps its data through its handle; after a crash with the
+/// handle still open (no release, no close) the committed orphan is reclaimed at mount: the
+/// inode is gone, its space is free again and fsck is clean.
+#[test]
+fn orphan_of_a_crash_is_reclaimed_at_mount() {
+    let (dev, fs) = fresh(32 << 20);
+    let free_before = fs.statfs().bfree;
+    let (attr, fh) = fs
+        .create(Caller::default(), 1, b"doomed", 0o644, 0)
+        .expect("create");
+    let data = vec![0x5au8; 1 << 20];
+    fs.write(attr.ino, 0, &data, false).expect("write");
+    fs.unlink(1, b"doomed").expect("unlink while open");
+    assert_eq!(
+        fs.read(attr.ino, 0, data.len())
+            .expect("read through the handle"),
+        data
+    );
+    fs.sync().expect("commit the orphan");
+    assert!(
+        fs.statfs().bfree < free_before,
+        "the open orphan holds its blocks"
+    );
+    let _ = fh; // still open at the crash
+    fs.power_cut();
+    let crashed = Arc::new(dev.crash());
+    let fs = common::open_quiet(&crashed);
+    assert_eq!(
+        fs.getattr(attr.ino).expect_err("reclaimed").errno(),
+        libc::ENOENT
+    );
+    // The reclaim frees the blocks in the running transaction; they are usable once it is
+    // committed (space freed in a transaction is reused only after the next commit).
+    fs.sync().expect("commit the reclaim");
+    assert_eq!(
+        fs.statfs().bfree,
+        free_before,
+        "the orphan's space is free again"
+    );
+    fs.close().expect("close");
+    drop(fs);
+    let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
+    assert!(report.is_clean(), "{:#?}", report.findings);
+}
