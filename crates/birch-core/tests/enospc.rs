@@ -204,3 +204,27 @@ fn orphan_of_a_crash_is_reclaimed_at_mount() {
     let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
     assert!(report.is_clean(), "{:#?}", report.findings);
 }
+
+/// A data write that fails makes fsync of that file answer EIO, and keep answering it after
+/// the device recovers: the error is not lost by being reported once.
+#[test]
+fn fsync_after_a_failed_write_reports_eio_every_time() {
+    let (dev, fs) = fresh(32 << 20);
+    let (attr, _) = fs
+        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .expect("create");
+    fs.write(attr.ino, 0, &[1u8; 8192], false).expect("write");
+    fs.fsync(attr.ino, false).expect("fsync before the failure");
+    dev.fail_writes(true);
+    let err = fs
+        .write(attr.ino, 0, &[2u8; 1 << 20], false)
+        .expect_err("write on a failing device");
+    assert_eq!(err.errno(), libc::EIO, "{err}");
+    dev.fail_writes(false);
+    for attempt in 0..3 {
+        let err = fs
+            .fsync(attr.ino, false)
+            .expect_err("fsync after the failed write");
+        assert_eq!(err.errno(), libc::EIO, "attempt {attempt}: {err}");
+    }
+}
