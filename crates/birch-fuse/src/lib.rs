@@ -1,17 +1,22 @@
 //! The FUSE adapter: a thin translation of fuser requests into [`birch_core::Filesystem`]
 //! calls.
 //!
-//! Owns: reply construction, handle flags (O_DIRECT opens get `FOPEN_DIRECT_IO |
-//! FOPEN_PARALLEL_DIRECT_WRITES`), negotiation of kernel capabilities, and logging of failed
-//! requests. Must not touch: filesystem logic or caching of its own; every errno comes from
+//! Owns: reply construction, handle flags (O_DIRECT opens, and opens for writing while free
+//! space is below the kernel's dirty limit, get `FOPEN_DIRECT_IO |
+//! FOPEN_PARALLEL_DIRECT_WRITES`; other opens keep the page cache), negotiation of kernel
+//! capabilities and of what the kernel may cache (entry, negative-entry and attribute
+//! timeouts, the writeback cache, symlinks, directory listings), the invalidations the daemon
+//! owes the kernel when it changes something the kernel cached, and logging of failed requests.
+//! Must not touch: filesystem logic or caching of its own; every errno comes from
 //! [`birch_core::Error::errno`].
 
 #![warn(missing_docs)]
 
+use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
-use std::sync::{Arc, OnceLock};
+use std::sync::{mpsc, Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use birch_core::vfs::{Attr, Caller, FileKind, SetAttr, SetTime};
@@ -27,27 +32,50 @@ use fuser::{
 /// The root xattr through which the mount helper reaches the daemon (remount ro/rw, sync).
 pub const CONTROL_XATTR: &[u8] = b"trusted.birch.control";
 
+/// The xattr of a POSIX access ACL, whose change can change the mode.
+const ACL_ACCESS: &[u8] = b"system.posix_acl_access";
+
 /// The root xattr that returns every counter as JSON.
 pub const STATS_XATTR: &[u8] = b"trusted.birch.stats";
 
 /// Adapter settings.
 #[derive(Debug, Clone)]
 pub struct FuseOptions {
-    /// How long the kernel may cache attributes and names.
+    /// How long the kernel may cache attributes, names and the absence of names (negative
+    /// entries). The daemon is the only writer of its image, and it tells the kernel whenever
+    /// it changes something the kernel may hold, so a long timeout is safe.
     pub ttl: Duration,
     /// Ask for FUSE_WRITEBACK_CACHE: the kernel collects writes in its page cache and sends
-    /// them later in page-sized pieces; it then owns size, mtime and O_APPEND positioning.
+    /// them later in large WRITEs (at the latest when the file is closed or fsync'd); it then
+    /// owns size, mtime and O_APPEND positioning.
     pub writeback: bool,
+    /// Keep a file's pages in the kernel across opens (`FOPEN_KEEP_CACHE`), so re-reads never
+    /// reach the daemon; atime is then decided at OPEN.
+    pub keep_cache: bool,
+    /// Free bytes below which opens for writing are written through (`FOPEN_DIRECT_IO`), so a
+    /// full filesystem answers ENOSPC at write(2) rather than at writeback. Should be at least
+    /// what the kernel may hold dirty for this mount (its writeback device's `max_bytes`).
+    pub write_through_below: u64,
 }
 
 impl Default for FuseOptions {
     fn default() -> Self {
         FuseOptions {
-            ttl: Duration::from_secs(1),
-            writeback: false,
+            ttl: Duration::from_secs(DEFAULT_TTL_SECS),
+            writeback: true,
+            keep_cache: true,
+            write_through_below: DEFAULT_WRITE_THROUGH_BELOW,
         }
     }
 }
+
+/// Default entry/attribute timeout (mount option `ttl=`).
+pub const DEFAULT_TTL_SECS: u64 = 60;
+
+/// Default free-space headroom below which writes are written through: twice the 48 MiB the
+/// kernel lets a FUSE mount hold dirty on this class of machine (1% of dirtyable memory), for
+/// the copy-on-write overhead of each block written back.
+pub const DEFAULT_WRITE_THROUGH_BELOW: u64 = 128 << 20;
 
 /// The fuser filesystem over a birchfs [`Filesystem`].
 pub struct BirchFuse {
@@ -63,6 +91,101 @@ pub struct BirchFuse {
     /// Set once the session exists: tells the kernel to drop cached attributes the kernel
     /// cannot know changed (a write that cleared suid/sgid).
     notifier: Arc<OnceLock<fuser::Notifier>>,
+    /// FUSE_WRITEBACK_CACHE was accepted.
+    writeback: bool,
+    /// Open handles with write access, per inode: the kernel can hold dirty pages of an inode
+    /// only while one exists (it writes them back when the last one is closed).
+    write_opens: WriteOpens,
+    /// The invalidation thread's queue: invalidations that may wait for the kernel.
+    invalidator: Invalidator,
+}
+
+/// Open write handles per inode, in shards so that opens of different files rarely meet.
+struct WriteOpens {
+    shards: Vec<parking_lot::Mutex<HashMap<u64, u32>>>,
+}
+
+impl WriteOpens {
+    const SHARDS: usize = 64;
+
+    fn new() -> WriteOpens {
+        WriteOpens {
+            shards: (0..Self::SHARDS)
+                .map(|_| parking_lot::Mutex::new(HashMap::new()))
+                .collect(),
+        }
+    }
+
+    fn shard(&self, ino: u64) -> &parking_lot::Mutex<HashMap<u64, u32>> {
+        &self.shards[(ino as usize) % Self::SHARDS]
+    }
+
+    fn opened(&self, ino: u64) {
+        *self.shard(ino).lock().entry(ino).or_insert(0) += 1;
+    }
+
+    fn released(&self, ino: u64) {
+        let mut shard = self.shard(ino).lock();
+        if let Some(n) = shard.get_mut(&ino) {
+            *n -= 1;
+            if *n == 0 {
+                shard.remove(&ino);
+            }
+        }
+    }
+
+    fn any(&self, ino: u64) -> bool {
+        self.shard(ino).lock().contains_key(&ino)
+    }
+}
+
+/// Whether open flags give write access.
+fn writes(flags: i32) -> bool {
+    flags & libc::O_ACCMODE != libc::O_RDONLY
+}
+
+/// A thread of its own for invalidations that wait on the kernel: a ranged invalidation
+/// writes back (launders) and waits for the inode's dirty pages, whose WRITEs other request
+/// loops serve, and an entry invalidation locks the parent directory, which a request being
+/// served may hold. Neither may run inside a request handler.
+struct Invalidator {
+    queue: parking_lot::Mutex<mpsc::Sender<(u64, mpsc::Sender<()>)>>,
+}
+
+impl Invalidator {
+    /// Starts the thread; it ends when the adapter is dropped.
+    fn start(notifier: Arc<OnceLock<fuser::Notifier>>) -> Invalidator {
+        let (tx, rx) = mpsc::channel::<(u64, mpsc::Sender<()>)>();
+        let spawned = std::thread::Builder::new()
+            .name("birch-inval".into())
+            .spawn(move || {
+                for (ino, done) in rx {
+                    if let Some(n) = notifier.get() {
+                        // Offset 0, length 0: every page; dirty ones are written back first.
+                        if let Err(e) = n.inval_inode(INodeNo(ino), 0, 0) {
+                            log::debug!("invalidate pages of inode {ino}: {e}");
+                        }
+                    }
+                    let _ = done.send(());
+                }
+            });
+        if let Err(e) = spawned {
+            log::warn!("invalidation thread: {e}");
+        }
+        Invalidator {
+            queue: parking_lot::Mutex::new(tx),
+        }
+    }
+
+    /// Has the kernel write back and drop the pages of `ino`, and waits (at most `limit`)
+    /// until it has. Returns whether it finished in time.
+    fn write_back(&self, ino: u64, limit: Duration) -> bool {
+        let (done, wait) = mpsc::channel();
+        if self.queue.lock().send((ino, done)).is_err() {
+            return false;
+        }
+        wait.recv_timeout(limit).is_ok()
+    }
 }
 
 impl BirchFuse {
@@ -78,14 +201,54 @@ impl BirchFuse {
 
     /// An adapter over `fs`. POSIX ACLs and kill-priv start off and are switched on in `init`
     /// only if the kernel accepts them; the notifier slot starts empty (see
-    /// [`BirchFuse::notifier_slot`]). Does no I/O.
+    /// [`BirchFuse::notifier_slot`]). Starts the invalidation thread; does no I/O.
     pub fn new(fs: Arc<Filesystem>, options: FuseOptions) -> BirchFuse {
+        let notifier = Arc::new(OnceLock::new());
         BirchFuse {
             fs,
             options,
             posix_acl: false,
             killpriv: false,
-            notifier: Arc::new(OnceLock::new()),
+            invalidator: Invalidator::start(notifier.clone()),
+            notifier,
+            writeback: false,
+            write_opens: WriteOpens::new(),
+        }
+    }
+
+    /// Tells the kernel to drop its cached attributes of `ino` (and ACLs): for changes the
+    /// daemon makes that the kernel cannot know of. Attributes only: safe inside a request
+    /// handler (an entry or range invalidation is not, see DESIGN §12.3).
+    fn invalidate_attrs(&self, ino: u64) {
+        if let Some(notifier) = self.notifier.get() {
+            if let Err(e) = notifier.inval_inode(INodeNo(ino), -1, 0) {
+                log::debug!("invalidate attributes of inode {ino}: {e}");
+            }
+        }
+    }
+
+    /// Whether free space is below the write-through headroom.
+    fn low_on_space(&self) -> bool {
+        let s = self.fs.statfs();
+        s.bavail.saturating_mul(u64::from(s.bsize)) < self.options.write_through_below
+    }
+
+    /// The reply flags of an OPEN or CREATE with open flags `flags`.
+    fn open_reply_flags(&self, flags: i32) -> FopenFlags {
+        let direct = FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES;
+        let writing = flags & libc::O_ACCMODE != libc::O_RDONLY;
+        if flags & libc::O_DIRECT != 0 {
+            // Seed 001: writers to different regions of one file run in parallel; the kernel
+            // sends no fsync after O_SYNC writes on these handles, so WRITE makes them durable.
+            direct
+        } else if writing && self.writeback && self.low_on_space() {
+            // Near full, the kernel must not hold writes it may be unable to place: written
+            // through, so ENOSPC comes back from write(2).
+            direct
+        } else if self.options.keep_cache {
+            FopenFlags::FOPEN_KEEP_CACHE
+        } else {
+            FopenFlags::empty()
         }
     }
 
@@ -226,13 +389,25 @@ fn timespec_from_kernel(t: SystemTime) -> Timespec {
     }
 }
 
-fn open_reply_flags(flags: i32) -> FopenFlags {
-    if flags & libc::O_DIRECT != 0 {
-        // Seed 001: writers to different regions of one file run in parallel; the kernel sends
-        // no fsync after O_SYNC writes on these handles, so WRITE makes them durable itself.
-        FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES
-    } else {
-        FopenFlags::empty()
+/// The attributes of a negative entry: node id 0 tells the kernel the name does not exist,
+/// and the entry timeout lets it remember that.
+fn negative_attr() -> FileAttr {
+    FileAttr {
+        ino: INodeNo(0),
+        size: 0,
+        blocks: 0,
+        atime: UNIX_EPOCH,
+        mtime: UNIX_EPOCH,
+        ctime: UNIX_EPOCH,
+        crtime: UNIX_EPOCH,
+        kind: FileType::RegularFile,
+        perm: 0,
+        nlink: 0,
+        uid: 0,
+        gid: 0,
+        rdev: 0,
+        blksize: 0,
+        flags: 0,
     }
 }
 
@@ -240,7 +415,11 @@ impl fuser::Filesystem for BirchFuse {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         let mut wanted = InitFlags::FUSE_EXPORT_SUPPORT
             | InitFlags::FUSE_PARALLEL_DIROPS
-            | InitFlags::FUSE_DO_READDIRPLUS;
+            | InitFlags::FUSE_DO_READDIRPLUS
+            | InitFlags::FUSE_READDIRPLUS_AUTO
+            | InitFlags::FUSE_CACHE_SYMLINKS
+            | InitFlags::FUSE_NO_OPENDIR_SUPPORT
+            | InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP;
         if self.options.writeback {
             wanted |= InitFlags::FUSE_WRITEBACK_CACHE;
         }
@@ -248,6 +427,10 @@ impl fuser::Filesystem for BirchFuse {
         if let Err(missing) = config.add_capabilities(supported) {
             log::warn!("kernel refused capabilities {missing:?}");
         }
+        self.writeback = supported.contains(InitFlags::FUSE_WRITEBACK_CACHE);
+        // Readahead and writeback requests the kernel may keep in flight (fuser's default is 16).
+        let _ = config.set_max_background(64);
+        let _ = config.set_congestion_threshold(48);
         let killpriv = InitFlags::FUSE_HANDLE_KILLPRIV_V2;
         if config.capabilities().contains(killpriv) && config.add_capabilities(killpriv).is_ok() {
             self.killpriv = true;
@@ -270,6 +453,11 @@ impl fuser::Filesystem for BirchFuse {
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         match self.fs.lookup(parent.0, name.as_bytes()) {
             Ok(a) => reply.entry(&self.options.ttl, &file_attr(&a), Generation(a.generation)),
+            // A negative entry: the kernel remembers the absence (build tools, $PATH searches
+            // and dbench ask again and again). A CREATE of the name replaces it in the kernel.
+            Err(Error::NotFound(_)) if !self.options.ttl.is_zero() => {
+                reply.entry(&self.options.ttl, &negative_attr(), Generation(0))
+            }
             Err(e) => reply.error(errno("lookup", &e)),
         }
     }
@@ -443,7 +631,12 @@ impl fuser::Filesystem for BirchFuse {
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         match self.fs.open_file(ino.0, flags.0) {
-            Ok(fh) => reply.opened(FileHandle(fh), open_reply_flags(flags.0)),
+            Ok(fh) => {
+                if writes(flags.0) {
+                    self.write_opens.opened(ino.0);
+                }
+                reply.opened(FileHandle(fh), self.open_reply_flags(flags.0))
+            }
             Err(e) => reply.error(errno("open", &e)),
         }
     }
@@ -478,7 +671,7 @@ impl fuser::Filesystem for BirchFuse {
         reply: ReplyWrite,
     ) {
         // With the writeback cache the kernel has already placed O_APPEND writes.
-        let append = flags.0 & libc::O_APPEND != 0 && !self.options.writeback;
+        let append = flags.0 & libc::O_APPEND != 0 && !self.writeback;
         let kill = write_flags
             .contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID)
             .then(|| self.caller_groups(req, ino.0));
@@ -488,11 +681,7 @@ impl fuser::Filesystem for BirchFuse {
             .and_then(|(n, dropped)| {
                 if dropped {
                     // The kernel keeps the old mode cached after a write: make it ask again.
-                    if let Some(notifier) = self.notifier.get() {
-                        if let Err(e) = notifier.inval_inode(ino, -1, 0) {
-                            log::debug!("invalidate attributes of inode {}: {e}", ino.0);
-                        }
-                    }
+                    self.invalidate_attrs(ino.0);
                 }
                 if flags.0 & libc::O_DIRECT != 0 && flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0 {
                     // Direct handles get no FSYNC after an O_SYNC write: durable before the reply.
@@ -515,8 +704,11 @@ impl fuser::Filesystem for BirchFuse {
         _lock: LockOwner,
         reply: ReplyEmpty,
     ) {
-        // Sent on every close(2): no I/O here.
-        reply.ok();
+        // Nothing to do at close: the kernel writes a file's dirty pages back before it sends
+        // FLUSH (and reports their errors to close(2)) whether or not FLUSH is answered, and
+        // POSIX locks are the kernel's. ENOSYS makes it stop sending FLUSH: one round trip
+        // less per close(2).
+        reply.error(Errno::ENOSYS);
     }
 
     fn release(
@@ -524,11 +716,14 @@ impl fuser::Filesystem for BirchFuse {
         _req: &Request,
         ino: INodeNo,
         fh: FileHandle,
-        _flags: OpenFlags,
+        flags: OpenFlags,
         _lock: Option<LockOwner>,
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        if writes(flags.0) {
+            self.write_opens.released(ino.0);
+        }
         match self.fs.release(ino.0, fh.0) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("release", &e)),
@@ -549,12 +744,13 @@ impl fuser::Filesystem for BirchFuse {
         }
     }
 
-    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        match self.fs.getattr(ino.0) {
-            Ok(a) if a.kind == FileKind::Dir => reply.opened(FileHandle(0), FopenFlags::empty()),
-            Ok(_) => reply.error(Errno::ENOTDIR),
-            Err(e) => reply.error(errno("opendir", &e)),
-        }
+    fn opendir(&self, _req: &Request, _ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        // No per-open directory state: readdir cookies are positions in the directory index,
+        // stable on their own. ENOSYS makes the kernel stop sending OPENDIR and RELEASEDIR
+        // (two round trips per listing) and cache listings itself (`FOPEN_CACHE_DIR`), which
+        // it drops whenever the directory changes through it; the daemon never changes a
+        // directory behind the kernel.
+        reply.error(Errno::ENOSYS);
     }
 
     fn readdir(
@@ -660,7 +856,13 @@ impl fuser::Filesystem for BirchFuse {
             return;
         }
         match self.fs.setxattr(ino.0, name.as_bytes(), value, flags) {
-            Ok(()) => reply.ok(),
+            Ok(()) => {
+                if name.as_bytes() == ACL_ACCESS {
+                    // An access ACL sets the mode's group bits from its mask.
+                    self.invalidate_attrs(ino.0);
+                }
+                reply.ok()
+            }
             Err(e) => reply.error(errno("setxattr", &e)),
         }
     }
@@ -685,7 +887,12 @@ impl fuser::Filesystem for BirchFuse {
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         match self.fs.removexattr(ino.0, name.as_bytes()) {
-            Ok(()) => reply.ok(),
+            Ok(()) => {
+                if name.as_bytes() == ACL_ACCESS {
+                    self.invalidate_attrs(ino.0);
+                }
+                reply.ok()
+            }
             Err(e) => reply.error(errno("removexattr", &e)),
         }
     }
@@ -707,13 +914,18 @@ impl fuser::Filesystem for BirchFuse {
             mode,
             flags,
         ) {
-            Ok((a, fh)) => reply.created(
-                &self.options.ttl,
-                &file_attr(&a),
-                Generation(a.generation),
-                FileHandle(fh),
-                open_reply_flags(flags),
-            ),
+            Ok((a, fh)) => {
+                if writes(flags) {
+                    self.write_opens.opened(a.ino);
+                }
+                reply.created(
+                    &self.options.ttl,
+                    &file_attr(&a),
+                    Generation(a.generation),
+                    FileHandle(fh),
+                    self.open_reply_flags(flags),
+                )
+            }
             Err(e) => reply.error(errno("create", &e)),
         }
     }
@@ -729,7 +941,11 @@ impl fuser::Filesystem for BirchFuse {
         reply: ReplyEmpty,
     ) {
         match self.fs.fallocate(ino.0, offset, length, mode) {
-            Ok(()) => reply.ok(),
+            Ok(()) => {
+                // fallocate may clear suid/sgid and changes times and block counts.
+                self.invalidate_attrs(ino.0);
+                reply.ok()
+            }
             Err(e) => reply.error(errno("fallocate", &e)),
         }
     }
@@ -772,12 +988,27 @@ impl fuser::Filesystem for BirchFuse {
             reply.error(Errno::EINVAL);
             return;
         };
+        if self.writeback
+            && (whence == libc::SEEK_DATA || whence == libc::SEEK_HOLE)
+            && self.write_opens.any(ino.0)
+        {
+            // The kernel may hold written pages the daemon has not seen: a hole here could be
+            // data there (cp would skip it). Have them written back first.
+            if !self.invalidator.write_back(ino.0, WRITE_BACK_WAIT) {
+                log::warn!("lseek of inode {}: kernel writeback did not finish", ino.0);
+                reply.error(Errno::EIO);
+                return;
+            }
+        }
         match self.fs.lseek(ino.0, offset, whence) {
             Ok(at) => reply.offset(at as i64),
             Err(e) => reply.error(errno("lseek", &e)),
         }
     }
 }
+
+/// How long SEEK_DATA/SEEK_HOLE waits for the kernel to write an inode's pages back.
+const WRITE_BACK_WAIT: Duration = Duration::from_secs(30);
 
 /// Bytes one COPY_FILE_RANGE reply can report (the reply carries a u32).
 const COPY_MAX: u64 = 1 << 30;

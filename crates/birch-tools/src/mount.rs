@@ -25,18 +25,23 @@ struct MountConfig {
     vfs_flags: libc::c_ulong,
     fsync: FsyncMode,
     writeback: bool,
+    keep_cache: bool,
 }
+
+/// Default number of FUSE request loops (`threads=`).
+const DEFAULT_THREADS: usize = 16;
 
 fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
     let mut c = MountConfig {
         read_only: false,
         allow_other: false,
         commit_secs: 5,
-        threads: 4,
-        ttl_secs: 1.0,
+        threads: DEFAULT_THREADS,
+        ttl_secs: birch_fuse::DEFAULT_TTL_SECS as f64,
         vfs_flags: 0,
         fsync: FsyncMode::Log,
-        writeback: false,
+        writeback: true,
+        keep_cache: true,
     };
     for opt in raw
         .iter()
@@ -64,15 +69,8 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
                 Some("commit") => c.fsync = FsyncMode::Commit,
                 _ => return Err(format!("option {opt}: expected fsync=log or fsync=commit")),
             },
-            "writeback" => match value {
-                Some("on") => c.writeback = true,
-                Some("off") => c.writeback = false,
-                _ => {
-                    return Err(format!(
-                        "option {opt}: expected writeback=on or writeback=off"
-                    ))
-                }
-            },
+            "writeback" => c.writeback = on_off(opt, value)?,
+            "keep_cache" => c.keep_cache = on_off(opt, value)?,
             "noatime" => c.vfs_flags |= libc::MS_NOATIME,
             "atime" | "relatime" | "strictatime" | "nodiratime" => {}
             "nodev" => c.vfs_flags |= libc::MS_NODEV,
@@ -101,6 +99,15 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         }
     }
     Ok(c)
+}
+
+/// The value of an `on|off` option.
+fn on_off(opt: &str, value: Option<&str>) -> Result<bool, String> {
+    match value {
+        Some("on") => Ok(true),
+        Some("off") => Ok(false),
+        _ => Err(format!("option {opt}: expected on or off")),
+    }
 }
 
 fn canonical(path: &Path) -> PathBuf {
@@ -279,13 +286,6 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
     };
     fuse_config.n_threads = Some(config.threads);
     fuse_config.clone_fd = true;
-    let adapter = BirchFuse::new(
-        fs.clone(),
-        FuseOptions {
-            ttl: Duration::from_secs_f64(config.ttl_secs),
-            writeback: config.writeback,
-        },
-    );
     let fuse_fd = match kernel_mount(image, mountpoint, config) {
         Ok(fd) => fd,
         Err(e) => {
@@ -296,6 +296,7 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
             ))
         }
     };
+    let adapter = BirchFuse::new(fs.clone(), fuse_options(config, &fs, mountpoint));
     let acl = fuse_config.acl;
     let notifier_slot = adapter.notifier_slot();
     let session = match fuser::Session::from_fd(adapter, fuse_fd, acl, fuse_config) {
@@ -323,6 +324,55 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
         return fail(format!("final commit failed: {e}"));
     }
     ExitCode::SUCCESS
+}
+
+/// The adapter's settings for a mount just made at `mountpoint`. With the writeback cache,
+/// sets how much the kernel may hold dirty for this mount (its writeback device's
+/// `max_bytes`): a sixteenth of the filesystem, between 16 and 256 MiB; opens for writing are
+/// written through once free space falls below twice that (DESIGN §12.3).
+fn fuse_options(config: &MountConfig, fs: &Filesystem, mountpoint: &Path) -> FuseOptions {
+    let size = fs.statfs();
+    let size = size.blocks.saturating_mul(u64::from(size.bsize));
+    let dirty = (size / 16).clamp(16 << 20, 256 << 20);
+    let mut write_through_below = 2 * dirty;
+    if config.writeback {
+        match set_dirty_limit(mountpoint, dirty) {
+            Ok(limit) => write_through_below = write_through_below.max(2 * limit),
+            Err(e) => {
+                log::warn!("dirty limit of {}: {e}", mountpoint.display());
+                // The kernel's own cap (1% of dirtyable memory) is unknown: be generous.
+                write_through_below =
+                    write_through_below.max(birch_fuse::DEFAULT_WRITE_THROUGH_BELOW);
+            }
+        }
+    }
+    FuseOptions {
+        ttl: Duration::from_secs_f64(config.ttl_secs),
+        writeback: config.writeback,
+        keep_cache: config.keep_cache,
+        write_through_below,
+    }
+}
+
+/// Sets the dirty-page cap of the mount at `mountpoint` to `bytes` and returns the cap the
+/// kernel reports back. Reads /proc/self/mountinfo (never the mount itself, which nobody
+/// serves yet).
+fn set_dirty_limit(mountpoint: &Path, bytes: u64) -> Result<u64, String> {
+    let target = canonical(mountpoint).to_string_lossy().into_owned();
+    let info = std::fs::read_to_string("/proc/self/mountinfo").map_err(|e| e.to_string())?;
+    let dev = info
+        .lines()
+        .rev()
+        .map(|l| l.split(' ').collect::<Vec<_>>())
+        .find(|f| f.get(4).map(|m| unescape(m)) == Some(target.clone()))
+        .and_then(|f| f.get(2).map(|d| d.to_string()))
+        .ok_or_else(|| format!("{target} not in /proc/self/mountinfo"))?;
+    let path = format!("/sys/class/bdi/{dev}/max_bytes");
+    std::fs::write(&path, bytes.to_string()).map_err(|e| format!("{path}: {e}"))?;
+    let back = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
+    back.trim()
+        .parse::<u64>()
+        .map_err(|e| format!("{path}: {e}"))
 }
 
 /// Mounts /dev/fuse at `mountpoint` as type `fuse.birch` with the image path as source, so
@@ -589,25 +639,20 @@ impl InProcessMount {
             read_only: false,
             allow_other: false,
             commit_secs: 0,
-            threads: 4,
-            ttl_secs: 1.0,
+            threads: DEFAULT_THREADS,
+            ttl_secs: birch_fuse::DEFAULT_TTL_SECS as f64,
             vfs_flags: 0,
             fsync: FsyncMode::Log,
             writeback,
+            keep_cache: true,
         };
         let mut fuse_config = Config::default();
         fuse_config.acl = SessionACL::Owner;
         fuse_config.n_threads = Some(config.threads);
         fuse_config.clone_fd = true;
-        let adapter = BirchFuse::new(
-            fs,
-            FuseOptions {
-                ttl: Duration::from_secs_f64(config.ttl_secs),
-                writeback,
-            },
-        );
         let fd = kernel_mount(Path::new("crashtest"), mountpoint, &config)
             .map_err(|e| format!("mount on {}: {e}", mountpoint.display()))?;
+        let adapter = BirchFuse::new(fs.clone(), fuse_options(&config, &fs, mountpoint));
         let notifier_slot = adapter.notifier_slot();
         let session = fuser::Session::from_fd(adapter, fd, SessionACL::Owner, fuse_config)
             .map_err(|e| {
