@@ -2,15 +2,18 @@
 """birchbench: birchfs against the kernel filesystems, side by side.
 
 Runs the seeds' workloads (W1 dbench, W2 fio O_DIRECT writers, W3 create/remove,
-W4 sysbench fileio, W5 append+fsync latency) on every target, interleaved
+W4 sysbench fileio, W5 append+fsync latency) and W6 "everyday work" (unpack a source
+tree, git clone/status, tree walk, read back, small appends, SQLite commits, rm -rf;
+each step timed to durable) on every target, interleaved
 (A B C A B C ...) with repeats, and writes Markdown tables, raw JSON and PNG
 charts.  See docs/BENCHMARKS.md for the method.  Normally started through
 bench/run.sh, which installs the tools first.
 
 Targets: ext4, xfs, btrfs (each on a `losetup --direct-io=on` loop over its own
 image), fuse2fs (over its own image, through a direct-io loop as well), bindfs
---multithreaded over a kernel ext4 directory, the raw loop device (W2, W5) and
-birchfs (default options plus every --birch-opts set).
+--multithreaded over a kernel ext4 directory, libfuse's in-memory example server
+memfs_ll (built from the libfuse tarball in ../shared/libfuse; the FUSE floor), the
+raw loop device (W2, W5) and birchfs (default options plus every --birch-opts set).
 
 Needs root.  Python 3.11 standard library; matplotlib only for the charts.
 """
@@ -35,7 +38,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-ALL_TARGETS = ["ext4", "xfs", "btrfs", "fuse2fs", "bindfs-mt", "raw", "birchfs"]
+ALL_TARGETS = ["ext4", "xfs", "btrfs", "fuse2fs", "bindfs-mt", "memfs_ll", "raw", "birchfs"]
 KERNEL_KINDS = {"ext4", "xfs", "btrfs", "raw"}
 
 
@@ -413,7 +416,7 @@ class Target:
 
     @property
     def is_fuse(self) -> bool:
-        return self.kind in ("fuse2fs", "bindfs-mt", "birchfs")
+        return self.kind in ("fuse2fs", "bindfs-mt", "memfs_ll", "birchfs")
 
     def supports(self, case) -> bool:
         return case.raw_ok if self.kind == "raw" else True
@@ -461,6 +464,18 @@ class Target:
                     self.fail(f"birch binary not found at {cfg.birch} (build it: cargo build --release)",
                               "skipped")
                     return
+            if self.kind == "memfs_ll":  # no image: everything lives in the daemon's memory
+                os.makedirs(self.mnt, exist_ok=True)
+                binp, why = build_memfs(cfg)
+                if binp is None:
+                    self.fail(why, "skipped" if why.startswith("no libfuse") else "failed")
+                    return
+                self.meta["memfs_ll"] = binp
+                rc, out, err = run([binp, "--version"], timeout=20, env=memfs_env(binp))
+                lib = re.search(r"FUSE library version (\S+)", out + err)
+                self.meta["version"] = f"libfuse {lib.group(1)}" if rc == 0 and lib else None
+                self.status = "ok"
+                return
             os.makedirs(os.path.dirname(self.image), exist_ok=True)
             os.makedirs(self.mnt, exist_ok=True)
             t0 = time.time()
@@ -530,6 +545,12 @@ class Target:
             if self.opts:
                 cmd += ["-o", self.opts]
             rc, _, err = run(cmd, timeout=120)
+        elif self.kind == "memfs_ll":
+            # daemonizes once mounted; multi-threaded (it always runs fuse_session_loop_mt)
+            self._mount_rec(self.mnt, True)
+            binp = self.meta["memfs_ll"]
+            rc, _, err = run([binp, "-o", "writeback_cache,no_timeout", self.mnt], timeout=120,
+                             env=memfs_env(binp))
         else:
             raise RuntimeError(f"unknown kind {self.kind}")
         if rc != 0 or not is_mounted(self.mnt):
@@ -563,7 +584,7 @@ class Target:
 
     def teardown(self) -> None:
         self.umount()
-        if self.status == "ok":
+        if self.status == "ok" and self.kind != "memfs_ll":
             self.meta["image_allocated_pct_end"] = self.allocated()
         if self.loop:
             rc, _, err = run(["losetup", "-d", self.loop], timeout=60)
@@ -573,13 +594,21 @@ class Target:
                 log(f"losetup -d {self.loop} failed: {err.strip()}")
             self.loop = None
 
-    def sync(self, path: str) -> None:
-        """Commit what is written so far (untimed); syncfs(2) does not reach a FUSE filesystem."""
+    def sync(self, path: str, check: bool = False) -> None:
+        """Make what is written so far durable.  `sync -f` (syncfs(2)) is all a kernel
+        filesystem needs.  On a FUSE mount it only writes the kernel's dirty pages back to the
+        daemon, so birchfs then gets `birch sync` (a commit), and bindfs-mt `sync -f` of the
+        kernel ext4 below it.  fuse2fs and memfs_ll get `sync -f` alone (memfs_ll keeps nothing).
+        With check, a failing command raises (timed steps must not pass on a failed sync)."""
+        cmds = [["sync", "-f", path]]
         if self.is_birch:
-            rc, _, err = run([self.cfg.birch, "sync", self.mnt], timeout=600)
-            if rc == 0:
-                return
-        run(["sync", "-f", path], timeout=600)
+            cmds.append([self.cfg.birch, "sync", self.mnt])
+        elif self.kind == "bindfs-mt":
+            cmds.append(["sync", "-f", self.src])
+        for cmd in cmds:
+            rc, out, err = run(cmd, timeout=1800)
+            if rc != 0 and check:
+                raise RuntimeError(fail_text(shlex.join(cmd), rc, out, err))
 
     def read_stats(self) -> dict | None:
         """birchfs's counters: the file MNT/.birch-stats if there is one, else the root's
@@ -633,6 +662,7 @@ WL_TITLES = {
     "W3": "W3 create/remove, each thread its own directory (seed 002)",
     "W4": "W4 sysbench fileio (seed 003)",
     "W5": "W5 append 4 KiB + fsync latency, one thread",
+    "W6": "W6 everyday work: unpack, git, walk, read, appends, SQLite, rm (seconds, to durable)",
 }
 
 
@@ -801,6 +831,337 @@ def w5_child(path: str, mode: str, seconds: float, max_ops: int) -> None:
     print(json.dumps(res))
 
 
+# --------------------------------------------------------------------------- W6 everyday work
+
+W6_STEPS = [  # (metric key, label): the order the steps run in
+    ("unpack_s", "unpack+sync"),
+    ("clone_s", "git clone+sync"),
+    ("status_s", "git status"),
+    ("walk_s", "walk"),
+    ("read_s", "read all"),
+    ("walk_cold_s", "walk cold"),
+    ("read_cold_s", "read all cold"),
+    ("append_s", "4 B appends+fsync"),
+    ("sqlite_journal_s", "SQLite journal"),
+    ("sqlite_wal_s", "SQLite WAL"),
+    ("rm_s", "rm -rf+sync"),
+    ("total_s", "total w/o cold"),
+]
+W6_COLD = ("walk_cold_s", "read_cold_s")  # not in the total: memfs_ll cannot do them
+W6_SEED = 6
+W6_DATE = "2026-01-0{}T12:00:00+00:00"  # commit k of the W6 repository
+
+
+def git_env(home: str, day: int = 1) -> dict:
+    """git without the machine's or the user's configuration, with fixed names and dates."""
+    date = W6_DATE.format(day)
+    return dict(os.environ, HOME=home, GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL="/dev/null",
+                GIT_AUTHOR_NAME="birchbench", GIT_AUTHOR_EMAIL="birchbench@birchfs.invalid",
+                GIT_COMMITTER_NAME="birchbench", GIT_COMMITTER_EMAIL="birchbench@birchfs.invalid",
+                GIT_AUTHOR_DATE=date, GIT_COMMITTER_DATE=date, LC_ALL="C")
+
+
+def w6_tree(files: int, seed: int) -> list[tuple[str, bytes | None]]:
+    """A deterministic source tree: (path, content) in tar order, None for a directory.
+
+    `files` files in files*3/20 directories (10,000 in 1,500), at most 7 deep; sizes
+    log-normal around 3 KB (mean ~7 KB, 3% empty, at most 1 MiB); the text is slices of one
+    pseudo-source pool, so it compresses and deltas like code does."""
+    import math
+    import random
+    rnd = random.Random(seed)
+    pick = lambda seq: seq[int(rnd.random() * len(seq))]  # noqa: E731  (stable across versions)
+    words = ["static", "int", "return", "if", "else", "for", "while", "struct", "fn", "let", "mut",
+             "self", "def", "class", "import", "const", "void", "char", "size_t", "u64", "match",
+             "err", "buf", "len", "node", "tree", "key", "value", "ptr", "out", "inode", "offset",
+             "{", "}", "(", ")", ";", "=", "==", "+", "->", "&&", "0", "1", "NULL", "None", "Ok"]
+    lines, n = [], 0
+    while n < (1 << 20):
+        depth = int(rnd.random() * 4)
+        line = "    " * depth + " ".join(pick(words) for _ in range(3 + int(rnd.random() * 9)))
+        if rnd.random() < 0.08:
+            line = "    " * depth + "// " + " ".join(pick(words) for _ in range(6))
+        lines.append(line)
+        n += len(line) + 1
+    pool = ("\n".join(lines) + "\n").encode()
+    dnames = ["src", "lib", "include", "core", "net", "fs", "util", "test", "docs", "drivers",
+              "arch", "tools", "api", "io", "mem", "sched", "crypto", "block"]
+    exts = [".c", ".c", ".h", ".h", ".rs", ".rs", ".py", ".go", ".md", ".txt", ".json", ".sh", ".S"]
+    dirs = ["tree"]
+    for i in range(max(1, files * 3 // 20) - 1):
+        parent = pick(dirs)
+        if parent.count("/") >= 7:
+            parent = "tree"
+        dirs.append(f"{parent}/{pick(dnames)}{i}")
+    out: list[tuple[str, bytes | None]] = [(d, None) for d in dirs]
+    for j in range(files):
+        path = f"{pick(dirs)}/{pick(['file', 'mod', 'util', 'test', 'impl', 'ops'])}_{j}{pick(exts)}"
+        size = 0 if rnd.random() < 0.03 else min(int(rnd.lognormvariate(math.log(3000), 1.3)), 1 << 20)
+        body = f"// {path}\n".encode()
+        while len(body) < size:
+            off = int(rnd.random() * (len(pool) - 4096))
+            body += pool[off: off + size - len(body)]
+        out.append((path, body[:size]))
+    return out
+
+
+def w6_assets(cfg) -> dict:
+    """The W6 tarball and git repository, made once and kept in IMAGE_DIR/w6/ (no network).
+
+    Tarball: w6_tree as an uncompressed tar (fixed owner, modes and mtimes), so unpacking times
+    the filesystem, not gzip.  Repository: the same tree as a first commit, then three commits
+    that change, delete and add files, repacked; cloned with `git clone --no-hardlinks file://`."""
+    import tarfile
+    files = cfg.w6_files
+    key = f"tree-{files}-s{W6_SEED}-v1"
+    base = os.path.join(cfg.image_dir, "w6")
+    os.makedirs(base, exist_ok=True)
+    tar, repo, meta = (os.path.join(base, key + ext) for ext in (".tar", ".repo", ".json"))
+    try:
+        with open(meta) as f:
+            info = json.load(f)
+        if os.path.isfile(tar) and os.path.isdir(os.path.join(repo, ".git")):
+            return info
+    except (OSError, ValueError):
+        pass
+    t0 = time.time()
+    tree = w6_tree(files, W6_SEED)
+    mtime = 1767268800  # 2026-01-01
+    with tarfile.open(tar + ".part", "w", format=tarfile.GNU_FORMAT) as tf:
+        for path, body in tree:
+            ti = tarfile.TarInfo(path)
+            ti.mtime, ti.uid, ti.gid, ti.uname, ti.gname = mtime, 0, 0, "root", "root"
+            if body is None:
+                ti.type, ti.mode = tarfile.DIRTYPE, 0o755
+                tf.addfile(ti)
+            else:
+                import io
+                ti.size, ti.mode = len(body), 0o755 if path.endswith(".sh") else 0o644
+                tf.addfile(ti, io.BytesIO(body))
+    os.replace(tar + ".part", tar)
+    # the repository: tree as commit 1, three more commits on top
+    part = repo + ".part"
+    shutil.rmtree(part, ignore_errors=True)
+    shutil.rmtree(repo, ignore_errors=True)
+    os.makedirs(part)
+
+    def git(*args, day=1):
+        rc, out, err = run(["git", *args], timeout=900, cwd=part, env=git_env(base, day))
+        if rc != 0:
+            raise RuntimeError(fail_text("git " + " ".join(args), rc, out, err))
+    rc, out, err = run(["tar", "-xf", tar, "-C", part, "--strip-components=1"], timeout=900)
+    if rc != 0:
+        raise RuntimeError(fail_text("tar -xf (W6 repository)", rc, out, err))
+    git("init", "-q", "-b", "main")
+    git("add", "-A")
+    git("commit", "-q", "-m", "import the tree")
+    paths = [p[len("tree/"):] for p, body in tree if body is not None]
+    for k in (2, 3, 4):
+        for i, p in enumerate(paths):
+            full = os.path.join(part, p)
+            if not os.path.exists(full):
+                continue
+            if i % (97 + k) == 0:
+                os.unlink(full)
+            elif i % (23 + k) == 0:
+                with open(full, "ab") as f:
+                    f.write(f"// change {k} of {p}\n".encode())
+        for i in range(10):
+            with open(os.path.join(part, os.path.dirname(paths[i * 31 % len(paths)]), f"new_{k}_{i}.c"), "w") as f:
+                f.write(f"// added in commit {k}\nint new_{k}_{i}(void) {{ return {i}; }}\n")
+        git("add", "-A", day=k)
+        git("commit", "-q", "-m", f"change {k}", day=k)
+    git("repack", "-adq")
+    git("gc", "-q", "--prune=now")
+    os.replace(part, repo)
+    info = {"tar": tar, "repo": repo, "files": files, "dirs": sum(1 for _, b in tree if b is None),
+            "bytes": sum(len(b) for _, b in tree if b is not None), "seed": W6_SEED}
+    with open(meta, "w") as f:
+        json.dump(info, f)
+    log(f"W6: made {tar} ({info['files']:,} files, {info['dirs']:,} directories, "
+        f"{info['bytes'] / 1e6:.1f} MB) and the repository {repo} ({time.time() - t0:.1f}s)")
+    return info
+
+
+def drop_caches() -> None:
+    """Write back, then drop the page cache, dentries and inodes (every filesystem's)."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def w6_everyday(ctx, wd, p):
+    """Every step is timed from its start until the target says its result is durable
+    (Target.sync with check); the walk, read and git status steps write nothing to wait for.
+
+    The cold walk and read follow a drop of the machine's caches.  Not on memfs_ll: its
+    lookup replies carry no size or times, and with no_timeout the kernel keeps those
+    zeros for good once it has forgotten an inode (a cold walk finds every file empty)."""
+    t, a = ctx["target"], ctx["cfg"].w6
+    tree, clone = os.path.join(wd, "tree"), os.path.join(wd, "clone")
+    genv = git_env(os.path.join(ctx["cfg"].image_dir, "w6"))
+    res: dict = {}
+    trace: list[str] = []
+
+    def cmd(what, argv, cwd=None, env=None):
+        rc, out, err = run(argv, timeout=3600, cwd=cwd, env=env)
+        trace.append(f"$ {shlex.join(argv)}\nrc={rc}\n{out[-1500:]}{err[-1500:]}")
+        if rc != 0:
+            raise RuntimeError(fail_text(f"W6 {what}: {shlex.join(argv)}", rc, out, err))
+        return out
+
+    def child(what, *args):
+        out = cmd(what, [sys.executable, os.path.abspath(__file__), "--_w6", *map(str, args)])
+        return json.loads(out.strip().splitlines()[-1])
+
+    def step(key, fn, durable=True):
+        t0 = time.perf_counter()
+        fn()
+        if durable:
+            t.sync(wd, check=True)
+        res[key] = time.perf_counter() - t0
+        trace.append(f"# {key} = {res[key]:.3f} s")
+
+    def walk():
+        sizes = cmd("walk", ["find", ".", "-type", "f", "-printf", "%s\\n"], cwd=tree).split()
+        if len(sizes) != a["files"] or sum(map(int, sizes)) != a["bytes"]:
+            raise RuntimeError(f"W6 walk: found {len(sizes)} files, {sum(map(int, sizes))} bytes; "
+                               f"the tarball has {a['files']} files, {a['bytes']} bytes")
+
+    def read_all():
+        out = cmd("read", ["bash", "-c", "set -o pipefail; find . -type f -print0 | xargs -0 cat | wc -c"],
+                  cwd=tree)
+        if int(out.split()[0]) != a["bytes"]:
+            raise RuntimeError(f"W6 read: read {out.split()[0]} bytes, the tarball has {a['bytes']}")
+
+    def status():
+        out = cmd("git status", ["git", "-C", clone, "status", "--porcelain"], env=genv)
+        if out.strip():
+            raise RuntimeError(f"W6 git status: a fresh clone is not clean: {out.strip()[:300]}")
+
+    def timed_child(key, *args):
+        js = child(key, *args)
+        res[key] = js["seconds"]  # timed inside the child: writes + fsyncs, no interpreter start
+        trace.append(f"# {key} = {res[key]:.3f} s ({json.dumps(js)})")
+
+    try:
+        step("unpack_s", lambda: cmd("unpack", ["tar", "-xf", a["tar"], "-C", wd]))
+        step("clone_s", lambda: cmd("git clone", ["git", "clone", "-q", "--no-hardlinks",
+                                                   "file://" + a["repo"], clone], env=genv))
+        step("status_s", status, durable=False)
+        step("walk_s", walk, durable=False)
+        step("read_s", read_all, durable=False)
+        if p["drop_caches"] and t.kind != "memfs_ll":
+            drop_caches()
+            step("walk_cold_s", walk, durable=False)
+            step("read_cold_s", read_all, durable=False)
+        else:
+            trace.append("# cold walk and read skipped" + (" (memfs_ll keeps no attributes "
+                         "for the kernel to look up again)" if p["drop_caches"] else ""))
+        timed_child("append_s", "append", os.path.join(wd, "append.log"), p["appends"])
+        timed_child("sqlite_journal_s", "sqlite", os.path.join(wd, "journal.db"), p["sqlite_journal"], "delete")
+        timed_child("sqlite_wal_s", "sqlite", os.path.join(wd, "wal.db"), p["sqlite_wal"], "wal")
+        step("rm_s", lambda: cmd("rm", ["rm", "-rf", tree]))
+        if os.path.exists(tree):
+            raise RuntimeError(f"W6 rm: {tree} still exists after rm -rf")
+    finally:
+        ctx["raw"] = save_raw(ctx, "\n".join(trace))
+    res["total_s"] = sum(v for k, v in res.items() if k not in W6_COLD)
+    return res
+
+
+def w6_child(argv: list[str]) -> None:
+    """W6's own steps, each timed in this process; prints one JSON line.
+
+    append PATH N: N writes of 4 bytes to a file opened O_APPEND, then one fsync.
+    sqlite PATH N MODE: N commits of one small INSERT each, journal_mode=MODE
+    (delete = the rollback journal, or wal), synchronous=FULL."""
+    what, path, n = argv[0], argv[1], int(argv[2])
+    if what == "append":
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            os.write(fd, b"abc\n")
+        os.fsync(fd)
+        secs = time.perf_counter() - t0
+        os.close(fd)
+        size = os.stat(path).st_size
+        if size != 4 * n:
+            raise SystemExit(f"append: file has {size} bytes after {n} appends of 4")
+        print(json.dumps({"seconds": secs, "writes": n, "writes_per_s": n / secs}))
+    elif what == "sqlite":
+        import sqlite3
+        mode = argv[3]
+        db = sqlite3.connect(path, isolation_level=None)  # autocommit: one INSERT, one commit
+        got = db.execute(f"PRAGMA journal_mode={mode}").fetchone()[0]
+        if got.lower() != mode:
+            raise SystemExit(f"sqlite: asked journal_mode={mode}, got {got}")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, at REAL, note TEXT)")
+        t0 = time.perf_counter()
+        for i in range(n):
+            db.execute("INSERT INTO t (at, note) VALUES (?, ?)", (time.time(), f"commit {i} " + "x" * 64))
+        secs = time.perf_counter() - t0
+        rows = db.execute("SELECT count(*) FROM t").fetchone()[0]
+        db.close()
+        if rows != n:
+            raise SystemExit(f"sqlite: {rows} rows after {n} commits")
+        print(json.dumps({"seconds": secs, "commits": n, "commits_per_s": n / secs, "journal_mode": got}))
+    else:
+        raise SystemExit(f"unknown W6 step {what}")
+
+
+# --------------------------------------------------------------------------- memfs_ll
+
+def libfuse_tar() -> str:
+    return os.path.abspath(os.environ.get("BIRCHBENCH_LIBFUSE_TAR")
+                           or os.path.join(REPO, "..", "shared", "libfuse", "libfuse-e8d407ce.tar.gz"))
+
+
+def memfs_env(binp: str) -> dict:
+    """memfs_ll runs from the build tree: its libfuse3.so is in build/lib."""
+    return dict(os.environ, LD_LIBRARY_PATH=os.path.join(os.path.dirname(os.path.dirname(binp)), "lib"))
+
+
+def build_memfs(cfg) -> tuple[str | None, str]:
+    """libfuse's example/memfs_ll, built once from the tarball into IMAGE_DIR/<name>/build
+    (meson + ninja, about 40 s on 2 cores).  Returns (binary, "") or (None, why not)."""
+    tar = libfuse_tar()
+    if not os.path.isfile(tar):
+        return None, f"no libfuse source: {tar} not found (set BIRCHBENCH_LIBFUSE_TAR)"
+    name = re.sub(r"\.(tar\.gz|tgz|tar\.xz|tar)$", "", os.path.basename(tar))
+    src = os.path.join(cfg.image_dir, name)
+    binp = os.path.join(src, "build", "example", "memfs_ll")
+    stamp = os.path.join(src, ".birchbench-built")
+    want = f"{tar} {os.path.getsize(tar)} {int(os.path.getmtime(tar))}\n"
+    try:
+        with open(stamp) as f:
+            if f.read() == want and os.access(binp, os.X_OK):
+                return binp, ""
+    except OSError:
+        pass
+    missing = [t for t in ("meson", "ninja", "c++", "pkg-config") if not shutil.which(t)]
+    if missing:
+        return None, f"cannot build memfs_ll: {', '.join(missing)} missing (bench/run.sh installs them)"
+    log(f"memfs_ll: building libfuse from {tar} into {src}/build")
+    t0 = time.time()
+    shutil.rmtree(src, ignore_errors=True)
+    os.makedirs(src)
+    for what, cmd in (("tar", ["tar", "-xzf", tar, "-C", src, "--strip-components=1"]),
+                      ("meson setup", ["meson", "setup", "build", "-Dexamples=true", "-Dtests=false",
+                                       "-Duseroot=false", "-Dinitscriptdir="]),
+                      ("ninja", ["ninja", "-C", "build"])):
+        rc, out, err = run(cmd, timeout=1800, cwd=src)
+        if rc != 0:
+            return None, fail_text(f"memfs_ll build: {what}", rc, out, err)
+    if not os.access(binp, os.X_OK):
+        return None, f"memfs_ll build: {binp} missing after ninja"
+    with open(stamp, "w") as f:
+        f.write(want)
+    log(f"memfs_ll: built in {time.time() - t0:.0f}s")
+    return binp, ""
+
+
 def build_cases(cfg) -> list[Case]:
     cases = []
     if "W1" in cfg.workloads:
@@ -848,6 +1209,12 @@ def build_cases(cfg) -> list[Case]:
             Metric("p99_ms", "p99", "ms", "lat", ratio=True),
             Metric("max_ms", "max", "ms", "lat", maxlat=True),
         ], w5_fsync, {"time": cfg.w5_time, "max_ops": cfg.w5_max_ops}, raw_ok=True))
+    if "W6" in cfg.workloads:
+        cases.append(Case("w6-everyday", "W6", f"everyday work, {cfg.w6_files:,} files", "W6", [
+            Metric(key, label, "s", "time", ratio=True, chart=True) for key, label in W6_STEPS
+        ], w6_everyday, {"files": cfg.w6_files, "appends": cfg.w6_appends,
+                         "sqlite_journal": cfg.w6_sqlite_journal, "sqlite_wal": cfg.w6_sqlite_wal,
+                         "drop_caches": cfg.w6_drop_caches}))
     return cases
 
 
@@ -914,8 +1281,14 @@ def before_after(summ, cases, a: str, b: str) -> list[dict]:
         la, lb = sa["median"].get(ml.key) if ml else None, sb["median"].get(ml.key) if ml else None
         if la and lb is not None:
             item["max_latency_pct"] = (lb / la - 1) * 100
+        tt = next((m for m in c.metrics if m.key == "total_s"), None)
+        ta, tb = sa["median"].get(tt.key) if tt else None, sb["median"].get(tt.key) if tt else None
+        if ta and tb is not None:
+            item["time_pct"] = (tb / ta - 1) * 100
         if len(item) > 2:
             parts = []
+            if "time_pct" in item:
+                parts.append(f"{item['time_pct']:+.1f}% total time")
             if "throughput_pct" in item:
                 parts.append(f"{item['throughput_pct']:+.1f}% throughput")
             if "max_latency_pct" in item:
@@ -1033,8 +1406,8 @@ def write_markdown(res, cases, targets, out) -> str:
             L.append("")
     if birch and ratio_rows:
         L.append("## Ratios birchfs/peer (medians)\n")
-        L.append("Throughput ratios above 1 mean birchfs is faster; latency ratios above 1 mean "
-                 "birchfs is slower.\n")
+        L.append("Throughput ratios above 1 mean birchfs is faster; latency and time (W6, seconds) "
+                 "ratios above 1 mean birchfs is slower.\n")
         pnames = [t.name for t in peers]
         for b in birch:
             L.append(f"### {b.name}\n")
@@ -1114,7 +1487,7 @@ def write_charts(res, cases, targets, out) -> dict:
                 ax.grid(axis="y", alpha=0.3)
             fig.suptitle(f"{WL_TITLES[wl]}\nmedians; whiskers: min–max over repeats", fontsize=10)
             fig.tight_layout()
-            name = f"{wl.lower()}_throughput.png"
+            name = f"{wl.lower()}_{'times' if all(m.kind == 'time' for _, m in panels) else 'throughput'}.png"
             fig.savefig(os.path.join(out, name), dpi=90)
             plt.close(fig)
             charts.setdefault(wl, []).append(name)
@@ -1190,7 +1563,7 @@ def make_parser() -> argparse.ArgumentParser:
                     help="tiny sizes, one repeat, ~2 s per run; then check every target produced numbers")
     ap.add_argument("--targets", type=str_list, default=ALL_TARGETS, help="comma list of " + ",".join(ALL_TARGETS))
     ap.add_argument("--workloads", type=lambda s: [x.upper() for x in str_list(s)],
-                    default=["W1", "W2", "W3", "W4", "W5"], help="comma list of W1..W5")
+                    default=["W1", "W2", "W3", "W4", "W5", "W6"], help="comma list of W1..W6")
     ap.add_argument("--birch-opts", action="append", default=[], metavar="OPTS",
                     help="extra birchfs target mounted with -o OPTS (repeatable)")
     ap.add_argument("--no-birch-default", action="store_true",
@@ -1234,6 +1607,15 @@ def make_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("W5 fsync latency")
     g.add_argument("--w5-time", type=int, default=None, help="seconds [15; quick 2]")
     g.add_argument("--w5-max-ops", type=int, default=200000)
+    g = ap.add_argument_group("W6 everyday work")
+    g.add_argument("--w6-files", type=int, default=None,
+                   help="files in the source tree (in files*3/20 directories) [10000; quick 1000]")
+    g.add_argument("--w6-appends", type=int, default=None, help="4-byte O_APPEND writes [200000; quick 20000]")
+    g.add_argument("--w6-sqlite-journal", type=int, default=None,
+                   help="SQLite commits, rollback journal [2000; quick 100]")
+    g.add_argument("--w6-sqlite-wal", type=int, default=None, help="SQLite commits, WAL [5000; quick 250]")
+    g.add_argument("--w6-drop-caches", action=argparse.BooleanOptionalAction, default=True,
+                   help="drop the caches (all of the machine's) for a second, cold walk before reading")
     ap.add_argument("--run-dir-name", default="birchbench.run", help=argparse.SUPPRESS)
     return ap
 
@@ -1257,6 +1639,10 @@ def apply_defaults(cfg) -> None:
     d("sb_time", 20, 2)
     d("sb_modes", ["rndwr", "seqwr", "rndwr-fsyncall"], ["rndwr", "rndwr-fsyncall"])
     d("w5_time", 15, 2)
+    d("w6_files", 10000, 1000)
+    d("w6_appends", 200000, 20000)
+    d("w6_sqlite_journal", 2000, 100)
+    d("w6_sqlite_wal", 5000, 250)
     if not os.path.isabs(cfg.birch):
         cand = os.path.join(REPO, cfg.birch)
         cfg.birch = cand if os.path.exists(cand) or not os.path.exists(cfg.birch) else os.path.abspath(cfg.birch)
@@ -1356,13 +1742,14 @@ def do_check(cfg, cases, targets, runs) -> int:
         if not missing:
             log(f"check: {t.name}: ok (numbers for {sum(1 for c in cases if t.supports(c))} cases)")
             continue
-        required = t.kind in KERNEL_KINDS or t.kind == "bindfs-mt" or (t.is_birch and mounted)
+        required = t.kind in KERNEL_KINDS or t.kind == "bindfs-mt" or \
+            (t.kind in ("birchfs", "memfs_ll") and mounted)
         why = t.error or ("no numbers for " + ", ".join(missing))
         if required:
             bad += 1
             log(f"check: {t.name}: FAILED: {why}")
         else:
-            log(f"check: {t.name}: not counted ({'did not mount' if t.is_birch else 'optional target'}): {why}")
+            log(f"check: {t.name}: not counted ({'did not mount' if t.kind in ('birchfs', 'memfs_ll') else 'optional target'}): {why}")
     log(f"check: {'FAILED' if bad else 'ok'} ({bad} required target(s) without numbers)")
     return 1 if bad else 0
 
@@ -1391,6 +1778,9 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--_w5":
         w5_child(argv[1], argv[2], float(argv[3]), int(argv[4]))
+        return 0
+    if argv and argv[0] == "--_w6":
+        w6_child(argv[1:])
         return 0
     if argv and argv[0] == "--_mdcr":
         mdcr_py(argv[1], int(argv[2]), int(argv[3]))
@@ -1471,6 +1861,7 @@ def main(argv=None) -> int:
     rc_final = 0
     try:
         cfg.mdcr = build_mdcr(cfg) if "W3" in cfg.workloads else None
+        cfg.w6 = w6_assets(cfg) if "W6" in cfg.workloads else None
         meta_machine = machine_info(cfg.image_dir)
         for t in targets:
             t.setup()
@@ -1567,7 +1958,8 @@ def main(argv=None) -> int:
                          "machine": locals().get("meta_machine") or {"cpu": "?", "cores": os.cpu_count(),
                                                                       "mem_gib": "?", "kernel": platform.release(),
                                                                       "image_fs": "?"},
-                         "config": {k: v for k, v in vars(cfg).items() if k not in ("mdcr",)},
+                         "config": {k: v for k, v in vars(cfg).items() if k not in ("mdcr", "w6")},
+                         "w6_assets": getattr(cfg, "w6", None),
                          "elapsed_s": round(time.time() - t_start, 1), "interrupted": interrupted},
                 "targets": {t.name: {"kind": t.kind, "opts": t.opts, "status": t.status, "error": t.error,
                                      "meta": t.meta} for t in targets},

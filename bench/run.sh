@@ -9,7 +9,8 @@
 #
 # Environment: BIRCH (birch binary, default target/release/birch), BIRCHBENCH_DIR (images,
 # default /var/tmp/birchbench), BIRCHBENCH_BUILD=1 (cargo build --release first),
-# BIRCHBENCH_NO_INSTALL=1 (skip apt).  See docs/BENCHMARKS.md.
+# BIRCHBENCH_NO_INSTALL=1 (skip apt), BIRCHBENCH_LIBFUSE_TAR (libfuse source for the memfs_ll
+# target, default ../shared/libfuse/libfuse-e8d407ce.tar.gz beside the repo).  See docs/BENCHMARKS.md.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -31,7 +32,12 @@ fi
 PY=/usr/bin/python3
 [ -x "$PY" ] || PY="$(command -v python3)"
 
-PKGS=(dbench fio sysbench fsmark btrfs-progs xfsprogs e2fsprogs fuse2fs bindfs fuse3 util-linux python3 python3-matplotlib gcc libc6-dev)
+PKGS=(dbench fio sysbench fsmark btrfs-progs xfsprogs e2fsprogs fuse2fs bindfs fuse3 util-linux python3 python3-matplotlib gcc libc6-dev git)
+# the memfs_ll target is built from libfuse's source, when it is there (see docs/BENCHMARKS.md)
+LIBFUSE_TAR="${BIRCHBENCH_LIBFUSE_TAR:-$REPO/../shared/libfuse/libfuse-e8d407ce.tar.gz}"
+if [ -f "$LIBFUSE_TAR" ]; then
+  PKGS+=(meson ninja-build liburing-dev g++ pkg-config)
+fi
 if [ "${BIRCHBENCH_NO_INSTALL:-0}" != 1 ]; then
   missing=()
   for p in "${PKGS[@]}"; do
