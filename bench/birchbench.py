@@ -1615,7 +1615,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="SQLite commits, rollback journal [2000; quick 100]")
     g.add_argument("--w6-sqlite-wal", type=int, default=None, help="SQLite commits, WAL [5000; quick 250]")
     g.add_argument("--w6-drop-caches", action=argparse.BooleanOptionalAction, default=True,
-                   help="drop the caches (all of the machine's) for a second, cold walk before reading")
+                   help="drop the caches (all of the machine's), then walk and read again, cold (never on memfs_ll)")
     ap.add_argument("--run-dir-name", default="birchbench.run", help=argparse.SUPPRESS)
     return ap
 
