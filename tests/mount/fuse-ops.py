@@ -76,6 +76,10 @@ def _chk(r, what):
     return r
 
 
+def syncfs(fd):
+    _chk(libc.syncfs(fd), "syncfs")
+
+
 def renameat2(old, new, flags):
     _chk(libc.renameat2(AT_FDCWD, os.fsencode(old), AT_FDCWD, os.fsencode(new), flags), "renameat2")
 
@@ -738,6 +742,8 @@ def op_write(d):
     try:
         os.pwrite(sfd, b"x", 1 << 62)
         expect_err("fsync after a cached write at 2^62", (errno.EFBIG, errno.EIO), os.fsync, sfd)
+        # syncfs reports the failed writeback once more (per superblock); take it here.
+        expect_err("syncfs after the failed writeback", (errno.EFBIG, errno.EIO), syncfs, sfd)
     except OSError as e:
         check(e.errno == errno.EFBIG, f"write at 2^62: {ename(e.errno)}, expected EFBIG")
     finally:
@@ -1277,6 +1283,71 @@ def op_mmap(d):
     finally:
         os.close(fd)
     check(rfile(f)[10:20] == b"mmapwrite!", "mmap write lost after close")
+
+
+def _fill(fd, limit):
+    """Writes 1 MiB pieces until `limit` bytes or an error; returns (bytes written, errno)."""
+    piece, done = b"z" * MiB, 0
+    while done < limit:
+        try:
+            n = os.write(fd, piece)
+        except OSError as e:
+            return done, e.errno
+        done += n
+    return done, None
+
+
+@test
+def op_enospc(d):
+    """A full filesystem under the writeback cache: ENOSPC from write(2) once free space is
+    below the headroom (opens for writing are then written through), and from fsync or close,
+    never silently, for a file opened above it. Uses the 64 MiB second mount."""
+    if CTX.ref:
+        raise Skip("enospc: needs a small filesystem of its own")
+    d2 = J(CTX.mnt2, os.path.basename(d))
+    os.makedirs(d2, exist_ok=True)
+    # Below the headroom (twice the 16 MiB dirty cap of a 64 MiB mount): written through.
+    wfile(J(d2, "ballast"), b"b" * (36 * MiB))
+    commit()
+    fd = os.open(J(d2, "through"), os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        done, err = _fill(fd, 128 * MiB)
+        check(err == errno.ENOSPC, f"written through near full: write(2) gave {ename(err) if err else 'no error'} after {done} bytes")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    check(os.stat(J(d2, "through")).st_size == done, f"size {os.stat(J(d2, 'through')).st_size} after {done} bytes written")
+    for name in ("ballast", "through"):
+        os.unlink(J(d2, name))
+    commit()
+    commit()
+    # Above the headroom the file is cached: the error may come at write, fsync or close.
+    fd = os.open(J(d2, "cached"), os.O_CREAT | os.O_WRONLY, 0o644)
+    errs = []
+    done, err = _fill(fd, 128 * MiB)
+    if err:
+        errs.append(("write", err))
+    for what, fn in (("fsync", os.fsync), ("close", os.close)):
+        try:
+            fn(fd)
+        except OSError as e:
+            errs.append((what, e.errno))
+    if not any(e == errno.ENOSPC for _, e in errs):
+        raise Fail(f"128 MiB into a 64 MiB filesystem: no ENOSPC from write, fsync or close ({errs})")
+    os.unlink(J(d2, "cached"))
+    # The first birch sync reports the failed writeback (syncfs) and commits anyway.
+    r = subprocess.run([BIRCH, "sync", CTX.mnt2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    check(r.returncode == 0 or "writing back cached pages failed" in r.stdout, f"birch sync after ENOSPC: {r.stdout}")
+    # The inode is freed when the kernel forgets it; its blocks are reusable after a commit.
+    poll(lambda: commit() or bfree_of(CTX.mnt2) > 40 * MiB, 10, 0.2)
+    check(bfree_of(CTX.mnt2) > 40 * MiB, f"space not returned after the unlinks: {bfree_of(CTX.mnt2)} bytes free")
+    r = subprocess.run([BIRCH, "sync", CTX.mnt2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    check(r.returncode == 0, f"second birch sync: {r.stdout}")
+
+
+def bfree_of(path):
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 @test

@@ -194,6 +194,32 @@ if [[ -n $daemon ]]; then
 else
   bad "SIGKILL test: daemon pid not found"
 fi
+# --- The writeback cache: `birch sync` makes pages the kernel holds dirty durable (the file is
+# still open, so close has not written them back), and close(2) writes a file's pages back so
+# the next commit holds them; both checked by SIGKILL of the daemon and a remount ---
+"$BIRCH" mount -o commit=0 "$IMG" "$MNT"
+head -c 300000 /dev/urandom > "$WORK/cached-open"
+head -c 300000 /dev/urandom > "$WORK/cached-closed"
+python3 -c "
+import os, subprocess, sys
+fd = os.open('$MNT/cached-open', os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+os.write(fd, open('$WORK/cached-open', 'rb').read())
+with open('$MNT/cached-closed', 'wb') as f:
+    f.write(open('$WORK/cached-closed', 'rb').read())
+sys.exit(subprocess.call(['$BIRCH', 'sync', '$MNT']))
+" # the open fd is closed only when python exits, after the daemon has committed
+daemon=$(pgrep -f "birch mount -f $IMG" | head -1)
+if [[ -n $daemon ]]; then
+  kill -KILL "$daemon"
+  for _ in $(seq 1 200); do kill -0 "$daemon" 2>/dev/null || break; sleep 0.05; done
+  umount -l "$MNT" 2>/dev/null
+  "$BIRCH" mount "$IMG" "$MNT"
+  check "birch sync commits pages the kernel held dirty for an open file" cmp -s "$WORK/cached-open" "$MNT/cached-open"
+  check "close(2) hands a file's cached pages to the daemon before birch sync commits" cmp -s "$WORK/cached-closed" "$MNT/cached-closed"
+  "$BIRCH" umount "$MNT"
+else
+  bad "writeback SIGKILL test: daemon pid not found"
+fi
 check "fsck clean at the end" "$BIRCH" fsck "$IMG"
 
 echo "mount-tests: $passed passed, $failed failed"

@@ -70,7 +70,8 @@ enum Command {
     },
     /// Unmount; returns after the daemon's final commit released the image.
     Umount { mountpoint: PathBuf },
-    /// Commit everything on a live mount now (sync(2) does not reach a FUSE filesystem).
+    /// Commit everything on a live mount now, with the pages the kernel holds dirty for it
+    /// (sync(2) writes those back but never reaches a FUSE daemon).
     Sync { mountpoint: PathBuf },
     /// Check an image (read-only). Refuses an image a live mount holds.
     Fsck {
@@ -271,10 +272,31 @@ fn mkfs(image: &Path, size: Option<&str>, label: String, force: bool) -> ExitCod
 }
 
 fn sync(mountpoint: &Path) -> ExitCode {
-    // fsync of the root directory reaches the daemon as FSYNCDIR, which commits.
-    match std::fs::File::open(mountpoint).and_then(|f| f.sync_all()) {
+    use std::os::fd::AsRawFd;
+    let dir = match std::fs::File::open(mountpoint) {
+        Ok(f) => f,
+        Err(e) => return fail(format!("{}: sync: {e}", mountpoint.display())),
+    };
+    // syncfs(2) writes back the pages the kernel holds dirty for the mount (it never reaches
+    // the daemon itself) and reports a writeback that failed since the last syncfs; then an
+    // fsync of the root directory reaches the daemon as FSYNCDIR, which commits. The commit
+    // goes ahead after a failed writeback: what was written back is committed.
+    // SAFETY: syncfs on a descriptor this function owns.
+    let written_back = if unsafe { libc::syncfs(dir.as_raw_fd()) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    };
+    if let Err(e) = dir.sync_all() {
+        return fail(format!("{}: sync: commit: {e}", mountpoint.display()));
+    }
+    match written_back {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => fail(format!("{}: sync: {e}", mountpoint.display())),
+        Err(e) => fail(format!(
+            "{}: sync: committed, but writing back cached pages failed: {e} (the application \
+             that wrote them sees this error from fsync or close)",
+            mountpoint.display()
+        )),
     }
 }
 
