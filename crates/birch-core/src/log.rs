@@ -9,18 +9,31 @@
 //! delta generation they belong to) and writes them; no lock is held while the device writes
 //! or flushes: the leader works outside the mutex, followers wait on a condition variable.
 //!
+//! Pipeline: while one batch is written and flushed, every record queued meanwhile waits for
+//! the next batch, and the first waiter woken after the flush leads it; so one flush covers
+//! every record (and every data write) queued before its batch was taken, and 64 synchronous
+//! writers share a few flushes a second rather than one each. The leader encodes the batch
+//! with no lock held. A key queued twice before its batch is taken keeps only its later record
+//! (in the earlier one's place): replay applies records as whole items in order, so the result
+//! is the same and a batch never carries one inode item 64 times.
+//!
 //! Crash argument, in short (DESIGN.md has the walk-through): a batch is durable only after
 //! its flush, and its fsyncs return only then. Every data block a record references was written
-//! (O_DIRECT) before the batch, so the same flush makes it durable; replay still verifies each
-//! block's checksum and stops at the first batch that fails. A batch is reused only after a
-//! superblock that starts the log past it is durable.
+//! (O_DIRECT, completed) before the record was queued, so the flush of its batch, issued after
+//! the batch write completed, makes it durable; replay still verifies each block's checksum and
+//! stops at the first batch that fails. One batch is in flight at a time, so at most one batch
+//! on the device is unflushed and replay never stops before an acknowledged one. A batch is
+//! reused only after a superblock that starts the log past it is durable. Queued records whose
+//! generation a durable commit covers are dropped unwritten (`set_reusable`): replay would skip
+//! them, and the tree holds their values or newer; a ticket left with no records is durable
+//! without I/O, because every batch before it is.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use birch_format::items::{ExtentKind, FileExtent};
 use birch_format::log::{decode_batch, decode_header, encode_batch, LogRecord};
 use birch_format::superblock::Superblock;
-use birch_format::{ItemType, BLOCK_SIZE};
+use birch_format::{ItemType, Key, BLOCK_SIZE};
 use parking_lot::{Condvar, Mutex};
 
 use crate::counters::Counters;
@@ -44,12 +57,18 @@ struct LogState {
     live: VecDeque<LiveBatch>,
     /// Records queued for the next batch, and that batch's ticket.
     queued: Vec<LogRecord>,
+    /// Where each key's record sits in `queued`: a later record of a key replaces the earlier
+    /// one in place (replay would apply both in order; only the last value survives).
+    queued_at: HashMap<Key, usize>,
     open_ticket: u64,
     durable_ticket: u64,
     /// The last ticket whose batch did not fit: its fsyncs fall back to a commit.
     full_ticket: u64,
     leader: bool,
     failed: Option<String>,
+    /// The generation of the last commit that retired batches; once its superblock is
+    /// durable (`set_reusable`), queued records of that generation or older are dropped.
+    retired_generation: u64,
 }
 
 /// What became of an fsync's records.
@@ -81,11 +100,13 @@ impl FsyncLog {
                 reusable_lsn: sb.log_head,
                 live: VecDeque::new(),
                 queued: Vec::new(),
+                queued_at: HashMap::new(),
                 open_ticket: 1,
                 durable_ticket: 0,
                 full_ticket: 0,
                 leader: false,
                 failed: None,
+                retired_generation: 0,
             }),
             wake: Condvar::new(),
             start: sb.log_start,
@@ -108,9 +129,23 @@ impl FsyncLog {
 
     /// Queues records for the next batch; returns its ticket. Records queued earlier are
     /// written no later than these, so a caller that orders its enqueues orders replay.
+    /// Without a log area, or once the log failed, the records are dropped: the ticket's wait
+    /// answers `Full` or the error.
     pub fn enqueue(&self, records: Vec<LogRecord>) -> u64 {
         let mut st = self.state.lock();
-        st.queued.extend(records);
+        if self.bytes == 0 || st.failed.is_some() {
+            return st.open_ticket;
+        }
+        for record in records {
+            let st = &mut *st;
+            match st.queued_at.get(&record.key) {
+                Some(&at) => st.queued[at] = record,
+                None => {
+                    st.queued_at.insert(record.key, st.queued.len());
+                    st.queued.push(record);
+                }
+            }
+        }
         st.open_ticket
     }
 
@@ -139,26 +174,43 @@ impl FsyncLog {
                 self.wake.wait(&mut st);
                 continue;
             }
-            // Become the leader for everything queued so far.
+            // Become the leader for everything queued so far. Records queued while this
+            // batch is written and flushed go into the next one.
             st.leader = true;
             let batch_ticket = st.open_ticket;
             st.open_ticket += 1;
             let records = std::mem::take(&mut st.queued);
-            let seq = st.next_seq;
-            let max_generation = records.iter().map(|r| r.generation).max().unwrap_or(0);
-            let mut lsn = st.tail_lsn;
-            let probe_len = encode_batch(self.fsid, seq, lsn, &records).len() as u64;
-            if lsn % self.bytes + probe_len > self.bytes {
-                lsn = (lsn / self.bytes + 1) * self.bytes; // never straddle the end
+            st.queued_at.clear();
+            if records.is_empty() {
+                // Everything this ticket queued was dropped by a durable commit that covers
+                // it (`set_reusable`): nothing to write. Earlier batches are durable already
+                // (one leader at a time).
+                st.durable_ticket = batch_ticket;
+                st.leader = false;
+                self.wake.notify_all();
+                continue;
             }
-            if lsn + probe_len - st.reusable_lsn > self.bytes || probe_len > self.bytes / 2 {
+            let seq = st.next_seq;
+            let tail_lsn = st.tail_lsn;
+            drop(st);
+            // Encode with no lock held: only the leader moves the tail and the sequence, and
+            // the reusable point only grows.
+            let max_generation = records.iter().map(|r| r.generation).max().unwrap_or(0);
+            let mut lsn = tail_lsn;
+            let mut bytes = encode_batch(self.fsid, seq, lsn, &records);
+            let len = bytes.len() as u64;
+            if lsn % self.bytes + len > self.bytes {
+                lsn = (lsn / self.bytes + 1) * self.bytes; // never straddle the end
+                bytes = encode_batch(self.fsid, seq, lsn, &records);
+            }
+            let reusable_lsn = self.state.lock().reusable_lsn;
+            if lsn + len - reusable_lsn > self.bytes || len > self.bytes / 2 {
+                st = self.state.lock();
                 st.full_ticket = batch_ticket;
                 st.leader = false;
                 self.wake.notify_all();
                 continue;
             }
-            drop(st);
-            let bytes = encode_batch(self.fsid, seq, lsn, &records);
             let at = self.start + lsn % self.bytes;
             let written = device.write_at(&bytes, at).and_then(|()| device.flush());
             st = self.state.lock();
@@ -170,12 +222,12 @@ impl FsyncLog {
                         seq,
                         max_generation,
                     });
-                    st.tail_lsn = lsn + bytes.len() as u64;
+                    st.tail_lsn = lsn + len;
                     st.next_seq = seq + 1;
                     st.durable_ticket = batch_ticket;
                     counters.add(|c| &c.log_batches, 1);
                     counters.add(|c| &c.log_records, records.len() as u64);
-                    counters.add(|c| &c.log_bytes, bytes.len() as u64);
+                    counters.add(|c| &c.log_bytes, len);
                 }
                 Err(e) => {
                     st.failed = Some(format!("write or flush of batch {seq} at {at:#x}: {e}"))
@@ -189,6 +241,7 @@ impl FsyncLog {
     /// commit covers and returns where the live log starts (lsn, seq).
     pub fn retire(&self, generation: u64) -> (u64, u64) {
         let mut st = self.state.lock();
+        st.retired_generation = st.retired_generation.max(generation);
         while st
             .live
             .front()
@@ -202,10 +255,21 @@ impl FsyncLog {
         }
     }
 
-    /// Called once the superblock naming `head_lsn` is durable: space before it is reusable.
+    /// Called once the superblock naming `head_lsn` is durable: space before it is reusable,
+    /// and queued records the commit covers (generation at most the retiring commit's) are
+    /// dropped: replay would skip them, and the durable tree holds their values or newer.
     pub fn set_reusable(&self, head_lsn: u64) {
         let mut st = self.state.lock();
         st.reusable_lsn = st.reusable_lsn.max(head_lsn);
+        let covered = st.retired_generation;
+        if st.queued.iter().any(|r| r.generation <= covered) {
+            let st = &mut *st;
+            st.queued.retain(|r| r.generation > covered);
+            st.queued_at.clear();
+            for (at, r) in st.queued.iter().enumerate() {
+                st.queued_at.insert(r.key, at);
+            }
+        }
     }
 }
 

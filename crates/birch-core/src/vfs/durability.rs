@@ -11,6 +11,14 @@
 //! logged or committed (an overwrite in place): size, block count and mode, which reading the
 //! data back needs, always go.
 //!
+//! Synchronous writes (O_DIRECT|O_SYNC, answered by a write then an fsync) do not scan: once an
+//! fsync has queued everything of an inode, the inode is *log-clean* (its inode item is
+//! remembered, [`Filesystem::log_clean_ticket`]); a block-aligned write to a log-clean inode
+//! queues only what it changed (the extent items of its range and the inode item,
+//! [`Filesystem::log_write`]) and keeps it clean, and the fsync after it finds the inode clean
+//! and only waits for the batch. So each such write costs one data write and a share of one
+//! batch write and flush, whatever the number of extents the inode changed since the commit.
+//!
 //! When logging cannot be safe, fsync commits instead (each case counted):
 //! - a name of I was removed or renamed (an inode ref deleted): replaying only I's side could
 //!   leave the old name behind;
@@ -31,7 +39,7 @@ use birch_format::items::{
 use birch_format::log::LogRecord;
 use birch_format::{name_hash, ItemType, Key, ORPHAN_OBJECTID};
 
-use super::{inode_key, Filesystem};
+use super::{inode_key, Filesystem, InodeState, Logged};
 use crate::counters::Counters;
 use crate::error::{Error, Result};
 use crate::log::LogOutcome;
@@ -73,84 +81,111 @@ impl Filesystem {
         // later state, queues after this one, so replay applies them in order.
         let ticket = {
             let data = state.data.read();
-            let is_dir = data.item.mode & libc::S_IFMT == libc::S_IFDIR;
-            match self.log_records(ino, is_dir, data.item.nlink) {
-                Ok(Some(records)) => {
-                    // Only what this inode has not queued before: an item queued earlier with
-                    // the same value is in a batch that is durable, or will be once the ticket
-                    // of that batch is, or was retired by the commit that made it durable.
-                    // A queued record only counts while replay would still apply it: once a
-                    // commit covers its generation, replay skips it, and the committed value
-                    // may differ (changed and changed back), so it is logged again.
-                    let committed = engine.committed_generation();
-                    let mut logged = state.logged.lock();
-                    let mut fresh: Vec<LogRecord> = records
-                        .into_iter()
-                        .filter(|r| {
-                            !logged
-                                .values
-                                .get(&r.key)
-                                .is_some_and(|(v, g)| *v == r.value && *g > committed)
-                        })
-                        .collect();
-                    if datasync {
-                        // fdatasync: an inode item whose only change is its timestamps is
-                        // not needed to read the data back (size, blocks and mode are).
-                        let key = inode_key(ino);
-                        let reference = match logged.values.get(&key) {
-                            Some((v, g)) if *g > committed => v.clone(),
-                            _ => engine.committed_get(&key)?,
-                        };
-                        fresh.retain(|r| {
-                            let same = match (r.value.as_deref(), reference.as_deref()) {
-                                (Some(new), Some(old)) => differs_only_in_times(new, old, true),
-                                _ => false,
+            if let Some(ticket) = self.log_clean_ticket(ino, &state, datasync)? {
+                // Everything of this inode is queued already (a synchronous write logged its
+                // own range, `log_write`): wait for that batch, no scan.
+                ticket
+            } else {
+                let is_dir = data.item.mode & libc::S_IFMT == libc::S_IFDIR;
+                match self.log_records(ino, is_dir, data.item.nlink) {
+                    Ok(Some(records)) => {
+                        // Only what this inode has not queued before: an item queued earlier with
+                        // the same value is in a batch that is durable, or will be once the ticket
+                        // of that batch is, or was retired by the commit that made it durable.
+                        // A queued record only counts while replay would still apply it: once a
+                        // commit covers its generation, replay skips it, and the committed value
+                        // may differ (changed and changed back), so it is logged again.
+                        let committed = engine.committed_generation();
+                        let mut logged = state.logged.lock();
+                        let mut fresh: Vec<LogRecord> = records
+                            .into_iter()
+                            .filter(|r| {
+                                !logged
+                                    .values
+                                    .get(&r.key)
+                                    .is_some_and(|(v, g)| *v == r.value && *g > committed)
+                            })
+                            .collect();
+                        let mut times_left_out = false;
+                        if datasync {
+                            // fdatasync: an inode item whose only change is its timestamps is
+                            // not needed to read the data back (size, blocks and mode are).
+                            let key = inode_key(ino);
+                            let before = fresh.len();
+                            let reference = match logged.values.get(&key) {
+                                Some((v, g)) if *g > committed => v.clone(),
+                                _ => engine.committed_get(&key)?,
                             };
-                            r.key != key || !same
-                        });
-                    }
-                    if fresh.is_empty() {
-                        if logged.ticket == 0 {
-                            counters.add(|c| &c.fsync_nothing, 1);
-                            return Ok(());
+                            fresh.retain(|r| {
+                                let same = match (r.value.as_deref(), reference.as_deref()) {
+                                    (Some(new), Some(old)) => differs_only_in_times(new, old, true),
+                                    _ => false,
+                                };
+                                r.key != key || !same
+                            });
+                            times_left_out = fresh.len() != before;
                         }
-                        logged.ticket
-                    } else {
-                        logged.values.retain(|_, (_, g)| *g > committed);
-                        for r in &fresh {
-                            logged.values.insert(r.key, (r.value.clone(), r.generation));
-                        }
-                        {
-                            let mut names = self.inner.logged_names.lock();
-                            for r in fresh.iter().filter(|r| {
-                                r.key.kind() == Some(ItemType::DirItem) && r.value.is_some()
-                            }) {
-                                names.insert(r.key, (ino, r.generation));
+                        // Everything changed is queued once `fresh` is (all of it but the
+                        // inode item's times after an fdatasync that left those out): mark the
+                        // inode log-clean as of its current inode item.
+                        let mark = |logged: &mut Logged| -> Result<()> {
+                            let current = engine.get(&inode_key(ino))?;
+                            let generation = engine.running_generation();
+                            logged
+                                .values
+                                .insert(clean_key(ino, false), (current.clone(), generation));
+                            if !times_left_out {
+                                logged
+                                    .values
+                                    .insert(clean_key(ino, true), (current, generation));
                             }
+                            Ok(())
+                        };
+                        if fresh.is_empty() {
+                            if logged.ticket == 0 {
+                                counters.add(|c| &c.fsync_nothing, 1);
+                                return Ok(());
+                            }
+                            mark(&mut logged)?;
+                            logged.ticket
+                        } else {
+                            logged.values.retain(|_, (_, g)| *g > committed);
+                            for r in &fresh {
+                                logged.values.insert(r.key, (r.value.clone(), r.generation));
+                            }
+                            {
+                                let mut names = self.inner.logged_names.lock();
+                                for r in fresh.iter().filter(|r| {
+                                    r.key.kind() == Some(ItemType::DirItem) && r.value.is_some()
+                                }) {
+                                    names.insert(r.key, (ino, r.generation));
+                                }
+                            }
+                            let ticket = engine.log_enqueue(fresh);
+                            logged.ticket = ticket;
+                            mark(&mut logged)?;
+                            ticket
                         }
-                        let ticket = engine.log_enqueue(fresh);
-                        logged.ticket = ticket;
-                        ticket
                     }
+                    Ok(None) => {
+                        counters.add(|c| &c.fsync_nothing, 1);
+                        return Ok(());
+                    }
+                    Err(Ok(fallback)) => {
+                        counters.add(
+                            |c| match fallback {
+                                Fallback::Names => &c.fsync_fallback_names,
+                                Fallback::NewParent => &c.fsync_fallback_new_parent,
+                                Fallback::Directory => &c.fsync_fallback_dir,
+                                Fallback::Other => &c.fsync_fallback_other,
+                            },
+                            1,
+                        );
+                        drop(data);
+                        return self.fsync_commit();
+                    }
+                    Err(Err(e)) => return Err(e),
                 }
-                Ok(None) => {
-                    counters.add(|c| &c.fsync_nothing, 1);
-                    return Ok(());
-                }
-                Err(Ok(fallback)) => {
-                    counters.add(
-                        |c| match fallback {
-                            Fallback::Names => &c.fsync_fallback_names,
-                            Fallback::NewParent => &c.fsync_fallback_new_parent,
-                            Fallback::Directory => &c.fsync_fallback_dir,
-                            Fallback::Other => &c.fsync_fallback_other,
-                        },
-                        1,
-                    );
-                    drop(data);
-                    return self.fsync_commit();
-                }
-                Err(Err(e)) => return Err(e),
             }
         };
         match engine.log_wait(ticket)? {
@@ -161,6 +196,80 @@ impl Filesystem {
             LogOutcome::Full => {
                 counters.add(|c| &c.fsync_fallback_log_full, 1);
                 self.fsync_commit()
+            }
+        }
+    }
+
+    /// The ticket of the batch that carries everything of `ino` not yet committed, when the
+    /// inode is *log-clean*: every item of it changed since the last commit is queued in the
+    /// log (with `data_only`, every item but the inode item's timestamps, which fdatasync
+    /// leaves out). Call with the inode lock held.
+    ///
+    /// The witness is the inode item: an fsync that queued everything, or a write that found
+    /// the inode log-clean and queued every item it changed, remembers the inode item as it
+    /// was then (under [`clean_key`], in `Logged::values`, with the running generation). Every
+    /// operation that changes any item of an inode also stores its inode item with a new ctime
+    /// and the transaction's generation, so an inode item still equal to the remembered one
+    /// means nothing changed since. The mark lapses once a commit covers its generation, as
+    /// queued records do.
+    pub(super) fn log_clean_ticket(
+        &self,
+        ino: u64,
+        state: &InodeState,
+        data_only: bool,
+    ) -> Result<Option<u64>> {
+        let engine = &self.inner.engine;
+        let Some(current) = engine.get(&inode_key(ino))? else {
+            return Ok(None);
+        };
+        let committed = engine.committed_generation();
+        let logged = state.logged.lock();
+        if logged.ticket == 0 {
+            return Ok(None);
+        }
+        let marked = |all: bool| {
+            matches!(logged.values.get(&clean_key(ino, all)),
+                Some((Some(v), g)) if *g > committed && *v == current)
+        };
+        Ok((marked(true) || (data_only && marked(false))).then_some(logged.ticket))
+    }
+
+    /// A write's own part of the log: called under the inode's write lock by a write that
+    /// found the inode log-clean before it changed anything ([`Filesystem::log_clean_ticket`]),
+    /// with every item the write changed (the inode item last). Queues them (no I/O; the data
+    /// blocks they name are written already) so the inode stays log-clean and the fsync that
+    /// follows a synchronous write only waits for the batch: a synchronous write logs the range
+    /// it wrote and the inode item, not the inode's whole changed-item list.
+    pub(super) fn log_write(
+        &self,
+        ino: u64,
+        state: &InodeState,
+        generation: u64,
+        items: Vec<(Key, Option<Vec<u8>>)>,
+    ) {
+        let engine = &self.inner.engine;
+        let committed = engine.committed_generation();
+        let records: Vec<LogRecord> = items
+            .into_iter()
+            .map(|(key, value)| LogRecord {
+                generation,
+                key,
+                value,
+            })
+            .collect();
+        let inode = records.last().map(|r| r.value.clone());
+        let mut logged = state.logged.lock();
+        logged.values.retain(|_, (_, g)| *g > committed);
+        for r in &records {
+            logged.values.insert(r.key, (r.value.clone(), r.generation));
+        }
+        logged.ticket = engine.log_enqueue(records);
+        if let Some(inode) = inode {
+            // The inode item went too: everything is queued, times included.
+            for all in [false, true] {
+                logged
+                    .values
+                    .insert(clean_key(ino, all), (inode.clone(), generation));
             }
         }
     }
@@ -409,6 +518,15 @@ impl Filesystem {
         }
         Ok(())
     }
+}
+
+/// Where `Logged::values` remembers the inode item as of which everything of `ino` changed is
+/// queued (`all`), or everything but the inode item's timestamps. Never a key of a real item
+/// (inode items have offset 0), and never queued.
+fn clean_key(ino: u64, all: bool) -> Key {
+    let mut key = inode_key(ino);
+    key.offset = if all { u64::MAX } else { u64::MAX - 1 };
+    key
 }
 
 /// Whether two encoded inode items differ only in atime (and, with `modify_times`, also

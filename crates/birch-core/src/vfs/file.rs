@@ -12,7 +12,7 @@ use birch_format::{
     ItemType, Key, BLOCK_SIZE, EXTENT_MAX_BLOCKS, INLINE_MAX_BYTES, MAX_FILE_BYTES,
 };
 
-use super::{attr_of, now, Attr, Filesystem, InodeData, SetAttr, SetTime};
+use super::{attr_of, now, Attr, Filesystem, FsyncMode, InodeData, SetAttr, SetTime};
 use crate::error::{Error, Result};
 
 const EXTENT_MAX_BYTES: u64 = EXTENT_MAX_BLOCKS * BLOCK_SIZE;
@@ -308,11 +308,26 @@ impl Filesystem {
         }
         let offset = if append { data.item.size } else { offset };
         let t = now();
+        // Items this write changed, kept when the inode is log-clean (everything it changed
+        // since the last commit is queued in the fsync log): the write then queues its own
+        // items, so an fsync right after it (an O_SYNC write) only waits for the batch.
+        let mut own_items: Option<Vec<(Key, Option<Vec<u8>>)>> = None;
         match prewritten {
             // In blocks (the same look-ups write_locked would do); otherwise the blocks go
             // back and the general path writes.
             Some(extents) if self.in_blocks(ino, &data)? => {
-                self.record_new_blocks(ino, &mut data, offset, bytes.len() as u64, extents)?;
+                let clean = self.inner.fsync_mode == FsyncMode::Log
+                    && data.item.nlink > 0
+                    && !data.write_error
+                    && self.log_clean_ticket(ino, &state, true)?.is_some();
+                own_items = self.record_new_blocks(
+                    ino,
+                    &mut data,
+                    offset,
+                    bytes.len() as u64,
+                    extents,
+                    clean,
+                )?;
                 data.item.size = data.item.size.max(offset + bytes.len() as u64);
             }
             Some(extents) => {
@@ -321,13 +336,35 @@ impl Filesystem {
             }
             None => self.write_locked(ino, &mut data, offset, bytes)?,
         }
-        let dropped = match kill_privs {
-            Some(groups) => self.kill_privs_locked(ino, &mut data, Some(groups))?,
-            None => false,
+        let finish = |data: &mut InodeData| -> Result<bool> {
+            let dropped = match kill_privs {
+                Some(groups) => self.kill_privs_locked(ino, data, Some(groups))?,
+                None => false,
+            };
+            data.item.mtime = t;
+            data.item.ctime = t;
+            self.store_inode(ino, data)?;
+            Ok(dropped)
         };
-        data.item.mtime = t;
-        data.item.ctime = t;
-        self.store_inode(ino, &mut data)?;
+        let dropped = match finish(&mut data) {
+            Ok(dropped) => dropped,
+            Err(e) => {
+                if own_items.is_some() {
+                    // The extents changed and the inode item may not have: the inode is no
+                    // longer log-clean, whatever its inode item says.
+                    state.logged.lock().values.remove(&super::inode_key(ino));
+                }
+                return Err(e);
+            }
+        };
+        match own_items {
+            Some(mut items) if !dropped => {
+                items.push((super::inode_key(ino), Some(data.item.encode())));
+                self.log_write(ino, &state, _op.generation(), items);
+            }
+            // Dropped privileges changed an xattr item too: the next fsync collects.
+            _ => {}
+        }
         drop(_op);
         drop(data);
         self.maybe_commit();
@@ -405,7 +442,8 @@ impl Filesystem {
                 data.write_error = true;
             }
         })?;
-        self.record_new_blocks(ino, data, offset, buf.len() as u64, new_extents)
+        self.record_new_blocks(ino, data, offset, buf.len() as u64, new_extents, false)
+            .map(|_| ())
     }
 
     /// Allocates new blocks for `buf` (whole blocks for a block-aligned file offset) and
@@ -451,7 +489,7 @@ impl Filesystem {
 
     /// Replaces `[offset, offset + len)` of the file with blocks [`Filesystem::write_new_blocks`]
     /// wrote, with the inode lock held: one range drop, the new extent items, and a merge with
-    /// the extent before them.
+    /// the extent before them. With `keep`, returns the items it set and deleted.
     fn record_new_blocks(
         &self,
         ino: u64,
@@ -459,7 +497,8 @@ impl Filesystem {
         offset: u64,
         len: u64,
         new_extents: Vec<NewExtent>,
-    ) -> Result<()> {
+        keep: bool,
+    ) -> Result<Option<Vec<(Key, Option<Vec<u8>>)>>> {
         let mut changes = self.drop_range(ino, offset, offset + len)?;
         let generation = self.inner.engine.running_generation();
         for (file_offset, addr, csums) in new_extents {
@@ -474,7 +513,9 @@ impl Filesystem {
             changes.set(extent_key(ino, file_offset), Some(extent.encode()));
         }
         self.merge_with_previous(ino, offset, &mut changes)?;
-        self.apply(ino, data, changes)
+        let kept = keep.then(|| changes.items.clone());
+        self.apply(ino, data, changes)?;
+        Ok(kept)
     }
 
     /// Joins the first new extent to the one before it when both are contiguous on disk.
