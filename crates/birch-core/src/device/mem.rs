@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::io;
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
 
@@ -35,6 +36,9 @@ struct State {
     /// Writes land in `durable` at once (a benchmark device: one copy per write, as a page
     /// cache makes, and nothing for `crash` to drop). Recording turns it off.
     write_through: bool,
+    /// How long a flush takes to return after it made the writes before it durable (tests of
+    /// group commit: a slow flush lets callers queue behind it, as on a disk).
+    flush_delay: Duration,
 }
 
 /// A memory device. Writes stay pending until `flush`; `crash` drops what is pending.
@@ -77,6 +81,7 @@ impl MemDevice {
                 record: None,
                 fail_writes: false,
                 write_through: false,
+                flush_delay: Duration::ZERO,
             }),
             size,
             counters: Counters::default(),
@@ -113,6 +118,12 @@ impl MemDevice {
             .record
             .replace(Vec::new())
             .unwrap_or_default()
+    }
+
+    /// Makes every later flush take `delay` to return. What it makes durable is decided when
+    /// it is issued: writes completed during the delay stay pending, as on a disk.
+    pub fn set_flush_delay(&self, delay: Duration) {
+        self.state.lock().flush_delay = delay;
     }
 
     /// Makes every later write and flush fail with EIO (a dying disk).
@@ -191,6 +202,11 @@ impl BlockDevice for MemDevice {
             record.push(Recorded::Flush);
         }
         self.counters.add(|c| &c.flushes, 1);
+        let delay = state.flush_delay;
+        drop(state);
+        if !delay.is_zero() {
+            std::thread::sleep(delay);
+        }
         Ok(())
     }
 
