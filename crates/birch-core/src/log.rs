@@ -83,7 +83,10 @@ pub enum LogOutcome {
 /// The fsync log of one filesystem.
 pub struct FsyncLog {
     state: Mutex<LogState>,
-    wake: Condvar,
+    /// Waiters sleep on the condition variable of their ticket's parity: only two tickets are
+    /// ever waited for (the batch in flight and the open one), so a finished batch wakes its
+    /// own waiters and one waiter of the next batch to lead it, not everyone.
+    wake: [Condvar; 2],
     start: u64,
     bytes: u64,
     fsid: [u8; 16],
@@ -108,7 +111,7 @@ impl FsyncLog {
                 failed: None,
                 retired_generation: 0,
             }),
-            wake: Condvar::new(),
+            wake: [Condvar::new(), Condvar::new()],
             start: sb.log_start,
             bytes: sb.log_bytes,
             fsid: sb.fsid,
@@ -171,7 +174,7 @@ impl FsyncLog {
                 return Ok(LogOutcome::Logged);
             }
             if st.leader {
-                self.wake.wait(&mut st);
+                self.wake[(ticket & 1) as usize].wait(&mut st);
                 continue;
             }
             // Become the leader for everything queued so far. Records queued while this
@@ -187,7 +190,7 @@ impl FsyncLog {
                 // (one leader at a time).
                 st.durable_ticket = batch_ticket;
                 st.leader = false;
-                self.wake.notify_all();
+                self.wake_all();
                 continue;
             }
             let seq = st.next_seq;
@@ -208,7 +211,7 @@ impl FsyncLog {
                 st = self.state.lock();
                 st.full_ticket = batch_ticket;
                 st.leader = false;
-                self.wake.notify_all();
+                self.wake_all();
                 continue;
             }
             let at = self.start + lsn % self.bytes;
@@ -230,10 +233,20 @@ impl FsyncLog {
                     counters.add(|c| &c.log_bytes, len);
                 }
                 Err(e) => {
-                    st.failed = Some(format!("write or flush of batch {seq} at {at:#x}: {e}"))
+                    st.failed = Some(format!("write or flush of batch {seq} at {at:#x}: {e}"));
+                    self.wake_all();
+                    continue;
                 }
             }
-            self.wake.notify_all();
+            // This batch's waiters return; one waiter of the next ticket leads it.
+            self.wake[(batch_ticket & 1) as usize].notify_all();
+            self.wake[((batch_ticket + 1) & 1) as usize].notify_one();
+        }
+    }
+
+    fn wake_all(&self) {
+        for wake in &self.wake {
+            wake.notify_all();
         }
     }
 

@@ -189,11 +189,34 @@ fn lock_holder(fd: libc::c_int) -> Option<i32> {
     (rc == 0 && lock.l_type != libc::F_UNLCK as libc::c_short).then_some(lock.l_pid)
 }
 
-/// A buffer aligned for O_DIRECT without unsafe code: over-allocate and slice.
-fn aligned(len: usize) -> (Vec<u8>, usize) {
-    let buf = vec![0u8; len + ALIGN];
-    let start = buf.as_ptr().align_offset(ALIGN);
-    (buf, start)
+/// Bounce buffers up to this size are kept per thread and reused; larger ones are not kept.
+const KEEP_BOUNCE: usize = 256 * 1024;
+
+thread_local! {
+    /// This thread's bounce buffer for O_DIRECT I/O of unaligned caller buffers (a FUSE
+    /// request's data is not page aligned): reused, so a 64 KiB synchronous write costs one
+    /// copy, not an allocation, zeroing and page faults as well.
+    static BOUNCE: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on an aligned buffer of `len` bytes (content unspecified) without unsafe code:
+/// over-allocate and slice.
+fn with_aligned<T>(len: usize, f: impl FnOnce(&mut [u8]) -> T) -> T {
+    let run = |buf: &mut Vec<u8>| {
+        if buf.len() < len + ALIGN {
+            buf.clear();
+            buf.resize(len + ALIGN, 0);
+        }
+        let start = buf.as_ptr().align_offset(ALIGN);
+        f(&mut buf[start..start + len])
+    };
+    if len > KEEP_BOUNCE {
+        return run(&mut Vec::new());
+    }
+    BOUNCE.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => run(&mut buf),
+        Err(_) => run(&mut Vec::new()),
+    })
 }
 
 impl BlockDevice for FileDevice {
@@ -203,11 +226,11 @@ impl BlockDevice for FileDevice {
         if !self.direct || buf.as_ptr().align_offset(ALIGN) == 0 {
             return self.file.read_exact_at(buf, offset);
         }
-        let (mut bounce, start) = aligned(buf.len());
-        let region = &mut bounce[start..start + buf.len()];
-        self.file.read_exact_at(region, offset)?;
-        buf.copy_from_slice(region);
-        Ok(())
+        with_aligned(buf.len(), |region| {
+            self.file.read_exact_at(region, offset)?;
+            buf.copy_from_slice(region);
+            Ok(())
+        })
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
@@ -217,10 +240,10 @@ impl BlockDevice for FileDevice {
         if !self.direct || buf.as_ptr().align_offset(ALIGN) == 0 {
             return self.file.write_all_at(buf, offset);
         }
-        let (mut bounce, start) = aligned(buf.len());
-        bounce[start..start + buf.len()].copy_from_slice(buf);
-        self.file
-            .write_all_at(&bounce[start..start + buf.len()], offset)
+        with_aligned(buf.len(), |region| {
+            region.copy_from_slice(buf);
+            self.file.write_all_at(region, offset)
+        })
     }
 
     fn flush(&self) -> io::Result<()> {

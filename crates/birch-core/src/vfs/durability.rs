@@ -149,7 +149,7 @@ impl Filesystem {
                             mark(&mut logged)?;
                             logged.ticket
                         } else {
-                            logged.values.retain(|_, (_, g)| *g > committed);
+                            forget_committed(&mut logged, ino, committed);
                             for r in &fresh {
                                 logged.values.insert(r.key, (r.value.clone(), r.generation));
                             }
@@ -259,7 +259,7 @@ impl Filesystem {
             .collect();
         let inode = records.last().map(|r| r.value.clone());
         let mut logged = state.logged.lock();
-        logged.values.retain(|_, (_, g)| *g > committed);
+        forget_committed(&mut logged, ino, committed);
         for r in &records {
             logged.values.insert(r.key, (r.value.clone(), r.generation));
         }
@@ -520,9 +520,26 @@ impl Filesystem {
     }
 }
 
+/// Drops what `logged` remembers of generations a commit covers: replay skips those records.
+/// Scans only when the committed generation moved since the last sweep (remembered under a
+/// key of its own), so a synchronous write does not walk every extent logged since the commit.
+fn forget_committed(logged: &mut Logged, ino: u64, committed: u64) {
+    let mut swept = inode_key(ino);
+    swept.offset = u64::MAX - 2;
+    if logged
+        .values
+        .get(&swept)
+        .is_some_and(|(_, g)| *g == committed)
+    {
+        return;
+    }
+    logged.values.retain(|_, (_, g)| *g > committed);
+    logged.values.insert(swept, (None, committed));
+}
+
 /// Where `Logged::values` remembers the inode item as of which everything of `ino` changed is
 /// queued (`all`), or everything but the inode item's timestamps. Never a key of a real item
-/// (inode items have offset 0), and never queued.
+/// (inode items have offset 0; `forget_committed` uses `u64::MAX - 2`), and never queued.
 fn clean_key(ino: u64, all: bool) -> Key {
     let mut key = inode_key(ino);
     key.offset = if all { u64::MAX } else { u64::MAX - 1 };
