@@ -1454,7 +1454,7 @@ def write_charts(res, cases, targets, out) -> dict:
     summ = res["summary"]
 
     def color(t):
-        return "#d9480f" if t.is_birch else ("#868e96" if t.kind == "raw" else "#1c7ed6")
+        return "#d9480f" if t.is_birch else ("#868e96" if t.kind in ("raw", "memfs_ll") else "#1c7ed6")
 
     for wl in sorted({c.wl for c in cases}):
         wcases = [c for c in cases if c.wl == wl]
