@@ -202,6 +202,52 @@ fn a_name_reused_after_rename_survives_a_crash_consistently() {
     }
 }
 
+/// A name renamed away and given back by a link (rename foo -> bar, link bar -> foo) leaves
+/// the inode's name set as it was, but foo's directory index changed: replaying the log on
+/// top of the committed (or earlier logged) state would keep foo's old index beside the new
+/// one. Found by the FUSE crash matrix under the writeback cache (seed 1795609914039560305).
+#[test]
+fn a_name_renamed_away_and_linked_back_survives_a_crash_consistently() {
+    for base_logged in [false, true] {
+        let dev = fresh();
+        let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+        let c = Caller::default();
+        let b = fs.mkdir(c, 1, b"B", 0o755).expect("mkdir B");
+        fs.sync().expect("commit dir");
+        let (x, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create");
+        fs.write(x.ino, 0, b"data", false).expect("write");
+        if base_logged {
+            fs.sync().expect("commit the file");
+            fs.write(x.ino, 0, b"DATA", false).expect("overwrite");
+            fs.fsync(x.ino, false)
+                .expect("fsync: the log holds foo's ref");
+        } else {
+            fs.sync().expect("commit the file");
+        }
+        fs.rename(b.ino, b"foo", b.ino, b"bar", 0).expect("rename");
+        fs.link(x.ino, b.ino, b"foo").expect("link back");
+        fs.fsync(x.ino, false).expect("fsync");
+        fs.power_cut();
+        let crashed = Arc::new(dev.crash());
+        let fs = Filesystem::open_device(crashed.clone(), opts()).expect("replay");
+        for name in ["/B/foo", "/B/bar"] {
+            assert_eq!(
+                fs.resolve(name).expect("name after replay"),
+                x.ino,
+                "{name}, base_logged {base_logged}"
+            );
+        }
+        fs.close().expect("close");
+        drop(fs);
+        let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
+        assert!(
+            report.is_clean(),
+            "base_logged {base_logged}: {:?}",
+            report.findings
+        );
+    }
+}
+
 #[test]
 fn fsynced_data_survives_power_loss_through_replay() {
     let dev = fresh();

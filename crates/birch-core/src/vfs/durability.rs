@@ -20,8 +20,9 @@
 //! batch write and flush, whatever the number of extents the inode changed since the commit.
 //!
 //! When logging cannot be safe, fsync commits instead (each case counted):
-//! - a name of I was removed or renamed (an inode ref deleted): replaying only I's side could
-//!   leave the old name behind;
+//! - a name of I was removed or renamed (an inode ref deleted, or a name replay would start
+//!   from missing from it or back with a new directory index, as after rename foo -> bar and
+//!   link bar -> foo): replaying only I's side could leave the old name or index behind;
 //! - a new name's directory was itself created after the last commit: its own name would be
 //!   missing after replay;
 //! - I is a directory (fsyncdir), or has no names left, or its dir item is shared by another
@@ -87,7 +88,7 @@ impl Filesystem {
                 ticket
             } else {
                 let is_dir = data.item.mode & libc::S_IFMT == libc::S_IFDIR;
-                match self.log_records(ino, is_dir, data.item.nlink) {
+                match self.log_records(ino, &state, is_dir, data.item.nlink) {
                     Ok(Some(records)) => {
                         // Only what this inode has not queued before: an item queued earlier with
                         // the same value is in a batch that is durable, or will be once the ticket
@@ -285,6 +286,7 @@ impl Filesystem {
     fn log_records(
         &self,
         ino: u64,
+        state: &super::InodeState,
         is_dir: bool,
         nlink: u32,
     ) -> std::result::Result<Option<Vec<LogRecord>>, Result<Fallback>> {
@@ -308,6 +310,22 @@ impl Filesystem {
                 };
                 let refs = decode_inode_refs(bytes)
                     .map_err(|e| Err(Error::corrupt(format!("inode {ino} ref {key}"), e)))?;
+                // Every name replay starts from (committed, or queued by an earlier fsync of
+                // this inode) must still be there with the same directory index: a name renamed
+                // away, even one given back by a link (a new index), leaves its old entry
+                // behind, which only a commit removes.
+                let base = self.replay_base(state, key).map_err(Err)?;
+                if let Some(base) = base {
+                    let before = decode_inode_refs(&base)
+                        .map_err(|e| Err(Error::corrupt(format!("inode {ino} ref {key}"), e)))?;
+                    if before.iter().any(|o| {
+                        !refs
+                            .iter()
+                            .any(|r| r.name == o.name && r.dir_index == o.dir_index)
+                    }) {
+                        return Err(Ok(Fallback::Names));
+                    }
+                }
                 for r in refs {
                     if engine
                         .committed_get(&inode_key(r.parent))
@@ -355,6 +373,20 @@ impl Filesystem {
             });
         }
         Ok(Some(records))
+    }
+
+    /// The value of `key` that replay of the log would start from before this inode's next
+    /// batch: the one queued by an earlier fsync of the inode while a commit has not covered
+    /// it, else the committed one.
+    fn replay_base(&self, state: &super::InodeState, key: &Key) -> Result<Option<Vec<u8>>> {
+        let engine = &self.inner.engine;
+        let committed = engine.committed_generation();
+        if let Some((value, generation)) = state.logged.lock().values.get(key) {
+            if *generation > committed {
+                return Ok(value.clone());
+            }
+        }
+        engine.committed_get(key)
     }
 
     /// Whether replay, before applying a record of `ino` for dir item `key`, could find there
