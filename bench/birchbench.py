@@ -13,7 +13,8 @@ Targets: ext4, xfs, btrfs (each on a `losetup --direct-io=on` loop over its own
 image), fuse2fs (over its own image, through a direct-io loop as well), bindfs
 --multithreaded over a kernel ext4 directory, libfuse's in-memory example server
 memfs_ll (built from the libfuse tarball in ../shared/libfuse; the FUSE floor), the
-raw loop device (W2, W5) and birchfs (default options plus every --birch-opts set).
+raw loop device (W2, W5) and birchfs (default options plus every --birch-opts set, and
+with --birch-before PATH the same default options on another birch binary: birchfs-before).
 
 Needs root.  Python 3.11 standard library; matplotlib only for the charts.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import fcntl
+import hashlib
 import json
 import os
 import platform
@@ -344,7 +346,8 @@ def cleanup_from(data: dict, birch: str | None) -> list[str]:
     for m in reversed(data.get("mounts", [])):
         path, fuse = m["path"], m.get("fuse", False)
         if is_mounted(path) or (fuse and pids_with_arg(path)):
-            err = unmount(path, fuse=fuse, birch=birch if m.get("birch") else None)
+            mb = m.get("birch")  # the binary that mounted it (older state files: True)
+            err = unmount(path, fuse=fuse, birch=mb if isinstance(mb, str) else (birch if mb else None))
             done.append(f"umount {path}" + (f" FAILED: {err}" if err else ""))
     for lp in data.get("loops", []):
         dev, img = lp["dev"], lp["image"]
@@ -368,6 +371,17 @@ def full_cleanup(birch: str | None) -> None:
 
 
 # --------------------------------------------------------------------------- images
+
+def file_sha256(path: str) -> str | None:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError:
+        return None
+    return h.hexdigest()
+
 
 def ensure_image(path: str, size: int) -> str:
     """A fully written (not sparse, not merely fallocated) image of exactly `size` bytes."""
@@ -396,11 +410,14 @@ def ensure_image(path: str, size: int) -> str:
 # --------------------------------------------------------------------------- targets
 
 class Target:
-    def __init__(self, name: str, kind: str, cfg, opts: str | None = None):
+    def __init__(self, name: str, kind: str, cfg, opts: str | None = None, before: bool = False):
         self.name = name
         self.kind = kind
         self.cfg = cfg
         self.opts = opts
+        # the birch binary of a birchfs target: --birch, or --birch-before for birchfs-before
+        self.before = before and kind == "birchfs"
+        self.birch = (cfg.birch_before if self.before else cfg.birch) if kind == "birchfs" else None
         self.safe = safe_name(name)
         self.image = os.path.join(cfg.image_dir, "img", self.safe + ".img")
         self.mnt = os.path.join(cfg.image_dir, "mnt", self.safe)
@@ -460,10 +477,14 @@ class Target:
         cfg = self.cfg
         try:
             if self.is_birch:
-                if not (os.path.isfile(cfg.birch) and os.access(cfg.birch, os.X_OK)):
-                    self.fail(f"birch binary not found at {cfg.birch} (build it: cargo build --release)",
+                if not (os.path.isfile(self.birch) and os.access(self.birch, os.X_OK)):
+                    self.fail(f"birch binary not found at {self.birch} (build it: cargo build --release)",
                               "skipped")
                     return
+                self.meta["birch"] = self.birch
+                self.meta["birch_sha256"] = file_sha256(self.birch)
+                self.meta["birch_mtime"] = datetime.datetime.fromtimestamp(
+                    os.stat(self.birch).st_mtime).isoformat(timespec="seconds")
             if self.kind == "memfs_ll":  # no image: everything lives in the daemon's memory
                 os.makedirs(self.mnt, exist_ok=True)
                 binp, why = build_memfs(cfg)
@@ -485,12 +506,12 @@ class Target:
             log(f"target {self.name}: image {self.image} {human(cfg.image_size)} {how}"
                 f" ({time.time() - t0:.1f}s)")
             if self.is_birch:
-                cmd = [cfg.birch, "mkfs", "--force", "--size", str(cfg.image_size), self.image]
+                cmd = [self.birch, "mkfs", "--force", "--size", str(cfg.image_size), self.image]
                 rc, out, err = run(cmd, timeout=600)
                 if rc != 0:
                     self.fail(f"`{' '.join(cmd)}` rc={rc}: {(err or out).strip()[-400:]}")
                     return
-                rc, out, err = run([cfg.birch, "--version"], timeout=20)
+                rc, out, err = run([self.birch, "--version"], timeout=20)
                 self.meta["version"] = (out or err).strip()[:200] if rc == 0 else None
                 self.meta["image_allocated_pct"] = self.allocated()
                 self.status = "ok"
@@ -516,8 +537,12 @@ class Target:
         except Exception as e:  # noqa: BLE001 - a failing target is reported, not fatal
             self.fail(f"setup: {e}")
 
+    def _mount_item(self, path: str, fuse: bool) -> dict:
+        # "birch": the binary that mounted it (cleanup unmounts with that one), else False
+        return {"path": path, "fuse": fuse, "birch": self.birch if self.is_birch and path == self.mnt else False}
+
     def _mount_rec(self, path: str, fuse: bool) -> None:
-        STATE.add("mounts", {"path": path, "fuse": fuse, "birch": self.is_birch})
+        STATE.add("mounts", self._mount_item(path, fuse))
 
     def mount(self) -> str:
         """Mount for one run; returns the directory (or device, for raw) the workload uses."""
@@ -541,7 +566,7 @@ class Target:
                 rc, _, err = run(["bindfs", "--multithreaded", self.src, self.mnt], timeout=120)
         elif self.kind == "birchfs":
             self._mount_rec(self.mnt, True)
-            cmd = [cfg.birch, "mount", self.image, self.mnt]
+            cmd = [self.birch, "mount", self.image, self.mnt]
             if self.opts:
                 cmd += ["-o", self.opts]
             rc, _, err = run(cmd, timeout=120)
@@ -562,11 +587,11 @@ class Target:
         if self.kind == "raw":
             return None
         errs = []
-        err = unmount(self.mnt, fuse=self.is_fuse, birch=self.cfg.birch if self.is_birch else None)
+        err = unmount(self.mnt, fuse=self.is_fuse, birch=self.birch)
         if err:
             errs.append(err)
         else:
-            STATE.remove("mounts", {"path": self.mnt, "fuse": self.is_fuse, "birch": self.is_birch})
+            STATE.remove("mounts", self._mount_item(self.mnt, self.is_fuse))
         if self.kind == "bindfs-mt":
             err = unmount(self.src)
             if err:
@@ -602,7 +627,7 @@ class Target:
         With check, a failing command raises (timed steps must not pass on a failed sync)."""
         cmds = [["sync", "-f", path]]
         if self.is_birch:
-            cmds.append([self.cfg.birch, "sync", self.mnt])
+            cmds.append([self.birch, "sync", self.mnt])
         elif self.kind == "bindfs-mt":
             cmds.append(["sync", "-f", self.src])
         for cmd in cmds:
@@ -1298,6 +1323,22 @@ def before_after(summ, cases, a: str, b: str) -> list[dict]:
     return lines
 
 
+def before_after_table(summ, cases, a: str, b: str) -> list[dict]:
+    """Every figure of every case both targets have: a's and b's medians and b/a."""
+    rows = []
+    for c in cases:
+        sa, sb = summ.get(c.id, {}).get(a), summ.get(c.id, {}).get(b)
+        if not sa or not sb:
+            continue
+        for m in c.metrics:
+            va, vb = sa["median"].get(m.key), sb["median"].get(m.key)
+            if va is None and vb is None:
+                continue
+            rows.append({"case": c.id, "title": c.title, "metric": m.key, "head": m.head, "kind": m.kind,
+                         "a": va, "b": vb, "ratio": ratio(vb, va)})
+    return rows
+
+
 # --------------------------------------------------------------------------- reports
 
 def cell(entry, key, t, case):
@@ -1314,13 +1355,17 @@ def cell(entry, key, t, case):
 def write_markdown(res, cases, targets, out) -> str:
     summ = res["summary"]
     birch = [t for t in targets if t.is_birch]
-    primary = next((t for t in birch if t.status == "ok"), birch[0] if birch else None)
+    # the ratio columns are against birchfs on the --birch binary, never birchfs-before
+    primary = next((t for t in birch if t.status == "ok" and not t.before),
+                   next((t for t in birch if not t.before), birch[0] if birch else None))
     peers = [t for t in targets if not t.is_birch]
     L = []
     meta = res["meta"]
     L.append(f"# birchbench results, {meta['date']}\n")
     L.append(f"- command: `{meta['command']}`")
     L.append(f"- birch binary: `{meta['config'].get('birch')}`")
+    if meta["config"].get("birch_before"):
+        L.append(f"- birch binary of birchfs-before (`--birch-before`): `{meta['config']['birch_before']}`")
     L.append(f"- machine: {meta['machine']['cpu']} ({meta['machine']['cores']} cores, "
              f"{meta['machine']['mem_gib']} GiB), kernel {meta['machine']['kernel']}")
     L.append(f"- images: {human(meta['config']['image_size'])} each in `{meta['config']['image_dir']}` "
@@ -1335,8 +1380,32 @@ def write_markdown(res, cases, targets, out) -> str:
     L.append("|---|---|---|")
     for t in targets:
         det = t.error or ", ".join(f"{k}={v}" for k, v in t.meta.items() if k in ("loop", "loop_dio", "loop_discard", "image_allocated_pct", "image_allocated_pct_end", "version"))
+        if t.is_birch:
+            det += f"; binary `{t.birch}`" + (f" sha256 {t.meta['birch_sha256'][:16]}…" if t.meta.get("birch_sha256") else "")
         L.append(f"| {t.name} | {t.status} | {det.replace('|', '/')} |")
     L.append("")
+    if res.get("before_after_binary"):
+        ba = res["before_after_binary"]
+        L.append(f"## Before/after birch binary: {ba['a']} → {ba['b']}\n")
+        for n in (ba["a"], ba["b"]):
+            bi = ba["binaries"][n]
+            L.append(f"- {n}: `{bi['path']}`, `{bi.get('version')}`, sha256 `{bi.get('sha256')}`")
+        L.append("")
+        for it in ba["lines"]:
+            L.append(f"- {it['title']}: **{it['text']}**")
+        if not ba["lines"]:
+            L.append("- no case produced numbers on both binaries")
+        L.append("")
+        if ba.get("table"):
+            L.append(f"Medians; {ba['b']}/{ba['a']} above 1 means the new binary is faster for throughput "
+                     "(MB/s, ops/s, …) and slower for latency and time (ms, s).\n")
+            L.append(f"| case | figure | {ba['a']} | {ba['b']} | {ba['b']}/{ba['a']} |")
+            L.append("|---|---|---|---|---|")
+            for row in ba["table"]:
+                L.append(f"| {row['title'].replace('|', chr(92) + '|')} | {row['head'].replace('|', chr(92) + '|')} | "
+                         f"{fmt_num(row['a'])} | {fmt_num(row['b'])} | "
+                         + (f"{row['ratio']:.2f}" if row["ratio"] is not None else "—") + " |")
+            L.append("")
     if res.get("before_after"):
         ba = res["before_after"]
         L.append(f"## Before/after on birchfs: {ba['a']} → {ba['b']}\n")
@@ -1454,7 +1523,7 @@ def write_charts(res, cases, targets, out) -> dict:
     summ = res["summary"]
 
     def color(t):
-        return "#d9480f" if t.is_birch else ("#868e96" if t.kind in ("raw", "memfs_ll") else "#1c7ed6")
+        return ("#f59f00" if t.before else "#d9480f") if t.is_birch else ("#868e96" if t.kind in ("raw", "memfs_ll") else "#1c7ed6")
 
     for wl in sorted({c.wl for c in cases}):
         wcases = [c for c in cases if c.wl == wl]
@@ -1570,6 +1639,10 @@ def make_parser() -> argparse.ArgumentParser:
                     help="do not run birchfs with default options (only the --birch-opts sets)")
     ap.add_argument("--birch", default=os.environ.get("BIRCH", "target/release/birch"),
                     help="birch binary (env BIRCH); relative paths are taken from the repo root")
+    ap.add_argument("--birch-before", metavar="PATH", default=None,
+                    help="another birch binary (an older build): adds the target birchfs-before, default "
+                         "mount options, its own image, mkfs/mount/sync/umount all with PATH, interleaved "
+                         "with the others; the report compares it with birchfs (needs birchfs in --targets)")
     ap.add_argument("--image-dir", default=os.environ.get("BIRCHBENCH_DIR", "/var/tmp/birchbench"),
                     help="directory on the host fs for images, mount points and tools (env BIRCHBENCH_DIR)")
     ap.add_argument("--image-size", type=parse_size, default=None, help="size of every image [4G; quick 384M]")
@@ -1646,6 +1719,19 @@ def apply_defaults(cfg) -> None:
     if not os.path.isabs(cfg.birch):
         cand = os.path.join(REPO, cfg.birch)
         cfg.birch = cand if os.path.exists(cand) or not os.path.exists(cfg.birch) else os.path.abspath(cfg.birch)
+    if cfg.birch_before is not None:
+        bb = cfg.birch_before
+        if not os.path.isabs(bb):
+            cand = os.path.join(REPO, bb)
+            bb = cand if os.path.exists(cand) or not os.path.exists(bb) else os.path.abspath(bb)
+        if not (os.path.isfile(bb) and os.access(bb, os.X_OK)):
+            raise SystemExit(f"--birch-before: no executable birch binary at {bb}")
+        if "birchfs" not in cfg.targets:
+            raise SystemExit("--birch-before needs birchfs in --targets (it is compared with birchfs)")
+        if cfg.no_birch_default:
+            raise SystemExit("--birch-before compares against birchfs with default options: "
+                             "drop --no-birch-default")
+        cfg.birch_before = bb
     if cfg.dbench_loadfile is None:
         for p in ("/usr/share/dbench/client.txt", "/usr/share/doc/dbench/loadfiles/client.txt",
                   "/usr/local/share/client.txt", "/usr/local/share/dbench/client.txt"):
@@ -1758,11 +1844,11 @@ def rerender(out: str) -> int:
     """Write summary.md and the charts again from OUT/results.json (no benchmark runs)."""
     with open(os.path.join(out, "results.json")) as f:
         res = json.load(f)
-    cfg = argparse.Namespace(**res["meta"]["config"])
+    cfg = argparse.Namespace(**{"birch_before": None, **res["meta"]["config"]})
     cases = [c for c in build_cases(cfg) if c.id in res["cases"]]
     targets = []
     for name, info in res["targets"].items():
-        t = Target(name, info["kind"], cfg, info.get("opts"))
+        t = Target(name, info["kind"], cfg, info.get("opts"), before=info.get("before", False))
         t.status, t.error, t.meta = info["status"], info["error"], info["meta"]
         targets.append(t)
     res["summary"] = summarize(res["runs"], cases, targets)
@@ -1850,6 +1936,9 @@ def main(argv=None) -> int:
         if name == "birchfs":
             if not cfg.no_birch_default:
                 targets.append(Target("birchfs", "birchfs", cfg))
+            if cfg.birch_before:
+                # right after birchfs, so the two alternate closely in the interleaved order
+                targets.append(Target("birchfs-before", "birchfs", cfg, before=True))
             for o in cfg.birch_opts:
                 targets.append(Target(f"birchfs[{o}]", "birchfs", cfg, opts=o))
         else:
@@ -1962,14 +2051,26 @@ def main(argv=None) -> int:
                          "w6_assets": getattr(cfg, "w6", None),
                          "elapsed_s": round(time.time() - t_start, 1), "interrupted": interrupted},
                 "targets": {t.name: {"kind": t.kind, "opts": t.opts, "status": t.status, "error": t.error,
-                                     "meta": t.meta} for t in targets},
+                                     "birch": t.birch, "before": t.before, "meta": t.meta}
+                            for t in targets},
                 "cases": {c.id: {"workload": c.wl, "title": c.title, "params": c.params,
                                  "metrics": {m.key: {"label": m.label, "unit": m.unit, "kind": m.kind}
                                              for m in c.metrics}} for c in cases},
                 "runs": runs,
             }
             res["summary"] = summarize(runs, cases, targets)
-            birch = [t.name for t in targets if t.is_birch]
+            bt = {t.name: t for t in targets}
+            if "birchfs-before" in bt and "birchfs" in bt:
+                a, b = "birchfs-before", "birchfs"
+                res["before_after_binary"] = {
+                    "a": a, "b": b, "lines": before_after(res["summary"], cases, a, b),
+                    "table": before_after_table(res["summary"], cases, a, b),
+                    "binaries": {n: {"path": bt[n].birch, "version": bt[n].meta.get("version"),
+                                     "sha256": bt[n].meta.get("birch_sha256")} for n in (a, b)}}
+                for it in res["before_after_binary"]["lines"]:
+                    log(f"before/after binary {a} -> {b}: {it['title']}: {it['text']}")
+            # option sets: among the targets on the --birch binary
+            birch = [t.name for t in targets if t.is_birch and not t.before]
             if len(birch) >= 2:
                 a, b = (birch[1], birch[2]) if len(cfg.birch_opts) >= 2 and not cfg.no_birch_default and len(birch) >= 3 \
                     else (birch[0], birch[1])
