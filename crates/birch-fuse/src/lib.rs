@@ -52,6 +52,8 @@ pub struct FuseOptions {
     /// Keep a file's pages in the kernel across opens (`FOPEN_KEEP_CACHE`), so re-reads never
     /// reach the daemon; atime is then decided at OPEN.
     pub keep_cache: bool,
+    /// Apply relatime at OPEN for reading (off with the `noatime` mount option).
+    pub atime: bool,
     /// Free bytes below which opens for writing are written through (`FOPEN_DIRECT_IO`), so a
     /// full filesystem answers ENOSPC at write(2) rather than at writeback. Should be at least
     /// what the kernel may hold dirty for this mount (its writeback device's `max_bytes`).
@@ -64,6 +66,7 @@ impl Default for FuseOptions {
             ttl: Duration::from_secs(DEFAULT_TTL_SECS),
             writeback: true,
             keep_cache: true,
+            atime: true,
             write_through_below: DEFAULT_WRITE_THROUGH_BELOW,
         }
     }
@@ -635,6 +638,19 @@ impl fuser::Filesystem for BirchFuse {
                 if writes(flags.0) {
                     self.write_opens.opened(ino.0);
                 }
+                if self.options.keep_cache
+                    && self.options.atime
+                    && flags.0 & libc::O_ACCMODE != libc::O_WRONLY
+                    && flags.0 & libc::O_NOATIME == 0
+                {
+                    // Reads may all be served from kept pages and never reach us: relatime
+                    // is applied at open instead.
+                    match self.fs.atime_at_open(ino.0) {
+                        Ok(true) => self.invalidate_attrs(ino.0),
+                        Ok(false) => {}
+                        Err(e) => log::debug!("atime at open of inode {}: {e}", ino.0),
+                    }
+                }
                 reply.opened(FileHandle(fh), self.open_reply_flags(flags.0))
             }
             Err(e) => reply.error(errno("open", &e)),
@@ -652,8 +668,13 @@ impl fuser::Filesystem for BirchFuse {
         _lock: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        match self.fs.read(ino.0, offset, size as usize) {
-            Ok(data) => reply.data(&data),
+        match self.fs.read_noting_atime(ino.0, offset, size as usize) {
+            Ok((data, atime_moved)) => {
+                if atime_moved {
+                    self.invalidate_attrs(ino.0);
+                }
+                reply.data(&data)
+            }
             Err(e) => reply.error(errno("read", &e)),
         }
     }

@@ -29,7 +29,7 @@ struct MountConfig {
 }
 
 /// Default number of FUSE request loops (`threads=`).
-const DEFAULT_THREADS: usize = 16;
+const DEFAULT_THREADS: usize = 32;
 
 fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
     let mut c = MountConfig {
@@ -350,6 +350,7 @@ fn fuse_options(config: &MountConfig, fs: &Filesystem, mountpoint: &Path) -> Fus
         ttl: Duration::from_secs_f64(config.ttl_secs),
         writeback: config.writeback,
         keep_cache: config.keep_cache,
+        atime: config.vfs_flags & libc::MS_NOATIME == 0,
         write_through_below,
     }
 }

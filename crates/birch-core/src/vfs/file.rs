@@ -136,6 +136,13 @@ impl Filesystem {
 
     /// Reads up to `size` bytes at `offset`.
     pub fn read(&self, ino: u64, offset: u64, size: usize) -> Result<Vec<u8>> {
+        self.read_noting_atime(ino, offset, size)
+            .map(|(out, _)| out)
+    }
+
+    /// [`Filesystem::read`], and whether it moved atime (a cache in front of the filesystem,
+    /// such as the kernel's attributes, then holds a stale one).
+    pub fn read_noting_atime(&self, ino: u64, offset: u64, size: usize) -> Result<(Vec<u8>, bool)> {
         let state = self.inode(ino)?;
         let out = {
             let data = state.data.read();
@@ -144,12 +151,23 @@ impl Filesystem {
             }
             self.read_locked(ino, &data, offset, size)?
         };
-        self.touch_atime(ino, &state);
-        Ok(out)
+        let moved = self.touch_atime(ino, &state);
+        Ok((out, moved))
     }
 
-    /// relatime: atime moves when it is older than mtime or ctime, or a day old.
-    fn touch_atime(&self, ino: u64, state: &super::InodeState) {
+    /// Applies relatime as a read would, for an open for reading whose reads a page cache
+    /// in front of the filesystem may serve without asking it. Returns whether atime moved.
+    pub fn atime_at_open(&self, ino: u64) -> Result<bool> {
+        let state = self.inode(ino)?;
+        if state.data.read().item.mode & libc::S_IFMT != libc::S_IFREG {
+            return Ok(false);
+        }
+        Ok(self.touch_atime(ino, &state))
+    }
+
+    /// relatime: atime moves when it is older than mtime or ctime, or a day old. Returns
+    /// whether it moved.
+    fn touch_atime(&self, ino: u64, state: &super::InodeState) -> bool {
         let t = now();
         let stale = {
             let d = state.data.read();
@@ -160,8 +178,9 @@ impl Filesystem {
         if stale && self.inner.engine.read_only_reason().is_none() {
             let mut d = state.data.write();
             d.item.atime = t;
-            let _ = self.store_inode(ino, &mut d);
+            return self.store_inode(ino, &mut d).is_ok();
         }
+        false
     }
 
     /// Reads with the inode lock held.
@@ -415,10 +434,12 @@ impl Filesystem {
             self.apply(ino, data, changes)?;
             self.write_blocks(ino, data, 0, &block)?;
         }
-        // Build whole blocks: merge partial head and tail blocks with what is there.
+        // Build whole blocks: merge partial head and tail blocks with what is there. The
+        // buffer is this thread's, reused: a fresh one per WRITE of up to 1 MiB cost a page
+        // fault and the kernel's zeroing of new pages every time (perf, untar).
         let first = offset / BLOCK_SIZE * BLOCK_SIZE;
         let last_end = round_up(end);
-        let mut buf = vec![0u8; (last_end - first) as usize];
+        let mut buf = MergeBuf::take((last_end - first) as usize);
         if offset != first {
             let head = self.read_locked(ino, data, first, BLOCK_SIZE as usize)?;
             buf[..head.len()].copy_from_slice(&head);
@@ -1121,5 +1142,46 @@ impl Filesystem {
         let ino = self.resolve(path)?;
         let size = self.getattr(ino)?.size;
         self.read(ino, 0, size as usize)
+    }
+}
+
+/// A zeroed buffer of whole blocks for merging a write, taken from a per-thread spare and
+/// given back when dropped (kept only up to [`MergeBuf::KEEP`] bytes).
+struct MergeBuf(Vec<u8>);
+
+impl MergeBuf {
+    const KEEP: usize = 4 << 20;
+
+    thread_local! {
+        static SPARE: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    fn take(len: usize) -> MergeBuf {
+        let mut v = Self::SPARE.with(|s| std::mem::take(&mut *s.borrow_mut()));
+        v.clear();
+        v.resize(len, 0);
+        MergeBuf(v)
+    }
+}
+
+impl std::ops::Deref for MergeBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for MergeBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+}
+
+impl Drop for MergeBuf {
+    fn drop(&mut self) {
+        if self.0.capacity() <= Self::KEEP {
+            let v = std::mem::take(&mut self.0);
+            Self::SPARE.with(|s| *s.borrow_mut() = v);
+        }
     }
 }
