@@ -248,6 +248,47 @@ fn a_name_renamed_away_and_linked_back_survives_a_crash_consistently() {
     }
 }
 
+/// An inode item can come back to the very bytes an fsync remembered while other items of
+/// the inode changed: here a rename, then a SETATTR that restores the ctime (as the kernel does
+/// under the writeback cache, where it owns a file's ctime). The next fsync must still see the
+/// rename (a commit), not take the inode for log-clean. Found by the FUSE crash matrix (seed
+/// 1795610557250812997).
+#[test]
+fn fsync_after_a_rename_and_a_restored_ctime_still_sees_the_rename() {
+    use birch_core::vfs::SetAttr;
+    let dev = fresh();
+    let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+    let c = Caller::default();
+    let b = fs.mkdir(c, 1, b"B", 0o755).expect("mkdir B");
+    fs.sync().expect("commit dir");
+    let (x, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create");
+    fs.write(x.ino, 0, &[5u8; 4096], false).expect("write");
+    fs.sync().expect("commit the file");
+    fs.write(x.ino, 0, &[6u8; 4096], false)
+        .expect("aligned overwrite");
+    fs.fsync(x.ino, false)
+        .expect("fsync: the inode is log-clean now");
+    let marked = fs.getattr(x.ino).expect("getattr");
+    fs.rename(b.ino, b"foo", b.ino, b"bar", 0).expect("rename");
+    let restore = SetAttr {
+        mtime: Some(birch_core::vfs::SetTime::At(marked.mtime)),
+        ctime: Some(marked.ctime),
+        ..Default::default()
+    };
+    fs.setattr(x.ino, &restore).expect("restore times");
+    fs.fsync(x.ino, false).expect("fsync after the rename");
+    fs.power_cut();
+    let crashed = Arc::new(dev.crash());
+    let fs = Filesystem::open_device(crashed.clone(), opts()).expect("replay");
+    assert_eq!(fs.resolve("/B/bar").expect("renamed name"), x.ino);
+    assert!(fs.resolve("/B/foo").is_err(), "old name gone");
+    assert_eq!(fs.read_file("/B/bar").expect("data"), vec![6u8; 4096]);
+    fs.close().expect("close");
+    drop(fs);
+    let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
+    assert!(report.is_clean(), "{:?}", report.findings);
+}
+
 #[test]
 fn fsynced_data_survives_power_loss_through_replay() {
     let dev = fresh();

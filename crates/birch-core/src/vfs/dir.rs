@@ -488,6 +488,7 @@ impl Filesystem {
             d.item.transid = txn.generation();
             txn.put(super::inode_key(ino), c.item.encode());
             txn.put(super::inode_key(newparent), d.item.encode());
+            self.unmark_log_clean(ino);
             txn.put(
                 dir_item_key(newparent, newname),
                 encode_dir_entries(&dir_item),
@@ -627,6 +628,7 @@ impl Filesystem {
         c.item.transid = txn.generation();
         txn.put(super::inode_key(parent), d.item.encode());
         txn.put(super::inode_key(child_ino), c.item.encode());
+        self.unmark_log_clean(child_ino);
         let dkey = dir_item_key(parent, name);
         if remaining.is_empty() {
             txn.delete(dkey);
@@ -828,6 +830,7 @@ impl Filesystem {
         for (ino, g) in guards.iter_mut() {
             g.item.transid = txn.generation();
             txn.put(super::inode_key(*ino), g.item.encode());
+            self.unmark_log_clean(*ino);
         }
         for (key, value) in plan.puts {
             match value {

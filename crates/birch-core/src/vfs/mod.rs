@@ -253,6 +253,15 @@ impl InodeState {
     }
 }
 
+/// The key under which [`Logged::values`] keeps an inode's log-clean mark (its inode item as
+/// of the mark): `all` for everything queued, else all but times an fdatasync left out. Past
+/// every real item key of the inode.
+pub(crate) fn log_clean_key(ino: u64, all: bool) -> Key {
+    let mut key = inode_key(ino);
+    key.offset = if all { u64::MAX } else { u64::MAX - 1 };
+    key
+}
+
 /// Item values an inode's fsyncs queued, and the ticket of the last batch that carried them.
 #[derive(Default)]
 pub(crate) struct Logged {
@@ -643,12 +652,32 @@ impl Filesystem {
         self.inner.next_fh.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Stores an inode item in the running transaction.
+    /// Stores an inode item in the running transaction. The inode is no longer log-clean
+    /// ([`Filesystem::unmark_log_clean`]); a write that logs its own change marks it again.
     pub(crate) fn store_inode(&self, ino: u64, data: &mut InodeData) -> Result<()> {
         let txn = self.inner.engine.begin()?;
         data.item.transid = txn.generation();
         txn.put(inode_key(ino), data.item.encode());
+        self.unmark_log_clean(ino);
         Ok(())
+    }
+
+    /// Forgets that `ino` is log-clean: every change to an inode's items other than a write
+    /// that logs its own range calls this, with the inode's write lock held. The mark's
+    /// witness is the inode item, which can come back to the very same bytes after other
+    /// items changed (the kernel's SETATTR restores a ctime it owns under the writeback
+    /// cache, after a rename the daemon stamped with its own clock): without this, fsync
+    /// would skip the rename (FUSE crash seed 1795610557250812997).
+    pub(crate) fn unmark_log_clean(&self, ino: u64) {
+        let state = self.shard(ino).lock().get(&ino).cloned();
+        if let Some(state) = state {
+            let mut logged = state.logged.lock();
+            if logged.ticket != 0 {
+                for all in [true, false] {
+                    logged.values.remove(&log_clean_key(ino, all));
+                }
+            }
+        }
     }
 
     /// Deletes every item of an inode and frees its data. The inode has no names.
