@@ -272,21 +272,14 @@ fn mkfs(image: &Path, size: Option<&str>, label: String, force: bool) -> ExitCod
 }
 
 fn sync(mountpoint: &Path) -> ExitCode {
-    use std::os::fd::AsRawFd;
     let dir = match std::fs::File::open(mountpoint) {
         Ok(f) => f,
         Err(e) => return fail(format!("{}: sync: {e}", mountpoint.display())),
     };
-    // syncfs(2) writes back the pages the kernel holds dirty for the mount (it never reaches
-    // the daemon itself) and reports a writeback that failed since the last syncfs; then an
-    // fsync of the root directory reaches the daemon as FSYNCDIR, which commits. The commit
-    // goes ahead after a failed writeback: what was written back is committed.
-    // SAFETY: syncfs on a descriptor this function owns.
-    let written_back = if unsafe { libc::syncfs(dir.as_raw_fd()) } == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    };
+    // syncfs(2) writes back the pages the kernel holds dirty for the mount; then an fsync of
+    // the root directory reaches the daemon as FSYNCDIR, which commits. The commit goes ahead
+    // after a failed writeback: what was written back is committed.
+    let written_back = mount::syncfs(mountpoint);
     if let Err(e) = dir.sync_all() {
         return fail(format!("{}: sync: commit: {e}", mountpoint.display()));
     }

@@ -608,6 +608,15 @@ fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
         }
     };
     let result = if config.read_only {
+        // The kernel writes its dirty pages back at the remount, after the daemon refused
+        // changes: write them back first (files still open for writing make the kernel refuse
+        // the remount, so no new dirty pages can follow).
+        if let Err(e) = syncfs(&target) {
+            eprintln!(
+                "birch: {}: writing back cached pages before remount,ro: {e}",
+                target.display()
+            );
+        }
         tell("ro").and_then(|()| {
             kernel(config.vfs_flags | libc::MS_RDONLY).inspect_err(|_| {
                 let _ = tell("rw");
@@ -619,6 +628,20 @@ fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(format!("{}: remount: {e}", mountpoint.display())),
+    }
+}
+
+/// syncfs(2) of the filesystem mounted at `path`: the kernel writes back the pages it holds
+/// dirty for it (on a FUSE mount it never reaches the daemon) and reports a writeback that
+/// failed since the last syncfs.
+pub(crate) fn syncfs(path: &Path) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let dir = std::fs::File::open(path)?;
+    // SAFETY: syncfs on a descriptor this function owns.
+    if unsafe { libc::syncfs(dir.as_raw_fd()) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }
 
