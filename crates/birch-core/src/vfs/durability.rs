@@ -19,10 +19,20 @@
 //! and only waits for the batch. So each such write costs one data write and a share of one
 //! batch write and flush, whatever the number of extents the inode changed since the commit.
 //!
+//! A name taken by a new file after its previous holder was unlinked and freed (SQLite's
+//! rollback journal, deleted and created again for every transaction; an editor or mail
+//! spool rewriting a file under its name) does not commit: replay would find the previous
+//! inode's entry under the name's dir item, so the fsync logs that inode's deletion in the
+//! same batch, before the new entry ([`Filesystem::gone_records`]): its changed items (all
+//! deletions), its orphan item, and the dir index of its name as replay would start from it.
+//!
 //! When logging cannot be safe, fsync commits instead (each case counted):
 //! - a name of I was removed or renamed (an inode ref deleted, or a name replay would start
 //!   from missing from it or back with a new directory index, as after rename foo -> bar and
 //!   link bar -> foo): replaying only I's side could leave the old name or index behind;
+//! - a name's dir item holds, in what replay starts from, another inode that still exists
+//!   (renamed away, linked elsewhere, unlinked but open) or whose names there are not exactly
+//!   that one: replaying the new entry would leave that inode with a name without an entry;
 //! - a new name's directory was itself created after the last commit: its own name would be
 //!   missing after replay;
 //! - I is a directory (fsyncdir), or has no names left, or its dir item is shared by another
@@ -32,7 +42,7 @@
 //! Replay applies, in log order, the records of generations after the superblock's, then
 //! recomputes link counts, directory sizes and next indexes of what it touched, and commits.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 
 use birch_format::items::{
     decode_dir_entries, decode_inode_refs, ExtentKind, FileExtent, InodeItem,
@@ -40,7 +50,7 @@ use birch_format::items::{
 use birch_format::log::LogRecord;
 use birch_format::{name_hash, ItemType, Key, ORPHAN_OBJECTID};
 
-use super::{inode_key, Filesystem, InodeState, Logged};
+use super::{inode_key, log_clean_key, Filesystem, InodeState, Logged};
 use crate::counters::Counters;
 use crate::error::{Error, Result};
 use crate::log::LogOutcome;
@@ -134,11 +144,11 @@ impl Filesystem {
                             let generation = engine.running_generation();
                             logged
                                 .values
-                                .insert(clean_key(ino, false), (current.clone(), generation));
+                                .insert(log_clean_key(ino, false), (current.clone(), generation));
                             if !times_left_out {
                                 logged
                                     .values
-                                    .insert(clean_key(ino, true), (current, generation));
+                                    .insert(log_clean_key(ino, true), (current, generation));
                             }
                             Ok(())
                         };
@@ -154,14 +164,7 @@ impl Filesystem {
                             for r in &fresh {
                                 logged.values.insert(r.key, (r.value.clone(), r.generation));
                             }
-                            {
-                                let mut names = self.inner.logged_names.lock();
-                                for r in fresh.iter().filter(|r| {
-                                    r.key.kind() == Some(ItemType::DirItem) && r.value.is_some()
-                                }) {
-                                    names.insert(r.key, (ino, r.generation));
-                                }
-                            }
+                            remember_names(&mut self.inner.logged_names.lock(), ino, &fresh);
                             let ticket = engine.log_enqueue(fresh);
                             logged.ticket = ticket;
                             mark(&mut logged)?;
@@ -208,11 +211,11 @@ impl Filesystem {
     ///
     /// The witness is the inode item: an fsync that queued everything, or a write that found
     /// the inode log-clean and queued every item it changed, remembers the inode item as it
-    /// was then (under [`clean_key`], in `Logged::values`, with the running generation). Every
-    /// operation that changes any item of an inode also stores its inode item with a new ctime
-    /// and the transaction's generation, so an inode item still equal to the remembered one
-    /// means nothing changed since. The mark lapses once a commit covers its generation, as
-    /// queued records do.
+    /// was then (under [`log_clean_key`], in `Logged::values`, with the running generation).
+    /// Every operation that changes any item of an inode stores its inode item, and all but
+    /// such a write clear the mark as they do ([`Filesystem::unmark_log_clean`]): an equal
+    /// inode item alone proves nothing, since the kernel's SETATTR can restore a ctime it owns.
+    /// The mark lapses once a commit covers its generation, as queued records do.
     pub(super) fn log_clean_ticket(
         &self,
         ino: u64,
@@ -229,7 +232,7 @@ impl Filesystem {
             return Ok(None);
         }
         let marked = |all: bool| {
-            matches!(logged.values.get(&clean_key(ino, all)),
+            matches!(logged.values.get(&log_clean_key(ino, all)),
                 Some((Some(v), g)) if *g > committed && *v == current)
         };
         Ok((marked(true) || (data_only && marked(false))).then_some(logged.ticket))
@@ -270,7 +273,7 @@ impl Filesystem {
             for all in [false, true] {
                 logged
                     .values
-                    .insert(clean_key(ino, all), (inode.clone(), generation));
+                    .insert(log_clean_key(ino, all), (inode.clone(), generation));
             }
         }
     }
@@ -344,13 +347,22 @@ impl Filesystem {
                     if entries.len() != 1 {
                         return Err(Ok(Fallback::Other));
                     }
-                    // The name's key held another inode's entry that replay would bring back
-                    // (committed, or logged by that inode's fsync) before this record
+                    // The name's key may hold another inode's entry that replay would bring
+                    // back (committed, or logged by that inode's fsync) before this record
                     // overwrites it: that inode would keep a name without an entry. btrfs
-                    // handles the same case (a name reused after a rename or unlink) by
-                    // logging the other inode or committing; birchfs commits.
-                    if self.name_held_by_other(ino, &item_key).map_err(Err)? {
+                    // logs the conflicting inode or commits. birchfs logs it when it is gone
+                    // (unlinked and freed: a journal deleted and created again under its
+                    // name, as SQLite does for every transaction): its deletion goes in this
+                    // batch, before the new entry. An inode still there commits.
+                    let Some(holders) = self.name_holders(ino, &item_key).map_err(Err)? else {
                         return Err(Ok(Fallback::Names));
+                    };
+                    for other in holders {
+                        match self.gone_records(other, &item_key, generation) {
+                            Ok(Some(gone)) => records.extend(gone),
+                            Ok(None) => return Err(Ok(Fallback::Names)),
+                            Err(e) => return Err(Err(e)),
+                        }
                     }
                     let index_key = Key::new(r.parent, ItemType::DirIndex, r.dir_index);
                     let index = engine.get(&index_key).map_err(Err)?;
@@ -389,22 +401,137 @@ impl Filesystem {
         engine.committed_get(key)
     }
 
-    /// Whether replay, before applying a record of `ino` for dir item `key`, could find there
-    /// an entry of another inode: in the committed tree, or logged by another fsync whose
-    /// batch a commit has not covered yet.
-    fn name_held_by_other(&self, ino: u64, key: &Key) -> Result<bool> {
+    /// The inodes other than `ino` whose entry replay could find under dir item `key` before
+    /// applying a record of `ino` for it: the children of the committed item's entries, and the
+    /// child of the last record of `key` that another inode's fsync queued and a commit has not
+    /// covered yet. `None` when the committed item holds several entries (a hash collision).
+    fn name_holders(&self, ino: u64, key: &Key) -> Result<Option<Vec<u64>>> {
         let engine = &self.inner.engine;
+        let mut others = Vec::new();
         if let Some(bytes) = engine.committed_get(key)? {
             let entries = decode_dir_entries(&bytes)
                 .map_err(|e| Error::corrupt(format!("committed dir item {key}"), e))?;
-            if entries.iter().any(|e| e.child != ino) {
-                return Ok(true);
+            if entries.len() > 1 && entries.iter().any(|e| e.child != ino) {
+                return Ok(None);
             }
+            others.extend(entries.iter().map(|e| e.child).filter(|c| *c != ino));
         }
         let committed = engine.committed_generation();
         let mut logged = self.inner.logged_names.lock();
         logged.retain(|_, (_, g)| *g > committed);
-        Ok(logged.get(key).is_some_and(|(child, _)| *child != ino))
+        if let Some((child, _)) = logged.get(key) {
+            if *child != ino && !others.contains(child) {
+                others.push(*child);
+            }
+        }
+        Ok(Some(others))
+    }
+
+    /// The records that remove `other` from what replay starts from, when `other` holds an
+    /// entry under dir item `key` there but is gone from the running state (unlinked and
+    /// freed; inode numbers are never reused, so it stays gone): every item of it changed
+    /// since the last commit (all deletions, its inode item among them), its orphan item, and
+    /// the dir index of its one name in replay's base. The caller's record for `key` replaces
+    /// the entry itself. Records of keys replay does not hold (an inode only ever logged)
+    /// delete nothing there.
+    ///
+    /// `None` (commit instead) when `other` still exists (renamed away, linked elsewhere,
+    /// unlinked but open), its free has not finished, or its names in replay's base are not
+    /// exactly one under `key`. Those names come from its inode refs as replay would start
+    /// from them: queued by its own fsync (`logged_names` keeps what such a ref named, since
+    /// the inode's in-memory state goes with the inode), else committed.
+    fn gone_records(
+        &self,
+        other: u64,
+        key: &Key,
+        generation: u64,
+    ) -> Result<Option<Vec<LogRecord>>> {
+        let engine = &self.inner.engine;
+        let orphan = Key::new(ORPHAN_OBJECTID, ItemType::Orphan, other);
+        // `free_inode` deletes every item of the inode, then its orphan item: both gone means
+        // the free is complete.
+        if engine.get(&inode_key(other))?.is_some() || engine.get(&orphan)?.is_some() {
+            return Ok(None);
+        }
+        let lo = Key::new(other, ItemType::InodeItem, 0);
+        let hi = Key {
+            objectid: other + 1,
+            item_type: 0,
+            offset: 0,
+        };
+        if !engine.range(&lo, &hi, 1)?.is_empty() {
+            return Ok(None);
+        }
+        let (_, changed) = engine.changed_items(other);
+        if changed.iter().any(|(_, v)| v.is_some()) {
+            return Ok(None);
+        }
+        let committed = engine.committed_generation();
+        let parent = key.objectid;
+        let mut indexes = Vec::new();
+        for (ref_key, _) in changed
+            .iter()
+            .filter(|(k, _)| k.kind() == Some(ItemType::InodeRef))
+        {
+            let logged = {
+                let names = self.inner.logged_names.lock();
+                match names.get(ref_key) {
+                    Some((index, g)) if *g > committed => {
+                        // The ref queued named one entry, in `parent` (its dir index was
+                        // queued for this inode too), or the inode falls back.
+                        let index_key = Key::new(parent, ItemType::DirIndex, *index);
+                        let ours = *index != SEVERAL_NAMES
+                            && names
+                                .get(&index_key)
+                                .is_some_and(|(child, g)| *child == other && *g > committed);
+                        if !ours {
+                            return Ok(None);
+                        }
+                        Some(*index)
+                    }
+                    _ => None,
+                }
+            };
+            match logged {
+                Some(index) => indexes.push(index),
+                None => {
+                    if let Some(bytes) = engine.committed_get(ref_key)? {
+                        let refs = decode_inode_refs(&bytes).map_err(|e| {
+                            Error::corrupt(format!("committed inode ref {ref_key}"), e)
+                        })?;
+                        for r in refs {
+                            if r.parent != parent || name_hash(&[&r.name]) != key.offset {
+                                return Ok(None);
+                            }
+                            indexes.push(r.dir_index);
+                        }
+                    }
+                }
+            }
+        }
+        let [index] = indexes[..] else {
+            return Ok(None);
+        };
+        let index_key = Key::new(parent, ItemType::DirIndex, index);
+        if engine.get(&index_key)?.is_some() {
+            return Ok(None);
+        }
+        let mut records: Vec<LogRecord> = changed
+            .into_iter()
+            .map(|(key, _)| LogRecord {
+                generation,
+                key,
+                value: None,
+            })
+            .collect();
+        for key in [orphan, index_key] {
+            records.push(LogRecord {
+                generation,
+                key,
+                value: None,
+            });
+        }
+        Ok(Some(records))
     }
 
     /// Whether the only change since the last commit is the inode item's atime.
@@ -552,6 +679,36 @@ impl Filesystem {
     }
 }
 
+/// What `logged_names` remembers of an inode ref whose entries are not exactly one.
+const SEVERAL_NAMES: u64 = u64::MAX;
+
+/// Remembers, in `Inner::logged_names`, the names `ino`'s fsync queued: each dir item and dir
+/// index key with `ino` (the inode it names), and each inode ref key with the dir index of
+/// its one name ([`SEVERAL_NAMES`] otherwise), each with its record's generation. A later
+/// fsync of another inode under the same dir item key learns from them that replay would
+/// find `ino` there, and, once `ino` is gone, which dir index to delete with it
+/// ([`Filesystem::gone_records`]). Deletions are not remembered.
+fn remember_names(names: &mut HashMap<Key, (u64, u64)>, ino: u64, records: &[LogRecord]) {
+    for r in records {
+        let Some(value) = &r.value else {
+            continue;
+        };
+        match r.key.kind() {
+            Some(ItemType::DirItem | ItemType::DirIndex) => {
+                names.insert(r.key, (ino, r.generation));
+            }
+            Some(ItemType::InodeRef) => {
+                let index = match decode_inode_refs(value).as_deref() {
+                    Ok([one]) => one.dir_index,
+                    _ => SEVERAL_NAMES,
+                };
+                names.insert(r.key, (index, r.generation));
+            }
+            _ => {}
+        }
+    }
+}
+
 /// Drops what `logged` remembers of generations a commit covers: replay skips those records.
 /// Scans only when the committed generation moved since the last sweep (remembered under a
 /// key of its own), so a synchronous write does not walk every extent logged since the commit.
@@ -567,15 +724,6 @@ fn forget_committed(logged: &mut Logged, ino: u64, committed: u64) {
     }
     logged.values.retain(|_, (_, g)| *g > committed);
     logged.values.insert(swept, (None, committed));
-}
-
-/// Where `Logged::values` remembers the inode item as of which everything of `ino` changed is
-/// queued (`all`), or everything but the inode item's timestamps. Never a key of a real item
-/// (inode items have offset 0; `forget_committed` uses `u64::MAX - 2`), and never queued.
-fn clean_key(ino: u64, all: bool) -> Key {
-    let mut key = inode_key(ino);
-    key.offset = if all { u64::MAX } else { u64::MAX - 1 };
-    key
 }
 
 /// Whether two encoded inode items differ only in atime (and, with `modify_times`, also
