@@ -453,7 +453,11 @@ impl Filesystem {
         if engine.get(&inode_key(other))?.is_some() || engine.get(&orphan)?.is_some() {
             return Ok(None);
         }
-        let lo = Key::new(other, ItemType::InodeItem, 0);
+        let lo = Key {
+            objectid: other,
+            item_type: 0,
+            offset: 0,
+        };
         let hi = Key {
             objectid: other + 1,
             item_type: 0,
