@@ -47,6 +47,9 @@ struct Pattern {
     commit_every: Option<usize>,
     /// Unlink the journal while it is still open, and close it after.
     unlink_open: bool,
+    /// fsync the directory after the journal's first fsync, as SQLite does for a journal it
+    /// created (`SQLITE_OPEN_MAIN_JOURNAL` with `UNIXFILE_DIRSYNC`).
+    dirsync: bool,
 }
 
 /// The bytes transaction `k` writes to its journal (distinct lengths and contents).
@@ -87,6 +90,10 @@ fn transaction(
         db_content(k - 1)
     };
     after_fsync(fs, &journal, &old_db);
+    if p.dirsync {
+        fs.fsync(dir, false).expect("fsync the directory");
+        after_fsync(fs, &journal, &old_db);
+    }
     if p.commit_every.is_some_and(|n| k % n == n - 1) {
         fs.sync().expect("commit");
     }
@@ -126,6 +133,7 @@ fn every_fsync_of_the_journal_pattern_takes_the_log() {
     let p = Pattern {
         commit_every: None,
         unlink_open: false,
+        dirsync: true,
     };
     let started = std::time::Instant::now();
     for k in 0..N {
@@ -134,9 +142,10 @@ fn every_fsync_of_the_journal_pattern_takes_the_log() {
     let elapsed = started.elapsed();
     let after = fs.engine().counters().values().since(&before);
     eprintln!("{N} transactions in {elapsed:?}: {after}");
-    assert_eq!(after.fsyncs, 2 * N as u64, "{after}");
-    assert_eq!(after.fsync_log, 2 * N as u64, "{after}");
+    assert_eq!(after.fsyncs, 3 * N as u64, "{after}");
+    assert_eq!(after.fsync_log, 3 * N as u64, "{after}");
     assert_eq!(after.fsync_fallback_names, 0, "{after}");
+    assert_eq!(after.fsync_fallback_dir, 0, "{after}");
     assert_eq!(after.fsync_commits, 0, "{after}");
     assert_eq!(after.commits, 0, "no commit but the explicit ones: {after}");
 
@@ -145,6 +154,7 @@ fn every_fsync_of_the_journal_pattern_takes_the_log() {
     let p = Pattern {
         commit_every: Some(3),
         unlink_open: true,
+        dirsync: false,
     };
     for k in N..2 * N {
         transaction(&fs, dir, db, k, p, &mut |_, _, _| {});
@@ -207,10 +217,11 @@ fn judge(image: MemDevice, journal: &[u8], db: &[u8], what: &str) {
 #[test]
 fn a_power_cut_after_any_fsync_of_the_journal_pattern_keeps_it() {
     for commit_every in [None, Some(1), Some(2)] {
-        for unlink_open in [false, true] {
+        for (unlink_open, dirsync) in [(false, true), (true, false)] {
             let p = Pattern {
                 commit_every,
                 unlink_open,
+                dirsync,
             };
             let dev = fresh();
             let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
@@ -223,6 +234,7 @@ fn a_power_cut_after_any_fsync_of_the_journal_pattern_keeps_it() {
             }
             let counters = fs.engine().counters().values();
             assert_eq!(counters.fsync_fallback_names, 0, "{p:?}: {counters}");
+            assert_eq!(counters.fsync_fallback_dir, 0, "{p:?}: {counters}");
             fs.power_cut();
             for (n, (image, journal, db)) in images.into_iter().enumerate() {
                 judge(image, &journal, &db, &format!("{p:?}, fsync {n}"));
@@ -247,10 +259,12 @@ fn every_crash_state_of_the_journal_pattern_recovers() {
         Pattern {
             commit_every: None,
             unlink_open: false,
+            dirsync: true,
         },
         Pattern {
             commit_every: Some(2),
             unlink_open: true,
+            dirsync: true,
         },
     ]
     .into_iter()
@@ -274,7 +288,7 @@ fn every_crash_state_of_the_journal_pattern_recovers() {
                 let mut fsyncs = 0;
                 transaction(&fs, dir, db, k, p, &mut |_, _, _| {
                     events.extend(dev.take_recording());
-                    if fsyncs == 0 {
+                    if fsyncs == 0 || (p.dirsync && fsyncs == 1) {
                         history.synced(events.len(), "/D/db-journal");
                     } else {
                         history.version("/D/db", db_content(k));
@@ -286,6 +300,7 @@ fn every_crash_state_of_the_journal_pattern_recovers() {
             }
             let counters = fs.engine().counters().values();
             assert_eq!(counters.fsync_fallback_names, 0, "{p:?}: {counters}");
+            assert_eq!(counters.fsync_fallback_dir, 0, "{p:?}: {counters}");
             events.extend(dev.take_recording());
             fs.power_cut();
         }
@@ -302,4 +317,64 @@ fn every_crash_state_of_the_journal_pattern_recovers() {
         failures.extend(report.failures);
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// fsync of a directory logs only when every entry that changed is queued already: a name
+/// removed, or a file created and not fsync'd, still commits, and the name (or its absence)
+/// survives a power cut.
+#[test]
+fn a_directory_fsync_commits_unless_its_changed_entries_are_logged() {
+    let dev = fresh();
+    let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+    let c = Caller::default();
+    let d = fs.mkdir(c, 1, b"D", 0o755).expect("mkdir");
+    let (gone, fh) = fs.create(c, d.ino, b"gone", 0o644, 0).expect("create");
+    fs.release(gone.ino, fh).expect("close");
+    fs.sync().expect("commit");
+    // A new file fsync'd: the directory's fsync only waits for it.
+    let (f, fh) = fs.create(c, d.ino, b"synced", 0o644, 0).expect("create");
+    fs.write(f.ino, 0, b"synced", false).expect("write");
+    fs.fsync(f.ino, false).expect("fsync");
+    let before = fs.engine().counters().values();
+    fs.fsync(d.ino, false).expect("fsyncdir");
+    let after = fs.engine().counters().values().since(&before);
+    assert_eq!((after.fsync_log, after.commits), (1, 0), "{after}");
+    fs.release(f.ino, fh).expect("close");
+    // A new file not fsync'd: its entry is not in the log.
+    let (u, fh) = fs.create(c, d.ino, b"unsynced", 0o644, 0).expect("create");
+    fs.write(u.ino, 0, b"named", false).expect("write");
+    let before = fs.engine().counters().values();
+    fs.fsync(d.ino, false).expect("fsyncdir");
+    let after = fs.engine().counters().values().since(&before);
+    assert_eq!((after.fsync_fallback_dir, after.commits), (1, 1), "{after}");
+    fs.release(u.ino, fh).expect("close");
+    // A name removed with no file's fsync to carry it.
+    fs.unlink(d.ino, b"gone").expect("unlink");
+    let before = fs.engine().counters().values();
+    fs.fsync(d.ino, false).expect("fsyncdir");
+    let after = fs.engine().counters().values().since(&before);
+    assert_eq!((after.fsync_fallback_dir, after.commits), (1, 1), "{after}");
+    // Another logged name, then a power cut right after the directory's fsync.
+    let (g, fh) = fs.create(c, d.ino, b"last", 0o644, 0).expect("create");
+    fs.write(g.ino, 0, b"last", false).expect("write");
+    fs.fsync(g.ino, false).expect("fsync");
+    fs.release(g.ino, fh).expect("close");
+    let before = fs.engine().counters().values();
+    fs.fsync(d.ino, false).expect("fsyncdir");
+    let after = fs.engine().counters().values().since(&before);
+    assert_eq!((after.fsync_log, after.commits), (1, 0), "{after}");
+    fs.power_cut();
+    let crashed = Arc::new(dev.crash());
+    let fs = Filesystem::open_device(crashed.clone(), opts()).expect("replay");
+    assert_eq!(fs.read_file("/D/synced").expect("synced"), b"synced");
+    assert_eq!(fs.read_file("/D/unsynced").expect("unsynced"), b"named");
+    assert_eq!(fs.read_file("/D/last").expect("last"), b"last");
+    assert!(
+        fs.resolve("/D/gone").is_err(),
+        "the unlink was made durable"
+    );
+    fs.close().expect("close");
+    drop(fs);
+    let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
+    assert!(report.is_clean(), "{:?}", report.findings);
 }

@@ -98,7 +98,19 @@ impl Filesystem {
                 ticket
             } else {
                 let is_dir = data.item.mode & libc::S_IFMT == libc::S_IFDIR;
-                match self.log_records(ino, &state, is_dir, data.item.nlink) {
+                let dir_records = if is_dir {
+                    Some(self.dir_log_records(ino, &state))
+                } else {
+                    None
+                };
+                match dir_records
+                    .unwrap_or_else(|| self.log_records(ino, &state, is_dir, data.item.nlink))
+                {
+                    Ok(Some(records)) if is_dir => {
+                        // Every entry that changed is queued already, by its files' fsyncs:
+                        // queue the directory's inode item after them and wait for it.
+                        engine.log_enqueue(records)
+                    }
                     Ok(Some(records)) => {
                         // Only what this inode has not queued before: an item queued earlier with
                         // the same value is in a batch that is durable, or will be once the ticket
@@ -165,7 +177,20 @@ impl Filesystem {
                                 logged.values.insert(r.key, (r.value.clone(), r.generation));
                             }
                             remember_names(&mut self.inner.logged_names.lock(), ino, &fresh);
+                            let entries: Vec<(Key, Option<Vec<u8>>, u64)> = fresh
+                                .iter()
+                                .filter(|r| {
+                                    matches!(
+                                        r.key.kind(),
+                                        Some(ItemType::DirItem | ItemType::DirIndex)
+                                    )
+                                })
+                                .map(|r| (r.key, r.value.clone(), r.generation))
+                                .collect();
                             let ticket = engine.log_enqueue(fresh);
+                            // After the enqueue: an fsync of the directory that finds these
+                            // takes a ticket no earlier than theirs.
+                            self.remember_entries(entries, committed);
                             logged.ticket = ticket;
                             mark(&mut logged)?;
                             ticket
@@ -385,6 +410,79 @@ impl Filesystem {
             });
         }
         Ok(Some(records))
+    }
+
+    /// What an fsync of directory `dir` logs: its inode item, when every other item of it
+    /// changed since the last commit is a dir item or dir index whose current value an fsync
+    /// of a file queued (the names of new files, and the dir index deletions of gone ones,
+    /// remembered in the directory's `Logged::values` by [`Filesystem::remember_entries`]) in
+    /// a batch no commit covers yet. The directory's entries are then as durable as those
+    /// batches, which come no later than the one the inode item goes in. Otherwise (a name
+    /// removed or renamed without a file's fsync, a new directory, its own name or xattrs
+    /// changed, its state evicted and the values with it) it commits.
+    fn dir_log_records(
+        &self,
+        dir: u64,
+        state: &InodeState,
+    ) -> std::result::Result<Option<Vec<LogRecord>>, Result<Fallback>> {
+        let engine = &self.inner.engine;
+        let (generation, changed) = engine.changed_items(dir);
+        if changed.is_empty() || self.only_atime_changed(dir, &changed) {
+            return Ok(None);
+        }
+        let key = inode_key(dir);
+        if engine.committed_get(&key).map_err(Err)?.is_none() {
+            return Err(Ok(Fallback::Directory));
+        }
+        let committed = engine.committed_generation();
+        {
+            let logged = state.logged.lock();
+            for (k, value) in &changed {
+                if *k == key {
+                    continue;
+                }
+                let queued = matches!(k.kind(), Some(ItemType::DirItem | ItemType::DirIndex))
+                    && logged
+                        .values
+                        .get(k)
+                        .is_some_and(|(v, g)| *g > committed && v.as_deref() == value.as_deref());
+                if !queued {
+                    return Err(Ok(Fallback::Directory));
+                }
+            }
+        }
+        let Some(item) = engine.get(&key).map_err(Err)? else {
+            return Err(Ok(Fallback::Directory));
+        };
+        Ok(Some(vec![LogRecord {
+            generation,
+            key,
+            value: Some(item.to_vec()),
+        }]))
+    }
+
+    /// Remembers, in each directory's `Logged::values`, the dir item and dir index records a
+    /// file's fsync queued (`entries`: key, value, generation), for [`Filesystem::dir_log_records`].
+    /// Only directories whose state is in memory: one loaded later has no values, and its
+    /// fsync commits.
+    fn remember_entries(&self, entries: Vec<(Key, Option<Vec<u8>>, u64)>, committed: u64) {
+        let mut at = 0;
+        while at < entries.len() {
+            let dir = entries[at].0.objectid;
+            let end = entries[at..]
+                .iter()
+                .position(|(k, _, _)| k.objectid != dir)
+                .map_or(entries.len(), |n| at + n);
+            let state = self.shard(dir).lock().get(&dir).cloned();
+            if let Some(state) = state {
+                let mut logged = state.logged.lock();
+                forget_committed(&mut logged, dir, committed);
+                for (key, value, generation) in &entries[at..end] {
+                    logged.values.insert(*key, (value.clone(), *generation));
+                }
+            }
+            at = end;
+        }
     }
 
     /// The value of `key` that replay of the log would start from before this inode's next
