@@ -296,9 +296,11 @@ pub(crate) struct Inner {
     next_fh: AtomicU64,
     closed: AtomicBool,
     pub(crate) fsync_mode: FsyncMode,
-    /// Dir item keys some fsync logged, with the inode the logged entry names and the
-    /// generation it was logged in: a later fsync of another inode under the same key would
-    /// make replay drop that entry while the inode keeps its name (durability.rs).
+    /// Keys some fsync logged that a later fsync of another inode must know of, with an
+    /// inode and the generation they were logged in: dir items (the inode the entry names: a
+    /// later fsync under the same key would make replay drop that entry while the inode keeps
+    /// its name), an inode's refs (the dir index of each name) and dir indexes (the inode they
+    /// name), so a name's gone holder can be deleted in the log (durability.rs).
     pub(crate) logged_names: Mutex<HashMap<birch_format::Key, (u64, u64)>>,
 }
 
