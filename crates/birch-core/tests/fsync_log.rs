@@ -20,6 +20,8 @@ use birch_core::device::{BlockDevice, MemDevice};
 use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Filesystem, MkfsOptions};
 
+mod common;
+
 fn opts() -> OpenOptions {
     OpenOptions {
         commit_interval: None,
@@ -28,9 +30,7 @@ fn opts() -> OpenOptions {
 }
 
 fn fresh() -> Arc<MemDevice> {
-    let dev = Arc::new(MemDevice::new(96 << 20));
-    Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
-    dev
+    common::fresh_device(96 << 20)
 }
 
 #[test]
@@ -183,22 +183,13 @@ fn a_name_reused_after_rename_survives_a_crash_consistently() {
         let (y, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create y");
         fs.write(y.ino, 0, b"second", false).expect("write y");
         fs.fsync(y.ino, true).expect("fdatasync y");
-        fs.power_cut(); // power cut
-        let crashed = Arc::new(dev.crash());
-        let fs = Filesystem::open_device(crashed.clone(), opts()).expect("replay");
+        let (crashed, fs) = common::crash_and_reopen(fs, &dev);
         assert_eq!(
             fs.read_file("/B/foo").expect("B/foo"),
             b"second",
             "commit_first {commit_first}"
         );
-        fs.close().expect("close");
-        drop(fs);
-        let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
-        assert!(
-            report.is_clean(),
-            "commit_first {commit_first}: {:?}",
-            report.findings
-        );
+        common::close_and_check_clean(fs, &crashed, &format!("commit_first {commit_first}"));
     }
 }
 
@@ -227,9 +218,7 @@ fn a_name_renamed_away_and_linked_back_survives_a_crash_consistently() {
         fs.rename(b.ino, b"foo", b.ino, b"bar", 0).expect("rename");
         fs.link(x.ino, b.ino, b"foo").expect("link back");
         fs.fsync(x.ino, false).expect("fsync");
-        fs.power_cut();
-        let crashed = Arc::new(dev.crash());
-        let fs = Filesystem::open_device(crashed.clone(), opts()).expect("replay");
+        let (crashed, fs) = common::crash_and_reopen(fs, &dev);
         for name in ["/B/foo", "/B/bar"] {
             assert_eq!(
                 fs.resolve(name).expect("name after replay"),
@@ -237,14 +226,7 @@ fn a_name_renamed_away_and_linked_back_survives_a_crash_consistently() {
                 "{name}, base_logged {base_logged}"
             );
         }
-        fs.close().expect("close");
-        drop(fs);
-        let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
-        assert!(
-            report.is_clean(),
-            "base_logged {base_logged}: {:?}",
-            report.findings
-        );
+        common::close_and_check_clean(fs, &crashed, &format!("base_logged {base_logged}"));
     }
 }
 
@@ -277,16 +259,11 @@ fn fsync_after_a_rename_and_a_restored_ctime_still_sees_the_rename() {
     };
     fs.setattr(x.ino, &restore).expect("restore times");
     fs.fsync(x.ino, false).expect("fsync after the rename");
-    fs.power_cut();
-    let crashed = Arc::new(dev.crash());
-    let fs = Filesystem::open_device(crashed.clone(), opts()).expect("replay");
+    let (crashed, fs) = common::crash_and_reopen(fs, &dev);
     assert_eq!(fs.resolve("/B/bar").expect("renamed name"), x.ino);
     assert!(fs.resolve("/B/foo").is_err(), "old name gone");
     assert_eq!(fs.read_file("/B/bar").expect("data"), vec![6u8; 4096]);
-    fs.close().expect("close");
-    drop(fs);
-    let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
-    assert!(report.is_clean(), "{:?}", report.findings);
+    common::close_and_check_clean(fs, &crashed, "rename then restored ctime");
 }
 
 #[test]

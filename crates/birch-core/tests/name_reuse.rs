@@ -24,7 +24,9 @@ use birch_core::check::{check, CheckOptions};
 use birch_core::crashtest::{check_recording, History};
 use birch_core::device::{MemDevice, Recorded};
 use birch_core::vfs::{Caller, OpenOptions};
-use birch_core::{Filesystem, MkfsOptions};
+use birch_core::Filesystem;
+
+mod common;
 
 fn opts() -> OpenOptions {
     OpenOptions {
@@ -34,9 +36,7 @@ fn opts() -> OpenOptions {
 }
 
 fn fresh() -> Arc<MemDevice> {
-    let dev = Arc::new(MemDevice::new(96 << 20));
-    Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
-    dev
+    common::fresh_device(96 << 20)
 }
 
 /// How one run of the pattern goes.

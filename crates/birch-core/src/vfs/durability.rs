@@ -551,16 +551,7 @@ impl Filesystem {
         if engine.get(&inode_key(other))?.is_some() || engine.get(&orphan)?.is_some() {
             return Ok(None);
         }
-        let lo = Key {
-            objectid: other,
-            item_type: 0,
-            offset: 0,
-        };
-        let hi = Key {
-            objectid: other + 1,
-            item_type: 0,
-            offset: 0,
-        };
+        let (lo, hi) = super::inode_items(other);
         if !engine.range(&lo, &hi, 1)?.is_empty() {
             return Ok(None);
         }

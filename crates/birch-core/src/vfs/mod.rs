@@ -253,6 +253,16 @@ impl InodeState {
     }
 }
 
+/// The key range `[lo, hi)` that holds every item of inode `ino`.
+pub(crate) fn inode_items(ino: u64) -> (Key, Key) {
+    let at = |objectid| Key {
+        objectid,
+        item_type: 0,
+        offset: 0,
+    };
+    (at(ino), at(ino + 1))
+}
+
 /// The key under which [`Logged::values`] keeps an inode's log-clean mark (its inode item as
 /// of the mark): `all` for everything queued, else all but times an fdatasync left out. Past
 /// every real item key of the inode.
@@ -684,16 +694,7 @@ impl Filesystem {
 
     /// Deletes every item of an inode and frees its data. The inode has no names.
     pub(crate) fn free_inode(&self, ino: u64, data: &mut InodeData) -> Result<()> {
-        let lo = Key {
-            objectid: ino,
-            item_type: 0,
-            offset: 0,
-        };
-        let hi = Key {
-            objectid: ino + 1,
-            item_type: 0,
-            offset: 0,
-        };
+        let (lo, hi) = inode_items(ino);
         let mut items = Vec::new();
         loop {
             let from = items
