@@ -22,6 +22,7 @@ Exit: 0 all passed, 1 a test failed, 77 skipped (not root or no /dev/fuse).
 import ctypes
 import errno
 import fcntl
+import json
 import mmap
 import os
 import shutil
@@ -1317,6 +1318,17 @@ def op_enospc(d):
     # Below the headroom (twice the 16 MiB dirty cap of a 64 MiB mount): written through.
     wfile(J(d2, "ballast"), b"b" * (36 * MiB))
     commit()
+    # An O_SYNC open written through gets no FSYNC from the kernel after its writes: birchfs
+    # must make each one durable before it answers (counted by its fsync counter).
+    before = json.loads(os.getxattr(CTX.mnt2, "trusted.birch.stats"))["fsyncs"]
+    fd = os.open(J(d2, "sync"), os.O_CREAT | os.O_WRONLY | os.O_SYNC, 0o644)
+    try:
+        os.write(fd, b"s" * 65536)
+    finally:
+        os.close(fd)
+    after = json.loads(os.getxattr(CTX.mnt2, "trusted.birch.stats"))["fsyncs"]
+    check(after > before, f"O_SYNC write on a written-through handle made nothing durable (fsyncs {before} -> {after})")
+    os.unlink(J(d2, "sync"))
     fd = os.open(J(d2, "through"), os.O_CREAT | os.O_WRONLY, 0o644)
     try:
         done, err = _fill(fd, 128 * MiB)

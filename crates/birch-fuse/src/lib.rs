@@ -152,7 +152,7 @@ fn writes(flags: i32) -> bool {
 /// loops serve, and an entry invalidation locks the parent directory, which a request being
 /// served may hold. Neither may run inside a request handler.
 struct Invalidator {
-    queue: parking_lot::Mutex<mpsc::Sender<(u64, mpsc::Sender<()>)>>,
+    queue: mpsc::Sender<(u64, mpsc::Sender<()>)>,
 }
 
 impl Invalidator {
@@ -175,16 +175,14 @@ impl Invalidator {
         if let Err(e) = spawned {
             log::warn!("invalidation thread: {e}");
         }
-        Invalidator {
-            queue: parking_lot::Mutex::new(tx),
-        }
+        Invalidator { queue: tx }
     }
 
     /// Has the kernel write back and drop the pages of `ino`, and waits (at most `limit`)
     /// until it has. Returns whether it finished in time.
     fn write_back(&self, ino: u64, limit: Duration) -> bool {
         let (done, wait) = mpsc::channel();
-        if self.queue.lock().send((ino, done)).is_err() {
+        if self.queue.send((ino, done)).is_err() {
             return false;
         }
         wait.recv_timeout(limit).is_ok()
@@ -236,22 +234,22 @@ impl BirchFuse {
         s.bavail.saturating_mul(u64::from(s.bsize)) < self.options.write_through_below
     }
 
-    /// The reply flags of an OPEN or CREATE with open flags `flags`.
-    fn open_reply_flags(&self, flags: i32) -> FopenFlags {
+    /// The handle and reply flags of an OPEN or CREATE with open flags `flags` that the
+    /// filesystem gave handle `fh`. A direct-I/O handle carries [`DIRECT_FH`], so WRITE knows
+    /// the kernel will send no FSYNC after its synchronous writes.
+    fn opened(&self, fh: u64, flags: i32) -> (FileHandle, FopenFlags) {
         let direct = FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES;
-        let writing = flags & libc::O_ACCMODE != libc::O_RDONLY;
         if flags & libc::O_DIRECT != 0 {
-            // Seed 001: writers to different regions of one file run in parallel; the kernel
-            // sends no fsync after O_SYNC writes on these handles, so WRITE makes them durable.
-            direct
-        } else if writing && self.writeback && self.low_on_space() {
+            // Seed 001: writers to different regions of one file run in parallel.
+            (FileHandle(fh | DIRECT_FH), direct)
+        } else if writes(flags) && self.writeback && self.low_on_space() {
             // Near full, the kernel must not hold writes it may be unable to place: written
             // through, so ENOSPC comes back from write(2).
-            direct
+            (FileHandle(fh | DIRECT_FH), direct)
         } else if self.options.keep_cache {
-            FopenFlags::FOPEN_KEEP_CACHE
+            (FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE)
         } else {
-            FopenFlags::empty()
+            (FileHandle(fh), FopenFlags::empty())
         }
     }
 
@@ -391,6 +389,10 @@ fn timespec_from_kernel(t: SystemTime) -> Timespec {
         }
     }
 }
+
+/// Set in the handle of a direct-I/O open (`FOPEN_DIRECT_IO`). The filesystem's own handle
+/// numbers count up from 1 and never reach it; it ignores the handle at release.
+const DIRECT_FH: u64 = 1 << 63;
 
 /// The attributes of a negative entry: node id 0 tells the kernel the name does not exist,
 /// and the entry timeout lets it remember that.
@@ -651,7 +653,8 @@ impl fuser::Filesystem for BirchFuse {
                         Err(e) => log::debug!("atime at open of inode {}: {e}", ino.0),
                     }
                 }
-                reply.opened(FileHandle(fh), self.open_reply_flags(flags.0))
+                let (fh, open_flags) = self.opened(fh, flags.0);
+                reply.opened(fh, open_flags)
             }
             Err(e) => reply.error(errno("open", &e)),
         }
@@ -683,7 +686,7 @@ impl fuser::Filesystem for BirchFuse {
         &self,
         req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
         data: &[u8],
         write_flags: WriteFlags,
@@ -704,8 +707,9 @@ impl fuser::Filesystem for BirchFuse {
                     // The kernel keeps the old mode cached after a write: make it ask again.
                     self.invalidate_attrs(ino.0);
                 }
-                if flags.0 & libc::O_DIRECT != 0 && flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0 {
-                    // Direct handles get no FSYNC after an O_SYNC write: durable before the reply.
+                if fh.0 & DIRECT_FH != 0 && flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0 {
+                    // Direct handles (O_DIRECT, or written through near full) get no FSYNC
+                    // after an O_SYNC or RWF_SYNC write: durable before the reply.
                     self.fs
                         .fsync(ino.0, flags.0 & libc::O_SYNC != libc::O_SYNC)?;
                 }
@@ -745,7 +749,7 @@ impl fuser::Filesystem for BirchFuse {
         if writes(flags.0) {
             self.write_opens.released(ino.0);
         }
-        match self.fs.release(ino.0, fh.0) {
+        match self.fs.release(ino.0, fh.0 & !DIRECT_FH) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("release", &e)),
         }
@@ -939,12 +943,13 @@ impl fuser::Filesystem for BirchFuse {
                 if writes(flags) {
                     self.write_opens.opened(a.ino);
                 }
+                let (fh, open_flags) = self.opened(fh, flags);
                 reply.created(
                     &self.options.ttl,
                     &file_attr(&a),
                     Generation(a.generation),
-                    FileHandle(fh),
-                    self.open_reply_flags(flags),
+                    fh,
+                    open_flags,
                 )
             }
             Err(e) => reply.error(errno("create", &e)),
