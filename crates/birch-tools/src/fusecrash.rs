@@ -289,13 +289,15 @@ impl Run<'_> {
 
 /// One FUSE-level run: a seeded sequence of 4–10 operations, each followed by a durability
 /// call, on a mount over a recording device; then `states` crash states checked.
-pub fn run(seed: u64, writeback: bool, states: usize, progress: &mut dyn FnMut()) -> CrashReport {
-    let name = if writeback {
-        "fuse writeback=on"
-    } else {
-        "fuse"
-    };
-    match record(seed, writeback) {
+pub fn run(
+    seed: u64,
+    writeback: bool,
+    caches: bool,
+    states: usize,
+    progress: &mut dyn FnMut(),
+) -> CrashReport {
+    let name = variant_name(writeback, caches);
+    match record(seed, writeback, caches) {
         Ok((base, events, history)) => {
             check_recording(name, seed, &base, &events, &history, states, progress)
         }
@@ -308,7 +310,17 @@ pub fn run(seed: u64, writeback: bool, states: usize, progress: &mut dyn FnMut()
 
 type Recording = (Vec<u8>, Vec<Recorded>, History);
 
-fn record(seed: u64, writeback: bool) -> Result<Recording, String> {
+/// How a FUSE run's mount is set up, as its report names it.
+pub fn variant_name(writeback: bool, caches: bool) -> &'static str {
+    match (writeback, caches) {
+        (true, true) => "fuse writeback=on",
+        (true, false) => "fuse writeback=on,ttl=0,keep_cache=off",
+        (false, true) => "fuse writeback=off",
+        (false, false) => "fuse writeback=off,ttl=0,keep_cache=off",
+    }
+}
+
+fn record(seed: u64, writeback: bool, caches: bool) -> Result<Recording, String> {
     let mut rng = Rng::new(seed);
     let quiet = OpenOptions {
         commit_interval: None,
@@ -335,7 +347,7 @@ fn record(seed: u64, writeback: bool) -> Result<Recording, String> {
     let fs = Arc::new(Filesystem::open_device(dev.clone(), options).map_err(|e| e.to_string())?);
     let mnt = std::env::temp_dir().join(format!("birch-crashtest-{}-{seed}", std::process::id()));
     std::fs::create_dir_all(&mnt).map_err(|e| io("mkdir", &mnt.display().to_string(), e))?;
-    let mount = InProcessMount::start(fs.clone(), &mnt, writeback)?;
+    let mount = InProcessMount::start(fs.clone(), &mnt, writeback, caches)?;
     let mut run = Run {
         mnt: mnt.clone(),
         dev: &dev,

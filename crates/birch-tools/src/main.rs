@@ -104,8 +104,8 @@ enum Command {
         #[arg(long, default_value_t = 10)]
         ace_runs: u64,
         /// Runs of the FUSE-level workload: real system calls on a mount of this process
-        /// over a recording device, with the mount's default caches (every third with
-        /// writeback=off). Needs root and /dev/fuse.
+        /// over a recording device: the writeback cache in two runs of three, ttl=0 and
+        /// keep_cache=off in every other run. Needs root and /dev/fuse.
         #[arg(long, default_value_t = 0)]
         fuse_runs: u64,
     },
@@ -594,14 +594,13 @@ fn crashtest(
         }
     }
     for i in 0..fuse_runs {
+        // Every setting of the mount's caches in turn: the writeback cache in two runs of
+        // three, the name/attribute and page caches (ttl, keep_cache) in every other run.
         let writeback = i % 3 != 2;
-        bar.set_message(if writeback {
-            "fuse writeback=on"
-        } else {
-            "fuse"
-        });
+        let caches = i % 2 == 0;
+        bar.set_message(fusecrash::variant_name(writeback, caches));
         let run_seed = seed.wrapping_add(1_000_000 + i);
-        let report = fusecrash::run(run_seed, writeback, states, &mut || bar.inc(1));
+        let report = fusecrash::run(run_seed, writeback, caches, states, &mut || bar.inc(1));
         total += report.states;
         failures.extend(report.failures);
     }

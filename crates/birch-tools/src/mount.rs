@@ -654,21 +654,28 @@ pub(crate) struct InProcessMount {
 
 impl InProcessMount {
     /// Mounts `fs` at `mountpoint` and serves it from background threads.
+    /// With `caches` false the kernel caches no names or attributes (`ttl=0`) and drops a
+    /// file's pages at every open (`keep_cache=off`), as those mount options do.
     pub(crate) fn start(
         fs: Arc<Filesystem>,
         mountpoint: &Path,
         writeback: bool,
+        caches: bool,
     ) -> Result<InProcessMount, String> {
         let config = MountConfig {
             read_only: false,
             allow_other: false,
             commit_secs: 0,
             threads: DEFAULT_THREADS,
-            ttl_secs: birch_fuse::DEFAULT_TTL_SECS as f64,
+            ttl_secs: if caches {
+                birch_fuse::DEFAULT_TTL_SECS as f64
+            } else {
+                0.0
+            },
             vfs_flags: 0,
             fsync: FsyncMode::Log,
             writeback,
-            keep_cache: true,
+            keep_cache: caches,
         };
         let mut fuse_config = Config::default();
         fuse_config.acl = SessionACL::Owner;
