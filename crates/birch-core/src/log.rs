@@ -69,6 +69,13 @@ struct LogState {
     /// The generation of the last commit that retired batches; once its superblock is
     /// durable (`set_reusable`), queued records of that generation or older are dropped.
     retired_generation: u64,
+    /// The newest generation a durable commit covers (set by `set_reusable`).
+    durable_generation: u64,
+    /// The newest record generation of a batch the log refused (its records are dropped and
+    /// its fsyncs commit). Until a durable commit covers it, every wait answers `Full`: an
+    /// fsync whose earlier records went into that batch (queued by a write, not waited for)
+    /// must not return on a later batch alone.
+    refused_generation: u64,
 }
 
 /// What became of an fsync's records.
@@ -110,6 +117,8 @@ impl FsyncLog {
                 leader: false,
                 failed: None,
                 retired_generation: 0,
+                durable_generation: 0,
+                refused_generation: 0,
             }),
             wake: [Condvar::new(), Condvar::new()],
             start: sb.log_start,
@@ -167,7 +176,9 @@ impl FsyncLog {
             if let Some(reason) = &st.failed {
                 return Err(Error::ReadOnly(format!("fsync log: {reason}")));
             }
-            if st.full_ticket >= ticket && st.durable_ticket < ticket {
+            if (st.full_ticket >= ticket && st.durable_ticket < ticket)
+                || st.refused_generation > st.durable_generation
+            {
                 return Ok(LogOutcome::Full);
             }
             if st.durable_ticket >= ticket {
@@ -210,6 +221,7 @@ impl FsyncLog {
             if lsn + len - reusable_lsn > self.bytes || len > self.bytes / 2 {
                 st = self.state.lock();
                 st.full_ticket = batch_ticket;
+                st.refused_generation = st.refused_generation.max(max_generation);
                 st.leader = false;
                 self.wake_all();
                 continue;
@@ -275,6 +287,7 @@ impl FsyncLog {
         let mut st = self.state.lock();
         st.reusable_lsn = st.reusable_lsn.max(head_lsn);
         let covered = st.retired_generation;
+        st.durable_generation = st.durable_generation.max(covered);
         if st.queued.iter().any(|r| r.generation <= covered) {
             let st = &mut *st;
             st.queued.retain(|r| r.generation > covered);
@@ -401,4 +414,47 @@ fn bad_data(device: &dyn BlockDevice, record: &LogRecord) -> Option<String> {
         }
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use birch_format::{ItemType, Key};
+
+    use super::*;
+    use crate::device::MemDevice;
+    use crate::{Filesystem, MkfsOptions};
+
+    fn record(generation: u64, bytes: usize) -> LogRecord {
+        LogRecord {
+            generation,
+            key: Key::new(300, ItemType::InodeItem, 0),
+            value: Some(vec![7; bytes]),
+        }
+    }
+
+    /// A batch the log refuses (too large) drops its records; an fsync whose earlier records
+    /// were in it but that waits on a later, written batch must still hear `Full` (and commit)
+    /// until a durable commit covers the refused records.
+    #[test]
+    fn after_a_refused_batch_waits_are_full_until_a_commit_covers_it() -> Result<()> {
+        let dev = Arc::new(MemDevice::new(64 << 20));
+        Filesystem::mkfs(dev.clone(), &MkfsOptions::default())?;
+        let fs = Filesystem::open_device(dev.clone(), Default::default())?;
+        let mut sb = fs.engine().superblock();
+        sb.log_bytes = 8 * BLOCK_SIZE;
+        let log = FsyncLog::new(&sb, sb.log_head, 1);
+        let counters = fs.engine().counters();
+        let refused = log.enqueue(vec![record(5, 5 * BLOCK_SIZE as usize)]);
+        assert_eq!(log.wait(&*dev, counters, refused)?, LogOutcome::Full);
+        let later = log.enqueue(vec![record(6, 10)]);
+        assert_eq!(log.wait(&*dev, counters, later)?, LogOutcome::Full);
+        // A durable commit of generation 6 covers the refused records.
+        log.retire(6);
+        log.set_reusable(sb.log_head);
+        let after = log.enqueue(vec![record(7, 10)]);
+        assert_eq!(log.wait(&*dev, counters, after)?, LogOutcome::Logged);
+        Ok(())
+    }
 }

@@ -339,14 +339,9 @@ impl Filesystem {
                     && data.item.nlink > 0
                     && !data.write_error
                     && self.log_clean_ticket(ino, &state, true)?.is_some();
-                own_items = self.record_new_blocks(
-                    ino,
-                    &mut data,
-                    offset,
-                    bytes.len() as u64,
-                    extents,
-                    clean,
-                )?;
+                own_items = self
+                    .record_new_blocks(ino, &mut data, offset, bytes.len() as u64, extents, clean)
+                    .inspect_err(|_| self.unmark_log_clean(ino))?;
                 data.item.size = data.item.size.max(offset + bytes.len() as u64);
             }
             Some(extents) => {
@@ -368,11 +363,9 @@ impl Filesystem {
         let dropped = match finish(&mut data) {
             Ok(dropped) => dropped,
             Err(e) => {
-                if own_items.is_some() {
-                    // The extents changed and the inode item may not have: the inode is no
-                    // longer log-clean, whatever its inode item says.
-                    state.logged.lock().values.remove(&super::inode_key(ino));
-                }
+                // The extents may have changed and the inode item not: the inode is no
+                // longer log-clean, whatever its inode item says.
+                self.unmark_log_clean(ino);
                 return Err(e);
             }
         };
