@@ -33,6 +33,10 @@ pub enum Purpose {
     /// Tree nodes: may use the metadata reserve, so a commit can still complete when data
     /// has filled the device.
     Metadata,
+    /// File data whose space was reserved beforehand ([`Allocator::try_reserve`]: buffered
+    /// writes reserve at WRITE and allocate at flush): may take reserved space, not the
+    /// metadata reserve. The caller gives the reservation back with [`Allocator::unreserve`].
+    Reserved,
 }
 
 struct Group {
@@ -107,6 +111,8 @@ pub struct Allocator {
     reserve_blocks: u64,
     pinned: Mutex<Vec<(u64, u64, u64)>>,
     pinned_blocks: AtomicU64,
+    /// Blocks promised to buffered data not yet allocated: other data may not take them.
+    reserved: AtomicU64,
 }
 
 impl Allocator {
@@ -136,6 +142,7 @@ impl Allocator {
             reserve_blocks,
             pinned: Mutex::new(Vec::new()),
             pinned_blocks: AtomicU64::new(0),
+            reserved: AtomicU64::new(0),
         }
     }
 
@@ -154,9 +161,46 @@ impl Allocator {
         self.pinned_blocks.load(Ordering::Relaxed)
     }
 
-    /// Blocks data may still take (free minus the metadata reserve).
+    /// Blocks data may still take (free minus the metadata reserve and the space reserved
+    /// for buffered data).
     pub fn available_blocks(&self) -> u64 {
-        self.free_blocks().saturating_sub(self.reserve_blocks)
+        self.free_blocks()
+            .saturating_sub(self.reserve_blocks)
+            .saturating_sub(self.reserved_blocks())
+    }
+
+    /// Blocks reserved for buffered data and not yet allocated.
+    pub fn reserved_blocks(&self) -> u64 {
+        self.reserved.load(Ordering::Relaxed)
+    }
+
+    /// Reserves `blocks` for data to be allocated later with [`Purpose::Reserved`]; false
+    /// when fewer are available (the caller commits, which frees pinned space, and retries).
+    pub fn try_reserve(&self, blocks: u64) -> bool {
+        let free = self.free_blocks().saturating_sub(self.reserve_blocks);
+        self.reserved
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| {
+                (free.saturating_sub(r) >= blocks).then_some(r + blocks)
+            })
+            .is_ok()
+    }
+
+    /// Gives back a reservation (allocated, or its data dropped).
+    pub fn unreserve(&self, blocks: u64) {
+        let _ = self
+            .reserved
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| {
+                Some(r.saturating_sub(blocks))
+            });
+    }
+
+    /// The free blocks below which an allocation for `purpose` fails.
+    fn floor(&self, purpose: Purpose) -> u64 {
+        match purpose {
+            Purpose::Data => self.reserve_blocks + self.reserved_blocks(),
+            Purpose::Reserved => self.reserve_blocks,
+            Purpose::Metadata => 0,
+        }
     }
 
     fn group_of(&self, block: u64) -> Option<&Mutex<Group>> {
@@ -196,11 +240,7 @@ impl Allocator {
 
     /// Allocates a contiguous run of `min..=max` blocks; returns (byte address, blocks).
     pub fn allocate(&self, min: u64, max: u64, purpose: Purpose) -> Result<(u64, u64)> {
-        let floor = if purpose == Purpose::Data {
-            self.reserve_blocks
-        } else {
-            0
-        };
+        let floor = self.floor(purpose);
         if self.free_blocks().saturating_sub(floor) < min {
             return Err(Error::NoSpace(format!("allocate {min} {purpose:?} blocks")));
         }
@@ -240,11 +280,7 @@ impl Allocator {
         max: u64,
         purpose: Purpose,
     ) -> Result<(u64, u64)> {
-        let floor = if purpose == Purpose::Data {
-            self.reserve_blocks
-        } else {
-            0
-        };
+        let floor = self.floor(purpose);
         let block = goal / BLOCK_SIZE;
         if goal % BLOCK_SIZE == 0 && self.free_blocks().saturating_sub(floor) >= min {
             if let Some(group) = self.group_of(block) {

@@ -918,6 +918,15 @@ impl Engine {
     /// when nothing changed). Concurrent callers queue; mutations go on during the commit.
     /// Does device I/O with no engine lock held except the commit lock itself.
     pub fn commit(&self) -> Result<u64> {
+        self.commit_then(|| {})
+    }
+
+    /// [`Engine::commit`], calling `after_freeze` once: as soon as the running transaction
+    /// is frozen (mutations go on into the next one), or when the commit returns without
+    /// freezing (nothing to commit, read-only). The filesystem's buffered data path uses it
+    /// to write data through only between its drain and the freeze.
+    pub fn commit_then(&self, after_freeze: impl FnOnce()) -> Result<u64> {
+        let after_freeze = OnDrop(Some(after_freeze));
         let _commit = self.lock_commit();
         if let Some(reason) = self.read_only.read().clone() {
             // A read-only mount commits what reached the delta before it turned read-only
@@ -944,6 +953,7 @@ impl Engine {
             state.each(|s| s.frozen = Some(frozen.clone()));
             (frozen, generation, state.first().snapshot.0.clone())
         };
+        drop(after_freeze);
         let result = match self.write_commit(&frozen, generation, &snapshot) {
             Ok(()) => Ok(generation),
             Err(e) => {
@@ -959,6 +969,12 @@ impl Engine {
         drop(_commit);
         drop(frozen);
         result
+    }
+
+    /// Waits until no mutation holds the gate: every [`WriteTxn`] begun before this call has
+    /// ended. No lock may be held by the caller that a mutation waits for.
+    pub fn barrier(&self) {
+        drop(self.gate.write());
     }
 
     /// Takes the commit lock. A caller that finds it held helps with the jobs of the commit
@@ -1122,6 +1138,17 @@ impl Engine {
         *old.release.next.lock() = Some(new_release);
         self.counters.add(|c| &c.commits, 1);
         Ok(())
+    }
+}
+
+/// Runs its function when dropped (once).
+struct OnDrop<F: FnOnce()>(Option<F>);
+
+impl<F: FnOnce()> Drop for OnDrop<F> {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f();
+        }
     }
 }
 

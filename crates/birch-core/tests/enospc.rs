@@ -217,14 +217,40 @@ fn fsync_after_a_failed_write_reports_eio_every_time() {
     fs.fsync(attr.ino, false).expect("fsync before the failure");
     dev.fail_writes(true);
     let err = fs
-        .write(attr.ino, 0, &[2u8; 1 << 20], false)
-        .expect_err("write on a failing device");
+        .write_mode(attr.ino, 0, &[2u8; 1 << 20], false, None, true)
+        .expect_err("write-through write on a failing device");
     assert_eq!(err.errno(), libc::EIO, "{err}");
     dev.fail_writes(false);
     for attempt in 0..3 {
         let err = fs
             .fsync(attr.ino, false)
             .expect_err("fsync after the failed write");
+        assert_eq!(err.errno(), libc::EIO, "attempt {attempt}: {err}");
+    }
+}
+
+/// A buffered write returns before its data is written; when the flush at fsync fails, that
+/// fsync answers EIO, and so does every later one after the device recovers.
+#[test]
+fn fsync_after_a_failed_buffered_flush_reports_eio_every_time() {
+    let (dev, fs) = fresh(32 << 20);
+    let (attr, _) = fs
+        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .expect("create");
+    fs.write(attr.ino, 0, &[1u8; 8192], false).expect("write");
+    fs.fsync(attr.ino, false).expect("fsync before the failure");
+    dev.fail_writes(true);
+    fs.write(attr.ino, 0, &[2u8; 1 << 20], false)
+        .expect("a buffered write does not touch the device");
+    let err = fs
+        .fsync(attr.ino, false)
+        .expect_err("fsync flushes on a failing device");
+    assert_eq!(err.errno(), libc::EIO, "{err}");
+    dev.fail_writes(false);
+    for attempt in 0..3 {
+        let err = fs
+            .fsync(attr.ino, false)
+            .expect_err("fsync after the failed flush");
         assert_eq!(err.errno(), libc::EIO, "attempt {attempt}: {err}");
     }
 }

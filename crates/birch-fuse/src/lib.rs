@@ -699,9 +699,13 @@ impl fuser::Filesystem for BirchFuse {
         let kill = write_flags
             .contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID)
             .then(|| self.caller_groups(req, ino.0));
+        // Direct handles and synchronous writes go to the device before the reply; the rest
+        // is buffered in the daemon until a commit, an fsync of the file or the dirty limit.
+        let through =
+            fh.0 & DIRECT_FH != 0 || flags.0 & (libc::O_SYNC | libc::O_DSYNC | libc::O_DIRECT) != 0;
         let result = self
             .fs
-            .write_with(ino.0, offset, data, append, kill.as_deref())
+            .write_mode(ino.0, offset, data, append, kill.as_deref(), through)
             .and_then(|(n, dropped)| {
                 if dropped {
                     // The kernel keeps the old mode cached after a write: make it ask again.

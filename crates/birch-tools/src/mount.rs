@@ -26,6 +26,8 @@ struct MountConfig {
     fsync: FsyncMode,
     writeback: bool,
     keep_cache: bool,
+    /// The daemon's own write buffer (delayed allocation), `buffer=on|off`.
+    buffer: bool,
 }
 
 /// Default number of FUSE request loops (`threads=`).
@@ -42,6 +44,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         fsync: FsyncMode::Log,
         writeback: true,
         keep_cache: true,
+        buffer: true,
     };
     for opt in raw
         .iter()
@@ -70,6 +73,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
                 _ => return Err(format!("option {opt}: expected fsync=log or fsync=commit")),
             },
             "writeback" => c.writeback = on_off(opt, value)?,
+            "buffer" => c.buffer = on_off(opt, value)?,
             "keep_cache" => c.keep_cache = on_off(opt, value)?,
             "noatime" => c.vfs_flags |= libc::MS_NOATIME,
             "atime" | "relatime" | "strictatime" | "nodiratime" => {}
@@ -273,6 +277,7 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
         read_only: config.read_only,
         wait_for_lock: true,
         fsync: config.fsync,
+        buffered: config.buffer,
     };
     let fs = match Filesystem::open(image, options) {
         Ok(fs) => Arc::new(fs),
@@ -676,6 +681,7 @@ impl InProcessMount {
             fsync: FsyncMode::Log,
             writeback,
             keep_cache: caches,
+            buffer: true,
         };
         let mut fuse_config = Config::default();
         fuse_config.acl = SessionACL::Owner;

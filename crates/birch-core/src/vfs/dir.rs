@@ -279,7 +279,7 @@ impl Filesystem {
             };
         let _op = self.inner.engine.hold()?;
         if let Some(target) = symlink {
-            self.write_locked(ino, &mut c, 0, target)?;
+            self.write_locked(ino, &mut c, 0, target, None)?;
             c.item.mtime = t;
             c.item.ctime = t;
         }

@@ -81,6 +81,14 @@ impl Filesystem {
         if state.data.read().write_error {
             return Err(Error::StickyIo(format!("inode {ino}")));
         }
+        // This file's buffered data goes to disk first (its own data only): the log records
+        // below then name written blocks, as replay requires.
+        if let Err(e) = self.flush_inode(ino, &state) {
+            return Err(match e {
+                Error::Io { .. } => Error::StickyIo(format!("inode {ino}: {e}")),
+                other => other,
+            });
+        }
         let engine = &self.inner.engine;
         let counters = engine.counters();
         counters.add(|c| &c.fsyncs, 1);
@@ -310,7 +318,7 @@ impl Filesystem {
     fn fsync_commit(&self) -> Result<()> {
         let counters = self.inner.engine.counters();
         counters.add(|c| &c.fsync_commits, 1);
-        self.inner.engine.commit().map(|_| ())
+        self.commit_now().map(|_| ())
     }
 
     /// The records an fsync of `ino` writes, `None` when nothing changed since the last commit,

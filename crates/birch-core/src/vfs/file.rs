@@ -54,7 +54,7 @@ impl Changes {
 
 impl Filesystem {
     /// Extents of `ino` that overlap `[from, to)`, in order.
-    fn extents(&self, ino: u64, from: u64, to: u64) -> Result<Vec<(u64, FileExtent)>> {
+    pub(super) fn extents(&self, ino: u64, from: u64, to: u64) -> Result<Vec<(u64, FileExtent)>> {
         let hi = extent_key(ino, to);
         // Extents never overlap, so only the last one starting at or before `from` can reach
         // into the range from the left: one reverse look finds it, then a range from there.
@@ -92,7 +92,8 @@ impl Filesystem {
         if data.item.mode & libc::S_IFMT != libc::S_IFREG {
             return Ok(false);
         }
-        Ok(self.inline_data(ino)?.is_none() && self.has_extent_items(ino)?)
+        Ok(self.inline_data(ino)?.is_none()
+            && (!data.dirty.is_empty() || self.has_extent_items(ino)?))
     }
 
     /// The inline data of a file, if it is stored inline.
@@ -249,6 +250,7 @@ impl Filesystem {
                 }
             }
         }
+        data.dirty.overlay(offset, &mut out);
         Ok(out)
     }
 
@@ -270,7 +272,23 @@ impl Filesystem {
         append: bool,
         kill_privs: Option<&[u32]>,
     ) -> Result<(u32, bool)> {
-        self.retry_on_full(|| self.write_once(ino, offset, bytes, append, kill_privs))
+        self.write_mode(ino, offset, bytes, append, kill_privs, false)
+    }
+
+    /// [`Filesystem::write_with`]; with `through` (an O_DIRECT, O_SYNC or O_DSYNC write) the
+    /// data goes to the device before this returns, else it is buffered (when the filesystem
+    /// buffers writes, `OpenOptions::buffered`) and goes at the next commit, fsync of the
+    /// file or dirty limit.
+    pub fn write_mode(
+        &self,
+        ino: u64,
+        offset: u64,
+        bytes: &[u8],
+        append: bool,
+        kill_privs: Option<&[u32]>,
+        through: bool,
+    ) -> Result<(u32, bool)> {
+        self.retry_on_full(|| self.write_once(ino, offset, bytes, append, kill_privs, through))
     }
 
     fn write_once(
@@ -280,8 +298,16 @@ impl Filesystem {
         bytes: &[u8],
         append: bool,
         kill_privs: Option<&[u32]>,
+        through: bool,
     ) -> Result<(u32, bool)> {
         let state = self.inode(ino)?;
+        // Buffered unless told otherwise; decided again under the locks (a drain may begin).
+        let buffer = !through && self.buffering();
+        if !buffer {
+            // Written through: what this file buffered goes first, so the buffer never
+            // holds older bytes than the extents.
+            self.flush_inode(ino, &state)?;
+        }
         // Whole blocks at a block offset of a file already in blocks (O_DIRECT writes, seed
         // 001): allocate and write the data before taking the inode lock, so writers to
         // different parts of one file overlap their device writes; the lock then only covers
@@ -300,7 +326,7 @@ impl Filesystem {
             data.item.mode & libc::S_IFMT == libc::S_IFREG
                 && data.item.size > INLINE_MAX_BYTES as u64
         };
-        let prewritten = if aligned && likely_in_blocks {
+        let prewritten = if aligned && likely_in_blocks && !buffer {
             match self.write_new_blocks(ino, offset, bytes) {
                 Ok(extents) => Some(extents),
                 Err(e) => {
@@ -335,6 +361,11 @@ impl Filesystem {
             // In blocks (the same look-ups write_locked would do); otherwise the blocks go
             // back and the general path writes.
             Some(extents) if self.in_blocks(ino, &data)? => {
+                // A buffered write that raced in since the flush above goes first.
+                if let Err(e) = self.flush_locked(ino, &mut data) {
+                    self.give_back(&extents);
+                    return Err(e);
+                }
                 let clean = self.inner.fsync_mode == FsyncMode::Log
                     && data.item.nlink > 0
                     && !data.write_error
@@ -346,9 +377,17 @@ impl Filesystem {
             }
             Some(extents) => {
                 self.give_back(&extents);
-                self.write_locked(ino, &mut data, offset, bytes)?;
+                self.flush_locked(ino, &mut data)?;
+                self.write_locked(ino, &mut data, offset, bytes, None)?;
             }
-            None => self.write_locked(ino, &mut data, offset, bytes)?,
+            None => {
+                let buffer_now = !through && self.buffering();
+                if !buffer_now {
+                    // A drain began, or a write-through raced a buffered write in.
+                    self.flush_locked(ino, &mut data)?;
+                }
+                self.write_locked(ino, &mut data, offset, bytes, buffer_now.then_some(&state))?
+            }
         }
         let finish = |data: &mut InodeData| -> Result<bool> {
             let dropped = match kill_privs {
@@ -378,19 +417,25 @@ impl Filesystem {
             _ => {}
         }
         drop(_op);
+        if !data.dirty.is_empty() {
+            self.throttle_locked(ino, &mut data)?;
+        }
         drop(data);
         self.maybe_commit();
         Ok((bytes.len() as u32, dropped))
     }
 
     /// Writes with the inode lock held; updates size and nbytes, not times, and stores the
-    /// extent items (the caller stores the inode item).
+    /// extent items (the caller stores the inode item). With `buffer` (the inode's state),
+    /// data bound for blocks is buffered instead of written (inline data is item data and
+    /// goes to the delta either way).
     pub(crate) fn write_locked(
         &self,
         ino: u64,
         data: &mut InodeData,
         offset: u64,
         bytes: &[u8],
+        buffer: Option<&std::sync::Arc<super::InodeState>>,
     ) -> Result<()> {
         if bytes.is_empty() {
             return Ok(());
@@ -401,8 +446,10 @@ impl Filesystem {
             .ok_or_else(|| Error::TooBig(format!("write to inode {ino} at {offset}")))?;
         let new_size = data.item.size.max(end);
         let inline = self.inline_data(ino)?;
-        // Any extent (even preallocated past EOF on an empty file) means the file is in blocks.
-        let has_blocks = inline.is_none() && self.has_extent_items(ino)?;
+        // Any extent (even preallocated past EOF on an empty file) or buffered block means
+        // the file is in blocks.
+        let has_blocks =
+            inline.is_none() && (!data.dirty.is_empty() || self.has_extent_items(ino)?);
         if !has_blocks && new_size <= INLINE_MAX_BYTES as u64 {
             let mut content = self.read_locked(ino, data, 0, data.item.size as usize)?;
             content.resize(new_size as usize, 0);
@@ -426,6 +473,9 @@ impl Filesystem {
             block.resize(BLOCK_SIZE as usize, 0);
             self.apply(ino, data, changes)?;
             self.write_blocks(ino, data, 0, &block)?;
+        }
+        if let Some(state) = buffer {
+            return self.buffer_write_locked(ino, state, data, offset, bytes);
         }
         // Build whole blocks: merge partial head and tail blocks with what is there. The
         // buffer is this thread's, reused: a fresh one per WRITE of up to 1 MiB cost a page
@@ -504,7 +554,7 @@ impl Filesystem {
     /// Replaces `[offset, offset + len)` of the file with blocks [`Filesystem::write_new_blocks`]
     /// wrote, with the inode lock held: one range drop, the new extent items, and a merge with
     /// the extent before them. With `keep`, returns the items it set and deleted.
-    fn record_new_blocks(
+    pub(super) fn record_new_blocks(
         &self,
         ino: u64,
         data: &mut InodeData,
@@ -623,7 +673,7 @@ impl Filesystem {
 
     /// Where a write at `offset` would continue the file on disk: the address just after
     /// the block before `offset`, if that block is allocated.
-    fn continuation_goal(&self, ino: u64, offset: u64) -> Result<Option<u64>> {
+    pub(super) fn continuation_goal(&self, ino: u64, offset: u64) -> Result<Option<u64>> {
         if offset < BLOCK_SIZE {
             return Ok(None);
         }
@@ -646,7 +696,7 @@ impl Filesystem {
     fn retry_on_full<T>(&self, mut op: impl FnMut() -> Result<T>) -> Result<T> {
         match op() {
             Err(Error::NoSpace(_)) => {
-                self.inner.engine.commit()?;
+                self.commit_now()?;
                 op()
             }
             other => other,
@@ -764,12 +814,14 @@ impl Filesystem {
             return Ok(());
         }
         if new_size < old {
+            // Buffered blocks past the new end go; the one holding it is zeroed past it.
+            self.drop_buffered_from(data, new_size);
             // One pass over everything past the new end, preallocated extents beyond EOF
             // (fallocate KEEP_SIZE) included: two passes would plan from the same old extent.
             let keep_end = round_up(new_size);
             let changes = self.drop_range(ino, keep_end, u64::MAX / 2)?;
             self.apply(ino, data, changes)?;
-            if new_size % BLOCK_SIZE != 0 {
+            if new_size % BLOCK_SIZE != 0 && !data.dirty.holds(new_size / BLOCK_SIZE) {
                 let tail_start = new_size / BLOCK_SIZE * BLOCK_SIZE;
                 let mapped = self
                     .extents(ino, tail_start, tail_start + 1)?
@@ -886,6 +938,8 @@ impl Filesystem {
             .checked_add(len)
             .filter(|e| *e <= MAX_FILE_BYTES)
             .ok_or_else(|| Error::TooBig(format!("fallocate inode {ino} at {offset}+{len}")))?;
+        // Buffered data goes to disk first: the range operations below work on extents.
+        self.flush_locked(ino, &mut data)?;
         let _op = self.inner.engine.hold()?;
         let t = now();
         if mode & FALLOC_FL_PUNCH_HOLE != 0 {
@@ -936,7 +990,7 @@ impl Filesystem {
         let zero_partial = |lo: u64, hi: u64, data: &mut InodeData| -> Result<()> {
             let mapped = !self.extents(ino, lo, hi)?.is_empty();
             if mapped && lo < hi {
-                self.write_locked(ino, data, lo, &vec![0u8; (hi - lo) as usize])?;
+                self.write_locked(ino, data, lo, &vec![0u8; (hi - lo) as usize], None)?;
                 data.item.size = size;
             }
             Ok(())
@@ -1020,6 +1074,8 @@ impl Filesystem {
     /// SEEK_DATA (3) and SEEK_HOLE (4).
     pub fn lseek(&self, ino: u64, offset: u64, whence: i32) -> Result<u64> {
         let state = self.inode(ino)?;
+        // Buffered ranges are data: on disk first, so the extents say where data is.
+        self.flush_inode(ino, &state)?;
         let data = state.data.read();
         let size = data.item.size;
         if offset >= size {

@@ -10,6 +10,7 @@
 //! records items in memory. Data I/O of one file happens under that file's lock only.
 
 pub mod acl;
+mod buffer;
 mod dir;
 mod durability;
 mod file;
@@ -48,6 +49,10 @@ pub struct OpenOptions {
     pub wait_for_lock: bool,
     /// How fsync makes a file durable.
     pub fsync: FsyncMode,
+    /// Buffered writes (delayed allocation): a write that is neither direct nor synchronous
+    /// is kept in memory and written at the next commit, fsync of its file or dirty limit.
+    /// Off: every write goes to the device before it returns.
+    pub buffered: bool,
 }
 
 impl Default for OpenOptions {
@@ -57,6 +62,7 @@ impl Default for OpenOptions {
             read_only: false,
             wait_for_lock: false,
             fsync: FsyncMode::Log,
+            buffered: true,
         }
     }
 }
@@ -245,6 +251,7 @@ impl InodeState {
                 freed: false,
                 write_error: false,
                 xattrs_absent: AtomicU8::new(0),
+                dirty: buffer::DirtyBuf::default(),
             }),
             lookups: AtomicU64::new(0),
             opens: AtomicU64::new(0),
@@ -292,6 +299,8 @@ pub(crate) struct InodeData {
     /// through `&mut self`, that is under the write lock, by every change of the inode's
     /// xattr items: a set bit can never outlive the item it denies.
     pub(crate) xattrs_absent: AtomicU8,
+    /// Buffered writes not yet on disk (buffer.rs).
+    pub(crate) dirty: buffer::DirtyBuf,
 }
 
 const TABLE_SHARDS: usize = 64;
@@ -312,11 +321,16 @@ pub(crate) struct Inner {
     /// its name), an inode's refs (the dir index of each name) and dir indexes (the inode they
     /// name), so a name's gone holder can be deleted in the log (durability.rs).
     pub(crate) logged_names: Mutex<HashMap<birch_format::Key, (u64, u64)>>,
+    /// The buffered data path's dirty set, limit and drain state (buffer.rs).
+    pub(crate) buffers: buffer::Buffers,
 }
 
 /// A mounted-or-embedded birchfs filesystem.
 pub struct Filesystem {
     pub(crate) inner: Arc<Inner>,
+    /// A second handle on the same filesystem made by its own background thread (the
+    /// committer): dropping it does not close the filesystem.
+    view: bool,
 }
 
 pub(crate) fn now() -> Timespec {
@@ -393,6 +407,7 @@ impl Filesystem {
 
     /// Opens the filesystem on any device; reclaims orphans left by a crash.
     pub fn open_device(device: Arc<dyn BlockDevice>, options: OpenOptions) -> Result<Filesystem> {
+        let device_bytes = device.size_bytes();
         let engine = Engine::open(device)?;
         let unknown_ro =
             engine.superblock().ro_compat & !birch_format::superblock::RO_COMPAT_SUPPORTED;
@@ -415,8 +430,9 @@ impl Filesystem {
             closed: AtomicBool::new(false),
             fsync_mode: options.fsync,
             logged_names: Mutex::new(HashMap::new()),
+            buffers: buffer::Buffers::new(options.buffered, device_bytes),
         });
-        let fs = Filesystem { inner };
+        let fs = Filesystem { inner, view: false };
         if fs.getattr(ROOT_OBJECTID).is_err() {
             return Err(Error::Invalid(
                 "root directory (inode 1) is missing; run fsck".into(),
@@ -456,7 +472,8 @@ impl Filesystem {
                 if inner.stop.load(Ordering::SeqCst) {
                     return;
                 }
-                if let Err(e) = inner.engine.commit() {
+                let fs = Filesystem { inner, view: true };
+                if let Err(e) = fs.commit_now() {
                     log::error!("background commit failed: {e}");
                 }
             });
@@ -473,7 +490,7 @@ impl Filesystem {
 
     /// Commits everything now (`birch sync`, fsync fallbacks, ENOSPC retries).
     pub fn sync(&self) -> Result<()> {
-        self.inner.engine.commit().map(|_| ())
+        self.commit_now().map(|_| ())
     }
 
     /// Every counter of the engine and the device, as one JSON object (the live-mount stats
@@ -504,11 +521,13 @@ impl Filesystem {
     pub fn control(&self, command: &[u8]) -> Result<()> {
         match command {
             b"ro" => {
-                // Read-only first, so no change slips in between; then commit what is there.
+                // Buffered data first (it cannot be recorded once read-only); then read-only,
+                // so no change slips in between; then commit what is there.
+                self.commit_now()?;
                 self.inner
                     .engine
                     .set_read_only("mounted read-only (remount)");
-                self.inner.engine.commit().map(|_| ())
+                self.commit_now().map(|_| ())
             }
             b"rw" => {
                 if self.inner.engine.replay_pending() {
@@ -565,7 +584,7 @@ impl Filesystem {
             // The kernel sends no forgets at unmount: orphans of open-then-unlinked files go now.
             self.reclaim_orphans()?;
         }
-        self.inner.engine.commit().map(|_| ())
+        self.commit_now().map(|_| ())
     }
 
     /// Wakes the committer if the delta has grown large. Counting the delta reads a line of
@@ -581,10 +600,15 @@ impl Filesystem {
             n
         });
         if call % 32 == 0 && self.inner.engine.pending_items() > DELTA_ITEMS_COMMIT {
-            let (lock, cvar) = &self.inner.wake;
-            *lock.lock() = true;
-            cvar.notify_one();
+            self.wake_committer();
         }
+    }
+
+    /// Wakes the background committer now.
+    pub(crate) fn wake_committer(&self) {
+        let (lock, cvar) = &self.inner.wake;
+        *lock.lock() = true;
+        cvar.notify_one();
     }
 
     fn shard(&self, ino: u64) -> &Mutex<HashMap<u64, Arc<InodeState>>> {
@@ -628,10 +652,15 @@ impl Filesystem {
             shard.remove(&ino);
             state
         };
-        let needs_free = {
+        let (needs_free, buffered) = {
             let data = state.data.read();
-            data.item.nlink == 0 && !data.freed
+            (data.item.nlink == 0 && !data.freed, !data.dirty.is_empty())
         };
+        if buffered && !needs_free {
+            // The state leaves the table: its buffered data goes to disk first.
+            let mut data = state.data.write();
+            self.flush_locked(ino, &mut data)?;
+        }
         if needs_free && self.inner.engine.read_only_reason().is_none() {
             let mut data = state.data.write();
             if !data.freed {
@@ -720,8 +749,10 @@ impl Filesystem {
             txn.delete(*key);
         }
         txn.delete(Key::new(ORPHAN_OBJECTID, ItemType::Orphan, ino));
+        drop(txn);
         data.freed = true;
-        Ok(())
+        self.drop_buffered_from(data, 0);
+        self.flush_locked(ino, data)
     }
 
     /// Frees every orphan that nothing in memory holds.
@@ -771,7 +802,7 @@ impl Filesystem {
         let used_ids = self.inner.engine.superblock().next_objectid;
         StatFs {
             blocks: alloc.total_blocks(),
-            bfree: alloc.free_blocks(),
+            bfree: alloc.free_blocks().saturating_sub(alloc.reserved_blocks()),
             bavail: alloc.available_blocks(),
             files,
             ffree: files.saturating_sub(used_ids),
@@ -784,6 +815,9 @@ impl Filesystem {
 
 impl Drop for Filesystem {
     fn drop(&mut self) {
+        if self.view {
+            return;
+        }
         if let Err(e) = self.close() {
             log::error!("final commit failed: {e}");
         }

@@ -1,0 +1,472 @@
+//! The buffered data path (delayed allocation): a buffered WRITE copies into its inode's dirty
+//! blocks and returns; the blocks get disk space and are written, merged into as few device
+//! writes and extents as they allow, when they are flushed.
+//!
+//! Owns: [`DirtyBuf`] (an inode's buffered blocks, kept in its `InodeData` under the inode
+//! lock), the filesystem-wide dirty set, byte count and limit ([`Buffers`]), the space
+//! reservations of buffered blocks, the flush of one inode ([`Filesystem::flush_locked`]) and
+//! the drain that makes every commit hold every write that returned before its freeze
+//! ([`Filesystem::commit_now`]).
+//! Must not touch: names and directories, the fsync log (fsync flushes through here first,
+//! then logs what the flush recorded), the tree (extents are recorded through file.rs).
+//!
+//! The rules (DESIGN §10.10):
+//! - A buffered block is whole: a partial write reads and verifies the old block first, as a
+//!   write-through one does. Reads overlay the buffer on the extents.
+//! - A block enters the buffer with one reserved block of disk space (under copy-on-write an
+//!   overwrite needs new space too) plus a share for the extent items; a shortfall answers
+//!   `NoSpace`, which the write path turns into a commit and one retry.
+//! - Flushes happen at every commit (the drain), at fsync of the file, at the dirty limit, at
+//!   fallocate, lseek and before any write-through write to the same file, and when an inode
+//!   with buffered data would be evicted. A flush writes the file's blocks in file order into
+//!   as few allocated runs as the allocator gives, one device write per run, then records one
+//!   extent per run of consecutive file blocks that stayed consecutive on disk.
+//! - The drain: `draining` is set, a barrier waits for every mutation that may have missed
+//!   it, every dirty inode is flushed, then the engine freezes; from the barrier until the
+//!   freeze, writes go through (no new buffered data can miss the commit). So commit N holds
+//!   every write that returned before freeze N, and a rename never commits without the data
+//!   written before it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use birch_format::items::ExtentKind;
+use birch_format::{BLOCK_SIZE, EXTENT_MAX_BLOCKS, MAX_FILE_BYTES};
+use parking_lot::Mutex;
+
+use super::{Filesystem, InodeData, InodeState};
+use crate::alloc::Purpose;
+use crate::error::{Error, Result};
+
+/// The dirty limit before the device's speed is known, and its bounds.
+const START_LIMIT: u64 = 64 << 20;
+const MIN_LIMIT: u64 = 8 << 20;
+const MAX_LIMIT: u64 = 256 << 20;
+
+/// One buffered block of a file.
+struct DirtyBlock {
+    bytes: Box<[u8]>,
+    /// The block was a hole (or past EOF) when buffered: counted in the inode's `nbytes` now,
+    /// taken out again when the flush records it (the extent counts it then).
+    counted: bool,
+}
+
+/// An inode's buffered blocks, by file block index.
+#[derive(Default)]
+pub(crate) struct DirtyBuf {
+    blocks: BTreeMap<u64, DirtyBlock>,
+    /// Blocks this buffer holds reserved in the allocator.
+    reserved: u64,
+}
+
+impl DirtyBuf {
+    /// Whether nothing is buffered.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// The reservation `blocks` buffered blocks need: one disk block each, plus one in 32 for
+    /// the extent items and tree nodes recording them.
+    fn reservation_for(blocks: u64) -> u64 {
+        blocks + blocks.div_ceil(32)
+    }
+
+    /// Copies the buffered bytes that fall in `[offset, offset + out.len())` over `out`.
+    pub(crate) fn overlay(&self, offset: u64, out: &mut [u8]) {
+        if self.blocks.is_empty() || out.is_empty() {
+            return;
+        }
+        let end = offset + out.len() as u64;
+        for (&index, block) in self
+            .blocks
+            .range(offset / BLOCK_SIZE..end.div_ceil(BLOCK_SIZE))
+        {
+            let start = index * BLOCK_SIZE;
+            let lo = start.max(offset);
+            let hi = (start + BLOCK_SIZE).min(end);
+            out[(lo - offset) as usize..(hi - offset) as usize]
+                .copy_from_slice(&block.bytes[(lo - start) as usize..(hi - start) as usize]);
+        }
+    }
+
+    /// Whether file block `index` is buffered.
+    pub(crate) fn holds(&self, index: u64) -> bool {
+        self.blocks.contains_key(&index)
+    }
+}
+
+/// The filesystem-wide side of the buffered data path.
+pub(crate) struct Buffers {
+    /// Buffered writes are on (`OpenOptions::buffered`).
+    pub(crate) enabled: bool,
+    /// Between a drain's start and its commit's freeze: writes go through.
+    draining: AtomicBool,
+    /// One drain at a time, held from its start until the freeze.
+    drain_lock: Mutex<()>,
+    /// Inodes that buffered data since the last drain (some may have been flushed since).
+    dirty: Mutex<HashMap<u64, Arc<InodeState>>>,
+    /// Bytes buffered now, all inodes.
+    dirty_bytes: AtomicU64,
+    /// Buffered bytes above which the committer is woken; at twice this a writer flushes its
+    /// own file before it returns. About one second of the device's measured write speed.
+    limit: AtomicU64,
+    /// The most the limit may be for this device (1/16 of it, within the bounds above).
+    cap: u64,
+}
+
+impl Buffers {
+    pub(crate) fn new(enabled: bool, device_bytes: u64) -> Buffers {
+        let cap = (device_bytes / 16).clamp(MIN_LIMIT, MAX_LIMIT);
+        Buffers {
+            enabled,
+            draining: AtomicBool::new(false),
+            drain_lock: Mutex::new(()),
+            dirty: Mutex::new(HashMap::new()),
+            dirty_bytes: AtomicU64::new(0),
+            limit: AtomicU64::new(START_LIMIT.min(cap)),
+            cap,
+        }
+    }
+
+    /// Bytes buffered now.
+    pub(crate) fn dirty_bytes(&self) -> u64 {
+        self.dirty_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Takes a flush of `bytes` that took `secs` into the limit (moving average of speed).
+    fn learn(&self, bytes: u64, secs: f64) {
+        if bytes < (1 << 20) || secs <= 0.0 {
+            return;
+        }
+        let speed = bytes as f64 / secs;
+        let old = self.limit.load(Ordering::Relaxed) as f64;
+        let new = (old * 0.75 + speed * 0.25).clamp(MIN_LIMIT as f64, self.cap as f64);
+        self.limit.store(new as u64, Ordering::Relaxed);
+    }
+}
+
+impl Filesystem {
+    /// Whether a write that may be buffered is buffered now (not during a drain).
+    pub(crate) fn buffering(&self) -> bool {
+        let b = &self.inner.buffers;
+        b.enabled && !b.draining.load(Ordering::SeqCst)
+    }
+
+    /// Buffers `bytes` at `offset` of a regular file whose data is in blocks (not inline),
+    /// with the inode's write lock and the engine's gate held. Updates size and `nbytes`,
+    /// not times; the caller stores the inode item.
+    pub(crate) fn buffer_write_locked(
+        &self,
+        ino: u64,
+        state: &Arc<InodeState>,
+        data: &mut InodeData,
+        offset: u64,
+        bytes: &[u8],
+    ) -> Result<()> {
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let end = offset
+            .checked_add(bytes.len() as u64)
+            .filter(|e| *e <= MAX_FILE_BYTES)
+            .ok_or_else(|| Error::TooBig(format!("write to inode {ino} at {offset}")))?;
+        let first = offset / BLOCK_SIZE;
+        let last = (end - 1) / BLOCK_SIZE;
+        let fresh: Vec<u64> = (first..=last).filter(|b| !data.dirty.holds(*b)).collect();
+        if !fresh.is_empty() {
+            let held = data.dirty.blocks.len() as u64;
+            let want = DirtyBuf::reservation_for(held + fresh.len() as u64)
+                .saturating_sub(data.dirty.reserved);
+            if want > 0 {
+                if !self.inner.engine.allocator().try_reserve(want) {
+                    return Err(Error::NoSpace(format!(
+                        "reserve {want} blocks to buffer a write to inode {ino} at {offset}"
+                    )));
+                }
+                data.dirty.reserved += want;
+            }
+        }
+        // Which fresh blocks are mapped (their extent counts in nbytes already) and what the
+        // partial ones hold now.
+        let mut mapped: Vec<(u64, u64)> = Vec::new();
+        if !fresh.is_empty() {
+            let lo = fresh[0] * BLOCK_SIZE;
+            let hi = (fresh[fresh.len() - 1] + 1) * BLOCK_SIZE;
+            for (start, extent) in self.extents(ino, lo, hi)? {
+                if !matches!(extent.kind, ExtentKind::Inline(_)) {
+                    mapped.push((start, start + extent.len_bytes()));
+                }
+            }
+        }
+        let mut made: Vec<(u64, DirtyBlock)> = Vec::with_capacity(fresh.len());
+        for &index in &fresh {
+            let start = index * BLOCK_SIZE;
+            let whole = offset <= start && end >= start + BLOCK_SIZE;
+            let mut block = vec![0u8; BLOCK_SIZE as usize].into_boxed_slice();
+            if !whole && start < data.item.size {
+                let old = self.read_locked(ino, data, start, BLOCK_SIZE as usize)?;
+                block[..old.len()].copy_from_slice(&old);
+            }
+            let counted = !mapped.iter().any(|(s, e)| *s <= start && start < *e);
+            made.push((
+                index,
+                DirtyBlock {
+                    bytes: block,
+                    counted,
+                },
+            ));
+        }
+        for (index, block) in made {
+            if block.counted {
+                data.item.nbytes += BLOCK_SIZE;
+            }
+            data.dirty.blocks.insert(index, block);
+        }
+        for index in first..=last {
+            let start = index * BLOCK_SIZE;
+            let lo = start.max(offset);
+            let hi = (start + BLOCK_SIZE).min(end);
+            if let Some(block) = data.dirty.blocks.get_mut(&index) {
+                block.bytes[(lo - start) as usize..(hi - start) as usize]
+                    .copy_from_slice(&bytes[(lo - offset) as usize..(hi - offset) as usize]);
+            }
+        }
+        data.item.size = data.item.size.max(end);
+        let b = &self.inner.buffers;
+        if !fresh.is_empty() {
+            b.dirty_bytes
+                .fetch_add(fresh.len() as u64 * BLOCK_SIZE, Ordering::Relaxed);
+            // By state, not only number: an evicted state (flushed as it left the table) may
+            // still sit in the set under this number while a newer one buffers.
+            let mut set = b.dirty.lock();
+            if !set.get(&ino).is_some_and(|s| Arc::ptr_eq(s, state)) {
+                set.insert(ino, state.clone());
+            }
+            drop(set);
+            self.inner
+                .engine
+                .counters()
+                .add(|c| &c.buffered_blocks, fresh.len() as u64);
+        }
+        Ok(())
+    }
+
+    /// After a buffered write, with no lock held by the caller except `data`'s: wakes the
+    /// committer above the dirty limit, and flushes this file now above twice the limit
+    /// (a writer faster than the device waits for its own data).
+    pub(crate) fn throttle_locked(&self, ino: u64, data: &mut InodeData) -> Result<()> {
+        let b = &self.inner.buffers;
+        let dirty = b.dirty_bytes();
+        let limit = b.limit.load(Ordering::Relaxed);
+        if dirty > limit {
+            self.wake_committer();
+        }
+        if dirty > 2 * limit {
+            self.engine().counters().add(|c| &c.buffer_throttled, 1);
+            self.flush_locked(ino, data)?;
+        }
+        Ok(())
+    }
+
+    /// Drops buffered blocks at or past file byte `from` (rounded up to a block), and zeroes
+    /// the bytes from `from` in the block that holds it. Under the inode's write lock
+    /// (truncate; the inode being freed drops everything with `from` 0).
+    pub(crate) fn drop_buffered_from(&self, data: &mut InodeData, from: u64) {
+        if data.dirty.blocks.is_empty() {
+            return;
+        }
+        let keep = from.div_ceil(BLOCK_SIZE);
+        let gone = data.dirty.blocks.split_off(&keep);
+        if from % BLOCK_SIZE != 0 {
+            if let Some(block) = data.dirty.blocks.get_mut(&(from / BLOCK_SIZE)) {
+                block.bytes[(from % BLOCK_SIZE) as usize..].fill(0);
+            }
+        }
+        let counted = gone.values().filter(|b| b.counted).count() as u64;
+        data.item.nbytes = data.item.nbytes.saturating_sub(counted * BLOCK_SIZE);
+        self.inner
+            .buffers
+            .dirty_bytes
+            .fetch_sub(gone.len() as u64 * BLOCK_SIZE, Ordering::Relaxed);
+        // Give back what the remaining blocks no longer need.
+        let need = if data.dirty.blocks.is_empty() {
+            0
+        } else {
+            DirtyBuf::reservation_for(data.dirty.blocks.len() as u64)
+        };
+        let extra = data.dirty.reserved.saturating_sub(need);
+        if extra > 0 {
+            self.inner.engine.allocator().unreserve(extra);
+            data.dirty.reserved -= extra;
+        }
+    }
+
+    /// Writes the inode's buffered blocks to new space and records them as extents, with the
+    /// inode's write lock held. On failure the buffered blocks are dropped (they cannot be
+    /// placed), the inode's data write error is set when the device failed (fsync reports
+    /// EIO from then on), and the error is returned.
+    pub(crate) fn flush_locked(&self, ino: u64, data: &mut InodeData) -> Result<()> {
+        if data.dirty.blocks.is_empty() {
+            if data.dirty.reserved > 0 {
+                self.inner
+                    .engine
+                    .allocator()
+                    .unreserve(std::mem::take(&mut data.dirty.reserved));
+            }
+            return Ok(());
+        }
+        let blocks = std::mem::take(&mut data.dirty.blocks);
+        let mut reserved = std::mem::take(&mut data.dirty.reserved);
+        let b = &self.inner.buffers;
+        let count = blocks.len() as u64;
+        b.dirty_bytes
+            .fetch_sub(count * BLOCK_SIZE, Ordering::Relaxed);
+        let counted = blocks.values().filter(|b| b.counted).count() as u64;
+        data.item.nbytes = data.item.nbytes.saturating_sub(counted * BLOCK_SIZE);
+        let started = Instant::now();
+        let written = self.write_buffered(ino, &blocks, &mut reserved);
+        self.inner.engine.allocator().unreserve(reserved);
+        let runs = match written {
+            Ok(runs) => runs,
+            Err(e) => {
+                if matches!(e, Error::Io { .. }) {
+                    data.write_error = true;
+                }
+                log::error!("inode {ino}: flushing {count} buffered blocks failed: {e}");
+                return Err(e);
+            }
+        };
+        b.learn(count * BLOCK_SIZE, started.elapsed().as_secs_f64());
+        let counters = self.engine().counters();
+        counters.add(|c| &c.buffer_flushes, 1);
+        counters.add(|c| &c.buffer_flush_runs, runs.len() as u64);
+        let _op = self.inner.engine.hold()?;
+        for (offset, addr, csums) in runs {
+            let len = csums.len() as u64 * BLOCK_SIZE;
+            self.record_new_blocks(ino, data, offset, len, vec![(offset, addr, csums)], false)?;
+        }
+        self.unmark_log_clean(ino);
+        Ok(())
+    }
+
+    /// Allocates space for `blocks` and writes them, one device write per allocated run;
+    /// returns the extents to record: (file offset, disk address, checksums), each a run of
+    /// consecutive file blocks on consecutive disk blocks. Takes the space from `reserved`
+    /// as it allocates. No lock but the caller's inode lock; on failure frees what it took.
+    fn write_buffered(
+        &self,
+        ino: u64,
+        blocks: &BTreeMap<u64, DirtyBlock>,
+        reserved: &mut u64,
+    ) -> Result<Vec<(u64, u64, Vec<u32>)>> {
+        let alloc = self.inner.engine.allocator();
+        let list: Vec<(u64, &DirtyBlock)> = blocks.iter().map(|(i, b)| (*i, b)).collect();
+        let total = list.len() as u64;
+        let first_offset = list[0].0 * BLOCK_SIZE;
+        let mut goal = self.continuation_goal(ino, first_offset)?;
+        let mut taken: Vec<(u64, u64)> = Vec::new();
+        let mut runs: Vec<(u64, u64, Vec<u32>)> = Vec::new();
+        let mut buf: Vec<u8> = Vec::new();
+        let mut done = 0u64;
+        let fail = |taken: &[(u64, u64)], e: Error| -> Error {
+            for (addr, got) in taken {
+                alloc.free_now(*addr, *got);
+            }
+            e
+        };
+        while done < total {
+            let want = (total - done).min(EXTENT_MAX_BLOCKS * 16);
+            let allocated = match goal {
+                Some(g) => alloc.allocate_near(g, 1, want, Purpose::Reserved),
+                None => alloc.allocate(1, want, Purpose::Reserved),
+            };
+            let (addr, got) = match allocated {
+                Ok(v) => v,
+                Err(e) => return Err(fail(&taken, e)),
+            };
+            let from_reserve = got.min(*reserved);
+            alloc.unreserve(from_reserve);
+            *reserved -= from_reserve;
+            taken.push((addr, got));
+            buf.clear();
+            for (_, block) in &list[done as usize..(done + got) as usize] {
+                buf.extend_from_slice(&block.bytes);
+            }
+            if let Err(e) = self.inner.engine.device().write_at(&buf, addr) {
+                let first = list[done as usize].0 * BLOCK_SIZE;
+                return Err(fail(
+                    &taken,
+                    Error::io(
+                        format!("flush inode {ino} offset {first} to block {addr:#x}"),
+                        e,
+                    ),
+                ));
+            }
+            for (n, (index, block)) in list[done as usize..(done + got) as usize]
+                .iter()
+                .enumerate()
+            {
+                let disk = addr + n as u64 * BLOCK_SIZE;
+                let file = index * BLOCK_SIZE;
+                let csum = birch_format::checksum(&block.bytes);
+                match runs.last_mut() {
+                    Some((off, at, csums))
+                        if *off + csums.len() as u64 * BLOCK_SIZE == file
+                            && *at + csums.len() as u64 * BLOCK_SIZE == disk
+                            && (csums.len() as u64) < EXTENT_MAX_BLOCKS =>
+                    {
+                        csums.push(csum)
+                    }
+                    _ => runs.push((file, disk, vec![csum])),
+                }
+            }
+            done += got;
+            goal = Some(addr + got * BLOCK_SIZE);
+        }
+        Ok(runs)
+    }
+
+    /// Commits, first flushing every buffered write (the drain, see the module doc). Every
+    /// commit of the filesystem goes through here. Call with no inode lock held.
+    pub(crate) fn commit_now(&self) -> Result<u64> {
+        let b = &self.inner.buffers;
+        if !b.enabled {
+            return self.inner.engine.commit();
+        }
+        let guard = b.drain_lock.lock();
+        b.draining.store(true, Ordering::SeqCst);
+        // A write that read `draining` as false holds the gate until it has buffered and put
+        // its inode in the dirty set: after the barrier, the set is complete.
+        self.inner.engine.barrier();
+        let dirty = std::mem::take(&mut *b.dirty.lock());
+        for (ino, state) in dirty {
+            let mut data = state.data.write();
+            if data.freed {
+                self.drop_buffered_from(&mut data, 0);
+                self.flush_locked(ino, &mut data).ok();
+                continue;
+            }
+            if let Err(e) = self.flush_locked(ino, &mut data) {
+                // The blocks are dropped (and fsync of the file reports the error): the
+                // commit goes on without them rather than stop every other file's.
+                log::error!("commit: buffered data of inode {ino} lost: {e}");
+            }
+        }
+        self.inner.engine.commit_then(move || {
+            b.draining.store(false, Ordering::SeqCst);
+            drop(guard);
+        })
+    }
+
+    /// Flushes `ino`'s buffered blocks if it has any (fsync, lseek, and the write-through
+    /// paths): takes the inode's write lock.
+    pub(crate) fn flush_inode(&self, ino: u64, state: &InodeState) -> Result<()> {
+        if state.data.read().dirty.is_empty() {
+            return Ok(());
+        }
+        let mut data = state.data.write();
+        self.flush_locked(ino, &mut data)
+    }
+}
