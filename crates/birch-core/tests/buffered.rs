@@ -1,0 +1,306 @@
+//! The buffered data path (vfs/buffer.rs): what a buffered write promises before and after the
+//! commit or fsync that writes it, and what its flush costs in device writes and extents.
+
+#![allow(clippy::expect_used)]
+
+mod common;
+
+use birch_core::vfs::{Caller, SetAttr};
+use birch_format::BLOCK_SIZE;
+
+use common::{close_and_check_clean, crash_and_reopen, fresh};
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+/// A buffered write is not on the device until something flushes it: a power cut before any
+/// commit or fsync loses it whole (the file stays as committed, never half-written); after
+/// a commit or an fsync of the file, it is there.
+#[test]
+fn buffered_data_is_durable_after_commit_or_fsync_and_absent_before() {
+    let (dev, fs) = fresh(64 << 20);
+    let (a, _) = fs
+        .create(Caller::default(), 1, b"a", 0o644, 0)
+        .expect("create");
+    let (b, _) = fs
+        .create(Caller::default(), 1, b"b", 0o644, 0)
+        .expect("create");
+    let (c, _) = fs
+        .create(Caller::default(), 1, b"c", 0o644, 0)
+        .expect("create");
+    fs.sync().expect("commit the names");
+    let writes_before = fs.engine().device().counters().values().device_writes;
+    fs.write(a.ino, 0, &pattern(1, 300_000), false)
+        .expect("write a");
+    fs.write(b.ino, 0, &pattern(2, 300_000), false)
+        .expect("write b");
+    fs.write(c.ino, 0, &pattern(3, 300_000), false)
+        .expect("write c");
+    assert_eq!(
+        fs.engine().device().counters().values().device_writes,
+        writes_before,
+        "buffered writes reach no device"
+    );
+    assert_eq!(
+        fs.read(a.ino, 0, 300_000).expect("read"),
+        pattern(1, 300_000)
+    );
+    fs.fsync(b.ino, false).expect("fsync b");
+    let (dev2, fs) = crash_and_reopen(fs, &dev);
+    assert_eq!(fs.getattr(a.ino).expect("a").size, 0, "a was never flushed");
+    assert_eq!(
+        fs.read(b.ino, 0, 300_000).expect("read b"),
+        pattern(2, 300_000)
+    );
+    assert_eq!(
+        fs.getattr(c.ino).expect("c").size,
+        0,
+        "fsync of b wrote only b"
+    );
+    fs.write(a.ino, 0, &pattern(4, 300_000), false)
+        .expect("write a");
+    fs.sync().expect("commit");
+    let (dev3, fs) = crash_and_reopen(fs, &dev2);
+    assert_eq!(
+        fs.read(a.ino, 0, 300_000).expect("read a"),
+        pattern(4, 300_000)
+    );
+    close_and_check_clean(fs, &dev3, "after the commit");
+}
+
+/// The replace-by-rename pattern (write a temporary file, rename it over the old one, no
+/// fsync): the commit that holds the rename holds the new file's data too.
+#[test]
+fn a_rename_never_commits_without_the_data_written_before_it() {
+    let (dev, fs) = fresh(64 << 20);
+    fs.write_file("/config", &pattern(9, 50_000)).expect("old");
+    fs.sync().expect("commit the old file");
+    let (tmp, _) = fs
+        .create(Caller::default(), 1, b"config.tmp", 0o644, 0)
+        .expect("create tmp");
+    fs.write(tmp.ino, 0, &pattern(10, 70_000), false)
+        .expect("write tmp");
+    fs.rename(1, b"config.tmp", 1, b"config", 0)
+        .expect("rename");
+    fs.sync().expect("commit");
+    let (dev2, fs) = crash_and_reopen(fs, &dev);
+    assert_eq!(fs.read_file("/config").expect("read"), pattern(10, 70_000));
+    close_and_check_clean(fs, &dev2, "after the rename");
+}
+
+/// Random 4 KiB writes into a file: the flush writes them as one device write (delayed
+/// allocation places them side by side) and one extent per file run; reads, st_blocks and
+/// the content after a crash agree.
+#[test]
+fn scattered_writes_flush_in_one_device_write() {
+    let (dev, fs) = fresh(64 << 20);
+    let (f, _) = fs
+        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .expect("create");
+    let blocks: Vec<u64> = (0..64u64).map(|i| (i * 37) % 256 * 2).collect();
+    for (n, block) in blocks.iter().enumerate() {
+        fs.write(
+            f.ino,
+            block * BLOCK_SIZE,
+            &pattern(n as u8, BLOCK_SIZE as usize),
+            false,
+        )
+        .expect("write");
+    }
+    let attr = fs.getattr(f.ino).expect("attr");
+    assert_eq!(
+        attr.blocks,
+        64 * BLOCK_SIZE / 512,
+        "st_blocks counts buffered blocks"
+    );
+    let before = fs.engine().device().counters().values().device_writes;
+    let runs_before = fs.engine().counters().values().buffer_flush_runs;
+    fs.fsync(f.ino, false).expect("fsync");
+    let writes = fs.engine().device().counters().values().device_writes - before;
+    // One data write, then the log batch (and its flush is no write).
+    assert!(
+        writes <= 2,
+        "{writes} device writes for 64 scattered blocks"
+    );
+    assert_eq!(
+        fs.engine().counters().values().buffer_flush_runs - runs_before,
+        64,
+        "one extent per separate file block"
+    );
+    assert_eq!(fs.getattr(f.ino).expect("attr").blocks, attr.blocks);
+    let (dev2, fs) = crash_and_reopen(fs, &dev);
+    for (n, block) in blocks.iter().enumerate() {
+        assert_eq!(
+            fs.read(f.ino, block * BLOCK_SIZE, BLOCK_SIZE as usize)
+                .expect("read"),
+            pattern(n as u8, BLOCK_SIZE as usize),
+            "block {block}"
+        );
+    }
+    close_and_check_clean(fs, &dev2, "after scattered writes");
+}
+
+/// Truncate drops buffered blocks past the new size and zeroes the rest of the block that
+/// holds it; growing again reads zeros there, before and after the commit.
+#[test]
+fn truncate_cuts_buffered_data() {
+    let (dev, fs) = fresh(64 << 20);
+    let (f, _) = fs
+        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .expect("create");
+    fs.write(f.ino, 0, &pattern(5, 20_000), false)
+        .expect("write");
+    let truncate = |size| {
+        fs.setattr(
+            f.ino,
+            &SetAttr {
+                size: Some(size),
+                ..Default::default()
+            },
+        )
+        .expect("truncate")
+    };
+    truncate(5_000);
+    assert_eq!(
+        truncate(16_384).blocks,
+        16,
+        "two buffered blocks left, 8 KiB"
+    );
+    let mut want = pattern(5, 5_000);
+    want.resize(16_384, 0);
+    assert_eq!(fs.read(f.ino, 0, 20_000).expect("read"), want);
+    fs.sync().expect("commit");
+    let (dev2, fs) = crash_and_reopen(fs, &dev);
+    assert_eq!(fs.read(f.ino, 0, 20_000).expect("read"), want);
+    close_and_check_clean(fs, &dev2, "after truncates");
+}
+
+/// Buffered blocks hold their disk space from WRITE on: statfs counts them as used, and a
+/// full filesystem answers ENOSPC at write(2), not later at the commit.
+#[test]
+fn buffered_blocks_reserve_their_space_at_write() {
+    let (dev, fs) = fresh(32 << 20);
+    let (f, _) = fs
+        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .expect("create");
+    let avail = fs.statfs().bavail;
+    fs.write(f.ino, 0, &vec![7u8; 1 << 20], false)
+        .expect("write 1 MiB");
+    let taken = avail - fs.statfs().bavail;
+    assert!(
+        taken >= (1 << 20) / BLOCK_SIZE,
+        "1 MiB buffered takes {taken} blocks of statfs"
+    );
+    let chunk = vec![8u8; 1 << 20];
+    let mut written = 1u64;
+    let err = loop {
+        match fs.write(f.ino, written << 20, &chunk, false) {
+            Ok(_) => written += 1,
+            Err(e) => break e,
+        }
+        assert!(written < 64, "a 32 MiB filesystem took {written} MiB");
+    };
+    assert_eq!(err.errno(), libc::ENOSPC, "{err}");
+    fs.sync()
+        .expect("the commit of everything accepted finds its space");
+    let (dev2, fs) = crash_and_reopen(fs, &dev);
+    assert_eq!(fs.getattr(f.ino).expect("f").size, written << 20);
+    assert_eq!(
+        fs.read(f.ino, (written - 1) << 20, 1 << 20).expect("read"),
+        chunk
+    );
+    close_and_check_clean(fs, &dev2, "after a full buffered fill");
+}
+
+/// A commit while other threads keep writing: every write that returned before the commit
+/// began is in it, and the image is clean.
+#[test]
+fn commits_during_buffered_writes_keep_every_returned_write() {
+    let (dev, fs) = fresh(128 << 20);
+    let fs = std::sync::Arc::new(fs);
+    let files: Vec<u64> = (0..4)
+        .map(|n| {
+            fs.create(Caller::default(), 1, format!("f{n}").as_bytes(), 0o644, 0)
+                .expect("create")
+                .0
+                .ino
+        })
+        .collect();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writers: Vec<_> = files
+        .iter()
+        .map(|&ino| {
+            let fs = fs.clone();
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut off = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) && off < (8 << 20) {
+                    fs.write(ino, off, &pattern((off / 7) as u8, 7_000), false)
+                        .expect("write");
+                    off += 7_000;
+                }
+            })
+        })
+        .collect();
+    let mut sizes = Vec::new();
+    for _ in 0..5 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let before: Vec<u64> = files
+            .iter()
+            .map(|&ino| fs.getattr(ino).expect("attr").size)
+            .collect();
+        fs.sync().expect("commit");
+        sizes = before;
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    for w in writers {
+        w.join().expect("writer");
+    }
+    let fs = std::sync::Arc::into_inner(fs).expect("last handle");
+    let (dev2, fs) = crash_and_reopen(fs, &dev);
+    for (ino, size) in files.iter().zip(sizes) {
+        let got = fs.getattr(*ino).expect("attr").size;
+        assert!(
+            got >= size,
+            "inode {ino}: {got} bytes after the crash, {size} before the last commit"
+        );
+        let data = fs.read(*ino, 0, got as usize).expect("read");
+        for (n, chunk) in data.chunks(7_000).enumerate() {
+            let off = n as u64 * 7_000;
+            assert_eq!(
+                chunk,
+                &pattern((off / 7) as u8, 7_000)[..chunk.len()],
+                "inode {ino} at {off}"
+            );
+        }
+    }
+    close_and_check_clean(fs, &dev2, "after concurrent commits");
+}
+
+/// With buffering off (`OpenOptions::buffered` false) every write reaches the device before
+/// it returns, as before the buffered path existed.
+#[test]
+fn buffering_off_writes_through() {
+    let dev = common::fresh_device(32 << 20);
+    let fs = birch_core::Filesystem::open_device(
+        dev.clone(),
+        birch_core::vfs::OpenOptions {
+            commit_interval: None,
+            buffered: false,
+            ..Default::default()
+        },
+    )
+    .expect("open");
+    let (f, _) = fs
+        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .expect("create");
+    let before = fs.engine().device().counters().values().device_writes;
+    fs.write(f.ino, 0, &pattern(1, 100_000), false)
+        .expect("write");
+    assert!(fs.engine().device().counters().values().device_writes > before);
+    assert_eq!(fs.engine().counters().values().buffered_blocks, 0);
+    close_and_check_clean(fs, &dev, "write-through");
+}
