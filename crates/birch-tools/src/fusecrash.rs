@@ -293,13 +293,14 @@ pub fn run(
     seed: u64,
     writeback: bool,
     caches: bool,
+    buffered: bool,
     states: usize,
     progress: &mut dyn FnMut(),
 ) -> CrashReport {
-    let name = variant_name(writeback, caches);
-    match record(seed, writeback, caches) {
+    let name = variant_name(writeback, caches, buffered);
+    match record(seed, writeback, caches, buffered) {
         Ok((base, events, history)) => {
-            check_recording(name, seed, &base, &events, &history, states, progress)
+            check_recording(&name, seed, &base, &events, &history, states, progress)
         }
         Err(e) => CrashReport {
             states: 0,
@@ -311,19 +312,23 @@ pub fn run(
 type Recording = (Vec<u8>, Vec<Recorded>, History);
 
 /// How a FUSE run's mount is set up, as its report names it.
-pub fn variant_name(writeback: bool, caches: bool) -> &'static str {
-    match (writeback, caches) {
-        (true, true) => "fuse writeback=on",
-        (true, false) => "fuse writeback=on,ttl=0,keep_cache=off",
-        (false, true) => "fuse writeback=off",
-        (false, false) => "fuse writeback=off,ttl=0,keep_cache=off",
+pub fn variant_name(writeback: bool, caches: bool, buffered: bool) -> String {
+    let on = |b: bool| if b { "on" } else { "off" };
+    let mut name = format!("fuse writeback={}", on(writeback));
+    if !caches {
+        name.push_str(",ttl=0,keep_cache=off");
     }
+    if !buffered {
+        name.push_str(",buffer=off");
+    }
+    name
 }
 
-fn record(seed: u64, writeback: bool, caches: bool) -> Result<Recording, String> {
+fn record(seed: u64, writeback: bool, caches: bool, buffered: bool) -> Result<Recording, String> {
     let mut rng = Rng::new(seed);
     let quiet = OpenOptions {
         commit_interval: None,
+        buffered,
         ..Default::default()
     };
     let dev = Arc::new(MemDevice::new(96 << 20));

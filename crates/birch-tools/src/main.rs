@@ -595,12 +595,16 @@ fn crashtest(
     }
     for i in 0..fuse_runs {
         // Every setting of the mount's caches in turn: the writeback cache in two runs of
-        // three, the name/attribute and page caches (ttl, keep_cache) in every other run.
+        // three, the name/attribute and page caches (ttl, keep_cache) in every other run, the
+        // daemon's write buffer in three runs of four.
         let writeback = i % 3 != 2;
         let caches = i % 2 == 0;
-        bar.set_message(fusecrash::variant_name(writeback, caches));
+        let buffered = i % 4 != 3;
+        bar.set_message(fusecrash::variant_name(writeback, caches, buffered));
         let run_seed = seed.wrapping_add(1_000_000 + i);
-        let report = fusecrash::run(run_seed, writeback, caches, states, &mut || bar.inc(1));
+        let report = fusecrash::run(run_seed, writeback, caches, buffered, states, &mut || {
+            bar.inc(1)
+        });
         total += report.states;
         failures.extend(report.failures);
     }
