@@ -253,4 +253,10 @@ fn fsync_after_a_failed_buffered_flush_reports_eio_every_time() {
             .expect_err("fsync after the failed flush");
         assert_eq!(err.errno(), libc::EIO, "attempt {attempt}: {err}");
     }
+    assert_eq!(
+        fs.getattr(attr.ino).expect("attr").size,
+        8192,
+        "the lost write's growth of the file is undone"
+    );
+    assert_eq!(fs.read(attr.ino, 0, 8192).expect("read"), vec![1u8; 8192]);
 }

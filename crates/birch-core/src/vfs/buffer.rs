@@ -59,6 +59,10 @@ pub(crate) struct DirtyBuf {
     blocks: BTreeMap<u64, DirtyBlock>,
     /// Blocks this buffer holds reserved in the allocator.
     reserved: u64,
+    /// The file's size before the first buffered write that grew it since the last flush or
+    /// explicit size change: a flush that fails puts it back, so the size never covers data
+    /// that was lost.
+    size_before: Option<u64>,
 }
 
 impl DirtyBuf {
@@ -233,6 +237,9 @@ impl Filesystem {
                     .copy_from_slice(&bytes[(lo - offset) as usize..(hi - offset) as usize]);
             }
         }
+        if end > data.item.size && data.dirty.size_before.is_none() {
+            data.dirty.size_before = Some(data.item.size);
+        }
         data.item.size = data.item.size.max(end);
         let b = &self.inner.buffers;
         if !fresh.is_empty() {
@@ -274,6 +281,8 @@ impl Filesystem {
     /// the bytes from `from` in the block that holds it. Under the inode's write lock
     /// (truncate; the inode being freed drops everything with `from` 0).
     pub(crate) fn drop_buffered_from(&self, data: &mut InodeData, from: u64) {
+        // The caller sets the size now: a later failed flush keeps it.
+        data.dirty.size_before = None;
         if data.dirty.blocks.is_empty() {
             return;
         }
@@ -319,6 +328,7 @@ impl Filesystem {
         }
         let blocks = std::mem::take(&mut data.dirty.blocks);
         let mut reserved = std::mem::take(&mut data.dirty.reserved);
+        let size_before = data.dirty.size_before.take();
         let b = &self.inner.buffers;
         let count = blocks.len() as u64;
         b.dirty_bytes
@@ -335,6 +345,16 @@ impl Filesystem {
                     data.write_error = true;
                 }
                 log::error!("inode {ino}: flushing {count} buffered blocks failed: {e}");
+                if let Some(size) = size_before {
+                    // The lost writes grew the file: its size goes back, so no commit holds
+                    // a size that covers data never written.
+                    data.item.size = size.min(data.item.size);
+                    if let Err(store) = self.store_inode(ino, data) {
+                        log::error!(
+                            "inode {ino}: restoring the size after a failed flush: {store}"
+                        );
+                    }
+                }
                 return Err(e);
             }
         };
