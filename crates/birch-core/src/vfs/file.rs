@@ -302,7 +302,20 @@ impl Filesystem {
     ) -> Result<(u32, bool)> {
         let state = self.inode(ino)?;
         // Buffered unless told otherwise; decided again under the locks (a drain may begin).
-        let buffer = !through && self.buffering();
+        // Buffered unless told otherwise, or unless this is a whole-block write to a file whose
+        // every change since the commit is in the fsync log (log-clean: it is being fsync'd
+        // write by write, as a database does): written through, the write queues its own
+        // records and the fsync after it only waits for the batch, where a buffered write would
+        // make that fsync flush and then collect the file's changed items.
+        let whole_blocks = !append
+            && !bytes.is_empty()
+            && offset % BLOCK_SIZE == 0
+            && bytes.len() as u64 % BLOCK_SIZE == 0;
+        let buffer = !through
+            && self.buffering()
+            && !(whole_blocks
+                && self.inner.fsync_mode == FsyncMode::Log
+                && self.log_clean_ticket(ino, &state, true)?.is_some());
         if !buffer {
             // Written through: what this file buffered goes first, so the buffer never
             // holds older bytes than the extents.
@@ -381,7 +394,7 @@ impl Filesystem {
                 self.write_locked(ino, &mut data, offset, bytes, None)?;
             }
             None => {
-                let buffer_now = !through && self.buffering();
+                let buffer_now = buffer && self.buffering();
                 if !buffer_now {
                     // A drain began, or a write-through raced a buffered write in.
                     self.flush_locked(ino, &mut data)?;
