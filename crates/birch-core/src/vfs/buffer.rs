@@ -208,11 +208,18 @@ impl Filesystem {
         for &index in &fresh {
             let start = index * BLOCK_SIZE;
             let whole = offset <= start && end >= start + BLOCK_SIZE;
-            let mut block = vec![0u8; BLOCK_SIZE as usize].into_boxed_slice();
-            if !whole && start < data.item.size {
-                let old = self.read_locked(ino, data, start, BLOCK_SIZE as usize)?;
-                block[..old.len()].copy_from_slice(&old);
-            }
+            let block: Box<[u8]> = if whole {
+                // Copied once, straight from the request (the copy below rewrites the same).
+                let at = (start - offset) as usize;
+                Box::from(&bytes[at..at + BLOCK_SIZE as usize])
+            } else {
+                let mut block = vec![0u8; BLOCK_SIZE as usize].into_boxed_slice();
+                if start < data.item.size {
+                    let old = self.read_locked(ino, data, start, BLOCK_SIZE as usize)?;
+                    block[..old.len()].copy_from_slice(&old);
+                }
+                block
+            };
             let counted = !mapped.iter().any(|(s, e)| *s <= start && start < *e);
             made.push((
                 index,
@@ -232,6 +239,9 @@ impl Filesystem {
             let start = index * BLOCK_SIZE;
             let lo = start.max(offset);
             let hi = (start + BLOCK_SIZE).min(end);
+            if lo == start && hi == start + BLOCK_SIZE && fresh.binary_search(&index).is_ok() {
+                continue; // made from these bytes above
+            }
             if let Some(block) = data.dirty.blocks.get_mut(&index) {
                 block.bytes[(lo - start) as usize..(hi - start) as usize]
                     .copy_from_slice(&bytes[(lo - offset) as usize..(hi - offset) as usize]);
@@ -388,7 +398,6 @@ impl Filesystem {
         let mut goal = self.continuation_goal(ino, first_offset)?;
         let mut taken: Vec<(u64, u64)> = Vec::new();
         let mut runs: Vec<(u64, u64, Vec<u32>)> = Vec::new();
-        let mut buf: Vec<u8> = Vec::new();
         let mut done = 0u64;
         let fail = |taken: &[(u64, u64)], e: Error| -> Error {
             for (addr, got) in taken {
@@ -410,11 +419,17 @@ impl Filesystem {
             alloc.unreserve(from_reserve);
             *reserved -= from_reserve;
             taken.push((addr, got));
-            buf.clear();
+            // One buffer for the run, started at a block-aligned address so the device's
+            // O_DIRECT write takes it as it is (no bounce copy).
+            let len = (got * BLOCK_SIZE) as usize;
+            let mut raw: Vec<u8> = Vec::with_capacity(len + BLOCK_SIZE as usize);
+            let pad = raw.as_ptr().align_offset(BLOCK_SIZE as usize);
+            raw.resize(pad, 0);
             for (_, block) in &list[done as usize..(done + got) as usize] {
-                buf.extend_from_slice(&block.bytes);
+                raw.extend_from_slice(&block.bytes);
             }
-            if let Err(e) = self.inner.engine.device().write_at(&buf, addr) {
+            let buf = &raw[pad..pad + len];
+            if let Err(e) = self.inner.engine.device().write_at(buf, addr) {
                 let first = list[done as usize].0 * BLOCK_SIZE;
                 return Err(fail(
                     &taken,
