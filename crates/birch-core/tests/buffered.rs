@@ -351,3 +351,34 @@ fn whole_block_writes_to_a_log_clean_file_go_through() {
     assert_eq!(fs.read(f.ino, 0, 64 * 1024).expect("read"), want);
     close_and_check_clean(fs, &dev2, "after page writes");
 }
+
+/// A file whose state leaves the inode table (closed, forgotten by the kernel) with buffered
+/// data: the data goes to disk on the way out, so the state loaded next reads it.
+#[test]
+fn an_evicted_file_keeps_its_buffered_data() {
+    let (dev, fs) = fresh(64 << 20);
+    let (f, fh) = fs
+        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .expect("create");
+    fs.write(f.ino, 0, &pattern(3, 100_000), false)
+        .expect("write");
+    fs.release(f.ino, fh).expect("close");
+    let flushes = fs.engine().counters().values().buffer_flushes;
+    fs.forget(f.ino, 1);
+    assert_eq!(
+        fs.engine().counters().values().buffer_flushes,
+        flushes + 1,
+        "eviction flushed"
+    );
+    assert_eq!(
+        fs.read(f.ino, 0, 100_000).expect("read"),
+        pattern(3, 100_000)
+    );
+    fs.sync().expect("commit");
+    let (dev2, fs) = crash_and_reopen(fs, &dev);
+    assert_eq!(
+        fs.read(f.ino, 0, 100_000).expect("read"),
+        pattern(3, 100_000)
+    );
+    close_and_check_clean(fs, &dev2, "after eviction");
+}

@@ -640,6 +640,22 @@ impl Filesystem {
     }
 
     fn evict_if_unused(&self, ino: u64) -> Result<()> {
+        // Buffered data of a file with names goes to disk while its state is still in the
+        // table: a lookup that raced the eviction would otherwise load a state whose size
+        // covers data still in the old state's buffer.
+        let present = self.shard(ino).lock().get(&ino).cloned();
+        if let Some(state) = present {
+            let unused = state.lookups.load(Ordering::SeqCst) == 0
+                && state.opens.load(Ordering::SeqCst) == 0;
+            let buffered = {
+                let data = state.data.read();
+                data.item.nlink > 0 && !data.dirty.is_empty()
+            };
+            if unused && buffered {
+                let mut data = state.data.write();
+                self.flush_locked(ino, &mut data)?;
+            }
+        }
         let state = {
             let mut shard = self.shard(ino).lock();
             let Some(state) = shard.get(&ino) else {
@@ -657,7 +673,7 @@ impl Filesystem {
             (data.item.nlink == 0 && !data.freed, !data.dirty.is_empty())
         };
         if buffered && !needs_free {
-            // The state leaves the table: its buffered data goes to disk first.
+            // Buffered again between the flush above and the removal: flush it now.
             let mut data = state.data.write();
             self.flush_locked(ino, &mut data)?;
         }
