@@ -158,8 +158,9 @@ impl Filesystem {
         b.enabled && !b.draining.load(Ordering::SeqCst)
     }
 
-    /// Buffers `bytes` at `offset` of a regular file whose data is in blocks (not inline),
-    /// with the inode's write lock and the engine's gate held. Updates size and `nbytes`,
+    /// Buffers `bytes` (not empty, ending within the file size limit) at `offset` of a regular
+    /// file whose data is in blocks (not inline), with the inode's write lock and the engine's
+    /// gate held. Updates size and `nbytes`,
     /// not times; the caller stores the inode item.
     pub(crate) fn buffer_write_locked(
         &self,
@@ -169,13 +170,9 @@ impl Filesystem {
         offset: u64,
         bytes: &[u8],
     ) -> Result<()> {
-        if bytes.is_empty() {
-            return Ok(());
-        }
-        let end = offset
-            .checked_add(bytes.len() as u64)
-            .filter(|e| *e <= MAX_FILE_BYTES)
-            .ok_or_else(|| Error::TooBig(format!("write to inode {ino} at {offset}")))?;
+        // The caller (write_locked) checked the range: non-empty, ending within the limit.
+        let end = offset + bytes.len() as u64;
+        debug_assert!(!bytes.is_empty() && end <= MAX_FILE_BYTES);
         let first = offset / BLOCK_SIZE;
         let last = (end - 1) / BLOCK_SIZE;
         let fresh: Vec<u64> = (first..=last).filter(|b| !data.dirty.holds(*b)).collect();

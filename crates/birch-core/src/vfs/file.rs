@@ -301,12 +301,12 @@ impl Filesystem {
         through: bool,
     ) -> Result<(u32, bool)> {
         let state = self.inode(ino)?;
-        // Buffered unless told otherwise; decided again under the locks (a drain may begin).
         // Buffered unless told otherwise, or unless this is a whole-block write to a file whose
         // every change since the commit is in the fsync log (log-clean: it is being fsync'd
         // write by write, as a database does): written through, the write queues its own
         // records and the fsync after it only waits for the batch, where a buffered write would
-        // make that fsync flush and then collect the file's changed items.
+        // make that fsync flush and then collect the file's changed items. Decided again under
+        // the locks (a drain may begin meanwhile).
         let whole_blocks = !append
             && !bytes.is_empty()
             && offset % BLOCK_SIZE == 0
