@@ -382,3 +382,37 @@ fn an_evicted_file_keeps_its_buffered_data() {
     );
     close_and_check_clean(fs, &dev2, "after eviction");
 }
+
+/// A commit after writing many small files (an unpacked tree): the drain flushes them from
+/// several threads, and every file is whole after a crash that follows the commit.
+#[test]
+fn a_drain_of_many_files_keeps_them_all() {
+    let (dev, fs) = fresh(128 << 20);
+    let files: Vec<u64> = (0..300u32)
+        .map(|n| {
+            let (f, fh) = fs
+                .create(Caller::default(), 1, format!("f{n}").as_bytes(), 0o644, 0)
+                .expect("create");
+            fs.write(f.ino, 0, &pattern(n as u8, 3_000 + n as usize * 37), false)
+                .expect("write");
+            fs.release(f.ino, fh).expect("close");
+            f.ino
+        })
+        .collect();
+    let flushes = fs.engine().counters().values().buffer_flushes;
+    fs.sync().expect("commit");
+    assert_eq!(
+        fs.engine().counters().values().buffer_flushes - flushes,
+        300,
+        "one flush per file"
+    );
+    let (dev2, fs) = crash_and_reopen(fs, &dev);
+    for (n, ino) in files.iter().enumerate() {
+        let len = 3_000 + n * 37;
+        assert_eq!(
+            fs.read(*ino, 0, len + 10).expect("read"),
+            pattern(n as u8, len)
+        );
+    }
+    close_and_check_clean(fs, &dev2, "after a drain of many files");
+}

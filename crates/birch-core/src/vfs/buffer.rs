@@ -40,6 +40,10 @@ use super::{Filesystem, InodeData, InodeState};
 use crate::alloc::Purpose;
 use crate::error::{Error, Result};
 
+/// Most threads a drain flushes files with, and files per thread before it adds one.
+const DRAIN_WORKERS: usize = 8;
+const DRAIN_FILES_PER_WORKER: usize = 16;
+
 /// The dirty limit before the device's speed is known, and its bounds.
 const START_LIMIT: u64 = 64 << 20;
 const MIN_LIMIT: u64 = 8 << 20;
@@ -472,8 +476,16 @@ impl Filesystem {
         // A write that read `draining` as false holds the gate until it has buffered and put
         // its inode in the dirty set: after the barrier, the set is complete.
         self.inner.engine.barrier();
-        let dirty = std::mem::take(&mut *b.dirty.lock());
-        for (ino, state) in dirty {
+        let dirty: Vec<(u64, Arc<InodeState>)> =
+            std::mem::take(&mut *b.dirty.lock()).into_iter().collect();
+        // Many small files (an unpacked tree) are many small device writes: a few threads
+        // keep several in flight, each file under its own lock only.
+        let workers = (dirty.len() / DRAIN_FILES_PER_WORKER).clamp(1, DRAIN_WORKERS);
+        let queue = Mutex::new(dirty);
+        let drain_one = || loop {
+            let Some((ino, state)) = queue.lock().pop() else {
+                return;
+            };
             let mut data = state.data.write();
             if data.freed {
                 self.drop_buffered_from(&mut data, 0);
@@ -485,7 +497,13 @@ impl Filesystem {
                 // commit goes on without them rather than stop every other file's.
                 log::error!("commit: buffered data of inode {ino} lost: {e}");
             }
-        }
+        };
+        std::thread::scope(|scope| {
+            for _ in 1..workers {
+                scope.spawn(drain_one);
+            }
+            drain_one();
+        });
         self.inner.engine.commit_then(move || {
             b.draining.store(false, Ordering::SeqCst);
             drop(guard);
