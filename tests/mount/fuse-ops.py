@@ -8,7 +8,7 @@ forget, getattr, setattr, readlink, mknod, mkdir, unlink, rmdir, symlink, rename
 opendir, readdir, readdirplus, releasedir, fsyncdir, statfs, setxattr, getxattr, listxattr,
 removexattr, access, create, fallocate, lseek (SEEK_DATA/SEEK_HOLE), copy_file_range,
 getlk/setlk, O_DIRECT, mmap, O_TMPFILE, suid/sgid clearing (FUSE_HANDLE_KILLPRIV_V2) on write,
-truncate and chown; ioctl and bmap are skipped. After unmount, `birch fsck` must be clean.
+truncate, chown and fallocate, file handles (open_by_handle_at of uncached inodes); ioctl and bmap are skipped. After unmount, `birch fsck` must be clean.
 Expected errnos and behaviours were checked against ext4 with --ref (below): the tests pass
 there except where birchfs documents a difference (O_TMPFILE, xattr value limits).
 
@@ -1468,6 +1468,99 @@ def op_killpriv_sgid(d):
     user_ok("append", append)
     ok, m = wait_mode(0o767)
     check(ok, f"write by nobody (not in group 0) to a 06767 file left mode {m}, expected 767")
+
+
+@test
+def op_killpriv_fallocate(d):
+    """fallocate (plain, punch hole, zero range) and copy_file_range into a file by a caller
+    without CAP_FSETID clear suid,
+    and sgid as a write would (xfstests generic/683-685). With FUSE_HANDLE_KILLPRIV_V2 the
+    kernel sends no kill flag for fallocate and refreshes only size and times afterwards: the
+    daemon decides from the caller and invalidates the cached mode. Root keeps both bits."""
+    f, wait_mode, _ = _killpriv_setup(d)
+    for what, mode, off in (("fallocate", 0, 0), ("punch hole", FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0),
+                            ("zero range", FALLOC_FL_ZERO_RANGE, 0)):
+        os.chmod(f, 0o6666)
+        mode_of(f)  # the kernel caches the mode with the suid/sgid bits
+
+        def falloc(mode=mode, off=off):
+            fd = os.open(f, os.O_WRONLY)
+            try:
+                fallocate(fd, mode, off, 4096)
+            finally:
+                os.close(fd)
+
+        user_ok(what, falloc)
+        ok, m = wait_mode(0o666)
+        check(ok, f"{what} by nobody of a 06666 root file left mode {m}, expected 666")
+        os.chmod(f, 0o6666)
+        falloc()
+        time.sleep(0.2)
+        check(statx_sync(f)["mode"] & 0o7777 == 0o6666, f"{what} by root changed mode to {oct(mode_of(f))}")
+    src = J(d, "src")
+    wfile(src, b"c" * 4096)
+    os.chmod(f, 0o6666)
+    mode_of(f)
+
+    def copy():
+        fi, fo = os.open(src, os.O_RDONLY), os.open(f, os.O_WRONLY)
+        try:
+            os.copy_file_range(fi, fo, 4096, 0, 0)
+        finally:
+            os.close(fi)
+            os.close(fo)
+
+    user_ok("copy_file_range", copy)
+    ok, m = wait_mode(0o666)
+    check(ok, f"copy_file_range by nobody into a 06666 root file left mode {m}, expected 666")
+
+
+def name_to_handle_at(path):
+    """The file handle of `path` (struct file_handle: bytes, type, handle)."""
+    buf = ctypes.create_string_buffer(8 + 128)
+    struct.pack_into("=Ii", buf, 0, 128, 0)
+    mount_id = ctypes.c_int()
+    _chk(libc.name_to_handle_at(AT_FDCWD, os.fsencode(path), buf, ctypes.byref(mount_id), 0), "name_to_handle_at")
+    return buf
+
+
+def open_by_handle_at(mount_fd, handle, flags):
+    return _chk(libc.open_by_handle_at(mount_fd, handle, flags), "open_by_handle_at")
+
+
+def drop_caches():
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
+
+
+@test
+def op_file_handles(d):
+    """open_by_handle_at of a file and a directory the kernel no longer caches (xfstests
+    generic/426, 467, 477, 756, 777): the kernel resolves such a handle with LOOKUP(ino, ".")
+    (any inode) and reconnects a directory with LOOKUP(ino, ".."); once the file is unlinked
+    the handle is stale (ESTALE)."""
+    if CTX.ref:
+        raise Skip("drops the caches of every filesystem")
+    os.mkdir(J(d, "sub"))
+    f = J(d, "sub", "file")
+    wfile(f, b"by handle")
+    fh, dh = name_to_handle_at(f), name_to_handle_at(J(d, "sub"))
+    mfd = os.open(CTX.mnt, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        drop_caches()
+        fd = open_by_handle_at(mfd, fh, os.O_RDONLY)
+        check(os.read(fd, 100) == b"by handle", "file opened by handle reads wrong data")
+        os.close(fd)
+        drop_caches()
+        fd = open_by_handle_at(mfd, dh, os.O_RDONLY | os.O_DIRECTORY)
+        check(sorted(os.listdir(fd)) == ["file"], "directory opened by handle lists wrong names")
+        os.close(fd)
+        os.unlink(f)
+        drop_caches()
+        expect_err("open_by_handle_at of an unlinked file", errno.ESTALE, open_by_handle_at, mfd, fh, os.O_RDONLY)
+    finally:
+        os.close(mfd)
 
 
 # --- running ---------------------------------------------------------------------------------

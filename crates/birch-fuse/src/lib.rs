@@ -276,6 +276,17 @@ impl BirchFuse {
         groups
     }
 
+    /// What Linux's `file_modified` does to a file changed by FALLOCATE or COPY_FILE_RANGE,
+    /// which with FUSE_HANDLE_KILLPRIV_V2 the kernel leaves to us without saying so: for a
+    /// caller without CAP_FSETID (for us, a caller other than root, as for truncate) suid
+    /// goes, and sgid as for a write. The caller invalidates the kernel's attributes.
+    fn kill_privs_of_modify(&self, req: &Request, ino: u64) -> birch_core::Result<()> {
+        if self.killpriv && req.uid() != 0 {
+            self.fs.kill_privs(ino, &self.caller_groups(req, ino))?;
+        }
+        Ok(())
+    }
+
     /// Where the mount puts the session's notifier once it exists.
     pub fn notifier_slot(&self) -> Arc<OnceLock<fuser::Notifier>> {
         self.notifier.clone()
@@ -958,7 +969,7 @@ impl fuser::Filesystem for BirchFuse {
 
     fn fallocate(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
         offset: u64,
@@ -966,9 +977,14 @@ impl fuser::Filesystem for BirchFuse {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        match self.fs.fallocate(ino.0, offset, length, mode) {
+        let result = self
+            .fs
+            .fallocate(ino.0, offset, length, mode)
+            .and_then(|()| self.kill_privs_of_modify(req, ino.0));
+        match result {
             Ok(()) => {
-                // fallocate may clear suid/sgid and changes times and block counts.
+                // Times and block counts changed, and maybe the mode: the kernel refreshes
+                // only size and times after a FALLOCATE.
                 self.invalidate_attrs(ino.0);
                 reply.ok()
             }
@@ -978,7 +994,7 @@ impl fuser::Filesystem for BirchFuse {
 
     fn copy_file_range(
         &self,
-        _req: &Request,
+        req: &Request,
         ino_in: INodeNo,
         _fh_in: FileHandle,
         offset_in: u64,
@@ -996,7 +1012,17 @@ impl fuser::Filesystem for BirchFuse {
             offset_out,
             len.min(COPY_MAX),
         ) {
-            Ok(n) => reply.written(n as u32),
+            Ok(n) => {
+                // The destination is written: suid/sgid go as for a WRITE (which the kernel
+                // flags; a COPY_FILE_RANGE carries no flag).
+                if n > 0 {
+                    match self.kill_privs_of_modify(req, ino_out.0) {
+                        Ok(()) => self.invalidate_attrs(ino_out.0),
+                        Err(e) => log::warn!("copy_file_range: clearing suid/sgid: {e}"),
+                    }
+                }
+                reply.written(n as u32)
+            }
             Err(e) => reply.error(errno("copy_file_range", &e)),
         }
     }

@@ -135,6 +135,21 @@ impl Filesystem {
     /// Looks up `name` in `parent`; counts a lookup.
     pub fn lookup(&self, parent: u64, name: &[u8]) -> Result<Attr> {
         check_name_or_dots(name)?;
+        if name == b"." {
+            // "." names any inode, not only a directory: the kernel resolves a file handle
+            // whose inode it no longer caches (open_by_handle_at, an NFS export) with
+            // LOOKUP(ino, "."). An inode with no names left answers ENOENT, which the kernel
+            // turns into ESTALE, as ext4 does for an unlinked inode.
+            let state = self.inode(parent)?;
+            if state.data.read().item.nlink == 0 {
+                return Err(Error::NotFound(format!(
+                    "lookup of . in unlinked inode {parent}"
+                )));
+            }
+            self.remember(&state);
+            let data = state.data.read();
+            return Ok(attr_of(parent, &data.item));
+        }
         let dir = self.dir_state(parent)?;
         if dir.data.read().item.nlink == 0 {
             // A removed directory has no entries, not even "." and ".." (Linux: dead dir).

@@ -194,6 +194,30 @@ impl Filesystem {
         Ok(dropped)
     }
 
+    /// [`Filesystem::kill_privs_locked`] as its own operation, for a change whose call carries
+    /// no caller: a fallocate (plain, punch hole, zero range) or a copy_file_range into `ino`
+    /// by a caller without CAP_FSETID (its groups, primary first, in `caller_groups`), which
+    /// Linux's `file_modified` treats as a write. Sets ctime when something was dropped.
+    /// Returns whether anything was dropped (a mode the kernel cached is stale then).
+    pub fn kill_privs(&self, ino: u64, caller_groups: &[u32]) -> Result<bool> {
+        let state = self.inode(ino)?;
+        let mut data = state.data.write();
+        let mode = data.item.mode;
+        if mode & libc::S_IFMT != libc::S_IFREG
+            || (mode & (libc::S_ISUID | libc::S_ISGID) == 0
+                && data.xattrs_absent.load(Ordering::Relaxed) & ABSENT_CAPABILITY != 0)
+        {
+            return Ok(false);
+        }
+        let _op = self.inner.engine.hold()?;
+        let dropped = self.kill_privs_locked(ino, &mut data, Some(caller_groups))?;
+        if dropped {
+            data.item.ctime = now();
+            self.store_inode(ino, &mut data)?;
+        }
+        Ok(dropped)
+    }
+
     /// Removes an xattr.
     pub fn removexattr(&self, ino: u64, name: &[u8]) -> Result<()> {
         check_xattr_name(name)?;
