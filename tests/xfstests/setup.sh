@@ -44,8 +44,14 @@ done
 if ((${#missing[@]})); then
   log "apt-get install ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  apt_log=$(mktemp)
+  if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}"; } \
+    >"$apt_log" 2>&1; then
+    cat "$apt_log" >&2
+    rm -f "$apt_log"
+    exit 1
+  fi
+  rm -f "$apt_log"
 else
   log "apt packages present"
 fi
