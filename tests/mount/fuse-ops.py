@@ -1515,6 +1515,46 @@ def op_killpriv_fallocate(d):
     check(ok, f"copy_file_range by nobody into a 06666 root file left mode {m}, expected 666")
 
 
+def posix_acl(*entries):
+    """The system.posix_acl_access value of (tag, perm, id) entries."""
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", t, p, i) for t, p, i in entries)
+
+
+ACL_USER_OBJ, ACL_USER, ACL_GROUP_OBJ, ACL_MASK, ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+ACL_XATTR = "system.posix_acl_access"
+
+
+@test
+def op_acl_mode(d):
+    """Setting an access ACL sets the mode (xfstests generic/099, 375): the kernel leaves to a
+    FUSE filesystem what posix_acl_update_mode does. Owner, mask (or group) and other become
+    the permission bits; an ACL of only the base entries is not stored (and one stored before
+    is removed); a caller outside the file's group without CAP_FSETID loses sgid."""
+    if CTX.ref:
+        raise Skip("compares with the kernel's own ACL code only on a mount")
+    os.chmod(d, 0o777)
+    f = J(d, "f")
+    wfile(f, b"x")
+    os.chmod(f, 0o754)
+    os.setxattr(f, ACL_XATTR, posix_acl((ACL_USER_OBJ, 4, 0), (ACL_GROUP_OBJ, 7, 0), (ACL_OTHER, 6, 0)))
+    check(mode_of(f) == 0o476, f"minimal ACL r--,rwx,rw- gave mode {oct(mode_of(f))}, expected 0o476")
+    check(ACL_XATTR not in os.listxattr(f), "an ACL the mode says all of was stored")
+    os.setxattr(f, ACL_XATTR, posix_acl((ACL_USER_OBJ, 7, 0), (ACL_USER, 5, NOBODY), (ACL_GROUP_OBJ, 7, 0),
+                                        (ACL_MASK, 2, 0), (ACL_OTHER, 0, 0)))
+    check(mode_of(f) == 0o720, f"ACL with mask -w- gave mode {oct(mode_of(f))}, expected 0o720")
+    check(ACL_XATTR in os.listxattr(f), "an ACL with a named user was not stored")
+    os.setxattr(f, ACL_XATTR, posix_acl((ACL_USER_OBJ, 6, 0), (ACL_GROUP_OBJ, 4, 0), (ACL_OTHER, 4, 0)))
+    check(mode_of(f) == 0o644 and ACL_XATTR not in os.listxattr(f),
+          f"a minimal ACL left mode {oct(mode_of(f))} and xattrs {os.listxattr(f)}")
+    minimal = posix_acl((ACL_USER_OBJ, 7, 0), (ACL_GROUP_OBJ, 7, 0), (ACL_OTHER, 7, 0))
+    for gid, want in ((NOBODY, 0o2777), (0, 0o777)):
+        os.chown(f, NOBODY, gid)
+        os.chmod(f, 0o2755)
+        mode_of(f)
+        user_ok("setxattr of an access ACL", lambda: os.setxattr(f, ACL_XATTR, minimal))
+        check(mode_of(f) == want, f"ACL set by its owner (group {gid}) gave mode {oct(mode_of(f))}, expected {oct(want)}")
+
+
 def name_to_handle_at(path):
     """The file handle of `path` (struct file_handle: bytes, type, handle)."""
     buf = ctypes.create_string_buffer(8 + 128)

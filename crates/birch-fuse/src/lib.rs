@@ -257,23 +257,15 @@ impl BirchFuse {
     /// of a write, truncate or chown of `ino` needs them: the supplementary groups (from
     /// /proc) only matter, and are only read, when the file has sgid without group-execute.
     fn caller_groups(&self, req: &Request, ino: u64) -> Vec<u32> {
-        let mut groups = vec![req.gid()];
         let needs_all = self
             .fs
             .getattr(ino)
             .is_ok_and(|a| a.perm & libc::S_ISGID != 0 && a.perm & libc::S_IXGRP == 0);
         if needs_all {
-            let status =
-                std::fs::read_to_string(format!("/proc/{}/status", req.pid())).unwrap_or_default();
-            if let Some(line) = status.lines().find(|l| l.starts_with("Groups:")) {
-                groups.extend(
-                    line["Groups:".len()..]
-                        .split_whitespace()
-                        .filter_map(|g| g.parse::<u32>().ok()),
-                );
-            }
+            self.all_groups(req)
+        } else {
+            vec![req.gid()]
         }
-        groups
     }
 
     /// What Linux's `file_modified` does to a file changed by FALLOCATE or COPY_FILE_RANGE,
@@ -285,6 +277,21 @@ impl BirchFuse {
             self.fs.kill_privs(ino, &self.caller_groups(req, ino))?;
         }
         Ok(())
+    }
+
+    /// The caller's groups, primary first, then its supplementary groups (from /proc).
+    fn all_groups(&self, req: &Request) -> Vec<u32> {
+        let mut groups = vec![req.gid()];
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", req.pid())).unwrap_or_default();
+        if let Some(line) = status.lines().find(|l| l.starts_with("Groups:")) {
+            groups.extend(
+                line["Groups:".len()..]
+                    .split_whitespace()
+                    .filter_map(|g| g.parse::<u32>().ok()),
+            );
+        }
+        groups
     }
 
     /// Where the mount puts the session's notifier once it exists.
@@ -876,7 +883,7 @@ impl fuser::Filesystem for BirchFuse {
 
     fn setxattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         name: &OsStr,
         value: &[u8],
@@ -891,10 +898,19 @@ impl fuser::Filesystem for BirchFuse {
             }
             return;
         }
-        match self.fs.setxattr(ino.0, name.as_bytes(), value, flags) {
+        let acl = name.as_bytes() == ACL_ACCESS;
+        // Setting an access ACL clears sgid for a caller outside the file's group without
+        // CAP_FSETID (the kernel says so only with FUSE_SETXATTR_EXT, which fuser 0.18 does
+        // not parse): for us a caller other than root, as for truncate.
+        let groups = (acl && req.uid() != 0).then(|| self.all_groups(req));
+        match self
+            .fs
+            .setxattr_by(ino.0, name.as_bytes(), value, flags, groups.as_deref())
+        {
             Ok(()) => {
-                if name.as_bytes() == ACL_ACCESS {
-                    // An access ACL sets the mode's group bits from its mask.
+                if acl {
+                    // An access ACL sets the mode (the kernel refreshes it after SETXATTR of
+                    // an ACL; other callers of the library have no cache to drop).
                     self.invalidate_attrs(ino.0);
                 }
                 reply.ok()
