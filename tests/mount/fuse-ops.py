@@ -1137,6 +1137,10 @@ def op_lseek(d):
     expect_err("SEEK_DATA in a trailing hole", errno.ENXIO, os.lseek, fd, 2 * MiB, os.SEEK_DATA)
     check(os.lseek(fd, 2 * MiB, os.SEEK_HOLE) == 2 * MiB, "SEEK_HOLE in a trailing hole")
     expect_err("lseek with a negative offset", errno.EINVAL, os.lseek, fd, -1, os.SEEK_SET)
+    # As ext4 and xfs (xfstests generic/448, seek_sanity_test 18).
+    for whence, name in ((os.SEEK_DATA, "SEEK_DATA"), (os.SEEK_HOLE, "SEEK_HOLE")):
+        for off in (-1, -(1 << 63)):
+            expect_err(f"{name} at offset {off}", errno.ENXIO, os.lseek, fd, off, whence)
     expect_err("lseek with an unknown whence", errno.EINVAL, os.lseek, fd, 0, 17)
     os.close(fd)
     dense = J(d, "dense")

@@ -1053,7 +1053,9 @@ impl fuser::Filesystem for BirchFuse {
         reply: ReplyLseek,
     ) {
         let Ok(offset) = u64::try_from(offset) else {
-            reply.error(Errno::EINVAL);
+            // The kernel forwards only SEEK_DATA and SEEK_HOLE; at a negative offset both
+            // answer ENXIO, as on ext4 and xfs (no data or hole "there").
+            reply.error(Errno::ENXIO);
             return;
         };
         if self.writeback
