@@ -1519,6 +1519,50 @@ def op_killpriv_fallocate(d):
     check(ok, f"copy_file_range by nobody into a 06666 root file left mode {m}, expected 666")
 
 
+@test
+def op_noatime(d):
+    """On a `noatime` mount no read moves atime (xfstests generic/120: executing a file moved
+    it): neither an open for reading nor a READ that reaches the daemon (here an O_DIRECT
+    read, as exec and mmap reads are). The kernel cannot apply the mount's flag itself: FUSE
+    inodes are S_NOATIME to it. The same reads on a default (relatime) mount do move it."""
+    if CTX.ref:
+        raise Skip("mounts an image of its own")
+    work = tempfile.mkdtemp(prefix="birch-noatime.", dir="/var/tmp")
+    img, m = J(work, "img"), J(work, "mnt")
+    os.mkdir(m)
+    try:
+        r = run([BIRCH, "mkfs", "--size", "64M", img])
+        check(r.returncode == 0, f"mkfs: {r.stdout}")
+        for opts, moves in (("noatime", False), ("relatime", True)):
+            r = run([BIRCH, "mount", "-o", opts, img, m])
+            check(r.returncode == 0, f"mount -o {opts}: {r.stdout}")
+            try:
+                f = J(m, "f")
+                wfile(f, b"r" * 8192)
+                for how in ("open", "O_DIRECT read"):
+                    os.utime(f, ns=(1_000_000_000, 2_000_000_000))  # atime before mtime
+                    if how == "open":
+                        os.close(os.open(f, os.O_RDONLY))
+                    else:
+                        fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+                        try:
+                            os.preadv(fd, [mmap.mmap(-1, 4096)], 0)
+                        finally:
+                            os.close(fd)
+                    atime = os.stat(f).st_atime_ns
+                    check((atime != 1_000_000_000) == moves,
+                          f"{how} on a {opts} mount: atime {atime} ({'should' if moves else 'must not'} move)")
+            finally:
+                r = run([BIRCH, "umount", m])
+                check(r.returncode == 0, f"umount: {r.stdout}")
+        r = run([BIRCH, "fsck", img])
+        check(r.returncode == 0, f"fsck after the atime mounts: {r.stdout}")
+    finally:
+        if os.path.ismount(m):
+            run(["umount", "-l", m])
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def posix_acl(*entries):
     """The system.posix_acl_access value of (tag, perm, id) entries."""
     return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", t, p, i) for t, p, i in entries)

@@ -689,7 +689,15 @@ impl fuser::Filesystem for BirchFuse {
         _lock: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        match self.fs.read_noting_atime(ino.0, offset, size as usize) {
+        let read = if self.options.atime {
+            self.fs.read_noting_atime(ino.0, offset, size as usize)
+        } else {
+            // noatime: no read moves atime (exec and mmap reads reach us too).
+            self.fs
+                .read_without_atime(ino.0, offset, size as usize)
+                .map(|data| (data, false))
+        };
+        match read {
             Ok((data, atime_moved)) => {
                 if atime_moved {
                     self.invalidate_attrs(ino.0);

@@ -1233,6 +1233,18 @@ impl Filesystem {
         Ok(out)
     }
 
+    /// [`Filesystem::read`] without touching atime: for a `noatime` mount, where no read
+    /// moves it (Linux: `MNT_NOATIME`, which the kernel cannot apply for a FUSE filesystem:
+    /// its inodes are `S_NOATIME` and atime is the filesystem's).
+    pub fn read_without_atime(&self, ino: u64, offset: u64, size: usize) -> Result<Vec<u8>> {
+        let state = self.inode(ino)?;
+        let data = state.data.read();
+        if data.item.mode & libc::S_IFMT == libc::S_IFDIR {
+            return Err(Error::IsDir(format!("read of dir {ino}")));
+        }
+        self.read_locked(ino, &data, offset, size)
+    }
+
     /// Resolves an absolute path inside the filesystem to an inode (embedded use). Follows no
     /// symlinks.
     pub fn resolve(&self, path: &str) -> Result<u64> {
