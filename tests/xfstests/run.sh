@@ -2,6 +2,7 @@
 # xfstests (the Linux filesystem test suite) on birchfs through FUSE.
 #
 #   tests/xfstests/run.sh                   # generic/quick on birch (FSTYP=fuse), fsck after each test
+#   tests/xfstests/run.sh --ci              # the CI subset (ci-tests.txt: why and which)
 #   tests/xfstests/run.sh generic/001 ...   # only these tests (or any check(1) arguments: -g GROUP)
 #   tests/xfstests/run.sh --ext4 [TESTS]    # the same tests on kernel ext4 (loop devices);
 #                                           # default TESTS: the excluded ones (exclude.txt)
@@ -37,11 +38,18 @@ FSCK_EACH=${BIRCH_XFSTESTS_FSCK_EACH:-1}
 EXCLUDE=$HERE/exclude.txt
 
 target=birch
+ci=0
 if [[ ${1:-} == --ext4 ]]; then
   target=ext4
   shift
+elif [[ ${1:-} == --ci ]]; then
+  ci=1
+  shift
 fi
 args=("$@")
+if ((ci)); then
+  mapfile -t args < <(sed -e 's/#.*//' -e 's/[[:space:]]//g' "$HERE/ci-tests.txt" | grep -v '^$')
+fi
 if ((${#args[@]} == 0)); then
   if [[ $target == birch ]]; then
     args=(-g quick)
@@ -67,7 +75,12 @@ mkdir -p "$WORK_DIR/test" "$WORK_DIR/scratch"
 CONFIG=$WORK_DIR/local.config
 
 if [[ $target == birch ]]; then
-  # mount(8) runs mount.fuse.birch for `mount -t fuse.birch` (and for remounts).
+  # The run uses a copy of the binary: a rebuild during the run changes nothing. mount(8) runs
+  # mount.fuse.birch for `mount -t fuse.birch` (and remounts); it is one file for the whole
+  # machine, so another run that installs a different binary meanwhile would mix binaries:
+  # checked at the end.
+  install -m 0755 "$BIRCH" "$WORK_DIR/birch"
+  BIRCH=$WORK_DIR/birch
   cmp -s "$BIRCH" /usr/sbin/mount.fuse.birch || install -m 0755 "$BIRCH" /usr/sbin/mount.fuse.birch
   for name in test scratch; do
     timeout -k 5 120 "$BIRCH" mkfs --force --size "$IMG_SIZE" "$WORK_DIR/$name.img" >/dev/null ||
@@ -150,6 +163,10 @@ for name in test scratch; do
   fi
 done
 
+if [[ $target == birch ]] && ! cmp -s "$BIRCH" /usr/sbin/mount.fuse.birch; then
+  log "xfstests: /usr/sbin/mount.fuse.birch was replaced during the run: the tests may have run another binary"
+  rc=1
+fi
 python3 "$HERE/summary.py" "$RESULTS_DIR/results" "$XFSTESTS_DIR" "$EXCLUDE" "$target" \
   "$took" | tee "$RESULTS_DIR/summary.txt"
 summary_rc=${PIPESTATUS[0]}

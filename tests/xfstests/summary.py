@@ -8,7 +8,8 @@ Reads the suite's output (RESULTS/../check.log, one block per test: `generic/001
 a message of the per-test check) and the RESULTS tree (NNN.out.bad beside the golden output).
 A failure's first line is the first line its output added to the golden output (else the first
 it lost), or the suite's own message when the output matched (a failed fsck, dmesg, exit status).
-Also prints the excluded tests with their reasons. Exit 1 when a test failed, else 0.
+Also prints the excluded tests with their reasons, and writes passed.txt, failed.txt and
+notrun.txt beside the log. Exit 1 when a test failed, else 0.
 """
 import difflib
 import os
@@ -66,6 +67,12 @@ for test in order:
         passed.append(test)
     else:  # the run stopped inside this test (time limit)
         failed.append((test, "did not finish (the run was stopped)"))
+
+# The lists beside the log: passed.txt is what ci-tests.txt is made from (see run.sh --ci).
+out_dir = os.path.dirname(results)
+for name, tests in (("passed", passed), ("failed", [t for t, _ in failed]), ("notrun", [t for t, _ in notrun])):
+    with open(os.path.join(out_dir, name + ".txt"), "w") as f:
+        f.writelines(t + "\n" for t in tests)
 
 reasons = {}
 if os.path.exists(exclude_file):
