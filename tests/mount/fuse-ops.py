@@ -8,7 +8,9 @@ forget, getattr, setattr, readlink, mknod, mkdir, unlink, rmdir, symlink, rename
 opendir, readdir, readdirplus, releasedir, fsyncdir, statfs, setxattr, getxattr, listxattr,
 removexattr, access, create, fallocate, lseek (SEEK_DATA/SEEK_HOLE), copy_file_range,
 getlk/setlk, O_DIRECT, mmap, O_TMPFILE, suid/sgid clearing (FUSE_HANDLE_KILLPRIV_V2) on write,
-truncate, chown and fallocate, file handles (open_by_handle_at of uncached inodes); ioctl and bmap are skipped. After unmount, `birch fsck` must be clean.
+truncate, chown, fallocate and copy_file_range, the mode an access ACL sets, file handles
+(open_by_handle_at of uncached inodes), noatime; ioctl and bmap are skipped. After unmount,
+`birch fsck` must be clean.
 Expected errnos and behaviours were checked against ext4 with --ref (below): the tests pass
 there except where birchfs documents a difference (O_TMPFILE, xattr value limits).
 
