@@ -1522,6 +1522,26 @@ def op_killpriv_fallocate(d):
 
 
 @test
+def op_readdir_renames(d):
+    """A listing ends while the reader renames each entry away and back as it reads (xfstests
+    generic/736, which looped: "Found too many directory entries"). Each rename gives the name
+    a new position; an open directory's listing stops where the directory ended when it was
+    opened (or rewound). Every name is still returned at least once."""
+    n = 1500
+    for i in range(n):
+        os.close(os.open(J(d, f"{i}"), os.O_CREAT | os.O_WRONLY, 0o644))
+    seen, names = 0, set()
+    with os.scandir(d) as it:
+        for e in it:
+            seen += 1
+            check(seen <= 3 * n, f"listing does not end: {seen} entries for {n} files")
+            os.rename(J(d, e.name), J(d, "TEMPFILE"))
+            os.rename(J(d, "TEMPFILE"), J(d, e.name))
+            names.add(e.name)
+    check(len(names) == n, f"{len(names)} of {n} names listed")
+    check(sorted(os.listdir(d)) == sorted(str(i) for i in range(n)), "names after the renames")
+
+@test
 def op_noatime(d):
     """On a `noatime` mount no read moves atime (xfstests generic/120: executing a file moved
     it): neither an open for reading nor a READ that reaches the daemon (here an O_DIRECT

@@ -99,8 +99,60 @@ pub struct BirchFuse {
     /// Open handles with write access, per inode: the kernel can hold dirty pages of an inode
     /// only while one exists (it writes them back when the last one is closed).
     write_opens: WriteOpens,
+    /// The end of each open directory's listing (see `opendir`).
+    dir_ends: DirEnds,
     /// The invalidation thread's queue: invalidations that may wait for the kernel.
     invalidator: Invalidator,
+}
+
+/// The end position of each open directory's listing, by directory handle: a listing stops
+/// where the directory ended when it started (OPENDIR, or a READDIR at offset 0, which is
+/// `rewinddir`), so one that meets names renamed away and back (each gets a new position)
+/// still ends. Sharded like [`WriteOpens`].
+struct DirEnds {
+    next: std::sync::atomic::AtomicU64,
+    shards: Vec<parking_lot::Mutex<HashMap<u64, u64>>>,
+}
+
+impl DirEnds {
+    const SHARDS: usize = 16;
+
+    fn new() -> DirEnds {
+        DirEnds {
+            next: std::sync::atomic::AtomicU64::new(1),
+            shards: (0..Self::SHARDS)
+                .map(|_| parking_lot::Mutex::new(HashMap::new()))
+                .collect(),
+        }
+    }
+
+    fn shard(&self, fh: u64) -> &parking_lot::Mutex<HashMap<u64, u64>> {
+        &self.shards[(fh as usize) % Self::SHARDS]
+    }
+
+    /// A new handle whose listing ends at `end`.
+    fn open(&self, end: u64) -> u64 {
+        let fh = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.shard(fh).lock().insert(fh, end);
+        fh
+    }
+
+    /// The end of handle `fh`'s listing, renewed to `fresh()` at offset 0 (a new listing).
+    /// `None` for a handle not known (then the listing has no end).
+    fn end(&self, fh: u64, offset: u64, fresh: impl FnOnce() -> Option<u64>) -> Option<u64> {
+        if offset == 0 {
+            let end = fresh()?;
+            if let Some(e) = self.shard(fh).lock().get_mut(&fh) {
+                *e = end;
+            }
+            return Some(end);
+        }
+        self.shard(fh).lock().get(&fh).copied()
+    }
+
+    fn close(&self, fh: u64) {
+        self.shard(fh).lock().remove(&fh);
+    }
 }
 
 /// Open write handles per inode, in shards so that opens of different files rarely meet.
@@ -214,6 +266,7 @@ impl BirchFuse {
             notifier,
             writeback: false,
             write_opens: WriteOpens::new(),
+            dir_ends: DirEnds::new(),
         }
     }
 
@@ -292,6 +345,12 @@ impl BirchFuse {
             );
         }
         groups
+    }
+
+    /// The end of the listing of open directory `fh` (of inode `ino`) read from `offset`.
+    fn dir_end(&self, ino: u64, fh: FileHandle, offset: u64) -> Option<u64> {
+        self.dir_ends
+            .end(fh.0, offset, || self.fs.readdir_end(ino).ok())
     }
 
     /// Where the mount puts the session's notifier once it exists.
@@ -795,24 +854,44 @@ impl fuser::Filesystem for BirchFuse {
         }
     }
 
-    fn opendir(&self, _req: &Request, _ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        // No per-open directory state: readdir cookies are positions in the directory index,
-        // stable on their own. ENOSYS makes the kernel stop sending OPENDIR and RELEASEDIR
-        // (two round trips per listing) and cache listings itself (`FOPEN_CACHE_DIR`), which
-        // it drops whenever the directory changes through it; the daemon never changes a
-        // directory behind the kernel.
-        reply.error(Errno::ENOSYS);
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        // Readdir cookies are positions in the directory index, stable on their own; the one
+        // thing an open directory holds is where its listing ends (`DirEnds`), so that a
+        // reader renaming entries as it reads comes to an end (xfstests generic/736). That
+        // costs an OPENDIR and a RELEASEDIR per listing. The kernel caches listings
+        // (`FOPEN_CACHE_DIR`, kept across opens) and drops them whenever the directory
+        // changes through it; the daemon never changes a directory behind the kernel.
+        match self.fs.readdir_end(ino.0) {
+            Ok(end) => reply.opened(
+                FileHandle(self.dir_ends.open(end)),
+                FopenFlags::FOPEN_CACHE_DIR | FopenFlags::FOPEN_KEEP_CACHE,
+            ),
+            Err(e) => reply.error(errno("opendir", &e)),
+        }
+    }
+
+    fn releasedir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        self.dir_ends.close(fh.0);
+        reply.ok();
     }
 
     fn readdir(
         &self,
         _req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        match self.fs.readdir(ino.0, offset, 512) {
+        let end = self.dir_end(ino.0, fh, offset);
+        match self.fs.readdir_until(ino.0, offset, 512, end) {
             Ok(entries) => {
                 for e in entries {
                     if reply.add(
@@ -834,11 +913,12 @@ impl fuser::Filesystem for BirchFuse {
         &self,
         _req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
-        match self.fs.readdir(ino.0, offset, 256) {
+        let end = self.dir_end(ino.0, fh, offset);
+        match self.fs.readdir_until(ino.0, offset, 256, end) {
             Ok(entries) => {
                 for e in entries {
                     // Entries other than "." and ".." count as lookups the kernel later forgets.

@@ -1175,29 +1175,38 @@ impl Filesystem {
     }
 
     /// Up to `limit` entries of `dir` from cookie `offset` ("." is 0, ".." is 1, then the
-    /// dir index order).
-    ///
-    /// A listing ends at the last position that existed when it started (offset 0): a name
-    /// created, or renamed into the directory, later gets a new, higher position and is not
-    /// returned, so a reader that renames entries away and back as it reads still comes to an
-    /// end (xfstests generic/736; btrfs does the same). Such a listing's cookies carry its end
-    /// (`ReaddirCookie`); a cookie without one (an index of 2^31 or more) lists to the end
-    /// as it is at each call, and may then return a renamed entry again.
+    /// dir index order). Lists to the end of the directory as it is at each call.
     pub fn readdir(&self, dir: u64, offset: u64, limit: usize) -> Result<Vec<DirEntryOut>> {
+        self.readdir_until(dir, offset, limit, None)
+    }
+
+    /// The end of `dir`'s listing as it is now, for [`Filesystem::readdir_until`]: the
+    /// position the next name made in it (created, or renamed into it or within it) will take.
+    pub fn readdir_end(&self, dir: u64) -> Result<u64> {
         let state = self.dir_state(dir)?;
-        let d = state.data.read();
-        let (end, offset) = if offset == 0 {
-            let next = d.item.next_dir_index;
-            ((next <= ReaddirCookie::MAX_POS).then_some(next), 0)
-        } else {
-            ReaddirCookie::decode(offset)
-        };
-        let cookie = |pos: u64| ReaddirCookie::encode(end, pos);
+        let end = state.data.read().item.next_dir_index;
+        Ok(end)
+    }
+
+    /// [`Filesystem::readdir`] that stops at position `end` (from [`Filesystem::readdir_end`]
+    /// when the listing started; `None`: no stop). A name made after that, which includes a
+    /// name renamed away and back (each rename gives it a new position), is then not
+    /// returned, so a reader that renames entries as it reads still comes to an end (xfstests
+    /// generic/736; btrfs does the same). The FUSE adapter keeps one end per open directory.
+    pub fn readdir_until(
+        &self,
+        dir: u64,
+        offset: u64,
+        limit: usize,
+        end: Option<u64>,
+    ) -> Result<Vec<DirEntryOut>> {
+        let state = self.dir_state(dir)?;
+        let _d = state.data.read();
         let mut out = Vec::new();
         if offset == 0 {
             out.push(DirEntryOut {
                 ino: dir,
-                next_offset: cookie(1),
+                next_offset: 1,
                 kind: FileKind::Dir,
                 name: b".".to_vec(),
             });
@@ -1205,7 +1214,7 @@ impl Filesystem {
         if offset <= 1 && out.len() < limit {
             out.push(DirEntryOut {
                 ino: self.parent_of(dir)?,
-                next_offset: cookie(2),
+                next_offset: 2,
                 kind: FileKind::Dir,
                 name: b"..".to_vec(),
             });
@@ -1225,7 +1234,7 @@ impl Filesystem {
             };
             out.push(DirEntryOut {
                 ino: e.child,
-                next_offset: cookie(key.offset + 1),
+                next_offset: key.offset + 1,
                 kind: FileKind::from_dtype(e.file_type),
                 name: e.name,
             });
@@ -1263,38 +1272,6 @@ impl Filesystem {
             ino = entry.child;
         }
         Ok(ino)
-    }
-}
-
-/// A readdir cookie that carries the end of its listing: bit 62 set, the end (the directory's
-/// next index when the listing started) in bits 31-61, the position in bits 0-30. Bit 63 stays
-/// clear: a cookie is a non-negative `off_t`. A plain cookie is the position alone.
-struct ReaddirCookie;
-
-impl ReaddirCookie {
-    const BOUNDED: u64 = 1 << 62;
-    const POS_BITS: u32 = 31;
-    const MAX_POS: u64 = (1 << Self::POS_BITS) - 1;
-
-    fn encode(end: Option<u64>, pos: u64) -> u64 {
-        match end {
-            Some(end) if pos <= Self::MAX_POS && end <= Self::MAX_POS => {
-                Self::BOUNDED | end << Self::POS_BITS | pos
-            }
-            _ => pos,
-        }
-    }
-
-    /// The end (if bounded) and the position of a cookie.
-    fn decode(cookie: u64) -> (Option<u64>, u64) {
-        if cookie & Self::BOUNDED != 0 {
-            (
-                Some((cookie >> Self::POS_BITS) & Self::MAX_POS),
-                cookie & Self::MAX_POS,
-            )
-        } else {
-            (None, cookie)
-        }
     }
 }
 
