@@ -2,7 +2,7 @@
 # Runs every birchfs test tier and prints the time of each:
 #   1. fmt and clippy          2. unit, property and library tests (cargo test)
 #   3. mount tests on a real FUSE mount   4. pjdfstest (birch and the kernel ext4 baseline)
-#   5. fsx (3 seeds x 20,000 ops), the differential test against ext4
+#   5. fsx (3 seeds x 20,000 ops), xfstests generic/quick, the differential test against ext4
 #   6. benchmark harness in quick mode
 # Installs what the suites need (tests/posix/setup.sh). Needs root for tiers 3-6; without
 # /dev/fuse or root those tiers are skipped with a printed reason.
@@ -71,6 +71,13 @@ if [[ $can_mount == 1 ]]; then
   tier "FUSE op tests" python3 tests/mount/fuse-ops.py
   tier "pjdfstest birch vs ext4" pjdfstest_tier
   tier "fsx birch" bash tests/posix/fsx.sh birch
+  # xfstests generic/quick (633 tests; about 18 minutes here, 30 on a busy machine), birch
+  # fsck after every test. The failures tests/xfstests/known-failures.txt lists, each with
+  # its reason, are printed and do not fail the tier; any other does. Builds the suite once
+  # into /var/tmp/birch-xfstests. BIRCH_XFSTESTS=0 leaves it out.
+  if [[ ${BIRCH_XFSTESTS:-1} == 1 ]]; then
+    tier "xfstests generic/quick" bash tests/xfstests/run.sh --ci
+  fi
   tier "differential birch vs ext4" bash tests/posix/differential.sh
   # The benchmark harness in quick mode keeps it from rotting: it checks that every target
   # produced numbers, never how big they are. BIRCH_BENCH_QUICK=0 leaves it out.

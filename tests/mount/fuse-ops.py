@@ -8,7 +8,9 @@ forget, getattr, setattr, readlink, mknod, mkdir, unlink, rmdir, symlink, rename
 opendir, readdir, readdirplus, releasedir, fsyncdir, statfs, setxattr, getxattr, listxattr,
 removexattr, access, create, fallocate, lseek (SEEK_DATA/SEEK_HOLE), copy_file_range,
 getlk/setlk, O_DIRECT, mmap, O_TMPFILE, suid/sgid clearing (FUSE_HANDLE_KILLPRIV_V2) on write,
-truncate and chown; ioctl and bmap are skipped. After unmount, `birch fsck` must be clean.
+truncate, chown, fallocate and copy_file_range, the mode an access ACL sets, file handles
+(open_by_handle_at of uncached inodes), noatime; ioctl and bmap are skipped. After unmount,
+`birch fsck` must be clean.
 Expected errnos and behaviours were checked against ext4 with --ref (below): the tests pass
 there except where birchfs documents a difference (O_TMPFILE, xattr value limits).
 
@@ -1137,6 +1139,10 @@ def op_lseek(d):
     expect_err("SEEK_DATA in a trailing hole", errno.ENXIO, os.lseek, fd, 2 * MiB, os.SEEK_DATA)
     check(os.lseek(fd, 2 * MiB, os.SEEK_HOLE) == 2 * MiB, "SEEK_HOLE in a trailing hole")
     expect_err("lseek with a negative offset", errno.EINVAL, os.lseek, fd, -1, os.SEEK_SET)
+    # As ext4 and xfs (xfstests generic/448, seek_sanity_test 18).
+    for whence, name in ((os.SEEK_DATA, "SEEK_DATA"), (os.SEEK_HOLE, "SEEK_HOLE")):
+        for off in (-1, -(1 << 63)):
+            expect_err(f"{name} at offset {off}", errno.ENXIO, os.lseek, fd, off, whence)
     expect_err("lseek with an unknown whence", errno.EINVAL, os.lseek, fd, 0, 17)
     os.close(fd)
     dense = J(d, "dense")
@@ -1468,6 +1474,203 @@ def op_killpriv_sgid(d):
     user_ok("append", append)
     ok, m = wait_mode(0o767)
     check(ok, f"write by nobody (not in group 0) to a 06767 file left mode {m}, expected 767")
+
+
+@test
+def op_killpriv_fallocate(d):
+    """fallocate (plain, punch hole, zero range) and copy_file_range into a file by a caller
+    without CAP_FSETID clear suid,
+    and sgid as a write would (xfstests generic/683-685). With FUSE_HANDLE_KILLPRIV_V2 the
+    kernel sends no kill flag for fallocate and refreshes only size and times afterwards: the
+    daemon decides from the caller and invalidates the cached mode. Root keeps both bits."""
+    f, wait_mode, _ = _killpriv_setup(d)
+    for what, mode, off in (("fallocate", 0, 0), ("punch hole", FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0),
+                            ("zero range", FALLOC_FL_ZERO_RANGE, 0)):
+        os.chmod(f, 0o6666)
+        mode_of(f)  # the kernel caches the mode with the suid/sgid bits
+
+        def falloc(mode=mode, off=off):
+            fd = os.open(f, os.O_WRONLY)
+            try:
+                fallocate(fd, mode, off, 4096)
+            finally:
+                os.close(fd)
+
+        user_ok(what, falloc)
+        ok, m = wait_mode(0o666)
+        check(ok, f"{what} by nobody of a 06666 root file left mode {m}, expected 666")
+        os.chmod(f, 0o6666)
+        falloc()
+        time.sleep(0.2)
+        check(statx_sync(f)["mode"] & 0o7777 == 0o6666, f"{what} by root changed mode to {oct(mode_of(f))}")
+    src = J(d, "src")
+    wfile(src, b"c" * 4096)
+    os.chmod(f, 0o6666)
+    mode_of(f)
+
+    def copy():
+        fi, fo = os.open(src, os.O_RDONLY), os.open(f, os.O_WRONLY)
+        try:
+            os.copy_file_range(fi, fo, 4096, 0, 0)
+        finally:
+            os.close(fi)
+            os.close(fo)
+
+    user_ok("copy_file_range", copy)
+    ok, m = wait_mode(0o666)
+    check(ok, f"copy_file_range by nobody into a 06666 root file left mode {m}, expected 666")
+
+
+@test
+def op_readdir_renames(d):
+    """A listing ends while the reader renames each entry away and back as it reads (xfstests
+    generic/736, which looped: "Found too many directory entries"). Each rename gives the name
+    a new position; an open directory's listing stops where the directory ended when it was
+    opened (or rewound). Every name is still returned at least once."""
+    n = 1500
+    for i in range(n):
+        os.close(os.open(J(d, f"{i}"), os.O_CREAT | os.O_WRONLY, 0o644))
+    seen, names = 0, set()
+    with os.scandir(d) as it:
+        for e in it:
+            seen += 1
+            check(seen <= 3 * n, f"listing does not end: {seen} entries for {n} files")
+            os.rename(J(d, e.name), J(d, "TEMPFILE"))
+            os.rename(J(d, "TEMPFILE"), J(d, e.name))
+            names.add(e.name)
+    check(len(names) == n, f"{len(names)} of {n} names listed")
+    check(sorted(os.listdir(d)) == sorted(str(i) for i in range(n)), "names after the renames")
+
+@test
+def op_noatime(d):
+    """On a `noatime` mount no read moves atime (xfstests generic/120: executing a file moved
+    it): neither an open for reading nor a READ that reaches the daemon (here an O_DIRECT
+    read, as exec and mmap reads are). The kernel cannot apply the mount's flag itself: FUSE
+    inodes are S_NOATIME to it. The same reads on a default (relatime) mount do move it."""
+    if CTX.ref:
+        raise Skip("mounts an image of its own")
+    work = tempfile.mkdtemp(prefix="birch-noatime.", dir="/var/tmp")
+    img, m = J(work, "img"), J(work, "mnt")
+    os.mkdir(m)
+    try:
+        r = run([BIRCH, "mkfs", "--size", "64M", img])
+        check(r.returncode == 0, f"mkfs: {r.stdout}")
+        for opts, moves in (("noatime", False), ("relatime", True)):
+            r = run([BIRCH, "mount", "-o", opts, img, m])
+            check(r.returncode == 0, f"mount -o {opts}: {r.stdout}")
+            try:
+                f = J(m, "f")
+                wfile(f, b"r" * 8192)
+                for how in ("open", "O_DIRECT read"):
+                    os.utime(f, ns=(1_000_000_000, 2_000_000_000))  # atime before mtime
+                    if how == "open":
+                        os.close(os.open(f, os.O_RDONLY))
+                    else:
+                        fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+                        try:
+                            os.preadv(fd, [mmap.mmap(-1, 4096)], 0)
+                        finally:
+                            os.close(fd)
+                    atime = os.stat(f).st_atime_ns
+                    check((atime != 1_000_000_000) == moves,
+                          f"{how} on a {opts} mount: atime {atime} ({'should' if moves else 'must not'} move)")
+            finally:
+                r = run([BIRCH, "umount", m])
+                check(r.returncode == 0, f"umount: {r.stdout}")
+        r = run([BIRCH, "fsck", img])
+        check(r.returncode == 0, f"fsck after the atime mounts: {r.stdout}")
+    finally:
+        if os.path.ismount(m):
+            run(["umount", "-l", m])
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def posix_acl(*entries):
+    """The system.posix_acl_access value of (tag, perm, id) entries."""
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", t, p, i) for t, p, i in entries)
+
+
+ACL_USER_OBJ, ACL_USER, ACL_GROUP_OBJ, ACL_MASK, ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+ACL_XATTR = "system.posix_acl_access"
+
+
+@test
+def op_acl_mode(d):
+    """Setting an access ACL sets the mode (xfstests generic/099, 375): the kernel leaves to a
+    FUSE filesystem what posix_acl_update_mode does. Owner, mask (or group) and other become
+    the permission bits; an ACL of only the base entries is not stored (and one stored before
+    is removed); a caller outside the file's group without CAP_FSETID loses sgid."""
+    if CTX.ref:
+        raise Skip("compares with the kernel's own ACL code only on a mount")
+    os.chmod(d, 0o777)
+    f = J(d, "f")
+    wfile(f, b"x")
+    os.chmod(f, 0o754)
+    os.setxattr(f, ACL_XATTR, posix_acl((ACL_USER_OBJ, 4, 0), (ACL_GROUP_OBJ, 7, 0), (ACL_OTHER, 6, 0)))
+    check(mode_of(f) == 0o476, f"minimal ACL r--,rwx,rw- gave mode {oct(mode_of(f))}, expected 0o476")
+    check(ACL_XATTR not in os.listxattr(f), "an ACL the mode says all of was stored")
+    os.setxattr(f, ACL_XATTR, posix_acl((ACL_USER_OBJ, 7, 0), (ACL_USER, 5, NOBODY), (ACL_GROUP_OBJ, 7, 0),
+                                        (ACL_MASK, 2, 0), (ACL_OTHER, 0, 0)))
+    check(mode_of(f) == 0o720, f"ACL with mask -w- gave mode {oct(mode_of(f))}, expected 0o720")
+    check(ACL_XATTR in os.listxattr(f), "an ACL with a named user was not stored")
+    os.setxattr(f, ACL_XATTR, posix_acl((ACL_USER_OBJ, 6, 0), (ACL_GROUP_OBJ, 4, 0), (ACL_OTHER, 4, 0)))
+    check(mode_of(f) == 0o644 and ACL_XATTR not in os.listxattr(f),
+          f"a minimal ACL left mode {oct(mode_of(f))} and xattrs {os.listxattr(f)}")
+    minimal = posix_acl((ACL_USER_OBJ, 7, 0), (ACL_GROUP_OBJ, 7, 0), (ACL_OTHER, 7, 0))
+    for gid, want in ((NOBODY, 0o2777), (0, 0o777)):
+        os.chown(f, NOBODY, gid)
+        os.chmod(f, 0o2755)
+        mode_of(f)
+        user_ok("setxattr of an access ACL", lambda: os.setxattr(f, ACL_XATTR, minimal))
+        check(mode_of(f) == want, f"ACL set by its owner (group {gid}) gave mode {oct(mode_of(f))}, expected {oct(want)}")
+
+
+def name_to_handle_at(path):
+    """The file handle of `path` (struct file_handle: bytes, type, handle)."""
+    buf = ctypes.create_string_buffer(8 + 128)
+    struct.pack_into("=Ii", buf, 0, 128, 0)
+    mount_id = ctypes.c_int()
+    _chk(libc.name_to_handle_at(AT_FDCWD, os.fsencode(path), buf, ctypes.byref(mount_id), 0), "name_to_handle_at")
+    return buf
+
+
+def open_by_handle_at(mount_fd, handle, flags):
+    return _chk(libc.open_by_handle_at(mount_fd, handle, flags), "open_by_handle_at")
+
+
+def drop_caches():
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
+
+
+@test
+def op_file_handles(d):
+    """open_by_handle_at of a file and a directory the kernel no longer caches (xfstests
+    generic/426, 467, 477, 756, 777): the kernel resolves such a handle with LOOKUP(ino, ".")
+    (any inode) and reconnects a directory with LOOKUP(ino, ".."); once the file is unlinked
+    the handle is stale (ESTALE)."""
+    if CTX.ref:
+        raise Skip("drops the caches of every filesystem")
+    os.mkdir(J(d, "sub"))
+    f = J(d, "sub", "file")
+    wfile(f, b"by handle")
+    fh, dh = name_to_handle_at(f), name_to_handle_at(J(d, "sub"))
+    mfd = os.open(CTX.mnt, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        drop_caches()
+        fd = open_by_handle_at(mfd, fh, os.O_RDONLY)
+        check(os.read(fd, 100) == b"by handle", "file opened by handle reads wrong data")
+        os.close(fd)
+        drop_caches()
+        fd = open_by_handle_at(mfd, dh, os.O_RDONLY | os.O_DIRECTORY)
+        check(sorted(os.listdir(fd)) == ["file"], "directory opened by handle lists wrong names")
+        os.close(fd)
+        os.unlink(f)
+        drop_caches()
+        expect_err("open_by_handle_at of an unlinked file", errno.ESTALE, open_by_handle_at, mfd, fh, os.O_RDONLY)
+    finally:
+        os.close(mfd)
 
 
 # --- running ---------------------------------------------------------------------------------

@@ -99,8 +99,60 @@ pub struct BirchFuse {
     /// Open handles with write access, per inode: the kernel can hold dirty pages of an inode
     /// only while one exists (it writes them back when the last one is closed).
     write_opens: WriteOpens,
+    /// The end of each open directory's listing (see `opendir`).
+    dir_ends: DirEnds,
     /// The invalidation thread's queue: invalidations that may wait for the kernel.
     invalidator: Invalidator,
+}
+
+/// The end position of each open directory's listing, by directory handle: a listing stops
+/// where the directory ended when it started (OPENDIR, or a READDIR at offset 0, which is
+/// `rewinddir`), so one that meets names renamed away and back (each gets a new position)
+/// still ends. Sharded like [`WriteOpens`].
+struct DirEnds {
+    next: std::sync::atomic::AtomicU64,
+    shards: Vec<parking_lot::Mutex<HashMap<u64, u64>>>,
+}
+
+impl DirEnds {
+    const SHARDS: usize = 16;
+
+    fn new() -> DirEnds {
+        DirEnds {
+            next: std::sync::atomic::AtomicU64::new(1),
+            shards: (0..Self::SHARDS)
+                .map(|_| parking_lot::Mutex::new(HashMap::new()))
+                .collect(),
+        }
+    }
+
+    fn shard(&self, fh: u64) -> &parking_lot::Mutex<HashMap<u64, u64>> {
+        &self.shards[(fh as usize) % Self::SHARDS]
+    }
+
+    /// A new handle whose listing ends at `end`.
+    fn open(&self, end: u64) -> u64 {
+        let fh = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.shard(fh).lock().insert(fh, end);
+        fh
+    }
+
+    /// The end of handle `fh`'s listing, renewed to `fresh()` at offset 0 (a new listing).
+    /// `None` for a handle not known (then the listing has no end).
+    fn end(&self, fh: u64, offset: u64, fresh: impl FnOnce() -> Option<u64>) -> Option<u64> {
+        if offset == 0 {
+            let end = fresh()?;
+            if let Some(e) = self.shard(fh).lock().get_mut(&fh) {
+                *e = end;
+            }
+            return Some(end);
+        }
+        self.shard(fh).lock().get(&fh).copied()
+    }
+
+    fn close(&self, fh: u64) {
+        self.shard(fh).lock().remove(&fh);
+    }
 }
 
 /// Open write handles per inode, in shards so that opens of different files rarely meet.
@@ -214,6 +266,7 @@ impl BirchFuse {
             notifier,
             writeback: false,
             write_opens: WriteOpens::new(),
+            dir_ends: DirEnds::new(),
         }
     }
 
@@ -257,23 +310,47 @@ impl BirchFuse {
     /// of a write, truncate or chown of `ino` needs them: the supplementary groups (from
     /// /proc) only matter, and are only read, when the file has sgid without group-execute.
     fn caller_groups(&self, req: &Request, ino: u64) -> Vec<u32> {
-        let mut groups = vec![req.gid()];
         let needs_all = self
             .fs
             .getattr(ino)
             .is_ok_and(|a| a.perm & libc::S_ISGID != 0 && a.perm & libc::S_IXGRP == 0);
         if needs_all {
-            let status =
-                std::fs::read_to_string(format!("/proc/{}/status", req.pid())).unwrap_or_default();
-            if let Some(line) = status.lines().find(|l| l.starts_with("Groups:")) {
-                groups.extend(
-                    line["Groups:".len()..]
-                        .split_whitespace()
-                        .filter_map(|g| g.parse::<u32>().ok()),
-                );
-            }
+            self.all_groups(req)
+        } else {
+            vec![req.gid()]
+        }
+    }
+
+    /// What Linux's `file_modified` does to a file changed by FALLOCATE or COPY_FILE_RANGE,
+    /// which with FUSE_HANDLE_KILLPRIV_V2 the kernel leaves to us without saying so: for a
+    /// caller without CAP_FSETID (for us, a caller other than root, as for truncate) suid
+    /// goes, and sgid as for a write. The caller invalidates the kernel's attributes.
+    fn kill_privs_of_modify(&self, req: &Request, ino: u64) -> birch_core::Result<()> {
+        if self.killpriv && req.uid() != 0 {
+            self.fs.kill_privs(ino, &self.caller_groups(req, ino))?;
+        }
+        Ok(())
+    }
+
+    /// The caller's groups, primary first, then its supplementary groups (from /proc).
+    fn all_groups(&self, req: &Request) -> Vec<u32> {
+        let mut groups = vec![req.gid()];
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", req.pid())).unwrap_or_default();
+        if let Some(line) = status.lines().find(|l| l.starts_with("Groups:")) {
+            groups.extend(
+                line["Groups:".len()..]
+                    .split_whitespace()
+                    .filter_map(|g| g.parse::<u32>().ok()),
+            );
         }
         groups
+    }
+
+    /// The end of the listing of open directory `fh` (of inode `ino`) read from `offset`.
+    fn dir_end(&self, ino: u64, fh: FileHandle, offset: u64) -> Option<u64> {
+        self.dir_ends
+            .end(fh.0, offset, || self.fs.readdir_end(ino).ok())
     }
 
     /// Where the mount puts the session's notifier once it exists.
@@ -671,7 +748,15 @@ impl fuser::Filesystem for BirchFuse {
         _lock: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        match self.fs.read_noting_atime(ino.0, offset, size as usize) {
+        let read = if self.options.atime {
+            self.fs.read_noting_atime(ino.0, offset, size as usize)
+        } else {
+            // noatime: no read moves atime (exec and mmap reads reach us too).
+            self.fs
+                .read_without_atime(ino.0, offset, size as usize)
+                .map(|data| (data, false))
+        };
+        match read {
             Ok((data, atime_moved)) => {
                 if atime_moved {
                     self.invalidate_attrs(ino.0);
@@ -773,24 +858,44 @@ impl fuser::Filesystem for BirchFuse {
         }
     }
 
-    fn opendir(&self, _req: &Request, _ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        // No per-open directory state: readdir cookies are positions in the directory index,
-        // stable on their own. ENOSYS makes the kernel stop sending OPENDIR and RELEASEDIR
-        // (two round trips per listing) and cache listings itself (`FOPEN_CACHE_DIR`), which
-        // it drops whenever the directory changes through it; the daemon never changes a
-        // directory behind the kernel.
-        reply.error(Errno::ENOSYS);
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        // Readdir cookies are positions in the directory index, stable on their own; the one
+        // thing an open directory holds is where its listing ends (`DirEnds`), so that a
+        // reader renaming entries as it reads comes to an end (xfstests generic/736). That
+        // costs an OPENDIR and a RELEASEDIR per listing. The kernel caches listings
+        // (`FOPEN_CACHE_DIR`, kept across opens) and drops them whenever the directory
+        // changes through it; the daemon never changes a directory behind the kernel.
+        match self.fs.readdir_end(ino.0) {
+            Ok(end) => reply.opened(
+                FileHandle(self.dir_ends.open(end)),
+                FopenFlags::FOPEN_CACHE_DIR | FopenFlags::FOPEN_KEEP_CACHE,
+            ),
+            Err(e) => reply.error(errno("opendir", &e)),
+        }
+    }
+
+    fn releasedir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        self.dir_ends.close(fh.0);
+        reply.ok();
     }
 
     fn readdir(
         &self,
         _req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        match self.fs.readdir(ino.0, offset, 512) {
+        let end = self.dir_end(ino.0, fh, offset);
+        match self.fs.readdir_until(ino.0, offset, 512, end) {
             Ok(entries) => {
                 for e in entries {
                     if reply.add(
@@ -812,11 +917,12 @@ impl fuser::Filesystem for BirchFuse {
         &self,
         _req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
-        match self.fs.readdir(ino.0, offset, 256) {
+        let end = self.dir_end(ino.0, fh, offset);
+        match self.fs.readdir_until(ino.0, offset, 256, end) {
             Ok(entries) => {
                 for e in entries {
                     // Entries other than "." and ".." count as lookups the kernel later forgets.
@@ -869,7 +975,7 @@ impl fuser::Filesystem for BirchFuse {
 
     fn setxattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         name: &OsStr,
         value: &[u8],
@@ -884,10 +990,19 @@ impl fuser::Filesystem for BirchFuse {
             }
             return;
         }
-        match self.fs.setxattr(ino.0, name.as_bytes(), value, flags) {
+        let acl = name.as_bytes() == ACL_ACCESS;
+        // Setting an access ACL clears sgid for a caller outside the file's group without
+        // CAP_FSETID (the kernel says so only with FUSE_SETXATTR_EXT, which fuser 0.18 does
+        // not parse): for us a caller other than root, as for truncate.
+        let groups = (acl && req.uid() != 0).then(|| self.all_groups(req));
+        match self
+            .fs
+            .setxattr_by(ino.0, name.as_bytes(), value, flags, groups.as_deref())
+        {
             Ok(()) => {
-                if name.as_bytes() == ACL_ACCESS {
-                    // An access ACL sets the mode's group bits from its mask.
+                if acl {
+                    // An access ACL sets the mode (the kernel refreshes it after SETXATTR of
+                    // an ACL; other callers of the library have no cache to drop).
                     self.invalidate_attrs(ino.0);
                 }
                 reply.ok()
@@ -962,7 +1077,7 @@ impl fuser::Filesystem for BirchFuse {
 
     fn fallocate(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
         offset: u64,
@@ -970,9 +1085,14 @@ impl fuser::Filesystem for BirchFuse {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        match self.fs.fallocate(ino.0, offset, length, mode) {
+        let result = self
+            .fs
+            .fallocate(ino.0, offset, length, mode)
+            .and_then(|()| self.kill_privs_of_modify(req, ino.0));
+        match result {
             Ok(()) => {
-                // fallocate may clear suid/sgid and changes times and block counts.
+                // Times and block counts changed, and maybe the mode: the kernel refreshes
+                // only size and times after a FALLOCATE.
                 self.invalidate_attrs(ino.0);
                 reply.ok()
             }
@@ -982,7 +1102,7 @@ impl fuser::Filesystem for BirchFuse {
 
     fn copy_file_range(
         &self,
-        _req: &Request,
+        req: &Request,
         ino_in: INodeNo,
         _fh_in: FileHandle,
         offset_in: u64,
@@ -1000,7 +1120,17 @@ impl fuser::Filesystem for BirchFuse {
             offset_out,
             len.min(COPY_MAX),
         ) {
-            Ok(n) => reply.written(n as u32),
+            Ok(n) => {
+                // The destination is written: suid/sgid go as for a WRITE (which the kernel
+                // flags; a COPY_FILE_RANGE carries no flag).
+                if n > 0 {
+                    match self.kill_privs_of_modify(req, ino_out.0) {
+                        Ok(()) => self.invalidate_attrs(ino_out.0),
+                        Err(e) => log::warn!("copy_file_range: clearing suid/sgid: {e}"),
+                    }
+                }
+                reply.written(n as u32)
+            }
             Err(e) => reply.error(errno("copy_file_range", &e)),
         }
     }
@@ -1015,7 +1145,9 @@ impl fuser::Filesystem for BirchFuse {
         reply: ReplyLseek,
     ) {
         let Ok(offset) = u64::try_from(offset) else {
-            reply.error(Errno::EINVAL);
+            // The kernel forwards only SEEK_DATA and SEEK_HOLE; at a negative offset both
+            // answer ENXIO, as on ext4 and xfs (no data or hole "there").
+            reply.error(Errno::ENXIO);
             return;
         };
         if self.writeback

@@ -137,6 +137,30 @@ pub fn chmod(access: &[u8], mode: u32) -> Result<Vec<u8>> {
     Ok(encode(&entries))
 }
 
+/// What an access ACL says of the mode (Linux's `posix_acl_equiv_mode`): the permission bits
+/// (owner, mask or else group, other) and whether the mode says all the ACL says (only the
+/// three base entries; then no ACL needs to be stored).
+pub fn equiv_mode(access: &[u8]) -> Result<(u32, bool)> {
+    let entries = parse(access)?;
+    let (mut owner, mut group, mut mask, mut other) = (None, None, None, None);
+    for e in &entries {
+        let perm = u32::from(e.perm & 7);
+        match e.tag {
+            USER_OBJ => owner = Some(perm),
+            GROUP_OBJ => group = Some(perm),
+            MASK => mask = Some(perm),
+            OTHER => other = Some(perm),
+            _ => {}
+        }
+    }
+    match (owner, mask.or(group), other) {
+        (Some(u), Some(g), Some(o)) => Ok((u << 6 | g << 3 | o, is_minimal(&entries))),
+        _ => Err(Error::Invalid(
+            "POSIX ACL without owner, group or other entry".into(),
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,6 +238,21 @@ mod tests {
             perm: 0,
             id: 0
         }));
+    }
+
+    #[test]
+    fn equiv_mode_takes_the_mask_for_group() {
+        let minimal = acl(&[(USER_OBJ, 4, 0), (GROUP_OBJ, 7, 0), (OTHER, 6, 0)]);
+        assert_eq!(equiv_mode(&minimal).expect("parse"), (0o476, true));
+        let named = acl(&[
+            (USER_OBJ, 7, 0),
+            (0x02, 5, 1000),
+            (GROUP_OBJ, 7, 0),
+            (MASK, 2, 0),
+            (OTHER, 0, 0),
+        ]);
+        assert_eq!(equiv_mode(&named).expect("parse"), (0o720, false));
+        assert!(equiv_mode(&acl(&[(USER_OBJ, 7, 0)])).is_err());
     }
 
     #[test]

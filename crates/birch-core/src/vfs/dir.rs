@@ -135,6 +135,21 @@ impl Filesystem {
     /// Looks up `name` in `parent`; counts a lookup.
     pub fn lookup(&self, parent: u64, name: &[u8]) -> Result<Attr> {
         check_name_or_dots(name)?;
+        if name == b"." {
+            // "." names any inode, not only a directory: the kernel resolves a file handle
+            // whose inode it no longer caches (open_by_handle_at, an NFS export) with
+            // LOOKUP(ino, "."). An inode with no names left answers ENOENT, which the kernel
+            // turns into ESTALE, as ext4 does for an unlinked inode.
+            let state = self.inode(parent)?;
+            if state.data.read().item.nlink == 0 {
+                return Err(Error::NotFound(format!(
+                    "lookup of . in unlinked inode {parent}"
+                )));
+            }
+            self.remember(&state);
+            let data = state.data.read();
+            return Ok(attr_of(parent, &data.item));
+        }
         let dir = self.dir_state(parent)?;
         if dir.data.read().item.nlink == 0 {
             // A removed directory has no entries, not even "." and ".." (Linux: dead dir).
@@ -1160,8 +1175,31 @@ impl Filesystem {
     }
 
     /// Up to `limit` entries of `dir` from cookie `offset` ("." is 0, ".." is 1, then the
-    /// dir index order).
+    /// dir index order). Lists to the end of the directory as it is at each call.
     pub fn readdir(&self, dir: u64, offset: u64, limit: usize) -> Result<Vec<DirEntryOut>> {
+        self.readdir_until(dir, offset, limit, None)
+    }
+
+    /// The end of `dir`'s listing as it is now, for [`Filesystem::readdir_until`]: the
+    /// position the next name made in it (created, or renamed into it or within it) will take.
+    pub fn readdir_end(&self, dir: u64) -> Result<u64> {
+        let state = self.dir_state(dir)?;
+        let end = state.data.read().item.next_dir_index;
+        Ok(end)
+    }
+
+    /// [`Filesystem::readdir`] that stops at position `end` (from [`Filesystem::readdir_end`]
+    /// when the listing started; `None`: no stop). A name made after that, which includes a
+    /// name renamed away and back (each rename gives it a new position), is then not
+    /// returned, so a reader that renames entries as it reads still comes to an end (xfstests
+    /// generic/736; btrfs does the same). The FUSE adapter keeps one end per open directory.
+    pub fn readdir_until(
+        &self,
+        dir: u64,
+        offset: u64,
+        limit: usize,
+        end: Option<u64>,
+    ) -> Result<Vec<DirEntryOut>> {
         let state = self.dir_state(dir)?;
         let _d = state.data.read();
         let mut out = Vec::new();
@@ -1181,11 +1219,13 @@ impl Filesystem {
                 name: b"..".to_vec(),
             });
         }
-        if out.len() >= limit {
+        let lo_index = offset.max(2);
+        let hi_index = end.unwrap_or(u64::MAX);
+        if out.len() >= limit || lo_index >= hi_index {
             return Ok(out);
         }
-        let lo = dir_index_key(dir, offset.max(2));
-        let hi = Key::new(dir, ItemType::DirIndex, u64::MAX);
+        let lo = dir_index_key(dir, lo_index);
+        let hi = Key::new(dir, ItemType::DirIndex, hi_index);
         for (key, bytes) in self.inner.engine.range(&lo, &hi, limit - out.len())? {
             let entries = decode_dir_entries(&bytes)
                 .map_err(|e| Error::corrupt(format!("dir index {key}"), e))?;
@@ -1200,6 +1240,18 @@ impl Filesystem {
             });
         }
         Ok(out)
+    }
+
+    /// [`Filesystem::read`] without touching atime: for a `noatime` mount, where no read
+    /// moves it (Linux: `MNT_NOATIME`, which the kernel cannot apply for a FUSE filesystem:
+    /// its inodes are `S_NOATIME` and atime is the filesystem's).
+    pub fn read_without_atime(&self, ino: u64, offset: u64, size: usize) -> Result<Vec<u8>> {
+        let state = self.inode(ino)?;
+        let data = state.data.read();
+        if data.item.mode & libc::S_IFMT == libc::S_IFDIR {
+            return Err(Error::IsDir(format!("read of dir {ino}")));
+        }
+        self.read_locked(ino, &data, offset, size)
     }
 
     /// Resolves an absolute path inside the filesystem to an inode (embedded use). Follows no

@@ -81,8 +81,28 @@ impl Filesystem {
         Ok(value)
     }
 
-    /// Sets an xattr (XATTR_CREATE: must not exist; XATTR_REPLACE: must exist).
+    /// Sets an xattr (XATTR_CREATE: must not exist; XATTR_REPLACE: must exist). Setting the
+    /// access ACL also sets the mode, as [`Filesystem::setxattr_by`] does for a caller with
+    /// CAP_FSETID.
     pub fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: i32) -> Result<()> {
+        self.setxattr_by(ino, name, value, flags, None)
+    }
+
+    /// [`Filesystem::setxattr`] by a caller whose groups (primary first) are `caller_groups`,
+    /// `None` for a caller with CAP_FSETID. Setting the access ACL
+    /// (`system.posix_acl_access`) does what Linux's `posix_acl_update_mode` does, which the
+    /// kernel leaves to a FUSE filesystem: the mode's permission bits follow the ACL (owner,
+    /// mask or else group, other); an ACL the mode says all of (only the base entries) is not
+    /// stored, and one stored before is removed; sgid is cleared when the caller is not in the
+    /// file's group and lacks CAP_FSETID.
+    pub fn setxattr_by(
+        &self,
+        ino: u64,
+        name: &[u8],
+        value: &[u8],
+        flags: i32,
+        caller_groups: Option<&[u32]>,
+    ) -> Result<()> {
         check_xattr_name(name)?;
         if value.len() > XATTR_VALUE_MAX {
             return Err(Error::TooLong(format!(
@@ -90,6 +110,11 @@ impl Filesystem {
                 value.len()
             )));
         }
+        let acl_mode = if name == super::acl::ACL_ACCESS {
+            Some(super::acl::equiv_mode(value)?)
+        } else {
+            None
+        };
         let state = self.inode(ino)?;
         let mut data = state.data.write();
         let mut list = self.xattr_list(ino, name)?;
@@ -101,20 +126,36 @@ impl Filesystem {
             return Err(Error::NoData(format!("xattr on inode {ino}")));
         }
         list.retain(|x| x.name != name);
-        list.push(Xattr {
-            name: name.to_vec(),
-            value: value.to_vec(),
-        });
+        let mut store = true;
+        if let Some((bits, equivalent)) = acl_mode {
+            let mut mode = (data.item.mode & !0o777) | bits;
+            if caller_groups.is_some_and(|g| !g.contains(&data.item.gid)) {
+                mode &= !libc::S_ISGID;
+            }
+            data.item.mode = mode;
+            store = !equivalent;
+        }
+        if store {
+            list.push(Xattr {
+                name: name.to_vec(),
+                value: value.to_vec(),
+            });
+        }
         let encoded = encode_xattrs(&list);
         if encoded.len() > birch_format::MAX_ITEM_BYTES {
             return Err(Error::NoSpace(format!(
                 "xattrs of inode {ino} sharing one hash"
             )));
         }
+        let _op = self.inner.engine.hold()?;
         data.item.ctime = now();
-        {
+        if store || exists {
             let txn = self.inner.engine.begin()?;
-            txn.put(xattr_key(ino, name), encoded);
+            if list.is_empty() {
+                txn.delete(xattr_key(ino, name));
+            } else {
+                txn.put(xattr_key(ino, name), encoded);
+            }
         }
         *data.xattrs_absent.get_mut() = 0;
         self.store_inode(ino, &mut data)
@@ -190,6 +231,30 @@ impl Filesystem {
             }
             data.xattrs_absent
                 .fetch_or(ABSENT_CAPABILITY, Ordering::Relaxed);
+        }
+        Ok(dropped)
+    }
+
+    /// [`Filesystem::kill_privs_locked`] as its own operation, for a change whose call carries
+    /// no caller: a fallocate (plain, punch hole, zero range) or a copy_file_range into `ino`
+    /// by a caller without CAP_FSETID (its groups, primary first, in `caller_groups`), which
+    /// Linux's `file_modified` treats as a write. Sets ctime when something was dropped.
+    /// Returns whether anything was dropped (a mode the kernel cached is stale then).
+    pub fn kill_privs(&self, ino: u64, caller_groups: &[u32]) -> Result<bool> {
+        let state = self.inode(ino)?;
+        let mut data = state.data.write();
+        let mode = data.item.mode;
+        if mode & libc::S_IFMT != libc::S_IFREG
+            || (mode & (libc::S_ISUID | libc::S_ISGID) == 0
+                && data.xattrs_absent.load(Ordering::Relaxed) & ABSENT_CAPABILITY != 0)
+        {
+            return Ok(false);
+        }
+        let _op = self.inner.engine.hold()?;
+        let dropped = self.kill_privs_locked(ino, &mut data, Some(caller_groups))?;
+        if dropped {
+            data.item.ctime = now();
+            self.store_inode(ino, &mut data)?;
         }
         Ok(dropped)
     }
