@@ -1186,6 +1186,12 @@ impl Runner {
                     if name.0.len() > NAME_MAX {
                         return Err(libc::ENAMETOOLONG);
                     }
+                    if name.0 == b"." {
+                        // "." names any inode with names left, not only a directory (file
+                        // handles: the kernel resolves one with LOOKUP(ino, ".")).
+                        let n = self.model.get(*dir)?;
+                        return if n.nlink > 0 { Ok(*dir) } else { Err(libc::ENOENT) };
+                    }
                     let d = self.model.dir(*dir)?;
                     match &name.0[..] {
                         b"." if d.nlink > 0 => Ok(*dir),

@@ -36,6 +36,7 @@ use birch_format::items::ExtentKind;
 use birch_format::{BLOCK_SIZE, EXTENT_MAX_BLOCKS, MAX_FILE_BYTES};
 use parking_lot::Mutex;
 
+use super::file::NewExtent;
 use super::{Filesystem, InodeData, InodeState};
 use crate::alloc::Purpose;
 use crate::error::{Error, Result};
@@ -97,6 +98,11 @@ impl DirtyBuf {
             out[(lo - offset) as usize..(hi - offset) as usize]
                 .copy_from_slice(&block.bytes[(lo - start) as usize..(hi - start) as usize]);
         }
+    }
+
+    /// The file's size was set explicitly: a failed flush no longer puts an older one back.
+    pub(crate) fn forget_size_before(&mut self) {
+        self.size_before = None;
     }
 
     /// Whether file block `index` is buffered.
@@ -293,7 +299,7 @@ impl Filesystem {
     /// (truncate; the inode being freed drops everything with `from` 0).
     pub(crate) fn drop_buffered_from(&self, data: &mut InodeData, from: u64) {
         // The caller sets the size now: a later failed flush keeps it.
-        data.dirty.size_before = None;
+        data.dirty.forget_size_before();
         if data.dirty.blocks.is_empty() {
             return;
         }
@@ -325,8 +331,8 @@ impl Filesystem {
 
     /// Writes the inode's buffered blocks to new space and records them as extents, with the
     /// inode's write lock held. On failure the buffered blocks are dropped (they cannot be
-    /// placed), the inode's data write error is set when the device failed (fsync reports
-    /// EIO from then on), and the error is returned.
+    /// placed), the inode's data write error is set (fsync reports EIO from then on), and
+    /// the error is returned.
     pub(crate) fn flush_locked(&self, ino: u64, data: &mut InodeData) -> Result<()> {
         if data.dirty.blocks.is_empty() {
             if data.dirty.reserved > 0 {
@@ -352,10 +358,10 @@ impl Filesystem {
         let runs = match written {
             Ok(runs) => runs,
             Err(e) => {
-                if matches!(e, Error::Io { .. }) {
-                    data.write_error = true;
-                }
-                log::error!("inode {ino}: flushing {count} buffered blocks failed: {e}");
+                // The blocks are dropped whatever the cause (device error, or no space despite
+                // the reservation): the file's fsync must report the loss, every time.
+                data.write_error = true;
+                log::error!("inode {ino}: flushing {count} buffered blocks failed, data lost: {e}");
                 if let Some(size) = size_before {
                     // The lost writes grew the file: its size goes back, so no commit holds
                     // a size that covers data never written.
@@ -391,14 +397,14 @@ impl Filesystem {
         ino: u64,
         blocks: &BTreeMap<u64, DirtyBlock>,
         reserved: &mut u64,
-    ) -> Result<Vec<(u64, u64, Vec<u32>)>> {
+    ) -> Result<Vec<NewExtent>> {
         let alloc = self.inner.engine.allocator();
         let list: Vec<(u64, &DirtyBlock)> = blocks.iter().map(|(i, b)| (*i, b)).collect();
         let total = list.len() as u64;
         let first_offset = list[0].0 * BLOCK_SIZE;
         let mut goal = self.continuation_goal(ino, first_offset)?;
         let mut taken: Vec<(u64, u64)> = Vec::new();
-        let mut runs: Vec<(u64, u64, Vec<u32>)> = Vec::new();
+        let mut runs: Vec<NewExtent> = Vec::new();
         let mut done = 0u64;
         let fail = |taken: &[(u64, u64)], e: Error| -> Error {
             for (addr, got) in taken {

@@ -43,7 +43,7 @@ struct Changes {
 
 /// A block run written for a file and not yet recorded: (file offset, disk address, crc32c
 /// of each block).
-type NewExtent = (u64, u64, Vec<u32>);
+pub(super) type NewExtent = (u64, u64, Vec<u32>);
 
 impl Changes {
     fn set(&mut self, key: Key, value: Option<Vec<u8>>) {
@@ -307,13 +307,18 @@ impl Filesystem {
         // records and the fsync after it only waits for the batch, where a buffered write would
         // make that fsync flush and then collect the file's changed items. Decided again under
         // the locks (a drain may begin meanwhile).
-        let whole_blocks = !append
+        // Whole blocks at a block offset (within the size limit): such a write to a file in
+        // blocks can be written before the inode lock (below).
+        let aligned = !append
             && !bytes.is_empty()
             && offset % BLOCK_SIZE == 0
-            && bytes.len() as u64 % BLOCK_SIZE == 0;
+            && bytes.len() as u64 % BLOCK_SIZE == 0
+            && offset
+                .checked_add(bytes.len() as u64)
+                .is_some_and(|end| end <= MAX_FILE_BYTES);
         let buffer = !through
             && self.buffering()
-            && !(whole_blocks
+            && !(aligned
                 && self.inner.fsync_mode == FsyncMode::Log
                 && self.log_clean_ticket(ino, &state, true)?.is_some());
         if !buffer {
@@ -325,13 +330,6 @@ impl Filesystem {
         // 001): allocate and write the data before taking the inode lock, so writers to
         // different parts of one file overlap their device writes; the lock then only covers
         // recording the extents.
-        let aligned = !append
-            && !bytes.is_empty()
-            && offset % BLOCK_SIZE == 0
-            && bytes.len() as u64 % BLOCK_SIZE == 0
-            && offset
-                .checked_add(bytes.len() as u64)
-                .is_some_and(|end| end <= MAX_FILE_BYTES);
         // A file larger than the inline limit is, in practice, in blocks: a hint that costs no
         // tree search; the exact check below, under the lock, decides.
         let likely_in_blocks = {
@@ -793,6 +791,8 @@ impl Filesystem {
         if new_size == old {
             return Ok(());
         }
+        // An explicit size: a later failed flush of buffered data keeps it (buffer.rs).
+        data.dirty.forget_size_before();
         if let Some(inline) = self.inline_data(ino)? {
             if new_size <= INLINE_MAX_BYTES as u64 {
                 let mut content = inline;
