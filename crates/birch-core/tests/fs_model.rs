@@ -1190,7 +1190,11 @@ impl Runner {
                         // "." names any inode with names left, not only a directory (file
                         // handles: the kernel resolves one with LOOKUP(ino, ".")).
                         let n = self.model.get(*dir)?;
-                        return if n.nlink > 0 { Ok(*dir) } else { Err(libc::ENOENT) };
+                        return if n.nlink > 0 {
+                            Ok(*dir)
+                        } else {
+                            Err(libc::ENOENT)
+                        };
                     }
                     let d = self.model.dir(*dir)?;
                     match &name.0[..] {
