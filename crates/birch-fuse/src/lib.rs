@@ -12,6 +12,8 @@
 
 #![warn(missing_docs)]
 
+mod waiters;
+
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
@@ -58,6 +60,10 @@ pub struct FuseOptions {
     /// full filesystem answers ENOSPC at write(2) rather than at writeback. Should be at least
     /// what the kernel may hold dirty for this mount (its writeback device's `max_bytes`).
     pub write_through_below: u64,
+    /// At most this many requests that wait for the device (FSYNC, FSYNCDIR, synchronous and
+    /// direct WRITEs) are served at once, each on a worker thread of its own, so they share
+    /// flushes while the request loops go on reading (mount option `waiters=`).
+    pub waiters: usize,
 }
 
 impl Default for FuseOptions {
@@ -68,9 +74,14 @@ impl Default for FuseOptions {
             keep_cache: true,
             atime: true,
             write_through_below: DEFAULT_WRITE_THROUGH_BELOW,
+            waiters: DEFAULT_WAITERS,
         }
     }
 }
+
+/// Default limit on requests waiting for the device at once (mount option `waiters=`): the 64
+/// O_SYNC writers and 64 fsyncs of the seed workloads each get a thread.
+pub const DEFAULT_WAITERS: usize = 64;
 
 /// Default entry/attribute timeout (mount option `ttl=`).
 pub const DEFAULT_TTL_SECS: u64 = 60;
@@ -103,6 +114,8 @@ pub struct BirchFuse {
     dir_ends: DirEnds,
     /// The invalidation thread's queue: invalidations that may wait for the kernel.
     invalidator: Invalidator,
+    /// Worker threads for requests that wait for the device.
+    waiters: waiters::Waiters,
 }
 
 /// The end position of each open directory's listing, by directory handle: a listing stops
@@ -256,6 +269,7 @@ impl BirchFuse {
     /// only if the kernel accepts them; the notifier slot starts empty (see
     /// [`BirchFuse::notifier_slot`]). Starts the invalidation thread; does no I/O.
     pub fn new(fs: Arc<Filesystem>, options: FuseOptions) -> BirchFuse {
+        let waiters = waiters::Waiters::new(options.waiters);
         let notifier = Arc::new(OnceLock::new());
         BirchFuse {
             fs,
@@ -267,6 +281,7 @@ impl BirchFuse {
             writeback: false,
             write_opens: WriteOpens::new(),
             dir_ends: DirEnds::new(),
+            waiters,
         }
     }
 
@@ -274,11 +289,7 @@ impl BirchFuse {
     /// daemon makes that the kernel cannot know of. Attributes only: safe inside a request
     /// handler (an entry or range invalidation is not, see DESIGN §12.3).
     fn invalidate_attrs(&self, ino: u64) {
-        if let Some(notifier) = self.notifier.get() {
-            if let Err(e) = notifier.inval_inode(INodeNo(ino), -1, 0) {
-                log::debug!("invalidate attributes of inode {ino}: {e}");
-            }
-        }
+        invalidate_attrs(&self.notifier, ino);
     }
 
     /// Whether free space is below the write-through headroom.
@@ -356,6 +367,44 @@ impl BirchFuse {
     /// Where the mount puts the session's notifier once it exists.
     pub fn notifier_slot(&self) -> Arc<OnceLock<fuser::Notifier>> {
         self.notifier.clone()
+    }
+}
+
+/// A WRITE's work: writes `data` at `offset` of `ino` (buffered unless `through`), tells the
+/// kernel to drop the cached mode if the write cleared suid/sgid, and with `sync` set
+/// (`Some(datasync)`) makes it durable before returning. Runs on a request loop, or on a
+/// worker for writes that wait for the device.
+#[allow(clippy::too_many_arguments)]
+fn write_now(
+    fs: &Filesystem,
+    notifier: &OnceLock<fuser::Notifier>,
+    ino: u64,
+    offset: u64,
+    data: &[u8],
+    append: bool,
+    kill: Option<&[u32]>,
+    through: bool,
+    sync: Option<bool>,
+) -> birch_core::Result<u32> {
+    let (n, dropped) = fs.write_mode(ino, offset, data, append, kill, through)?;
+    if dropped {
+        // The kernel keeps the old mode cached after a write: make it ask again.
+        invalidate_attrs(notifier, ino);
+    }
+    if let Some(datasync) = sync {
+        fs.fsync(ino, datasync)?;
+    }
+    Ok(n)
+}
+
+/// Tells the kernel to drop its cached attributes of `ino` (and ACLs): for changes the daemon
+/// makes that the kernel cannot know of. Attributes only: safe inside a request handler (an
+/// entry or range invalidation is not, see DESIGN §12.3).
+fn invalidate_attrs(notifier: &OnceLock<fuser::Notifier>, ino: u64) {
+    if let Some(notifier) = notifier.get() {
+        if let Err(e) = notifier.inval_inode(INodeNo(ino), -1, 0) {
+            log::debug!("invalidate attributes of inode {ino}: {e}");
+        }
     }
 }
 
@@ -527,6 +576,9 @@ impl fuser::Filesystem for BirchFuse {
     }
 
     fn destroy(&mut self) {
+        // Every FSYNC and synchronous WRITE handed to a worker is answered before the final
+        // commit.
+        self.waiters.close();
         if let Err(e) = self.fs.close() {
             log::error!("final commit at unmount failed: {e}");
         }
@@ -788,26 +840,48 @@ impl fuser::Filesystem for BirchFuse {
         // is buffered in the daemon until a commit, an fsync of the file or the dirty limit.
         let through =
             fh.0 & DIRECT_FH != 0 || flags.0 & (libc::O_SYNC | libc::O_DSYNC | libc::O_DIRECT) != 0;
-        let result = self
-            .fs
-            .write_mode(ino.0, offset, data, append, kill.as_deref(), through)
-            .and_then(|(n, dropped)| {
-                if dropped {
-                    // The kernel keeps the old mode cached after a write: make it ask again.
-                    self.invalidate_attrs(ino.0);
-                }
-                if fh.0 & DIRECT_FH != 0 && flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0 {
-                    // Direct handles (O_DIRECT, or written through near full) get no FSYNC
-                    // after an O_SYNC or RWF_SYNC write: durable before the reply.
-                    self.fs
-                        .fsync(ino.0, flags.0 & libc::O_SYNC != libc::O_SYNC)?;
-                }
-                Ok(n)
-            });
-        match result {
-            Ok(n) => reply.written(n),
-            Err(e) => reply.error(errno("write", &e)),
+        // An O_SYNC or RWF_SYNC write on a direct handle gets no FSYNC from the kernel: it is
+        // made durable before the reply (`Some(datasync)`).
+        let sync = (fh.0 & DIRECT_FH != 0 && flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0)
+            .then_some(flags.0 & libc::O_SYNC != libc::O_SYNC);
+        if !through {
+            let result = write_now(
+                &self.fs,
+                &self.notifier,
+                ino.0,
+                offset,
+                data,
+                append,
+                kill.as_deref(),
+                false,
+                sync,
+            );
+            match result {
+                Ok(n) => reply.written(n),
+                Err(e) => reply.error(errno("write", &e)),
+            }
+            return;
         }
+        // A write-through waits for the device: off the request loop (see `waiters`).
+        let fs = self.fs.clone();
+        let notifier = self.notifier.clone();
+        let data = data.to_vec();
+        self.waiters.run(move || {
+            match write_now(
+                &fs,
+                &notifier,
+                ino.0,
+                offset,
+                &data,
+                append,
+                kill.as_deref(),
+                true,
+                sync,
+            ) {
+                Ok(n) => reply.written(n),
+                Err(e) => reply.error(errno("write", &e)),
+            }
+        });
     }
 
     fn flush(
@@ -852,10 +926,11 @@ impl fuser::Filesystem for BirchFuse {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self.fs.fsync(ino.0, datasync) {
+        let fs = self.fs.clone();
+        self.waiters.run(move || match fs.fsync(ino.0, datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("fsync", &e)),
-        }
+        });
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
@@ -960,10 +1035,11 @@ impl fuser::Filesystem for BirchFuse {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self.fs.fsync(ino.0, datasync) {
+        let fs = self.fs.clone();
+        self.waiters.run(move || match fs.fsync(ino.0, datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("fsyncdir", &e)),
-        }
+        });
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {

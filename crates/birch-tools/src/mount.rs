@@ -20,6 +20,8 @@ struct MountConfig {
     allow_other: bool,
     commit_secs: u64,
     threads: usize,
+    /// Requests waiting for the device served at once (`waiters=`).
+    waiters: usize,
     ttl_secs: f64,
     /// MS_* flags for mount(2).
     vfs_flags: libc::c_ulong,
@@ -39,6 +41,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         allow_other: false,
         commit_secs: 5,
         threads: DEFAULT_THREADS,
+        waiters: birch_fuse::DEFAULT_WAITERS,
         ttl_secs: birch_fuse::DEFAULT_TTL_SECS as f64,
         vfs_flags: 0,
         fsync: FsyncMode::Log,
@@ -66,6 +69,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
             "allow_other" => c.allow_other = true,
             "commit" => c.commit_secs = number(value)? as u64,
             "threads" => c.threads = (number(value)? as usize).clamp(1, 64),
+            "waiters" => c.waiters = (number(value)? as usize).clamp(1, 256),
             "ttl" | "attr_timeout" | "entry_timeout" => c.ttl_secs = number(value)?,
             "fsync" => match value {
                 Some("log") => c.fsync = FsyncMode::Log,
@@ -357,6 +361,7 @@ fn fuse_options(config: &MountConfig, fs: &Filesystem, mountpoint: &Path) -> Fus
         keep_cache: config.keep_cache,
         atime: config.vfs_flags & libc::MS_NOATIME == 0,
         write_through_below,
+        waiters: config.waiters,
     }
 }
 
@@ -672,6 +677,7 @@ impl InProcessMount {
             allow_other: false,
             commit_secs: 0,
             threads: DEFAULT_THREADS,
+            waiters: birch_fuse::DEFAULT_WAITERS,
             ttl_secs: if caches {
                 birch_fuse::DEFAULT_TTL_SECS as f64
             } else {
