@@ -64,6 +64,9 @@ pub struct FuseOptions {
     /// direct WRITEs) are served at once, each on a worker thread of its own, so they share
     /// flushes while the request loops go on reading (mount option `waiters=`).
     pub waiters: usize,
+    /// The session's request loops (fuser's `n_threads`): a loop serves a waiting request
+    /// itself only while another stays free to read.
+    pub loops: usize,
 }
 
 impl Default for FuseOptions {
@@ -75,6 +78,7 @@ impl Default for FuseOptions {
             atime: true,
             write_through_below: DEFAULT_WRITE_THROUGH_BELOW,
             waiters: DEFAULT_WAITERS,
+            loops: 2,
         }
     }
 }
@@ -269,7 +273,7 @@ impl BirchFuse {
     /// only if the kernel accepts them; the notifier slot starts empty (see
     /// [`BirchFuse::notifier_slot`]). Starts the invalidation thread; does no I/O.
     pub fn new(fs: Arc<Filesystem>, options: FuseOptions) -> BirchFuse {
-        let waiters = waiters::Waiters::new(options.waiters);
+        let waiters = waiters::Waiters::new(options.waiters, options.loops);
         let notifier = Arc::new(OnceLock::new());
         BirchFuse {
             fs,
@@ -395,6 +399,27 @@ fn write_now(
         fs.fsync(ino, datasync)?;
     }
     Ok(n)
+}
+
+/// A READ's work: `size` bytes at `offset` of `ino`, noting atime by relatime when `atime`
+/// (and telling the kernel to drop the cached attributes if it moved).
+fn read_now(
+    fs: &Filesystem,
+    notifier: &OnceLock<fuser::Notifier>,
+    ino: u64,
+    offset: u64,
+    size: u32,
+    atime: bool,
+) -> birch_core::Result<Vec<u8>> {
+    if !atime {
+        // noatime: no read moves atime (exec and mmap reads reach us too).
+        return fs.read_without_atime(ino, offset, size as usize);
+    }
+    let (data, atime_moved) = fs.read_noting_atime(ino, offset, size as usize)?;
+    if atime_moved {
+        invalidate_attrs(notifier, ino);
+    }
+    Ok(data)
 }
 
 /// Tells the kernel to drop its cached attributes of `ino` (and ACLs): for changes the daemon
@@ -800,22 +825,19 @@ impl fuser::Filesystem for BirchFuse {
         _lock: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        let read = if self.options.atime {
-            self.fs.read_noting_atime(ino.0, offset, size as usize)
-        } else {
-            // noatime: no read moves atime (exec and mmap reads reach us too).
-            self.fs
-                .read_without_atime(ino.0, offset, size as usize)
-                .map(|data| (data, false))
-        };
-        match read {
-            Ok((data, atime_moved)) => {
-                if atime_moved {
-                    self.invalidate_attrs(ino.0);
-                }
-                reply.data(&data)
-            }
+        // A READ that reaches the daemon is one the kernel's page cache could not answer: it
+        // reads the device, so past the loops that may wait it runs on a worker, and readahead
+        // keeps several in flight.
+        let fs = self.fs.clone();
+        let notifier = self.notifier.clone();
+        let atime = self.options.atime;
+        let job = move || match read_now(&fs, &notifier, ino.0, offset, size, atime) {
+            Ok(data) => reply.data(&data),
             Err(e) => reply.error(errno("read", &e)),
+        };
+        match self.waiters.serve_here() {
+            Some(_here) => job(),
+            None => self.waiters.run(job),
         }
     }
 
@@ -844,7 +866,12 @@ impl fuser::Filesystem for BirchFuse {
         // made durable before the reply (`Some(datasync)`).
         let sync = (fh.0 & DIRECT_FH != 0 && flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0)
             .then_some(flags.0 & libc::O_SYNC != libc::O_SYNC);
-        if !through {
+        let here = if through {
+            self.waiters.serve_here()
+        } else {
+            None
+        };
+        if !through || here.is_some() {
             let result = write_now(
                 &self.fs,
                 &self.notifier,
@@ -927,10 +954,14 @@ impl fuser::Filesystem for BirchFuse {
         reply: ReplyEmpty,
     ) {
         let fs = self.fs.clone();
-        self.waiters.run(move || match fs.fsync(ino.0, datasync) {
+        let job = move || match fs.fsync(ino.0, datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("fsync", &e)),
-        });
+        };
+        match self.waiters.serve_here() {
+            Some(_here) => job(),
+            None => self.waiters.run(job),
+        }
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
@@ -1036,10 +1067,14 @@ impl fuser::Filesystem for BirchFuse {
         reply: ReplyEmpty,
     ) {
         let fs = self.fs.clone();
-        self.waiters.run(move || match fs.fsync(ino.0, datasync) {
+        let job = move || match fs.fsync(ino.0, datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("fsyncdir", &e)),
-        });
+        };
+        match self.waiters.serve_here() {
+            Some(_here) => job(),
+            None => self.waiters.run(job),
+        }
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {

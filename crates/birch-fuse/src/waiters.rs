@@ -2,8 +2,9 @@
 //!
 //! Owns: a pool of worker threads that grows on demand (up to a limit) and shrinks when idle,
 //! and the queue of jobs handed to it. The adapter hands it the requests whose answer waits for
-//! a device write or flush (FSYNC, FSYNCDIR, and WRITEs that go to the device before the
-//! reply); everything else is answered on the request loop that read it.
+//! a device write or flush (FSYNC, FSYNCDIR, WRITEs that go to the device before the
+//! reply) or a device read (READs, which the kernel sends only when its page cache cannot answer, so they
+//! read the device); everything else is answered on the request loop that read it.
 //! Must not touch: filesystem state, replies' contents, or which requests are handed over
 //! (the adapter decides).
 //!
@@ -14,8 +15,14 @@
 //! (each request wakes a different, cold thread). With this pool a few loops read requests,
 //! and every waiting request gets a thread of its own, up to [`Waiters::new`]'s limit; past the
 //! limit jobs queue, and a full queue is served in order as workers free up.
+//!
+//! A hand-off costs a thread wake-up (tens of µs on a busy machine), which a lone fsync or a
+//! lone reader would pay on every request. So a loop serves a waiting request itself while
+//! that leaves at least one other loop free to read ([`Waiters::serve_here`]); only requests
+//! beyond that are handed off.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -41,6 +48,10 @@ struct Shared {
     idle: Condvar,
     /// At most this many workers.
     max: usize,
+    /// Request loops of the session.
+    loops: usize,
+    /// Loops now serving a waiting request themselves.
+    loops_waiting: AtomicUsize,
 }
 
 struct State {
@@ -56,8 +67,9 @@ struct State {
 }
 
 impl Waiters {
-    /// A pool of at most `max` workers (at least 1). Starts no thread.
-    pub(crate) fn new(max: usize) -> Waiters {
+    /// A pool of at most `max` workers (at least 1) for a session of `loops` request loops.
+    /// Starts no thread.
+    pub(crate) fn new(max: usize, loops: usize) -> Waiters {
         Waiters {
             shared: Arc::new(Shared {
                 state: Mutex::new(State {
@@ -70,6 +82,8 @@ impl Waiters {
                 work: Condvar::new(),
                 idle: Condvar::new(),
                 max: max.max(1),
+                loops,
+                loops_waiting: AtomicUsize::new(0),
             }),
         }
     }
@@ -117,6 +131,18 @@ impl Waiters {
         // Otherwise every worker is busy and the job waits its turn.
     }
 
+    /// Whether the calling request loop may serve a waiting request itself: yes while at
+    /// least one other loop stays free to read requests. Hold the guard while serving it.
+    pub(crate) fn serve_here(&self) -> Option<ServingHere<'_>> {
+        let waiting = self.shared.loops_waiting.fetch_add(1, Ordering::AcqRel) + 1;
+        if waiting < self.shared.loops {
+            Some(ServingHere(&self.shared.loops_waiting))
+        } else {
+            self.shared.loops_waiting.fetch_sub(1, Ordering::AcqRel);
+            None
+        }
+    }
+
     /// Counts one job as done and wakes [`Waiters::wait_idle`] after the last.
     fn finished(&self) {
         finished(&self.shared);
@@ -143,6 +169,15 @@ impl Waiters {
     #[cfg(test)]
     fn waiting(&self) -> usize {
         self.shared.state.lock().waiting
+    }
+}
+
+/// A request loop serving a waiting request itself (see [`Waiters::serve_here`]).
+pub(crate) struct ServingHere<'a>(&'a AtomicUsize);
+
+impl Drop for ServingHere<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -191,7 +226,7 @@ mod tests {
     #[test]
     fn blocked_jobs_each_get_a_thread_up_to_the_limit() {
         // 8 jobs that all wait for each other can only finish if 8 run at once.
-        let pool = Waiters::new(8);
+        let pool = Waiters::new(8, 2);
         let barrier = Arc::new(Barrier::new(9));
         for _ in 0..8 {
             let b = barrier.clone();
@@ -206,7 +241,7 @@ mod tests {
 
     #[test]
     fn jobs_beyond_the_limit_queue_and_all_run() {
-        let pool = Waiters::new(2);
+        let pool = Waiters::new(2, 2);
         let done = Arc::new(AtomicUsize::new(0));
         for _ in 0..100 {
             let d = done.clone();
@@ -222,7 +257,7 @@ mod tests {
 
     #[test]
     fn idle_workers_are_reused() {
-        let pool = Waiters::new(16);
+        let pool = Waiters::new(16, 2);
         let done = Arc::new(AtomicUsize::new(0));
         for i in 0..50 {
             let d = done.clone();
@@ -241,7 +276,7 @@ mod tests {
 
     #[test]
     fn a_panicking_job_does_not_stall_close() {
-        let pool = Waiters::new(2);
+        let pool = Waiters::new(2, 2);
         pool.run(|| panic!("job panics on purpose"));
         let done = Arc::new(AtomicUsize::new(0));
         let d = done.clone();
@@ -253,8 +288,22 @@ mod tests {
     }
 
     #[test]
+    fn a_loop_serves_here_only_while_another_stays_free() {
+        let pool = Waiters::new(4, 3);
+        let first = pool.serve_here();
+        let second = pool.serve_here();
+        assert!(first.is_some() && second.is_some());
+        // A third would leave no loop reading requests.
+        assert!(pool.serve_here().is_none());
+        drop(first);
+        assert!(pool.serve_here().is_some());
+        // One loop alone never serves a waiting request itself.
+        assert!(Waiters::new(4, 1).serve_here().is_none());
+    }
+
+    #[test]
     fn after_close_jobs_run_inline() {
-        let pool = Waiters::new(4);
+        let pool = Waiters::new(4, 2);
         pool.close();
         let here = std::thread::current().id();
         let ran_on = Arc::new(Mutex::new(None));
