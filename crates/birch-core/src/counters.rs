@@ -120,6 +120,7 @@ counters! {
     fsync_fallback_mode: "fsync commits because the mount uses fsync=commit.",
     fsync_fallback_log_full: "fsync commits because the log area had no room.",
     fsync_fallback_names: "fsync commits because a name of the inode was removed or renamed.",
+    fsync_logged_moves: "Inodes renamed away from a name an fsync'd inode took, logged with it instead of a commit.",
     fsync_fallback_new_parent: "fsync commits because a new name's directory is itself uncommitted.",
     fsync_fallback_dir: "fsync commits of directories (fsyncdir).",
     fsync_fallback_other: "fsync commits for other unsafe cases (unlinked inode, hash collision).",

@@ -48,7 +48,8 @@ impl Rng {
 pub enum Workload {
     /// Append then fsync, six times.
     Append,
-    /// Link then fsync; rename then fsync; rewrite then fsync.
+    /// Link then fsync; rename then fsync; rewrite then fsync; a committed file renamed
+    /// away and a new one fsync'd under its name (dbench's pattern).
     LinkRename,
     /// Punch hole, fallocate KEEP_SIZE, truncate then grow, each with fsync.
     Holes,
@@ -256,6 +257,20 @@ fn run_workload(
             fs.fsync(ino, false)?;
             write_version(fs, h, "/A/foo", b"foo v2, longer than before".to_vec())?;
             sync_path(fs, rec, h, "/A/foo", false)?;
+            // dbench's pattern: a committed file renamed away, in its directory and then to
+            // another, and a new file written under its old name and fsync'd (the rename is
+            // logged with the new file, DESIGN §11.3).
+            fs.sync()?;
+            let a = fs.resolve("/A")?;
+            fs.rename(a, b"foo", a, b"saved", 0)?;
+            h.renamed("/A/foo", "/A/saved");
+            write_version(fs, h, "/A/foo", b"foo v3, a new file".to_vec())?;
+            sync_path(fs, rec, h, "/A/foo", false)?;
+            fs.sync()?;
+            fs.rename(a, b"foo", b, b"old", 0)?;
+            h.renamed("/A/foo", "/B/old");
+            write_version(fs, h, "/A/foo", b"foo v4".to_vec())?;
+            sync_path(fs, rec, h, "/A/foo", true)?;
         }
         Workload::Holes => {
             let mut content = vec![5u8; 40_000];

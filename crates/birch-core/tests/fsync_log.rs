@@ -193,6 +193,76 @@ fn a_name_reused_after_rename_survives_a_crash_consistently() {
     }
 }
 
+/// dbench's pattern: a committed file is renamed away (to a temporary name, in its directory
+/// or another) and a new file written under its old name and fsync'd. The renamed file is
+/// logged with the new one (its move), not answered with a commit, and after a crash both
+/// names hold what they should. A rename over an existing file, or a renamed file with other
+/// changes, still commits.
+#[test]
+fn a_file_renamed_away_is_logged_with_the_new_file_under_its_name() {
+    // (cross-directory, target existed, renamed file changed too) -> expect the log path
+    let cases = [
+        (false, false, false, true),
+        (true, false, false, true),
+        (false, true, false, false),
+        (false, false, true, false),
+    ];
+    for (cross, target_existed, changed, logged) in cases {
+        let what = format!("cross {cross}, target existed {target_existed}, changed {changed}");
+        let dev = fresh();
+        let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+        let c = Caller::default();
+        let a = fs.mkdir(c, 1, b"A", 0o755).expect("mkdir A");
+        let b = fs.mkdir(c, 1, b"B", 0o755).expect("mkdir B");
+        let (x, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create x");
+        fs.write(x.ino, 0, b"first", false).expect("write x");
+        let to = if cross { a.ino } else { b.ino };
+        if target_existed {
+            let (t, _) = fs.create(c, to, b"tmp", 0o644, 0).expect("create target");
+            fs.write(t.ino, 0, b"old target", false)
+                .expect("write target");
+        }
+        fs.sync().expect("commit");
+        if changed {
+            fs.write(x.ino, 5, b" and more", false)
+                .expect("write x again");
+        }
+        fs.rename(b.ino, b"foo", to, b"tmp", 0).expect("rename");
+        let (y, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create y");
+        fs.write(y.ino, 0, b"second", false).expect("write y");
+        let before = fs.engine().counters().values();
+        fs.fsync(y.ino, false).expect("fsync y");
+        let after = fs.engine().counters().values().since(&before);
+        if logged {
+            assert_eq!(
+                (
+                    after.fsync_log,
+                    after.fsync_logged_moves,
+                    after.fsync_commits
+                ),
+                (1, 1, 0),
+                "{what}: {after}"
+            );
+        } else {
+            assert_eq!(
+                (after.fsync_fallback_names, after.fsync_logged_moves),
+                (1, 0),
+                "{what}: {after}"
+            );
+        }
+        let (crashed, fs) = common::crash_and_reopen(fs, &dev);
+        assert_eq!(fs.read_file("/B/foo").expect("B/foo"), b"second", "{what}");
+        let tmp = if cross { "/A/tmp" } else { "/B/tmp" };
+        assert_eq!(fs.resolve(tmp).expect("tmp"), x.ino, "{what}");
+        let x_now = fs.read_file(tmp).expect("x");
+        assert!(
+            x_now == b"first" || (changed && x_now == b"first and more"),
+            "{what}: {x_now:?}"
+        );
+        common::close_and_check_clean(fs, &crashed, &what);
+    }
+}
+
 /// A name renamed away and given back by a link (rename foo -> bar, link bar -> foo) leaves
 /// the inode's name set as it was, but foo's directory index changed: replaying the log on
 /// top of the committed (or earlier logged) state would keep foo's old index beside the new

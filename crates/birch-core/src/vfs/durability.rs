@@ -395,8 +395,17 @@ impl Filesystem {
                         return Err(Ok(Fallback::Names));
                     };
                     for other in holders {
-                        match self.gone_records(other, &item_key, generation) {
-                            Ok(Some(gone)) => records.extend(gone),
+                        // Gone: its deletion. Still there, renamed away: its move (the seeds'
+                        // dbench saves a file under a temporary name and writes a new one
+                        // under the old name, then fsyncs the new one).
+                        let exists = engine.get(&inode_key(other)).map_err(Err)?.is_some();
+                        let found = if exists {
+                            self.moved_records(other, &item_key, generation)
+                        } else {
+                            self.gone_records(other, &item_key, generation)
+                        };
+                        match found {
+                            Ok(Some(more)) => records.extend(more),
                             Ok(None) => return Err(Ok(Fallback::Names)),
                             Err(e) => return Err(Err(e)),
                         }
@@ -639,6 +648,146 @@ impl Filesystem {
         Ok(Some(records))
     }
 
+    /// The records that move `other` away from dir item `key` in what replay starts from,
+    /// when `other` still exists but no longer has the name `key` stands for (renamed away,
+    /// in the same directory or another): its inode item, its inode refs as they are now, the
+    /// dir item and dir index of each name it gained, and the deletion of the dir index of the
+    /// name it lost. The caller's record for `key` replaces the old entry itself. btrfs logs
+    /// such a conflicting inode too (`log_conflicting_inodes`).
+    ///
+    /// `None` (commit instead) unless the move is all that changed: `other` is not a
+    /// directory; since the last commit only its inode item (in its times alone) and its
+    /// inode refs changed, and no fsync of it queued refs a commit has not covered (replay's
+    /// base for its names is then the committed tree); it lost exactly one committed name,
+    /// the one under `key`, and its dir index there is gone; and each name it gained is under
+    /// a committed directory, its dir item holds just `other`, and no other inode holds that
+    /// key in replay's base (a rename over an existing file commits).
+    fn moved_records(
+        &self,
+        other: u64,
+        key: &Key,
+        generation: u64,
+    ) -> Result<Option<Vec<LogRecord>>> {
+        let engine = &self.inner.engine;
+        let committed = engine.committed_generation();
+        let (_, changed) = engine.changed_items(other);
+        let mut inode_item = None;
+        let mut ref_changes = Vec::new();
+        for (k, value) in &changed {
+            match k.kind() {
+                Some(ItemType::InodeItem) if *k == inode_key(other) => {
+                    let (Some(now), Some(before)) = (value, engine.committed_get(k)?) else {
+                        return Ok(None);
+                    };
+                    let item = InodeItem::decode(now)
+                        .map_err(|e| Error::corrupt(format!("inode {other}"), e))?;
+                    if item.mode & libc::S_IFMT == libc::S_IFDIR
+                        || !differs_only_in_times(now, &before, true)
+                    {
+                        return Ok(None);
+                    }
+                    inode_item = Some(now.to_vec());
+                }
+                Some(ItemType::InodeRef) => {
+                    ref_changes.push((*k, value.as_ref().map(|v| v.to_vec())))
+                }
+                _ => return Ok(None),
+            }
+        }
+        let Some(inode_item) = inode_item else {
+            return Ok(None);
+        };
+        {
+            let names = self.inner.logged_names.lock();
+            if ref_changes
+                .iter()
+                .any(|(k, _)| names.get(k).is_some_and(|(_, g)| *g > committed))
+            {
+                return Ok(None);
+            }
+        }
+        // Names before (committed) and now, as (parent, name, dir index).
+        let mut before = Vec::new();
+        let mut now = Vec::new();
+        for (k, value) in &ref_changes {
+            if let Some(bytes) = engine.committed_get(k)? {
+                let refs = decode_inode_refs(&bytes)
+                    .map_err(|e| Error::corrupt(format!("committed inode ref {k}"), e))?;
+                before.extend(refs.into_iter().map(|r| (r.parent, r.name, r.dir_index)));
+            }
+            if let Some(bytes) = value {
+                let refs = decode_inode_refs(bytes)
+                    .map_err(|e| Error::corrupt(format!("inode ref {k}"), e))?;
+                now.extend(refs.into_iter().map(|r| (r.parent, r.name, r.dir_index)));
+            }
+        }
+        let lost: Vec<_> = before.iter().filter(|b| !now.contains(b)).collect();
+        let [(parent, name, index)] = lost[..] else {
+            return Ok(None);
+        };
+        if *parent != key.objectid || name_hash(&[name]) != key.offset {
+            return Ok(None);
+        }
+        let old_index = Key::new(*parent, ItemType::DirIndex, *index);
+        if engine.get(&old_index)?.is_some() {
+            return Ok(None);
+        }
+        let mut records = vec![LogRecord {
+            generation,
+            key: inode_key(other),
+            value: Some(inode_item),
+        }];
+        for (k, value) in ref_changes {
+            records.push(LogRecord {
+                generation,
+                key: k,
+                value,
+            });
+        }
+        for (parent, name, index) in now.iter().filter(|n| !before.contains(n)) {
+            if engine.committed_get(&inode_key(*parent))?.is_none() {
+                return Ok(None);
+            }
+            let item_key = Key::new(*parent, ItemType::DirItem, name_hash(&[name]));
+            let Some(item) = engine.get(&item_key)? else {
+                return Ok(None);
+            };
+            let entries = decode_dir_entries(&item)
+                .map_err(|e| Error::corrupt(format!("dir item {item_key}"), e))?;
+            if entries.len() != 1 || entries[0].child != other {
+                return Ok(None);
+            }
+            match self.name_holders(other, &item_key)? {
+                Some(holders) if holders.is_empty() => {}
+                _ => return Ok(None),
+            }
+            let index_key = Key::new(*parent, ItemType::DirIndex, *index);
+            let Some(index_item) = engine.get(&index_key)? else {
+                return Ok(None);
+            };
+            records.push(LogRecord {
+                generation,
+                key: item_key,
+                value: Some(item.to_vec()),
+            });
+            records.push(LogRecord {
+                generation,
+                key: index_key,
+                value: Some(index_item.to_vec()),
+            });
+        }
+        records.push(LogRecord {
+            generation,
+            key: old_index,
+            value: None,
+        });
+        self.inner
+            .engine
+            .counters()
+            .add(|c| &c.fsync_logged_moves, 1);
+        Ok(Some(records))
+    }
+
     /// Whether the only change since the last commit is the inode item's atime.
     fn only_atime_changed(&self, ino: u64, changed: &[(Key, crate::delta::DeltaValue)]) -> bool {
         let [(key, Some(now))] = changed else {
@@ -787,11 +936,13 @@ impl Filesystem {
 /// What `logged_names` remembers of an inode ref whose entries are not exactly one.
 const SEVERAL_NAMES: u64 = u64::MAX;
 
-/// Remembers, in `Inner::logged_names`, the names `ino`'s fsync queued: each dir item and dir
-/// index key with `ino` (the inode it names), and each inode ref key with the dir index of
-/// its one name ([`SEVERAL_NAMES`] otherwise), each with its record's generation. A later
-/// fsync of another inode under the same dir item key learns from them that replay would
-/// find `ino` there, and, once `ino` is gone, which dir index to delete with it
+/// Remembers, in `Inner::logged_names`, the names an fsync queued: each dir item and dir
+/// index key with the inode it names (its one entry's child; `ino`, the inode fsync'd, if it
+/// holds several), and each inode ref key with the dir index of its one name
+/// ([`SEVERAL_NAMES`] otherwise), each with its record's generation. The records may name
+/// other inodes than `ino` (one renamed away from a name `ino` took, [`Filesystem::moved_records`]).
+/// A later fsync of another inode under the same dir item key learns from them that replay
+/// would find that inode there, and, once it is gone, which dir index to delete with it
 /// ([`Filesystem::gone_records`]). Deletions are not remembered.
 fn remember_names(names: &mut HashMap<Key, (u64, u64)>, ino: u64, records: &[LogRecord]) {
     for r in records {
@@ -800,7 +951,11 @@ fn remember_names(names: &mut HashMap<Key, (u64, u64)>, ino: u64, records: &[Log
         };
         match r.key.kind() {
             Some(ItemType::DirItem | ItemType::DirIndex) => {
-                names.insert(r.key, (ino, r.generation));
+                let child = match decode_dir_entries(value).as_deref() {
+                    Ok([one]) => one.child,
+                    _ => ino,
+                };
+                names.insert(r.key, (child, r.generation));
             }
             Some(ItemType::InodeRef) => {
                 let index = match decode_inode_refs(value).as_deref() {
