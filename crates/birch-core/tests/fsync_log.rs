@@ -196,24 +196,32 @@ fn a_name_reused_after_rename_survives_a_crash_consistently() {
 /// dbench's pattern: a committed file is renamed away (to a temporary name, in its directory
 /// or another) and a new file written under its old name and fsync'd. The renamed file is
 /// logged with the new one (its move), not answered with a commit, and after a crash both
-/// names hold what they should. A rename over an existing file, or a renamed file with other
-/// changes, still commits.
+/// names hold what they should, also when the renamed file was itself only fsync'd (logged,
+/// not committed). A rename over an existing file, or a renamed file with other changes,
+/// still commits.
 #[test]
 fn a_file_renamed_away_is_logged_with_the_new_file_under_its_name() {
-    // (cross-directory, target existed, renamed file changed too) -> expect the log path
+    // (cross-directory, target existed, renamed file changed too, renamed file only logged
+    // by its own fsync, not committed) -> expect the log path
     let cases = [
-        (false, false, false, true),
-        (true, false, false, true),
-        (false, true, false, false),
-        (false, false, true, false),
+        (false, false, false, false, true),
+        (true, false, false, false, true),
+        (false, true, false, false, false),
+        (false, false, true, false, false),
+        (false, false, false, true, true),
+        (true, false, false, true, true),
+        (false, false, true, true, false),
     ];
-    for (cross, target_existed, changed, logged) in cases {
-        let what = format!("cross {cross}, target existed {target_existed}, changed {changed}");
+    for (cross, target_existed, changed, x_logged, logged) in cases {
+        let what = format!(
+            "cross {cross}, target existed {target_existed}, changed {changed}, x logged {x_logged}"
+        );
         let dev = fresh();
         let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
         let c = Caller::default();
         let a = fs.mkdir(c, 1, b"A", 0o755).expect("mkdir A");
         let b = fs.mkdir(c, 1, b"B", 0o755).expect("mkdir B");
+        fs.sync().expect("commit dirs");
         let (x, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create x");
         fs.write(x.ino, 0, b"first", false).expect("write x");
         let to = if cross { a.ino } else { b.ino };
@@ -222,7 +230,11 @@ fn a_file_renamed_away_is_logged_with_the_new_file_under_its_name() {
             fs.write(t.ino, 0, b"old target", false)
                 .expect("write target");
         }
-        fs.sync().expect("commit");
+        if x_logged {
+            fs.fsync(x.ino, false).expect("fsync x");
+        } else {
+            fs.sync().expect("commit");
+        }
         if changed {
             fs.write(x.ino, 5, b" and more", false)
                 .expect("write x again");

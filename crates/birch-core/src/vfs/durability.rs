@@ -195,10 +195,16 @@ impl Filesystem {
                                 })
                                 .map(|r| (r.key, r.value.clone(), r.generation))
                                 .collect();
+                            let moves: Vec<LogRecord> = fresh
+                                .iter()
+                                .filter(|r| r.key.objectid != ino && is_inode_record(r))
+                                .cloned()
+                                .collect();
                             let ticket = engine.log_enqueue(fresh);
                             // After the enqueue: an fsync of the directory that finds these
                             // takes a ticket no earlier than theirs.
                             self.remember_entries(entries, committed);
+                            self.remember_moves(moves, committed);
                             logged.ticket = ticket;
                             mark(&mut logged)?;
                             ticket
@@ -506,6 +512,22 @@ impl Filesystem {
         }
     }
 
+    /// Remembers, in the `Logged::values` of each inode moved away by this batch
+    /// ([`Filesystem::moved_records`]), its inode item and refs as queued, so a later move of
+    /// it starts from them. Only inodes whose state is in memory; one loaded later falls back
+    /// to a commit ([`Filesystem::moved_base`]).
+    fn remember_moves(&self, records: Vec<LogRecord>, committed: u64) {
+        for r in records {
+            let other = r.key.objectid;
+            let state = self.shard(other).lock().get(&other).cloned();
+            if let Some(state) = state {
+                let mut logged = state.logged.lock();
+                forget_committed(&mut logged, other, committed);
+                logged.values.insert(r.key, (r.value, r.generation));
+            }
+        }
+    }
+
     /// The value of `key` that replay of the log would start from before this inode's next
     /// batch: the one queued by an earlier fsync of the inode while a commit has not covered
     /// it, else the committed one.
@@ -648,6 +670,40 @@ impl Filesystem {
         Ok(Some(records))
     }
 
+    /// The value of `other`'s item `k` that replay would start from, for
+    /// [`Filesystem::moved_records`]: the one queued by an fsync a commit has not covered yet
+    /// (its own, or one that logged its move; both remembered in its `Logged::values`), else
+    /// the committed one. `None` (commit instead) when a queued name record of `other` is
+    /// known (`logged_names`) but not in its `Logged::values` with the same generation: its
+    /// state was evicted and reloaded since, and the base is unknown.
+    fn moved_base(
+        &self,
+        state: Option<&InodeState>,
+        k: &Key,
+        committed: u64,
+    ) -> Result<Option<Option<Vec<u8>>>> {
+        let queued_name = self
+            .inner
+            .logged_names
+            .lock()
+            .get(k)
+            .filter(|(_, g)| *g > committed)
+            .map(|(_, g)| *g);
+        let queued = state.and_then(|st| {
+            st.logged
+                .lock()
+                .values
+                .get(k)
+                .filter(|(_, g)| *g > committed)
+                .cloned()
+        });
+        match (queued, queued_name) {
+            (Some((value, g)), name) if name.is_none_or(|n| n == g) => Ok(Some(value)),
+            (None, None) => Ok(Some(self.inner.engine.committed_get(k)?)),
+            _ => Ok(None),
+        }
+    }
+
     /// The records that move `other` away from dir item `key` in what replay starts from,
     /// when `other` still exists but no longer has the name `key` stands for (renamed away,
     /// in the same directory or another): its inode item, its inode refs as they are now, the
@@ -671,56 +727,59 @@ impl Filesystem {
         let engine = &self.inner.engine;
         let committed = engine.committed_generation();
         let (_, changed) = engine.changed_items(other);
+        let state = self.shard(other).lock().get(&other).cloned();
         let mut inode_item = None;
         let mut ref_changes = Vec::new();
+        // Names in replay's base and now, as (parent, name, dir index).
+        let mut before = Vec::new();
+        let mut now = Vec::new();
         for (k, value) in &changed {
+            let Some(base) = self.moved_base(state.as_deref(), k, committed)? else {
+                return Ok(None);
+            };
+            if base.as_deref() == value.as_deref() {
+                // Queued as it is now: replay has it already.
+                continue;
+            }
             match k.kind() {
                 Some(ItemType::InodeItem) if *k == inode_key(other) => {
-                    let (Some(now), Some(before)) = (value, engine.committed_get(k)?) else {
+                    let (Some(current), Some(base)) = (value, base) else {
                         return Ok(None);
                     };
-                    let item = InodeItem::decode(now)
+                    let item = InodeItem::decode(current)
                         .map_err(|e| Error::corrupt(format!("inode {other}"), e))?;
                     if item.mode & libc::S_IFMT == libc::S_IFDIR
-                        || !differs_only_in_times(now, &before, true)
+                        || !differs_only_in_times(current, &base, true)
                     {
                         return Ok(None);
                     }
-                    inode_item = Some(now.to_vec());
+                    inode_item = Some(current.to_vec());
                 }
                 Some(ItemType::InodeRef) => {
-                    ref_changes.push((*k, value.as_ref().map(|v| v.to_vec())))
+                    if let Some(bytes) = &base {
+                        let refs = decode_inode_refs(bytes).map_err(|e| {
+                            Error::corrupt(format!("inode ref {k} in replay's base"), e)
+                        })?;
+                        before.extend(refs.into_iter().map(|r| (r.parent, r.name, r.dir_index)));
+                    }
+                    if let Some(bytes) = value {
+                        let refs = decode_inode_refs(bytes)
+                            .map_err(|e| Error::corrupt(format!("inode ref {k}"), e))?;
+                        now.extend(refs.into_iter().map(|r| (r.parent, r.name, r.dir_index)));
+                    }
+                    ref_changes.push((*k, value.as_ref().map(|v| v.to_vec())));
                 }
                 _ => return Ok(None),
             }
         }
-        let Some(inode_item) = inode_item else {
-            return Ok(None);
+        let inode_item = match inode_item {
+            Some(item) => item,
+            // The rename moved ctime; an equal inode item would mean the kernel restored it.
+            None => match engine.get(&inode_key(other))? {
+                Some(item) => item.to_vec(),
+                None => return Ok(None),
+            },
         };
-        {
-            let names = self.inner.logged_names.lock();
-            if ref_changes
-                .iter()
-                .any(|(k, _)| names.get(k).is_some_and(|(_, g)| *g > committed))
-            {
-                return Ok(None);
-            }
-        }
-        // Names before (committed) and now, as (parent, name, dir index).
-        let mut before = Vec::new();
-        let mut now = Vec::new();
-        for (k, value) in &ref_changes {
-            if let Some(bytes) = engine.committed_get(k)? {
-                let refs = decode_inode_refs(&bytes)
-                    .map_err(|e| Error::corrupt(format!("committed inode ref {k}"), e))?;
-                before.extend(refs.into_iter().map(|r| (r.parent, r.name, r.dir_index)));
-            }
-            if let Some(bytes) = value {
-                let refs = decode_inode_refs(bytes)
-                    .map_err(|e| Error::corrupt(format!("inode ref {k}"), e))?;
-                now.extend(refs.into_iter().map(|r| (r.parent, r.name, r.dir_index)));
-            }
-        }
         let lost: Vec<_> = before.iter().filter(|b| !now.contains(b)).collect();
         let [(parent, name, index)] = lost[..] else {
             return Ok(None);
@@ -967,6 +1026,12 @@ fn remember_names(names: &mut HashMap<Key, (u64, u64)>, ino: u64, records: &[Log
             _ => {}
         }
     }
+}
+
+/// Whether `r` is an item of an inode itself (its inode item or a ref), not of a directory's
+/// entries.
+fn is_inode_record(r: &LogRecord) -> bool {
+    matches!(r.key.kind(), Some(ItemType::InodeItem | ItemType::InodeRef))
 }
 
 /// Drops what `logged` remembers of generations a commit covers: replay skips those records.
