@@ -233,7 +233,7 @@ shutdown_py="
 import os, fcntl, errno, sys
 try:
     fd = os.open('$MNT', os.O_RDONLY)
-    fcntl.ioctl(fd, 0x8004585d, b'\0' * 4)
+    fcntl.ioctl(fd, 0x8004587d, b'\0' * 4)
     print('OK')
 except OSError as e:
     print(errno.errorcode[e.errno])

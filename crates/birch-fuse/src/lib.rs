@@ -36,7 +36,7 @@ use fuser::{
 /// `FS_IOC_SHUTDOWN`, `_IOR('X', 125, __u32)` (also `XFS_IOC_GOINGDOWN`, what xfstests'
 /// `godown` sends). The kernel copies data in only for `_IOC_WRITE` commands, so its flags
 /// argument never reaches a FUSE server: through a mount it means "commit, then stop".
-pub const FS_IOC_SHUTDOWN: u32 = 0x8004_585d;
+pub const FS_IOC_SHUTDOWN: u32 = 0x8004_587d;
 
 /// `CAP_SYS_ADMIN`, the capability a shutdown asks of its caller.
 const CAP_SYS_ADMIN: u32 = 21;
@@ -1371,6 +1371,13 @@ fn xattr_reply(reply: ReplyXattr, size: u32, value: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_shutdown_ioctl_is_ior_x_125_of_a_u32() {
+        // _IOR(type, nr, size) = read (2) << 30 | size << 16 | type << 8 | nr.
+        let ior = (2u32 << 30) | (4 << 16) | (u32::from(b'X') << 8) | 125;
+        assert_eq!(FS_IOC_SHUTDOWN, ior);
+    }
 
     #[test]
     fn times_before_1970_from_the_kernel_keep_their_nanoseconds() {

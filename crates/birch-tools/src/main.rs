@@ -106,7 +106,8 @@ enum Command {
     /// fsck'd and judged. Exit 0 when every state passes.
     Crashtest {
         /// Workloads: append+fsync, link/rename+fsync, punch/fallocate/truncate+fsync,
-        /// many files+symlink+xattr, ace (default: all).
+        /// many files+symlink+xattr, big tree+commits, ace, shutdown (three runs: commit,
+        /// log, now) (default: all).
         #[arg(long)]
         workload: Vec<String>,
         /// Seed (printed; the same seed replays the same states).
@@ -602,10 +603,11 @@ fn crashtest(
     let runs: Vec<(Workload, u64)> = workloads
         .iter()
         .flat_map(|w| {
-            let n = if *w == Workload::Ace {
-                ace_runs.max(1)
-            } else {
-                1
+            let n = match *w {
+                Workload::Ace => ace_runs.max(1),
+                // One run per variant (commit, log, now: the seed modulo 3).
+                Workload::Shutdown => 3,
+                _ => 1,
             };
             (0..n).map(move |i| (*w, seed.wrapping_add(i)))
         })
