@@ -1,7 +1,8 @@
 //! The filesystem API: POSIX semantics on the engine, inode-number based and thread-safe.
 //!
 //! Owns: the in-memory inode table and per-inode locks, lookup and open counts, every
-//! namespace, data and xattr operation, orphans, the background committer, and the errors
+//! namespace, data and xattr operation, orphans, the background committer, the last step of
+//! a shutdown ([`Filesystem::shutdown`]; the engine's fence does the stopping), and the errors
 //! POSIX callers see (mapped to errno once, in [`crate::Error::errno`]).
 //!
 //! Must not touch: nodes or blocks directly (it goes through the engine), or any FUSE type.
