@@ -9,7 +9,8 @@ opendir, readdir, readdirplus, releasedir, fsyncdir, statfs, setxattr, getxattr,
 removexattr, access, create, fallocate, lseek (SEEK_DATA/SEEK_HOLE), copy_file_range,
 getlk/setlk, O_DIRECT, mmap, O_TMPFILE, suid/sgid clearing (FUSE_HANDLE_KILLPRIV_V2) on write,
 truncate, chown, fallocate and copy_file_range, the mode an access ACL sets, file handles
-(open_by_handle_at of uncached inodes), noatime; ioctl and bmap are skipped. After unmount,
+(open_by_handle_at of uncached inodes), noatime, ioctl (ENOTTY for unknown ones, EPERM for
+FS_IOC_SHUTDOWN by a user; the shutdown itself is in mount-tests.sh); bmap is skipped. After unmount,
 `birch fsck` must be clean.
 Expected errnos and behaviours were checked against ext4 with --ref (below): the tests pass
 there except where birchfs documents a difference (O_TMPFILE, xattr value limits).
@@ -1240,9 +1241,33 @@ def op_setlk(d):
         os.close(rfd)
 
 
+FS_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32), also XFS_IOC_GOINGDOWN
+
+
 @test
 def op_ioctl(d):
-    raise Skip("ioctl: birchfs defines no ioctls; nothing to check beyond the kernel's ENOTTY")
+    # The one ioctl birchfs answers is FS_IOC_SHUTDOWN, which ends the mount's service: it is
+    # tested in tests/mount/mount-tests.sh. Here: unknown ioctls are ENOTTY on a file and a
+    # directory, and a caller without CAP_SYS_ADMIN cannot shut the filesystem down.
+    unknown = 0x800458C8  # _IOR('X', 200, __u32): no filesystem defines it
+    wfile(J(d, "f"), b"x")
+    for path in (J(d, "f"), d):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            expect_err(f"unknown ioctl on {os.path.basename(path)}", errno.ENOTTY,
+                       fcntl.ioctl, fd, unknown, b"\0" * 4)
+        finally:
+            os.close(fd)
+    os.chmod(d, 0o755)
+
+    def shut():
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            return fcntl.ioctl(fd, FS_IOC_SHUTDOWN, b"\0" * 4)
+        finally:
+            os.close(fd)
+    user_expect_err("FS_IOC_SHUTDOWN", errno.EPERM, shut)
+    os.stat(J(d, "f"))  # still served
 
 
 @test

@@ -7,7 +7,9 @@
 # fsync, rename, link, symlink, xattrs, truncate, fallocate and SEEK_DATA/SEEK_HOLE work through
 # the kernel; clear errors for a missing mountpoint, a missing image, a non-birchfs image and an
 # image already mounted; SIGTERM and SIGKILL of the daemon (fsync'd data replayed from the log,
-# fsck checking the pending log replayed in memory); fsck clean at the end.
+# fsck checking the pending log replayed in memory); shutdown through the FS_IOC_SHUTDOWN ioctl
+# and `birch shutdown` (EPERM without CAP_SYS_ADMIN, EIO after, umount works, the next mount
+# finds what each variant keeps); fsck clean at the end.
 #
 # Skips (exit 77) with a printed reason where /dev/fuse is absent or not root.
 set -uo pipefail
@@ -220,6 +222,64 @@ if [[ -n $daemon ]]; then
 else
   bad "writeback SIGKILL test: daemon pid not found"
 fi
+# --- Shutdown: the FS_IOC_SHUTDOWN ioctl (what xfstests' godown sends) commits, then every
+# request fails with EIO; a caller without CAP_SYS_ADMIN gets EPERM; umount works; the next
+# mount finds what was written. `birch shutdown --now` keeps only what fsync made durable. ---
+chmod 0755 "$WORK" # the unprivileged caller must reach the mountpoint
+"$BIRCH" mount -o commit=0,allow_other "$IMG" "$MNT"
+head -c 200000 /dev/urandom > "$WORK/sd-data"
+cp "$WORK/sd-data" "$MNT/sd-closed"
+shutdown_py="
+import os, fcntl, errno, sys
+try:
+    fd = os.open('$MNT', os.O_RDONLY)
+    fcntl.ioctl(fd, 0x8004587d, b'\0' * 4)
+    print('OK')
+except OSError as e:
+    print(errno.errorcode[e.errno])
+"
+check "FS_IOC_SHUTDOWN by a user is EPERM" test "$(setpriv --reuid=65534 --regid=65534 --clear-groups /usr/bin/python3 -c "$shutdown_py")" = EPERM
+check "FS_IOC_SHUTDOWN by root without CAP_SYS_ADMIN is EPERM" test "$(setpriv --bounding-set -sys_admin --inh-caps -sys_admin python3 -c "$shutdown_py")" = EPERM
+check "an unknown ioctl is ENOTTY" test "$(python3 -c "
+import os, fcntl, errno
+fd = os.open('$MNT/sd-closed', os.O_RDONLY)
+try:
+    fcntl.ioctl(fd, 0x80086601, b'\0' * 8); print('OK')
+except OSError as e:
+    print(errno.errorcode[e.errno])")" = ENOTTY
+check "FS_IOC_SHUTDOWN by root succeeds" test "$(python3 -c "$shutdown_py")" = OK
+check "after shutdown a create is EIO" test "$(py_errno "open('$MNT/sd-new','w')")" = EIO
+check "after shutdown a lookup is EIO" test "$(py_errno "os.stat('$MNT/sd-missing')")" = EIO
+check "after shutdown a listing is EIO" test "$(py_errno "os.listdir('$MNT')")" = EIO
+check "after shutdown statfs is EIO" test "$(py_errno "os.statvfs('$MNT')")" = EIO
+check "after shutdown a second shutdown is EIO" test "$(python3 -c "$shutdown_py")" = EIO
+check "umount after shutdown" "$BIRCH" umount "$MNT"
+check "fsck clean after shutdown" "$BIRCH" fsck "$IMG"
+"$BIRCH" mount -o commit=0 "$IMG" "$MNT"
+check "shutdown committed what was written before it" cmp -s "$WORK/sd-data" "$MNT/sd-closed"
+python3 -c "
+import os
+with open('$MNT/sd-fsynced', 'wb') as f:
+    f.write(b'durable' * 1000); f.flush(); os.fsync(f.fileno())
+with open('$MNT/sd-loose', 'wb') as f:
+    f.write(b'lost' * 1000)
+"
+check "birch shutdown --now" "$BIRCH" shutdown --now "$MNT"
+check "after birch shutdown --now a read is EIO" test "$(py_errno "open('$MNT/sd-fsynced','rb').read()")" = EIO
+check "umount after birch shutdown --now" "$BIRCH" umount "$MNT"
+"$BIRCH" mount "$IMG" "$MNT"
+check "birch shutdown --now keeps what fsync acknowledged" test "$(cat "$MNT/sd-fsynced" 2>&1)" = "$(python3 -c "print('durable' * 1000, end='')")"
+check "birch shutdown --now keeps nothing else" test ! -e "$MNT/sd-loose"
+python3 -c "
+import os
+fd = os.open('$MNT/sd-open', os.O_CREAT | os.O_WRONLY, 0o644)
+os.write(fd, b'still open' * 1000)
+os.system('$BIRCH shutdown $MNT')
+"
+check "umount after birch shutdown" "$BIRCH" umount "$MNT"
+"$BIRCH" mount "$IMG" "$MNT"
+check "birch shutdown commits pages the kernel held dirty for an open file" test "$(cat "$MNT/sd-open" 2>&1)" = "$(python3 -c "print('still open' * 1000, end='')")"
+"$BIRCH" umount "$MNT"
 check "fsck clean at the end" "$BIRCH" fsck "$IMG"
 
 echo "mount-tests: $passed passed, $failed failed"

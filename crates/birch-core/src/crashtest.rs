@@ -14,8 +14,8 @@ use std::sync::Arc;
 
 use crate::check::{check, CheckOptions};
 use crate::device::{BlockDevice, MemDevice, OverlayDevice, Recorded};
-use crate::vfs::{Caller, OpenOptions, SetAttr};
-use crate::{Filesystem, MkfsOptions, Result};
+use crate::vfs::{Caller, OpenOptions, SetAttr, ShutdownMode};
+use crate::{Error, Filesystem, MkfsOptions, Result};
 
 /// A small deterministic generator (xorshift64*), so the library needs no RNG crate.
 pub struct Rng(u64);
@@ -61,17 +61,22 @@ pub enum Workload {
     /// ACE-style: 1-3 operations over A/foo, A/bar, B/foo, B/bar, A/C, each followed by fsync,
     /// fdatasync or a commit, chosen by the seed.
     Ace,
+    /// Files written, some fsync'd, some committed, then a shutdown mid-way (commit-then-stop,
+    /// log-then-stop or now, by the seed: `seed % 3`); every operation after it must fail
+    /// and write nothing. What the shutdown's variant promises is judged like an fsync.
+    Shutdown,
 }
 
 impl Workload {
     /// Every workload, in the order `birch crashtest` runs them.
-    pub const ALL: [Workload; 6] = [
+    pub const ALL: [Workload; 7] = [
         Workload::Append,
         Workload::LinkRename,
         Workload::Holes,
         Workload::Many,
         Workload::Tree,
         Workload::Ace,
+        Workload::Shutdown,
     ];
 
     /// The workload's display name, as reports and the command line use it.
@@ -83,6 +88,7 @@ impl Workload {
             Workload::Many => "many files+symlink+xattr",
             Workload::Tree => "big tree+commits",
             Workload::Ace => "ace",
+            Workload::Shutdown => "shutdown",
         }
     }
 
@@ -364,6 +370,64 @@ fn run_workload(
             fs.sync()?;
             write_version(fs, h, "/A/flip", b"one".to_vec())?;
             sync_path(fs, rec, h, "/A/flip", false)?;
+        }
+        Workload::Shutdown => {
+            let mode =
+                [ShutdownMode::Commit, ShutdownMode::Log, ShutdownMode::Now][(seed % 3) as usize];
+            let mut rng = Rng::new(seed ^ 0x5D);
+            let paths = ["/A/f0", "/A/f1", "/B/f2", "/B/f3", "/A/f4"];
+            let mut written = Vec::new();
+            for (i, path) in paths.iter().enumerate() {
+                let len = 1 + rng.below(40_000) as usize;
+                write_version(fs, h, path, vec![i as u8 + 1; len])?;
+                written.push(*path);
+                match rng.below(4) {
+                    0 => sync_path(fs, rec, h, path, false)?,
+                    1 => {
+                        fs.sync()?;
+                        let mark = rec.mark();
+                        for p in &written {
+                            h.synced(mark, p);
+                        }
+                    }
+                    _ => {}
+                }
+                if rng.chance(40) {
+                    // A later version, not made durable by anything but the shutdown.
+                    write_version(
+                        fs,
+                        h,
+                        path,
+                        vec![i as u8 + 101; 1 + rng.below(9000) as usize],
+                    )?;
+                }
+            }
+            fs.shutdown(mode)?;
+            let mark = rec.mark();
+            if mode == ShutdownMode::Commit {
+                for p in &written {
+                    h.synced(mark, p);
+                }
+            }
+            // Every operation after it fails, and nothing reaches the device.
+            let after = [
+                ("write", fs.write_file(paths[1], &[0xEE; 5000]).err()),
+                ("resolve", fs.resolve(paths[0]).err()),
+                ("sync", fs.sync().err()),
+                ("mkdir", fs.mkdir(c, 1, b"late", 0o755).err()),
+            ];
+            for (what, err) in after {
+                if err.is_none_or(|e| e.errno() != libc::EIO) {
+                    return Err(Error::Invalid(format!(
+                        "{what} after a shutdown ({mode:?}) did not fail with EIO"
+                    )));
+                }
+            }
+            if rec.mark() != mark {
+                return Err(Error::Invalid(format!(
+                    "device I/O after a shutdown ({mode:?})"
+                )));
+            }
         }
         Workload::Ace => {
             let mut rng = Rng::new(seed ^ 0xACE);

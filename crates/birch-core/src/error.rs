@@ -108,6 +108,11 @@ pub enum Error {
     /// Maps to `ENXIO`.
     #[error("{0}: no such device or address")]
     NoSuchAddress(String),
+    /// The filesystem was shut down (`Filesystem::shutdown`, `birch shutdown`, the
+    /// `FS_IOC_SHUTDOWN` ioctl): every operation fails and nothing more reaches the image
+    /// until it is opened again. Maps to `EIO`.
+    #[error("the filesystem is shut down")]
+    Shutdown,
     /// fallocate on a special file. Maps to `ENODEV`.
     #[error("{0}: no such device")]
     NoDevice(String),
@@ -120,7 +125,8 @@ impl Error {
             Error::Io { .. }
             | Error::Corrupt { .. }
             | Error::DataChecksum(_)
-            | Error::StickyIo(_) => libc::EIO,
+            | Error::StickyIo(_)
+            | Error::Shutdown => libc::EIO,
             Error::NoSpace(_) => libc::ENOSPC,
             Error::ReadOnly(_) => libc::EROFS,
             Error::NotFound(_) => libc::ENOENT,

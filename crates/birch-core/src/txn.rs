@@ -2,8 +2,9 @@
 //!
 //! Owns: generation numbers, the running and frozen deltas, the committed snapshot, the commit
 //! order (write nodes, flush, write superblock N to slot N mod 2, flush), releasing pinned
-//! space once a commit is durable and unobserved, the object id high-water mark, and the
-//! sticky read-only state after a failed commit.
+//! space once a commit is durable and unobserved, the object id high-water mark, the
+//! sticky read-only state after a failed commit, and the shutdown (its device [`Fence`]:
+//! once shut down, no I/O reaches the image and every call fails with [`Error::Shutdown`]).
 //!
 //! Must not touch: files, inodes, names, FUSE. It never holds a lock across a flush: the
 //! `gate` (shared by every mutation, exclusive only for the in-memory freeze) and the state
@@ -33,7 +34,7 @@ use crate::btree::{TreeCtx, TreeReader, TreeWriter};
 use crate::cache::NodeCache;
 use crate::counters::Counters;
 use crate::delta::{merge_layers, Delta, DeltaValue, FrozenDelta};
-use crate::device::BlockDevice;
+use crate::device::{BlockDevice, Fence};
 use crate::error::{Error, Result};
 use crate::log::{read_log, FsyncLog, LogOutcome, Replay};
 use birch_format::log::LogRecord;
@@ -197,7 +198,9 @@ impl std::ops::Deref for SnapshotPin {
 
 /// The copy-on-write engine over one device.
 pub struct Engine {
+    /// The fence, as the device every I/O of the engine and the filesystem goes through.
     device: Arc<dyn BlockDevice>,
+    fence: Arc<Fence>,
     cache: NodeCache,
     alloc: Arc<Allocator>,
     counters: Counters,
@@ -290,9 +293,51 @@ impl Engine {
         &self.counters
     }
 
-    /// The device.
+    /// The device, behind the engine's shutdown fence: I/O through it fails once the engine
+    /// is shut down.
     pub fn device(&self) -> &Arc<dyn BlockDevice> {
         &self.device
+    }
+
+    /// The device the engine was opened on (without the fence): to open it again.
+    pub fn base_device(&self) -> &Arc<dyn BlockDevice> {
+        self.fence.base()
+    }
+
+    /// Shuts the engine down: waits for device I/O in flight, then lets none through, and
+    /// every later call fails with [`Error::Shutdown`]. The image stays as a power cut at
+    /// this moment would leave it (the next open replays the log). Returns whether this call
+    /// shut it down (false: it was down already).
+    pub fn shut_down(&self) -> bool {
+        let first = self.fence.shut_down();
+        // Mutations take the slow path of `begin`, which finds the shutdown.
+        self.read_only_set.store(true, Ordering::SeqCst);
+        if first {
+            log::warn!(
+                "birchfs is shut down: nothing more reaches the image (durable: commit {})",
+                self.committed_generation()
+            );
+        }
+        first
+    }
+
+    /// Whether the engine is shut down.
+    pub fn is_shut_down(&self) -> bool {
+        self.fence.is_down()
+    }
+
+    /// `Err(Error::Shutdown)` once the engine is shut down.
+    pub fn check_up(&self) -> Result<()> {
+        if self.fence.is_down() {
+            return Err(Error::Shutdown);
+        }
+        Ok(())
+    }
+
+    /// Writes the fsync records queued so far (group commit: waits for a batch in flight) and
+    /// returns once they are durable. The `log` variant of a shutdown runs this first.
+    pub fn log_flush(&self) -> Result<LogOutcome> {
+        self.log_wait(self.log.enqueue(Vec::new()))
     }
 
     /// The allocator.
@@ -422,8 +467,10 @@ impl Engine {
             generation,
             release: ReleaseOnDrop::new(alloc.clone()),
         });
+        let fence = Arc::new(Fence::new(device));
         Arc::new(Engine {
-            device,
+            device: fence.clone(),
+            fence,
             cache,
             alloc,
             counters,
@@ -626,6 +673,10 @@ impl Engine {
 
     /// Turns the engine read-only (a failed commit or write; or a read-only mount).
     pub fn set_read_only(&self, reason: impl Into<String>) {
+        if self.is_shut_down() {
+            // The failure is the shutdown's doing (its fence refused the I/O).
+            return;
+        }
         let reason = reason.into();
         let mut ro = self.read_only.write();
         // A failure replaces a chosen read-only state (a read-only mount or remount): once a
@@ -644,6 +695,7 @@ impl Engine {
 
     /// Makes the engine writable again (remount rw), unless a failure made it read-only.
     pub fn clear_read_only(&self) -> Result<()> {
+        self.check_up()?;
         let mut ro = self.read_only.write();
         if let Some(reason) = ro.as_ref() {
             if !reason.starts_with("mounted read-only") {
@@ -657,6 +709,7 @@ impl Engine {
 
     /// The value of `key` as of now. May do device I/O (no lock held while it does).
     pub fn get(&self, key: &Key) -> Result<Option<Vec<u8>>> {
+        self.check_up()?;
         let snapshot = {
             let _gate = self.gate.read();
             if let Some(value) = self.active.get(key) {
@@ -680,6 +733,7 @@ impl Engine {
     /// Items in `[lo, hi)` as of now, at most `limit` of them. `lo` and `hi` must cover one
     /// object id (one delta shard). May do device I/O.
     pub fn range(&self, lo: &Key, hi: &Key, limit: usize) -> Result<Vec<(Key, Arc<[u8]>)>> {
+        self.check_up()?;
         let mut out: Vec<(Key, Arc<[u8]>)> = Vec::new();
         let mut from = *lo;
         while out.len() < limit && from < *hi {
@@ -731,6 +785,7 @@ impl Engine {
     /// hides older layers' items). Both keys must have the same object id. One look per layer
     /// (a descent of the tree), again only past a deleted key. May do device I/O.
     pub fn last_in(&self, floor: &Key, key: &Key) -> Result<Option<(Key, Arc<[u8]>)>> {
+        self.check_up()?;
         let mut upper = *key;
         while *floor <= upper {
             let (active, frozen, snapshot) = {
@@ -779,6 +834,7 @@ impl Engine {
         // Recursive: an operation that holds [`Engine::hold`] records its items through here.
         let guard = self.gate.read();
         if self.read_only_set.load(Ordering::SeqCst) {
+            self.check_up()?;
             if let Some(reason) = self.read_only.read().as_ref() {
                 return Err(Error::ReadOnly(reason.clone()));
             }
@@ -799,7 +855,12 @@ impl Engine {
     /// Writes fsync records to the log (group commit); returns once durable or when the log is
     /// full. Does device I/O with no engine lock held.
     pub fn log_submit(&self, records: Vec<LogRecord>) -> Result<LogOutcome> {
-        self.log.submit(&*self.device, &self.counters, records)
+        self.check_up()?;
+        let result = self.log.submit(&*self.device, &self.counters, records);
+        if self.is_shut_down() && result.is_err() {
+            return Err(Error::Shutdown);
+        }
+        result
     }
 
     /// Queues fsync records (no I/O); see [`Engine::log_wait`].
@@ -810,7 +871,11 @@ impl Engine {
     /// Waits for queued records to be durable (group commit). A failed log write turns the
     /// engine read-only. Does device I/O with no engine lock held.
     pub fn log_wait(&self, ticket: u64) -> Result<LogOutcome> {
+        self.check_up()?;
         let result = self.log.wait(&*self.device, &self.counters, ticket);
+        if self.is_shut_down() && result.is_err() {
+            return Err(Error::Shutdown);
+        }
         if let Err(e) = &result {
             self.set_read_only(format!("fsync log failed: {e}"));
         }
@@ -928,6 +993,7 @@ impl Engine {
     pub fn commit_then(&self, after_freeze: impl FnOnce()) -> Result<u64> {
         let after_freeze = OnDrop(Some(after_freeze));
         let _commit = self.lock_commit();
+        self.check_up()?;
         if let Some(reason) = self.read_only.read().clone() {
             // A read-only mount commits what reached the delta before it turned read-only
             // (remount,ro sets read-only first, then commits); after a failure, nothing more
@@ -956,6 +1022,7 @@ impl Engine {
         drop(after_freeze);
         let result = match self.write_commit(&frozen, generation, &snapshot) {
             Ok(()) => Ok(generation),
+            Err(_) if self.is_shut_down() => Err(Error::Shutdown),
             Err(e) => {
                 self.set_read_only(format!("commit of generation {generation} failed: {e}"));
                 Err(e)

@@ -461,7 +461,11 @@ fn crash_matrix() {
     let mut failures = Vec::new();
     for workload in Workload::ALL {
         // ACE sequences differ by seed: run a few.
-        let runs = if workload == Workload::Ace { 6 } else { 1 };
+        let runs = match workload {
+            Workload::Ace => 6,
+            Workload::Shutdown => 3, // one per variant
+            _ => 1,
+        };
         for run in 0..runs {
             let report = run_matrix(workload, seed.wrapping_add(run), states, &mut || {})
                 .expect("workload runs");

@@ -6,7 +6,9 @@
 //! FOPEN_PARALLEL_DIRECT_WRITES`; other opens keep the page cache), negotiation of kernel
 //! capabilities and of what the kernel may cache (entry, negative-entry and attribute
 //! timeouts, the writeback cache, symlinks, directory listings), the invalidations the daemon
-//! owes the kernel when it changes something the kernel cached, and logging of failed requests.
+//! owes the kernel when it changes something the kernel cached, logging of failed requests,
+//! the `FS_IOC_SHUTDOWN` ioctl (who may send it), and answering `EIO` to every request once
+//! the filesystem is shut down.
 //! Must not touch: filesystem logic or caching of its own; every errno comes from
 //! [`birch_core::Error::errno`].
 
@@ -21,15 +23,51 @@ use std::path::Path;
 use std::sync::{mpsc, Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use birch_core::vfs::{Attr, Caller, FileKind, SetAttr, SetTime};
+use birch_core::vfs::{Attr, Caller, FileKind, SetAttr, SetTime, ShutdownMode};
 use birch_core::{Error, Filesystem};
 use birch_format::items::Timespec;
 use fuser::{
-    Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags,
+    Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags, IoctlFlags,
     KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
-    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs,
-    ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyLseek, ReplyOpen,
+    ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
+
+/// `FS_IOC_SHUTDOWN`, `_IOR('X', 125, __u32)` (also `XFS_IOC_GOINGDOWN`, what xfstests'
+/// `godown` sends). The kernel copies data in only for `_IOC_WRITE` commands, so its flags
+/// argument never reaches a FUSE server: through a mount it means "commit, then stop".
+pub const FS_IOC_SHUTDOWN: u32 = 0x8004_587d;
+
+/// `CAP_SYS_ADMIN`, the capability a shutdown asks of its caller.
+const CAP_SYS_ADMIN: u32 = 21;
+
+/// Answers `EIO` and returns from the handler once the filesystem is shut down: every request
+/// that reaches the daemon then fails.
+macro_rules! refuse_if_down {
+    ($self:ident, $reply:ident) => {
+        if $self.fs.is_shut_down() {
+            $reply.error(Errno::EIO);
+            return;
+        }
+    };
+}
+
+/// Whether the process `pid` has `CAP_SYS_ADMIN` in its effective set (`CapEff` of
+/// /proc/PID/status); for a process already gone, whether `uid` is root. The kernel checks
+/// no capability before it forwards an ioctl to a FUSE server.
+fn caller_is_admin(pid: u32, uid: u32) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return uid == 0;
+    };
+    let effective = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok());
+    match effective {
+        Some(caps) => caps & (1u64 << CAP_SYS_ADMIN) != 0,
+        None => uid == 0,
+    }
+}
 
 /// The root xattr through which the mount helper reaches the daemon (remount ro/rw, sync).
 pub const CONTROL_XATTR: &[u8] = b"trusted.birch.control";
@@ -602,7 +640,7 @@ impl fuser::Filesystem for BirchFuse {
 
     fn destroy(&mut self) {
         // Every FSYNC and synchronous WRITE handed to a worker is answered before the final
-        // commit.
+        // commit (none after a shutdown: `close` then writes nothing).
         self.waiters.close();
         if let Err(e) = self.fs.close() {
             log::error!("final commit at unmount failed: {e}");
@@ -610,6 +648,7 @@ impl fuser::Filesystem for BirchFuse {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        refuse_if_down!(self, reply);
         match self.fs.lookup(parent.0, name.as_bytes()) {
             Ok(a) => reply.entry(&self.options.ttl, &file_attr(&a), Generation(a.generation)),
             // A negative entry: the kernel remembers the absence (build tools, $PATH searches
@@ -626,6 +665,7 @@ impl fuser::Filesystem for BirchFuse {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        refuse_if_down!(self, reply);
         match self.fs.getattr(ino.0) {
             Ok(a) => reply.attr(&self.options.ttl, &file_attr(&a)),
             Err(e) => reply.error(errno("getattr", &e)),
@@ -650,6 +690,7 @@ impl fuser::Filesystem for BirchFuse {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        refuse_if_down!(self, reply);
         let set = SetAttr {
             mode,
             uid,
@@ -671,6 +712,7 @@ impl fuser::Filesystem for BirchFuse {
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        refuse_if_down!(self, reply);
         match self.fs.readlink(ino.0) {
             Ok(target) => reply.data(&target),
             Err(e) => reply.error(errno("readlink", &e)),
@@ -687,6 +729,7 @@ impl fuser::Filesystem for BirchFuse {
         rdev: u32,
         reply: ReplyEntry,
     ) {
+        refuse_if_down!(self, reply);
         match self.fs.mknod(
             caller(req, self.umask(umask)),
             parent.0,
@@ -708,6 +751,7 @@ impl fuser::Filesystem for BirchFuse {
         umask: u32,
         reply: ReplyEntry,
     ) {
+        refuse_if_down!(self, reply);
         match self.fs.mkdir(
             caller(req, self.umask(umask)),
             parent.0,
@@ -720,6 +764,7 @@ impl fuser::Filesystem for BirchFuse {
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        refuse_if_down!(self, reply);
         match self.fs.unlink(parent.0, name.as_bytes()) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("unlink", &e)),
@@ -727,6 +772,7 @@ impl fuser::Filesystem for BirchFuse {
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        refuse_if_down!(self, reply);
         match self.fs.rmdir(parent.0, name.as_bytes()) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("rmdir", &e)),
@@ -741,6 +787,7 @@ impl fuser::Filesystem for BirchFuse {
         target: &Path,
         reply: ReplyEntry,
     ) {
+        refuse_if_down!(self, reply);
         match self.fs.symlink(
             caller(req, 0),
             parent.0,
@@ -762,6 +809,7 @@ impl fuser::Filesystem for BirchFuse {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
+        refuse_if_down!(self, reply);
         match self.fs.rename(
             parent.0,
             name.as_bytes(),
@@ -782,6 +830,7 @@ impl fuser::Filesystem for BirchFuse {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
+        refuse_if_down!(self, reply);
         match self.fs.link(ino.0, newparent.0, newname.as_bytes()) {
             Ok(a) => reply.entry(&self.options.ttl, &file_attr(&a), Generation(a.generation)),
             Err(e) => reply.error(errno("link", &e)),
@@ -789,6 +838,7 @@ impl fuser::Filesystem for BirchFuse {
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        refuse_if_down!(self, reply);
         match self.fs.open_file(ino.0, flags.0) {
             Ok(fh) => {
                 if writes(flags.0) {
@@ -825,6 +875,7 @@ impl fuser::Filesystem for BirchFuse {
         _lock: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        refuse_if_down!(self, reply);
         // A READ that reaches the daemon is one the kernel's page cache could not answer: it
         // reads the device, so past the loops that may wait it runs on a worker, and readahead
         // keeps several in flight.
@@ -853,6 +904,7 @@ impl fuser::Filesystem for BirchFuse {
         _lock: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        refuse_if_down!(self, reply);
         // With the writeback cache the kernel has already placed O_APPEND writes.
         let append = flags.0 & libc::O_APPEND != 0 && !self.writeback;
         let kill = write_flags
@@ -919,6 +971,7 @@ impl fuser::Filesystem for BirchFuse {
         _lock: LockOwner,
         reply: ReplyEmpty,
     ) {
+        refuse_if_down!(self, reply);
         // Nothing to do at close: the kernel writes a file's dirty pages back before it sends
         // FLUSH (and reports their errors to close(2)) whether or not FLUSH is answered, and
         // POSIX locks are the kernel's. ENOSYS makes it stop sending FLUSH: one round trip
@@ -936,6 +989,7 @@ impl fuser::Filesystem for BirchFuse {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        refuse_if_down!(self, reply);
         if writes(flags.0) {
             self.write_opens.released(ino.0);
         }
@@ -953,6 +1007,7 @@ impl fuser::Filesystem for BirchFuse {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
+        refuse_if_down!(self, reply);
         let fs = self.fs.clone();
         let job = move || match fs.fsync(ino.0, datasync) {
             Ok(()) => reply.ok(),
@@ -965,6 +1020,7 @@ impl fuser::Filesystem for BirchFuse {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        refuse_if_down!(self, reply);
         // Readdir cookies are positions in the directory index, stable on their own; the one
         // thing an open directory holds is where its listing ends (`DirEnds`), so that a
         // reader renaming entries as it reads comes to an end (xfstests generic/736). That
@@ -988,6 +1044,7 @@ impl fuser::Filesystem for BirchFuse {
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
+        refuse_if_down!(self, reply);
         self.dir_ends.close(fh.0);
         reply.ok();
     }
@@ -1000,6 +1057,7 @@ impl fuser::Filesystem for BirchFuse {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
+        refuse_if_down!(self, reply);
         let end = self.dir_end(ino.0, fh, offset);
         match self.fs.readdir_until(ino.0, offset, 512, end) {
             Ok(entries) => {
@@ -1027,6 +1085,7 @@ impl fuser::Filesystem for BirchFuse {
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
+        refuse_if_down!(self, reply);
         let end = self.dir_end(ino.0, fh, offset);
         match self.fs.readdir_until(ino.0, offset, 256, end) {
             Ok(entries) => {
@@ -1066,6 +1125,7 @@ impl fuser::Filesystem for BirchFuse {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
+        refuse_if_down!(self, reply);
         let fs = self.fs.clone();
         let job = move || match fs.fsync(ino.0, datasync) {
             Ok(()) => reply.ok(),
@@ -1077,7 +1137,45 @@ impl fuser::Filesystem for BirchFuse {
         }
     }
 
+    fn ioctl(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _flags: IoctlFlags,
+        cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: ReplyIoctl,
+    ) {
+        refuse_if_down!(self, reply);
+        if cmd != FS_IOC_SHUTDOWN {
+            reply.error(Errno::ENOTTY);
+            return;
+        }
+        if !caller_is_admin(req.pid(), req.uid()) {
+            log::warn!(
+                "FS_IOC_SHUTDOWN on inode {} refused: pid {} (uid {}) lacks CAP_SYS_ADMIN",
+                ino.0,
+                req.pid(),
+                req.uid()
+            );
+            reply.error(Errno::EPERM);
+            return;
+        }
+        log::warn!(
+            "FS_IOC_SHUTDOWN from pid {} on inode {}: commit, then shut down",
+            req.pid(),
+            ino.0
+        );
+        match self.fs.shutdown(ShutdownMode::Commit) {
+            Ok(()) => reply.ioctl(0, &[]),
+            Err(e) => reply.error(errno("shutdown", &e)),
+        }
+    }
+
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        refuse_if_down!(self, reply);
         let s = self.fs.statfs();
         reply.statfs(
             s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.frsize,
@@ -1094,6 +1192,7 @@ impl fuser::Filesystem for BirchFuse {
         _position: u32,
         reply: ReplyEmpty,
     ) {
+        refuse_if_down!(self, reply);
         if ino.0 == 1 && name.as_bytes() == CONTROL_XATTR {
             match self.fs.control(value) {
                 Ok(()) => reply.ok(),
@@ -1123,6 +1222,7 @@ impl fuser::Filesystem for BirchFuse {
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        refuse_if_down!(self, reply);
         if ino.0 == 1 && name.as_bytes() == STATS_XATTR {
             xattr_reply(reply, size, self.fs.stats_json().as_bytes());
             return;
@@ -1134,6 +1234,7 @@ impl fuser::Filesystem for BirchFuse {
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        refuse_if_down!(self, reply);
         match self.fs.listxattr(ino.0) {
             Ok(names) => xattr_reply(reply, size, &names),
             Err(e) => reply.error(errno("listxattr", &e)),
@@ -1141,6 +1242,7 @@ impl fuser::Filesystem for BirchFuse {
     }
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        refuse_if_down!(self, reply);
         match self.fs.removexattr(ino.0, name.as_bytes()) {
             Ok(()) => {
                 if name.as_bytes() == ACL_ACCESS {
@@ -1162,6 +1264,7 @@ impl fuser::Filesystem for BirchFuse {
         flags: i32,
         reply: ReplyCreate,
     ) {
+        refuse_if_down!(self, reply);
         match self.fs.create(
             caller(req, self.umask(umask)),
             parent.0,
@@ -1196,6 +1299,7 @@ impl fuser::Filesystem for BirchFuse {
         mode: i32,
         reply: ReplyEmpty,
     ) {
+        refuse_if_down!(self, reply);
         let result = self
             .fs
             .fallocate(ino.0, offset, length, mode)
@@ -1224,6 +1328,7 @@ impl fuser::Filesystem for BirchFuse {
         _flags: fuser::CopyFileRangeFlags,
         reply: ReplyWrite,
     ) {
+        refuse_if_down!(self, reply);
         match self.fs.copy_file_range(
             ino_in.0,
             offset_in,
@@ -1255,6 +1360,7 @@ impl fuser::Filesystem for BirchFuse {
         whence: i32,
         reply: ReplyLseek,
     ) {
+        refuse_if_down!(self, reply);
         let Ok(offset) = u64::try_from(offset) else {
             // The kernel forwards only SEEK_DATA and SEEK_HOLE; at a negative offset both
             // answer ENXIO, as on ext4 and xfs (no data or hole "there").
@@ -1300,6 +1406,13 @@ fn xattr_reply(reply: ReplyXattr, size: u32, value: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_shutdown_ioctl_is_ior_x_125_of_a_u32() {
+        // _IOR(type, nr, size) = read (2) << 30 | size << 16 | type << 8 | nr.
+        let ior = (2u32 << 30) | (4 << 16) | (u32::from(b'X') << 8) | 125;
+        assert_eq!(FS_IOC_SHUTDOWN, ior);
+    }
 
     #[test]
     fn times_before_1970_from_the_kernel_keep_their_nanoseconds() {

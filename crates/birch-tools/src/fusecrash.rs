@@ -4,7 +4,8 @@
 //! is mounted in this process; the workload makes real system calls on the mount (buffered
 //! writes, O_APPEND, O_DIRECT|O_SYNC writes whose WRITE must be durable when it returns,
 //! truncate, hole punching, links, renames, unlinks, xattrs; then fsync, fdatasync, a
-//! directory fsync or a commit), so the kernel's side (its page cache with `writeback=on`,
+//! directory fsync or a commit; in one run of three, `FS_IOC_SHUTDOWN` on the mount mid-way,
+//! after which every request must fail and nothing reach the device), so the kernel's side (its page cache with `writeback=on`,
 //! the FSYNC after writeback, FSYNCDIR, direct-I/O handles) is in the recording too. The
 //! crash states and the oracle are the library matrix's ([`check_recording`]).
 //!
@@ -237,6 +238,37 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// `FS_IOC_SHUTDOWN` on the mount (commit, then stop): every file's content and names as
+    /// of now must survive; afterwards a create fails with EIO and the device sees no I/O.
+    fn shutdown(&mut self) -> Result<(), String> {
+        let root = std::fs::File::open(&self.mnt).map_err(|e| io("open", "/", e))?;
+        let mut flags = 0u32;
+        // SAFETY: the ioctl writes at most a u32 through the pointer, which outlives the call.
+        let rc = unsafe {
+            libc::ioctl(
+                root.as_raw_fd(),
+                birch_fuse::FS_IOC_SHUTDOWN as _,
+                &mut flags as *mut u32,
+            )
+        };
+        if rc != 0 {
+            return Err(io("FS_IOC_SHUTDOWN", "/", std::io::Error::last_os_error()));
+        }
+        let mark = self.mark();
+        let paths: Vec<&'static str> = self.model.names.keys().copied().collect();
+        for path in paths {
+            self.history.synced(mark, path);
+        }
+        match self.open("/A/after-shutdown", 0) {
+            Err(e) if e.contains("Input/output error") => {}
+            other => return Err(format!("create after a shutdown: {other:?}, not EIO")),
+        }
+        if self.mark() != mark {
+            return Err("device I/O after a shutdown".into());
+        }
+        Ok(())
+    }
+
     /// What follows an operation: fsync, fdatasync, a directory fsync, a commit, or nothing.
     fn durability(
         &mut self,
@@ -362,6 +394,9 @@ fn record(seed: u64, writeback: bool, caches: bool, buffered: bool) -> Result<Re
         model: Model::default(),
     };
     let steps = 4 + rng.below(7);
+    // One run in three shuts down after a step (its own generator: other seeds replay as
+    // before).
+    let shutdown_after = (seed % 3 == 0).then(|| Rng::new(seed ^ 0x5D).below(steps));
     let trace = std::env::var_os("BIRCH_CRASH_TRACE").is_some();
     let mut result = Ok(());
     for step in 0..steps {
@@ -377,6 +412,13 @@ fn record(seed: u64, writeback: bool, caches: bool, buffered: bool) -> Result<Re
             .operation(&mut rng, step as u8, path)
             .and_then(|()| run.durability(&mut rng, path, writeback));
         if result.is_err() {
+            break;
+        }
+        if shutdown_after == Some(step) {
+            if trace {
+                eprintln!("fuse step {step}: FS_IOC_SHUTDOWN");
+            }
+            result = run.shutdown();
             break;
         }
     }

@@ -1,4 +1,4 @@
-//! `birch`: mkfs, mount, umount, sync, fsck and inspect for birchfs images.
+//! `birch`: mkfs, mount, umount, sync, shutdown, fsck and inspect for birchfs images.
 //!
 //! A thin layer over birch-core and birch-fuse: it parses arguments, prints, and picks exit
 //! codes. Installed also as `mkfs.birch`, `fsck.birch` and `mount.fuse.birch`, so `mkfs -t
@@ -74,6 +74,21 @@ enum Command {
     /// Commit everything on a live mount now, with the pages the kernel holds dirty for it
     /// (sync(2) writes those back but never reaches a FUSE daemon).
     Sync { mountpoint: PathBuf },
+    /// Shut a live mount down, as a crash would but after a last step: by default the
+    /// kernel's dirty pages are written back and everything is committed (what the
+    /// FS_IOC_SHUTDOWN ioctl does through a mount). Afterwards every operation on the mount
+    /// fails with EIO and nothing more reaches the image; unmount it, and the next mount
+    /// recovers (log replay). Needs root.
+    Shutdown {
+        mountpoint: PathBuf,
+        /// Write the fsync log only, then stop: what fsync acknowledged survives, nothing
+        /// else since the last commit.
+        #[arg(long, conflicts_with = "now")]
+        log: bool,
+        /// Stop now: no commit and no log write; only what was already durable survives.
+        #[arg(long)]
+        now: bool,
+    },
     /// Check an image (read-only). Refuses an image a live mount holds.
     Fsck {
         image: PathBuf,
@@ -92,7 +107,8 @@ enum Command {
     /// fsck'd and judged. Exit 0 when every state passes.
     Crashtest {
         /// Workloads: append+fsync, link/rename+fsync, punch/fallocate/truncate+fsync,
-        /// many files+symlink+xattr, ace (default: all).
+        /// many files+symlink+xattr, big tree+commits, ace, shutdown (three runs: commit,
+        /// log, now) (default: all).
         #[arg(long)]
         workload: Vec<String>,
         /// Seed (printed; the same seed replays the same states).
@@ -158,6 +174,11 @@ fn main() -> ExitCode {
         } => mount::mount_main(&image, &mountpoint, &options, foreground),
         Command::Umount { mountpoint } => mount::umount(&mountpoint),
         Command::Sync { mountpoint } => sync(&mountpoint),
+        Command::Shutdown {
+            mountpoint,
+            log,
+            now,
+        } => shutdown(&mountpoint, log, now),
         Command::Fsck {
             image,
             data,
@@ -291,6 +312,29 @@ fn sync(mountpoint: &Path) -> ExitCode {
              that wrote them sees this error from fsync or close)",
             mountpoint.display()
         )),
+    }
+}
+
+fn shutdown(mountpoint: &Path, log: bool, now: bool) -> ExitCode {
+    let command = match (log, now) {
+        (_, true) => "shutdown-now",
+        (true, false) => "shutdown-log",
+        (false, false) => {
+            // The default commits what the daemon has; first the pages the kernel holds
+            // dirty reach it (a failed writeback is reported by the application's fsync or
+            // close, as for `birch sync`).
+            if let Err(e) = mount::syncfs(mountpoint) {
+                eprintln!(
+                    "birch: {}: shutdown: writing back cached pages: {e}",
+                    mountpoint.display()
+                );
+            }
+            "shutdown"
+        }
+    };
+    match mount::control(mountpoint, command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(format!("{}: shutdown: {e}", mountpoint.display())),
     }
 }
 
@@ -560,10 +604,11 @@ fn crashtest(
     let runs: Vec<(Workload, u64)> = workloads
         .iter()
         .flat_map(|w| {
-            let n = if *w == Workload::Ace {
-                ace_runs.max(1)
-            } else {
-                1
+            let n = match *w {
+                Workload::Ace => ace_runs.max(1),
+                // One run per variant (commit, log, now: the seed modulo 3).
+                Workload::Shutdown => 3,
+                _ => 1,
             };
             (0..n).map(move |i| (*w, seed.wrapping_add(i)))
         })

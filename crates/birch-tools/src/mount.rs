@@ -583,27 +583,7 @@ fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
         Err(e) => return fail(e),
     };
     let target = canonical(mountpoint);
-    let tell = |command: &str| -> std::io::Result<()> {
-        let path = std::ffi::CString::new(target.as_os_str().as_encoded_bytes())
-            .map_err(|_| std::io::ErrorKind::InvalidInput)?;
-        let name = std::ffi::CString::new(birch_fuse::CONTROL_XATTR)
-            .map_err(|_| std::io::ErrorKind::InvalidInput)?;
-        // SAFETY: setxattr with valid NUL-terminated strings and a buffer of the given length.
-        let rc = unsafe {
-            libc::setxattr(
-                path.as_ptr(),
-                name.as_ptr(),
-                command.as_ptr().cast(),
-                command.len(),
-                0,
-            )
-        };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(std::io::Error::last_os_error())
-        }
-    };
+    let tell = |command: &str| control(&target, command);
     let kernel = |flags: libc::c_ulong| -> std::io::Result<()> {
         let path = std::ffi::CString::new(target.as_os_str().as_encoded_bytes())
             .map_err(|_| std::io::ErrorKind::InvalidInput)?;
@@ -644,6 +624,31 @@ fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(format!("{}: remount: {e}", mountpoint.display())),
+    }
+}
+
+/// Sends a control command to the daemon serving the mount at `mountpoint` (the root's
+/// `trusted.birch.control` xattr, so root only): `ro`, `rw`, `sync`, `shutdown`,
+/// `shutdown-log`, `shutdown-now`.
+pub(crate) fn control(mountpoint: &Path, command: &str) -> std::io::Result<()> {
+    let path = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes())
+        .map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    let name = std::ffi::CString::new(birch_fuse::CONTROL_XATTR)
+        .map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    // SAFETY: setxattr with valid NUL-terminated strings and a buffer of the given length.
+    let rc = unsafe {
+        libc::setxattr(
+            path.as_ptr(),
+            name.as_ptr(),
+            command.as_ptr().cast(),
+            command.len(),
+            0,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }
 

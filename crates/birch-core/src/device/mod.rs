@@ -3,15 +3,18 @@
 //! Owns: aligned reads and writes of whole blocks, flush, device size, and the exclusive lock
 //! on an image. Implemented for image files and block devices ([`FileDevice`], O_DIRECT so the
 //! host page cache never holds our data) and for memory ([`MemDevice`], which can forget
-//! unflushed writes to simulate power loss).
+//! unflushed writes to simulate power loss), and the shutdown [`Fence`] the engine puts in
+//! front of either.
 //!
 //! Must not touch: checksums, nodes, trees. It never holds a caller's lock and never decides
 //! when to flush: callers do.
 
+mod fence;
 mod file;
 mod mem;
 mod overlay;
 
+pub use fence::Fence;
 pub use file::{FileDevice, OpenMode};
 pub use mem::{MemDevice, Recorded};
 pub use overlay::OverlayDevice;

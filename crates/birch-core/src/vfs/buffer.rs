@@ -473,6 +473,7 @@ impl Filesystem {
     /// Commits, first flushing every buffered write (the drain, see the module doc). Every
     /// commit of the filesystem goes through here. Call with no inode lock held.
     pub(crate) fn commit_now(&self) -> Result<u64> {
+        self.inner.engine.check_up()?;
         let b = &self.inner.buffers;
         if !b.enabled {
             return self.inner.engine.commit();

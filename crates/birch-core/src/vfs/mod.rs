@@ -1,7 +1,8 @@
 //! The filesystem API: POSIX semantics on the engine, inode-number based and thread-safe.
 //!
 //! Owns: the in-memory inode table and per-inode locks, lookup and open counts, every
-//! namespace, data and xattr operation, orphans, the background committer, and the errors
+//! namespace, data and xattr operation, orphans, the background committer, the last step of
+//! a shutdown ([`Filesystem::shutdown`]; the engine's fence does the stopping), and the errors
 //! POSIX callers see (mapped to errno once, in [`crate::Error::errno`]).
 //!
 //! Must not touch: nodes or blocks directly (it goes through the engine), or any FUSE type.
@@ -65,6 +66,20 @@ impl Default for OpenOptions {
             buffered: true,
         }
     }
+}
+
+/// What a shutdown ([`Filesystem::shutdown`]) makes durable before it stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShutdownMode {
+    /// Commit (buffered data too), then stop: everything that returned before survives. What
+    /// the `FS_IOC_SHUTDOWN` ioctl does through a mount (its flags never reach the daemon).
+    Commit,
+    /// Write the fsync records queued so far (fsyncs in flight complete), then stop: what an
+    /// fsync acknowledged survives, nothing else since the last commit.
+    Log,
+    /// Stop now: fsyncs and commits in flight fail unless their I/O already completed;
+    /// nothing more reaches the image.
+    Now,
 }
 
 /// The caller of an operation: ownership of new inodes comes from here.
@@ -442,7 +457,7 @@ impl Filesystem {
             if fs.replay_log()? {
                 // The replay committed; reopen so the free-space map is rebuilt from the new
                 // tree (the extents the log replaced are free again).
-                let device = fs.inner.engine.device().clone();
+                let device = fs.inner.engine.base_device().clone();
                 fs.close()?;
                 drop(fs);
                 return Filesystem::open_device(device, options);
@@ -469,7 +484,7 @@ impl Filesystem {
                     }
                     *woken = false;
                 }
-                if inner.stop.load(Ordering::SeqCst) {
+                if inner.stop.load(Ordering::SeqCst) || inner.engine.is_shut_down() {
                     return;
                 }
                 let fs = Filesystem { inner, view: true };
@@ -517,9 +532,14 @@ impl Filesystem {
 
     /// Control commands from the mount helper (`trusted.birch.control` on the root): `ro`
     /// commits and stops writing (remount,ro), `rw` allows writes again (remount,rw), `sync`
-    /// commits.
+    /// commits, `shutdown`, `shutdown-log` and `shutdown-now` shut down
+    /// ([`Filesystem::shutdown`] with [`ShutdownMode::Commit`], `Log` or `Now`).
     pub fn control(&self, command: &[u8]) -> Result<()> {
+        self.inner.engine.check_up()?;
         match command {
+            b"shutdown" => self.shutdown(ShutdownMode::Commit),
+            b"shutdown-log" => self.shutdown(ShutdownMode::Log),
+            b"shutdown-now" => self.shutdown(ShutdownMode::Now),
             b"ro" => {
                 // Buffered data first (it cannot be recorded once read-only); then read-only,
                 // so no change slips in between; then commit what is there.
@@ -545,6 +565,36 @@ impl Filesystem {
                 String::from_utf8_lossy(other)
             ))),
         }
+    }
+
+    /// Shuts the filesystem down (`birch shutdown`, the `FS_IOC_SHUTDOWN` ioctl through a
+    /// mount): after it every operation fails with [`Error::Shutdown`] (`EIO`) and nothing
+    /// more reaches the image, not even buffered data (it is dropped) or a commit at
+    /// [`Filesystem::close`]. What the image then holds is what a power cut at this moment
+    /// would leave, after `mode`'s last step; the next open replays the log as after a crash.
+    /// The filesystem is shut down even when that step fails; its error is returned. A
+    /// second shutdown does nothing and returns `Ok`.
+    pub fn shutdown(&self, mode: ShutdownMode) -> Result<()> {
+        if self.inner.engine.is_shut_down() {
+            return Ok(());
+        }
+        let last_step = match mode {
+            ShutdownMode::Commit => self.commit_now().map(|_| ()),
+            ShutdownMode::Log => self.inner.engine.log_flush().map(|_| ()),
+            ShutdownMode::Now => Ok(()),
+        };
+        self.inner.engine.shut_down();
+        self.inner.stop.store(true, Ordering::SeqCst);
+        self.wake_committer();
+        if let Err(e) = &last_step {
+            log::error!("shutdown ({mode:?}): the last step before it failed: {e}");
+        }
+        last_step
+    }
+
+    /// Whether the filesystem was shut down ([`Filesystem::shutdown`]).
+    pub fn is_shut_down(&self) -> bool {
+        self.inner.engine.is_shut_down()
     }
 
     /// Drops the filesystem as a power cut would: the background committer is stopped (a
@@ -579,6 +629,11 @@ impl Filesystem {
         }
         if let Some(handle) = self.inner.committer.lock().take() {
             let _ = handle.join();
+        }
+        if self.inner.engine.is_shut_down() {
+            // Nothing more may reach the image: no orphan reclaim, no final commit. The next
+            // open replays the log and frees the orphans.
+            return Ok(());
         }
         if self.inner.engine.read_only_reason().is_none() {
             // The kernel sends no forgets at unmount: orphans of open-then-unlinked files go now.
@@ -617,6 +672,7 @@ impl Filesystem {
 
     /// The in-memory state of `ino`, loading the inode item on first use.
     pub(crate) fn inode(&self, ino: u64) -> Result<Arc<InodeState>> {
+        self.inner.engine.check_up()?;
         if let Some(state) = self.shard(ino).lock().get(&ino) {
             return Ok(state.clone());
         }
@@ -640,6 +696,10 @@ impl Filesystem {
     }
 
     fn evict_if_unused(&self, ino: u64) -> Result<()> {
+        if self.inner.engine.is_shut_down() {
+            // Its buffered data is dropped with the filesystem; nothing is written.
+            return Ok(());
+        }
         // Buffered data of a file with names goes to disk while its state is still in the
         // table: a lookup that raced the eviction would otherwise load a state whose size
         // covers data still in the old state's buffer.
