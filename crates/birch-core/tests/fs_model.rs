@@ -78,14 +78,10 @@ fn quiet() -> OpenOptions {
     }
 }
 
+/// The clock birchfs stamps times from (the kernel's coarse clock): an operation's times lie
+/// between this clock read before and after it.
 fn now() -> Timespec {
-    let d = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    Timespec {
-        sec: d.as_secs() as i64,
-        nsec: d.subsec_nanos(),
-    }
+    birch_core::vfs::clock()
 }
 
 fn assert_clean(dev: &MemDevice, what: &str) {

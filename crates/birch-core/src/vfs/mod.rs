@@ -333,7 +333,27 @@ pub struct Filesystem {
     view: bool,
 }
 
+/// The time the filesystem stamps on inodes: the one place it takes "now".
+///
+/// It is the kernel's coarse clock (`CLOCK_REALTIME_COARSE`, one tick: 1 to 10 ms), the clock
+/// Linux stamps inode times from (`current_time`). Under a FUSE writeback cache the kernel
+/// stamps a file's mtime and ctime itself, and a finer clock here could put a create after a
+/// later write in the kernel's time (up to a tick apart), so relatime would skip the first
+/// read after the write and statx would show mtime before btime. With one clock a time stamped
+/// later, here or in the kernel, is never before an earlier one (SEMANTICS §1). Public so
+/// that embedders and tests can compare with the same clock: [`clock`].
 pub(crate) fn now() -> Timespec {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec that we own.
+    if unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut ts) } == 0 {
+        return Timespec {
+            sec: ts.tv_sec,
+            nsec: ts.tv_nsec as u32,
+        };
+    }
     let d = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default();
@@ -341,6 +361,12 @@ pub(crate) fn now() -> Timespec {
         sec: d.as_secs() as i64,
         nsec: d.subsec_nanos(),
     }
+}
+
+/// The clock birchfs stamps inode times from (`CLOCK_REALTIME_COARSE`, as the kernel's inode
+/// times): an embedder or test that compares its own time with an inode's should read this.
+pub fn clock() -> Timespec {
+    now()
 }
 
 pub(crate) fn inode_key(ino: u64) -> Key {
