@@ -7,7 +7,8 @@
 # fsync, rename, link, symlink, xattrs, truncate, fallocate and SEEK_DATA/SEEK_HOLE work through
 # the kernel; clear errors for a missing mountpoint, a missing image, a non-birchfs image and an
 # image already mounted; SIGTERM and SIGKILL of the daemon (fsync'd data replayed from the log,
-# fsck checking the pending log replayed in memory); fsck clean at the end.
+# fsck checking the pending log replayed in memory); atime under strictatime and after remounts
+# with noatime, relatime and strictatime; fsck clean at the end.
 #
 # Skips (exit 77) with a printed reason where /dev/fuse is absent or not root.
 set -uo pipefail
@@ -152,6 +153,44 @@ if command -v mount.fuse.birch >/dev/null || [[ -x /usr/sbin/mount.fuse.birch ]]
   fi
 else
   echo "skip fstab/mount -t tests: mount.fuse.birch is not installed (scripts/test.sh installs it)"
+fi
+
+# --- atime modes (xfstests generic/003): strictatime from the mount options, and remounts with
+# other atime flags through mount.fuse.birch (called as mount(8) would: a link of this binary,
+# so the test does not depend on the machine-wide helper) --------------------------------------
+ln -sf "$BIRCH" "$WORK/mount.fuse.birch"
+atime_step() { # atime_step WHAT EXPECT(moved|same) ACTION...: runs ACTION, compares atime of $MNT/at
+  local what=$1 expect=$2; shift 2
+  local before after
+  before=$(python3 -c "import os; print(os.stat('$MNT/at').st_atime_ns)")
+  sleep 0.02
+  "$@"
+  after=$(python3 -c "import os; print(os.stat('$MNT/at').st_atime_ns)")
+  if [[ $expect == moved ]]; then check "$what" test "$after" -gt "$before"
+  else check "$what" test "$after" -eq "$before"; fi
+}
+read_at() { cat "$MNT/at" >/dev/null; }
+remount_with() { "$WORK/mount.fuse.birch" "$IMG" "$MNT" -o "remount,$1"; }
+if "$BIRCH" mount "$IMG" "$MNT" -o strictatime; then
+  echo data > "$MNT/at"
+  atime_step "strictatime: first read moves atime" moved read_at
+  atime_step "strictatime: second read moves atime" moved read_at
+  remount_with noatime
+  check "remount,noatime is in the mount table" grep -q " $MNT .*noatime" /proc/self/mountinfo
+  atime_step "remount,noatime: a read after a write does not move atime" same \
+    bash -c "echo more >> '$MNT/at'; cat '$MNT/at' >/dev/null"
+  remount_with ro
+  remount_with rw
+  atime_step "a remount without atime flags keeps noatime" same read_at
+  remount_with relatime
+  atime_step "remount,relatime: the first read after a write moves atime" moved \
+    bash -c "echo more >> '$MNT/at'; sleep 0.02; cat '$MNT/at' >/dev/null"
+  atime_step "remount,relatime: the second does not" same read_at
+  remount_with strictatime
+  atime_step "remount,strictatime: a read moves atime again" moved read_at
+  "$BIRCH" umount "$MNT"
+else
+  bad "mount -o strictatime"
 fi
 
 # --- SIGTERM to the daemon: final commit, unmount, image released -----------------------------

@@ -70,3 +70,70 @@ fn stamped_times_never_run_ahead_of_the_kernels_clock() {
         );
     }
 }
+
+/// Waits until the filesystem's clock has moved past `t` (it ticks every few milliseconds).
+fn after(t: Timespec) {
+    while birch_core::vfs::clock() <= t {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// xfstests generic/003: relatime moves atime at the first read after a write only;
+/// strictatime at every read and open for reading; noatime never. The mode comes from the
+/// mount options and from a remount, through the control command `atime=MODE`.
+#[test]
+fn atime_follows_the_mode_set_by_the_mount() {
+    let fs = fresh();
+    let c = Caller::default();
+    let (f, _) = fs.create(c, 1, b"f", 0o644, 0).expect("create");
+    fs.write(f.ino, 0, b"data", false).expect("write");
+    let atime = |fs: &Filesystem| fs.getattr(f.ino).expect("getattr").atime;
+
+    // relatime (the default): the first read after the write moves atime, the next does not.
+    let t0 = atime(&fs);
+    after(t0);
+    fs.read(f.ino, 0, 4).expect("read");
+    let t1 = atime(&fs);
+    assert!(t1 > t0, "relatime: first read after a write moves atime");
+    after(t1);
+    fs.read(f.ino, 0, 4).expect("read");
+    assert_eq!(atime(&fs), t1, "relatime: a second read does not");
+    assert!(!fs.atime_at_open(f.ino).expect("open"), "nor an open");
+
+    // strictatime: every read and every open for reading.
+    fs.control(b"atime=strictatime")
+        .expect("control atime=strictatime");
+    assert_eq!(fs.atime_mode(), birch_core::vfs::AtimeMode::StrictAtime);
+    fs.read(f.ino, 0, 4).expect("read");
+    let t2 = atime(&fs);
+    assert!(t2 > t1, "strictatime: every read moves atime");
+    after(t2);
+    assert!(
+        fs.atime_at_open(f.ino).expect("open"),
+        "strictatime: an open moves it"
+    );
+    let t3 = atime(&fs);
+    assert!(t3 > t2);
+    assert!(
+        !fs.atime_at_open(f.ino).expect("open"),
+        "not when atime already says now"
+    );
+
+    // noatime: nothing, not even a read after a write.
+    fs.control(b"atime=noatime").expect("control atime=noatime");
+    after(t3);
+    fs.write(f.ino, 0, b"more", false).expect("write");
+    fs.read(f.ino, 0, 4).expect("read");
+    assert!(!fs.atime_at_open(f.ino).expect("open"));
+    assert_eq!(atime(&fs), t3, "noatime: nothing moves atime");
+
+    // Back to relatime: the read after that write moves it.
+    fs.control(b"atime=relatime")
+        .expect("control atime=relatime");
+    fs.read(f.ino, 0, 4).expect("read");
+    assert!(atime(&fs) > t3, "relatime again");
+    assert!(
+        fs.control(b"atime=sometimes").is_err(),
+        "unknown mode: EINVAL"
+    );
+}

@@ -52,10 +52,9 @@ pub struct FuseOptions {
     /// owns size, mtime and O_APPEND positioning.
     pub writeback: bool,
     /// Keep a file's pages in the kernel across opens (`FOPEN_KEEP_CACHE`), so re-reads never
-    /// reach the daemon; atime is then decided at OPEN.
+    /// reach the daemon; atime is then decided at OPEN too, as the filesystem's
+    /// [`birch_core::vfs::AtimeMode`] says (the mount's atime flags).
     pub keep_cache: bool,
-    /// Apply relatime at OPEN for reading (off with the `noatime` mount option).
-    pub atime: bool,
     /// Free bytes below which opens for writing are written through (`FOPEN_DIRECT_IO`), so a
     /// full filesystem answers ENOSPC at write(2) rather than at writeback. Should be at least
     /// what the kernel may hold dirty for this mount (its writeback device's `max_bytes`).
@@ -72,7 +71,6 @@ impl Default for FuseOptions {
             ttl: Duration::from_secs(DEFAULT_TTL_SECS),
             writeback: true,
             keep_cache: true,
-            atime: true,
             write_through_below: DEFAULT_WRITE_THROUGH_BELOW,
             waiters: DEFAULT_WAITERS,
         }
@@ -770,12 +768,11 @@ impl fuser::Filesystem for BirchFuse {
                     self.write_opens.opened(ino.0);
                 }
                 if self.options.keep_cache
-                    && self.options.atime
                     && flags.0 & libc::O_ACCMODE != libc::O_WRONLY
                     && flags.0 & libc::O_NOATIME == 0
                 {
-                    // Reads may all be served from kept pages and never reach us: relatime
-                    // is applied at open instead.
+                    // Reads may all be served from kept pages and never reach us: the atime
+                    // mode (noatime, relatime, strictatime) is applied at open too.
                     match self.fs.atime_at_open(ino.0) {
                         Ok(true) => self.invalidate_attrs(ino.0),
                         Ok(false) => {}
@@ -800,15 +797,9 @@ impl fuser::Filesystem for BirchFuse {
         _lock: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        let read = if self.options.atime {
-            self.fs.read_noting_atime(ino.0, offset, size as usize)
-        } else {
-            // noatime: no read moves atime (exec and mmap reads reach us too).
-            self.fs
-                .read_without_atime(ino.0, offset, size as usize)
-                .map(|data| (data, false))
-        };
-        match read {
+        // As the atime mode says (noatime: no read moves atime; exec and mmap reads reach us
+        // too).
+        match self.fs.read_noting_atime(ino.0, offset, size as usize) {
             Ok((data, atime_moved)) => {
                 if atime_moved {
                     self.invalidate_attrs(ino.0);

@@ -61,7 +61,8 @@ enum Command {
         /// Options: ro, rw, allow_other, commit=SECS (default 5), threads=N (default 32),
         /// ttl=SECS (default 60), fsync=log|commit, writeback=on|off (default on),
         /// keep_cache=on|off (default on), and the usual VFS options (defaults, noatime,
-        /// relatime, nodev, nosuid, noexec, _netdev). An unknown option is an error.
+        /// relatime, strictatime, nodiratime, nodev, nosuid, noexec, _netdev). An unknown
+        /// option is an error.
         #[arg(short = 'o')]
         options: Vec<String>,
         /// Stay in the foreground.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use birch_core::device::{FileDevice, OpenMode};
-use birch_core::vfs::FsyncMode;
+use birch_core::vfs::{AtimeMode, FsyncMode};
 use birch_core::{Filesystem, OpenOptions};
 use birch_fuse::{BirchFuse, FuseOptions};
 use fuser::{Config, SessionACL};
@@ -23,8 +23,13 @@ struct MountConfig {
     /// Requests waiting for the device served at once (`waiters=`).
     waiters: usize,
     ttl_secs: f64,
-    /// MS_* flags for mount(2).
+    /// MS_* flags for mount(2), but for the atime flags ([`MountConfig::atime_flags`]).
     vfs_flags: libc::c_ulong,
+    /// The last of `noatime`, `relatime` (or `atime`), `strictatime` given, if any: when reads
+    /// move atime, which birchfs decides itself (FUSE inodes are `S_NOATIME` in the kernel).
+    atime: Option<AtimeMode>,
+    /// `nodiratime` (true) or `diratime` (false), if given.
+    nodiratime: Option<bool>,
     fsync: FsyncMode,
     writeback: bool,
     keep_cache: bool,
@@ -44,6 +49,8 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         waiters: birch_fuse::DEFAULT_WAITERS,
         ttl_secs: birch_fuse::DEFAULT_TTL_SECS as f64,
         vfs_flags: 0,
+        atime: None,
+        nodiratime: None,
         fsync: FsyncMode::Log,
         writeback: true,
         keep_cache: true,
@@ -79,8 +86,11 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
             "writeback" => c.writeback = on_off(opt, value)?,
             "buffer" => c.buffer = on_off(opt, value)?,
             "keep_cache" => c.keep_cache = on_off(opt, value)?,
-            "noatime" => c.vfs_flags |= libc::MS_NOATIME,
-            "atime" | "relatime" | "strictatime" | "nodiratime" => {}
+            "noatime" | "atime" | "relatime" | "strictatime" => {
+                c.atime = AtimeMode::from_option(key);
+            }
+            "nodiratime" => c.nodiratime = Some(true),
+            "diratime" => c.nodiratime = Some(false),
             "nodev" => c.vfs_flags |= libc::MS_NODEV,
             "dev" => c.vfs_flags &= !libc::MS_NODEV,
             "nosuid" => c.vfs_flags |= libc::MS_NOSUID,
@@ -107,6 +117,44 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         }
     }
     Ok(c)
+}
+
+impl MountConfig {
+    /// The atime flags for mount(2) (none when no atime option was given: a mount is then
+    /// relatime and a remount keeps what it had).
+    fn atime_flags(&self) -> libc::c_ulong {
+        let atime = match self.atime {
+            None => 0,
+            Some(AtimeMode::NoAtime) => libc::MS_NOATIME,
+            Some(AtimeMode::Relatime) => libc::MS_RELATIME,
+            Some(AtimeMode::StrictAtime) => libc::MS_STRICTATIME,
+        };
+        if self.nodiratime == Some(true) {
+            atime | libc::MS_NODIRATIME
+        } else {
+            atime
+        }
+    }
+}
+
+/// The atime mode the kernel's mount table gives the mount at `mountpoint` (its per-mount
+/// options: `noatime`, `relatime`, or neither for strictatime), after a remount has set it.
+fn mounted_atime(mountpoint: &Path) -> Option<AtimeMode> {
+    let target = canonical(mountpoint).to_string_lossy().into_owned();
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let line = info
+        .lines()
+        .rev()
+        .map(|l| l.split(' ').collect::<Vec<_>>())
+        .find(|f| f.get(4).map(|m| unescape(m)) == Some(target.clone()))?;
+    let options = line.get(5)?.split(',').collect::<Vec<_>>();
+    Some(if options.contains(&"noatime") {
+        AtimeMode::NoAtime
+    } else if options.contains(&"relatime") {
+        AtimeMode::Relatime
+    } else {
+        AtimeMode::StrictAtime
+    })
 }
 
 /// The value of an `on|off` option.
@@ -287,6 +335,7 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
         Ok(fs) => Arc::new(fs),
         Err(e) => return fail(format!("{}: {e}", image.display())),
     };
+    fs.set_atime_mode(config.atime.unwrap_or_default());
     let mut fuse_config = Config::default();
     fuse_config.acl = if config.allow_other {
         SessionACL::All
@@ -359,7 +408,6 @@ fn fuse_options(config: &MountConfig, fs: &Filesystem, mountpoint: &Path) -> Fus
         ttl: Duration::from_secs_f64(config.ttl_secs),
         writeback: config.writeback,
         keep_cache: config.keep_cache,
-        atime: config.vfs_flags & libc::MS_NOATIME == 0,
         write_through_below,
         waiters: config.waiters,
     }
@@ -409,7 +457,7 @@ fn kernel_mount(
     if config.allow_other {
         data.push_str(",allow_other");
     }
-    let mut flags = config.vfs_flags;
+    let mut flags = config.vfs_flags | config.atime_flags();
     if config.read_only {
         flags |= libc::MS_RDONLY;
     }
@@ -628,12 +676,19 @@ fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
             );
         }
         tell("ro").and_then(|()| {
-            kernel(config.vfs_flags | libc::MS_RDONLY).inspect_err(|_| {
+            kernel(config.vfs_flags | config.atime_flags() | libc::MS_RDONLY).inspect_err(|_| {
                 let _ = tell("rw");
             })
         })
     } else {
-        kernel(config.vfs_flags).and_then(|()| tell("rw"))
+        // The kernel applies the atime flags to its mount (a remount without any keeps what it
+        // had) but cannot to FUSE inodes: the daemon is told what the mount table now says.
+        kernel(config.vfs_flags | config.atime_flags())
+            .and_then(|()| tell("rw"))
+            .and_then(|()| match mounted_atime(&target) {
+                Some(mode) => tell(&format!("atime={}", mode.option())),
+                None => Ok(()),
+            })
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -684,6 +739,8 @@ impl InProcessMount {
                 0.0
             },
             vfs_flags: 0,
+            atime: None,
+            nodiratime: None,
             fsync: FsyncMode::Log,
             writeback,
             keep_cache: caches,

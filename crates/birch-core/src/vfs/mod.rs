@@ -34,6 +34,7 @@ use crate::txn::{Engine, MkfsOptions};
 
 pub use dir::DirEntryOut;
 pub use durability::FsyncMode;
+pub use file::AtimeMode;
 
 /// Changed items after which the background committer is woken early, bounding memory.
 const DELTA_ITEMS_COMMIT: usize = 200_000;
@@ -323,6 +324,8 @@ pub(crate) struct Inner {
     pub(crate) logged_names: Mutex<HashMap<birch_format::Key, (u64, u64)>>,
     /// The buffered data path's dirty set, limit and drain state (buffer.rs).
     pub(crate) buffers: buffer::Buffers,
+    /// When reads move atime: an [`AtimeMode`] as u8 (file.rs).
+    pub(crate) atime: AtomicU8,
 }
 
 /// A mounted-or-embedded birchfs filesystem.
@@ -457,6 +460,7 @@ impl Filesystem {
             fsync_mode: options.fsync,
             logged_names: Mutex::new(HashMap::new()),
             buffers: buffer::Buffers::new(options.buffered, device_bytes),
+            atime: AtomicU8::new(AtimeMode::Relatime as u8),
         });
         let fs = Filesystem { inner, view: false };
         if fs.getattr(ROOT_OBJECTID).is_err() {
@@ -566,6 +570,19 @@ impl Filesystem {
                 Ok(())
             }
             b"sync" => self.sync(),
+            other if other.starts_with(b"atime=") => {
+                let mode = std::str::from_utf8(&other[6..])
+                    .ok()
+                    .and_then(AtimeMode::from_option)
+                    .ok_or_else(|| {
+                        Error::Invalid(format!(
+                            "control command {:?}: expected atime=noatime, relatime or strictatime",
+                            String::from_utf8_lossy(other)
+                        ))
+                    })?;
+                self.set_atime_mode(mode);
+                Ok(())
+            }
             other => Err(Error::Invalid(format!(
                 "control command {:?}",
                 String::from_utf8_lossy(other)
