@@ -190,8 +190,17 @@ fn mounted_source(mountpoint: &Path) -> Option<String> {
 
 /// The mountpoint of a FUSE mount whose source is `image`, if any.
 fn mount_of_source(image: &Path) -> Option<String> {
+    mounts_of_source(image).into_iter().next()
+}
+
+/// The mountpoints of every FUSE mount whose source is `image` (one daemon's mount and its
+/// bind mounts), oldest first.
+fn mounts_of_source(image: &Path) -> Vec<String> {
     let want = image.to_string_lossy().into_owned();
-    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
     for line in info.lines() {
         let fields: Vec<&str> = line.split(' ').collect();
         let Some(dash) = fields.iter().position(|f| *f == "-") else {
@@ -200,10 +209,26 @@ fn mount_of_source(image: &Path) -> Option<String> {
         if fields.get(dash + 1).is_some_and(|t| t.starts_with("fuse"))
             && fields.get(dash + 2).map(|s| unescape(s)) == Some(want.clone())
         {
-            return fields.get(4).map(|m| unescape(m));
+            found.extend(fields.get(4).map(|m| unescape(m)));
         }
     }
-    None
+    found
+}
+
+/// Whether the mount at `mountpoint` is read-only (its per-mount options, or its superblock's).
+fn mount_is_read_only(mountpoint: &str) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    info.lines()
+        .rev()
+        .map(|l| l.split(' ').collect::<Vec<_>>())
+        .find(|f| f.get(4).map(|m| unescape(m)).as_deref() == Some(mountpoint))
+        .is_some_and(|f| {
+            let dash = f.iter().position(|x| *x == "-").unwrap_or(f.len());
+            let ro = |opts: Option<&&str>| opts.is_some_and(|o| o.split(',').any(|x| x == "ro"));
+            ro(f.get(5)) || ro(f.get(dash + 3))
+        })
 }
 
 fn unescape(s: &str) -> String {
@@ -213,7 +238,10 @@ fn unescape(s: &str) -> String {
         .replace("\\134", "\\")
 }
 
-fn preflight(image: &Path, mountpoint: &Path) -> Result<(), String> {
+/// Checks a mount of `image` at `mountpoint` can go ahead. Returns the mountpoint of a live
+/// mount of the same image, served by a running daemon, which the new mount is to be a bind
+/// mount of.
+fn preflight(image: &Path, mountpoint: &Path) -> Result<Option<String>, String> {
     match std::fs::metadata(mountpoint) {
         Err(_) => {
             return Err(format!(
@@ -243,16 +271,84 @@ fn preflight(image: &Path, mountpoint: &Path) -> Result<(), String> {
             mountpoint.display()
         ));
     }
-    // A live mount of this image is an error; a daemon still finishing its final commit after
+    // A live mount of this image (its daemon holds the image lock) is shared: the new mount is
+    // a bind mount of it, since the kernel cannot give one FUSE connection a second superblock.
+    // A mount whose daemon is gone is an error; a daemon still finishing its final commit after
     // an unmount is waited for (the image lock), so an immediate remount works.
     if let Some(at) = mount_of_source(&canonical(image)) {
-        let who = match FileDevice::open(image, OpenMode::ReadOnly) {
-            Err(e) => e.to_string(),
-            Ok(_) => format!("{}: image is in use", image.display()),
+        return match FileDevice::open(image, OpenMode::ReadOnly) {
+            Err(e) if e.kind() == std::io::ErrorKind::ResourceBusy => Ok(Some(at)),
+            Err(e) => Err(format!("{e}; it is mounted at {at}")),
+            Ok(_) => Err(format!(
+                "{}: mounted at {at}, but no daemon serves it: unmount it first",
+                image.display()
+            )),
         };
-        return Err(format!("{who}; it is mounted at {at}"));
     }
-    Ok(())
+    Ok(None)
+}
+
+/// A second mount of an image a daemon already serves at `at`: a bind mount of that mount at
+/// `mountpoint` (the same filesystem, one daemon), with this mount's own VFS flags (`ro`,
+/// `nosuid`, `nodev`, `noexec`, atime flags in the kernel's mount table). birch options
+/// (`commit=`, `writeback=`, the atime mode the daemon applies, ...) stay the first mount's. A
+/// read-write mount of an image served read-only is refused. The daemon serves until the last
+/// of its mounts is unmounted (the kernel ends the FUSE connection with the superblock).
+fn bind_mount(at: &str, mountpoint: &Path, config: &MountConfig) -> ExitCode {
+    if !config.read_only && mount_is_read_only(at) {
+        return fail(format!(
+            "the image is served read-only at {at}: mount it with -o ro, or remount that mount rw first"
+        ));
+    }
+    let cstr = |p: &[u8]| std::ffi::CString::new(p).map_err(|_| "path with a NUL byte".to_string());
+    let (source, target) = match (
+        cstr(at.as_bytes()),
+        cstr(canonical(mountpoint).as_os_str().as_encoded_bytes()),
+    ) {
+        (Ok(s), Ok(t)) => (s, t),
+        (Err(e), _) | (_, Err(e)) => return fail(e),
+    };
+    // SAFETY: mount(2) with valid NUL-terminated strings that outlive the call.
+    let rc = unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        return fail(format!(
+            "bind mount of {at} on {}: {}",
+            mountpoint.display(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    // A bind mount starts with the flags of the mount it binds; set this mount's own.
+    let mut flags = libc::MS_REMOUNT | libc::MS_BIND | config.vfs_flags | config.atime_flags();
+    if config.read_only {
+        flags |= libc::MS_RDONLY;
+    }
+    // SAFETY: as above; a per-mount remount with no source, type or data.
+    let rc = unsafe {
+        libc::mount(
+            std::ptr::null(),
+            target.as_ptr(),
+            std::ptr::null(),
+            flags,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        let err = std::io::Error::last_os_error();
+        lazy_unmount(mountpoint);
+        return fail(format!(
+            "bind mount of {at} on {}: setting its flags: {err}",
+            mountpoint.display()
+        ));
+    }
+    ExitCode::SUCCESS
 }
 
 /// `birch mount IMAGE MNT [-o opts] [-f]`.
@@ -261,8 +357,10 @@ pub fn mount_main(image: &Path, mountpoint: &Path, raw: &[String], foreground: b
         Ok(c) => c,
         Err(e) => return fail(e),
     };
-    if let Err(e) = preflight(image, mountpoint) {
-        return fail(e);
+    match preflight(image, mountpoint) {
+        Err(e) => return fail(e),
+        Ok(Some(at)) => return bind_mount(&at, mountpoint, &config),
+        Ok(None) => {}
     }
     if foreground {
         return serve(image, mountpoint, &config);
@@ -370,7 +468,8 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
     };
     let _ = notifier_slot.set(session.notifier());
     let target = canonical(mountpoint);
-    std::thread::spawn(move || wait_for_signal_then_unmount(&target));
+    let source = canonical(image);
+    std::thread::spawn(move || wait_for_signal_then_unmount(&target, &source));
     let result = session.run();
     // The kernel connection is gone; commit, flush and release the image lock before exit.
     let closed = fs.close();
@@ -520,20 +619,27 @@ fn block_signals() {
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
 }
 
-fn wait_for_signal_then_unmount(target: &Path) {
+/// Waits for SIGTERM, SIGINT or SIGHUP, then unmounts the daemon's mount at `target` and every
+/// bind mount of it (every mount of `image`): the session ends with the last.
+fn wait_for_signal_then_unmount(target: &Path, image: &Path) {
     let set = signal_set();
     let mut sig: libc::c_int = 0;
     // SAFETY: sigwait on a valid set with the signals blocked in every thread.
     unsafe { libc::sigwait(&set, &mut sig) };
     log::warn!("signal {sig}: unmounting {}", target.display());
-    let Ok(c) = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()) else {
-        return;
-    };
-    // SAFETY: umount2 with a valid NUL-terminated path.
-    let rc = unsafe { libc::umount2(c.as_ptr(), 0) };
-    if rc != 0 {
-        // SAFETY: as above.
-        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    let mut targets = mounts_of_source(image);
+    targets.retain(|t| Path::new(t) != target);
+    targets.insert(0, target.to_string_lossy().into_owned());
+    for t in targets.iter().rev() {
+        let Ok(c) = std::ffi::CString::new(t.as_bytes()) else {
+            continue;
+        };
+        // SAFETY: umount2 with a valid NUL-terminated path.
+        let rc = unsafe { libc::umount2(c.as_ptr(), 0) };
+        if rc != 0 {
+            // SAFETY: as above.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        }
     }
 }
 
@@ -553,6 +659,11 @@ pub fn umount(mountpoint: &Path) -> ExitCode {
         if !status.is_ok_and(|s| s.success()) {
             return fail(format!("{}: umount: {err}", mountpoint.display()));
         }
+    }
+    if let Some(other) = mount_of_source(Path::new(&source)) {
+        // Another mount of the image (a bind mount) keeps the daemon serving.
+        log::info!("{source} is still mounted at {other}");
+        return ExitCode::SUCCESS;
     }
     wait_for_release(Path::new(&source))
 }
@@ -665,7 +776,21 @@ fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
             Err(std::io::Error::last_os_error())
         }
     };
-    let result = if config.read_only {
+    // One of several mounts of the image (bind mounts of one daemon's mount): ro and rw are this
+    // mount's own, so the daemon, which serves the others too, is not told; only the atime
+    // mode, which the daemon applies for all of them (the last remount sets it).
+    let shared =
+        mounted_source(&target).is_some_and(|image| mounts_of_source(Path::new(&image)).len() > 1);
+    let result = if shared {
+        kernel(libc::MS_BIND | config.vfs_flags | config.atime_flags()).and_then(|()| {
+            match mounted_atime(&target) {
+                Some(mode) if !config.read_only && config.atime.is_some() => {
+                    tell(&format!("atime={}", mode.option()))
+                }
+                _ => Ok(()),
+            }
+        })
+    } else if config.read_only {
         // The kernel writes its dirty pages back at the remount, after the daemon refused
         // changes: write them back first (files still open for writing make the kernel refuse
         // the remount, so no new dirty pages can follow).
