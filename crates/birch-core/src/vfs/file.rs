@@ -942,6 +942,7 @@ impl Filesystem {
                 let xattrs = [birch_format::items::Xattr {
                     name: super::acl::ACL_ACCESS.to_vec(),
                     value: updated,
+                    spill: None,
                 }];
                 self.inner.engine.begin()?.put(
                     super::xattr::xattr_key(ino, super::acl::ACL_ACCESS),
