@@ -5,11 +5,13 @@
 # unlinked while open stays readable and writable and is freed after close; umount is
 # synchronous for the image (20 cycles of write -> umount -> immediate mount -> verify);
 # fsync, rename, link, symlink, xattrs, truncate, fallocate and SEEK_DATA/SEEK_HOLE work through
-# the kernel; clear errors for a missing mountpoint, a missing image, a non-birchfs image and an
-# image already mounted; SIGTERM and SIGKILL of the daemon (fsync'd data replayed from the log,
-# fsck checking the pending log replayed in memory); shutdown through the FS_IOC_SHUTDOWN ioctl
-# and `birch shutdown` (EPERM without CAP_SYS_ADMIN, EIO after, umount works, the next mount
-# finds what each variant keeps); fsck clean at the end.
+# the kernel; clear errors for a missing mountpoint, a missing image and a non-birchfs image; a
+# second mount of a mounted image (a bind mount of the first, read-only or not; either unmounted
+# first); SIGTERM and SIGKILL of the daemon (fsync'd data replayed from the log,
+# fsck checking the pending log replayed in memory); atime under strictatime and after remounts
+# with noatime, relatime and strictatime; shutdown through the FS_IOC_SHUTDOWN ioctl and
+# `birch shutdown` (EPERM without CAP_SYS_ADMIN, EIO after, umount works, the next mount finds
+# what each variant keeps); fsck clean at the end.
 #
 # Skips (exit 77) with a printed reason where /dev/fuse is absent or not root.
 set -uo pipefail
@@ -25,7 +27,9 @@ mkdir -p "$MNT"
 passed=0
 failed=0
 cleanup() {
-  mountpoint -q "$MNT" && { "$BIRCH" umount "$MNT" || umount -l "$MNT"; }
+  for m in "$WORK/mnt3" "$WORK/mnt2" "$MNT"; do
+    mountpoint -q "$m" && { "$BIRCH" umount "$m" || umount -l "$m"; }
+  done
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -131,11 +135,50 @@ expect_fail "missing image" "does not exist" "$BIRCH" mount "$WORK/none.img" "$M
 head -c 1M /dev/zero > "$WORK/zero.img"
 expect_fail "not a birchfs image" "not a birchfs image" "$BIRCH" mount "$WORK/zero.img" "$MNT"
 "$BIRCH" mount "$IMG" "$MNT"
-mkdir -p "$WORK/mnt2"
-expect_fail "image already mounted" "in use by pid" "$BIRCH" mount "$IMG" "$WORK/mnt2"
+mkdir -p "$WORK/mnt2" "$WORK/mnt3"
 expect_fail "fsck refuses a mounted image" "in use" "$BIRCH" fsck "$IMG"
 expect_fail "unknown mount option" "unknown mount option" "$BIRCH" mount "$IMG" "$WORK/mnt2" -o bogus
 "$BIRCH" umount "$MNT"
+
+# --- the same image mounted twice at once (xfstests generic/732): the second mount is a bind
+# mount of the first (one daemon); either can be unmounted first ----------------------------
+M2=$WORK/mnt2
+M3=$WORK/mnt3
+if "$BIRCH" mount "$IMG" "$MNT" && "$BIRCH" mount "$IMG" "$M2"; then
+  check "a second mount of an image is in the mount table as fuse.birch" \
+    grep -q " $M2 .* - fuse.birch $IMG " /proc/self/mountinfo
+  mkdir -p "$MNT/two/A" "$MNT/two/B"
+  echo both > "$MNT/two/A/f"
+  mv "$MNT/two/A/f" "$MNT/two/B/"
+  check "the second mount sees the first's changes" test "$(cat "$M2/two/B/f")" = both
+  mv "$M2/two/B/f" "$M2/two/A/"
+  check "and the first the second's" test "$(cat "$MNT/two/A/f")" = both
+  if "$BIRCH" mount "$IMG" "$M3" -o ro; then
+    check "a read-only second mount reads" test "$(cat "$M3/two/A/f")" = both
+    check "and refuses writes (EROFS)" test "$(py_errno "open('$M3/two/x','w')")" = EROFS
+    check "while the first stays writable" test "$(py_errno "open('$MNT/two/x','w').close()")" = OK
+    "$BIRCH" umount "$M3"
+  else
+    bad "a read-only second mount"
+  fi
+  "$BIRCH" umount "$MNT"
+  check "after unmounting the first, the second still writes" \
+    test "$(py_errno "open('$M2/two/y','w').write('y')")" = OK
+  check "and reads" test "$(cat "$M2/two/A/f")" = both
+  expect_fail "and the image stays in use" "in use" "$BIRCH" fsck "$IMG"
+  "$BIRCH" umount "$M2"
+  check "unmounting the last releases the image (fsck runs)" "$BIRCH" fsck "$IMG"
+else
+  bad "a second mount of a mounted image"
+  "$BIRCH" umount "$MNT" 2>/dev/null
+fi
+if "$BIRCH" mount "$IMG" "$MNT" -o ro; then
+  expect_fail "a read-write mount of an image served read-only is refused" "served read-only" \
+    "$BIRCH" mount "$IMG" "$M2"
+  "$BIRCH" umount "$MNT"
+else
+  bad "read-only mount"
+fi
 
 # --- fstab line and mount -t fuse.birch (through mount.fuse.birch) ----------------------------
 if command -v mount.fuse.birch >/dev/null || [[ -x /usr/sbin/mount.fuse.birch ]]; then
@@ -154,6 +197,44 @@ if command -v mount.fuse.birch >/dev/null || [[ -x /usr/sbin/mount.fuse.birch ]]
   fi
 else
   echo "skip fstab/mount -t tests: mount.fuse.birch is not installed (scripts/test.sh installs it)"
+fi
+
+# --- atime modes (xfstests generic/003): strictatime from the mount options, and remounts with
+# other atime flags through mount.fuse.birch (called as mount(8) would: a link of this binary,
+# so the test does not depend on the machine-wide helper) --------------------------------------
+ln -sf "$BIRCH" "$WORK/mount.fuse.birch"
+atime_step() { # atime_step WHAT EXPECT(moved|same) ACTION...: runs ACTION, compares atime of $MNT/at
+  local what=$1 expect=$2; shift 2
+  local before after
+  before=$(python3 -c "import os; print(os.stat('$MNT/at').st_atime_ns)")
+  sleep 0.02
+  "$@"
+  after=$(python3 -c "import os; print(os.stat('$MNT/at').st_atime_ns)")
+  if [[ $expect == moved ]]; then check "$what" test "$after" -gt "$before"
+  else check "$what" test "$after" -eq "$before"; fi
+}
+read_at() { cat "$MNT/at" >/dev/null; }
+remount_with() { "$WORK/mount.fuse.birch" "$IMG" "$MNT" -o "remount,$1"; }
+if "$BIRCH" mount "$IMG" "$MNT" -o strictatime; then
+  echo data > "$MNT/at"
+  atime_step "strictatime: first read moves atime" moved read_at
+  atime_step "strictatime: second read moves atime" moved read_at
+  remount_with noatime
+  check "remount,noatime is in the mount table" grep -q " $MNT .*noatime" /proc/self/mountinfo
+  atime_step "remount,noatime: a read after a write does not move atime" same \
+    bash -c "echo more >> '$MNT/at'; cat '$MNT/at' >/dev/null"
+  remount_with ro
+  remount_with rw
+  atime_step "a remount without atime flags keeps noatime" same read_at
+  remount_with relatime
+  atime_step "remount,relatime: the first read after a write moves atime" moved \
+    bash -c "echo more >> '$MNT/at'; sleep 0.02; cat '$MNT/at' >/dev/null"
+  atime_step "remount,relatime: the second does not" same read_at
+  remount_with strictatime
+  atime_step "remount,strictatime: a read moves atime again" moved read_at
+  "$BIRCH" umount "$MNT"
+else
+  bad "mount -o strictatime"
 fi
 
 # --- SIGTERM to the daemon: final commit, unmount, image released -----------------------------

@@ -81,6 +81,10 @@ pub enum FindingKind {
     DataUnreadable,
     /// The root directory (inode 1) has no inode item.
     RootDirMissing,
+    /// An out-of-line xattr value (FORMAT.md §6.8) whose chunks are missing, misnamed,
+    /// misplaced or do not add up to its size and crc32c; a chunk no xattr entry claims; or
+    /// chunks on an image without the `INCOMPAT_XATTR_CHUNKS` flag.
+    XattrChunkMismatch,
 }
 
 /// One problem: where, what was found, what was expected.
@@ -442,6 +446,9 @@ fn check_items(
     let mut dir_items: HashMap<(u64, Vec<u8>), (u64, u64, u8)> = HashMap::new();
     let mut dir_index: HashMap<(u64, u64), (u64, Vec<u8>, u8)> = HashMap::new();
     let mut orphans: HashSet<u64> = HashSet::new();
+    // Out-of-line xattr values (inode, name, spill) and chunk items by key.
+    let mut spilled: Vec<(u64, Vec<u8>, items::XattrSpill)> = Vec::new();
+    let mut chunks: BTreeMap<Key, items::XattrChunk> = BTreeMap::new();
     for (key, value) in items {
         let Some(kind) = key.kind() else {
             report.add(
@@ -497,8 +504,17 @@ fn check_items(
                 }
                 dir_index.insert((key.objectid, key.offset), (e.child, e.name, e.file_type));
             }
-            items::Item::Xattrs(_) => {
+            items::Item::Xattrs(list) => {
                 inodes.entry(key.objectid).or_default();
+                for x in list {
+                    if let Some(spill) = x.spill {
+                        spilled.push((key.objectid, x.name, spill));
+                    }
+                }
+            }
+            items::Item::XattrChunk(chunk) => {
+                inodes.entry(key.objectid).or_default();
+                chunks.insert(*key, chunk);
             }
             items::Item::Extent(extent) => inodes
                 .entry(key.objectid)
@@ -510,6 +526,7 @@ fn check_items(
             }
         }
     }
+    check_xattr_chunks(sb, &spilled, &mut chunks, report);
     // Dir items and dir indexes must mirror each other.
     for ((dir, name), (child, index, file_type)) in &dir_items {
         let show = String::from_utf8_lossy(name);
@@ -786,5 +803,86 @@ fn check_extents(
                 }
             }
         }
+    }
+}
+
+/// Every out-of-line xattr value has its chunks, each named and numbered for it, adding up to
+/// its size and crc32c; every chunk belongs to one; and the image has the flag that allows them.
+fn check_xattr_chunks(
+    sb: &Superblock,
+    spilled: &[(u64, Vec<u8>, items::XattrSpill)],
+    chunks: &mut BTreeMap<Key, items::XattrChunk>,
+    report: &mut Report,
+) {
+    use birch_format::superblock::INCOMPAT_XATTR_CHUNKS;
+    let any = !spilled.is_empty() || !chunks.is_empty();
+    if any && sb.incompat & INCOMPAT_XATTR_CHUNKS == 0 {
+        report.add(
+            FindingKind::XattrChunkMismatch,
+            None,
+            "superblock".to_string(),
+            format!("out-of-line xattr values, incompat {:#x}", sb.incompat),
+            "incompat flag INCOMPAT_XATTR_CHUNKS (0x1) set",
+        );
+    }
+    for (ino, name, spill) in spilled {
+        let show = String::from_utf8_lossy(name);
+        let mut value = Vec::with_capacity(spill.size as usize);
+        let mut whole = true;
+        for index in 0..spill.chunks() {
+            let key = Key::new(
+                *ino,
+                birch_format::ItemType::XattrChunk,
+                items::xattr_chunk_hash(name, index),
+            );
+            match chunks.remove(&key) {
+                Some(c) if c.name == *name && c.index == index => value.extend_from_slice(&c.data),
+                other => {
+                    report.add(
+                        FindingKind::XattrChunkMismatch,
+                        None,
+                        format!("inode {ino} xattr {show:?} chunk {index}"),
+                        match other {
+                            Some(c) => format!(
+                                "chunk {} of {:?}",
+                                c.index,
+                                String::from_utf8_lossy(&c.name)
+                            ),
+                            None => "no chunk item".to_string(),
+                        },
+                        "that chunk of this xattr",
+                    );
+                    whole = false;
+                }
+            }
+        }
+        if whole
+            && (value.len() != spill.size as usize || birch_format::checksum(&value) != spill.crc)
+        {
+            report.add(
+                FindingKind::XattrChunkMismatch,
+                None,
+                format!("inode {ino} xattr {show:?}"),
+                format!(
+                    "{} bytes, crc {:#010x}",
+                    value.len(),
+                    birch_format::checksum(&value)
+                ),
+                format!("{} bytes, crc {:#010x}", spill.size, spill.crc),
+            );
+        }
+    }
+    for (key, c) in chunks.iter() {
+        report.add(
+            FindingKind::XattrChunkMismatch,
+            None,
+            format!("item {key}"),
+            format!(
+                "chunk {} of {:?}, claimed by no xattr",
+                c.index,
+                String::from_utf8_lossy(&c.name)
+            ),
+            "a chunk of an out-of-line xattr value",
+        );
     }
 }

@@ -74,7 +74,8 @@ pub enum Error {
     /// An xattr name that is empty or longer than the format allows. Maps to `ERANGE`.
     #[error("{0}: result does not fit the buffer")]
     Range(String),
-    /// An xattr value larger than `XATTR_VALUE_MAX` bytes. Maps to `E2BIG`.
+    /// An xattr value larger than `XATTR_SIZE_MAX` bytes (an ACL: `XATTR_VALUE_MAX`). Maps to
+    /// `E2BIG`.
     #[error("{0}: argument list too long")]
     TooLong(String),
     /// An operation forbidden regardless of permissions (e.g. hard link to a directory).

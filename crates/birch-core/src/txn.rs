@@ -219,6 +219,8 @@ pub struct Engine {
     /// Commits of at least this many changed items cut their apply into jobs.
     parallel_apply_min: AtomicUsize,
     superblock: Mutex<Superblock>,
+    /// Incompat feature flags the next commit sets (a change that needs one was recorded).
+    incompat_wanted: AtomicU64,
     next_objectid: AtomicU64,
     read_only: RwLock<Option<String>>,
     /// Whether `read_only` holds a reason: every mutation asks, so the common answer (no)
@@ -348,6 +350,21 @@ impl Engine {
     /// A copy of the last committed superblock.
     pub fn superblock(&self) -> Superblock {
         self.superblock.lock().clone()
+    }
+
+    /// Asks the next commit to set incompat feature flag(s) `bits`. Call it before recording
+    /// the change that needs them: a commit reads the wanted flags after it froze its changes,
+    /// so the commit that holds the change sets them.
+    pub fn want_incompat(&self, bits: u64) {
+        self.incompat_wanted.fetch_or(bits, Ordering::SeqCst);
+    }
+
+    /// Whether an incompat flag is wanted that no durable commit has set yet: an fsync must
+    /// then commit (a log record needing the flag must not be replayable on an image without
+    /// it).
+    pub fn incompat_pending(&self) -> bool {
+        let wanted = self.incompat_wanted.load(Ordering::SeqCst);
+        wanted != 0 && wanted & !self.superblock.lock().incompat != 0
     }
 
     /// Creates a new filesystem tree on `device` and commits it twice (generations 1 and 2),
@@ -488,6 +505,7 @@ impl Engine {
             parallel_apply_min: AtomicUsize::new(PARALLEL_APPLY_MIN),
             next_objectid: AtomicU64::new(batch_aligned(superblock.next_objectid)),
             superblock: Mutex::new(superblock),
+            incompat_wanted: AtomicU64::new(0),
             read_only: RwLock::new(None),
             read_only_set: AtomicBool::new(false),
             instance: INSTANCES.fetch_add(1, Ordering::Relaxed),
@@ -1163,6 +1181,7 @@ impl Engine {
         let root = writer.root();
         let mut sb = self.superblock.lock().clone();
         let (sec, nsec) = now();
+        sb.incompat |= self.incompat_wanted.load(Ordering::SeqCst);
         sb.generation = generation;
         sb.fs_root = root;
         sb.next_objectid = self.next_objectid.load(Ordering::Relaxed);

@@ -51,7 +51,9 @@ const NAME_MAX: usize = 255;
 const INLINE_MAX: u64 = 2048;
 const BLOCK: u64 = 4096;
 const MAX_FILE_BYTES: u64 = 1 << 62;
+/// The largest value in one item; larger ones go out of line, up to XATTR_SIZE_MAX.
 const XATTR_VALUE_MAX: usize = 7168;
+const XATTR_SIZE_MAX: usize = 65536;
 const PATH_MAX: usize = 4096;
 const FAR: u64 = 4 << 20;
 const DEVICE_BYTES: u64 = 256 << 20;
@@ -78,14 +80,10 @@ fn quiet() -> OpenOptions {
     }
 }
 
+/// The clock birchfs stamps times from (the kernel's coarse clock): an operation's times lie
+/// between this clock read before and after it.
 fn now() -> Timespec {
-    let d = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    Timespec {
-        sec: d.as_secs() as i64,
-        nsec: d.subsec_nanos(),
-    }
+    birch_core::vfs::clock()
 }
 
 fn assert_clean(dev: &MemDevice, what: &str) {
@@ -1016,6 +1014,8 @@ impl Runner {
                 let len = match self.rng.gen_range(0..30) {
                     0 => XATTR_VALUE_MAX + self.rng.gen_range(0..2),
                     1 => 0,
+                    3 => XATTR_SIZE_MAX + self.rng.gen_range(0..2),
+                    4 => self.rng.gen_range(XATTR_VALUE_MAX..XATTR_SIZE_MAX),
                     2 => self.rng.gen_range(1000..XATTR_VALUE_MAX),
                     _ => self.rng.gen_range(1..200),
                 };
@@ -1571,7 +1571,7 @@ impl Runner {
                     if name.0.is_empty() || name.0.len() > NAME_MAX {
                         return Err(libc::ERANGE);
                     }
-                    if value.len() > XATTR_VALUE_MAX {
+                    if value.len() > XATTR_SIZE_MAX {
                         return Err(libc::E2BIG);
                     }
                     let m = self.model.get(*ino)?;

@@ -399,6 +399,18 @@ fn atime_only_change_costs_no_log_write() {
         .create(Caller::default(), 1, b"r", 0o644, 0)
         .expect("create");
     fs.write(f.ino, 0, b"data", false).expect("write");
+    // An atime older than mtime, so the read moves it (times come from a coarse clock: create,
+    // write and read may all fall in one tick).
+    fs.setattr(
+        f.ino,
+        &birch_core::vfs::SetAttr {
+            atime: Some(birch_core::vfs::SetTime::At(
+                birch_format::items::Timespec { sec: 1, nsec: 0 },
+            )),
+            ..Default::default()
+        },
+    )
+    .expect("old atime");
     fs.sync().expect("commit");
     let before = fs.getattr(f.ino).expect("attr").atime;
     fs.read(f.ino, 0, 4)

@@ -5,7 +5,8 @@ use std::fmt;
 use crate::bytes::{Reader, Writer};
 use crate::key::ItemType;
 use crate::{
-    FormatError, BLOCK_SIZE, EXTENT_MAX_BLOCKS, INLINE_MAX_BYTES, NAME_MAX, XATTR_VALUE_MAX,
+    FormatError, BLOCK_SIZE, EXTENT_MAX_BLOCKS, INLINE_MAX_BYTES, NAME_MAX, XATTR_CHUNK_BYTES,
+    XATTR_SIZE_MAX, XATTR_VALUE_MAX,
 };
 
 /// A point in time with nanoseconds; 12 bytes on disk (i64 seconds, then u32 nanoseconds).
@@ -175,8 +176,87 @@ pub struct DirEntry {
 pub struct Xattr {
     /// Full name with its namespace prefix (e.g. `user.k`), 1 ..= [`NAME_MAX`] bytes.
     pub name: Vec<u8>,
-    /// The value, 0 ..= [`XATTR_VALUE_MAX`] bytes.
+    /// The value, 0 ..= [`XATTR_VALUE_MAX`] bytes; empty when `spill` is set.
     pub value: Vec<u8>,
+    /// A value over [`XATTR_VALUE_MAX`] bytes, stored out of line in [`XattrChunk`] items.
+    pub spill: Option<XattrSpill>,
+}
+
+/// Value length that marks an xattr list entry whose value is stored out of line.
+pub const XATTR_SPILL_MARK: u16 = 0xFFFF;
+
+/// What an xattr list entry says of a value stored out of line: its chunks are the
+/// `(ino, XattrChunk, xattr_chunk_hash(name, i))` items for `i` in `0 .. chunks()`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct XattrSpill {
+    /// Value bytes, `XATTR_VALUE_MAX + 1 ..= XATTR_SIZE_MAX`.
+    pub size: u32,
+    /// crc32c of the whole value.
+    pub crc: u32,
+}
+
+impl XattrSpill {
+    /// The number of chunk items the value takes.
+    pub fn chunks(&self) -> u32 {
+        (self.size as usize).div_ceil(XATTR_CHUNK_BYTES) as u32
+    }
+}
+
+/// The key offset of chunk `index` of the out-of-line value of xattr `name`:
+/// `name_hash(name ‖ index as u32 LE)`.
+pub fn xattr_chunk_hash(name: &[u8], index: u32) -> u64 {
+    crate::name_hash(&[name, &index.to_le_bytes()])
+}
+
+/// One chunk of an out-of-line xattr value: `(ino, XattrChunk, xattr_chunk_hash(name, index))`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct XattrChunk {
+    /// The xattr's full name (a key collision of two names is told apart by it).
+    pub name: Vec<u8>,
+    /// Chunk number from 0: value bytes `index × XATTR_CHUNK_BYTES ..`.
+    pub index: u32,
+    /// 1 ..= [`XATTR_CHUNK_BYTES`] value bytes.
+    pub data: Vec<u8>,
+}
+
+impl XattrChunk {
+    /// Encodes: name, u32 index, the data (the rest of the payload).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        encode_name(&mut w, &self.name);
+        w.u32(self.index);
+        w.put(&self.data);
+        w.into_bytes()
+    }
+
+    /// Decodes a chunk payload. `Invalid` for a bad name length, an index of 16 or more, or
+    /// data of 0 or over [`XATTR_CHUNK_BYTES`] bytes; `Truncated` for a cut payload.
+    pub fn decode(bytes: &[u8]) -> Result<XattrChunk, FormatError> {
+        let mut r = Reader::new(bytes, "xattr chunk");
+        let name = decode_name(&mut r)?;
+        let index = r.u32()?;
+        let max_index = XATTR_SIZE_MAX.div_ceil(XATTR_CHUNK_BYTES) as u32;
+        if index >= max_index {
+            return Err(FormatError::invalid(
+                "xattr chunk index",
+                index,
+                format!("< {max_index}"),
+            ));
+        }
+        let len = r.remaining();
+        if len == 0 || len > XATTR_CHUNK_BYTES {
+            return Err(FormatError::invalid(
+                "xattr chunk data length",
+                len,
+                format!("1..={XATTR_CHUNK_BYTES}"),
+            ));
+        }
+        Ok(XattrChunk {
+            name,
+            index,
+            data: r.take(len)?.to_vec(),
+        })
+    }
 }
 
 /// Where a file extent's bytes are.
@@ -393,13 +473,23 @@ pub fn decode_dir_entries(bytes: &[u8]) -> Result<Vec<DirEntry>, FormatError> {
     Ok(out)
 }
 
-/// Encodes a list of xattrs, back to back: name, u16 value length, value.
+/// Encodes a list of xattrs, back to back: name, u16 value length, value; or for a value
+/// stored out of line: name, u16 `0xFFFF`, u32 size, u32 crc32c.
 pub fn encode_xattrs(xattrs: &[Xattr]) -> Vec<u8> {
     let mut w = Writer::default();
     for x in xattrs {
         encode_name(&mut w, &x.name);
-        w.u16(x.value.len() as u16);
-        w.put(&x.value);
+        match x.spill {
+            Some(spill) => {
+                w.u16(XATTR_SPILL_MARK);
+                w.u32(spill.size);
+                w.u32(spill.crc);
+            }
+            None => {
+                w.u16(x.value.len() as u16);
+                w.put(&x.value);
+            }
+        }
     }
     w.into_bytes()
 }
@@ -412,7 +502,25 @@ pub fn decode_xattrs(bytes: &[u8]) -> Result<Vec<Xattr>, FormatError> {
     let mut out = Vec::new();
     while r.remaining() > 0 {
         let name = decode_name(&mut r)?;
-        let len = usize::from(r.u16()?);
+        let len = r.u16()?;
+        if len == XATTR_SPILL_MARK {
+            let size = r.u32()?;
+            if (size as usize) <= XATTR_VALUE_MAX || size as usize > XATTR_SIZE_MAX {
+                return Err(FormatError::invalid(
+                    "out-of-line xattr size",
+                    size,
+                    format!("{}..={XATTR_SIZE_MAX}", XATTR_VALUE_MAX + 1),
+                ));
+            }
+            let crc = r.u32()?;
+            out.push(Xattr {
+                name,
+                value: Vec::new(),
+                spill: Some(XattrSpill { size, crc }),
+            });
+            continue;
+        }
+        let len = usize::from(len);
         if len > XATTR_VALUE_MAX {
             return Err(FormatError::invalid(
                 "xattr value length",
@@ -423,6 +531,7 @@ pub fn decode_xattrs(bytes: &[u8]) -> Result<Vec<Xattr>, FormatError> {
         out.push(Xattr {
             name,
             value: r.take(len)?.to_vec(),
+            spill: None,
         });
     }
     if out.is_empty() {
@@ -448,6 +557,8 @@ pub enum Item {
     DirIndex(DirEntry),
     /// An [`ItemType::Xattr`] payload: one or more xattrs.
     Xattrs(Vec<Xattr>),
+    /// An [`ItemType::XattrChunk`] payload: one chunk of an out-of-line value.
+    XattrChunk(XattrChunk),
     /// An [`ItemType::ExtentData`] payload.
     Extent(FileExtent),
     /// An [`ItemType::Orphan`] item; its payload is empty.
@@ -470,6 +581,7 @@ impl Item {
                 Item::DirIndex(entries.remove(0))
             }
             ItemType::Xattr => Item::Xattrs(decode_xattrs(bytes)?),
+            ItemType::XattrChunk => Item::XattrChunk(XattrChunk::decode(bytes)?),
             ItemType::ExtentData => Item::Extent(FileExtent::decode(bytes)?),
             ItemType::Orphan => {
                 if !bytes.is_empty() {
@@ -517,10 +629,14 @@ impl fmt::Display for Item {
                     if n > 0 {
                         f.write_str("; ")?;
                     }
-                    write!(f, "xattr {:?} ({} bytes)", show_name(&x.name), x.value.len())?;
+                    match x.spill {
+                        Some(s) => write!(f, "xattr {:?} ({} bytes out of line in {} chunks, crc {:#010x})", show_name(&x.name), s.size, s.chunks(), s.crc)?,
+                        None => write!(f, "xattr {:?} ({} bytes)", show_name(&x.name), x.value.len())?,
+                    }
                 }
                 Ok(())
             }
+            Item::XattrChunk(c) => write!(f, "xattr chunk {} of {:?} ({} bytes)", c.index, show_name(&c.name), c.data.len()),
             Item::Extent(e) => match &e.kind {
                 ExtentKind::Inline(data) => write!(f, "extent inline {} bytes generation {}", data.len(), e.generation),
                 ExtentKind::Regular { disk_addr, csums } => write!(f, "extent regular disk {:#x} blocks {} generation {}", disk_addr, csums.len(), e.generation),
@@ -597,11 +713,45 @@ mod tests {
             decode_dir_entries(&encode_dir_entries(&entries)),
             Ok(entries)
         );
-        let xs = vec![Xattr {
-            name: b"user.a".to_vec(),
-            value: vec![0; 7168],
-        }];
-        assert_eq!(decode_xattrs(&encode_xattrs(&xs)), Ok(xs));
+        let xs = vec![
+            Xattr {
+                name: b"user.a".to_vec(),
+                value: vec![0; 7168],
+                spill: None,
+            },
+            Xattr {
+                name: b"user.big".to_vec(),
+                value: Vec::new(),
+                spill: Some(XattrSpill {
+                    size: 65536,
+                    crc: 0xdead_beef,
+                }),
+            },
+        ];
+        assert_eq!(decode_xattrs(&encode_xattrs(&xs)), Ok(xs.clone()));
+        // Byte by byte (FORMAT.md §6.5): name, 0xFFFF, size, crc.
+        let spilled = encode_xattrs(&xs[1..]);
+        assert_eq!(
+            spilled,
+            [
+                &[8u8, 0][..],
+                b"user.big",
+                &[0xff, 0xff],
+                &65536u32.to_le_bytes(),
+                &0xdead_beefu32.to_le_bytes()
+            ]
+            .concat()
+        );
+        let chunk = XattrChunk {
+            name: b"user.big".to_vec(),
+            index: 15,
+            data: vec![7; 4096],
+        };
+        assert_eq!(XattrChunk::decode(&chunk.encode()), Ok(chunk.clone()));
+        assert_eq!(chunk.encode().len(), 2 + 8 + 4 + 4096);
+        let bad = XattrChunk { index: 16, ..chunk };
+        assert!(XattrChunk::decode(&bad.encode()).is_err());
+        assert_eq!(XattrSpill { size: 7169, crc: 0 }.chunks(), 2);
     }
 
     #[test]

@@ -18,6 +18,9 @@ pub enum ItemType {
     InodeRef = 12,
     /// `(ino, Xattr, hash(name))`: extended attributes.
     Xattr = 24,
+    /// `(ino, XattrChunk, hash(name, index))`: one chunk of an xattr value stored out of line
+    /// (a value over `XATTR_VALUE_MAX` bytes; incompat flag `INCOMPAT_XATTR_CHUNKS`).
+    XattrChunk = 25,
     /// `(ORPHAN_OBJECTID, Orphan, ino)`: an inode with no names still to be freed.
     Orphan = 48,
     /// `(dir, DirItem, hash(name))`: name lookup.
@@ -35,6 +38,7 @@ impl ItemType {
             1 => ItemType::InodeItem,
             12 => ItemType::InodeRef,
             24 => ItemType::Xattr,
+            25 => ItemType::XattrChunk,
             48 => ItemType::Orphan,
             84 => ItemType::DirItem,
             96 => ItemType::DirIndex,
@@ -56,6 +60,7 @@ impl fmt::Display for ItemType {
             ItemType::InodeItem => "inode",
             ItemType::InodeRef => "inode_ref",
             ItemType::Xattr => "xattr",
+            ItemType::XattrChunk => "xattr_chunk",
             ItemType::Orphan => "orphan",
             ItemType::DirItem => "dir_item",
             ItemType::DirIndex => "dir_index",

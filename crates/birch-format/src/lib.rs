@@ -36,6 +36,12 @@ pub const MAX_ITEM_BYTES: usize = 7800;
 pub const NAME_MAX: usize = 255;
 /// Largest xattr value in bytes: it must fit one item beside its name and header.
 pub const XATTR_VALUE_MAX: usize = 7168;
+/// Largest xattr value of all (Linux's `XATTR_SIZE_MAX`): one over [`XATTR_VALUE_MAX`] is
+/// stored out of line, in [`XATTR_CHUNK_BYTES`]-byte chunk items (`XattrChunk`), behind the
+/// incompat flag `INCOMPAT_XATTR_CHUNKS`.
+pub const XATTR_SIZE_MAX: usize = 65536;
+/// Value bytes in one xattr chunk item (the last chunk of a value may hold fewer).
+pub const XATTR_CHUNK_BYTES: usize = 4096;
 /// Largest inline file: files up to this size live in their extent item (btrfs's max_inline
 /// default). Larger files go to data blocks.
 pub const INLINE_MAX_BYTES: usize = 2048;
@@ -166,6 +172,8 @@ mod tests {
     fn limits_fit_a_leaf() {
         const { assert!(MAX_ITEM_BYTES * 2 + 2 * 25 + node::HEADER_BYTES <= NODE_SIZE) };
         const { assert!(XATTR_VALUE_MAX + NAME_MAX + 8 <= MAX_ITEM_BYTES) };
+        const { assert!(XATTR_CHUNK_BYTES + NAME_MAX + 2 + 4 <= MAX_ITEM_BYTES) };
+        const { assert!(XATTR_SIZE_MAX.div_ceil(XATTR_CHUNK_BYTES) <= 16) };
         const { assert!(EXTENT_MAX_BLOCKS as usize * 4 + 64 <= MAX_ITEM_BYTES) };
     }
 }

@@ -18,7 +18,11 @@ pub const RESERVED_HEAD_BYTES: u64 = 128 * 1024;
 
 /// Feature flags this build understands. An image with an unknown incompat flag is refused;
 /// unknown compat flags are ignored; unknown ro_compat flags allow read-only use.
-pub const INCOMPAT_SUPPORTED: u64 = 0;
+pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_XATTR_CHUNKS;
+/// Incompat bit 0: xattr values over `XATTR_VALUE_MAX` bytes are stored out of line, in
+/// `XattrChunk` items, and an xattr list entry may say so (value length `0xFFFF`). Set by the
+/// first commit that holds such a value; an image without one keeps the bit clear.
+pub const INCOMPAT_XATTR_CHUNKS: u64 = 1;
 /// Compatible feature flags this build understands: none in v1. Unknown bits are ignored.
 pub const COMPAT_SUPPORTED: u64 = 0;
 /// Read-only-compatible feature flags this build understands: none in v1. An unknown bit

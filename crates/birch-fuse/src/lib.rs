@@ -90,10 +90,9 @@ pub struct FuseOptions {
     /// owns size, mtime and O_APPEND positioning.
     pub writeback: bool,
     /// Keep a file's pages in the kernel across opens (`FOPEN_KEEP_CACHE`), so re-reads never
-    /// reach the daemon; atime is then decided at OPEN.
+    /// reach the daemon; atime is then decided at OPEN too, as the filesystem's
+    /// [`birch_core::vfs::AtimeMode`] says (the mount's atime flags).
     pub keep_cache: bool,
-    /// Apply relatime at OPEN for reading (off with the `noatime` mount option).
-    pub atime: bool,
     /// Free bytes below which opens for writing are written through (`FOPEN_DIRECT_IO`), so a
     /// full filesystem answers ENOSPC at write(2) rather than at writeback. Should be at least
     /// what the kernel may hold dirty for this mount (its writeback device's `max_bytes`).
@@ -113,7 +112,6 @@ impl Default for FuseOptions {
             ttl: Duration::from_secs(DEFAULT_TTL_SECS),
             writeback: true,
             keep_cache: true,
-            atime: true,
             write_through_below: DEFAULT_WRITE_THROUGH_BELOW,
             waiters: DEFAULT_WAITERS,
             loops: 2,
@@ -439,20 +437,16 @@ fn write_now(
     Ok(n)
 }
 
-/// A READ's work: `size` bytes at `offset` of `ino`, noting atime by relatime when `atime`
-/// (and telling the kernel to drop the cached attributes if it moved).
+/// A READ's work: `size` bytes at `offset` of `ino`, moving atime as the filesystem's atime
+/// mode says (noatime: no read moves it; exec and mmap reads reach us too), and telling the
+/// kernel to drop the cached attributes if it moved.
 fn read_now(
     fs: &Filesystem,
     notifier: &OnceLock<fuser::Notifier>,
     ino: u64,
     offset: u64,
     size: u32,
-    atime: bool,
 ) -> birch_core::Result<Vec<u8>> {
-    if !atime {
-        // noatime: no read moves atime (exec and mmap reads reach us too).
-        return fs.read_without_atime(ino, offset, size as usize);
-    }
     let (data, atime_moved) = fs.read_noting_atime(ino, offset, size as usize)?;
     if atime_moved {
         invalidate_attrs(notifier, ino);
@@ -845,12 +839,11 @@ impl fuser::Filesystem for BirchFuse {
                     self.write_opens.opened(ino.0);
                 }
                 if self.options.keep_cache
-                    && self.options.atime
                     && flags.0 & libc::O_ACCMODE != libc::O_WRONLY
                     && flags.0 & libc::O_NOATIME == 0
                 {
-                    // Reads may all be served from kept pages and never reach us: relatime
-                    // is applied at open instead.
+                    // Reads may all be served from kept pages and never reach us: the atime
+                    // mode (noatime, relatime, strictatime) is applied at open too.
                     match self.fs.atime_at_open(ino.0) {
                         Ok(true) => self.invalidate_attrs(ino.0),
                         Ok(false) => {}
@@ -881,8 +874,7 @@ impl fuser::Filesystem for BirchFuse {
         // keeps several in flight.
         let fs = self.fs.clone();
         let notifier = self.notifier.clone();
-        let atime = self.options.atime;
-        let job = move || match read_now(&fs, &notifier, ino.0, offset, size, atime) {
+        let job = move || match read_now(&fs, &notifier, ino.0, offset, size) {
             Ok(data) => reply.data(&data),
             Err(e) => reply.error(errno("read", &e)),
         };

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use birch_core::device::{FileDevice, OpenMode};
-use birch_core::vfs::FsyncMode;
+use birch_core::vfs::{AtimeMode, FsyncMode};
 use birch_core::{Filesystem, OpenOptions};
 use birch_fuse::{BirchFuse, FuseOptions};
 use fuser::{Config, SessionACL};
@@ -23,8 +23,13 @@ struct MountConfig {
     /// Requests waiting for the device served at once (`waiters=`).
     waiters: usize,
     ttl_secs: f64,
-    /// MS_* flags for mount(2).
+    /// MS_* flags for mount(2), but for the atime flags ([`MountConfig::atime_flags`]).
     vfs_flags: libc::c_ulong,
+    /// The last of `noatime`, `relatime` (or `atime`), `strictatime` given, if any: when reads
+    /// move atime, which birchfs decides itself (FUSE inodes are `S_NOATIME` in the kernel).
+    atime: Option<AtimeMode>,
+    /// `nodiratime` (true) or `diratime` (false), if given.
+    nodiratime: Option<bool>,
     fsync: FsyncMode,
     writeback: bool,
     keep_cache: bool,
@@ -49,6 +54,8 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         waiters: birch_fuse::DEFAULT_WAITERS,
         ttl_secs: birch_fuse::DEFAULT_TTL_SECS as f64,
         vfs_flags: 0,
+        atime: None,
+        nodiratime: None,
         fsync: FsyncMode::Log,
         writeback: true,
         keep_cache: true,
@@ -84,8 +91,11 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
             "writeback" => c.writeback = on_off(opt, value)?,
             "buffer" => c.buffer = on_off(opt, value)?,
             "keep_cache" => c.keep_cache = on_off(opt, value)?,
-            "noatime" => c.vfs_flags |= libc::MS_NOATIME,
-            "atime" | "relatime" | "strictatime" | "nodiratime" => {}
+            "noatime" | "atime" | "relatime" | "strictatime" => {
+                c.atime = AtimeMode::from_option(key);
+            }
+            "nodiratime" => c.nodiratime = Some(true),
+            "diratime" => c.nodiratime = Some(false),
             "nodev" => c.vfs_flags |= libc::MS_NODEV,
             "dev" => c.vfs_flags &= !libc::MS_NODEV,
             "nosuid" => c.vfs_flags |= libc::MS_NOSUID,
@@ -112,6 +122,44 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         }
     }
     Ok(c)
+}
+
+impl MountConfig {
+    /// The atime flags for mount(2) (none when no atime option was given: a mount is then
+    /// relatime and a remount keeps what it had).
+    fn atime_flags(&self) -> libc::c_ulong {
+        let atime = match self.atime {
+            None => 0,
+            Some(AtimeMode::NoAtime) => libc::MS_NOATIME,
+            Some(AtimeMode::Relatime) => libc::MS_RELATIME,
+            Some(AtimeMode::StrictAtime) => libc::MS_STRICTATIME,
+        };
+        if self.nodiratime == Some(true) {
+            atime | libc::MS_NODIRATIME
+        } else {
+            atime
+        }
+    }
+}
+
+/// The atime mode the kernel's mount table gives the mount at `mountpoint` (its per-mount
+/// options: `noatime`, `relatime`, or neither for strictatime), after a remount has set it.
+fn mounted_atime(mountpoint: &Path) -> Option<AtimeMode> {
+    let target = canonical(mountpoint).to_string_lossy().into_owned();
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let line = info
+        .lines()
+        .rev()
+        .map(|l| l.split(' ').collect::<Vec<_>>())
+        .find(|f| f.get(4).map(|m| unescape(m)) == Some(target.clone()))?;
+    let options = line.get(5)?.split(',').collect::<Vec<_>>();
+    Some(if options.contains(&"noatime") {
+        AtimeMode::NoAtime
+    } else if options.contains(&"relatime") {
+        AtimeMode::Relatime
+    } else {
+        AtimeMode::StrictAtime
+    })
 }
 
 /// The value of an `on|off` option.
@@ -147,8 +195,17 @@ fn mounted_source(mountpoint: &Path) -> Option<String> {
 
 /// The mountpoint of a FUSE mount whose source is `image`, if any.
 fn mount_of_source(image: &Path) -> Option<String> {
+    mounts_of_source(image).into_iter().next()
+}
+
+/// The mountpoints of every FUSE mount whose source is `image` (one daemon's mount and its
+/// bind mounts), oldest first.
+fn mounts_of_source(image: &Path) -> Vec<String> {
     let want = image.to_string_lossy().into_owned();
-    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
     for line in info.lines() {
         let fields: Vec<&str> = line.split(' ').collect();
         let Some(dash) = fields.iter().position(|f| *f == "-") else {
@@ -157,10 +214,26 @@ fn mount_of_source(image: &Path) -> Option<String> {
         if fields.get(dash + 1).is_some_and(|t| t.starts_with("fuse"))
             && fields.get(dash + 2).map(|s| unescape(s)) == Some(want.clone())
         {
-            return fields.get(4).map(|m| unescape(m));
+            found.extend(fields.get(4).map(|m| unescape(m)));
         }
     }
-    None
+    found
+}
+
+/// Whether the mount at `mountpoint` is read-only (its per-mount options, or its superblock's).
+fn mount_is_read_only(mountpoint: &str) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    info.lines()
+        .rev()
+        .map(|l| l.split(' ').collect::<Vec<_>>())
+        .find(|f| f.get(4).map(|m| unescape(m)).as_deref() == Some(mountpoint))
+        .is_some_and(|f| {
+            let dash = f.iter().position(|x| *x == "-").unwrap_or(f.len());
+            let ro = |opts: Option<&&str>| opts.is_some_and(|o| o.split(',').any(|x| x == "ro"));
+            ro(f.get(5)) || ro(f.get(dash + 3))
+        })
 }
 
 fn unescape(s: &str) -> String {
@@ -170,7 +243,10 @@ fn unescape(s: &str) -> String {
         .replace("\\134", "\\")
 }
 
-fn preflight(image: &Path, mountpoint: &Path) -> Result<(), String> {
+/// Checks a mount of `image` at `mountpoint` can go ahead. Returns the mountpoint of a live
+/// mount of the same image, served by a running daemon, which the new mount is to be a bind
+/// mount of.
+fn preflight(image: &Path, mountpoint: &Path) -> Result<Option<String>, String> {
     match std::fs::metadata(mountpoint) {
         Err(_) => {
             return Err(format!(
@@ -200,16 +276,84 @@ fn preflight(image: &Path, mountpoint: &Path) -> Result<(), String> {
             mountpoint.display()
         ));
     }
-    // A live mount of this image is an error; a daemon still finishing its final commit after
+    // A live mount of this image (its daemon holds the image lock) is shared: the new mount is
+    // a bind mount of it, since the kernel cannot give one FUSE connection a second superblock.
+    // A mount whose daemon is gone is an error; a daemon still finishing its final commit after
     // an unmount is waited for (the image lock), so an immediate remount works.
     if let Some(at) = mount_of_source(&canonical(image)) {
-        let who = match FileDevice::open(image, OpenMode::ReadOnly) {
-            Err(e) => e.to_string(),
-            Ok(_) => format!("{}: image is in use", image.display()),
+        return match FileDevice::open(image, OpenMode::ReadOnly) {
+            Err(e) if e.kind() == std::io::ErrorKind::ResourceBusy => Ok(Some(at)),
+            Err(e) => Err(format!("{e}; it is mounted at {at}")),
+            Ok(_) => Err(format!(
+                "{}: mounted at {at}, but no daemon serves it: unmount it first",
+                image.display()
+            )),
         };
-        return Err(format!("{who}; it is mounted at {at}"));
     }
-    Ok(())
+    Ok(None)
+}
+
+/// A second mount of an image a daemon already serves at `at`: a bind mount of that mount at
+/// `mountpoint` (the same filesystem, one daemon), with this mount's own VFS flags (`ro`,
+/// `nosuid`, `nodev`, `noexec`, atime flags in the kernel's mount table). birch options
+/// (`commit=`, `writeback=`, the atime mode the daemon applies, ...) stay the first mount's. A
+/// read-write mount of an image served read-only is refused. The daemon serves until the last
+/// of its mounts is unmounted (the kernel ends the FUSE connection with the superblock).
+fn bind_mount(at: &str, mountpoint: &Path, config: &MountConfig) -> ExitCode {
+    if !config.read_only && mount_is_read_only(at) {
+        return fail(format!(
+            "the image is served read-only at {at}: mount it with -o ro, or remount that mount rw first"
+        ));
+    }
+    let cstr = |p: &[u8]| std::ffi::CString::new(p).map_err(|_| "path with a NUL byte".to_string());
+    let (source, target) = match (
+        cstr(at.as_bytes()),
+        cstr(canonical(mountpoint).as_os_str().as_encoded_bytes()),
+    ) {
+        (Ok(s), Ok(t)) => (s, t),
+        (Err(e), _) | (_, Err(e)) => return fail(e),
+    };
+    // SAFETY: mount(2) with valid NUL-terminated strings that outlive the call.
+    let rc = unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        return fail(format!(
+            "bind mount of {at} on {}: {}",
+            mountpoint.display(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    // A bind mount starts with the flags of the mount it binds; set this mount's own.
+    let mut flags = libc::MS_REMOUNT | libc::MS_BIND | config.vfs_flags | config.atime_flags();
+    if config.read_only {
+        flags |= libc::MS_RDONLY;
+    }
+    // SAFETY: as above; a per-mount remount with no source, type or data.
+    let rc = unsafe {
+        libc::mount(
+            std::ptr::null(),
+            target.as_ptr(),
+            std::ptr::null(),
+            flags,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        let err = std::io::Error::last_os_error();
+        lazy_unmount(mountpoint);
+        return fail(format!(
+            "bind mount of {at} on {}: setting its flags: {err}",
+            mountpoint.display()
+        ));
+    }
+    ExitCode::SUCCESS
 }
 
 /// `birch mount IMAGE MNT [-o opts] [-f]`.
@@ -218,8 +362,10 @@ pub fn mount_main(image: &Path, mountpoint: &Path, raw: &[String], foreground: b
         Ok(c) => c,
         Err(e) => return fail(e),
     };
-    if let Err(e) = preflight(image, mountpoint) {
-        return fail(e);
+    match preflight(image, mountpoint) {
+        Err(e) => return fail(e),
+        Ok(Some(at)) => return bind_mount(&at, mountpoint, &config),
+        Ok(None) => {}
     }
     if foreground {
         return serve(image, mountpoint, &config);
@@ -292,6 +438,7 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
         Ok(fs) => Arc::new(fs),
         Err(e) => return fail(format!("{}: {e}", image.display())),
     };
+    fs.set_atime_mode(config.atime.unwrap_or_default());
     let mut fuse_config = Config::default();
     fuse_config.acl = if config.allow_other {
         SessionACL::All
@@ -326,7 +473,8 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
     };
     let _ = notifier_slot.set(session.notifier());
     let target = canonical(mountpoint);
-    std::thread::spawn(move || wait_for_signal_then_unmount(&target));
+    let source = canonical(image);
+    std::thread::spawn(move || wait_for_signal_then_unmount(&target, &source));
     let result = session.run();
     // The kernel connection is gone; commit, flush and release the image lock before exit.
     let closed = fs.close();
@@ -364,7 +512,6 @@ fn fuse_options(config: &MountConfig, fs: &Filesystem, mountpoint: &Path) -> Fus
         ttl: Duration::from_secs_f64(config.ttl_secs),
         writeback: config.writeback,
         keep_cache: config.keep_cache,
-        atime: config.vfs_flags & libc::MS_NOATIME == 0,
         write_through_below,
         waiters: config.waiters,
         loops: config.threads,
@@ -415,7 +562,7 @@ fn kernel_mount(
     if config.allow_other {
         data.push_str(",allow_other");
     }
-    let mut flags = config.vfs_flags;
+    let mut flags = config.vfs_flags | config.atime_flags();
     if config.read_only {
         flags |= libc::MS_RDONLY;
     }
@@ -478,20 +625,27 @@ fn block_signals() {
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
 }
 
-fn wait_for_signal_then_unmount(target: &Path) {
+/// Waits for SIGTERM, SIGINT or SIGHUP, then unmounts the daemon's mount at `target` and every
+/// bind mount of it (every mount of `image`): the session ends with the last.
+fn wait_for_signal_then_unmount(target: &Path, image: &Path) {
     let set = signal_set();
     let mut sig: libc::c_int = 0;
     // SAFETY: sigwait on a valid set with the signals blocked in every thread.
     unsafe { libc::sigwait(&set, &mut sig) };
     log::warn!("signal {sig}: unmounting {}", target.display());
-    let Ok(c) = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()) else {
-        return;
-    };
-    // SAFETY: umount2 with a valid NUL-terminated path.
-    let rc = unsafe { libc::umount2(c.as_ptr(), 0) };
-    if rc != 0 {
-        // SAFETY: as above.
-        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    let mut targets = mounts_of_source(image);
+    targets.retain(|t| Path::new(t) != target);
+    targets.insert(0, target.to_string_lossy().into_owned());
+    for t in targets.iter().rev() {
+        let Ok(c) = std::ffi::CString::new(t.as_bytes()) else {
+            continue;
+        };
+        // SAFETY: umount2 with a valid NUL-terminated path.
+        let rc = unsafe { libc::umount2(c.as_ptr(), 0) };
+        if rc != 0 {
+            // SAFETY: as above.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        }
     }
 }
 
@@ -511,6 +665,11 @@ pub fn umount(mountpoint: &Path) -> ExitCode {
         if !status.is_ok_and(|s| s.success()) {
             return fail(format!("{}: umount: {err}", mountpoint.display()));
         }
+    }
+    if let Some(other) = mount_of_source(Path::new(&source)) {
+        // Another mount of the image (a bind mount) keeps the daemon serving.
+        log::info!("{source} is still mounted at {other}");
+        return ExitCode::SUCCESS;
     }
     wait_for_release(Path::new(&source))
 }
@@ -603,7 +762,21 @@ fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
             Err(std::io::Error::last_os_error())
         }
     };
-    let result = if config.read_only {
+    // One of several mounts of the image (bind mounts of one daemon's mount): ro and rw are this
+    // mount's own, so the daemon, which serves the others too, is not told; only the atime
+    // mode, which the daemon applies for all of them (the last remount sets it).
+    let shared =
+        mounted_source(&target).is_some_and(|image| mounts_of_source(Path::new(&image)).len() > 1);
+    let result = if shared {
+        kernel(libc::MS_BIND | config.vfs_flags | config.atime_flags()).and_then(|()| {
+            match mounted_atime(&target) {
+                Some(mode) if !config.read_only && config.atime.is_some() => {
+                    tell(&format!("atime={}", mode.option()))
+                }
+                _ => Ok(()),
+            }
+        })
+    } else if config.read_only {
         // The kernel writes its dirty pages back at the remount, after the daemon refused
         // changes: write them back first (files still open for writing make the kernel refuse
         // the remount, so no new dirty pages can follow).
@@ -614,12 +787,19 @@ fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
             );
         }
         tell("ro").and_then(|()| {
-            kernel(config.vfs_flags | libc::MS_RDONLY).inspect_err(|_| {
+            kernel(config.vfs_flags | config.atime_flags() | libc::MS_RDONLY).inspect_err(|_| {
                 let _ = tell("rw");
             })
         })
     } else {
-        kernel(config.vfs_flags).and_then(|()| tell("rw"))
+        // The kernel applies the atime flags to its mount (a remount without any keeps what it
+        // had) but cannot to FUSE inodes: the daemon is told what the mount table now says.
+        kernel(config.vfs_flags | config.atime_flags())
+            .and_then(|()| tell("rw"))
+            .and_then(|()| match mounted_atime(&target) {
+                Some(mode) => tell(&format!("atime={}", mode.option())),
+                None => Ok(()),
+            })
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -695,6 +875,8 @@ impl InProcessMount {
                 0.0
             },
             vfs_flags: 0,
+            atime: None,
+            nodiratime: None,
             fsync: FsyncMode::Log,
             writeback,
             keep_cache: caches,

@@ -339,6 +339,7 @@ impl Filesystem {
                     let xattrs = [birch_format::items::Xattr {
                         name: acl_name.to_vec(),
                         value: acl,
+                        spill: None,
                     }];
                     txn.put(
                         super::xattr::xattr_key(ino, acl_name),

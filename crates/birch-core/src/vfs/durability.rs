@@ -345,7 +345,9 @@ impl Filesystem {
         if is_dir {
             return Err(Ok(Fallback::Directory));
         }
-        if nlink == 0 {
+        if nlink == 0 || engine.incompat_pending() {
+            // An incompat flag no durable commit has set yet (the first out-of-line xattr
+            // value): a commit sets it, so no log record needs a flag the image lacks.
             return Err(Ok(Fallback::Other));
         }
         let mut records = Vec::with_capacity(changed.len() + 4);
@@ -898,6 +900,12 @@ impl Filesystem {
                     }
                     Some(ItemType::InodeRef) => {
                         inodes.insert(r.key.objectid);
+                    }
+                    Some(ItemType::XattrChunk) if r.value.is_some() => {
+                        // The replay's commit holds an out-of-line xattr value: it sets the
+                        // flag (an fsync logs one only once the flag is durable, so this
+                        // repeats what the superblock says).
+                        engine.want_incompat(birch_format::superblock::INCOMPAT_XATTR_CHUNKS);
                     }
                     _ => {}
                 }

@@ -52,6 +52,43 @@ impl Changes {
     }
 }
 
+/// When reads move a file's atime: the mount's atime flags. Linux decides this in the VFS
+/// from the mount (`MNT_NOATIME`, `MNT_RELATIME`), which it cannot do for a FUSE filesystem
+/// (its inodes are `S_NOATIME`), so the filesystem applies them itself, at each read and at an
+/// open for reading. Directory listings never move atime (as `nodiratime`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AtimeMode {
+    /// No read moves atime (`noatime`).
+    NoAtime = 0,
+    /// A read moves atime when it is not after mtime or ctime, or is a day old (`relatime`,
+    /// the default).
+    #[default]
+    Relatime = 1,
+    /// Every read moves atime (`strictatime`).
+    StrictAtime = 2,
+}
+
+impl AtimeMode {
+    /// The mode a mount option names: `noatime`, `relatime` (or `atime`), `strictatime`.
+    pub fn from_option(option: &str) -> Option<AtimeMode> {
+        match option {
+            "noatime" => Some(AtimeMode::NoAtime),
+            "relatime" | "atime" => Some(AtimeMode::Relatime),
+            "strictatime" => Some(AtimeMode::StrictAtime),
+            _ => None,
+        }
+    }
+
+    /// The mount option that names this mode.
+    pub fn option(self) -> &'static str {
+        match self {
+            AtimeMode::NoAtime => "noatime",
+            AtimeMode::Relatime => "relatime",
+            AtimeMode::StrictAtime => "strictatime",
+        }
+    }
+}
+
 impl Filesystem {
     /// Extents of `ino` that overlap `[from, to)`, in order.
     pub(super) fn extents(&self, ino: u64, from: u64, to: u64) -> Result<Vec<(u64, FileExtent)>> {
@@ -166,15 +203,36 @@ impl Filesystem {
         Ok(self.touch_atime(ino, &state))
     }
 
-    /// relatime: atime moves when it is older than mtime or ctime, or a day old. Returns
-    /// whether it moved.
+    /// When reads move atime from now on (the mount's atime flags, also after a remount).
+    pub fn set_atime_mode(&self, mode: AtimeMode) {
+        self.inner.atime.store(mode as u8, Ordering::Relaxed);
+    }
+
+    /// When reads move atime: relatime unless [`Filesystem::set_atime_mode`] said otherwise.
+    pub fn atime_mode(&self) -> AtimeMode {
+        match self.inner.atime.load(Ordering::Relaxed) {
+            x if x == AtimeMode::NoAtime as u8 => AtimeMode::NoAtime,
+            x if x == AtimeMode::StrictAtime as u8 => AtimeMode::StrictAtime,
+            _ => AtimeMode::Relatime,
+        }
+    }
+
+    /// Moves atime to now as the [`AtimeMode`] says (Linux's `atime_needs_update`): never
+    /// with noatime; with relatime when it is older than mtime or ctime, or a day old; with
+    /// strictatime always; and in no mode when it already says now. Returns whether it moved.
     fn touch_atime(&self, ino: u64, state: &super::InodeState) -> bool {
+        let mode = self.atime_mode();
+        if mode == AtimeMode::NoAtime {
+            return false;
+        }
         let t = now();
         let stale = {
             let d = state.data.read();
-            d.item.atime <= d.item.mtime
-                || d.item.atime <= d.item.ctime
-                || t.sec - d.item.atime.sec >= 86_400
+            d.item.atime != t
+                && (mode == AtimeMode::StrictAtime
+                    || d.item.atime <= d.item.mtime
+                    || d.item.atime <= d.item.ctime
+                    || t.sec - d.item.atime.sec >= 86_400)
         };
         if stale && self.inner.engine.read_only_reason().is_none() {
             let mut d = state.data.write();
@@ -884,6 +942,7 @@ impl Filesystem {
                 let xattrs = [birch_format::items::Xattr {
                     name: super::acl::ACL_ACCESS.to_vec(),
                     value: updated,
+                    spill: None,
                 }];
                 self.inner.engine.begin()?.put(
                     super::xattr::xattr_key(ino, super::acl::ACL_ACCESS),

@@ -35,6 +35,7 @@ use crate::txn::{Engine, MkfsOptions};
 
 pub use dir::DirEntryOut;
 pub use durability::FsyncMode;
+pub use file::AtimeMode;
 
 /// Changed items after which the background committer is woken early, bounding memory.
 const DELTA_ITEMS_COMMIT: usize = 200_000;
@@ -338,6 +339,8 @@ pub(crate) struct Inner {
     pub(crate) logged_names: Mutex<HashMap<birch_format::Key, (u64, u64)>>,
     /// The buffered data path's dirty set, limit and drain state (buffer.rs).
     pub(crate) buffers: buffer::Buffers,
+    /// When reads move atime: an [`AtimeMode`] as u8 (file.rs).
+    pub(crate) atime: AtomicU8,
 }
 
 /// A mounted-or-embedded birchfs filesystem.
@@ -348,7 +351,27 @@ pub struct Filesystem {
     view: bool,
 }
 
+/// The time the filesystem stamps on inodes: the one place it takes "now".
+///
+/// It is the kernel's coarse clock (`CLOCK_REALTIME_COARSE`, one tick: 1 to 10 ms), the clock
+/// Linux stamps inode times from (`current_time`). Under a FUSE writeback cache the kernel
+/// stamps a file's mtime and ctime itself, and a finer clock here could put a create after a
+/// later write in the kernel's time (up to a tick apart), so relatime would skip the first
+/// read after the write and statx would show mtime before btime. With one clock a time stamped
+/// later, here or in the kernel, is never before an earlier one (SEMANTICS §1). Public so
+/// that embedders and tests can compare with the same clock: [`clock`].
 pub(crate) fn now() -> Timespec {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec that we own.
+    if unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut ts) } == 0 {
+        return Timespec {
+            sec: ts.tv_sec,
+            nsec: ts.tv_nsec as u32,
+        };
+    }
     let d = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default();
@@ -356,6 +379,12 @@ pub(crate) fn now() -> Timespec {
         sec: d.as_secs() as i64,
         nsec: d.subsec_nanos(),
     }
+}
+
+/// The clock birchfs stamps inode times from (`CLOCK_REALTIME_COARSE`, as the kernel's inode
+/// times): an embedder or test that compares its own time with an inode's should read this.
+pub fn clock() -> Timespec {
+    now()
 }
 
 pub(crate) fn inode_key(ino: u64) -> Key {
@@ -446,6 +475,7 @@ impl Filesystem {
             fsync_mode: options.fsync,
             logged_names: Mutex::new(HashMap::new()),
             buffers: buffer::Buffers::new(options.buffered, device_bytes),
+            atime: AtomicU8::new(AtimeMode::Relatime as u8),
         });
         let fs = Filesystem { inner, view: false };
         if fs.getattr(ROOT_OBJECTID).is_err() {
@@ -560,6 +590,19 @@ impl Filesystem {
                 Ok(())
             }
             b"sync" => self.sync(),
+            other if other.starts_with(b"atime=") => {
+                let mode = std::str::from_utf8(&other[6..])
+                    .ok()
+                    .and_then(AtimeMode::from_option)
+                    .ok_or_else(|| {
+                        Error::Invalid(format!(
+                            "control command {:?}: expected atime=noatime, relatime or strictatime",
+                            String::from_utf8_lossy(other)
+                        ))
+                    })?;
+                self.set_atime_mode(mode);
+                Ok(())
+            }
             other => Err(Error::Invalid(format!(
                 "control command {:?}",
                 String::from_utf8_lossy(other)
