@@ -60,7 +60,8 @@ enum Command {
         mountpoint: PathBuf,
         /// Options: ro, rw, allow_other, commit=SECS (default 5), threads=N (default 32),
         /// ttl=SECS (default 60), fsync=log|commit, writeback=on|off (default on),
-        /// keep_cache=on|off (default on), and the usual VFS options (defaults, noatime,
+        /// keep_cache=on|off (default on), uring[=on|off] (FUSE over io_uring, default off),
+        /// and the usual VFS options (defaults, noatime,
         /// relatime, nodev, nosuid, noexec, _netdev). An unknown option is an error.
         #[arg(short = 'o')]
         options: Vec<String>,

@@ -53,7 +53,7 @@ impl Channel {
     pub(crate) fn sender(&self) -> ChannelSender {
         // Since write/writev syscalls are threadsafe, we can simply create
         // a sender by using the same file and use it in other threads.
-        ChannelSender(self.0.clone())
+        ChannelSender(self.0.clone(), None)
     }
 
     /// Clone the FUSE device fd using FUSE_DEV_IOC_CLONE ioctl.
@@ -79,11 +79,21 @@ impl Channel {
     }
 }
 
+/// Sends replies and notifications: over /dev/fuse, or (birchfs patch) into the ring entry
+/// the request came in.
 #[derive(Clone, Debug)]
-pub(crate) struct ChannelSender(Arc<DevFuse>);
+pub(crate) struct ChannelSender(Arc<DevFuse>, Option<crate::uring::RingReply>);
 
 impl ChannelSender {
+    /// The same device, replying into a ring entry.
+    pub(crate) fn with_ring(&self, ring: crate::uring::RingReply) -> ChannelSender {
+        ChannelSender(self.0.clone(), Some(ring))
+    }
+
     pub(crate) fn send(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<()> {
+        if let Some(ring) = &self.1 {
+            return ring.send(bufs);
+        }
         let rc = nix::sys::uio::writev(&self.0, bufs)?;
         // writev is atomic, so do not need to check how many bytes are written.
         // libfuse does not do it either

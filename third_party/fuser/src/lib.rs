@@ -79,8 +79,11 @@ use crate::session::MAX_WRITE_SIZE;
 pub use crate::session::Session;
 pub use crate::session::SessionACL;
 pub use crate::session::SessionUnmounter;
+pub use crate::uring::UringOptions;
+pub use crate::uring::transport_counts;
 
 mod access_flags;
+mod uring;
 mod bsd_file_flags;
 mod channel;
 mod dev_fuse;

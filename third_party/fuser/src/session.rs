@@ -139,6 +139,8 @@ pub struct Session<FS: Filesystem> {
     /// The field is set to `Some` when the init message is received.
     pub(crate) proto_version: Option<Version>,
     pub(crate) config: Config,
+    /// The io_uring queues, when INIT agreed to FUSE_OVER_IO_URING (birchfs patch).
+    pub(crate) uring: Option<crate::uring::Rings>,
 }
 
 impl<FS: Filesystem> AsFd for Session<FS> {
@@ -186,6 +188,7 @@ impl<FS: Filesystem> Session<FS> {
             session_owner: geteuid(),
             proto_version: None,
             config: options.clone(),
+            uring: None,
         };
 
         session.handshake()?;
@@ -214,6 +217,7 @@ impl<FS: Filesystem> Session<FS> {
             session_owner: geteuid(),
             proto_version: None,
             config,
+            uring: None,
         };
 
         session.handshake()?;
@@ -252,6 +256,7 @@ impl<FS: Filesystem> Session<FS> {
             session_owner,
             proto_version: _,
             config,
+            uring,
         } = self;
 
         let n_threads = config.n_threads.unwrap_or(1);
@@ -286,6 +291,8 @@ impl<FS: Filesystem> Session<FS> {
                 channels.push(ch.clone());
             }
         }
+        // The ring commands name the mount's own descriptor.
+        let ring_ch = uring.is_some().then(|| ch.clone());
         channels.push(ch);
 
         let mut threads = Vec::with_capacity(n_threads);
@@ -306,6 +313,35 @@ impl<FS: Filesystem> Session<FS> {
             );
         }
 
+        let mut ring_threads = Vec::new();
+        if let (Some(rings), Some(ring_ch)) = (uring, ring_ch) {
+            use std::os::fd::AsRawFd;
+            let fd = ring_ch.as_fd().as_raw_fd();
+            let mountpoint = rings.mountpoint.clone();
+            for q in rings.queues {
+                let thread_name = format!("fuser-uring-{}", ring_threads.len());
+                let event_loop = SessionEventLoop {
+                    thread_name: thread_name.clone(),
+                    filesystem: filesystem.clone(),
+                    ch: ring_ch.clone(),
+                    allowed,
+                    session_owner,
+                };
+                let sender = ring_ch.sender();
+                let mnt = mountpoint.clone();
+                match thread::Builder::new().name(thread_name).spawn(move || {
+                    crate::uring::queue_loop(q, sender, fd, event_loop, mnt);
+                }) {
+                    Ok(t) => ring_threads.push(t),
+                    Err(e) => {
+                        // INIT agreed to io_uring: requests would wait for this queue forever.
+                        error!("uring: cannot start a queue thread: {e}");
+                        crate::uring::abort_connection(mountpoint.as_deref());
+                    }
+                }
+            }
+        }
+
         let mut reply: io::Result<()> = Ok(());
         for thread in threads {
             let res = match thread.join() {
@@ -320,6 +356,13 @@ impl<FS: Filesystem> Session<FS> {
                 }
             }
         }
+
+        for thread in ring_threads {
+            if thread.join().is_err() {
+                error!("uring: a queue thread panicked");
+            }
+        }
+        crate::uring::log_counts();
 
         let Some(filesystem) = Arc::get_mut(&mut filesystem) else {
             return Err(io::Error::other(
@@ -429,6 +472,39 @@ impl<FS: Filesystem> Session<FS> {
                 return Err(error);
             }
 
+            // birchfs patch: FUSE over io_uring, only if the kernel offers it and every
+            // queue's ring and buffers exist before INIT is answered.
+            if let Some(opts) = &self.config.uring {
+                if init.capabilities().contains(InitFlags::FUSE_OVER_IO_URING) {
+                    // The kernel refuses payload buffers smaller than max_write or max_pages
+                    // pages (and 8 KiB); a page more for safety.
+                    let payload = (config.max_write as usize)
+                        .max(config.max_pages() as usize * page_size::get())
+                        .max(32 * page_size::get())
+                        .max(8192)
+                        + page_size::get();
+                    match crate::uring::setup(opts, payload) {
+                        Ok(rings) => {
+                            info!(
+                                "FUSE over io_uring: {} queues of {} entries, payload buffers of {} bytes",
+                                rings.queues.len(),
+                                opts.queue_depth,
+                                payload
+                            );
+                            config.requested |= InitFlags::FUSE_OVER_IO_URING;
+                            self.uring = Some(rings);
+                        }
+                        Err(e) => warn!(
+                            "FUSE over io_uring: ring setup failed ({e}); serving over /dev/fuse"
+                        ),
+                    }
+                } else {
+                    warn!(
+                        "FUSE over io_uring: the kernel does not offer it (is /sys/module/fuse/parameters/enable_uring Y?); serving over /dev/fuse"
+                    );
+                }
+            }
+
             // Remember the ABI version supported by kernel and mark the session initialized.
             self.proto_version = Some(v);
 
@@ -530,7 +606,10 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
             // Read the next request from the given channel to kernel driver
             // The kernel driver makes sure that we get exactly one request per read
             match self.ch.receive_retrying(buf) {
-                Ok(size) => match RequestWithSender::new(self.ch.sender(), &buf[..size]) {
+                Ok(size) => match {
+                    crate::uring::count_dev_request();
+                    RequestWithSender::new(self.ch.sender(), &buf[..size])
+                } {
                     // Dispatch request
                     Some(req) => {
                         if let Ok(Operation::Destroy(_)) = req.request.operation() {

@@ -18,6 +18,9 @@ pub struct Config {
     /// This enables more efficient request processing
     /// when multiple threads are used. Requires Linux 4.5+.
     pub clone_fd: bool,
+    /// Serve requests over io_uring as well (birchfs patch): asked for in INIT when the kernel
+    /// offers FUSE_OVER_IO_URING; /dev/fuse is served in any case.
+    pub uring: Option<crate::uring::UringOptions>,
 }
 
 /// Mount options accepted by the FUSE filesystem type
