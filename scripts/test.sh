@@ -69,6 +69,9 @@ if [[ $can_mount == 1 ]]; then
   tier "posix setup" bash tests/posix/setup.sh
   tier "mount tests" bash tests/mount/mount-tests.sh
   tier "FUSE op tests" python3 tests/mount/fuse-ops.py
+  # -o uring (FUSE over io_uring) and its fallback when registration fails; skips (77) on a
+  # kernel without it. Leaves the fuse module's enable_uring as it found it.
+  tier "FUSE over io_uring" bash tests/mount/uring-test.sh
   tier "pjdfstest birch vs ext4" pjdfstest_tier
   tier "fsx birch" bash tests/posix/fsx.sh birch
   # xfstests generic/quick (633 tests; about 18 minutes here, 30 on a busy machine), birch

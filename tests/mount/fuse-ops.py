@@ -19,7 +19,7 @@ Usage (as root):  tests/mount/fuse-ops.py
                   tests/mount/fuse-ops.py --ref DIR   run the same tests in a fresh directory
                                                       under DIR on a kernel filesystem (no
                                                       mount, no fsck), to compare errnos.
-Binary: $BIRCH, default <repo>/target/release/birch.
+Binary: $BIRCH, default <repo>/target/release/birch. $BIRCH_MOUNT_OPTS: extra mount options.
 Exit: 0 all passed, 1 a test failed, 77 skipped (not root or no /dev/fuse).
 """
 import ctypes
@@ -42,6 +42,8 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)  # os.fork with t
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIRCH = os.environ.get("BIRCH", os.path.join(REPO, "target", "release", "birch"))
+# Extra mount options for the test mounts, e.g. BIRCH_MOUNT_OPTS=uring.
+MOUNT_OPTS = [o for o in os.environ.get("BIRCH_MOUNT_OPTS", "").split(",") if o]
 NOBODY = 65534
 TEST_TIMEOUT = 30  # seconds one test may take before the run is aborted as hung
 MiB = 1 << 20
@@ -1786,7 +1788,7 @@ def main():
                     if r.returncode != 0:
                         print(f"fuse-ops: mkfs {image} failed: {r.stdout}")
                         return 1
-                    r = subprocess.run([BIRCH, "mount", "-o", "allow_other", image, m], stdout=lf, stderr=lf)
+                    r = subprocess.run([BIRCH, "mount", "-o", ",".join(["allow_other"] + MOUNT_OPTS), image, m], stdout=lf, stderr=lf)
                     if r.returncode != 0 or not os.path.ismount(m):
                         print(f"fuse-ops: mount {image} failed ({r.returncode}); log:\n{open(log).read()}")
                         return 1

@@ -16,6 +16,9 @@
 # Skips (exit 77) with a printed reason where /dev/fuse is absent or not root.
 set -uo pipefail
 BIRCH=${BIRCH:-$(pwd)/target/release/birch}
+# Extra mount options for every mount, e.g. BIRCH_MOUNT_OPTS=uring.
+EXTRA_OPTS=()
+if [ -n "${BIRCH_MOUNT_OPTS:-}" ]; then EXTRA_OPTS=(-o "$BIRCH_MOUNT_OPTS"); fi
 if [[ ! -e /dev/fuse ]]; then echo "mount-tests: SKIP: /dev/fuse is absent"; exit 77; fi
 if [[ $(id -u) != 0 ]]; then echo "mount-tests: SKIP: needs root"; exit 77; fi
 [[ -x $BIRCH ]] || { echo "mount-tests: $BIRCH not built"; exit 1; }
@@ -39,7 +42,7 @@ bad() { echo "FAIL $1"; failed=$((failed + 1)); }
 check() { local name=$1; shift; if "$@"; then ok "$name"; else bad "$name"; fi; }
 
 "$BIRCH" mkfs --size 256M "$IMG" >/dev/null || { echo "mkfs failed"; exit 1; }
-"$BIRCH" mount "$IMG" "$MNT" || { echo "mount failed"; exit 1; }
+"$BIRCH" mount "${EXTRA_OPTS[@]}" "$IMG" "$MNT" || { echo "mount failed"; exit 1; }
 
 # --- error paths -------------------------------------------------------------
 long=$(printf 'x%.0s' $(seq 256))
@@ -119,7 +122,7 @@ check "fsck clean after error paths and data ops" "$BIRCH" fsck "$IMG"
 # --- synchronous unmount: 20 cycles ------------------------------------------
 cycle_ok=1
 for i in $(seq 1 20); do
-  "$BIRCH" mount "$IMG" "$MNT" || { cycle_ok=0; break; }
+  "$BIRCH" mount "${EXTRA_OPTS[@]}" "$IMG" "$MNT" || { cycle_ok=0; break; }
   if [[ $i -gt 1 ]]; then cmp -s "$WORK/cycle" "$MNT/cycle" || { echo "cycle $i: data of cycle $((i - 1)) missing"; cycle_ok=0; }; fi
   head -c $((100000 + i * 777)) /dev/urandom > "$WORK/cycle"
   cp "$WORK/cycle" "$MNT/cycle"
@@ -134,7 +137,7 @@ expect_fail "missing mountpoint" "does not exist" "$BIRCH" mount "$IMG" "$WORK/n
 expect_fail "missing image" "does not exist" "$BIRCH" mount "$WORK/none.img" "$MNT"
 head -c 1M /dev/zero > "$WORK/zero.img"
 expect_fail "not a birchfs image" "not a birchfs image" "$BIRCH" mount "$WORK/zero.img" "$MNT"
-"$BIRCH" mount "$IMG" "$MNT"
+"$BIRCH" mount "${EXTRA_OPTS[@]}" "$IMG" "$MNT"
 mkdir -p "$WORK/mnt2" "$WORK/mnt3"
 expect_fail "fsck refuses a mounted image" "in use" "$BIRCH" fsck "$IMG"
 expect_fail "unknown mount option" "unknown mount option" "$BIRCH" mount "$IMG" "$WORK/mnt2" -o bogus
@@ -238,7 +241,7 @@ else
 fi
 
 # --- SIGTERM to the daemon: final commit, unmount, image released -----------------------------
-"$BIRCH" mount "$IMG" "$MNT"
+"$BIRCH" mount "${EXTRA_OPTS[@]}" "$IMG" "$MNT"
 head -c 300000 /dev/urandom > "$WORK/term"
 cp "$WORK/term" "$MNT/term"
 daemon=$(pgrep -f "birch mount -f $IMG" | head -1)
@@ -246,14 +249,14 @@ if [[ -n $daemon ]]; then
   kill -TERM "$daemon"
   for _ in $(seq 1 200); do kill -0 "$daemon" 2>/dev/null || break; sleep 0.05; done
   check "SIGTERM unmounts and the daemon exits" bash -c "! mountpoint -q '$MNT' && ! kill -0 $daemon 2>/dev/null"
-  "$BIRCH" mount "$IMG" "$MNT"
+  "$BIRCH" mount "${EXTRA_OPTS[@]}" "$IMG" "$MNT"
   check "data written before SIGTERM is there" cmp -s "$WORK/term" "$MNT/term"
   "$BIRCH" umount "$MNT"
 else
   bad "SIGTERM test: daemon pid not found"
 fi
 # --- SIGKILL after fsync: the log holds the file; fsck replays it in memory, mount replays it ---
-"$BIRCH" mount -o commit=0 "$IMG" "$MNT"
+"$BIRCH" mount "${EXTRA_OPTS[@]}" -o commit=0 "$IMG" "$MNT"
 head -c 200000 /dev/urandom > "$WORK/killed"
 python3 -c "
 import os, sys
@@ -271,7 +274,7 @@ if [[ -n $daemon ]]; then
   [[ $rc -eq 0 && $out == *'wait for replay'* && $out == *'with the log replayed in memory'*', 0 findings'* ]] && seen=yes
   check "fsck after SIGKILL sees the pending log and checks it replayed in memory" test "$seen" = yes
   [[ $seen = yes ]] || echo "$out"
-  "$BIRCH" mount "$IMG" "$MNT"
+  "$BIRCH" mount "${EXTRA_OPTS[@]}" "$IMG" "$MNT"
   check "fsync'd data survives SIGKILL (log replay at mount)" cmp -s "$WORK/killed" "$MNT/killed"
   "$BIRCH" umount "$MNT"
 else
@@ -280,7 +283,7 @@ fi
 # --- The writeback cache: `birch sync` makes pages the kernel holds dirty durable (the file is
 # still open, so close has not written them back), and close(2) writes a file's pages back so
 # the next commit holds them; both checked by SIGKILL of the daemon and a remount ---
-"$BIRCH" mount -o commit=0 "$IMG" "$MNT"
+"$BIRCH" mount "${EXTRA_OPTS[@]}" -o commit=0 "$IMG" "$MNT"
 head -c 300000 /dev/urandom > "$WORK/cached-open"
 head -c 300000 /dev/urandom > "$WORK/cached-closed"
 python3 -c "
@@ -296,7 +299,7 @@ if [[ -n $daemon ]]; then
   kill -KILL "$daemon"
   for _ in $(seq 1 200); do kill -0 "$daemon" 2>/dev/null || break; sleep 0.05; done
   umount -l "$MNT" 2>/dev/null
-  "$BIRCH" mount "$IMG" "$MNT"
+  "$BIRCH" mount "${EXTRA_OPTS[@]}" "$IMG" "$MNT"
   check "birch sync commits pages the kernel held dirty for an open file" cmp -s "$WORK/cached-open" "$MNT/cached-open"
   check "close(2) hands a file's cached pages to the daemon before birch sync commits" cmp -s "$WORK/cached-closed" "$MNT/cached-closed"
   "$BIRCH" umount "$MNT"

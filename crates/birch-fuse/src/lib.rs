@@ -332,6 +332,17 @@ impl BirchFuse {
         invalidate_attrs(&self.notifier, ino);
     }
 
+    /// Whether this request loop may serve a request that waits for the device itself
+    /// ([`waiters::Waiters::serve_here`]); never on an io_uring queue thread, which is its
+    /// queue's only loop.
+    fn serve_here(&self) -> Option<waiters::ServingHere<'_>> {
+        if fuser::on_ring_queue() {
+            None
+        } else {
+            self.waiters.serve_here()
+        }
+    }
+
     /// Whether free space is below the write-through headroom.
     fn low_on_space(&self) -> bool {
         let s = self.fs.statfs();
@@ -597,6 +608,24 @@ fn negative_attr() -> FileAttr {
         blksize: 0,
         flags: 0,
     }
+}
+
+/// The filesystem's counters plus how many FUSE requests this process served over /dev/fuse
+/// and over io_uring (`fuse_dev_requests`, `fuse_uring_requests`).
+fn stats_with_transport(mut json: String) -> String {
+    let (dev, ring) = fuser::transport_counts();
+    if json.ends_with('}') {
+        json.pop();
+        let sep = if json.trim_end().ends_with('{') {
+            ""
+        } else {
+            ", "
+        };
+        json.push_str(&format!(
+            "{sep}\"fuse_dev_requests\": {dev}, \"fuse_uring_requests\": {ring}}}"
+        ));
+    }
+    json
 }
 
 impl fuser::Filesystem for BirchFuse {
@@ -878,7 +907,7 @@ impl fuser::Filesystem for BirchFuse {
             Ok(data) => reply.data(&data),
             Err(e) => reply.error(errno("read", &e)),
         };
-        match self.waiters.serve_here() {
+        match self.serve_here() {
             Some(_here) => job(),
             None => self.waiters.run(job),
         }
@@ -1005,7 +1034,7 @@ impl fuser::Filesystem for BirchFuse {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("fsync", &e)),
         };
-        match self.waiters.serve_here() {
+        match self.serve_here() {
             Some(_here) => job(),
             None => self.waiters.run(job),
         }
@@ -1123,7 +1152,7 @@ impl fuser::Filesystem for BirchFuse {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("fsyncdir", &e)),
         };
-        match self.waiters.serve_here() {
+        match self.serve_here() {
             Some(_here) => job(),
             None => self.waiters.run(job),
         }
@@ -1216,7 +1245,11 @@ impl fuser::Filesystem for BirchFuse {
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
         refuse_if_down!(self, reply);
         if ino.0 == 1 && name.as_bytes() == STATS_XATTR {
-            xattr_reply(reply, size, self.fs.stats_json().as_bytes());
+            xattr_reply(
+                reply,
+                size,
+                stats_with_transport(self.fs.stats_json()).as_bytes(),
+            );
             return;
         }
         match self.fs.getxattr(ino.0, name.as_bytes()) {
@@ -1364,12 +1397,25 @@ impl fuser::Filesystem for BirchFuse {
             && self.write_opens.any(ino.0)
         {
             // The kernel may hold written pages the daemon has not seen: a hole here could be
-            // data there (cp would skip it). Have them written back first.
-            if !self.invalidator.write_back(ino.0, WRITE_BACK_WAIT) {
-                log::warn!("lseek of inode {}: kernel writeback did not finish", ino.0);
-                reply.error(Errno::EIO);
-                return;
-            }
+            // data there (cp would skip it). Have them written back first, on a worker: the
+            // WRITEs of that writeback need a request loop, and over io_uring this thread is
+            // its queue's only one (DESIGN §12.5).
+            let fs = self.fs.clone();
+            let invalidator = Invalidator {
+                queue: self.invalidator.queue.clone(),
+            };
+            self.waiters.run(move || {
+                if !invalidator.write_back(ino.0, WRITE_BACK_WAIT) {
+                    log::warn!("lseek of inode {}: kernel writeback did not finish", ino.0);
+                    reply.error(Errno::EIO);
+                    return;
+                }
+                match fs.lseek(ino.0, offset, whence) {
+                    Ok(at) => reply.offset(at as i64),
+                    Err(e) => reply.error(errno("lseek", &e)),
+                }
+            });
+            return;
         }
         match self.fs.lseek(ino.0, offset, whence) {
             Ok(at) => reply.offset(at as i64),

@@ -61,9 +61,10 @@ enum Command {
         /// Options: ro, rw, allow_other, commit=SECS (default 5), threads=N (request loops,
         /// default one per CPU, 2..8), waiters=N (requests waiting for the device at once,
         /// default 64), ttl=SECS (default 60), fsync=log|commit, writeback=on|off (default on),
-        /// keep_cache=on|off (default on), buffer=on|off (default on), and the usual VFS
-        /// options (defaults, noatime, relatime, strictatime, nodiratime, nodev, nosuid, noexec,
-        /// _netdev). An unknown option is an error.
+        /// keep_cache=on|off (default on), buffer=on|off (default on), uring[=on|off] (FUSE
+        /// over io_uring, default off), and the usual VFS options (defaults, noatime, relatime,
+        /// strictatime, nodiratime, nodev, nosuid, noexec, _netdev). An unknown option is an
+        /// error.
         #[arg(short = 'o')]
         options: Vec<String>,
         /// Stay in the foreground.

@@ -35,6 +35,8 @@ struct MountConfig {
     keep_cache: bool,
     /// The daemon's own write buffer (delayed allocation), `buffer=on|off`.
     buffer: bool,
+    /// FUSE over io_uring beside /dev/fuse (`uring`, `uring=on|off`, DESIGN §12.5).
+    uring: bool,
 }
 
 /// Default number of FUSE request loops (`threads=`): one per CPU, at least 2, at most 8.
@@ -60,6 +62,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         writeback: true,
         keep_cache: true,
         buffer: true,
+        uring: false,
     };
     for opt in raw
         .iter()
@@ -90,6 +93,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
             },
             "writeback" => c.writeback = on_off(opt, value)?,
             "buffer" => c.buffer = on_off(opt, value)?,
+            "uring" => c.uring = value.is_none() || on_off(opt, value)?,
             "keep_cache" => c.keep_cache = on_off(opt, value)?,
             "noatime" | "atime" | "relatime" | "strictatime" => {
                 c.atime = AtimeMode::from_option(key);
@@ -447,6 +451,16 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
     };
     fuse_config.n_threads = Some(config.threads);
     fuse_config.clone_fd = true;
+    if config.uring {
+        // The kernel offers FUSE_OVER_IO_URING in INIT (sent during mount(2)) only if this is on.
+        enable_fuse_uring();
+        fuse_config.uring = Some(fuser::UringOptions {
+            queue_depth: URING_QUEUE_DEPTH,
+            mountpoint: Some(canonical(mountpoint)),
+            // Test hook for the fallback (tests/mount/uring-test.sh): registration fails.
+            break_register: std::env::var_os("BIRCH_URING_BREAK_REGISTER").is_some(),
+        });
+    }
     let fuse_fd = match kernel_mount(image, mountpoint, config) {
         Ok(fd) => fd,
         Err(e) => {
@@ -486,6 +500,26 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
         return fail(format!("final commit failed: {e}"));
     }
     ExitCode::SUCCESS
+}
+
+/// Ring entries per io_uring queue: requests handed to a waiter (fsync, write-through WRITEs)
+/// hold their entry until answered, so a queue needs room beyond the `waiters=` default.
+const URING_QUEUE_DEPTH: usize = 64;
+
+const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
+
+/// Turns on the fuse module's `enable_uring` (needs root) if it is off, and says so.
+fn enable_fuse_uring() {
+    match std::fs::read_to_string(ENABLE_URING) {
+        Ok(v) if v.trim() == "Y" || v.trim() == "1" => {}
+        Ok(_) => match std::fs::write(ENABLE_URING, "Y") {
+            Ok(()) => log::warn!(
+                "uring: set {ENABLE_URING} to Y (it was N; it stays Y for every FUSE mount)"
+            ),
+            Err(e) => log::warn!("uring: cannot set {ENABLE_URING}: {e}; serving over /dev/fuse"),
+        },
+        Err(e) => log::warn!("uring: {ENABLE_URING}: {e} (kernel without FUSE over io_uring?)"),
+    }
 }
 
 /// The adapter's settings for a mount just made at `mountpoint`. With the writeback cache,
@@ -881,6 +915,7 @@ impl InProcessMount {
             writeback,
             keep_cache: caches,
             buffer: true,
+            uring: false,
         };
         let mut fuse_config = Config::default();
         fuse_config.acl = SessionACL::Owner;
