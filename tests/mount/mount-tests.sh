@@ -235,6 +235,12 @@ if "$BIRCH" mount "$IMG" "$MNT" -o strictatime; then
   atime_step "remount,relatime: the second does not" same read_at
   remount_with strictatime
   atime_step "remount,strictatime: a read moves atime again" moved read_at
+  # A read-write open that only fsyncs (xfs_io's default open, xfstests generic/392 and 468)
+  # moves nothing, even under strictatime; an open for reading does.
+  atime_step "strictatime: an O_RDWR open and fsync do not move atime" same \
+    python3 -c "import os; fd = os.open('$MNT/at', os.O_RDWR); os.fsync(fd); os.close(fd)"
+  atime_step "strictatime: an O_RDONLY open moves atime" moved \
+    python3 -c "import os; os.close(os.open('$MNT/at', os.O_RDONLY))"
   "$BIRCH" umount "$MNT"
 else
   bad "mount -o strictatime"
