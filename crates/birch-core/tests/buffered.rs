@@ -416,3 +416,35 @@ fn a_drain_of_many_files_keeps_them_all() {
     }
     close_and_check_clean(fs, &dev2, "after a drain of many files");
 }
+
+/// A read of a range the write buffer holds whole is answered from the buffer, with no
+/// device read; a range that is partly on disk still reads the disk for the rest.
+#[test]
+fn a_read_of_buffered_blocks_does_not_read_the_device() {
+    let (dev, fs) = fresh(64 << 20);
+    let (f, _) = fs
+        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .expect("create");
+    let old = pattern(1, 8 * BLOCK_SIZE as usize);
+    fs.write(f.ino, 0, &old, false).expect("write");
+    fs.sync().expect("commit");
+    let new = pattern(2, 4 * BLOCK_SIZE as usize);
+    fs.write(f.ino, 2 * BLOCK_SIZE, &new, false)
+        .expect("overwrite");
+    let reads = || fs.engine().device().counters().values().device_reads;
+    let before = reads();
+    let got = fs
+        .read(f.ino, 2 * BLOCK_SIZE, 4 * BLOCK_SIZE as usize)
+        .expect("read buffered");
+    assert_eq!(got, new);
+    assert_eq!(reads() - before, 0, "buffered blocks read from the device");
+    let got = fs
+        .read(f.ino, BLOCK_SIZE, 6 * BLOCK_SIZE as usize)
+        .expect("read across");
+    let mut want = old[BLOCK_SIZE as usize..7 * BLOCK_SIZE as usize].to_vec();
+    want[BLOCK_SIZE as usize..5 * BLOCK_SIZE as usize].copy_from_slice(&new);
+    assert_eq!(got, want, "buffered blocks over the disk's");
+    assert!(reads() > before, "blocks 1 and 6 come from the device");
+    fs.sync().expect("commit");
+    close_and_check_clean(fs, &dev, "after buffered reads");
+}

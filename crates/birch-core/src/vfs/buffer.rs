@@ -100,6 +100,17 @@ impl DirtyBuf {
         }
     }
 
+    /// Whether every block of `[offset, end)` is buffered: a read of it needs no device read
+    /// (a buffered block is always whole: a partial write fills it from the old data first).
+    pub(crate) fn covers(&self, offset: u64, end: u64) -> bool {
+        if offset >= end {
+            return true;
+        }
+        let (first, last) = (offset / BLOCK_SIZE, end.div_ceil(BLOCK_SIZE));
+        self.blocks.len() as u64 >= last - first
+            && self.blocks.range(first..last).count() as u64 == last - first
+    }
+
     /// The file's size was set explicitly: a failed flush no longer puts an older one back.
     pub(crate) fn forget_size_before(&mut self) {
         self.size_before = None;

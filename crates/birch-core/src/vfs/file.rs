@@ -256,6 +256,11 @@ impl Filesystem {
         }
         let end = file_size.min(offset.saturating_add(size as u64));
         let mut out = vec![0u8; (end - offset) as usize];
+        if data.dirty.covers(offset, end) {
+            // All of it is in the write buffer: no extent lookup, no device read.
+            data.dirty.overlay(offset, &mut out);
+            return Ok(out);
+        }
         for (start, extent) in self.extents(ino, offset, end)? {
             match &extent.kind {
                 ExtentKind::Inline(bytes) => {
