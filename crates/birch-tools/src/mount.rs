@@ -683,6 +683,9 @@ fn wait_for_signal_then_unmount(target: &Path, image: &Path) {
     }
 }
 
+/// How long `birch umount` retries an unmount the kernel answers EBUSY.
+const UMOUNT_BUSY_WAIT: Duration = Duration::from_secs(5);
+
 /// `birch umount MNT`: unmounts, then waits until the daemon has released the image.
 pub fn umount(mountpoint: &Path) -> ExitCode {
     let Some(source) = mounted_source(mountpoint) else {
@@ -692,9 +695,22 @@ pub fn umount(mountpoint: &Path) -> ExitCode {
     let Ok(c) = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()) else {
         return fail("bad mountpoint path");
     };
-    // SAFETY: umount2 with a valid NUL-terminated path.
-    if unsafe { libc::umount2(c.as_ptr(), 0) } != 0 {
+    // A file closed by a process that just exited can hold the mount for a moment after
+    // (the kernel releases it from a workqueue, and its release writes back its dirty pages
+    // first): EBUSY is retried for a few seconds before giving up.
+    let started = Instant::now();
+    let unmounted = loop {
+        // SAFETY: umount2 with a valid NUL-terminated path.
+        if unsafe { libc::umount2(c.as_ptr(), 0) } == 0 {
+            break Ok(());
+        }
         let err = std::io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EBUSY) || started.elapsed() > UMOUNT_BUSY_WAIT {
+            break Err(err);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    if let Err(err) = unmounted {
         let status = Command::new("fusermount3").arg("-u").arg(&target).status();
         if !status.is_ok_and(|s| s.success()) {
             return fail(format!("{}: umount: {err}", mountpoint.display()));
