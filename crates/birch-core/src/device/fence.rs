@@ -9,10 +9,9 @@
 //! power cut) or fails. Reads fail too: a shut-down filesystem answers nothing.
 
 use std::io;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-
-use parking_lot::RwLock;
+use std::time::Duration;
 
 use super::BlockDevice;
 use crate::counters::Counters;
@@ -20,9 +19,9 @@ use crate::counters::Counters;
 /// Passes I/O to `base` until shut down.
 pub struct Fence {
     base: Arc<dyn BlockDevice>,
-    /// Held shared by each I/O and exclusively by the shutdown, which so waits for I/O in
-    /// flight.
-    gate: RwLock<()>,
+    /// I/Os in flight (counted before each looks at `down`): the shutdown waits for them. A
+    /// counter, not a lock: nothing is held across the device's I/O or flush.
+    in_flight: AtomicUsize,
     down: AtomicBool,
 }
 
@@ -31,7 +30,7 @@ impl Fence {
     pub fn new(base: Arc<dyn BlockDevice>) -> Fence {
         Fence {
             base,
-            gate: RwLock::new(()),
+            in_flight: AtomicUsize::new(0),
             down: AtomicBool::new(false),
         }
     }
@@ -44,8 +43,14 @@ impl Fence {
     /// Closes the fence: waits for I/O in flight, after which every I/O fails. Returns whether
     /// this call closed it (false: it was closed already).
     pub fn shut_down(&self) -> bool {
-        let _gate = self.gate.write();
-        !self.down.swap(true, Ordering::SeqCst)
+        let first = !self.down.swap(true, Ordering::SeqCst);
+        // Every I/O counted before `down` was set may be under way; every later one sees
+        // `down` (both sides use SeqCst: the count comes before the look, the flag before the
+        // wait). A shutdown is rare: poll.
+        while self.in_flight.load(Ordering::SeqCst) != 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        first
     }
 
     /// Whether the fence is closed.
@@ -54,11 +59,14 @@ impl Fence {
     }
 
     fn pass<T>(&self, io: impl FnOnce(&dyn BlockDevice) -> io::Result<T>) -> io::Result<T> {
-        let _gate = self.gate.read();
-        if self.down.load(Ordering::SeqCst) {
-            return Err(io::Error::other("the filesystem is shut down"));
-        }
-        io(&*self.base)
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        let result = if self.down.load(Ordering::SeqCst) {
+            Err(io::Error::other("the filesystem is shut down"))
+        } else {
+            io(&*self.base)
+        };
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        result
     }
 }
 
@@ -81,5 +89,30 @@ impl BlockDevice for Fence {
 
     fn counters(&self) -> &Counters {
         self.base.counters()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::MemDevice;
+
+    #[test]
+    fn io_passes_until_shut_down_and_fails_after() {
+        let fence = Fence::new(Arc::new(MemDevice::new(1 << 20)));
+        let block = vec![7u8; 4096];
+        fence.write_at(&block, 0).expect("write before");
+        fence.flush().expect("flush before");
+        assert!(fence.shut_down());
+        assert!(!fence.shut_down(), "the second call finds it down");
+        assert!(fence.write_at(&block, 4096).is_err());
+        assert!(fence.flush().is_err());
+        let mut back = vec![0u8; 4096];
+        assert!(fence.read_at(&mut back, 0).is_err());
+        fence
+            .base()
+            .read_at(&mut back, 0)
+            .expect("the base still reads");
+        assert_eq!(back, block);
     }
 }
