@@ -343,6 +343,15 @@ impl BirchFuse {
         }
     }
 
+    /// Serves `job`, a request that waits for the device, here when [`BirchFuse::serve_here`]
+    /// allows it, else on a worker.
+    fn serve_waiting(&self, job: impl FnOnce() + Send + 'static) {
+        match self.serve_here() {
+            Some(_here) => job(),
+            None => self.waiters.run(job),
+        }
+    }
+
     /// Whether free space is below the write-through headroom.
     fn low_on_space(&self) -> bool {
         let s = self.fs.statfs();
@@ -910,10 +919,7 @@ impl fuser::Filesystem for BirchFuse {
             Ok(data) => reply.data(&data),
             Err(e) => reply.error(errno("read", &e)),
         };
-        match self.serve_here() {
-            Some(_here) => job(),
-            None => self.waiters.run(job),
-        }
+        self.serve_waiting(job);
     }
 
     fn write(
@@ -942,11 +948,7 @@ impl fuser::Filesystem for BirchFuse {
         // made durable before the reply (`Some(datasync)`).
         let sync = (fh.0 & DIRECT_FH != 0 && flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0)
             .then_some(flags.0 & libc::O_SYNC != libc::O_SYNC);
-        let here = if through {
-            self.waiters.serve_here()
-        } else {
-            None
-        };
+        let here = if through { self.serve_here() } else { None };
         if !through || here.is_some() {
             let result = write_now(
                 &self.fs,
@@ -1037,10 +1039,7 @@ impl fuser::Filesystem for BirchFuse {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("fsync", &e)),
         };
-        match self.serve_here() {
-            Some(_here) => job(),
-            None => self.waiters.run(job),
-        }
+        self.serve_waiting(job);
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
@@ -1155,10 +1154,7 @@ impl fuser::Filesystem for BirchFuse {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("fsyncdir", &e)),
         };
-        match self.serve_here() {
-            Some(_here) => job(),
-            None => self.waiters.run(job),
-        }
+        self.serve_waiting(job);
     }
 
     fn ioctl(
@@ -1192,10 +1188,13 @@ impl fuser::Filesystem for BirchFuse {
             req.pid(),
             ino.0
         );
-        match self.fs.shutdown(ShutdownMode::Commit) {
+        // Its commit waits for the device: served as FSYNC is (see `waiters`).
+        let fs = self.fs.clone();
+        let job = move || match fs.shutdown(ShutdownMode::Commit) {
             Ok(()) => reply.ioctl(0, &[]),
             Err(e) => reply.error(errno("shutdown", &e)),
-        }
+        };
+        self.serve_waiting(job);
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
