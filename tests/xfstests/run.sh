@@ -105,6 +105,17 @@ echo "\$out"
 exit \$rc
 EOF
   chmod 0755 "$WORK_DIR/fsck-hook"
+  # The suite's mkfs (rc-fuse-birch.patch): a new filesystem on the image, at the run's size or
+  # at the size a test asks for (\$2 bytes); the image file is cut to that size first, since a
+  # birchfs fills its image. An image still held by the daemon of an unmount (its flock) is
+  # waited for.
+  cat >"$WORK_DIR/mkfs-hook" <<EOF
+#!/bin/bash
+size=\${2:-$IMG_SIZE}
+flock -x -w 60 "\$1" true || { echo "mkfs-hook: \$1 still in use after 60 s" >&2; exit 1; }
+truncate -s 0 "\$1" && exec "$BIRCH" mkfs --force --size "\$size" "\$1"
+EOF
+  chmod 0755 "$WORK_DIR/mkfs-hook"
   fsck_line=""
   [[ $FSCK_EACH == 1 ]] && fsck_line="export FUSE_FSCK_PROG=$WORK_DIR/fsck-hook"
   cat >"$CONFIG" <<EOF
@@ -116,6 +127,7 @@ export SCRATCH_DEV=$WORK_DIR/scratch.img
 export SCRATCH_MNT=$WORK_DIR/scratch
 export FUSE_MOUNT_OPTIONS="-o allow_other"
 export RESULT_BASE=$RESULTS_DIR/results
+export FUSE_MKFS_PROG=$WORK_DIR/mkfs-hook
 $fsck_line
 EOF
 else

@@ -154,8 +154,56 @@ pub struct BirchFuse {
     dir_ends: DirEnds,
     /// The invalidation thread's queue: invalidations that may wait for the kernel.
     invalidator: Invalidator,
+    /// Inodes whose write-back the daemon refused for lack of space, not yet reported to a
+    /// write(2) (see [`LostWrites`]).
+    lost_writes: LostWrites,
     /// Worker threads for requests that wait for the device.
     waiters: waiters::Waiters,
+}
+
+/// Inodes with a write-back WRITE the daemon refused with ENOSPC since the last report.
+///
+/// With the writeback cache a write(2) ends in the kernel's page cache; the daemon sees the
+/// data only when the kernel writes it back, and if the filesystem is full by then the kernel
+/// drops those pages and keeps the error for fsync(2) and close(2). A writer that never closes
+/// (`dd` filling the disk) would never hear of it and write on forever. So a refused write-back
+/// marks its inode and drops the kernel's attributes of it; the kernel asks for them again
+/// (GETATTR with the file handle) at the start of the next write(2) on the file, and that
+/// GETATTR is answered ENOSPC, once per mark, which write(2) returns. A GETATTR without a
+/// handle (stat) is answered as always. The last close of the inode clears the mark, since
+/// close(2) has reported the error by then.
+struct LostWrites {
+    any: std::sync::atomic::AtomicBool,
+    inodes: parking_lot::Mutex<std::collections::HashSet<u64>>,
+}
+
+impl LostWrites {
+    fn new() -> LostWrites {
+        LostWrites {
+            any: std::sync::atomic::AtomicBool::new(false),
+            inodes: parking_lot::Mutex::new(std::collections::HashSet::new()),
+        }
+    }
+
+    /// Marks `ino`: a write-back of it was refused with ENOSPC.
+    fn mark(&self, ino: u64) {
+        let mut inodes = self.inodes.lock();
+        inodes.insert(ino);
+        self.any.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether `ino` was marked, clearing the mark (one report per mark).
+    fn take(&self, ino: u64) -> bool {
+        if !self.any.load(std::sync::atomic::Ordering::Acquire) {
+            return false;
+        }
+        let mut inodes = self.inodes.lock();
+        let found = inodes.remove(&ino);
+        if inodes.is_empty() {
+            self.any.store(false, std::sync::atomic::Ordering::Release);
+        }
+        found
+    }
 }
 
 /// The end position of each open directory's listing, by directory handle: a listing stops
@@ -232,14 +280,17 @@ impl WriteOpens {
         *self.shard(ino).lock().entry(ino).or_insert(0) += 1;
     }
 
-    fn released(&self, ino: u64) {
+    /// Counts a handle closed; whether it was the inode's last.
+    fn released(&self, ino: u64) -> bool {
         let mut shard = self.shard(ino).lock();
         if let Some(n) = shard.get_mut(&ino) {
             *n -= 1;
             if *n == 0 {
                 shard.remove(&ino);
+                return true;
             }
         }
+        false
     }
 
     fn any(&self, ino: u64) -> bool {
@@ -321,6 +372,7 @@ impl BirchFuse {
             writeback: false,
             write_opens: WriteOpens::new(),
             dir_ends: DirEnds::new(),
+            lost_writes: LostWrites::new(),
             waiters,
         }
     }
@@ -696,8 +748,14 @@ impl fuser::Filesystem for BirchFuse {
         self.fs.forget(ino.0, nlookup);
     }
 
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+    fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
         refuse_if_down!(self, reply);
+        // With a handle, this is the kernel starting a write(2) (or a read or lseek) on a file
+        // whose write-back the daemon refused: report it there (see `LostWrites`).
+        if fh.is_some() && self.lost_writes.take(ino.0) {
+            reply.error(Errno::ENOSPC);
+            return;
+        }
         match self.fs.getattr(ino.0) {
             Ok(a) => reply.attr(&self.options.ttl, &file_attr(&a)),
             Err(e) => reply.error(errno("getattr", &e)),
@@ -963,7 +1021,15 @@ impl fuser::Filesystem for BirchFuse {
             );
             match result {
                 Ok(n) => reply.written(n),
-                Err(e) => reply.error(errno("write", &e)),
+                Err(e) => {
+                    if write_flags.contains(WriteFlags::FUSE_WRITE_CACHE)
+                        && matches!(e, Error::NoSpace(_))
+                    {
+                        self.lost_writes.mark(ino.0);
+                        self.invalidate_attrs(ino.0);
+                    }
+                    reply.error(errno("write", &e))
+                }
             }
             return;
         }
@@ -1016,8 +1082,8 @@ impl fuser::Filesystem for BirchFuse {
         reply: ReplyEmpty,
     ) {
         refuse_if_down!(self, reply);
-        if writes(flags.0) {
-            self.write_opens.released(ino.0);
+        if writes(flags.0) && self.write_opens.released(ino.0) {
+            self.lost_writes.take(ino.0);
         }
         match self.fs.release(ino.0, fh.0 & !DIRECT_FH) {
             Ok(()) => reply.ok(),
@@ -1446,6 +1512,24 @@ fn xattr_reply(reply: ReplyXattr, size: u32, value: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_write_back_is_reported_once_and_only_for_its_inode() {
+        let lost = LostWrites::new();
+        assert!(!lost.take(7), "nothing marked yet");
+        lost.mark(7);
+        lost.mark(9);
+        assert!(!lost.take(8), "another inode");
+        assert!(lost.take(7));
+        assert!(!lost.take(7), "reported once per mark");
+        lost.mark(7);
+        assert!(lost.take(7), "a new refusal is reported again");
+        assert!(lost.take(9));
+        assert!(
+            !lost.any.load(std::sync::atomic::Ordering::Acquire),
+            "empty again"
+        );
+    }
 
     #[test]
     fn the_shutdown_ioctl_is_ior_x_125_of_a_u32() {
