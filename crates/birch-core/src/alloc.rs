@@ -169,6 +169,11 @@ impl Allocator {
             .saturating_sub(self.reserved_blocks())
     }
 
+    /// Blocks data may never take (the metadata reserve, DESIGN §10.7).
+    pub fn metadata_reserve_blocks(&self) -> u64 {
+        self.reserve_blocks
+    }
+
     /// Blocks reserved for buffered data and not yet allocated.
     pub fn reserved_blocks(&self) -> u64 {
         self.reserved.load(Ordering::Relaxed)

@@ -123,6 +123,7 @@ counters! {
     fsync_logged_moves: "Inodes renamed away from a name an fsync'd inode took, logged with it instead of a commit.",
     fsync_fallback_new_parent: "fsync commits because a new name's directory is itself uncommitted.",
     fsync_fallback_dir: "fsync commits of directories (fsyncdir).",
+    metadata_full_commits: "Commits an operation forced because the changes so far left too little room for the next commit's metadata.",
     fsync_fallback_other: "fsync commits for other unsafe cases (unlinked inode, hash collision).",
     log_batches: "Log batches written (one write and one flush each).",
     log_records: "Item records written to the log.",

@@ -24,6 +24,10 @@ pub type DeltaValue = Option<Arc<[u8]>>;
 
 const SHARDS: usize = 64;
 
+/// Leaf bytes of an item besides its value: the key (17 bytes) and the offset and size the
+/// leaf keeps for it (FORMAT.md §5).
+const ITEM_OVERHEAD: usize = 25;
+
 /// Changed items of one generation.
 pub struct Delta {
     /// Each shard on its own cache lines with its entry count beside it: a put writes only its
@@ -37,6 +41,9 @@ struct Shard {
     map: Mutex<Map>,
     /// Keys in `map`, written under its lock, readable without it.
     entries: AtomicUsize,
+    /// Bytes of keys and values put since the last freeze (a replaced value counts again:
+    /// an upper bound, for [`Delta::bytes`]).
+    bytes: AtomicUsize,
 }
 
 impl Default for Delta {
@@ -114,9 +121,11 @@ impl Delta {
     /// Records a new value or a deletion.
     pub fn put(&self, key: Key, value: DeltaValue) {
         let shard = &self.shards[shard_of(key.objectid)];
+        let bytes = ITEM_OVERHEAD + value.as_ref().map_or(0, |v| v.len());
         if shard.map.lock().insert(key, value).is_none() {
             shard.entries.fetch_add(1, Ordering::Relaxed);
         }
+        shard.bytes.fetch_add(bytes, Ordering::Relaxed);
     }
 
     /// Entries in `[lo, hi)`. Both keys must have the same object id (one shard).
@@ -164,20 +173,31 @@ impl Delta {
         self.len() == 0
     }
 
+    /// Bytes the entries take in leaves, item headers included: at least what the next
+    /// commit adds to the tree (a replaced value counts twice). A load per shard, no lock.
+    pub fn bytes(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.bytes.load(Ordering::Relaxed))
+            .sum()
+    }
+
     /// Moves every entry out into a frozen delta (the freeze at commit). The caller must keep
     /// `put` out while this runs (the engine holds its gate exclusively), or the entry count
     /// drifts.
     pub fn take(&self) -> FrozenDelta {
+        let mut bytes = 0;
         let shards: Vec<Map> = self
             .shards
             .iter()
             .map(|s| {
                 let mut map = s.map.lock();
                 s.entries.store(0, Ordering::Relaxed);
+                bytes += s.bytes.swap(0, Ordering::Relaxed);
                 std::mem::take(&mut *map)
             })
             .collect();
-        FrozenDelta { shards }
+        FrozenDelta { shards, bytes }
     }
 }
 
@@ -185,9 +205,16 @@ impl Delta {
 /// read them with no lock at all.
 pub struct FrozenDelta {
     shards: Vec<Map>,
+    /// [`Delta::bytes`] at the freeze.
+    bytes: usize,
 }
 
 impl FrozenDelta {
+    /// [`Delta::bytes`] at the freeze.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
     /// The entry for `key`: `Some(None)` is a deletion, `None` means unchanged.
     pub fn get(&self, key: &Key) -> Option<DeltaValue> {
         self.shards[shard_of(key.objectid)].get(key).cloned()

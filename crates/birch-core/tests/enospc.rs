@@ -160,6 +160,94 @@ fn failed_commit_on_a_read_only_remount_sticks() {
     assert!(report.is_clean(), "{:#?}", report.findings);
 }
 
+/// A filesystem filled with metadata alone (empty files with long names, then xattrs)
+/// answers ENOSPC and stays writable: no commit runs out of space (which would turn it
+/// read-only and lose every change since the last commit). Deletes still work on the full
+/// filesystem, and what was committed survives a crash with fsck clean.
+#[test]
+fn metadata_fill_ends_in_enospc_never_read_only() {
+    let (dev, fs) = fresh(16 << 20);
+    let long = "n".repeat(200);
+    let mut made = 0u32;
+    let err = loop {
+        let name = format!("{made:06}{long}");
+        match fs.mknod(
+            Caller::default(),
+            1,
+            name.as_bytes(),
+            libc::S_IFREG | 0o644,
+            0,
+        ) {
+            Ok(_) => made += 1,
+            Err(e) => break e,
+        }
+        assert!(made < 1_000_000, "never full");
+    };
+    assert_eq!(err.errno(), libc::ENOSPC, "{err}");
+    assert!(made > 1000, "only {made} files before ENOSPC");
+    // xattrs on a full filesystem: ENOSPC too, and the filesystem is still writable.
+    let err = (0..100_000)
+        .map(|i| fs.setxattr(1, format!("user.x{i}").as_bytes(), &[7u8; 512], 0))
+        .find_map(|r| r.err())
+        .expect("xattrs end in an error");
+    assert_eq!(err.errno(), libc::ENOSPC, "{err}");
+    // Deletes work on the full filesystem; then creating works again.
+    for i in (0..made).step_by(2) {
+        fs.unlink(1, format!("{i:06}{long}").as_bytes())
+            .expect("unlink on a full filesystem");
+    }
+    fs.mknod(Caller::default(), 1, b"after", libc::S_IFREG | 0o644, 0)
+        .expect("create after deletes");
+    fs.sync().expect("commit");
+    fs.power_cut();
+    let crashed = Arc::new(dev.crash());
+    let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
+    assert!(report.is_clean(), "{:#?}", report.findings);
+    let fs = common::open_quiet(&crashed);
+    fs.getattr(fs.lookup(1, b"after").expect("after").ino)
+        .expect("the last file survived");
+}
+
+/// `df` right after `rm` shows the space back (xfstests generic/015): blocks freed since the
+/// last commit count as free in statfs, and a writer gets them (its allocation forces the
+/// commit that makes them reusable).
+#[test]
+fn space_freed_since_the_last_commit_counts_as_free() {
+    let (_dev, fs) = fresh(32 << 20);
+    let free_before = fs.statfs().bfree;
+    let avail_before = fs.statfs().bavail;
+    let (attr, fh) = fs
+        .create(Caller::default(), 1, b"big", 0o644, 0)
+        .expect("create");
+    let data = vec![0x33u8; 8 << 20];
+    fs.write(attr.ino, 0, &data, false).expect("write");
+    fs.release(attr.ino, fh).expect("release");
+    fs.sync().expect("commit the file");
+    assert!(fs.statfs().bfree + 2048 <= free_before, "8 MiB taken");
+    fs.unlink(1, b"big").expect("unlink");
+    fs.forget(attr.ino, 1);
+    let st = fs.statfs();
+    assert!(
+        st.bfree + 16 >= free_before && st.bavail + 16 >= avail_before,
+        "freed space counts before the commit: bfree {} of {free_before}, bavail {} of {avail_before}",
+        st.bfree,
+        st.bavail
+    );
+    // And a writer really gets it: fill what statfs says is available (less the extent
+    // items' metadata a reservation also counts), with no commit of its own in between.
+    let (attr, _fh) = fs
+        .create(Caller::default(), 1, b"again", 0o644, 0)
+        .expect("create again");
+    let want = (st.bavail * 9 / 10 * 4096) as usize;
+    assert!(
+        want as u64 > (avail_before - 2048) * 4096,
+        "more than was available while the 8 MiB file existed"
+    );
+    fs.write(attr.ino, 0, &vec![0x44u8; want], false)
+        .expect("what statfs reports as available can be written");
+    fs.fsync(attr.ino, false).expect("fsync");
+}
+
 /// A file unlinked while open keeps its data through its handle; after a crash with the
 /// handle still open (no release, no close) the committed orphan is reclaimed at mount: the
 /// inode is gone, its space is free again and fsck is clean.

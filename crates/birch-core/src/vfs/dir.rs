@@ -204,6 +204,7 @@ impl Filesystem {
         symlink: Option<&[u8]>,
     ) -> Result<Attr> {
         check_name_or_dots(name)?;
+        self.admit(true)?;
         let dir = self.dir_state(parent)?;
         let mut d = dir.data.write();
         if is_dot(name) {
@@ -422,6 +423,7 @@ impl Filesystem {
     /// link: a new name for `ino`.
     pub fn link(&self, ino: u64, newparent: u64, newname: &[u8]) -> Result<Attr> {
         check_name_or_dots(newname)?;
+        self.admit(true)?;
         let target = self.inode(ino)?;
         let dir = self.dir_state(newparent)?;
         // Linux's order: the new name's directory and the name itself, then the source.
@@ -528,6 +530,7 @@ impl Filesystem {
 
     /// unlink a non-directory.
     pub fn unlink(&self, parent: u64, name: &[u8]) -> Result<()> {
+        self.admit(false)?;
         self.remove_entry(parent, name, false)
     }
 
@@ -541,6 +544,7 @@ impl Filesystem {
         if name == b".." {
             return Err(Error::NotEmpty("rmdir of \"..\"".into()));
         }
+        self.admit(false)?;
         self.remove_entry(parent, name, true)
     }
 
@@ -684,6 +688,7 @@ impl Filesystem {
         }
         check_name_or_dots(name)?;
         check_name_or_dots(newname)?;
+        self.admit(true)?;
         let _rename = self.inner.rename_lock.lock();
         let src_dir = self.dir_state(parent)?;
         let dst_dir = self.dir_state(newparent)?;

@@ -702,6 +702,43 @@ impl Filesystem {
         }
     }
 
+    /// Lets an operation change metadata only if the next commit can still be written:
+    /// without this, a filesystem filled with small files or xattrs (pure metadata) accepts
+    /// changes until a commit runs out of space, fails, and turns the filesystem read-only
+    /// with every change since the last commit lost. `grows`: the operation adds items (a
+    /// create, link, rename, xattr, write); it must leave half the metadata reserve, which
+    /// deletes (`grows` false) may use, so a full filesystem can always be emptied. When the
+    /// changes so far leave too little room the operation commits first (the commit frees
+    /// pinned space and empties the delta) and asks again; ENOSPC when even that is not
+    /// enough. Above half the room the committer is woken, so the commit comes early and in
+    /// the background. Call with no lock held (it may commit).
+    pub(crate) fn admit(&self, grows: bool) -> Result<()> {
+        let engine = &self.inner.engine;
+        let alloc = engine.allocator();
+        let keep = if grows {
+            alloc.metadata_reserve_blocks() / 2
+        } else {
+            0
+        };
+        if engine.metadata_fits(keep) {
+            let room = alloc.free_blocks().saturating_sub(alloc.reserved_blocks());
+            if engine.commit_estimate_blocks().saturating_mul(2) + keep > room {
+                self.wake_committer();
+            }
+            return Ok(());
+        }
+        engine.counters().add(|c| &c.metadata_full_commits, 1);
+        self.commit_now()?;
+        if engine.metadata_fits(keep) {
+            return Ok(());
+        }
+        Err(Error::NoSpace(format!(
+            "no room for more metadata: {} blocks free, {} kept for deletes and the commit",
+            alloc.free_blocks(),
+            keep + engine.commit_estimate_blocks()
+        )))
+    }
+
     /// Wakes the background committer now.
     pub(crate) fn wake_committer(&self) {
         let (lock, cvar) = &self.inner.wake;
@@ -919,10 +956,14 @@ impl Filesystem {
         let alloc = self.inner.engine.allocator();
         let files = 1u64 << 32;
         let used_ids = self.inner.engine.superblock().next_objectid;
+        // Space freed since the last commit (pinned) counts as free: it is reusable once the
+        // next commit is durable, and an allocation that finds too little forces that commit
+        // and retries (DESIGN §10.7), so a writer gets it. `df` after `rm` shows it at once.
+        let pinned = alloc.pinned_blocks();
         StatFs {
             blocks: alloc.total_blocks(),
-            bfree: alloc.free_blocks().saturating_sub(alloc.reserved_blocks()),
-            bavail: alloc.available_blocks(),
+            bfree: (alloc.free_blocks() + pinned).saturating_sub(alloc.reserved_blocks()),
+            bavail: alloc.available_blocks() + pinned,
             files,
             ffree: files.saturating_sub(used_ids),
             bsize: BLOCK_SIZE as u32,
