@@ -1,0 +1,368 @@
+#!/usr/bin/env bash
+# NFS export of birch, proven through NFS-Ganesha (this kernel has neither nfsd nor an NFS
+# client), with the same export of a kernel ext4 loop mount beside it in the same run.
+#
+# Ganesha's FSAL_VFS resolves NFS file handles with name_to_handle_at / open_by_handle_at, the
+# path through FUSE's export operations that the kernel's nfsd takes too. The client is
+# tests/nfs/nfs-client.c on libnfs; it prints raw file handles, which this script keeps across
+# events and sends back on fresh connections. For each export it checks:
+#   - make, write, rename, truncate, list and remove through NFSv3 and NFSv4: the mount shows
+#     the same names, sizes and bytes;
+#   - NFSv3 handles of a file, of a directory three levels deep, and of that directory after its
+#     parent was renamed still work after ganesha is restarted and the kernel's caches dropped;
+#     birch's counters show the LOOKUPs of "." and ".." the kernel sent to resolve them;
+#   - NFSv4 handles saved from one client work with PUTFH from a new client after the same;
+#   - the handle of a file removed through NFS answers NFS3ERR_STALE and NFS4ERR_STALE;
+#   - across a remount of the filesystem (ganesha stopped, unmount, mount, ganesha started)
+#     with st_dev back the same: handles work; with st_dev taken by another mount: STALE or the
+#     same file, never another file's data (FUSE reports f_fsid 0, so ganesha names the
+#     filesystem by st_dev);
+#   - an NFSv3 UNSTABLE WRITE then COMMIT, then a crash (kill -9 of the birch daemon; for ext4
+#     a copy of its image taken right after the COMMIT): the data is there after the remount.
+# Prints a table of checks x (birch, ext4); exits 1 if birch fails a check that ext4 passes
+# (or that is birch's alone), 77 with a reason if ganesha cannot run here.
+#
+# Needs root and /dev/fuse. Works in NFS_TEST_DIR (default /tmp/nfs-test), ganesha on
+# 127.0.0.1:2049. Drops the kernel's caches (echo 3 > /proc/sys/vm/drop_caches) several times.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+BIRCH=${BIRCH:-$(pwd)/target/release/birch}
+DIR=${NFS_TEST_DIR:-/tmp/nfs-test}
+SERVER=127.0.0.1
+FSES=(birch ext4)
+
+skip() { echo "nfs-test: SKIP: $*"; exit 77; }
+[[ $(id -u) == 0 ]] || skip "needs root"
+[[ -e /dev/fuse ]] || skip "/dev/fuse is absent"
+[[ -x $BIRCH ]] || { echo "nfs-test: $BIRCH not built"; exit 1; }
+if pgrep -x ganesha.nfsd >/dev/null; then skip "another ganesha.nfsd is running"; fi
+mkdir -p "$DIR"
+bash tests/nfs/setup.sh "$DIR/bin" || skip "setup failed (installing ganesha, libnfs or building the client)"
+CLIENT=$DIR/bin/nfs-client
+if ss -ltn 2>/dev/null | grep -q ':2049 '; then skip "port 2049 is in use"; fi
+
+LOGS=$DIR/logs
+mkdir -p "$LOGS" "$DIR/recovery" "$DIR/birch" "$DIR/ext4"
+sed "s#@DIR@#$DIR#g" tests/nfs/ganesha.conf >"$DIR/ganesha.conf"
+
+ganesha_pid=
+birch_pid=
+rpcbind_pid=
+holds=()
+
+cleanup() {
+  stop_ganesha
+  for h in "${holds[@]}"; do umount "$h" 2>/dev/null; done
+  rmdir "$DIR"/hold* 2>/dev/null
+  mountpoint -q "$DIR/birch" && { "$BIRCH" umount "$DIR/birch" 2>/dev/null || umount -l "$DIR/birch"; }
+  mountpoint -q "$DIR/ext4" && umount "$DIR/ext4"
+  mountpoint -q "$DIR/ext4-crash" && umount "$DIR/ext4-crash"
+  [[ -n $rpcbind_pid ]] && kill "$rpcbind_pid" 2>/dev/null
+  rm -f "$DIR"/*.img
+}
+trap cleanup EXIT
+
+# --- the servers and the mounts -------------------------------------------------------------
+client() { timeout 30 "$CLIENT" "$SERVER" "$@" 2>>"$LOGS/client.err"; }
+
+start_ganesha() {
+  setsid ganesha.nfsd -F -f "$DIR/ganesha.conf" -L "$LOGS/ganesha.log" -p "$DIR/ganesha.pid" \
+    -N NIV_EVENT </dev/null >>"$LOGS/ganesha.out" 2>&1 &
+  ganesha_pid=$!
+  local i
+  for ((i = 0; i < 100; i++)); do
+    if [[ $(client v4fh /birch "") =~ ^[0-9a-f]+$ && $(client v4fh /ext4 "") =~ ^[0-9a-f]+$ ]]; then
+      return 0
+    fi
+    kill -0 "$ganesha_pid" 2>/dev/null || break
+    sleep 0.2
+  done
+  echo "nfs-test: ganesha did not serve both exports; its log ends:"
+  tail -20 "$LOGS/ganesha.log"
+  return 1
+}
+
+stop_ganesha() {
+  [[ -n $ganesha_pid ]] || return 0
+  kill -TERM "$ganesha_pid" 2>/dev/null
+  local i
+  for ((i = 0; i < 100; i++)); do
+    kill -0 "$ganesha_pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  kill -KILL "$ganesha_pid" 2>/dev/null
+  wait "$ganesha_pid" 2>/dev/null
+  ganesha_pid=
+}
+
+restart_ganesha() { stop_ganesha; start_ganesha; }
+
+drop_caches() { sync; echo 3 >/proc/sys/vm/drop_caches; }
+
+mount_birch() {
+  setsid "$BIRCH" mount -f "$DIR/birch.img" "$DIR/birch" </dev/null >>"$LOGS/birch.log" 2>&1 &
+  birch_pid=$!
+  local i
+  for ((i = 0; i < 100; i++)); do
+    mountpoint -q "$DIR/birch" && return 0
+    sleep 0.1
+  done
+  echo "nfs-test: birch did not mount"; tail -5 "$LOGS/birch.log"
+  return 1
+}
+
+umount_birch() {
+  "$BIRCH" umount "$DIR/birch" || return 1
+  wait "$birch_pid" 2>/dev/null
+  birch_pid=
+}
+
+mount_ext4() { mount -o loop "$DIR/ext4.img" "$DIR/ext4"; }
+umount_ext4() { umount "$DIR/ext4"; }
+
+stats() { getfattr -n trusted.birch.stats --only-values "$DIR/birch" 2>/dev/null; }
+counter() { stats | grep -o "\"$1\": [0-9]*" | grep -o '[0-9]*$'; }
+
+# --- results --------------------------------------------------------------------------------
+CHECKS=()
+declare -A RESULT DETAIL
+record() { # check fs PASS|FAIL|n/a detail
+  [[ " ${CHECKS[*]} " == *" $1 "* ]] || CHECKS+=("$1")
+  RESULT[$1,$2]=$3
+  DETAIL[$1,$2]=$4
+  echo "  [$2] $1: $3${4:+ ($4)}"
+}
+# expect check fs got want [detail]: PASS if got == want.
+expect() {
+  if [[ $3 == "$4" ]]; then record "$1" "$2" PASS "${5:-}"; else record "$1" "$2" FAIL "got '$3', want '$4'${5:+; $5}"; fi
+}
+
+local_walk() { # path type size hex, sorted
+  (cd "$1" && find . -mindepth 1 | sed 's#^\./##' | while IFS= read -r p; do
+    if [[ -d $p ]]; then echo "$p d"; else echo "$p f $(stat -c %s "$p") $(od -An -v -tx1 "$p" | tr -d ' \n')"; fi
+  done) | LC_ALL=C sort
+}
+
+# --- setup ----------------------------------------------------------------------------------
+T0=$SECONDS
+if ! pgrep -x rpcbind >/dev/null; then
+  rpcbind -w || skip "rpcbind does not start"
+  rpcbind_pid=$(pgrep -x rpcbind)
+fi
+truncate -s 128M "$DIR/ext4.img" && mkfs.ext4 -q -F "$DIR/ext4.img" && mount_ext4 || { echo "nfs-test: ext4 loop mount failed"; exit 1; }
+"$BIRCH" mkfs --size 256M "$DIR/birch.img" >/dev/null && mount_birch || { echo "nfs-test: birch mount failed"; exit 1; }
+start_ganesha || skip "ganesha cannot start here (log: $LOGS/ganesha.log)"
+echo "nfs-test: ganesha serves /birch and /ext4 ($((SECONDS - T0))s)"
+
+# --- 1. namespace operations through NFS, checked on the mount ------------------------------
+echo "== operations through NFSv3 and NFSv4"
+for fs in "${FSES[@]}"; do
+  for v in 3 4; do
+    c="v$v make/write/rename/truncate/list/remove"
+    listing=$(client ops /$fs $v /ops$v)
+    if [[ $listing != "OK a b-moved two" ]]; then
+      record "$c" $fs FAIL "listing through NFS: '$listing'"
+      continue
+    fi
+    client walk /$fs $v /ops$v | LC_ALL=C sort >"$LOGS/walk-nfs-$fs-$v"
+    local_walk "$DIR/$fs/ops$v" >"$LOGS/walk-mnt-$fs-$v"
+    n=$(wc -l <"$LOGS/walk-mnt-$fs-$v")
+    if [[ $n == 5 ]] && cmp -s "$LOGS/walk-nfs-$fs-$v" "$LOGS/walk-mnt-$fs-$v"; then
+      record "$c" $fs PASS "$n entries, names, sizes and bytes equal"
+    else
+      record "$c" $fs FAIL "NFS and mount differ: diff $LOGS/walk-nfs-$fs-$v $LOGS/walk-mnt-$fs-$v"
+    fi
+  done
+done
+
+# --- 2. handles held across a ganesha restart and a cache drop ------------------------------
+echo "== handles held across a ganesha restart and drop_caches"
+declare -A F3 D3 R3 X3 F4 D4 X4 W3 INO WRITE_RESULT
+DATA="held file, three levels down"
+for fs in "${FSES[@]}"; do
+  for p in /h /h/d1 /h/d1/d2 /h/d1/d2/d3; do client mkdir /$fs $p; done
+  client put /$fs /h/d1/d2/d3/f "$DATA"
+  client put /$fs /h/doomed "removed through NFS"
+  F3[$fs]=$(client v3fh /$fs h/d1/d2/d3/f)
+  D3[$fs]=$(client v3fh /$fs h/d1/d2/d3)
+  X3[$fs]=$(client v3fh /$fs h/doomed)
+  F4[$fs]=$(client v4fh /$fs h/d1/d2/d3/f)
+  D4[$fs]=$(client v4fh /$fs h/d1/d2/d3)
+  X4[$fs]=$(client v4fh /$fs h/doomed)
+  # The parent of d3 renamed through NFS; the handle of d3 taken before is held on, and the
+  # handle of d3 under its new path taken too.
+  client rename /$fs /h/d1/d2 /h/d1/d2r
+  R3[$fs]=$(client v3fh /$fs h/d1/d2r/d3)
+  client unlink /$fs /h/doomed
+  INO[$fs,d2r]=$(stat -c %i "$DIR/$fs/h/d1/d2r")
+  for h in "${F3[$fs]}" "${D3[$fs]}" "${R3[$fs]}" "${X3[$fs]}" "${F4[$fs]}" "${D4[$fs]}" "${X4[$fs]}"; do
+    [[ $h =~ ^[0-9a-f]+$ ]] || { echo "nfs-test: could not get a handle on $fs: '$h'"; exit 1; }
+  done
+done
+dot0=$(counter lookup_dot) dotdot0=$(counter lookup_dotdot) stale0=$(counter lookup_dot_stale)
+restart_ganesha || exit 1
+drop_caches
+for fs in "${FSES[@]}"; do
+  expect "v3 file handle after restart+drop_caches" $fs "$(client v3read "${F3[$fs]}")" "OK $DATA"
+  expect "v3 handle of dir 3 levels deep" $fs "$(client v3ls "${D3[$fs]}")" "OK f"
+  got="$(client v3ls "${R3[$fs]}") $(client v3lookup "${R3[$fs]}" ..)"
+  expect "v3 handle of that dir, parent renamed" $fs "$got" "OK f OK ${INO[$fs,d2r]}" "lists d3 and LOOKUP .. is the renamed parent"
+  expect "v3 handle of removed file: NFS3ERR_STALE" $fs "$(client v3read "${X3[$fs]}")" "ERR STALE 70"
+done
+dot1=$(counter lookup_dot) dotdot1=$(counter lookup_dotdot) stale1=$(counter lookup_dot_stale)
+c='kernel LOOKUP "." / ".." served (counters)'
+if [[ -z $dot1 ]]; then
+  record "$c" birch FAIL "no lookup_dot counter in the stats"
+elif ((dot1 > dot0 && dotdot1 > dotdot0 && stale1 > stale0)); then
+  record "$c" birch PASS "lookup_dot +$((dot1 - dot0)), lookup_dotdot +$((dotdot1 - dotdot0)), lookup_dot_stale +$((stale1 - stale0))"
+else
+  record "$c" birch FAIL "lookup_dot +$((dot1 - dot0)), lookup_dotdot +$((dotdot1 - dotdot0)), lookup_dot_stale +$((stale1 - stale0))"
+fi
+record "$c" ext4 n/a "kernel filesystem"
+
+echo "== NFSv4 PUTFH of saved handles from a new client, after a ganesha restart and drop_caches"
+restart_ganesha || exit 1
+drop_caches
+for fs in "${FSES[@]}"; do
+  expect "v4 PUTFH file handle, new client" $fs "$(client v4read "${F4[$fs]}")" "OK $DATA"
+  expect "v4 PUTFH dir handle, new client" $fs "$(client v4ls "${D4[$fs]}")" "OK f"
+  expect "v4 PUTFH removed file: NFS4ERR_STALE" $fs "$(client v4read "${X4[$fs]}")" "ERR STALE 70"
+done
+
+# --- 3. remounts ----------------------------------------------------------------------------
+# After a remount the handles must name the same file or be STALE: never another's data.
+judge_after_remount() { # check fs same_dev
+  local check=$1 fs=$2 same=$3 f d f4 bad=0 stale=0
+  f=$(client v3read "${F3[$fs]}") d=$(client v3ls "${R3[$fs]}") f4=$(client v4read "${F4[$fs]}")
+  for got in "$f" "$d" "$f4"; do
+    case $got in
+      "OK $DATA" | "OK f") ;;
+      "ERR STALE 70") stale=$((stale + 1)) ;;
+      *) bad=1 ;;
+    esac
+  done
+  local what="v3 file: $f; v3 dir: $d; v4 file: $f4"
+  if ((bad)); then
+    record "$check" $fs FAIL "neither the same file nor STALE: $what"
+  elif [[ $same == 1 ]] && ((stale)); then
+    record "$check" $fs FAIL "st_dev came back the same but handles are stale: $what"
+  elif [[ $same == 1 ]]; then
+    record "$check" $fs PASS "st_dev $4 again; 3 handles work"
+  elif ((stale == 3)); then
+    record "$check" $fs PASS "st_dev $4 -> $5; 3 handles STALE"
+  else
+    record "$check" $fs PASS "st_dev $4 -> $5; $((3 - stale)) handles still name the same file (fsid not from st_dev), $stale STALE"
+  fi
+}
+
+echo "== remount (ganesha stopped, unmount, mount, ganesha started)"
+stop_ganesha
+declare -A DEV0 DEV1
+for fs in "${FSES[@]}"; do DEV0[$fs]=$(stat -c %d "$DIR/$fs"); done
+umount_birch && mount_birch || exit 1
+umount_ext4 && mount_ext4 || exit 1
+start_ganesha || exit 1
+drop_caches
+for fs in "${FSES[@]}"; do
+  DEV1[$fs]=$(stat -c %d "$DIR/$fs")
+  same=0; [[ ${DEV0[$fs]} == "${DEV1[$fs]}" ]] && same=1
+  judge_after_remount "remount: handles work (same st_dev) or STALE" $fs $same "${DEV0[$fs]}" "${DEV1[$fs]}"
+done
+
+echo "== remount with the old st_dev taken by another mount"
+stop_ganesha
+for fs in "${FSES[@]}"; do DEV0[$fs]=$(stat -c %d "$DIR/$fs"); done
+umount_birch || exit 1
+# Anonymous device numbers go to the lowest free one: tmpfs mounts until one takes birch's.
+for ((i = 0; i < 16; i++)); do
+  mkdir -p "$DIR/hold$i" && mount -t tmpfs -o size=1M none "$DIR/hold$i" && holds+=("$DIR/hold$i")
+  [[ $(stat -c %d "$DIR/hold$i") == "${DEV0[birch]}" ]] && break
+done
+mount_birch || exit 1
+# ext4's st_dev is its loop device: attach a spare image to the freed one first.
+loopdev=$(findmnt -n -o SOURCE "$DIR/ext4")
+umount_ext4 || exit 1
+truncate -s 1M "$DIR/spare.img"
+spare=$(losetup --show -f "$DIR/spare.img")
+if [[ $spare != "$loopdev" ]]; then
+  losetup -d "$spare"
+  spare=
+  losetup "$loopdev" "$DIR/spare.img" 2>/dev/null && spare=$loopdev
+fi
+mount_ext4 || exit 1
+start_ganesha || exit 1
+drop_caches
+for fs in "${FSES[@]}"; do
+  DEV1[$fs]=$(stat -c %d "$DIR/$fs")
+  same=0; [[ ${DEV0[$fs]} == "${DEV1[$fs]}" ]] && same=1
+  judge_after_remount "remount, old st_dev taken: STALE or same file" $fs $same "${DEV0[$fs]}" "${DEV1[$fs]}"
+done
+[[ -n $spare ]] && losetup -d "$spare" 2>/dev/null
+for h in "${holds[@]}"; do umount "$h"; done
+holds=()
+
+# --- 4. UNSTABLE WRITE + COMMIT, then a crash --------------------------------------------
+echo "== NFSv3 UNSTABLE WRITE + COMMIT, then a crash"
+CDATA="unstable write, then COMMIT, then kill -9"
+c="v3 UNSTABLE write + COMMIT survives a crash"
+for fs in "${FSES[@]}"; do
+  client put /$fs /crashfile ""
+  W3[$fs]=$(client v3fh /$fs crashfile)
+  w=$(client v3write "${W3[$fs]}" "$CDATA")
+  [[ $w == OK* ]] || record "$c" $fs FAIL "WRITE/COMMIT: $w"
+  WRITE_RESULT[$fs]=$w
+done
+# ext4: its image as a power cut right after the COMMIT would leave it (the loop device's
+# writes so far), journal replayed by e2fsck.
+cp --sparse=always "$DIR/ext4.img" "$DIR/ext4-crash.img"
+# birch: the daemon killed; ganesha stopped (its requests to the dead mount fail); the
+# mount point unmounted and the image mounted again (log replay).
+kill -KILL "$birch_pid"
+wait "$birch_pid" 2>/dev/null
+stop_ganesha
+umount "$DIR/birch" 2>/dev/null || umount -l "$DIR/birch"
+mount_birch || exit 1
+if [[ ${RESULT[$c,birch]:-} != FAIL ]]; then
+  got=$(cat "$DIR/birch/crashfile")
+  expect "$c" birch "$got" "$CDATA" "kill -9 of the daemon, remount; ${WRITE_RESULT[birch]#OK }"
+fi
+if [[ ${RESULT[$c,ext4]:-} != FAIL ]]; then
+  e2fsck -fy "$DIR/ext4-crash.img" >>"$LOGS/e2fsck.log" 2>&1
+  mkdir -p "$DIR/ext4-crash"
+  if mount -o ro,loop "$DIR/ext4-crash.img" "$DIR/ext4-crash"; then
+    got=$(cat "$DIR/ext4-crash/crashfile")
+    umount "$DIR/ext4-crash"
+  else
+    got="(crash image does not mount)"
+  fi
+  expect "$c" ext4 "$got" "$CDATA" "image copied right after COMMIT, journal replayed; ${WRITE_RESULT[ext4]#OK }"
+fi
+
+# --- 5. the images are consistent -------------------------------------------------------------
+umount_birch || exit 1
+umount_ext4 || exit 1
+c="fsck clean at the end"
+if "$BIRCH" fsck "$DIR/birch.img" >"$LOGS/fsck-birch.log" 2>&1; then record "$c" birch PASS ""; else record "$c" birch FAIL "$LOGS/fsck-birch.log"; fi
+if e2fsck -fn "$DIR/ext4.img" >"$LOGS/fsck-ext4.log" 2>&1; then record "$c" ext4 PASS ""; else record "$c" ext4 FAIL "$LOGS/fsck-ext4.log"; fi
+
+# --- the table -------------------------------------------------------------------------------
+echo
+printf '%-52s %-6s %-6s\n' "check" "birch" "ext4"
+printf '%-52s %-6s %-6s\n' "-----" "-----" "----"
+regress=0 bp=0 bf=0 ep=0 ef=0
+for c in "${CHECKS[@]}"; do
+  b=${RESULT[$c,birch]:-FAIL} e=${RESULT[$c,ext4]:-FAIL}
+  printf '%-52s %-6s %-6s\n' "$c" "$b" "$e"
+  [[ $b == PASS ]] && bp=$((bp + 1))
+  [[ $b == FAIL ]] && bf=$((bf + 1))
+  [[ $e == PASS ]] && ep=$((ep + 1))
+  [[ $e == FAIL ]] && ef=$((ef + 1))
+  [[ $b == FAIL && $e != FAIL ]] && regress=1
+done
+echo
+echo "nfs-test: birch $bp of $((bp + bf)) checks pass, ext4 $ep of $((ep + ef)); $((SECONDS - T0))s"
+if ((regress)); then
+  echo "nfs-test: birch fails a check that ext4 passes (logs: $LOGS)"
+  exit 1
+fi
+exit 0
