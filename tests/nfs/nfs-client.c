@@ -12,8 +12,11 @@
  * Usage: nfs-client SERVER COMMAND ARGS...
  *   ops EXPORT 3|4 DIR      make, write, rename, truncate, list and remove under EXPORT/DIR
  *   walk EXPORT 3|4 DIR     print "path type size hex-content" for everything under EXPORT/DIR
- *   mkdir EXPORT PATH, put EXPORT PATH TEXT, rename EXPORT FROM TO, unlink EXPORT PATH
- *                           one namespace operation over NFSv3
+ *   mkdir EXPORT PATH, put EXPORT PATH TEXT, rename EXPORT FROM TO, unlink EXPORT PATH,
+ *   chmod EXPORT PATH OCTAL one operation over NFSv3 (as root)
+ *   putas EXPORT UID PATH TEXT
+ *                           create and write a file over NFSv3 as user and group UID:
+ *                           "OK" or "ERR <errno name>"
  *   v3fh EXPORT PATH        the NFSv3 handle of EXPORT/PATH (hex)
  *   v4fh EXPORT PATH        the NFSv4 handle of EXPORT/PATH (hex)
  *   v3read FH               GETATTR + READ of a file handle: "OK <data>" or "ERR <status>"
@@ -25,6 +28,7 @@
  *   v4ls FH                 PUTFH + READDIR: "OK name..."
  * Exit status: 0 when the answer is OK or an NFS error (printed), 1 on a transport or usage error.
  */
+#define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -765,8 +769,34 @@ static int cmd_one(const char *export, int argc, char **argv)
 		TRY("rename", nfs_rename(nfs, argv[1], argv[2]));
 	else if (!strcmp(op, "unlink") && argc == 2)
 		TRY("unlink", nfs_unlink(nfs, argv[1]));
+	else if (!strcmp(op, "chmod") && argc == 3)
+		TRY("chmod", nfs_chmod(nfs, argv[1], (int)strtol(argv[2], NULL, 8)));
 	else
 		die(op, "unknown command or wrong arguments");
+	nfs_destroy_context(nfs);
+	return 0;
+}
+
+static int cmd_putas(const char *export, int uid, const char *path, const char *text)
+{
+	struct nfs_context *nfs = nfs_init_context();
+	struct nfsfh *f;
+	if (!nfs)
+		die("nfs_init_context", "failed");
+	nfs_set_timeout(nfs, 20000);
+	nfs_set_uid(nfs, uid);
+	nfs_set_gid(nfs, uid);
+	if (nfs_mount(nfs, server, export))
+		die("nfs_mount", nfs_get_error(nfs));
+	int err = nfs_open2(nfs, path, O_CREAT | O_WRONLY | O_TRUNC, 0644, &f);
+	if (err == 0) {
+		err = nfs_write(nfs, f, strlen(text), text);
+		nfs_close(nfs, f);
+	}
+	if (err < 0)
+		printf("ERR %s\n", strerrorname_np(-err) ? strerrorname_np(-err) : "?");
+	else
+		printf("OK\n");
 	nfs_destroy_context(nfs);
 	return 0;
 }
@@ -784,7 +814,10 @@ int main(int argc, char **argv)
 		return cmd_ops(argv[3], atoi(argv[4]), argv[5]);
 	if (!strcmp(cmd, "walk") && argc == 6)
 		return cmd_walk(argv[3], atoi(argv[4]), argv[5]);
-	if (!strcmp(cmd, "mkdir") || !strcmp(cmd, "put") || !strcmp(cmd, "rename") || !strcmp(cmd, "unlink"))
+	if (!strcmp(cmd, "putas") && argc == 7)
+		return cmd_putas(argv[3], atoi(argv[4]), argv[5], argv[6]);
+	if (!strcmp(cmd, "mkdir") || !strcmp(cmd, "put") || !strcmp(cmd, "rename") ||
+	    !strcmp(cmd, "unlink") || !strcmp(cmd, "chmod"))
 		return argc < 5 ? 1 : cmd_one(argv[3], argc - 3, (char *[]){ argv[2], argv[4], argc > 5 ? argv[5] : NULL });
 	if (!strcmp(cmd, "v3fh") && argc == 5)
 		return cmd_v3fh(argv[3], argv[4]);
