@@ -342,14 +342,14 @@ struct names {
 	uint64_t cookie;
 	char cookieverf[8];
 	int n;
-	char *name[1024];
+	char *name[4096];
 };
 
 static void names_add(struct names *o, const char *name, unsigned len)
 {
 	if ((len == 1 && name[0] == '.') || (len == 2 && name[0] == '.' && name[1] == '.'))
 		return;
-	if (o->n < 1024)
+	if (o->n < 4096)
 		o->name[o->n++] = strndup(name, len);
 }
 
