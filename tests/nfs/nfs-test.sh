@@ -338,8 +338,10 @@ c="v3 UNSTABLE write + COMMIT survives a crash"
 for fs in "${FSES[@]}"; do
   client put /$fs /crashfile ""
   W3[$fs]=$(client v3fh /$fs crashfile)
+  fsyncs0=$(counter fsyncs)
   w=$(client v3write "${W3[$fs]}" "$CDATA")
   [[ $w == OK* ]] || record "$c" $fs FAIL "WRITE/COMMIT: $w"
+  [[ $fs == birch ]] && w="$w, fsyncs +$(($(counter fsyncs) - fsyncs0))"
   WRITE_RESULT[$fs]=$w
 done
 # ext4: its image as a power cut right after the COMMIT would leave it (the loop device's
