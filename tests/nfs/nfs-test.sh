@@ -43,6 +43,7 @@ CLIENT=$DIR/bin/nfs-client
 if ss -ltn 2>/dev/null | grep -q ':2049 '; then skip "port 2049 is in use"; fi
 
 LOGS=$DIR/logs
+rm -rf "$LOGS"
 mkdir -p "$LOGS" "$DIR/recovery" "$DIR/birch" "$DIR/ext4"
 sed "s#@DIR@#$DIR#g" tests/nfs/ganesha.conf >"$DIR/ganesha.conf"
 
@@ -50,6 +51,7 @@ ganesha_pid=
 birch_pid=
 rpcbind_pid=
 holds=()
+spare=
 
 cleanup() {
   stop_ganesha
@@ -58,7 +60,8 @@ cleanup() {
   mountpoint -q "$DIR/birch" && { "$BIRCH" umount "$DIR/birch" 2>/dev/null || umount -l "$DIR/birch"; }
   mountpoint -q "$DIR/ext4" && umount "$DIR/ext4"
   mountpoint -q "$DIR/ext4-crash" && umount "$DIR/ext4-crash"
-  [[ -n $rpcbind_pid ]] && kill "$rpcbind_pid" 2>/dev/null
+  [[ -n $spare ]] && losetup -d "$spare" 2>/dev/null
+  [[ -n $rpcbind_pid ]] && { kill "$rpcbind_pid" 2>/dev/null; wait "$rpcbind_pid" 2>/dev/null; }
   rm -f "$DIR"/*.img
 }
 trap cleanup EXIT
@@ -68,7 +71,7 @@ client() { timeout 30 "$CLIENT" "$SERVER" "$@" 2>>"$LOGS/client.err"; }
 
 start_ganesha() {
   setsid ganesha.nfsd -F -f "$DIR/ganesha.conf" -L "$LOGS/ganesha.log" -p "$DIR/ganesha.pid" \
-    -N NIV_EVENT </dev/null >>"$LOGS/ganesha.out" 2>&1 &
+    -N "${NFS_TEST_GANESHA_LOG:-NIV_EVENT}" </dev/null >>"$LOGS/ganesha.out" 2>&1 &
   ganesha_pid=$!
   local i
   for ((i = 0; i < 100; i++)); do
@@ -116,6 +119,25 @@ mount_birch() {
   return 1
 }
 
+# Mounts birch so that it gets st_dev $1 back if that number is free: the kernel hands out
+# the lowest free anonymous device number, so tmpfs mounts take the free ones below it first
+# (another mount on the machine may have taken one since birch's unmount).
+mount_birch_at_dev() {
+  local want=$1 i d
+  for ((i = 0; i < 32; i++)); do
+    mkdir -p "$DIR/hold$i" && mount -t tmpfs -o size=1M none "$DIR/hold$i" || break
+    d=$(stat -c %d "$DIR/hold$i")
+    if [[ $d == "$want" ]]; then umount "$DIR/hold$i"; break; fi
+    holds+=("$DIR/hold$i")
+    ((d > want)) && break
+  done
+  mount_birch
+  local rc=$?
+  for h in "${holds[@]}"; do umount "$h"; done
+  holds=()
+  return $rc
+}
+
 umount_birch() {
   "$BIRCH" umount "$DIR/birch" || return 1
   wait "$birch_pid" 2>/dev/null
@@ -151,8 +173,10 @@ local_walk() { # path type size hex, sorted
 # --- setup ----------------------------------------------------------------------------------
 T0=$SECONDS
 if ! pgrep -x rpcbind >/dev/null; then
-  rpcbind -w || skip "rpcbind does not start"
-  rpcbind_pid=$(pgrep -x rpcbind)
+  rpcbind -f </dev/null >>"$LOGS/rpcbind.log" 2>&1 &
+  rpcbind_pid=$!
+  for ((i = 0; i < 50; i++)); do rpcinfo -p 127.0.0.1 >/dev/null 2>&1 && break; sleep 0.1; done
+  rpcinfo -p 127.0.0.1 >/dev/null 2>&1 || skip "rpcbind does not start"
 fi
 truncate -s 128M "$DIR/ext4.img" && mkfs.ext4 -q -F "$DIR/ext4.img" && mount_ext4 || { echo "nfs-test: ext4 loop mount failed"; exit 1; }
 "$BIRCH" mkfs --size 256M "$DIR/birch.img" >/dev/null && mount_birch || { echo "nfs-test: birch mount failed"; exit 1; }
@@ -289,7 +313,7 @@ echo "== remount (ganesha stopped, unmount, mount, ganesha started)"
 stop_ganesha
 declare -A DEV0 DEV1
 for fs in "${FSES[@]}"; do DEV0[$fs]=$(stat -c %d "$DIR/$fs"); done
-umount_birch && mount_birch || exit 1
+umount_birch && mount_birch_at_dev "${DEV0[birch]}" || exit 1
 umount_ext4 && mount_ext4 || exit 1
 start_ganesha || exit 1
 drop_caches
@@ -328,6 +352,7 @@ for fs in "${FSES[@]}"; do
   judge_after_remount "remount, old st_dev taken: STALE or same file" $fs $same "${DEV0[$fs]}" "${DEV1[$fs]}"
 done
 [[ -n $spare ]] && losetup -d "$spare" 2>/dev/null
+spare=
 for h in "${holds[@]}"; do umount "$h"; done
 holds=()
 
@@ -354,7 +379,7 @@ kill -KILL "$birch_pid"
 wait "$birch_pid" 2>/dev/null
 stop_ganesha
 umount "$DIR/birch" 2>/dev/null || umount -l "$DIR/birch"
-mount_birch || exit 1
+mount_birch_at_dev "${DEV0[birch]}" || exit 1
 if [[ ${RESULT[$c,birch]:-} != FAIL ]]; then
   got=$(cat "$DIR/birch/crashfile")
   replay=$(grep -o 'replaying [0-9]* log records' "$LOGS/birch.log" | tail -1)
