@@ -170,6 +170,37 @@ local_walk() { # path type size hex, sorted
   done) | LC_ALL=C sort
 }
 
+# --- the table -------------------------------------------------------------------------------
+report() {
+  echo
+  printf '%-56s %-6s %-6s\n' "check" "birch" "ext4"
+  printf '%-56s %-6s %-6s\n' "-----" "-----" "----"
+  local regress=0 bp=0 bf=0 ep=0 ef=0 c b e
+  for c in "${CHECKS[@]}"; do
+    b=${RESULT[$c,birch]:-FAIL} e=${RESULT[$c,ext4]:-FAIL}
+    printf '%-56s %-6s %-6s\n' "$c" "$b" "$e"
+    [[ $b == PASS ]] && bp=$((bp + 1))
+    [[ $b == FAIL ]] && bf=$((bf + 1))
+    [[ $e == PASS ]] && ep=$((ep + 1))
+    [[ $e == FAIL ]] && ef=$((ef + 1))
+    [[ $b == FAIL && $e != FAIL ]] && regress=1
+  done
+  echo
+  echo "nfs-test: birch $bp of $((bp + bf)) checks pass, ext4 $ep of $((ep + ef)); $((SECONDS - T0))s"
+  if ((regress)); then
+    echo "nfs-test: birch fails a check that ext4 passes (logs: $LOGS)"
+    return 1
+  fi
+  return 0
+}
+
+# A step the checks depend on failed (a mount, an unmount, ganesha): the table so far, then 1.
+abort() {
+  echo "nfs-test: $* (logs: $LOGS)"
+  report
+  exit 1
+}
+
 # --- setup ----------------------------------------------------------------------------------
 T0=$SECONDS
 if ! pgrep -x rpcbind >/dev/null; then
@@ -250,11 +281,11 @@ for fs in "${FSES[@]}"; do
   client unlink /$fs /h/doomed
   INO[$fs,d2r]=$(stat -c %i "$DIR/$fs/h/d1/d2r")
   for h in "${F3[$fs]}" "${D3[$fs]}" "${R3[$fs]}" "${X3[$fs]}" "${F4[$fs]}" "${D4[$fs]}" "${X4[$fs]}"; do
-    [[ $h =~ ^[0-9a-f]+$ ]] || { echo "nfs-test: could not get a handle on $fs: '$h'"; exit 1; }
+    [[ $h =~ ^[0-9a-f]+$ ]] || abort "could not get a handle on $fs: '$h'"
   done
 done
 dot0=$(counter lookup_dot) dotdot0=$(counter lookup_dotdot) stale0=$(counter lookup_dot_stale)
-restart_ganesha || exit 1
+restart_ganesha || abort "ganesha did not restart"
 drop_caches
 for fs in "${FSES[@]}"; do
   expect "v3 file handle after restart+drop_caches" $fs "$(client v3read "${F3[$fs]}")" "OK $DATA"
@@ -275,7 +306,7 @@ fi
 record "$c" ext4 n/a "kernel filesystem"
 
 echo "== NFSv4 PUTFH of saved handles from a new client, after a ganesha restart and drop_caches"
-restart_ganesha || exit 1
+restart_ganesha || abort "ganesha did not restart"
 drop_caches
 for fs in "${FSES[@]}"; do
   expect "v4 PUTFH file handle, new client" $fs "$(client v4read "${F4[$fs]}")" "OK $DATA"
@@ -313,9 +344,9 @@ echo "== remount (ganesha stopped, unmount, mount, ganesha started)"
 stop_ganesha
 declare -A DEV0 DEV1
 for fs in "${FSES[@]}"; do DEV0[$fs]=$(stat -c %d "$DIR/$fs"); done
-umount_birch && mount_birch_at_dev "${DEV0[birch]}" || exit 1
-umount_ext4 && mount_ext4 || exit 1
-start_ganesha || exit 1
+umount_birch && mount_birch_at_dev "${DEV0[birch]}" || abort "a mount or unmount failed"
+umount_ext4 && mount_ext4 || abort "a mount or unmount failed"
+start_ganesha || abort "ganesha did not start again"
 drop_caches
 for fs in "${FSES[@]}"; do
   DEV1[$fs]=$(stat -c %d "$DIR/$fs")
@@ -326,16 +357,16 @@ done
 echo "== remount with the old st_dev taken by another mount"
 stop_ganesha
 for fs in "${FSES[@]}"; do DEV0[$fs]=$(stat -c %d "$DIR/$fs"); done
-umount_birch || exit 1
+umount_birch || abort "a mount or unmount failed"
 # Anonymous device numbers go to the lowest free one: tmpfs mounts until one takes birch's.
 for ((i = 0; i < 16; i++)); do
   mkdir -p "$DIR/hold$i" && mount -t tmpfs -o size=1M none "$DIR/hold$i" && holds+=("$DIR/hold$i")
   [[ $(stat -c %d "$DIR/hold$i") == "${DEV0[birch]}" ]] && break
 done
-mount_birch || exit 1
+mount_birch || abort "a mount or unmount failed"
 # ext4's st_dev is its loop device: attach a spare image to the freed one first.
 loopdev=$(findmnt -n -o SOURCE "$DIR/ext4")
-umount_ext4 || exit 1
+umount_ext4 || abort "a mount or unmount failed"
 truncate -s 1M "$DIR/spare.img"
 spare=$(losetup --show -f "$DIR/spare.img")
 if [[ $spare != "$loopdev" ]]; then
@@ -343,8 +374,8 @@ if [[ $spare != "$loopdev" ]]; then
   spare=
   losetup "$loopdev" "$DIR/spare.img" 2>/dev/null && spare=$loopdev
 fi
-mount_ext4 || exit 1
-start_ganesha || exit 1
+mount_ext4 || abort "a mount or unmount failed"
+start_ganesha || abort "ganesha did not start again"
 drop_caches
 for fs in "${FSES[@]}"; do
   DEV1[$fs]=$(stat -c %d "$DIR/$fs")
@@ -379,7 +410,7 @@ kill -KILL "$birch_pid"
 wait "$birch_pid" 2>/dev/null
 stop_ganesha
 umount "$DIR/birch" 2>/dev/null || umount -l "$DIR/birch"
-mount_birch_at_dev "${DEV0[birch]}" || exit 1
+mount_birch_at_dev "${DEV0[birch]}" || abort "a mount or unmount failed"
 if [[ ${RESULT[$c,birch]:-} != FAIL ]]; then
   got=$(cat "$DIR/birch/crashfile")
   replay=$(grep -o 'replaying [0-9]* log records' "$LOGS/birch.log" | tail -1)
@@ -399,7 +430,7 @@ fi
 
 # The same file through its handle, from ganesha started again: birch's st_dev came back the
 # same (the data) or not (STALE); ext4 was not crashed (its live mount answers).
-start_ganesha || exit 1
+start_ganesha || abort "ganesha did not start again"
 drop_caches
 DEV1[birch]=$(stat -c %d "$DIR/birch")
 c2="handle after the crash: the data (same st_dev) or STALE"
@@ -416,30 +447,10 @@ done
 stop_ganesha
 
 # --- 5. the images are consistent -------------------------------------------------------------
-umount_birch || exit 1
-umount_ext4 || exit 1
+umount_birch || abort "a mount or unmount failed"
+umount_ext4 || abort "a mount or unmount failed"
 c="fsck clean at the end"
 if "$BIRCH" fsck "$DIR/birch.img" >"$LOGS/fsck-birch.log" 2>&1; then record "$c" birch PASS ""; else record "$c" birch FAIL "$LOGS/fsck-birch.log"; fi
 if e2fsck -fn "$DIR/ext4.img" >"$LOGS/fsck-ext4.log" 2>&1; then record "$c" ext4 PASS ""; else record "$c" ext4 FAIL "$LOGS/fsck-ext4.log"; fi
 
-# --- the table -------------------------------------------------------------------------------
-echo
-printf '%-56s %-6s %-6s\n' "check" "birch" "ext4"
-printf '%-56s %-6s %-6s\n' "-----" "-----" "----"
-regress=0 bp=0 bf=0 ep=0 ef=0
-for c in "${CHECKS[@]}"; do
-  b=${RESULT[$c,birch]:-FAIL} e=${RESULT[$c,ext4]:-FAIL}
-  printf '%-56s %-6s %-6s\n' "$c" "$b" "$e"
-  [[ $b == PASS ]] && bp=$((bp + 1))
-  [[ $b == FAIL ]] && bf=$((bf + 1))
-  [[ $e == PASS ]] && ep=$((ep + 1))
-  [[ $e == FAIL ]] && ef=$((ef + 1))
-  [[ $b == FAIL && $e != FAIL ]] && regress=1
-done
-echo
-echo "nfs-test: birch $bp of $((bp + bf)) checks pass, ext4 $ep of $((ep + ef)); $((SECONDS - T0))s"
-if ((regress)); then
-  echo "nfs-test: birch fails a check that ext4 passes (logs: $LOGS)"
-  exit 1
-fi
-exit 0
+report
