@@ -11,7 +11,8 @@
  *
  * Usage: nfs-client SERVER COMMAND ARGS...
  *   ops EXPORT 3|4 DIR      make, write, rename, truncate, list and remove under EXPORT/DIR
- *   walk EXPORT 3|4 DIR     print "path type size hex-content" for everything under EXPORT/DIR
+ *   walk EXPORT 3|4 DIR     print "path d", "path l target" or "path f size nlink hex-content"
+ *                           for everything under EXPORT/DIR
  *   mkdir EXPORT PATH, put EXPORT PATH TEXT, rename EXPORT FROM TO, unlink EXPORT PATH,
  *   chmod EXPORT PATH OCTAL one operation over NFSv3 (as root)
  *   putas EXPORT UID PATH TEXT
@@ -689,6 +690,8 @@ static int cmd_ops(const char *export, int version, const char *dir)
 	TRY("rename", nfs_rename(nfs, P("three"), Q("a/three-renamed")));
 	TRY("rename", nfs_rename(nfs, P("a/b"), Q("b-moved")));
 	TRY("unlink", nfs_unlink(nfs, P("victim")));
+	TRY("symlink", nfs_symlink(nfs, "a/three-renamed", P("link")));
+	TRY("link", nfs_link(nfs, P("two"), Q("b-moved/two-again")));
 	TRY("unlink", nfs_unlink(nfs, P("gone/x")));
 	TRY("rmdir", nfs_rmdir(nfs, P("gone")));
 	/* A listing through NFS must show what the operations left. */
@@ -728,8 +731,13 @@ static void walk(struct nfs_context *nfs, const char *root, const char *rel)
 		snprintf(r, sizeof(r), "%s%s%s", rel, *rel ? "/" : "", mine[i]);
 		snprintf(full, sizeof(full), "%s/%s", root, r);
 		struct nfs_stat_64 st;
-		TRY(full, nfs_stat64(nfs, full, &st));
-		if (S_ISDIR(st.nfs_mode)) {
+		TRY(full, nfs_lstat64(nfs, full, &st));
+		if (S_ISLNK(st.nfs_mode)) {
+			char target[1024];
+			memset(target, 0, sizeof(target));
+			TRY(full, nfs_readlink(nfs, full, target, sizeof(target) - 1));
+			printf("%s l %s\n", r, target);
+		} else if (S_ISDIR(st.nfs_mode)) {
 			printf("%s d\n", r);
 			walk(nfs, root, r);
 		} else {
@@ -740,7 +748,8 @@ static void walk(struct nfs_context *nfs, const char *root, const char *rel)
 			if (got < 0)
 				die(full, nfs_get_error(nfs));
 			nfs_close(nfs, f);
-			printf("%s f %llu ", r, (unsigned long long)st.nfs_size);
+			printf("%s f %llu %llu ", r, (unsigned long long)st.nfs_size,
+			       (unsigned long long)st.nfs_nlink);
 			for (int k = 0; k < got; k++)
 				printf("%02x", (unsigned char)buf[k]);
 			printf("\n");
