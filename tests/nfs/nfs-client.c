@@ -11,10 +11,13 @@
  *
  * Usage: nfs-client SERVER COMMAND ARGS...
  *   ops EXPORT 3|4 DIR      make, write, rename, truncate, list and remove under EXPORT/DIR
- *   walk EXPORT 3|4 DIR     print "path d", "path l target" or "path f size nlink hex-content"
+ *   walk EXPORT 3|4 DIR     print "path d", "path l target" or
+ *                           "path f size nlink mode mtime hex-content"
  *                           for everything under EXPORT/DIR
  *   mkdir EXPORT PATH, put EXPORT PATH TEXT, rename EXPORT FROM TO, unlink EXPORT PATH,
  *   chmod EXPORT PATH OCTAL one operation over NFSv3 (as root)
+ *   putfile EXPORT 3|4 PATH  write standard input to EXPORT/PATH (created or truncated)
+ *   cat EXPORT 3|4 PATH      write EXPORT/PATH to standard output
  *   putas EXPORT UID PATH TEXT
  *                           create and write a file over NFSv3 as user and group UID:
  *                           "OK" or "ERR <errno name>"
@@ -690,6 +693,9 @@ static int cmd_ops(const char *export, int version, const char *dir)
 	TRY("rename", nfs_rename(nfs, P("three"), Q("a/three-renamed")));
 	TRY("rename", nfs_rename(nfs, P("a/b"), Q("b-moved")));
 	TRY("unlink", nfs_unlink(nfs, P("victim")));
+	TRY("chmod", nfs_chmod(nfs, P("two"), 0640));
+	struct timeval times[2] = { { 1000000000, 0 }, { 1234567890, 0 } };
+	TRY("utimes", nfs_utimes(nfs, P("a/three-renamed"), times));
 	TRY("symlink", nfs_symlink(nfs, "a/three-renamed", P("link")));
 	TRY("link", nfs_link(nfs, P("two"), Q("b-moved/two-again")));
 	TRY("unlink", nfs_unlink(nfs, P("gone/x")));
@@ -748,8 +754,9 @@ static void walk(struct nfs_context *nfs, const char *root, const char *rel)
 			if (got < 0)
 				die(full, nfs_get_error(nfs));
 			nfs_close(nfs, f);
-			printf("%s f %llu %llu ", r, (unsigned long long)st.nfs_size,
-			       (unsigned long long)st.nfs_nlink);
+			printf("%s f %llu %llu %o %llu ", r, (unsigned long long)st.nfs_size,
+			       (unsigned long long)st.nfs_nlink, (unsigned)(st.nfs_mode & 07777),
+			       (unsigned long long)st.nfs_mtime);
 			for (int k = 0; k < got; k++)
 				printf("%02x", (unsigned char)buf[k]);
 			printf("\n");
@@ -782,6 +789,52 @@ static int cmd_one(const char *export, int argc, char **argv)
 		TRY("chmod", nfs_chmod(nfs, argv[1], (int)strtol(argv[2], NULL, 8)));
 	else
 		die(op, "unknown command or wrong arguments");
+	nfs_destroy_context(nfs);
+	return 0;
+}
+
+static int cmd_putfile(const char *export, int version, const char *path)
+{
+	struct nfs_context *nfs = nfs_connect(export, version);
+	struct nfsfh *f;
+	static char buf[1 << 15];
+	/* libnfs 4.0 cannot encode an NFSv4 WRITE of 4 KiB or more (its COMPOUND buffer). */
+	size_t chunk = version == 4 ? 2048 : sizeof(buf);
+	uint64_t off = 0;
+	size_t n;
+	TRY(path, nfs_open2(nfs, path, O_CREAT | O_WRONLY | O_TRUNC, 0644, &f));
+	while ((n = fread(buf, 1, sizeof(buf), stdin)) > 0) {
+		for (size_t done = 0; done < n;) {
+			size_t len = n - done < chunk ? n - done : chunk;
+			int w = nfs_pwrite(nfs, f, off + done, len, buf + done);
+			if (w <= 0)
+				die(path, nfs_get_error(nfs));
+			done += (size_t)w;
+		}
+		off += n;
+	}
+	TRY(path, nfs_fsync(nfs, f));
+	TRY(path, nfs_close(nfs, f));
+	nfs_destroy_context(nfs);
+	return 0;
+}
+
+static int cmd_cat(const char *export, int version, const char *path)
+{
+	struct nfs_context *nfs = nfs_connect(export, version);
+	struct nfsfh *f;
+	static char buf[1 << 15];
+	uint64_t off = 0;
+	int n;
+	TRY(path, nfs_open(nfs, path, O_RDONLY, &f));
+	while ((n = nfs_pread(nfs, f, off, sizeof(buf), buf)) > 0) {
+		if (fwrite(buf, 1, (size_t)n, stdout) != (size_t)n)
+			die("stdout", strerror(errno));
+		off += (uint64_t)n;
+	}
+	if (n < 0)
+		die(path, nfs_get_error(nfs));
+	nfs_close(nfs, f);
 	nfs_destroy_context(nfs);
 	return 0;
 }
@@ -823,6 +876,10 @@ int main(int argc, char **argv)
 		return cmd_ops(argv[3], atoi(argv[4]), argv[5]);
 	if (!strcmp(cmd, "walk") && argc == 6)
 		return cmd_walk(argv[3], atoi(argv[4]), argv[5]);
+	if (!strcmp(cmd, "putfile") && argc == 6)
+		return cmd_putfile(argv[3], atoi(argv[4]), argv[5]);
+	if (!strcmp(cmd, "cat") && argc == 6)
+		return cmd_cat(argv[3], atoi(argv[4]), argv[5]);
 	if (!strcmp(cmd, "putas") && argc == 7)
 		return cmd_putas(argv[3], atoi(argv[4]), argv[5], argv[6]);
 	if (!strcmp(cmd, "mkdir") || !strcmp(cmd, "put") || !strcmp(cmd, "rename") ||

@@ -6,9 +6,10 @@
 # path through FUSE's export operations that the kernel's nfsd takes too. The client is
 # tests/nfs/nfs-client.c on libnfs; it prints raw file handles, which this script keeps across
 # events and sends back on fresh connections. For each export it checks:
-#   - make, write, symlink, hard link, rename, truncate, list and remove through NFSv3 and
-#     NFSv4: the mount shows the same names, types, sizes, link counts, targets and bytes; a
-#     1,500-name directory lists whole; a user other than root owns what it creates and is
+#   - make, write, symlink, hard link, chmod, utimes, rename, truncate, list and remove through
+#     NFSv3 and NFSv4: the mount shows the same names, types, sizes, link counts, modes, mtimes,
+#     symlink targets and bytes; 3 MiB of random bytes written through NFS read back the same
+#     on the mount and through NFS; a 1,500-name directory lists whole; a user other than root owns what it creates and is
 #     refused (EACCES) in a directory it may not write;
 #   - NFSv3 handles of a file, of a directory three levels deep, and of that directory after its
 #     parent was renamed still work after ganesha is restarted and the kernel's caches dropped;
@@ -69,7 +70,7 @@ cleanup() {
   findmnt -n "$DIR/ext4-crash" >/dev/null && umount "$DIR/ext4-crash"
   [[ -n $spare ]] && losetup -d "$spare" 2>/dev/null
   [[ -n $rpcbind_pid ]] && { kill "$rpcbind_pid" 2>/dev/null; wait "$rpcbind_pid" 2>/dev/null; }
-  rm -f "$DIR"/*.img
+  rm -f "$DIR"/*.img "$DIR/random.bin"
 }
 trap cleanup EXIT
 
@@ -176,7 +177,7 @@ local_walk() { # what nfs-client's walk prints, from the mount, sorted
   (cd "$1" && find . -mindepth 1 | sed 's#^\./##' | while IFS= read -r p; do
     if [[ -L $p ]]; then echo "$p l $(readlink "$p")"
     elif [[ -d $p ]]; then echo "$p d"
-    else echo "$p f $(stat -c '%s %h' "$p") $(od -An -v -tx1 "$p" | tr -d ' \n')"; fi
+    else echo "$p f $(stat -c '%s %h %a %Y' "$p") $(od -An -v -tx1 "$p" | tr -d ' \n')"; fi
   done) | LC_ALL=C sort
 }
 
@@ -228,7 +229,7 @@ echo "nfs-test: ganesha serves /birch and /ext4 ($((SECONDS - T0))s)"
 echo "== operations through NFSv3 and NFSv4"
 for fs in "${FSES[@]}"; do
   for v in 3 4; do
-    c="v$v make/write/link/rename/truncate/list/remove"
+    c="v$v make/write/link/chmod/utimes/rename/truncate/rm"
     listing=$(client ops /$fs $v /ops$v)
     if [[ $listing != "OK a b-moved link two" ]]; then
       record "$c" $fs FAIL "listing through NFS: '$listing'"
@@ -238,12 +239,26 @@ for fs in "${FSES[@]}"; do
     local_walk "$DIR/$fs/ops$v" >"$LOGS/walk-mnt-$fs-$v"
     n=$(wc -l <"$LOGS/walk-mnt-$fs-$v")
     if [[ $n == 7 ]] && cmp -s "$LOGS/walk-nfs-$fs-$v" "$LOGS/walk-mnt-$fs-$v"; then
-      record "$c" $fs PASS "$n entries: names, types, sizes, link counts, targets and bytes equal"
+      record "$c" $fs PASS "$n entries: names, types, sizes, link counts, modes, mtimes, targets and bytes equal"
     else
       record "$c" $fs FAIL "NFS and mount differ: diff $LOGS/walk-nfs-$fs-$v $LOGS/walk-mnt-$fs-$v"
     fi
   done
 done
+
+echo "== 3 MiB of random bytes written and read back through NFS"
+head -c 3M /dev/urandom >"$DIR/random.bin"
+c="3 MiB file: v3 and v4 write and read back = mount"
+for fs in "${FSES[@]}"; do
+  bad=
+  for v in 3 4; do
+    client putfile /$fs $v /big$v.bin <"$DIR/random.bin" || bad+=" v$v write failed;"
+    cmp -s "$DIR/random.bin" "$DIR/$fs/big$v.bin" || bad+=" v$v: the mount differs;"
+    client cat /$fs $v /big$v.bin | cmp -s "$DIR/random.bin" - || bad+=" v$v: read back differs;"
+  done
+  if [[ -z $bad ]]; then record "$c" $fs PASS ""; else record "$c" $fs FAIL "${bad# }"; fi
+done
+rm -f "$DIR/random.bin"
 
 echo "== a directory of 1500 names listed through NFS (many READDIRs, each from a cookie)"
 c="1500-name directory: v3 and v4 READDIR = mount"
