@@ -15,6 +15,7 @@
  *                           "path f size nlink mode mtime hex-content"
  *                           for everything under EXPORT/DIR
  *   mkdir EXPORT PATH, put EXPORT PATH TEXT, rename EXPORT FROM TO, unlink EXPORT PATH,
+ *   link EXPORT FROM TO,
  *   chmod EXPORT PATH OCTAL one operation over NFSv3 (as root)
  *   putfile EXPORT 3|4 PATH  write standard input to EXPORT/PATH (created or truncated)
  *   cat EXPORT 3|4 PATH      write EXPORT/PATH to standard output
@@ -785,6 +786,8 @@ static int cmd_one(const char *export, int argc, char **argv)
 		TRY("rename", nfs_rename(nfs, argv[1], argv[2]));
 	else if (!strcmp(op, "unlink") && argc == 2)
 		TRY("unlink", nfs_unlink(nfs, argv[1]));
+	else if (!strcmp(op, "link") && argc == 3)
+		TRY("link", nfs_link(nfs, argv[1], argv[2]));
 	else if (!strcmp(op, "chmod") && argc == 3)
 		TRY("chmod", nfs_chmod(nfs, argv[1], (int)strtol(argv[2], NULL, 8)));
 	else
@@ -883,7 +886,7 @@ int main(int argc, char **argv)
 	if (!strcmp(cmd, "putas") && argc == 7)
 		return cmd_putas(argv[3], atoi(argv[4]), argv[5], argv[6]);
 	if (!strcmp(cmd, "mkdir") || !strcmp(cmd, "put") || !strcmp(cmd, "rename") ||
-	    !strcmp(cmd, "unlink") || !strcmp(cmd, "chmod"))
+	    !strcmp(cmd, "unlink") || !strcmp(cmd, "chmod") || !strcmp(cmd, "link"))
 		return argc < 5 ? 1 : cmd_one(argv[3], argc - 3, (char *[]){ argv[2], argv[4], argc > 5 ? argv[5] : NULL });
 	if (!strcmp(cmd, "v3fh") && argc == 5)
 		return cmd_v3fh(argv[3], argv[4]);

@@ -15,7 +15,9 @@
 #     parent was renamed still work after ganesha is restarted and the kernel's caches dropped;
 #     birch's counters show the LOOKUPs of "." and ".." the kernel sent to resolve them;
 #   - NFSv4 handles saved from one client work with PUTFH from a new client after the same;
-#   - the handle of a file removed through NFS answers NFS3ERR_STALE and NFS4ERR_STALE;
+#   - the handle of a file removed through NFS answers NFS3ERR_STALE and NFS4ERR_STALE, and so
+#     does that of a file replaced by a rename over its name; a file moved to another directory
+#     and a file that lost one of its two names keep working;
 #   - across a remount of the filesystem (ganesha stopped, unmount, mount, ganesha started)
 #     with st_dev back the same: handles work; with st_dev taken by another mount: STALE or the
 #     same file, never another file's data (FUSE reports f_fsid 0, so ganesha names the
@@ -287,7 +289,7 @@ done
 
 # --- 2. handles held across a ganesha restart and a cache drop ------------------------------
 echo "== handles held across a ganesha restart and drop_caches"
-declare -A F3 D3 R3 X3 F4 D4 X4 W3 INO WRITE_RESULT
+declare -A F3 D3 R3 X3 F4 D4 X4 W3 M3 P3 L3 INO WRITE_RESULT
 DATA="held file, three levels down"
 for fs in "${FSES[@]}"; do
   for p in /h /h/d1 /h/d1/d2 /h/d1/d2/d3; do client mkdir /$fs $p; done
@@ -304,8 +306,22 @@ for fs in "${FSES[@]}"; do
   client rename /$fs /h/d1/d2 /h/d1/d2r
   R3[$fs]=$(client v3fh /$fs h/d1/d2r/d3)
   client unlink /$fs /h/doomed
+  # A file moved to another directory, a file replaced by a rename over its name, and a file
+  # that lost one of its two names: each handle taken before.
+  client put /$fs /h/moving "moved to another directory"
+  client put /$fs /h/replaced "replaced by a rename"
+  client put /$fs /h/newer "the file renamed over it"
+  client put /$fs /h/linked "one of two names removed"
+  client link /$fs /h/linked /h/d1/linked2
+  M3[$fs]=$(client v3fh /$fs h/moving)
+  P3[$fs]=$(client v3fh /$fs h/replaced)
+  L3[$fs]=$(client v3fh /$fs h/linked)
+  client rename /$fs /h/moving /h/d1/d2r/moved
+  client rename /$fs /h/newer /h/replaced
+  client unlink /$fs /h/linked
   INO[$fs,d2r]=$(stat -c %i "$DIR/$fs/h/d1/d2r")
-  for h in "${F3[$fs]}" "${D3[$fs]}" "${R3[$fs]}" "${X3[$fs]}" "${F4[$fs]}" "${D4[$fs]}" "${X4[$fs]}"; do
+  for h in "${F3[$fs]}" "${D3[$fs]}" "${R3[$fs]}" "${X3[$fs]}" "${F4[$fs]}" "${D4[$fs]}" "${X4[$fs]}" \
+    "${M3[$fs]}" "${P3[$fs]}" "${L3[$fs]}"; do
     [[ $h =~ ^[0-9a-f]+$ ]] || abort "could not get a handle on $fs: '$h'"
   done
 done
@@ -318,6 +334,9 @@ for fs in "${FSES[@]}"; do
   got="$(client v3ls "${R3[$fs]}") $(client v3lookup "${R3[$fs]}" ..)"
   expect "v3 handle of that dir, parent renamed" $fs "$got" "OK f OK ${INO[$fs,d2r]}" "lists d3 and LOOKUP .. is the renamed parent"
   expect "v3 handle of removed file: NFS3ERR_STALE" $fs "$(client v3read "${X3[$fs]}")" "ERR STALE 70"
+  got="$(client v3read "${M3[$fs]}") | $(client v3read "${L3[$fs]}") | $(client v3read "${P3[$fs]}")"
+  expect "v3 handles: moved, one link left, replaced (STALE)" $fs "$got" \
+    "OK moved to another directory | OK one of two names removed | ERR STALE 70"
 done
 dot1=$(counter lookup_dot) dotdot1=$(counter lookup_dotdot) stale1=$(counter lookup_dot_stale)
 c='kernel LOOKUP "." / ".." served (counters)'
