@@ -23,7 +23,9 @@
 #     same file, never another file's data (FUSE reports f_fsid 0, so ganesha names the
 #     filesystem by st_dev);
 #   - an NFSv3 UNSTABLE WRITE then COMMIT, then a crash (kill -9 of the birch daemon; for ext4
-#     a copy of its image taken right after the COMMIT): the data is there after the remount.
+#     a copy of its image taken right after the COMMIT): the data is there after the remount;
+#   - another filesystem mounted at the export path that gets the old st_dev: the old handles
+#     are STALE there, never its files (which have the same inode numbers).
 # Prints a table of checks x (birch, ext4); exits 1 if birch fails a check that ext4 passes
 # (or that is birch's alone), 77 with a reason if ganesha cannot run here.
 #
@@ -35,6 +37,8 @@ BIRCH=${BIRCH:-$(pwd)/target/release/birch}
 DIR=${NFS_TEST_DIR:-/tmp/nfs-test}
 SERVER=127.0.0.1
 FSES=(birch ext4)
+BIRCH_IMG=$DIR/birch.img
+EXT4_IMG=$DIR/ext4.img
 
 skip() { echo "nfs-test: SKIP: $*"; exit 77; }
 [[ $(id -u) == 0 ]] || skip "needs root"
@@ -118,7 +122,7 @@ drop_caches() { sync; echo 3 >/proc/sys/vm/drop_caches; }
 # allow_other refuses every process whose ids are not the mounter's, so every user but root
 # would get EACCES.
 mount_birch() {
-  setsid "$BIRCH" mount -f -o allow_other "$DIR/birch.img" "$DIR/birch" </dev/null >>"$LOGS/birch.log" 2>&1 &
+  setsid "$BIRCH" mount -f -o allow_other "$BIRCH_IMG" "$DIR/birch" </dev/null >>"$LOGS/birch.log" 2>&1 &
   birch_pid=$!
   local i
   for ((i = 0; i < 100; i++)); do
@@ -155,7 +159,7 @@ umount_birch() {
   birch_pid=
 }
 
-mount_ext4() { mount -o loop "$DIR/ext4.img" "$DIR/ext4"; }
+mount_ext4() { mount -o loop "$EXT4_IMG" "$DIR/ext4"; }
 umount_ext4() { umount "$DIR/ext4"; }
 
 stats() { getfattr -n trusted.birch.stats --only-values "$DIR/birch" 2>/dev/null; }
@@ -491,10 +495,54 @@ done
 stop_ganesha
 
 # --- 5. the images are consistent -------------------------------------------------------------
+declare -A DEV_END
+for fs in "${FSES[@]}"; do
+  DEV_END[$fs]=$(stat -c %d "$DIR/$fs")
+  INO[$fs,held]="$(stat -c %i "$DIR/$fs/h/d1/d2r/d3/f" "$DIR/$fs/h/d1/d2r/moved" "$DIR/$fs/h/d1/linked2" "$DIR/$fs/crashfile" | tr '\n' ' ')"
+done
 umount_birch || abort "a mount or unmount failed"
 umount_ext4 || abort "a mount or unmount failed"
 c="fsck clean at the end"
 if "$BIRCH" fsck "$DIR/birch.img" >"$LOGS/fsck-birch.log" 2>&1; then record "$c" birch PASS ""; else record "$c" birch FAIL "$LOGS/fsck-birch.log"; fi
 if e2fsck -fn "$DIR/ext4.img" >"$LOGS/fsck-ext4.log" 2>&1; then record "$c" ext4 PASS ""; else record "$c" ext4 FAIL "$LOGS/fsck-ext4.log"; fi
+
+# --- 6. another filesystem at the export path, on the old st_dev -----------------------------
+# Ganesha names a FUSE filesystem by st_dev alone, so a different birch image that gets the same
+# number at the same path is the same filesystem to it, and the old handles reach it. There
+# they must be STALE, never its files, which have the same inode numbers. ext4 beside it: a new
+# ext4 image on a loop device at the same path.
+echo "== another filesystem at the export path on the old st_dev"
+"$BIRCH" mkfs --size 256M "$DIR/birch2.img" >/dev/null || abort "mkfs of a second birch image failed"
+truncate -s 128M "$DIR/ext4-2.img" && mkfs.ext4 -q -F "$DIR/ext4-2.img" || abort "mkfs of a second ext4 image failed"
+BIRCH_IMG=$DIR/birch2.img EXT4_IMG=$DIR/ext4-2.img
+mount_birch_at_dev "${DEV_END[birch]}" || abort "a mount or unmount failed"
+mount_ext4 || abort "a mount or unmount failed"
+for fs in "${FSES[@]}"; do
+  mkdir "$DIR/$fs/other"
+  for ((i = 0; i < 2500; i++)); do echo "another filesystem's file $i" >"$DIR/$fs/other/$i"; done
+done
+start_ganesha || abort "ganesha did not start again"
+drop_caches
+c="other fs on the old st_dev: old handles STALE"
+for fs in "${FSES[@]}"; do
+  dev=$(stat -c %d "$DIR/$fs") answers= bad=0 present=0
+  for ino in ${INO[$fs,held]}; do
+    [[ -n $(find "$DIR/$fs/other" -inum "$ino" -print -quit) ]] && present=$((present + 1))
+  done
+  for h in "${F3[$fs]}" "${M3[$fs]}" "${L3[$fs]}" "${W3[$fs]}"; do
+    got=$(client v3read "$h")
+    answers+="${answers:+; }$got"
+    [[ $got == "ERR STALE 70" ]] || bad=1
+  done
+  same="st_dev ${DEV_END[$fs]} -> $dev; $present of 4 inode numbers are files there"
+  if ((bad)); then
+    record "$c" $fs FAIL "$same; got: $answers"
+  else
+    record "$c" $fs PASS "$same; 4 handles STALE"
+  fi
+done
+stop_ganesha
+umount_birch || abort "a mount or unmount failed"
+umount_ext4 || abort "a mount or unmount failed"
 
 report
