@@ -492,6 +492,13 @@ for fs in "${FSES[@]}"; do
     record "$c2" $fs FAIL "got '$got'"
   fi
 done
+# Handles of four files on this mount, for the last check (another filesystem on this st_dev).
+declare -A O3
+for fs in "${FSES[@]}"; do
+  for p in h/d1/d2r/d3/f h/d1/d2r/moved h/d1/linked2 crashfile; do
+    O3[$fs]+="$(client v3fh /$fs $p) "
+  done
+done
 stop_ganesha
 
 # --- 5. the images are consistent -------------------------------------------------------------
@@ -529,7 +536,7 @@ for fs in "${FSES[@]}"; do
   for ino in ${INO[$fs,held]}; do
     [[ -n $(find "$DIR/$fs/other" -inum "$ino" -print -quit) ]] && present=$((present + 1))
   done
-  for h in "${F3[$fs]}" "${M3[$fs]}" "${L3[$fs]}" "${W3[$fs]}"; do
+  for h in ${O3[$fs]}; do
     got=$(client v3read "$h")
     answers+="${answers:+; }$got"
     [[ $got == "ERR STALE 70" ]] || bad=1
