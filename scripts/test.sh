@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every birchfs test tier and prints the time of each:
 #   1. fmt and clippy          2. unit, property and library tests (cargo test)
-#   3. mount tests on a real FUSE mount   4. pjdfstest (birch and the kernel ext4 baseline)
+#   3. mount tests on a real FUSE mount, the NFS export through ganesha   4. pjdfstest (birch and the kernel ext4 baseline)
 #   5. fsx (3 seeds x 20,000 ops), xfstests generic/quick, the differential test against ext4
 #   6. benchmark harness in quick mode
 # Installs what the suites need (tests/posix/setup.sh). Needs root for tiers 3-6; without
@@ -72,6 +72,10 @@ if [[ $can_mount == 1 ]]; then
   # -o uring (FUSE over io_uring) and its fallback when registration fails; skips (77) on a
   # kernel without it. Leaves the fuse module's enable_uring as it found it.
   tier "FUSE over io_uring" bash tests/mount/uring-test.sh
+  # NFS export through NFS-Ganesha (NFSv3 and v4, FSAL_VFS) beside kernel ext4: operations,
+  # file handles across ganesha restarts, cache drops and remounts, UNSTABLE WRITE + COMMIT
+  # across kill -9 (tests/nfs/; under a minute; skips with 77 if ganesha cannot run here).
+  tier "NFS export (ganesha)" bash tests/nfs/nfs-test.sh
   tier "pjdfstest birch vs ext4" pjdfstest_tier
   tier "fsx birch" bash tests/posix/fsx.sh birch
   # xfstests generic/quick (633 tests; about 18 minutes here, 30 on a busy machine), birch

@@ -1688,7 +1688,8 @@ def op_file_handles(d):
     """open_by_handle_at of a file and a directory the kernel no longer caches (xfstests
     generic/426, 467, 477, 756, 777): the kernel resolves such a handle with LOOKUP(ino, ".")
     (any inode) and reconnects a directory with LOOKUP(ino, ".."); once the file is unlinked
-    the handle is stale (ESTALE)."""
+    the handle is stale (ESTALE). The adapter's counters show each of those LOOKUPs
+    (`lookup_dot`, `lookup_dotdot`, `lookup_dot_stale` in the stats xattr)."""
     if CTX.ref:
         raise Skip("drops the caches of every filesystem")
     os.mkdir(J(d, "sub"))
@@ -1696,18 +1697,33 @@ def op_file_handles(d):
     wfile(f, b"by handle")
     fh, dh = name_to_handle_at(f), name_to_handle_at(J(d, "sub"))
     mfd = os.open(CTX.mnt, os.O_RDONLY | os.O_DIRECTORY)
+
+    def counters():
+        stats = json.loads(os.getxattr(CTX.mnt, "trusted.birch.stats"))
+        return [stats.get(k, -1) for k in ("lookup_dot", "lookup_dotdot", "lookup_dot_stale")]
+
     try:
         drop_caches()
+        before = counters()
         fd = open_by_handle_at(mfd, fh, os.O_RDONLY)
         check(os.read(fd, 100) == b"by handle", "file opened by handle reads wrong data")
         os.close(fd)
+        after = counters()
+        check(after[0] > before[0] >= 0, f"LOOKUP of . for an uncached file not counted: {before} -> {after}")
         drop_caches()
+        before = counters()
         fd = open_by_handle_at(mfd, dh, os.O_RDONLY | os.O_DIRECTORY)
         check(sorted(os.listdir(fd)) == ["file"], "directory opened by handle lists wrong names")
         os.close(fd)
+        after = counters()
+        check(after[0] > before[0] and after[1] > before[1],
+              f"LOOKUPs of . and .. reconnecting an uncached directory not counted: {before} -> {after}")
         os.unlink(f)
         drop_caches()
+        before = counters()
         expect_err("open_by_handle_at of an unlinked file", errno.ESTALE, open_by_handle_at, mfd, fh, os.O_RDONLY)
+        after = counters()
+        check(after[2] > before[2], f"LOOKUP of . for an unlinked file not counted as stale: {before} -> {after}")
     finally:
         os.close(mfd)
 

@@ -86,3 +86,34 @@ fn files_survive_reopen_and_fsck_is_clean() {
     assert_clean(&dev);
     let _ = dev.size_bytes();
 }
+
+/// The same inode number in two filesystems carries different generations (in the low 32
+/// bits, all a kernel file handle keeps), so an NFS handle of one filesystem never opens a file
+/// of another that a server takes for it (tests/nfs: another image at the export path with the
+/// old st_dev); a generation stays the same across a reopen.
+#[test]
+fn the_same_inode_number_in_two_filesystems_has_different_generations() {
+    let make = || {
+        let dev = Arc::new(MemDevice::new(64 << 20));
+        Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
+        let fs = Filesystem::open_device(dev.clone(), quiet()).expect("open");
+        let c = Caller::default();
+        fs.mkdir(c, 1, b"d", 0o755).expect("mkdir");
+        fs.write_file("/d/f", b"x").expect("write");
+        let ino = fs.resolve("/d/f").expect("resolve");
+        let generation = fs.getattr(ino).expect("getattr").generation;
+        fs.close().expect("close");
+        (dev, ino, generation)
+    };
+    let (dev, ino_a, gen_a) = make();
+    let (_, ino_b, gen_b) = make();
+    assert_eq!(ino_a, ino_b, "the same steps give the same inode number");
+    assert_ne!(
+        gen_a as u32, gen_b as u32,
+        "generations of inode {ino_a} must differ"
+    );
+    let fs = Filesystem::open_device(dev, quiet()).expect("reopen");
+    assert_eq!(fs.getattr(ino_a).expect("getattr").generation, gen_a);
+    assert_eq!(fs.lookup(ino_a, b".").expect("lookup .").generation, gen_a);
+    fs.close().expect("close");
+}

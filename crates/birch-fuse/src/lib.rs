@@ -20,6 +20,7 @@ use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -159,6 +160,42 @@ pub struct BirchFuse {
     lost_writes: LostWrites,
     /// Worker threads for requests that wait for the device.
     waiters: waiters::Waiters,
+    /// LOOKUPs of "." and ".." by node id: how the kernel resolves file handles (NFS export,
+    /// open_by_handle_at) whose inodes it no longer caches.
+    handle_lookups: HandleLookups,
+}
+
+/// Counters of the LOOKUPs the kernel sends to resolve a file handle: LOOKUP(node id, ".")
+/// when it no longer caches the inode the handle names (any kind of inode), and
+/// LOOKUP(dir, "..") when it reconnects a directory to its parent (exportfs `get_parent`).
+/// Shown in the stats xattr as `lookup_dot`, `lookup_dotdot` (answered with an entry) and
+/// `lookup_dot_stale` (the inode is gone: the kernel answers the handle ESTALE).
+#[derive(Default)]
+struct HandleLookups {
+    dot: AtomicU64,
+    dotdot: AtomicU64,
+    dot_stale: AtomicU64,
+}
+
+impl HandleLookups {
+    /// Counts one LOOKUP of `name` and what it found.
+    fn count(&self, name: &[u8], found: &birch_core::Result<Attr>) {
+        let counter = match (name, found) {
+            (b".", Ok(_)) => &self.dot,
+            (b".", Err(Error::NotFound(_))) => &self.dot_stale,
+            (b"..", Ok(_)) => &self.dotdot,
+            _ => return,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn pairs(&self) -> [(&'static str, u64); 3] {
+        [
+            ("lookup_dot", self.dot.load(Ordering::Relaxed)),
+            ("lookup_dotdot", self.dotdot.load(Ordering::Relaxed)),
+            ("lookup_dot_stale", self.dot_stale.load(Ordering::Relaxed)),
+        ]
+    }
 }
 
 /// Inodes with a write-back WRITE the daemon refused with ENOSPC since the last report.
@@ -374,7 +411,16 @@ impl BirchFuse {
             dir_ends: DirEnds::new(),
             lost_writes: LostWrites::new(),
             waiters,
+            handle_lookups: HandleLookups::default(),
         }
+    }
+
+    /// LOOKUP of `name` in `parent`, counting the lookups of "." and ".." (see
+    /// [`HandleLookups`]).
+    fn lookup_counted(&self, parent: u64, name: &[u8]) -> birch_core::Result<Attr> {
+        let found = self.fs.lookup(parent, name);
+        self.handle_lookups.count(name, &found);
+        found
     }
 
     /// Tells the kernel to drop its cached attributes of `ino` (and ACLs): for changes the
@@ -671,9 +717,10 @@ fn negative_attr() -> FileAttr {
     }
 }
 
-/// The filesystem's counters plus how many FUSE requests this process served over /dev/fuse
-/// and over io_uring (`fuse_dev_requests`, `fuse_uring_requests`).
-fn stats_with_transport(mut json: String) -> String {
+/// The filesystem's counters plus the adapter's own: how many FUSE requests this process
+/// served over /dev/fuse and over io_uring (`fuse_dev_requests`, `fuse_uring_requests`) and
+/// `extra` (the LOOKUPs of "." and "..").
+fn stats_with_transport(mut json: String, extra: &[(&str, u64)]) -> String {
     let (dev, ring) = fuser::transport_counts();
     if json.ends_with('}') {
         json.pop();
@@ -683,8 +730,12 @@ fn stats_with_transport(mut json: String) -> String {
             ", "
         };
         json.push_str(&format!(
-            "{sep}\"fuse_dev_requests\": {dev}, \"fuse_uring_requests\": {ring}}}"
+            "{sep}\"fuse_dev_requests\": {dev}, \"fuse_uring_requests\": {ring}"
         ));
+        for (name, value) in extra {
+            json.push_str(&format!(", \"{name}\": {value}"));
+        }
+        json.push('}');
     }
     json
 }
@@ -733,7 +784,7 @@ impl fuser::Filesystem for BirchFuse {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         refuse_if_down!(self, reply);
-        match self.fs.lookup(parent.0, name.as_bytes()) {
+        match self.lookup_counted(parent.0, name.as_bytes()) {
             Ok(a) => reply.entry(&self.options.ttl, &file_attr(&a), Generation(a.generation)),
             // A negative entry: the kernel remembers the absence (build tools, $PATH searches
             // and dbench ask again and again). A CREATE of the name replaces it in the kernel.
@@ -1316,7 +1367,7 @@ impl fuser::Filesystem for BirchFuse {
             xattr_reply(
                 reply,
                 size,
-                stats_with_transport(self.fs.stats_json()).as_bytes(),
+                stats_with_transport(self.fs.stats_json(), &self.handle_lookups.pairs()).as_bytes(),
             );
             return;
         }
@@ -1512,6 +1563,52 @@ fn xattr_reply(reply: ReplyXattr, size: u32, value: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The LOOKUPs the kernel sends to resolve an uncached file handle are counted in the
+    /// stats: "." of a file and of a directory, ".." of a directory, and "." of a removed file
+    /// (stale); an ordinary name counts in none of them.
+    #[test]
+    fn lookups_of_dot_and_dotdot_are_counted_in_the_stats() -> birch_core::Result<()> {
+        use birch_core::device::MemDevice;
+        use birch_core::vfs::Caller;
+        use birch_core::{MkfsOptions, OpenOptions};
+        let dev = Arc::new(MemDevice::new(64 << 20));
+        Filesystem::mkfs(dev.clone(), &MkfsOptions::default())?;
+        let options = OpenOptions {
+            commit_interval: None,
+            ..Default::default()
+        };
+        let fs = Arc::new(Filesystem::open_device(dev, options)?);
+        let c = Caller::default();
+        let dir = fs.mkdir(c, 1, b"d", 0o755)?;
+        let sub = fs.mkdir(c, dir.ino, b"e", 0o755)?;
+        fs.write_file("/d/e/f", b"data")?;
+        fs.write_file("/d/gone", b"x")?;
+        let file = fs.resolve("/d/e/f")?;
+        let gone = fs.resolve("/d/gone")?;
+        fs.unlink(dir.ino, b"gone")?;
+        let adapter = BirchFuse::new(fs.clone(), FuseOptions::default());
+
+        assert_eq!(adapter.lookup_counted(file, b".")?.ino, file);
+        assert_eq!(adapter.lookup_counted(sub.ino, b".")?.ino, sub.ino);
+        assert_eq!(adapter.lookup_counted(sub.ino, b"..")?.ino, dir.ino);
+        assert_eq!(adapter.lookup_counted(dir.ino, b"..")?.ino, 1);
+        assert_eq!(adapter.lookup_counted(dir.ino, b"e")?.ino, sub.ino);
+        assert!(matches!(
+            adapter.lookup_counted(gone, b"."),
+            Err(Error::NotFound(_))
+        ));
+        let stats = stats_with_transport(fs.stats_json(), &adapter.handle_lookups.pairs());
+        for want in [
+            "\"lookup_dot\": 2",
+            "\"lookup_dotdot\": 2",
+            "\"lookup_dot_stale\": 1",
+        ] {
+            assert!(stats.contains(want), "{want} missing in {stats}");
+        }
+        assert!(stats.ends_with('}'), "{stats}");
+        fs.close()
+    }
 
     #[test]
     fn a_refused_write_back_is_reported_once_and_only_for_its_inode() {

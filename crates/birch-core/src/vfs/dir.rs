@@ -263,7 +263,7 @@ impl Filesystem {
             }
         }
         let item = InodeItem {
-            generation: ino,
+            generation: super::new_generation(&self.inner.engine.fsid(), ino),
             transid: 0,
             size: 0,
             nbytes: 0,

@@ -984,6 +984,19 @@ impl Drop for Filesystem {
     }
 }
 
+/// The NFS generation of a new inode: its number plus a salt taken from the filesystem's id.
+/// Inode numbers are never reused, so within one filesystem the number alone tells inodes
+/// apart; the salt makes the same number in another birch filesystem carry another
+/// generation, in the low 32 bits too (all the kernel keeps in a file handle). An NFS server
+/// that names a FUSE filesystem by its `st_dev` alone (NFS-Ganesha: FUSE reports `f_fsid` 0)
+/// takes another image mounted at the same path with the same device number for the same
+/// filesystem; the kernel then answers the old handles ESTALE instead of opening that image's
+/// inode of the same number. Inodes made before this rule keep generation = number.
+pub(crate) fn new_generation(fsid: &[u8; 16], ino: u64) -> u64 {
+    let salt = u32::from_le_bytes([fsid[0], fsid[1], fsid[2], fsid[3]]);
+    ino.wrapping_add(u64::from(salt))
+}
+
 /// Builds stat attributes from an inode item.
 pub(crate) fn attr_of(ino: u64, item: &InodeItem) -> Attr {
     Attr {
