@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every birchfs test tier and prints the time of each:
 #   1. fmt and clippy          2. unit, property and library tests (cargo test)
+#   2b. the Debian package: build, install, mkfs/mount -a/fsck through it, purge
 #   3. mount tests on a real FUSE mount   4. pjdfstest (birch and the kernel ext4 baseline)
 #   5. fsx (3 seeds x 20,000 ops), xfstests generic/quick, the differential test against ext4
 #   6. benchmark harness in quick mode
@@ -30,6 +31,14 @@ tier "clippy" cargo clippy --all-targets --release --locked -- -D warnings
 tier "cargo test" cargo test --release --locked
 # The mount tiers need the birch binary itself (cargo test does not build it).
 tier "build birch" cargo build --release --locked -p birch-tools
+# The Debian package (scripts/package.sh, reusing the release build just made): install it,
+# mkfs -t birch, mount -a from an fstab line, fsck -t birch, dpkg --purge; puts back what the
+# machine had at the package's paths and /etc/fstab. Skipped (77) without root or /dev/fuse.
+# About 20 s, plus a one-time `cargo install cargo-deb` (about 7 minutes on 2 cores) on a
+# machine without it. BIRCH_PACKAGE_TEST=0 leaves it out.
+if [[ ${BIRCH_PACKAGE_TEST:-1} == 1 ]]; then
+  tier "package" bash tests/package/package-test.sh
+fi
 # The crash matrix at CLI level: 20 workload runs x 150 crash states (cargo test ran 600 more).
 # 12,250 crash states: 4 library workloads + 30 ACE runs + 15 FUSE-level runs (real system
 # calls on a mount of the recording device; skipped with a reason without root or /dev/fuse).

@@ -1,13 +1,15 @@
 //! `birch`: mkfs, mount, umount, sync, shutdown, fsck and inspect for birchfs images.
 //!
 //! A thin layer over birch-core and birch-fuse: it parses arguments, prints, and picks exit
-//! codes. Installed also as `mkfs.birch`, `fsck.birch` and `mount.fuse.birch`, so `mkfs -t
-//! birch`, `fsck -t birch` and `mount -t fuse.birch` work.
+//! codes. Installed also as `mkfs.birch`, `fsck.birch` (and `fsck.fuse.birch`, which fsck(8)
+//! runs for an image fstab lists as fuse.birch) and `mount.fuse.birch`, so `mkfs -t birch`,
+//! `fsck -t birch` and `mount -t fuse.birch` work.
 //!
 //! Exit codes: 0 success; 1 an operation failed (bad option, image missing or in use, not a
 //! birchfs image, mount failed); 2 usage error. fsck follows fsck(8): 0 clean, 4 errors left
 //! uncorrected, 8 operational error.
 
+mod docs;
 mod fusecrash;
 mod mount;
 
@@ -100,9 +102,16 @@ enum Command {
         /// Look at an image even while it is mounted (results may be inconsistent).
         #[arg(long)]
         force: bool,
-        /// Accepted for fsck(8) compatibility; birch fsck never writes.
-        #[arg(short = 'a', short_alias = 'p', short_aliases = ['y', 'n'])]
+        /// Accepted for fsck(8), which passes -a, -p, -n, -y or -r on to fsck.birch; birch
+        /// fsck never writes, so each one only checks.
+        #[arg(short = 'a', short_aliases = ['p', 'y', 'n', 'r'])]
         auto: bool,
+        /// Accepted for fsck(8) (e2fsck's "check even if clean"): birch fsck always checks.
+        #[arg(short = 'f', hide = true)]
+        always: bool,
+        /// Accepted for fsck(8)'s -C (progress to a file descriptor); no progress is written.
+        #[arg(short = 'C', value_name = "FD", num_args = 0..=1, hide = true)]
+        progress_fd: Option<Option<String>>,
     },
     /// Run the crash matrix: each workload on a recording in-memory device, then every crash
     /// state (each flush point, plus seeded subsets of unflushed writes, some torn) recovered,
@@ -134,6 +143,9 @@ enum Command {
         #[arg(num_args = 1..=2)]
         what: Vec<String>,
     },
+    /// Write the man pages and shell completions into DIR (for packaging).
+    #[command(hide = true)]
+    GenDocs { dir: PathBuf },
 }
 
 fn main() -> ExitCode {
@@ -146,7 +158,8 @@ fn main() -> ExitCode {
     let mut args: Vec<String> = std::env::args().collect();
     match name.as_str() {
         "mkfs.birch" => args.insert(1, "mkfs".into()),
-        "fsck.birch" => args.insert(1, "fsck".into()),
+        // fsck(8) runs fsck.fuse.birch for an image that fstab lists with type fuse.birch.
+        "fsck.birch" | "fsck.fuse.birch" => args.insert(1, "fsck".into()),
         "mount.fuse.birch" | "mount.birch" => return mount::helper_main(&args[1..]),
         _ => {}
     }
@@ -182,11 +195,12 @@ fn main() -> ExitCode {
             now,
         } => shutdown(&mountpoint, log, now),
         Command::Fsck {
-            image,
-            data,
-            force,
-            auto: _,
+            image, data, force, ..
         } => fsck(&image, data, force),
+        Command::GenDocs { dir } => match docs::generate(&dir) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => fail(format!("gen-docs: {e}")),
+        },
         Command::Inspect { image, what } => inspect(&image, &what),
         Command::Crashtest {
             workload,
