@@ -78,6 +78,9 @@ if [[ $can_mount == 1 ]]; then
   tier "posix setup" bash tests/posix/setup.sh
   tier "mount tests" bash tests/mount/mount-tests.sh
   tier "FUSE op tests" python3 tests/mount/fuse-ops.py
+  # birch stats: --json fields, counters and latencies moving after writes, fsyncs and a
+  # commit, the table and --watch (about 2 s).
+  tier "stats" bash tests/mount/stats-test.sh
   # -o uring (FUSE over io_uring) and its fallback when registration fails; skips (77) on a
   # kernel without it. Leaves the fuse module's enable_uring as it found it.
   tier "FUSE over io_uring" bash tests/mount/uring-test.sh

@@ -1,4 +1,4 @@
-//! `birch`: mkfs, mount, umount, sync, shutdown, fsck and inspect for birchfs images.
+//! `birch`: mkfs, mount, umount, sync, stats, shutdown, fsck and inspect for birchfs images.
 //!
 //! A thin layer over birch-core and birch-fuse: it parses arguments, prints, and picks exit
 //! codes. Installed also as `mkfs.birch`, `fsck.birch` (and `fsck.fuse.birch`, which fsck(8)
@@ -12,6 +12,7 @@
 mod docs;
 mod fusecrash;
 mod mount;
+mod stats;
 
 /// mimalloc: per-thread heaps, so FUSE threads working on different files do not meet in the
 /// allocator (glibc malloc showed as a fifth of create time in the engine bench).
@@ -92,6 +93,22 @@ enum Command {
         /// Stop now: no commit and no log write; only what was already durable survives.
         #[arg(long)]
         now: bool,
+    },
+    /// Print the live counters of a mount: free space, dirty (buffered) bytes, log fill,
+    /// node cache hit rate, commit and fsync latency percentiles, and every counter since
+    /// the mount. Needs root (the counters are the root's trusted.birch.stats xattr).
+    Stats {
+        mountpoint: PathBuf,
+        /// Print rates per second every SECS seconds (default 1), one row per interval, like
+        /// iostat; latencies are those of the interval.
+        #[arg(long, short = 'w', value_name = "SECS", num_args = 0..=1, default_missing_value = "1")]
+        watch: Option<f64>,
+        /// With --watch: stop after N intervals.
+        #[arg(long, short = 'c', value_name = "N", requires = "watch")]
+        count: Option<u64>,
+        /// JSON for scripts: one object, or one per line with --watch.
+        #[arg(long)]
+        json: bool,
     },
     /// Check an image (read-only). Refuses an image a live mount holds.
     Fsck {
@@ -189,6 +206,12 @@ fn main() -> ExitCode {
         } => mount::mount_main(&image, &mountpoint, &options, foreground),
         Command::Umount { mountpoint } => mount::umount(&mountpoint),
         Command::Sync { mountpoint } => sync(&mountpoint),
+        Command::Stats {
+            mountpoint,
+            watch,
+            count,
+            json,
+        } => stats::stats_main(&mountpoint, watch, count, json),
         Command::Shutdown {
             mountpoint,
             log,
