@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Builds the Debian package of birchfs: target/debian/birchfs_VERSION-1_ARCH.deb.
-#   birch (/usr/bin), mkfs.birch, fsck.birch and mount.fuse.birch (/usr/sbin, links to birch,
+#   birch (/usr/bin), mkfs.birch, fsck.birch, fsck.fuse.birch and mount.fuse.birch (/usr/sbin,
+#   links to birch,
 #   which acts on the name it is run as), man pages (birch(1) and one per subcommand,
 #   mkfs.birch(8), fsck.birch(8), mount.fuse.birch(8), birchfs(5) for the mount options) and
-#   bash, zsh and fish completions, all generated from the clap definitions by the hidden
-#   `birch gen-docs`. Depends on fuse3.
+#   bash, zsh and fish completions, all generated from the clap definitions by
+#   `birch gen-docs DIR` (not offered in help or completions). Depends on fuse3.
 # Uses the rustup toolchain (Debian 12's rustc is older than the workspace needs) and
 # cargo-deb, which it installs with `cargo install cargo-deb --locked` when missing (several
 # minutes on 2 cores). Reuses the release build when it is current (`cargo build --release

@@ -1,5 +1,6 @@
 //! Man pages and shell completions, generated from the clap definitions (`birch gen-docs DIR`,
-//! a hidden subcommand `scripts/package.sh` runs to fill the Debian package).
+//! which `scripts/package.sh` runs to fill the Debian package; `main` takes it before clap,
+//! so no help, page or completion offers it).
 //!
 //! Owns only the rendering: the words come from the commands' own help and from
 //! [`crate::mount::MOUNT_OPTIONS`], so a page cannot drift from what the binary accepts. Writes

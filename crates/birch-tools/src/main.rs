@@ -160,9 +160,6 @@ enum Command {
         #[arg(num_args = 1..=2)]
         what: Vec<String>,
     },
-    /// Write the man pages and shell completions into DIR (for packaging).
-    #[command(hide = true)]
-    GenDocs { dir: PathBuf },
 }
 
 fn main() -> ExitCode {
@@ -179,6 +176,17 @@ fn main() -> ExitCode {
         "fsck.birch" | "fsck.fuse.birch" => args.insert(1, "fsck".into()),
         "mount.fuse.birch" | "mount.birch" => return mount::helper_main(&args[1..]),
         _ => {}
+    }
+    // `birch gen-docs DIR` writes the man pages and completions (scripts/package.sh). Kept out
+    // of the clap definitions so that neither the help, the pages nor the completions it
+    // writes offer it.
+    if let [_, command, dir] = args.as_slice() {
+        if command == "gen-docs" {
+            return match docs::generate(Path::new(dir)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail(format!("gen-docs: {e}")),
+            };
+        }
     }
     let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
@@ -220,10 +228,6 @@ fn main() -> ExitCode {
         Command::Fsck {
             image, data, force, ..
         } => fsck(&image, data, force),
-        Command::GenDocs { dir } => match docs::generate(&dir) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => fail(format!("gen-docs: {e}")),
-        },
         Command::Inspect { image, what } => inspect(&image, &what),
         Command::Crashtest {
             workload,
