@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Builds the Debian package of birchfs: target/debian/birchfs_VERSION-1_ARCH.deb.
 #   birch (/usr/bin), mkfs.birch, fsck.birch, fsck.fuse.birch and mount.fuse.birch (/usr/sbin,
-#   links to birch,
-#   which acts on the name it is run as), man pages (birch(1) and one per subcommand,
+#   links to birch, which acts on the name it is run as), man pages (birch(1) and one per subcommand,
 #   mkfs.birch(8), fsck.birch(8), mount.fuse.birch(8), birchfs(5) for the mount options) and
 #   bash, zsh and fish completions, all generated from the clap definitions by
 #   `birch gen-docs DIR` (not offered in help or completions). Depends on fuse3.

@@ -61,9 +61,10 @@ pub fn generate(out: &Path) -> Result<(), String> {
 }
 
 /// How mkfs(8) runs mkfs.birch (the extra section of mkfs.birch(8)).
-const MKFS_NOTES: &str = "mkfs -t birch DEVICE runs mkfs.birch DEVICE. On an image file, make the \
-file first (truncate -s 4G disk.img) or give --size. An existing filesystem is not \
-overwritten without --force (-f). See also birch(1), fsck.birch(8), birchfs(5).";
+const MKFS_NOTES: &str = "mkfs -t birch DEVICE [BLOCKS] runs mkfs.birch DEVICE [BLOCKS], BLOCKS \
+in 1 KiB blocks. On an image file, make the file first (truncate -s 4G disk.img), or give \
+BLOCKS or --size. An existing filesystem is not overwritten without --force (-f). See also \
+birch(1), fsck.birch(8), birchfs(5).";
 
 /// How fsck(8) runs fsck.birch (the extra section of fsck.birch(8)).
 const FSCK_NOTES: &str = "fsck -t birch IMAGE runs fsck.birch IMAGE, passing -a, -p, -n, -y or -r \

@@ -56,6 +56,10 @@ enum Command {
         #[arg(long, short)]
         force: bool,
         image: PathBuf,
+        /// Size in 1 KiB blocks, as `mkfs -t birch DEVICE BLOCKS` passes it (the same as
+        /// --size BLOCKSK).
+        #[arg(conflicts_with = "size")]
+        blocks: Option<u64>,
     },
     /// Mount an image. Returns once the mount is live; the daemon serves in the background.
     Mount {
@@ -205,7 +209,11 @@ fn main() -> ExitCode {
             label,
             force,
             image,
-        } => mkfs(&image, size.as_deref(), label, force),
+            blocks,
+        } => {
+            let size = size.or_else(|| blocks.map(|b| format!("{b}K")));
+            mkfs(&image, size.as_deref(), label, force)
+        }
         Command::Mount {
             image,
             mountpoint,
