@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every birchfs test tier and prints the time of each:
 #   1. fmt and clippy          2. unit, property and library tests (cargo test)
+#   2b. the Debian package: build, install, mkfs/mount -a/fsck through it, purge
 #   3. mount tests on a real FUSE mount, the NFS export through ganesha   4. pjdfstest (birch and the kernel ext4 baseline)
 #   5. fsx (3 seeds x 20,000 ops), xfstests generic/quick, the differential test against ext4
 #   6. benchmark harness in quick mode
@@ -30,6 +31,14 @@ tier "clippy" cargo clippy --all-targets --release --locked -- -D warnings
 tier "cargo test" cargo test --release --locked
 # The mount tiers need the birch binary itself (cargo test does not build it).
 tier "build birch" cargo build --release --locked -p birch-tools
+# The Debian package (scripts/package.sh, reusing the release build just made): install it,
+# mkfs -t birch, mount -a from an fstab line, fsck -t birch, dpkg --purge; puts back what the
+# machine had at the package's paths and /etc/fstab. Skipped (77) without root or /dev/fuse.
+# About 20 s, plus a one-time `cargo install cargo-deb` (about 7 minutes on 2 cores) on a
+# machine without it. BIRCH_PACKAGE_TEST=0 leaves it out.
+if [[ ${BIRCH_PACKAGE_TEST:-1} == 1 ]]; then
+  tier "package" bash tests/package/package-test.sh
+fi
 # The crash matrix at CLI level: 20 workload runs x 150 crash states (cargo test ran 600 more).
 # 12,250 crash states: 4 library workloads + 30 ACE runs + 15 FUSE-level runs (real system
 # calls on a mount of the recording device; skipped with a reason without root or /dev/fuse).
@@ -69,6 +78,9 @@ if [[ $can_mount == 1 ]]; then
   tier "posix setup" bash tests/posix/setup.sh
   tier "mount tests" bash tests/mount/mount-tests.sh
   tier "FUSE op tests" python3 tests/mount/fuse-ops.py
+  # birch stats: --json fields, counters and latencies moving after writes, fsyncs and a
+  # commit, the table and --watch (about 2 s).
+  tier "stats" bash tests/mount/stats-test.sh
   # -o uring (FUSE over io_uring) and its fallback when registration fails; skips (77) on a
   # kernel without it. Leaves the fuse module's enable_uring as it found it.
   tier "FUSE over io_uring" bash tests/mount/uring-test.sh

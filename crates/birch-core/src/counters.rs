@@ -1,4 +1,5 @@
-//! Named counters: cheap relaxed atomics that tests, `inspect` and the benchmark read.
+//! Named counters and latency histograms: cheap relaxed atomics that tests, `birch stats` and
+//! the benchmark read.
 //!
 //! Owns only the numbers; it makes no decisions. Each thread adds to its own stripe (a
 //! cache-line-aligned copy of every counter) and a read sums the stripes, so counting on one
@@ -146,5 +147,125 @@ impl fmt::Display for CounterValues {
             writeln!(f, "{name:<20} {value}")?;
         }
         Ok(())
+    }
+}
+
+/// Buckets of a [`LatencyHistogram`]: bucket `i` counts latencies of `2^i` to `2^(i+1) - 1`
+/// microseconds (bucket 0 also counts those under 1 µs); the last one, from 2^31 µs (about
+/// 36 minutes), counts everything longer. Powers of two keep the buckets fixed and the
+/// percentiles within a factor of two, which is what a live view needs.
+pub const LATENCY_BUCKETS: usize = 32;
+
+/// A latency histogram with fixed log2 buckets of microseconds: one relaxed atomic add per
+/// sample, no lock, so the commit and fsync paths can record every call.
+#[derive(Debug, Default)]
+pub struct LatencyHistogram {
+    buckets: [AtomicU64; LATENCY_BUCKETS],
+}
+
+impl LatencyHistogram {
+    /// Counts one sample.
+    pub fn record(&self, elapsed: std::time::Duration) {
+        let micros = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
+        self.buckets[latency_bucket(micros)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A copy of the bucket counts.
+    pub fn values(&self) -> LatencyValues {
+        LatencyValues {
+            buckets: std::array::from_fn(|i| self.buckets[i].load(Ordering::Relaxed)),
+        }
+    }
+}
+
+/// The bucket a latency of `micros` microseconds falls in.
+pub fn latency_bucket(micros: u64) -> usize {
+    if micros == 0 {
+        0
+    } else {
+        (micros.ilog2() as usize).min(LATENCY_BUCKETS - 1)
+    }
+}
+
+/// Bucket counts of a [`LatencyHistogram`] at one moment.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct LatencyValues {
+    /// Samples per bucket (see [`LATENCY_BUCKETS`]).
+    pub buckets: [u64; LATENCY_BUCKETS],
+}
+
+impl LatencyValues {
+    /// Samples counted.
+    pub fn count(&self) -> u64 {
+        self.buckets.iter().sum()
+    }
+
+    /// Samples counted since `earlier`.
+    pub fn since(&self, earlier: &LatencyValues) -> LatencyValues {
+        LatencyValues {
+            buckets: std::array::from_fn(|i| self.buckets[i].saturating_sub(earlier.buckets[i])),
+        }
+    }
+
+    /// The latency below which `percent` of the samples fall, as the upper bound of its
+    /// bucket in microseconds (so within a factor of two above the true value); `None` with
+    /// no samples.
+    pub fn percentile_micros(&self, percent: f64) -> Option<u64> {
+        let count = self.count();
+        if count == 0 {
+            return None;
+        }
+        // The rank of the sample wanted, 1-based: the 50th percentile of 3 samples is the 2nd.
+        let rank = ((percent / 100.0 * count as f64).ceil() as u64).clamp(1, count);
+        let mut seen = 0;
+        for (i, n) in self.buckets.iter().enumerate() {
+            seen += n;
+            if seen >= rank {
+                return Some((1u64 << (i + 1)) - 1);
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn latency_buckets_are_powers_of_two() {
+        assert_eq!(latency_bucket(0), 0);
+        assert_eq!(latency_bucket(1), 0);
+        assert_eq!(latency_bucket(2), 1);
+        assert_eq!(latency_bucket(3), 1);
+        assert_eq!(latency_bucket(1024), 10);
+        assert_eq!(latency_bucket(u64::MAX), LATENCY_BUCKETS - 1);
+    }
+
+    #[test]
+    fn percentiles_name_the_bucket_bound() {
+        let h = LatencyHistogram::default();
+        assert_eq!(h.values().percentile_micros(50.0), None);
+        // 90 samples of 100 µs (bucket 6, 64..127) and 10 of 5 ms (bucket 12, 4096..8191).
+        for _ in 0..90 {
+            h.record(Duration::from_micros(100));
+        }
+        for _ in 0..10 {
+            h.record(Duration::from_millis(5));
+        }
+        let v = h.values();
+        assert_eq!(v.count(), 100);
+        assert_eq!(v.percentile_micros(50.0), Some(127));
+        assert_eq!(v.percentile_micros(90.0), Some(127));
+        assert_eq!(v.percentile_micros(91.0), Some(8191));
+        assert_eq!(v.percentile_micros(100.0), Some(8191));
+        let later = {
+            h.record(Duration::from_millis(5));
+            h.values()
+        };
+        let delta = later.since(&v);
+        assert_eq!(delta.count(), 1);
+        assert_eq!(delta.percentile_micros(50.0), Some(8191));
     }
 }

@@ -127,6 +127,16 @@ impl FsyncLog {
         }
     }
 
+    /// Bytes between the space a durable commit made reusable and the next write position
+    /// (batches replay would still read), capped at the area's size; and the area's size.
+    pub fn fill_bytes(&self) -> (u64, u64) {
+        let st = self.state.lock();
+        (
+            st.tail_lsn.saturating_sub(st.reusable_lsn).min(self.bytes),
+            self.bytes,
+        )
+    }
+
     /// Queues `records` and returns once they are durable (or the log is full). Concurrent
     /// callers share one write and one flush. Does device I/O with no lock held.
     pub fn submit(

@@ -32,7 +32,7 @@ use crate::alloc::{Allocator, Purpose};
 use crate::btree::parallel::{self, Job, JobOutput};
 use crate::btree::{TreeCtx, TreeReader, TreeWriter};
 use crate::cache::NodeCache;
-use crate::counters::Counters;
+use crate::counters::{Counters, LatencyHistogram};
 use crate::delta::{merge_layers, Delta, DeltaValue, FrozenDelta};
 use crate::device::{BlockDevice, Fence};
 use crate::error::{Error, Result};
@@ -207,6 +207,10 @@ pub struct Engine {
     cache: NodeCache,
     alloc: Arc<Allocator>,
     counters: Counters,
+    /// How long each commit took from its freeze until its superblock was durable.
+    commit_latency: LatencyHistogram,
+    /// How long each fsync and fdatasync took, as its caller saw it (`Filesystem::fsync`).
+    fsync_latency: LatencyHistogram,
     fsid: [u8; 16],
     /// Shared by every mutation of the running delta; exclusive only for the freeze.
     gate: Striped<()>,
@@ -296,6 +300,22 @@ impl Engine {
     /// Engine counters (device counters are separate: [`Engine::device`]).
     pub fn counters(&self) -> &Counters {
         &self.counters
+    }
+
+    /// Latencies of the commits that wrote something (freeze to durable superblock).
+    pub fn commit_latency(&self) -> &LatencyHistogram {
+        &self.commit_latency
+    }
+
+    /// Latencies of fsync and fdatasync calls (recorded by the filesystem layer).
+    pub fn fsync_latency(&self) -> &LatencyHistogram {
+        &self.fsync_latency
+    }
+
+    /// Bytes of the log area that hold batches no durable commit has covered yet, and the
+    /// size of the area: how close fsyncs are to falling back to commits for want of room.
+    pub fn log_fill_bytes(&self) -> (u64, u64) {
+        self.log.fill_bytes()
     }
 
     /// The device, behind the engine's shutdown fence: I/O through it fails once the engine
@@ -494,6 +514,8 @@ impl Engine {
             cache,
             alloc,
             counters,
+            commit_latency: LatencyHistogram::default(),
+            fsync_latency: LatencyHistogram::default(),
             fsid,
             gate: Striped::new(|| ()),
             active: Delta::default(),
@@ -1068,8 +1090,12 @@ impl Engine {
             (frozen, generation, state.first().snapshot.0.clone())
         };
         drop(after_freeze);
+        let started = std::time::Instant::now();
         let result = match self.write_commit(&frozen, generation, &snapshot) {
-            Ok(()) => Ok(generation),
+            Ok(()) => {
+                self.commit_latency.record(started.elapsed());
+                Ok(generation)
+            }
             Err(_) if self.is_shut_down() => Err(Error::Shutdown),
             Err(e) => {
                 self.set_read_only(format!("commit of generation {generation} failed: {e}"));

@@ -1,15 +1,18 @@
-//! `birch`: mkfs, mount, umount, sync, shutdown, fsck and inspect for birchfs images.
+//! `birch`: mkfs, mount, umount, sync, stats, shutdown, fsck and inspect for birchfs images.
 //!
 //! A thin layer over birch-core and birch-fuse: it parses arguments, prints, and picks exit
-//! codes. Installed also as `mkfs.birch`, `fsck.birch` and `mount.fuse.birch`, so `mkfs -t
-//! birch`, `fsck -t birch` and `mount -t fuse.birch` work.
+//! codes. Installed also as `mkfs.birch`, `fsck.birch` (and `fsck.fuse.birch`, which fsck(8)
+//! runs for an image fstab lists as fuse.birch) and `mount.fuse.birch`, so `mkfs -t birch`,
+//! `fsck -t birch` and `mount -t fuse.birch` work.
 //!
 //! Exit codes: 0 success; 1 an operation failed (bad option, image missing or in use, not a
 //! birchfs image, mount failed); 2 usage error. fsck follows fsck(8): 0 clean, 4 errors left
 //! uncorrected, 8 operational error.
 
+mod docs;
 mod fusecrash;
 mod mount;
+mod stats;
 
 /// mimalloc: per-thread heaps, so FUSE threads working on different files do not meet in the
 /// allocator (glibc malloc showed as a fifth of create time in the engine bench).
@@ -53,6 +56,10 @@ enum Command {
         #[arg(long, short)]
         force: bool,
         image: PathBuf,
+        /// Size in 1 KiB blocks, as `mkfs -t birch DEVICE BLOCKS` passes it (the same as
+        /// --size BLOCKSK).
+        #[arg(conflicts_with = "size")]
+        blocks: Option<u64>,
     },
     /// Mount an image. Returns once the mount is live; the daemon serves in the background.
     Mount {
@@ -91,6 +98,22 @@ enum Command {
         #[arg(long)]
         now: bool,
     },
+    /// Print the live counters of a mount: free space, dirty (buffered) bytes, log fill,
+    /// node cache hit rate, commit and fsync latency percentiles, and every counter since
+    /// the mount. Needs root (the counters are the root's trusted.birch.stats xattr).
+    Stats {
+        mountpoint: PathBuf,
+        /// Print rates per second every SECS seconds (default 1), one row per interval, like
+        /// iostat; latencies are those of the interval.
+        #[arg(long, short = 'w', value_name = "SECS", num_args = 0..=1, default_missing_value = "1")]
+        watch: Option<f64>,
+        /// With --watch: stop after N intervals.
+        #[arg(long, short = 'c', value_name = "N", requires = "watch")]
+        count: Option<u64>,
+        /// JSON for scripts: one object, or one per line with --watch.
+        #[arg(long)]
+        json: bool,
+    },
     /// Check an image (read-only). Refuses an image a live mount holds.
     Fsck {
         image: PathBuf,
@@ -100,9 +123,16 @@ enum Command {
         /// Look at an image even while it is mounted (results may be inconsistent).
         #[arg(long)]
         force: bool,
-        /// Accepted for fsck(8) compatibility; birch fsck never writes.
-        #[arg(short = 'a', short_alias = 'p', short_aliases = ['y', 'n'])]
+        /// Accepted for fsck(8), which passes -a, -p, -n, -y or -r on to fsck.birch; birch
+        /// fsck never writes, so each one only checks.
+        #[arg(short = 'a', short_aliases = ['p', 'y', 'n', 'r'])]
         auto: bool,
+        /// Accepted for fsck(8) (e2fsck's "check even if clean"): birch fsck always checks.
+        #[arg(short = 'f', hide = true)]
+        always: bool,
+        /// Accepted for fsck(8)'s -C (progress to a file descriptor); no progress is written.
+        #[arg(short = 'C', value_name = "FD", num_args = 0..=1, hide = true)]
+        progress_fd: Option<Option<String>>,
     },
     /// Run the crash matrix: each workload on a recording in-memory device, then every crash
     /// state (each flush point, plus seeded subsets of unflushed writes, some torn) recovered,
@@ -146,9 +176,21 @@ fn main() -> ExitCode {
     let mut args: Vec<String> = std::env::args().collect();
     match name.as_str() {
         "mkfs.birch" => args.insert(1, "mkfs".into()),
-        "fsck.birch" => args.insert(1, "fsck".into()),
+        // fsck(8) runs fsck.fuse.birch for an image that fstab lists with type fuse.birch.
+        "fsck.birch" | "fsck.fuse.birch" => args.insert(1, "fsck".into()),
         "mount.fuse.birch" | "mount.birch" => return mount::helper_main(&args[1..]),
         _ => {}
+    }
+    // `birch gen-docs DIR` writes the man pages and completions (scripts/package.sh). Kept out
+    // of the clap definitions so that neither the help, the pages nor the completions it
+    // writes offer it.
+    if let [_, command, dir] = args.as_slice() {
+        if command == "gen-docs" {
+            return match docs::generate(Path::new(dir)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail(format!("gen-docs: {e}")),
+            };
+        }
     }
     let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
@@ -167,7 +209,11 @@ fn main() -> ExitCode {
             label,
             force,
             image,
-        } => mkfs(&image, size.as_deref(), label, force),
+            blocks,
+        } => {
+            let size = size.or_else(|| blocks.map(|b| format!("{b}K")));
+            mkfs(&image, size.as_deref(), label, force)
+        }
         Command::Mount {
             image,
             mountpoint,
@@ -176,16 +222,19 @@ fn main() -> ExitCode {
         } => mount::mount_main(&image, &mountpoint, &options, foreground),
         Command::Umount { mountpoint } => mount::umount(&mountpoint),
         Command::Sync { mountpoint } => sync(&mountpoint),
+        Command::Stats {
+            mountpoint,
+            watch,
+            count,
+            json,
+        } => stats::stats_main(&mountpoint, watch, count, json),
         Command::Shutdown {
             mountpoint,
             log,
             now,
         } => shutdown(&mountpoint, log, now),
         Command::Fsck {
-            image,
-            data,
-            force,
-            auto: _,
+            image, data, force, ..
         } => fsck(&image, data, force),
         Command::Inspect { image, what } => inspect(&image, &what),
         Command::Crashtest {

@@ -43,6 +43,31 @@ struct MountConfig {
 /// Requests that wait for the device run on the adapter's worker pool (`waiters=`), so the
 /// loops only ever do CPU work; more loops than CPUs only add wake-ups of cold threads
 /// (DESIGN §12.4: 32 loops made single-thread creates 2-4x slower than 2 on this 2-core VM).
+/// Every mount option `parse_options` accepts, as (example, what it does): the text of the
+/// birchfs(5) man page (`docs.rs`). A unit test parses each example, so the page cannot name an
+/// option the parser refuses.
+pub(crate) const MOUNT_OPTIONS: &[(&str, &str)] = &[
+    ("ro", "Mount read-only: the daemon never writes the image, and a log left by fsync is not replayed (a later read-write mount replays it)."),
+    ("rw", "Mount read-write (the default)."),
+    ("allow_other", "Let users other than the one who mounted use the mount (FUSE's allow_other)."),
+    ("commit=SECS", "Commit in the background every SECS seconds (default 5; 0 turns background commits off)."),
+    ("threads=N", "FUSE request loops (default one per CPU, at least 2 and at most 8)."),
+    ("waiters=N", "Requests that wait for the device, served at once on worker threads (default 64)."),
+    ("ttl=SECS", "How long the kernel caches attributes, entries and negative entries (default 60). attr_timeout= and entry_timeout= are accepted as aliases."),
+    ("fsync=log", "fsync makes a file durable through the log: one device flush, no commit (the default)."),
+    ("fsync=commit", "Every fsync commits the whole filesystem."),
+    ("writeback=on", "The kernel's writeback cache: writes are gathered in the page cache (default on; writeback=off sends each write to the daemon)."),
+    ("keep_cache=on", "Keep a file's pages in the page cache across opens (default on)."),
+    ("buffer=on", "The daemon buffers writes that are neither direct nor synchronous until the next commit or fsync (default on)."),
+    ("uring", "FUSE over io_uring beside /dev/fuse (uring=on|off, default off); sets the fuse module's enable_uring when run as root."),
+    ("noatime", "Reads never update atime. relatime (the default; also atime) and strictatime are the other choices; the last one given counts."),
+    ("nodiratime", "Reads of directories never update atime (diratime undoes it)."),
+    ("nodev", "Device files on the mount cannot be opened (dev undoes it)."),
+    ("nosuid", "set-user-ID and set-group-ID bits are ignored (suid undoes it)."),
+    ("noexec", "Files on the mount cannot be executed (exec undoes it)."),
+    ("defaults", "Accepted and ignored, as are auto, noauto, user, nouser, users, nofail, _netdev, async and default_permissions: mount(8) and fstab handle them."),
+];
+
 fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8))
 }
@@ -970,5 +995,22 @@ impl InProcessMount {
 impl Drop for InProcessMount {
     fn drop(&mut self) {
         self.unmount();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every option the man page lists parses, with a number where it names one.
+    #[test]
+    fn documented_mount_options_parse() {
+        for (example, _) in MOUNT_OPTIONS {
+            let option = example.replace("SECS", "5").replace('N', "4");
+            if let Err(e) = parse_options(std::slice::from_ref(&option)) {
+                panic!("documented option {example} ({option}) does not parse: {e}");
+            }
+        }
+        assert!(parse_options(&["no_such_option".into()]).is_err());
     }
 }

@@ -77,6 +77,14 @@ impl Filesystem {
     /// fsync / fdatasync: makes the file's data and metadata durable. Reports EIO for ever
     /// after a failed write of this file. Holds no inode lock while the device flushes.
     pub fn fsync(&self, ino: u64, datasync: bool) -> Result<()> {
+        let started = std::time::Instant::now();
+        let result = self.fsync_body(ino, datasync);
+        self.inner.engine.fsync_latency().record(started.elapsed());
+        result
+    }
+
+    /// [`Filesystem::fsync`] without the latency sample.
+    fn fsync_body(&self, ino: u64, datasync: bool) -> Result<()> {
         let state = self.inode(ino)?;
         if state.data.read().write_error {
             return Err(Error::StickyIo(format!("inode {ino}")));

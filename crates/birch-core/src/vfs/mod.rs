@@ -539,7 +539,14 @@ impl Filesystem {
     }
 
     /// Every counter of the engine and the device, as one JSON object (the live-mount stats
-    /// interface: `getfattr -n trusted.birch.stats MNT`).
+    /// interface: `getfattr -n trusted.birch.stats MNT`, which `birch stats` reads), then the
+    /// gauges: `dirty_bytes` (buffered, not yet written), `log_used_bytes` of
+    /// `log_size_bytes`, `free_bytes` (what statfs calls available) of `size_bytes`, and the
+    /// commit and fsync latency histograms as arrays of [`LATENCY_BUCKETS`] counts
+    /// (`commit_latency_us_log2`, `fsync_latency_us_log2`; bucket i counts 2^i to
+    /// 2^(i+1) - 1 µs).
+    ///
+    /// [`LATENCY_BUCKETS`]: crate::counters::LATENCY_BUCKETS
     pub fn stats_json(&self) -> String {
         let device_names = ["device_reads", "device_writes", "bytes_written", "flushes"];
         let engine = self.inner.engine.counters().values();
@@ -557,6 +564,30 @@ impl Filesystem {
                 .filter(|(n, _)| device_names.contains(n))
                 .map(|(n, v)| format!("\"{n}\": {v}")),
         );
+        let engine = &self.inner.engine;
+        let (log_used, log_size) = engine.log_fill_bytes();
+        let statfs = self.statfs();
+        let block = u64::from(statfs.bsize);
+        let gauges = [
+            ("dirty_bytes", self.inner.buffers.dirty_bytes()),
+            ("log_used_bytes", log_used),
+            ("log_size_bytes", log_size),
+            ("free_bytes", statfs.bavail.saturating_mul(block)),
+            ("size_bytes", statfs.blocks.saturating_mul(block)),
+        ];
+        parts.extend(gauges.iter().map(|(n, v)| format!("\"{n}\": {v}")));
+        for (name, histogram) in [
+            ("commit_latency_us_log2", engine.commit_latency()),
+            ("fsync_latency_us_log2", engine.fsync_latency()),
+        ] {
+            let buckets: Vec<String> = histogram
+                .values()
+                .buckets
+                .iter()
+                .map(u64::to_string)
+                .collect();
+            parts.push(format!("\"{name}\": [{}]", buckets.join(", ")));
+        }
         format!("{{{}}}", parts.join(", "))
     }
 
