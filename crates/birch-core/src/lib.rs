@@ -17,10 +17,12 @@ pub mod delta;
 pub mod device;
 pub mod error;
 pub mod log;
+pub mod readonly;
 mod striped;
 pub mod txn;
 pub mod vfs;
 
 pub use error::{Error, Result};
+pub use readonly::ReadOnlyCause;
 pub use txn::{Engine, MkfsOptions};
 pub use vfs::{Filesystem, OpenOptions};
