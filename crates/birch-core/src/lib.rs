@@ -16,6 +16,7 @@ pub mod crashtest;
 pub mod delta;
 pub mod device;
 pub mod error;
+mod ids;
 pub mod log;
 pub mod readonly;
 mod striped;

@@ -37,20 +37,10 @@ use crate::counters::Counters;
 use crate::delta::{merge_layers, Delta, DeltaValue, FrozenDelta};
 use crate::device::{BlockDevice, Fence};
 use crate::error::{Error, Result};
+use crate::ids::{batch_aligned, OBJECTID_BATCH};
 use crate::log::{read_log, FsyncLog, LogOutcome, Replay};
 use crate::readonly::ReadOnlyCause;
 use birch_format::log::LogRecord;
-
-/// Object ids a thread takes from the shared counter at once, so creates on different threads
-/// do not bounce one cache line (the ext4 lesson of seed 002).
-pub(crate) const OBJECTID_BATCH: u64 = 64;
-
-/// `id` rounded up to a whole batch. The object-id mark is kept so (at open, after replay), so
-/// a batch taken later is one whole shard's batch: a directory's must share its shard with
-/// nothing (`Engine::allocate_objectid_alone`).
-fn batch_aligned(id: u64) -> u64 {
-    id.div_ceil(OBJECTID_BATCH).saturating_mul(OBJECTID_BATCH)
-}
 
 /// Commits of at least this many changed items cut their apply into jobs (see [`Board`]).
 const PARALLEL_APPLY_MIN: usize = 16_384;
