@@ -194,10 +194,13 @@ impl Error {
     }
 
     /// A broken invariant of the core's own state: logged as an error here, where it is
-    /// found, so it is seen even when the caller only maps it to `EIO`.
+    /// found, so it is seen even when the caller only maps it to `EIO`. A build with debug
+    /// assertions (`cargo test` without `--release`) stops here instead, so a test that
+    /// reaches a bug fails at the bug rather than at a later `EIO`.
     pub fn bug(what: impl Into<String>) -> Error {
         let what = what.into();
         log::error!("internal error (a bug in birchfs, please report it): {what}");
+        debug_assert!(false, "internal error: {what}");
         Error::Bug(what)
     }
 
