@@ -3,7 +3,8 @@
 //! Owns: the passes (superblocks; node validity, key order and pointer keys; reachability:
 //! every block referenced once, inside the device, outside reserved areas; items: inode ↔
 //! names ↔ nlink, dir item ↔ dir index, orphans, extents against size and overlap, data
-//! checksums) and the named [`FindingKind`]s they report.
+//! checksums), listed with stable ids, names and dependencies in [`PASSES`], and the named
+//! [`FindingKind`]s they report, each with a stable number ([`FindingKind::code`]).
 //!
 //! Must not touch: any writer. It recomputes what it expects from the raw items and never
 //! reuses writer helpers for the "expected" side. (The one exception, [`check_replayed`],
@@ -25,66 +26,248 @@ use crate::device::{BlockDevice, OverlayDevice};
 use crate::error::Result;
 use crate::txn::Engine;
 
-/// Every kind of problem fsck names.
+/// Every kind of problem fsck names. Each has a stable number ([`FindingKind::code`], printed
+/// with every finding) that scripts may match: a number is never reused or changed, and a new
+/// kind takes the next one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u16)]
 pub enum FindingKind {
     /// A superblock copy is unreadable or invalid, or the two copies disagree on the fsid.
-    SuperblockSlotBad,
+    SuperblockSlotBad = 1,
     /// A tree node cannot be read from the device or fails to decode (checksum, header,
     /// expected owner, generation or level).
-    NodeUnreadable,
+    NodeUnreadable = 2,
     /// A key in a node lies outside the key range its parent pointer allows.
-    NodeKeyOutOfRange,
+    NodeKeyOutOfRange = 3,
     /// An internal node's pointer key differs from the first key of the child it points to.
-    PointerKeyMismatch,
+    PointerKeyMismatch = 4,
     /// A block is referenced by two nodes or extents (or a node and an extent).
-    BlockReferencedTwice,
+    BlockReferencedTwice = 5,
     /// A node or extent lies (partly) past the end of the device or is not block-aligned.
-    BlockOutOfBounds,
+    BlockOutOfBounds = 6,
     /// A node or extent overlaps the reserved head (superblocks) or the fsync log area.
-    BlockInReservedArea,
+    BlockInReservedArea = 7,
     /// A leaf item has an unknown type code or a payload that does not decode.
-    ItemUndecodable,
+    ItemUndecodable = 8,
     /// Items exist for an object id that has no inode item.
-    ItemWithoutInode,
+    ItemWithoutInode = 9,
     /// An inode's nlink differs from its inode refs (files) or 2 + subdirectories (dirs).
-    InodeNlinkMismatch,
+    InodeNlinkMismatch = 10,
     /// A dir item (by name hash) has no matching dir index entry.
-    DirItemWithoutIndex,
+    DirItemWithoutIndex = 11,
     /// A dir index entry has no matching dir item, or its stored index differs from its key.
-    DirIndexWithoutItem,
+    DirIndexWithoutItem = 12,
     /// A directory entry names an inode that does not exist.
-    DirEntryDangling,
+    DirEntryDangling = 13,
     /// An inode ref names a parent entry that does not exist.
-    InodeRefWithoutDirEntry,
+    InodeRefWithoutDirEntry = 14,
     /// A directory entry whose child has no inode ref back to it.
-    DirEntryWithoutInodeRef,
+    DirEntryWithoutInodeRef = 15,
     /// A directory's size differs from its number of entries.
-    DirSizeMismatch,
+    DirSizeMismatch = 16,
     /// An inode with no names and no orphan item: it would leak.
-    OrphanMissing,
+    OrphanMissing = 17,
     /// An orphan item for an inode that no longer exists.
-    OrphanStale,
+    OrphanStale = 18,
     /// A regular extent starts at a file offset that is not block-aligned.
-    ExtentMisaligned,
+    ExtentMisaligned = 19,
     /// A file extent starts before the end of the previous one.
-    ExtentOverlap,
+    ExtentOverlap = 20,
     /// An extent starts (regular) or ends (inline) past the file size.
-    ExtentPastSize,
+    ExtentPastSize = 21,
     /// An inline extent not at offset 0, larger than `INLINE_MAX_BYTES`, or not the
     /// file's only extent.
-    InlineExtentInvalid,
+    InlineExtentInvalid = 22,
     /// A data block's crc32c differs from its extent's checksum (only with
     /// [`CheckOptions::data`]).
-    DataChecksumMismatch,
+    DataChecksumMismatch = 23,
     /// A data block could not be read (only with [`CheckOptions::data`]).
-    DataUnreadable,
+    DataUnreadable = 24,
     /// The root directory (inode 1) has no inode item.
-    RootDirMissing,
+    RootDirMissing = 25,
     /// An out-of-line xattr value (FORMAT.md §6.8) whose chunks are missing, misnamed,
     /// misplaced or do not add up to its size and crc32c; a chunk no xattr entry claims; or
     /// chunks on an image without the `INCOMPAT_XATTR_CHUNKS` flag.
-    XattrChunkMismatch,
+    XattrChunkMismatch = 26,
+}
+
+impl FindingKind {
+    /// Every kind, in number order.
+    pub const ALL: [FindingKind; 26] = [
+        FindingKind::SuperblockSlotBad,
+        FindingKind::NodeUnreadable,
+        FindingKind::NodeKeyOutOfRange,
+        FindingKind::PointerKeyMismatch,
+        FindingKind::BlockReferencedTwice,
+        FindingKind::BlockOutOfBounds,
+        FindingKind::BlockInReservedArea,
+        FindingKind::ItemUndecodable,
+        FindingKind::ItemWithoutInode,
+        FindingKind::InodeNlinkMismatch,
+        FindingKind::DirItemWithoutIndex,
+        FindingKind::DirIndexWithoutItem,
+        FindingKind::DirEntryDangling,
+        FindingKind::InodeRefWithoutDirEntry,
+        FindingKind::DirEntryWithoutInodeRef,
+        FindingKind::DirSizeMismatch,
+        FindingKind::OrphanMissing,
+        FindingKind::OrphanStale,
+        FindingKind::ExtentMisaligned,
+        FindingKind::ExtentOverlap,
+        FindingKind::ExtentPastSize,
+        FindingKind::InlineExtentInvalid,
+        FindingKind::DataChecksumMismatch,
+        FindingKind::DataUnreadable,
+        FindingKind::RootDirMissing,
+        FindingKind::XattrChunkMismatch,
+    ];
+
+    /// The kind's stable number (see [`FindingKind`]).
+    pub fn code(self) -> u16 {
+        self as u16
+    }
+}
+
+/// The stable id of an fsck pass ([`PASSES`]): its number never changes, a new pass takes the
+/// next one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum PassId {
+    /// Both superblock copies.
+    Superblocks = 1,
+    /// The nodes of the fs tree and the blocks they take.
+    Tree = 2,
+    /// Every leaf item on its own.
+    Items = 3,
+    /// Out-of-line xattr values and their chunks.
+    XattrChunks = 4,
+    /// Directory entries, inode refs and link counts.
+    Names = 5,
+    /// Orphan items.
+    Orphans = 6,
+    /// File extents and the blocks they take.
+    Extents = 7,
+    /// Data block checksums (`--data`).
+    Data = 8,
+    /// The fsync log waiting for replay.
+    Log = 9,
+}
+
+/// One fsck pass: what it checks and what it needs checked first. A pass is a set of checks
+/// with the findings they report, not necessarily a walk of its own: the item passes
+/// (`items` to `data`) run in one sweep over the sorted items, `extents` and `data` per inode
+/// inside the loop over inodes that `names` and `orphans` make, so their findings interleave
+/// by inode.
+#[derive(Debug, Clone, Copy)]
+pub struct Pass {
+    /// Stable id.
+    pub id: PassId,
+    /// Short name, as `birch fsck --list-passes` prints it.
+    pub name: &'static str,
+    /// Passes whose results this one reads.
+    pub depends_on: &'static [PassId],
+    /// What it checks, in one line.
+    pub checks: &'static str,
+    /// The kinds of finding it may report (the block kinds come from two passes).
+    pub finds: &'static [FindingKind],
+}
+
+/// The passes of [`check`], in the order they run.
+pub const PASSES: [Pass; 9] = [
+    Pass {
+        id: PassId::Superblocks,
+        name: "superblocks",
+        depends_on: &[],
+        checks: "both superblock copies decode, sit in their own slots and share one fsid; the newest names the tree",
+        finds: &[FindingKind::SuperblockSlotBad],
+    },
+    Pass {
+        id: PassId::Tree,
+        name: "tree",
+        depends_on: &[PassId::Superblocks],
+        checks: "every node reachable from the root reads and verifies, keeps its keys in its parent's range and its pointer keys equal to its children's first keys; its blocks are in bounds, outside the reserved areas and referenced once",
+        finds: &[
+            FindingKind::NodeUnreadable,
+            FindingKind::NodeKeyOutOfRange,
+            FindingKind::PointerKeyMismatch,
+            FindingKind::BlockReferencedTwice,
+            FindingKind::BlockOutOfBounds,
+            FindingKind::BlockInReservedArea,
+        ],
+    },
+    Pass {
+        id: PassId::Items,
+        name: "items",
+        depends_on: &[PassId::Tree],
+        checks: "every leaf item has a known type and decodes, and every object with items has an inode item",
+        finds: &[FindingKind::ItemUndecodable, FindingKind::ItemWithoutInode],
+    },
+    Pass {
+        id: PassId::XattrChunks,
+        name: "xattr-chunks",
+        depends_on: &[PassId::Items],
+        checks: "every out-of-line xattr value has exactly its chunks, adding up to its size and crc32c, on an image with the chunk flag",
+        finds: &[FindingKind::XattrChunkMismatch],
+    },
+    Pass {
+        id: PassId::Names,
+        name: "names",
+        depends_on: &[PassId::Items],
+        checks: "dir items and dir indexes mirror each other, entries name inodes that ref them back, refs name entries, the root directory exists, link counts and directory sizes match the names",
+        finds: &[
+            FindingKind::DirItemWithoutIndex,
+            FindingKind::DirIndexWithoutItem,
+            FindingKind::DirEntryDangling,
+            FindingKind::DirEntryWithoutInodeRef,
+            FindingKind::RootDirMissing,
+            FindingKind::InodeRefWithoutDirEntry,
+            FindingKind::InodeNlinkMismatch,
+            FindingKind::DirSizeMismatch,
+        ],
+    },
+    Pass {
+        id: PassId::Orphans,
+        name: "orphans",
+        depends_on: &[PassId::Names],
+        checks: "an inode without names has an orphan item, and every orphan item names an inode",
+        finds: &[FindingKind::OrphanMissing, FindingKind::OrphanStale],
+    },
+    Pass {
+        id: PassId::Extents,
+        name: "extents",
+        depends_on: &[PassId::Tree, PassId::Items],
+        checks: "each file's extents are block-aligned, ordered without overlap and within its size (an inline one alone at offset 0 and small); their blocks are in bounds, outside the reserved areas and referenced once",
+        finds: &[
+            FindingKind::ExtentMisaligned,
+            FindingKind::ExtentOverlap,
+            FindingKind::ExtentPastSize,
+            FindingKind::InlineExtentInvalid,
+            FindingKind::BlockReferencedTwice,
+            FindingKind::BlockOutOfBounds,
+            FindingKind::BlockInReservedArea,
+        ],
+    },
+    Pass {
+        id: PassId::Data,
+        name: "data",
+        depends_on: &[PassId::Extents],
+        checks: "with --data: every data block an extent references reads and matches the extent's crc32c",
+        finds: &[FindingKind::DataChecksumMismatch, FindingKind::DataUnreadable],
+    },
+    Pass {
+        id: PassId::Log,
+        name: "log",
+        depends_on: &[PassId::Superblocks],
+        checks: "counts the log batches the next read-write mount replays (no findings; with batches, birch fsck also checks the log replayed in memory)",
+        finds: &[],
+    },
+];
+
+impl PassId {
+    /// The pass's stable number.
+    pub fn number(self) -> u8 {
+        self as u8
+    }
 }
 
 /// One problem: where, what was found, what was expected.
@@ -104,7 +287,7 @@ pub struct Finding {
 
 impl fmt::Display for Finding {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:?}: ", self.kind)?;
+        write!(f, "{:?} [{:03}]: ", self.kind, self.kind.code())?;
         if let Some(block) = self.block {
             write!(f, "block {block:#x} ")?;
         }
@@ -883,6 +1066,66 @@ fn check_xattr_chunks(
                 String::from_utf8_lossy(&c.name)
             ),
             "a chunk of an out-of-line xattr value",
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Scripts match findings by number: the numbers are pinned here, and a change to one
+    /// fails this test.
+    #[test]
+    fn finding_codes_are_stable_and_unique() {
+        assert_eq!(FindingKind::SuperblockSlotBad.code(), 1);
+        assert_eq!(FindingKind::NodeUnreadable.code(), 2);
+        assert_eq!(FindingKind::DataChecksumMismatch.code(), 23);
+        assert_eq!(FindingKind::RootDirMissing.code(), 25);
+        assert_eq!(FindingKind::XattrChunkMismatch.code(), 26);
+        for (i, kind) in FindingKind::ALL.iter().enumerate() {
+            assert_eq!(usize::from(kind.code()), i + 1, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn every_finding_kind_belongs_to_a_pass() {
+        for kind in FindingKind::ALL {
+            assert!(
+                PASSES.iter().any(|p| p.finds.contains(&kind)),
+                "{kind:?} is in no pass"
+            );
+        }
+    }
+
+    /// Ids are unique and ascending in run order, and a pass depends only on passes that ran
+    /// before it.
+    #[test]
+    fn passes_run_after_what_they_depend_on() {
+        for (i, pass) in PASSES.iter().enumerate() {
+            assert_eq!(usize::from(pass.id.number()), i + 1, "{}", pass.name);
+            for dep in pass.depends_on {
+                assert!(
+                    dep.number() < pass.id.number(),
+                    "{} depends on a later pass {dep:?}",
+                    pass.name
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_finding_prints_its_number() {
+        let finding = Finding {
+            kind: FindingKind::NodeUnreadable,
+            block: Some(0x3a000),
+            location: "fs tree".into(),
+            found: "a bad checksum".into(),
+            expected: "a valid node".into(),
+        };
+        assert_eq!(
+            finding.to_string(),
+            "NodeUnreadable [002]: block 0x3a000 fs tree: found a bad checksum, expected a valid node"
         );
     }
 }

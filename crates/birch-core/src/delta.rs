@@ -65,7 +65,7 @@ fn shard_of(objectid: u64) -> usize {
 /// own (`Engine::allocate_objectid_alone`), so two directories that threads fill at once
 /// (their entries are items of the directory's object) do not share a shard by birth.
 pub(crate) fn batch_shard(objectid: u64, shards: usize) -> usize {
-    let batch = objectid >> crate::txn::OBJECTID_BATCH.trailing_zeros();
+    let batch = objectid >> crate::ids::OBJECTID_BATCH.trailing_zeros();
     (batch.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 58) as usize % shards
 }
 

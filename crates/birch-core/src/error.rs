@@ -1,11 +1,20 @@
-//! The one error type of the core, and its single mapping to errno.
+//! The one error type of the core, its single mapping to errno and the level it is logged at.
 //!
-//! Failure sites attach what they were doing (operation, inode, block); the FUSE adapter and
-//! tools only print or call [`Error::errno`].
+//! Owns: every failure kind the core reports, [`Error::errno`] (the only errno mapping) and
+//! [`Error::log_level`] (how loudly a caller that logs it should). Failure sites attach what
+//! they were doing (operation, inode, block); the FUSE adapter and tools only print, log at
+//! the error's level or call [`Error::errno`].
+//!
+//! Must not touch: I/O, engine state. Corruption found on disk is [`Error::Corrupt`] (`EIO`,
+//! the message names the block and says to run `birch fsck`); a broken invariant of the core's
+//! own state is [`Error::Bug`] (`EIO`, logged as an error where it is made), never
+//! [`Error::Invalid`], which is for arguments and requests the caller may not make.
 
 use std::io;
 
 use birch_format::FormatError;
+
+use crate::readonly::ReadOnlyCause;
 
 /// Result alias of the core.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -21,9 +30,12 @@ pub enum Error {
         /// The error the device returned.
         source: io::Error,
     },
-    /// Metadata read from the device failed to decode or verify (checksum, magic, bounds).
-    /// Maps to `EIO`; fsck is the remedy.
-    #[error("{context}: corrupt metadata: {source}")]
+    /// Metadata read from the device failed to decode or verify (checksum, magic, bounds), or
+    /// the tree read at open breaks a rule of the format (a block referenced twice, an extent
+    /// past the device, no root directory). Maps to `EIO` (not `EUCLEAN`: FUSE passes any
+    /// errno, but `EIO` is what every caller already handles); fsck is the remedy, and the
+    /// message says so.
+    #[error("{context}: corrupt metadata: {source}; run `birch fsck` on the image")]
     Corrupt {
         /// What was being read: operation, inode, block.
         context: String,
@@ -37,9 +49,9 @@ pub enum Error {
     #[error("{0}: no space left on device")]
     NoSpace(String),
     /// The filesystem is mounted read-only or was forced read-only after a failed commit or
-    /// log flush; the string is the reason. Maps to `EROFS`.
+    /// log write; the cause says which (and whether a remount may undo it). Maps to `EROFS`.
     #[error("filesystem is read-only: {0}")]
-    ReadOnly(String),
+    ReadOnly(ReadOnlyCause),
     /// A name, inode or item does not exist. Maps to `ENOENT`.
     #[error("{0}: no such file or directory")]
     NotFound(String),
@@ -117,6 +129,12 @@ pub enum Error {
     /// fallocate on a special file. Maps to `ENODEV`.
     #[error("{0}: no such device")]
     NoDevice(String),
+    /// An invariant of the core's own state does not hold (a job of the parallel apply
+    /// panicked, a node the writer made does not fit, an inode a rename locked is not in its
+    /// lock set): a bug in birchfs, not damage on disk and not a bad request. Made with
+    /// [`Error::bug`], which logs it as an error. Maps to `EIO`.
+    #[error("internal error (a bug in birchfs, please report it): {0}")]
+    Bug(String),
 }
 
 impl Error {
@@ -127,7 +145,8 @@ impl Error {
             | Error::Corrupt { .. }
             | Error::DataChecksum(_)
             | Error::StickyIo(_)
-            | Error::Shutdown => libc::EIO,
+            | Error::Shutdown
+            | Error::Bug(_) => libc::EIO,
             Error::NoSpace(_) => libc::ENOSPC,
             Error::ReadOnly(_) => libc::EROFS,
             Error::NotFound(_) => libc::ENOENT,
@@ -152,6 +171,37 @@ impl Error {
             Error::NoSuchAddress(_) => libc::ENXIO,
             Error::NoDevice(_) => libc::ENODEV,
         }
+    }
+
+    /// The level a caller that logs this error should use: `Debug` for the answers a
+    /// filesystem gives in normal use (a missing name, an existing one, a full buffer, no such
+    /// xattr, a seek past the data), `Error` for damage on disk and bugs, `Warn` for the rest
+    /// (device errors, read-only, no space, refused requests).
+    pub fn log_level(&self) -> log::Level {
+        match self {
+            Error::NotFound(_)
+            | Error::Exists(_)
+            | Error::NotEmpty(_)
+            | Error::NoData(_)
+            | Error::NameTooLong(_)
+            | Error::NotDir(_)
+            | Error::IsDir(_)
+            | Error::Range(_)
+            | Error::NoSuchAddress(_) => log::Level::Debug,
+            Error::Corrupt { .. } | Error::DataChecksum(_) | Error::Bug(_) => log::Level::Error,
+            _ => log::Level::Warn,
+        }
+    }
+
+    /// A broken invariant of the core's own state: logged as an error here, where it is
+    /// found, so it is seen even when the caller only maps it to `EIO`. A build with debug
+    /// assertions (`cargo test` without `--release`) stops here instead, so a test that
+    /// reaches a bug fails at the bug rather than at a later `EIO`.
+    pub fn bug(what: impl Into<String>) -> Error {
+        let what = what.into();
+        log::error!("internal error (a bug in birchfs, please report it): {what}");
+        debug_assert!(false, "internal error: {what}");
+        Error::Bug(what)
     }
 
     /// An I/O error with context.

@@ -2,8 +2,10 @@
 //!
 //! Layers, each allowed to call only those after it: `vfs` (the POSIX API) → `txn` (the
 //! engine: deltas, commit) → `delta` → `btree` → `cache` → `device`; `alloc` is reached through
-//! the engine; `check` reads through the engine and `btree` and never writes. The on-disk
-//! format lives in the `birch-format` crate. Nothing here knows about FUSE.
+//! the engine; `check` reads through the engine and `btree` and never writes. `error`,
+//! `readonly` (why the engine is read-only) and `ids` (object-id batching) are leaves that
+//! every layer may use and that use no layer. The on-disk format lives in the `birch-format`
+//! crate. Nothing here knows about FUSE.
 
 #![warn(missing_docs)]
 
@@ -16,11 +18,14 @@ pub mod crashtest;
 pub mod delta;
 pub mod device;
 pub mod error;
+mod ids;
 pub mod log;
+pub mod readonly;
 mod striped;
 pub mod txn;
 pub mod vfs;
 
 pub use error::{Error, Result};
+pub use readonly::ReadOnlyCause;
 pub use txn::{Engine, MkfsOptions};
 pub use vfs::{Filesystem, OpenOptions};

@@ -39,6 +39,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::counters::Counters;
 use crate::device::BlockDevice;
 use crate::error::{Error, Result};
+use crate::readonly::ReadOnlyCause;
 
 /// A batch written and not yet retired by a commit.
 #[derive(Debug, Clone, Copy)]
@@ -184,7 +185,9 @@ impl FsyncLog {
         let mut st = self.state.lock();
         loop {
             if let Some(reason) = &st.failed {
-                return Err(Error::ReadOnly(format!("fsync log: {reason}")));
+                return Err(Error::ReadOnly(ReadOnlyCause::LogWriteFailed {
+                    error: reason.clone(),
+                }));
             }
             if (st.full_ticket >= ticket && st.durable_ticket < ticket)
                 || st.refused_generation > st.durable_generation

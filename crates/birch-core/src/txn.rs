@@ -22,7 +22,8 @@ use birch_format::superblock::{
     RootPtr, Superblock, RESERVED_HEAD_BYTES, SUPER_BYTES, SUPER_OFFSETS,
 };
 use birch_format::{
-    ItemType, Key, FIRST_FREE_OBJECTID, FORMAT_VERSION, FS_TREE_ID, NODE_BLOCKS, NODE_SIZE,
+    FormatError, ItemType, Key, FIRST_FREE_OBJECTID, FORMAT_VERSION, FS_TREE_ID, NODE_BLOCKS,
+    NODE_SIZE,
 };
 use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
 
@@ -36,19 +37,10 @@ use crate::counters::{Counters, LatencyHistogram};
 use crate::delta::{merge_layers, Delta, DeltaValue, FrozenDelta};
 use crate::device::{BlockDevice, Fence};
 use crate::error::{Error, Result};
+use crate::ids::{batch_aligned, OBJECTID_BATCH};
 use crate::log::{read_log, FsyncLog, LogOutcome, Replay};
+use crate::readonly::ReadOnlyCause;
 use birch_format::log::LogRecord;
-
-/// Object ids a thread takes from the shared counter at once, so creates on different threads
-/// do not bounce one cache line (the ext4 lesson of seed 002).
-pub(crate) const OBJECTID_BATCH: u64 = 64;
-
-/// `id` rounded up to a whole batch. The object-id mark is kept so (at open, after replay), so
-/// a batch taken later is one whole shard's batch: a directory's must share its shard with
-/// nothing (`Engine::allocate_objectid_alone`).
-fn batch_aligned(id: u64) -> u64 {
-    id.div_ceil(OBJECTID_BATCH).saturating_mul(OBJECTID_BATCH)
-}
 
 /// Commits of at least this many changed items cut their apply into jobs (see [`Board`]).
 const PARALLEL_APPLY_MIN: usize = 16_384;
@@ -99,7 +91,7 @@ impl Board {
                     .map(|s| s.to_string())
                     .or_else(|| panic.downcast_ref::<String>().cloned())
                     .unwrap_or_default();
-                Err(Error::Invalid(format!(
+                Err(Error::bug(format!(
                     "commit {}: job {index} of the parallel apply panicked: {why}",
                     self.generation
                 )))
@@ -229,8 +221,8 @@ pub struct Engine {
     /// Incompat feature flags the next commit sets (a change that needs one was recorded).
     incompat_wanted: AtomicU64,
     next_objectid: AtomicU64,
-    read_only: RwLock<Option<String>>,
-    /// Whether `read_only` holds a reason: every mutation asks, so the common answer (no)
+    read_only: RwLock<Option<ReadOnlyCause>>,
+    /// Whether `read_only` holds a cause: every mutation asks, so the common answer (no)
     /// costs one load instead of a lock on a line every core writes.
     read_only_set: AtomicBool,
     instance: u64,
@@ -625,10 +617,29 @@ impl Engine {
             }
             return Ok((sb, notes));
         }
-        Err(Error::Invalid(format!(
-            "not a birchfs image (no valid superblock: {})",
-            notes.join("; ")
-        )))
+        // A slot that carries the magic but fails its checksum or its checks is damage to a
+        // birchfs image (EIO); slots without the magic (or unreadable) are not birchfs at all.
+        let damage = errors.into_iter().find_map(|e| match e {
+            Error::Corrupt { source, .. }
+                if !matches!(source, birch_format::FormatError::BadMagic { .. }) =>
+            {
+                Some(source)
+            }
+            _ => None,
+        });
+        match damage {
+            Some(source) => Err(Error::corrupt(
+                format!(
+                    "damaged birchfs image, no valid superblock ({})",
+                    notes.join("; ")
+                ),
+                source,
+            )),
+            None => Err(Error::Invalid(format!(
+                "not a birchfs image (no valid superblock: {})",
+                notes.join("; ")
+            ))),
+        }
     }
 
     /// Opens an existing image: reads the superblock, walks the tree to rebuild the free-space
@@ -669,7 +680,14 @@ impl Engine {
         while let Some((addr, generation, level)) = stack.pop() {
             let node = ctx.read(addr, generation, level)?;
             if !self.alloc.mark_used(addr, NODE_BLOCKS) {
-                return Err(Error::Invalid(format!("node {addr:#x} (generation {generation}) is referenced twice or overlaps other metadata; run fsck")));
+                return Err(Error::corrupt(
+                    format!("open: node {addr:#x} (generation {generation})"),
+                    FormatError::invalid(
+                        format!("node {addr:#x}"),
+                        "referenced twice or overlapping other metadata",
+                        "one reference to a free block",
+                    ),
+                ));
             }
             match &node.body {
                 NodeBody::Internal(ptrs) => {
@@ -689,7 +707,14 @@ impl Engine {
                                 > self.alloc.total_blocks() * birch_format::BLOCK_SIZE
                                 || !self.alloc.mark_used(disk, blocks)
                             {
-                                return Err(Error::Invalid(format!("extent {key} at {disk:#x} x {blocks} blocks is out of range or overlaps other space; run fsck")));
+                                return Err(Error::corrupt(
+                                    format!("open: extent {key} in node {addr:#x}"),
+                                    FormatError::invalid(
+                                        format!("extent at {disk:#x} x {blocks} blocks"),
+                                        "out of range or overlapping other space",
+                                        "free blocks inside the device",
+                                    ),
+                                ));
                             }
                         }
                     }
@@ -709,40 +734,52 @@ impl Engine {
         self.state.read().snapshot.generation
     }
 
-    /// Why the engine is read-only, if it is.
-    pub fn read_only_reason(&self) -> Option<String> {
+    /// Why the engine is read-only, if it is: the shutdown, else the cause recorded by
+    /// [`Engine::set_read_only`].
+    pub fn read_only_cause(&self) -> Option<ReadOnlyCause> {
+        if self.is_shut_down() {
+            return Some(ReadOnlyCause::Shutdown);
+        }
         self.read_only.read().clone()
     }
 
-    /// Turns the engine read-only (a failed commit or write; or a read-only mount).
-    pub fn set_read_only(&self, reason: impl Into<String>) {
+    /// The cause [`Engine::set_read_only`] recorded, as text (a shutdown is not recorded:
+    /// [`Engine::is_shut_down`] tells it, and [`Engine::read_only_cause`] includes it).
+    pub fn read_only_reason(&self) -> Option<String> {
+        self.read_only
+            .read()
+            .as_ref()
+            .map(|cause| cause.to_string())
+    }
+
+    /// Turns the engine read-only (a failed commit or log write; or a read-only mount). A
+    /// failure replaces a chosen read-only state ([`ReadOnlyCause::replaces`]): once a commit
+    /// has failed, no later commit may run and no remount may make the engine writable.
+    pub fn set_read_only(&self, cause: ReadOnlyCause) {
         if self.is_shut_down() {
             // The failure is the shutdown's doing (its fence refused the I/O).
             return;
         }
-        let reason = reason.into();
         let mut ro = self.read_only.write();
-        // A failure replaces a chosen read-only state (a read-only mount or remount): once a
-        // commit has failed, no later commit may run and no remount may make it writable.
-        let chosen = |r: &String| r.starts_with("mounted read-only");
         let replace = match ro.as_ref() {
             None => true,
-            Some(current) => chosen(current) && !chosen(&reason),
+            Some(current) => cause.replaces(current),
         };
         if replace {
-            log::error!("birchfs is now read-only: {reason}");
-            *ro = Some(reason);
+            log::log!(cause.log_level(), "birchfs is now read-only: {cause}");
+            *ro = Some(cause);
             self.read_only_set.store(true, Ordering::SeqCst);
         }
     }
 
-    /// Makes the engine writable again (remount rw), unless a failure made it read-only.
+    /// Makes the engine writable again (remount rw), unless its read-only state is one a
+    /// remount may not undo ([`ReadOnlyCause::may_become_writable`]).
     pub fn clear_read_only(&self) -> Result<()> {
         self.check_up()?;
         let mut ro = self.read_only.write();
-        if let Some(reason) = ro.as_ref() {
-            if !reason.starts_with("mounted read-only") {
-                return Err(Error::ReadOnly(reason.clone()));
+        if let Some(cause) = ro.as_ref() {
+            if !cause.may_become_writable() {
+                return Err(Error::ReadOnly(cause.clone()));
             }
         }
         *ro = None;
@@ -878,8 +915,8 @@ impl Engine {
         let guard = self.gate.read();
         if self.read_only_set.load(Ordering::SeqCst) {
             self.check_up()?;
-            if let Some(reason) = self.read_only.read().as_ref() {
-                return Err(Error::ReadOnly(reason.clone()));
+            if let Some(cause) = self.read_only.read().as_ref() {
+                return Err(Error::ReadOnly(cause.clone()));
             }
         }
         Ok(WriteTxn {
@@ -920,7 +957,9 @@ impl Engine {
             return Err(Error::Shutdown);
         }
         if let Err(e) = &result {
-            self.set_read_only(format!("fsync log failed: {e}"));
+            self.set_read_only(ReadOnlyCause::LogWriteFailed {
+                error: e.to_string(),
+            });
         }
         result
     }
@@ -1064,12 +1103,12 @@ impl Engine {
         let after_freeze = OnDrop(Some(after_freeze));
         let _commit = self.lock_commit();
         self.check_up()?;
-        if let Some(reason) = self.read_only.read().clone() {
+        if let Some(cause) = self.read_only.read().clone() {
             // A read-only mount commits what reached the delta before it turned read-only
             // (remount,ro sets read-only first, then commits); after a failure, nothing more
             // is durable, and callers (fsync) must hear so.
-            if !reason.starts_with("mounted read-only") {
-                return Err(Error::ReadOnly(reason));
+            if !cause.allows_commit() {
+                return Err(Error::ReadOnly(cause));
             }
         }
         let (frozen, generation, snapshot) = {
@@ -1098,7 +1137,10 @@ impl Engine {
             }
             Err(_) if self.is_shut_down() => Err(Error::Shutdown),
             Err(e) => {
-                self.set_read_only(format!("commit of generation {generation} failed: {e}"));
+                self.set_read_only(ReadOnlyCause::CommitFailed {
+                    generation,
+                    error: e.to_string(),
+                });
                 Err(e)
             }
         };

@@ -31,7 +31,7 @@ use std::time::Duration;
 use birch_core::check::{check, CheckOptions, FindingKind, Report};
 use birch_core::device::MemDevice;
 use birch_core::vfs::{Caller, FileKind, OpenOptions};
-use birch_core::{Engine, Filesystem, MkfsOptions};
+use birch_core::{Engine, Filesystem, MkfsOptions, ReadOnlyCause};
 use birch_format::items::{ExtentKind, FileExtent};
 use birch_format::node::{Expect, Node, NodeBody};
 use birch_format::superblock::{Superblock, SUPER_BYTES, SUPER_OFFSETS};
@@ -121,7 +121,7 @@ fn build_image() -> Image {
         let fs = Filesystem::open_device(dev.clone(), quiet()).expect("reopen");
         let ino = fs.resolve("/big").expect("resolve big");
         // Read-only use only: no atime update, so no further commit moves the tree.
-        fs.engine().set_read_only("mounted read-only (test)");
+        fs.engine().set_read_only(ReadOnlyCause::Mounted);
         ino
     };
     let (nodes, big_extents) = walk_nodes(&dev, &sb, big_ino);
@@ -280,6 +280,10 @@ fn assert_node_flip_found(node: NodeInfo) {
         message.contains("checksum") && message.contains(&format!("{:#x}", node.addr)),
         "the error should name the node and the checksum: {message}"
     );
+    assert!(
+        message.contains("birch fsck"),
+        "the error should say to run fsck: {message}"
+    );
 }
 
 #[test]
@@ -336,19 +340,32 @@ fn flipped_byte_in_the_newest_superblock_falls_back_to_the_other_slot() {
     });
 }
 
+/// Both superblock copies carry the magic but fail their checksums: damage to a birchfs
+/// image, so open says EIO and names both slots (it used to say EINVAL, "not a birchfs
+/// image", as for bytes that were never birchfs; issue 13).
 #[test]
-fn flipped_bytes_in_both_superblocks_is_not_a_birchfs_image() {
+fn flipped_bytes_in_both_superblocks_is_a_damaged_image_and_eio() {
     let mut bytes = image().bytes.clone();
     for offset in SUPER_OFFSETS {
         flip(&mut bytes, offset + 40);
     }
     let err = check_bytes(bytes.clone(), false).expect_err("fsck has no superblock to start");
     assert!(
-        err.contains("not a birchfs image") && err.contains("checksum"),
+        err.contains("no valid superblock") && err.contains("checksum"),
         "{err}"
     );
-    let (message, _) = open_error(bytes).expect("open must refuse");
-    assert!(message.contains("not a birchfs image"), "{message}");
+    let (message, errno) = open_error(bytes).expect("open must refuse");
+    assert_eq!(errno, libc::EIO, "{message}");
+    assert!(
+        message.contains("damaged birchfs image") && message.contains("birch fsck"),
+        "{message}"
+    );
+    for offset in SUPER_OFFSETS {
+        assert!(
+            message.contains(&format!("{offset:#x}")),
+            "the error names the slot at {offset:#x}: {message}"
+        );
+    }
 }
 
 #[test]

@@ -51,6 +51,20 @@ pub const EXTENT_MAX_BLOCKS: u64 = 256;
 pub const LINK_MAX: u32 = 65000;
 /// Largest file size: 2^62 bytes keeps every offset + length computation far from u64 overflow.
 pub const MAX_FILE_BYTES: u64 = 1 << 62;
+/// Tree height limit: 8 levels of 494-way nodes address far more than 2^64 bytes. Here, not
+/// in `node`, because the superblock's root pointer is checked against it too.
+pub const MAX_LEVEL: u8 = 8;
+
+// The limits are checked in every build, not only by a test: a change that breaks one does
+// not compile. (The leaf-size check sits beside the node header it needs, in `node`.)
+// An xattr value up to the inline limit fits one item beside its name and header.
+const _: () = assert!(XATTR_VALUE_MAX + NAME_MAX + 8 <= MAX_ITEM_BYTES);
+// An xattr chunk fits one item beside its name, the name length and the chunk index.
+const _: () = assert!(XATTR_CHUNK_BYTES + NAME_MAX + 2 + 4 <= MAX_ITEM_BYTES);
+// The largest xattr value takes at most 16 chunks.
+const _: () = assert!(XATTR_SIZE_MAX.div_ceil(XATTR_CHUNK_BYTES) <= 16);
+// A full extent's per-block checksums fit one item beside the extent's fields.
+const _: () = assert!(EXTENT_MAX_BLOCKS as usize * 4 + 64 <= MAX_ITEM_BYTES);
 
 /// Tree ids, recorded as the owner of every node.
 pub const FS_TREE_ID: u64 = 5;
@@ -61,6 +75,11 @@ pub const ROOT_OBJECTID: u64 = 1;
 pub const FIRST_FREE_OBJECTID: u64 = 256;
 /// Object id under which orphan items are keyed: (ORPHAN_OBJECTID, Orphan, inode).
 pub const ORPHAN_OBJECTID: u64 = u64::MAX - 5;
+
+/// Lowercase hex of a byte slice (fsids in printers and messages).
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
 
 /// crc32c (Castagnoli) of a byte slice: the checksum of every node, superblock, data block and
 /// log batch.
@@ -166,14 +185,5 @@ mod tests {
         assert_eq!(name_hash(&[b""]), 0xcbf2_9ce4_8422_2325);
         assert_eq!(name_hash(&[b"a"]), 0xaf63_dc4c_8601_ec8c);
         assert_eq!(name_hash(&[b"ab"]), name_hash(&[b"a", b"b"]));
-    }
-
-    #[test]
-    fn limits_fit_a_leaf() {
-        const { assert!(MAX_ITEM_BYTES * 2 + 2 * 25 + node::HEADER_BYTES <= NODE_SIZE) };
-        const { assert!(XATTR_VALUE_MAX + NAME_MAX + 8 <= MAX_ITEM_BYTES) };
-        const { assert!(XATTR_CHUNK_BYTES + NAME_MAX + 2 + 4 <= MAX_ITEM_BYTES) };
-        const { assert!(XATTR_SIZE_MAX.div_ceil(XATTR_CHUNK_BYTES) <= 16) };
-        const { assert!(EXTENT_MAX_BLOCKS as usize * 4 + 64 <= MAX_ITEM_BYTES) };
     }
 }

@@ -8,7 +8,7 @@ use std::fmt;
 
 use crate::bytes::{Reader, Writer};
 use crate::key::{Key, KEY_BYTES};
-use crate::{checksum, FormatError, NODE_SIZE};
+use crate::{checksum, FormatError, MAX_ITEM_BYTES, NODE_SIZE};
 
 /// "BNOD", at byte 4 of every node (after the checksum).
 pub const NODE_MAGIC: [u8; 4] = *b"BNOD";
@@ -22,8 +22,11 @@ pub const PTR_BYTES: usize = KEY_BYTES + 16;
 pub const LEAF_SPACE: usize = NODE_SIZE - HEADER_BYTES;
 /// Children an internal node holds at most.
 pub const MAX_PTRS: usize = LEAF_SPACE / PTR_BYTES;
-/// Tree height limit: 8 levels of 494-way nodes address far more than 2^64 bytes.
-pub const MAX_LEVEL: u8 = 8;
+pub use crate::MAX_LEVEL;
+
+// Any split of a full leaf leaves two valid halves: two items of the largest size, with their
+// headers, fit one node beside its header.
+const _: () = assert!(MAX_ITEM_BYTES * 2 + 2 * ITEM_HEADER_BYTES + HEADER_BYTES <= NODE_SIZE);
 
 /// Identity fields of a node header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -296,8 +299,8 @@ impl Node {
         if header.fsid != expect.fsid {
             return Err(FormatError::invalid(
                 format!("{at} fsid"),
-                crate::superblock::hex(&header.fsid),
-                crate::superblock::hex(&expect.fsid),
+                crate::hex(&header.fsid),
+                crate::hex(&expect.fsid),
             ));
         }
         if header.addr != expect.addr {

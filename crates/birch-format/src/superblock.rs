@@ -3,7 +3,7 @@
 use std::fmt;
 
 use crate::bytes::{Reader, Writer};
-use crate::{checksum, FormatError, BLOCK_SIZE, FORMAT_VERSION, NODE_SIZE};
+use crate::{checksum, hex, FormatError, BLOCK_SIZE, FORMAT_VERSION, NODE_SIZE};
 
 /// "BIRCHFS" + format family byte, at byte 8. Checked before the checksum, so "not birchfs"
 /// and "damaged birchfs" are told apart.
@@ -221,7 +221,7 @@ impl Superblock {
     /// Checks the fields against each other and against what this build supports:
     /// `UnknownIncompat` for unknown incompat bits, `Invalid` for a wrong block or node size,
     /// a bad `total_bytes`, a root pointer outside the device or ahead of `generation`, a root
-    /// level >= [`crate::node::MAX_LEVEL`], or a log area outside the device.
+    /// level >= [`crate::MAX_LEVEL`], or a log area outside the device.
     pub fn validate(&self, what: &str) -> Result<(), FormatError> {
         let unknown = self.incompat & !INCOMPAT_SUPPORTED;
         if unknown != 0 {
@@ -268,11 +268,11 @@ impl Superblock {
                 format!("<= superblock generation {}", self.generation),
             ));
         }
-        if root.level >= crate::node::MAX_LEVEL {
+        if root.level >= crate::MAX_LEVEL {
             return Err(FormatError::invalid(
                 format!("{what} fs root level"),
                 root.level,
-                format!("< {}", crate::node::MAX_LEVEL),
+                format!("< {}", crate::MAX_LEVEL),
             ));
         }
         let log_end = self.log_start.checked_add(self.log_bytes);
@@ -326,11 +326,6 @@ impl fmt::Display for Superblock {
             self.commit_time_sec, self.commit_time_nsec
         )
     }
-}
-
-/// Lowercase hex of a byte slice.
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

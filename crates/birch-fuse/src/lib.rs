@@ -583,21 +583,11 @@ fn invalidate_attrs(notifier: &OnceLock<fuser::Notifier>, ino: u64) {
     }
 }
 
+/// Logs a failed request at the error's own level ([`Error::log_level`]) and gives the errno
+/// to reply with ([`Error::errno`]).
 fn errno(op: &str, e: &Error) -> Errno {
-    let code = e.errno();
-    match code {
-        libc::ENOENT
-        | libc::EEXIST
-        | libc::ENOTEMPTY
-        | libc::ENODATA
-        | libc::ENAMETOOLONG
-        | libc::ENOTDIR
-        | libc::EISDIR
-        | libc::ERANGE
-        | libc::ENXIO => log::debug!("{op}: {e}"),
-        _ => log::warn!("{op}: {e}"),
-    }
-    Errno::from_i32(code)
+    log::log!(e.log_level(), "{op}: {e}");
+    Errno::from_i32(e.errno())
 }
 
 fn system_time(t: Timespec) -> SystemTime {

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use birch_core::check::{check, check_replayed, CheckOptions};
+use birch_core::check::{check, check_replayed, CheckOptions, FindingKind, PassId, PASSES};
 use birch_core::device::{BlockDevice, FileDevice, OpenMode};
 use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::node::{Expect, Node};
@@ -114,9 +114,16 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Check an image (read-only). Refuses an image a live mount holds.
+    /// Check an image (read-only). Refuses an image a live mount holds. Each finding is
+    /// printed with its kind and stable number, e.g. `NodeUnreadable [002]: ...`.
     Fsck {
-        image: PathBuf,
+        /// The image (not needed with --list-passes).
+        #[arg(required_unless_present = "list_passes")]
+        image: Option<PathBuf>,
+        /// Print the passes (id, name, dependencies, what each checks) and the finding kinds
+        /// with their numbers, then exit.
+        #[arg(long)]
+        list_passes: bool,
         /// Also read every data block and verify its checksum.
         #[arg(long)]
         data: bool,
@@ -234,8 +241,15 @@ fn main() -> ExitCode {
             now,
         } => shutdown(&mountpoint, log, now),
         Command::Fsck {
-            image, data, force, ..
-        } => fsck(&image, data, force),
+            image,
+            list_passes,
+            data,
+            force,
+            ..
+        } => match image {
+            Some(image) if !list_passes => fsck(&image, data, force),
+            _ => list_fsck_passes(),
+        },
         Command::Inspect { image, what } => inspect(&image, &what),
         Command::Crashtest {
             workload,
@@ -387,6 +401,43 @@ fn shutdown(mountpoint: &Path, log: bool, now: bool) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(format!("{}: shutdown: {e}", mountpoint.display())),
     }
+}
+
+/// `birch fsck --list-passes`: the pass table, then every finding kind with its number and
+/// the pass that reports it.
+fn list_fsck_passes() -> ExitCode {
+    let name_of = |id: PassId| PASSES.iter().find(|p| p.id == id).map_or("?", |p| p.name);
+    println!("passes (in run order):");
+    for pass in &PASSES {
+        let deps: Vec<&str> = pass.depends_on.iter().map(|d| name_of(*d)).collect();
+        let deps = if deps.is_empty() {
+            "-".to_string()
+        } else {
+            deps.join(",")
+        };
+        println!(
+            "{:>2} {:<13} after: {:<17} {}",
+            pass.id.number(),
+            pass.name,
+            deps,
+            pass.checks
+        );
+    }
+    println!("findings:");
+    for kind in FindingKind::ALL {
+        let passes: Vec<&str> = PASSES
+            .iter()
+            .filter(|p| p.finds.contains(&kind))
+            .map(|p| p.name)
+            .collect();
+        println!(
+            "{:03} {:<24} {}",
+            kind.code(),
+            format!("{kind:?}"),
+            passes.join(",")
+        );
+    }
+    ExitCode::SUCCESS
 }
 
 fn fsck(image: &Path, data: bool, force: bool) -> ExitCode {

@@ -86,7 +86,7 @@ impl Planner<'_, '_> {
     fn expand(&mut self, node_ptr: ChildPtr, level: u8, lo: Key, hi: Option<Key>) -> Result<Part> {
         let node = self.ctx.read(node_ptr.addr, node_ptr.generation, level)?;
         let NodeBody::Internal(ptrs) = &node.body else {
-            return Err(Error::Invalid(format!(
+            return Err(Error::bug(format!(
                 "parallel apply plan: node {:#x} at level {level} is a leaf",
                 node_ptr.addr
             )));
@@ -145,7 +145,7 @@ impl Planner<'_, '_> {
     fn cut_leaf(&mut self, ptr: ChildPtr, lo: Key, hi: Option<Key>, count: usize) -> Result<Part> {
         let node = self.ctx.read(ptr.addr, ptr.generation, 0)?;
         let NodeBody::Leaf(items) = &node.body else {
-            return Err(Error::Invalid(format!(
+            return Err(Error::bug(format!(
                 "parallel apply plan: node {:#x} at level 0 is internal",
                 ptr.addr
             )));
@@ -308,7 +308,7 @@ fn take_output(outputs: &mut [Option<JobOutput>], index: usize) -> Result<Vec<Ch
         .get_mut(index)
         .and_then(Option::take)
         .map(|out| out.ptrs)
-        .ok_or_else(|| Error::Invalid(format!("parallel apply: no output of job {index}")))
+        .ok_or_else(|| Error::bug(format!("parallel apply: no output of job {index}")))
 }
 
 /// The run that replaces `part`, at the part's level.

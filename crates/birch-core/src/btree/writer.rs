@@ -259,7 +259,7 @@ impl<'a> TreeWriter<'a> {
                 unreachable!("op kind is fixed")
             };
             if removed == 0 {
-                return Err(Error::Invalid(format!(
+                return Err(Error::bug(format!(
                     "delete_range {lo}..{hi}: descent to {start} removed nothing"
                 )));
             }
@@ -272,7 +272,7 @@ impl<'a> TreeWriter<'a> {
     /// it falls back to a range delete and an insert. Returns how many items were dropped.
     pub fn replace_range(&mut self, lo: &Key, hi: &Key, key: Key, value: Vec<u8>) -> Result<usize> {
         if !(*lo <= key && key < *hi) {
-            return Err(Error::Invalid(format!(
+            return Err(Error::bug(format!(
                 "replace_range: key {key} outside {lo}..{hi}"
             )));
         }
@@ -646,7 +646,7 @@ impl<'a> TreeWriter<'a> {
             None => ptrs,
         };
         if ptrs.is_empty() {
-            return Err(Error::Invalid("subtree writer over no subtrees".into()));
+            return Err(Error::bug("subtree writer over no subtrees"));
         }
         let header = NodeHeader {
             fsid: ctx.fsid,
@@ -828,7 +828,7 @@ impl<'a> TreeWriter<'a> {
                 unreachable!("op kind is fixed")
             };
             if next == done {
-                return Err(Error::Invalid(format!(
+                return Err(Error::bug(format!(
                     "apply_sorted: no progress at {}",
                     changes[done].0
                 )));

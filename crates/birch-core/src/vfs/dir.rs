@@ -1325,7 +1325,7 @@ fn guard<'g, 'a>(
         .iter_mut()
         .find(|(i, _)| *i == ino)
         .map(|(_, g)| &mut **g)
-        .ok_or_else(|| Error::Invalid(format!("rename: inode {ino} not locked")))
+        .ok_or_else(|| Error::bug(format!("rename: inode {ino} not locked")))
 }
 
 /// Item changes of a rename, applied under one write gate.

@@ -31,6 +31,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use crate::counters::CachePadded;
 use crate::device::{BlockDevice, FileDevice, OpenMode};
 use crate::error::{Error, Result};
+use crate::readonly::ReadOnlyCause;
 use crate::txn::{Engine, MkfsOptions};
 
 pub use dir::DirEntryOut;
@@ -325,7 +326,11 @@ pub(crate) struct Inner {
     pub(crate) engine: Arc<Engine>,
     table: Vec<CachePadded<Mutex<HashMap<u64, Arc<InodeState>>>>>,
     pub(crate) rename_lock: Mutex<()>,
-    committer: Mutex<Option<JoinHandle<()>>>,
+    /// The background committer, while one runs, and its interval.
+    committer: Mutex<Option<(JoinHandle<()>, Duration)>>,
+    /// The mount's background commit interval (`commit=`, [`OpenOptions::commit_interval`]):
+    /// a remount rw that starts the committer uses it, as the open would have.
+    commit_interval: Option<Duration>,
     wake: (Mutex<bool>, Condvar),
     stop: AtomicBool,
     next_fh: AtomicU64,
@@ -456,10 +461,12 @@ impl Filesystem {
         let unknown_ro =
             engine.superblock().ro_compat & !birch_format::superblock::RO_COMPAT_SUPPORTED;
         if unknown_ro != 0 && !options.read_only {
-            return Err(Error::ReadOnly(format!("image has read-only-compatible features {unknown_ro:#x} this build does not know; open it read-only")));
+            return Err(Error::ReadOnly(ReadOnlyCause::UnknownRoCompat {
+                flags: unknown_ro,
+            }));
         }
         if options.read_only {
-            engine.set_read_only("mounted read-only");
+            engine.set_read_only(ReadOnlyCause::Mounted);
         }
         let inner = Arc::new(Inner {
             engine,
@@ -468,6 +475,7 @@ impl Filesystem {
                 .collect(),
             rename_lock: Mutex::new(()),
             committer: Mutex::new(None),
+            commit_interval: options.commit_interval,
             wake: (Mutex::new(false), Condvar::new()),
             stop: AtomicBool::new(false),
             next_fh: AtomicU64::new(1),
@@ -478,10 +486,19 @@ impl Filesystem {
             atime: AtomicU8::new(AtimeMode::Relatime as u8),
         });
         let fs = Filesystem { inner, view: false };
-        if fs.getattr(ROOT_OBJECTID).is_err() {
-            return Err(Error::Invalid(
-                "root directory (inode 1) is missing; run fsck".into(),
-            ));
+        match fs.getattr(ROOT_OBJECTID) {
+            Ok(_) => {}
+            Err(Error::NotFound(_)) => {
+                return Err(Error::corrupt(
+                    "open: root directory (inode 1) is missing",
+                    birch_format::FormatError::invalid(
+                        format!("inode {ROOT_OBJECTID} of the fs tree"),
+                        "no inode item",
+                        "the root directory's inode item",
+                    ),
+                ))
+            }
+            Err(e) => return Err(e),
         }
         if !options.read_only {
             if fs.replay_log()? {
@@ -523,9 +540,18 @@ impl Filesystem {
                 }
             });
         match handle {
-            Ok(h) => *self.inner.committer.lock() = Some(h),
+            Ok(h) => *self.inner.committer.lock() = Some((h, interval)),
             Err(e) => log::error!("cannot start the background committer: {e}"),
         }
+    }
+
+    /// The interval of the background committer, if one runs.
+    pub fn committer_interval(&self) -> Option<Duration> {
+        self.inner
+            .committer
+            .lock()
+            .as_ref()
+            .map(|(_, interval)| *interval)
     }
 
     /// The engine under this filesystem.
@@ -605,9 +631,7 @@ impl Filesystem {
                 // Buffered data first (it cannot be recorded once read-only); then read-only,
                 // so no change slips in between; then commit what is there.
                 self.commit_now()?;
-                self.inner
-                    .engine
-                    .set_read_only("mounted read-only (remount)");
+                self.inner.engine.set_read_only(ReadOnlyCause::Remounted);
                 self.commit_now().map(|_| ())
             }
             b"rw" => {
@@ -615,8 +639,12 @@ impl Filesystem {
                     return Err(Error::Invalid("the log of this image was not replayed (it was opened read-only): unmount and mount it read-write".into()));
                 }
                 self.inner.engine.clear_read_only()?;
-                if self.inner.committer.lock().is_none() {
-                    self.start_committer(Duration::from_secs(5));
+                // A mount that started read-only has no committer: start it with the mount's
+                // own interval (none: commits only on demand, as a writable open would).
+                if let Some(interval) = self.inner.commit_interval {
+                    if self.inner.committer.lock().is_none() {
+                        self.start_committer(interval);
+                    }
                 }
                 Ok(())
             }
@@ -683,7 +711,7 @@ impl Filesystem {
             *lock.lock() = true;
             cvar.notify_all();
         }
-        if let Some(handle) = self.inner.committer.lock().take() {
+        if let Some((handle, _)) = self.inner.committer.lock().take() {
             let _ = handle.join();
         }
         // Drop runs `close`, which finds `closed` set and returns at once.
@@ -701,7 +729,7 @@ impl Filesystem {
             *lock.lock() = true;
             cvar.notify_all();
         }
-        if let Some(handle) = self.inner.committer.lock().take() {
+        if let Some((handle, _)) = self.inner.committer.lock().take() {
             let _ = handle.join();
         }
         if self.inner.engine.is_shut_down() {
