@@ -1399,6 +1399,10 @@ def op_enospc(d):
     check(err == errno.ENOSPC and done < 256 * MiB,
           f"cached writer into a 64 MiB filesystem: write(2) gave {ename(err) if err else 'no error'} "
           f"after {done >> 20} MiB (then {errs})")
+    # It heard of it while what the kernel held dirty still fitted: every write(2) that
+    # succeeded is kept, so fsync and close succeed and the file holds all of it.
+    check(errs == [("write", errno.ENOSPC)], f"after write(2)'s ENOSPC, fsync/close: {errs}")
+    check(os.stat(J(d2, "cached")).st_size == done, f"size {os.stat(J(d2, 'cached')).st_size} after {done} bytes written")
     os.unlink(J(d2, "cached"))
     # The first birch sync reports the failed writeback (syncfs) and commits anyway.
     r = subprocess.run([BIRCH, "sync", CTX.mnt2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -198,17 +198,21 @@ impl HandleLookups {
     }
 }
 
-/// Inodes with a write-back WRITE the daemon refused with ENOSPC since the last report.
+/// Inodes whose writer should hear ENOSPC at its next write(2): a write-back WRITE arrived
+/// while free space was below the write-through headroom, or the daemon refused one with
+/// ENOSPC, since the last report.
 ///
 /// With the writeback cache a write(2) ends in the kernel's page cache; the daemon sees the
 /// data only when the kernel writes it back, and if the filesystem is full by then the kernel
 /// drops those pages and keeps the error for fsync(2) and close(2). A writer that never closes
-/// (`dd` filling the disk) would never hear of it and write on forever. So a refused write-back
-/// marks its inode and drops the kernel's attributes of it; the kernel asks for them again
-/// (GETATTR with the file handle) at the start of the next write(2) on the file, and that
-/// GETATTR is answered ENOSPC, once per mark, which write(2) returns. A GETATTR without a
-/// handle (stat) is answered as always. The last close of the inode clears the mark, since
-/// close(2) has reported the error by then.
+/// (`dd` filling the disk) would never hear of it and write on forever, and one that checks
+/// only write(2) would lose data silently. So such a write-back marks its inode and drops the
+/// kernel's attributes of it; the kernel asks for them again (GETATTR with the file handle)
+/// at the start of the next write(2) on the file, and that GETATTR is answered ENOSPC, once per
+/// mark, which write(2) returns. Marked below the headroom, the writer stops while what the
+/// kernel holds dirty still fits, so nothing is lost (xfstests generic/015: dd's write fails,
+/// its close does not). A GETATTR without a handle (stat) is answered as always. The last close
+/// of the inode clears the mark.
 struct LostWrites {
     any: std::sync::atomic::AtomicBool,
     inodes: parking_lot::Mutex<std::collections::HashSet<u64>>,
@@ -1060,12 +1064,20 @@ impl fuser::Filesystem for BirchFuse {
                 false,
                 sync,
             );
+            let cached = write_flags.contains(WriteFlags::FUSE_WRITE_CACHE);
             match result {
-                Ok(n) => reply.written(n),
+                Ok(n) => {
+                    // A write-back below the headroom: the writer, whose open was cached
+                    // while space was plentiful, hears ENOSPC at its next write(2), while
+                    // what the kernel still holds dirty (at most half the headroom) fits.
+                    if cached && self.low_on_space() {
+                        self.lost_writes.mark(ino.0);
+                        self.invalidate_attrs(ino.0);
+                    }
+                    reply.written(n)
+                }
                 Err(e) => {
-                    if write_flags.contains(WriteFlags::FUSE_WRITE_CACHE)
-                        && matches!(e, Error::NoSpace(_))
-                    {
+                    if cached && matches!(e, Error::NoSpace(_)) {
                         self.lost_writes.mark(ino.0);
                         self.invalidate_attrs(ino.0);
                     }
