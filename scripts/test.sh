@@ -81,6 +81,8 @@ if [[ $can_mount == 1 ]]; then
   # birch stats: --json fields, counters and latencies moving after writes, fsyncs and a
   # commit, the table and --watch (about 2 s).
   tier "stats" bash tests/mount/stats-test.sh
+  # Images of older formats (FORMAT.md §9) still check clean, mount and take writes.
+  tier "format fixtures" bash tests/images/check-fixtures.sh
   # -o uring (FUSE over io_uring) and its fallback when registration fails; skips (77) on a
   # kernel without it. Leaves the fuse module's enable_uring as it found it.
   tier "FUSE over io_uring" bash tests/mount/uring-test.sh
