@@ -14,7 +14,6 @@ pub mod btree;
 pub mod cache;
 pub mod check;
 pub mod counters;
-pub mod crashtest;
 pub mod delta;
 pub mod device;
 pub mod error;

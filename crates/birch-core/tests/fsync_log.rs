@@ -15,10 +15,10 @@
 use std::sync::Arc;
 
 use birch_core::check::{check, CheckOptions};
-use birch_core::crashtest::{run_matrix, Workload};
 use birch_core::device::{BlockDevice, MemDevice};
 use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Filesystem, MkfsOptions};
+use birch_testkit::{run_matrix, Workload};
 
 mod common;
 
@@ -497,7 +497,7 @@ fn crash_matrix() {
 /// again, hold every fsync'd file and pass fsck.
 #[test]
 fn a_crash_during_replay_replays_again() {
-    use birch_core::crashtest::{check_recording, History};
+    use birch_testkit::{check_recording, History};
     let dev = fresh();
     let mut history = History::default();
     {

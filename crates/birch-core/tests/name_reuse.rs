@@ -21,10 +21,10 @@
 use std::sync::Arc;
 
 use birch_core::check::{check, CheckOptions};
-use birch_core::crashtest::{check_recording, History};
 use birch_core::device::{MemDevice, Recorded};
 use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::Filesystem;
+use birch_testkit::{check_recording, History};
 
 mod common;
 

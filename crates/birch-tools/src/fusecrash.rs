@@ -7,10 +7,13 @@
 //! directory fsync or a commit; in one run of three, `FS_IOC_SHUTDOWN` on the mount mid-way,
 //! after which every request must fail and nothing reach the device), so the kernel's side (its page cache with `writeback=on`,
 //! the FSYNC after writeback, FSYNCDIR, direct-I/O handles) is in the recording too. The
-//! crash states and the oracle are the library matrix's ([`check_recording`]).
+//! crash states, the oracle and the generator are the library matrix's, from `birch-testkit`
+//! ([`check_recording`], [`History`], [`Rng`]).
 //!
 //! Must not touch: the filesystem's internals; it goes through the kernel only (plus the
-//! in-process commit that stands in for `birch sync`).
+//! in-process commit that stands in for `birch sync`). It lives here and not in the testkit
+//! because its mount ([`InProcessMount`]) is the FUSE adapter's, set up as `birch mount` sets
+//! it up; the testkit knows no FUSE (DESIGN §2).
 
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -20,10 +23,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use birch_core::crashtest::{check_recording, CrashReport, History, Rng};
 use birch_core::device::{MemDevice, Recorded};
 use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Filesystem, MkfsOptions};
+use birch_testkit::{check_recording, CrashReport, History, Rng};
 
 use crate::mount::InProcessMount;
 

@@ -678,7 +678,7 @@ fn crashtest(
     ace_runs: u64,
     fuse_runs: u64,
 ) -> ExitCode {
-    use birch_core::crashtest::{run_matrix, Workload};
+    use birch_testkit::{run_matrix, Workload};
     // Every crash state replays a log; those notes would drown the summary.
     log::set_max_level(log::LevelFilter::Error);
     let mut workloads = Vec::new();

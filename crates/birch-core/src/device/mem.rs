@@ -1,4 +1,8 @@
 //! A device in memory that keeps unflushed writes apart, so tests can cut power.
+//!
+//! Used by the core's tests, by the crash matrix of `birch-testkit` and `birch crashtest`
+//! (which record its writes and flushes), and by the engine benchmark (`for_benchmarks`), so
+//! it is part of the device layer rather than test-only code.
 
 use std::collections::BTreeMap;
 use std::io;

@@ -2,8 +2,8 @@
 //! in memory.
 //!
 //! Owns: the overlay's changed blocks. Must not touch: the base device, which it only reads,
-//! so `fsck` can replay a pending fsync log over a read-only image, and the crash matrix can
-//! build each crash state from a shared base image without copying it.
+//! so `fsck` can replay a pending fsync log over a read-only image, and the crash matrix
+//! (`birch-testkit`) can build each crash state from a shared base image without copying it.
 
 use std::collections::BTreeMap;
 use std::io;

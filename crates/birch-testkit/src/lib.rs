@@ -1,0 +1,26 @@
+//! birchfs test kit: the crash matrix, its oracle and its seeded generator.
+//!
+//! Test machinery kept out of `birch-core`, so the library ships none of it. Modules:
+//!
+//! - `matrix`: the library workloads ([`Workload`]) run on a recording `MemDevice`
+//!   ([`run_matrix`]);
+//! - `oracle`: what a workload did ([`History`]) and the check of every crash state of a
+//!   recording ([`check_recording`], [`CrashReport`]); the FUSE-level runs of
+//!   `birch crashtest --fuse-runs` (in `birch-tools`, because their mount is the FUSE
+//!   adapter's) fill a `History` and call the same check;
+//! - `rng`: the seeded generator ([`Rng`]) both draw from, so a seed replays exactly.
+//!
+//! Dependency direction: `birch-testkit` → `birch-core` (public API only; the memory and
+//! overlay devices are the core's, since fsck and the engine benchmark use them too). The
+//! core's integration tests use this crate as a dev-dependency; `birch-tools` uses it for
+//! `birch crashtest`.
+
+#![warn(missing_docs)]
+
+pub mod matrix;
+pub mod oracle;
+pub mod rng;
+
+pub use matrix::{run_matrix, Workload};
+pub use oracle::{check_recording, CrashReport, History};
+pub use rng::Rng;

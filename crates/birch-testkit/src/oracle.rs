@@ -1,0 +1,305 @@
+//! The crash oracle: what a workload did, the crash states of its recording, and the verdict
+//! on each.
+//!
+//! Owns: [`History`] (every version each path held, its fsyncs, directory fsyncs, links,
+//! renames and removals), the construction of crash states from a recording (the image at
+//! every flush, plus seeded subsets of the writes since the last flush, some torn at 512 B,
+//! each a copy-on-write [`OverlayDevice`] over one base image), and the judgement of each
+//! state. Must not touch: production paths; it drives only the public API of `birch-core`
+//! (open, read, mkdir, close, `check`), so the library matrix, the FUSE-level runs of
+//! `birch crashtest` and the core's tests share it.
+//!
+//! The oracle judges each object on its own: a file fsync'd before the cut (and not renamed or
+//! removed after) holds its fsync'd content or a later one; every file reads back content that
+//! was written at some point (or a prefix of it); fsck is clean; new creates work.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use birch_core::check::{check, CheckOptions};
+use birch_core::device::{BlockDevice, MemDevice, OverlayDevice, Recorded};
+use birch_core::vfs::{Caller, OpenOptions};
+use birch_core::Filesystem;
+
+use crate::rng::Rng;
+
+/// What a workload did, for the oracle. The library workloads (`matrix`) and the FUSE-level
+/// matrix of `birch crashtest --fuse-runs`, in `birch-tools`, fill it through the methods.
+#[derive(Default, Clone)]
+pub struct History {
+    pub(crate) versions: HashMap<String, Vec<Vec<u8>>>,
+    /// Pairs of names of one file (hard links): a version written through one name is a
+    /// version of every name of the file.
+    links: Vec<(String, String)>,
+    /// (events when the fsync returned, path, index of the fsync'd version, step number).
+    pub(crate) synced: Vec<(usize, String, usize, usize)>,
+    /// (events when the directory fsync returned, path, step): the name must exist after a
+    /// crash past that point, with any content once written under it.
+    named: Vec<(usize, String, usize)>,
+    /// (step number, path) of paths renamed away or removed: an earlier fsync of that path
+    /// is not judged by path any more.
+    moved: Vec<(usize, String)>,
+    /// Steps so far, to order fsyncs and moves that no device event separates.
+    steps: usize,
+}
+
+impl History {
+    /// `path` now holds `content` (a write, truncate or hole punch through any name); so does
+    /// every other name of the same file.
+    pub fn version(&mut self, path: &str, content: Vec<u8>) {
+        for name in self.names_of(path) {
+            self.versions.entry(name).or_default().push(content.clone());
+        }
+    }
+
+    /// Every name of the file `path` names, `path` first (the closure of `links`).
+    fn names_of(&self, path: &str) -> Vec<String> {
+        let mut names = vec![path.to_string()];
+        let mut i = 0;
+        while i < names.len() {
+            for (a, b) in &self.links {
+                for (x, y) in [(a, b), (b, a)] {
+                    if *x == names[i] && !names.contains(y) {
+                        names.push(y.clone());
+                    }
+                }
+            }
+            i += 1;
+        }
+        names
+    }
+
+    /// `path` was made a name of the file `from` names (a link): it shares the history, and
+    /// later versions through either name are versions of both.
+    pub fn linked(&mut self, from: &str, path: &str) {
+        if let Some(v) = self.versions.get(from).cloned() {
+            self.versions.insert(path.to_string(), v);
+        }
+        self.links.push((from.to_string(), path.to_string()));
+    }
+
+    /// An fsync of `path` returned once `mark` device events were recorded: its current
+    /// version (or a later one) must survive any crash after `mark`.
+    pub fn synced(&mut self, mark: usize, path: &str) {
+        self.steps += 1;
+        if let Some(v) = self.versions.get(path) {
+            self.synced
+                .push((mark, path.to_string(), v.len() - 1, self.steps));
+        }
+    }
+
+    /// A directory fsync returned at `mark`: the name `path` in it must survive.
+    pub fn named(&mut self, mark: usize, path: &str) {
+        self.steps += 1;
+        if self.versions.contains_key(path) {
+            self.named.push((mark, path.to_string(), self.steps));
+        }
+    }
+
+    /// `from` was renamed to `to` (replacing whatever `to` named).
+    pub fn renamed(&mut self, from: &str, to: &str) {
+        self.steps += 1;
+        self.moved.push((self.steps, from.to_string()));
+        self.moved.push((self.steps, to.to_string()));
+        // `from` keeps its versions: a crash before the rename is durable shows them there,
+        // also once a new file took the name (ACE seed 1795610327756327763).
+        if let Some(v) = self.versions.get(from).cloned() {
+            self.versions.entry(to.to_string()).or_default().extend(v);
+        }
+        // The file `to` named loses that name; `from`'s file is now called `to`.
+        self.links.retain(|(a, b)| a != to && b != to);
+        for (a, b) in &mut self.links {
+            for name in [a, b] {
+                if name == from {
+                    *name = to.to_string();
+                }
+            }
+        }
+    }
+
+    /// `path` was unlinked.
+    pub fn removed(&mut self, path: &str) {
+        self.steps += 1;
+        self.moved.push((self.steps, path.to_string()));
+        self.links.retain(|(a, b)| a != path && b != path);
+    }
+}
+
+/// Result of a matrix run.
+#[derive(Debug, Default)]
+pub struct CrashReport {
+    /// Crash states checked (the initial image, every flush point, then seeded cuts).
+    pub states: usize,
+    /// One line per state the oracle rejected: workload, seed, state, cut and why.
+    pub failures: Vec<String>,
+}
+
+/// Checks `states` crash states of a recorded run (`base` is the image when recording
+/// started): the image at every flush first, then seeded cuts with subsets of the unflushed
+/// writes, some torn at 512 B. Each state is opened (replay), judged by the oracle against
+/// `history`, and checked by fsck.
+pub fn check_recording(
+    name: &str,
+    seed: u64,
+    base: &[u8],
+    events: &[Recorded],
+    history: &History,
+    states: usize,
+    progress: &mut dyn FnMut(),
+) -> CrashReport {
+    let flushes: Vec<usize> = events
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| matches!(e, Recorded::Flush))
+        .map(|(i, _)| i + 1)
+        .collect();
+    let mut rng = Rng::new(seed);
+    let mut cuts: Vec<(usize, u64)> = vec![(0, 0)];
+    cuts.extend(flushes.iter().map(|f| (*f, 0)));
+    while cuts.len() < states {
+        cuts.push((
+            rng.below(events.len() as u64 + 1) as usize,
+            rng.next_u64() | 1,
+        ));
+    }
+    let mut report = CrashReport::default();
+    // One copy of the base image per run; each state is an overlay of its writes.
+    let base: Arc<dyn BlockDevice> = Arc::new(MemDevice::from_bytes(base.to_vec()));
+    for (n, (cut, subset)) in cuts.iter().enumerate() {
+        if let Err(failure) = check_state(&base, events, *cut, *subset, history) {
+            report.failures.push(format!(
+                "{name} seed {seed} state {n} (cut {cut}, subset {subset}): {failure}"
+            ));
+        }
+        report.states += 1;
+        progress();
+    }
+    report
+}
+
+fn check_state(
+    base: &Arc<dyn BlockDevice>,
+    events: &[Recorded],
+    cut: usize,
+    subset: u64,
+    history: &History,
+) -> std::result::Result<(), String> {
+    let durable_upto = events[..cut]
+        .iter()
+        .rposition(|e| matches!(e, Recorded::Flush))
+        .map_or(0, |i| i + 1);
+    let crashed = Arc::new(OverlayDevice::new(base.clone()));
+    let mut rng = Rng::new(subset);
+    for (i, e) in events[..cut].iter().enumerate() {
+        let Recorded::Write { offset, bytes } = e else {
+            continue;
+        };
+        let landed = if i < durable_upto {
+            Some(bytes.len())
+        } else if subset != 0 && rng.chance(50) {
+            // An unflushed write lands whole, not at all, or torn at 512 B.
+            Some(if rng.chance(30) {
+                (rng.below(bytes.len() as u64 / 512) as usize + 1) * 512
+            } else {
+                bytes.len()
+            })
+        } else {
+            None
+        };
+        if let Some(len) = landed {
+            crashed
+                .patch(*offset, &bytes[..len])
+                .map_err(|e| format!("building the crash state: {e}"))?;
+        }
+    }
+    let fs = Filesystem::open_device(
+        crashed.clone(),
+        OpenOptions {
+            commit_interval: None,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| format!("open failed: {e}"))?;
+    for (mark, path, version, step) in &history.synced {
+        if *mark > durable_upto || history.moved.iter().any(|(s, p)| p == path && s > step) {
+            continue;
+        }
+        let got = fs
+            .read_file(path)
+            .map_err(|e| format!("fsync'd {path} missing: {e}"))?;
+        let allowed = &history.versions[path][*version..];
+        if !allowed.contains(&got) {
+            return Err(format!(
+                "{path} has {} bytes, not a version at or after the fsync'd one",
+                got.len()
+            ));
+        }
+    }
+    for (mark, path, step) in &history.named {
+        if *mark > durable_upto || history.moved.iter().any(|(s, p)| p == path && s > step) {
+            continue;
+        }
+        fs.resolve(path)
+            .map_err(|e| format!("{path}, made durable by a directory fsync, missing: {e}"))?;
+    }
+    for (path, versions) in &history.versions {
+        if let Ok(got) = fs.read_file(path) {
+            if !(got.is_empty()
+                || versions
+                    .iter()
+                    .any(|v| v.starts_with(&got) || got.starts_with(v)))
+            {
+                return Err(format!("{path} holds content never written"));
+            }
+        }
+    }
+    fs.mkdir(Caller::default(), 1, b"new-after-crash", 0o755)
+        .map_err(|e| format!("create after recovery: {e}"))?;
+    fs.close().map_err(|e| format!("close: {e}"))?;
+    drop(fs);
+    let report = check(&*crashed, CheckOptions { data: true }).map_err(|e| format!("fsck: {e}"))?;
+    if !report.is_clean() {
+        return Err(format!(
+            "fsck: {}",
+            report
+                .findings
+                .iter()
+                .map(|f| f.to_string())
+                .collect::<Vec<_>>()
+                .join("; ")
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_write_through_one_link_is_a_version_of_every_name() {
+        let mut h = History::default();
+        h.version("/B/bar", vec![7; 3]);
+        h.linked("/B/bar", "/B/foo");
+        h.version("/B/foo", vec![9; 5]);
+        assert_eq!(h.versions["/B/bar"], vec![vec![7; 3], vec![9; 5]]);
+        assert_eq!(h.versions["/B/foo"], vec![vec![7; 3], vec![9; 5]]);
+        // After the name goes, its file's later versions are not its own.
+        h.removed("/B/bar");
+        h.version("/B/foo", vec![1; 2]);
+        assert_eq!(h.versions["/B/bar"].len(), 2);
+        assert_eq!(h.versions["/B/foo"].len(), 3);
+    }
+
+    /// A rename leaves the old name's versions valid for it: a crash before the rename is
+    /// durable shows the old content there, also once a new file took the name.
+    #[test]
+    fn a_renamed_name_keeps_its_versions() {
+        let mut h = History::default();
+        h.version("/B/bar", vec![7; 3]);
+        h.renamed("/B/bar", "/A/C/foo");
+        h.version("/B/bar", vec![9; 5]);
+        assert_eq!(h.versions["/B/bar"], vec![vec![7; 3], vec![9; 5]]);
+        assert_eq!(h.versions["/A/C/foo"], vec![vec![7; 3]]);
+    }
+}
