@@ -152,7 +152,6 @@ pub struct BirchFuse {
     /// only while one exists (it writes them back when the last one is closed).
     write_opens: WriteOpens,
     /// The end of each open directory's listing (see `opendir`).
-    dir_ends: DirEnds,
     /// The invalidation thread's queue: invalidations that may wait for the kernel.
     invalidator: Invalidator,
     /// Inodes whose write-back the daemon refused for lack of space, not yet reported to a
@@ -247,53 +246,40 @@ impl LostWrites {
     }
 }
 
-/// The end position of each open directory's listing, by directory handle: a listing stops
-/// where the directory ended when it started (OPENDIR, or a READDIR at offset 0, which is
-/// `rewinddir`), so one that meets names renamed away and back (each gets a new position)
-/// still ends. Sharded like [`WriteOpens`].
-struct DirEnds {
-    next: std::sync::atomic::AtomicU64,
-    shards: Vec<parking_lot::Mutex<HashMap<u64, u64>>>,
-}
+/// Readdir cookies that carry where their listing ends.
+///
+/// A listing stops where the directory ended when it started (a READDIR at offset 0: opendir
+/// or `rewinddir`), so one that meets names renamed away and back (each gets a new position)
+/// still ends (xfstests generic/736; btrfs does the same). There is no per-open directory
+/// state to keep that end in: OPENDIR is answered ENOSYS (FUSE_NO_OPENDIR_SUPPORT), which
+/// saves an OPENDIR and a RELEASEDIR per listing, and the kernel then caches every listing
+/// (`FOPEN_KEEP_CACHE | FOPEN_CACHE_DIR`). So each entry's cookie (the offset the kernel
+/// hands back to continue after it) carries the end beside the position: the position in bits
+/// 31..62, the end in bits 0..31. The position leads, so cookies grow along a listing, and any
+/// number below the largest cookie a listing gave (xfstests generic/676 seeks to random ones)
+/// lands on a position inside it, never past its end. A directory whose positions outgrow 31
+/// bits (two billion names made in it over its life) gets plain positions with bit 62 set, and
+/// its listings no end.
+mod dir_cookie {
+    const PLAIN: u64 = 1 << 62;
+    const FIELD: u64 = (1 << 31) - 1;
 
-impl DirEnds {
-    const SHARDS: usize = 16;
-
-    fn new() -> DirEnds {
-        DirEnds {
-            next: std::sync::atomic::AtomicU64::new(1),
-            shards: (0..Self::SHARDS)
-                .map(|_| parking_lot::Mutex::new(HashMap::new()))
-                .collect(),
+    /// The cookie of position `pos` (the dir index cookie: 0 ".", 1 "..", then index + 1) in
+    /// a listing that ends at `end`.
+    pub(super) fn encode(pos: u64, end: Option<u64>) -> u64 {
+        match end {
+            Some(end) if pos <= FIELD && end <= FIELD => (pos << 31) | end,
+            _ => PLAIN | pos,
         }
     }
 
-    fn shard(&self, fh: u64) -> &parking_lot::Mutex<HashMap<u64, u64>> {
-        &self.shards[(fh as usize) % Self::SHARDS]
-    }
-
-    /// A new handle whose listing ends at `end`.
-    fn open(&self, end: u64) -> u64 {
-        let fh = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.shard(fh).lock().insert(fh, end);
-        fh
-    }
-
-    /// The end of handle `fh`'s listing, renewed to `fresh()` at offset 0 (a new listing).
-    /// `None` for a handle not known (then the listing has no end).
-    fn end(&self, fh: u64, offset: u64, fresh: impl FnOnce() -> Option<u64>) -> Option<u64> {
-        if offset == 0 {
-            let end = fresh()?;
-            if let Some(e) = self.shard(fh).lock().get_mut(&fh) {
-                *e = end;
-            }
-            return Some(end);
+    /// The position and the listing's end of `cookie`.
+    pub(super) fn decode(cookie: u64) -> (u64, Option<u64>) {
+        if cookie & PLAIN != 0 {
+            (cookie & !PLAIN, None)
+        } else {
+            (cookie >> 31, Some(cookie & FIELD))
         }
-        self.shard(fh).lock().get(&fh).copied()
-    }
-
-    fn close(&self, fh: u64) {
-        self.shard(fh).lock().remove(&fh);
     }
 }
 
@@ -412,7 +398,6 @@ impl BirchFuse {
             notifier,
             writeback: false,
             write_opens: WriteOpens::new(),
-            dir_ends: DirEnds::new(),
             lost_writes: LostWrites::new(),
             waiters,
             handle_lookups: HandleLookups::default(),
@@ -520,10 +505,15 @@ impl BirchFuse {
         groups
     }
 
-    /// The end of the listing of open directory `fh` (of inode `ino`) read from `offset`.
-    fn dir_end(&self, ino: u64, fh: FileHandle, offset: u64) -> Option<u64> {
-        self.dir_ends
-            .end(fh.0, offset, || self.fs.readdir_end(ino).ok())
+    /// Where a READDIR of `ino` at cookie `offset` starts and where its listing ends: a new
+    /// listing (offset 0) ends where the directory ends now; a continued one where its cookie
+    /// says ([`dir_cookie`]).
+    fn dir_range(&self, ino: u64, offset: u64) -> (u64, Option<u64>) {
+        if offset == 0 {
+            (0, self.fs.readdir_end(ino).ok())
+        } else {
+            dir_cookie::decode(offset)
+        }
     }
 
     /// Where the mount puts the session's notifier once it exists.
@@ -1163,17 +1153,14 @@ impl fuser::Filesystem for BirchFuse {
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         refuse_if_down!(self, reply);
-        // Readdir cookies are positions in the directory index, stable on their own; the one
-        // thing an open directory holds is where its listing ends (`DirEnds`), so that a
-        // reader renaming entries as it reads comes to an end (xfstests generic/736). That
-        // costs an OPENDIR and a RELEASEDIR per listing. The kernel caches listings
-        // (`FOPEN_CACHE_DIR`, kept across opens) and drops them whenever the directory
-        // changes through it; the daemon never changes a directory behind the kernel.
+        // No per-open directory state: ENOSYS (with FUSE_NO_OPENDIR_SUPPORT) makes the kernel
+        // stop sending OPENDIR and RELEASEDIR, two round trips per listing, and cache every
+        // listing (`FOPEN_KEEP_CACHE | FOPEN_CACHE_DIR`), dropping it whenever the directory
+        // changes through it; the daemon never changes a directory behind the kernel. Where a
+        // listing ends travels in its cookies instead (`dir_cookie`). An inode that is gone
+        // still answers as before (ENOENT), and a non-directory ENOTDIR.
         match self.fs.readdir_end(ino.0) {
-            Ok(end) => reply.opened(
-                FileHandle(self.dir_ends.open(end)),
-                FopenFlags::FOPEN_CACHE_DIR | FopenFlags::FOPEN_KEEP_CACHE,
-            ),
+            Ok(_) => reply.error(Errno::ENOSYS),
             Err(e) => reply.error(errno("opendir", &e)),
         }
     }
@@ -1187,7 +1174,7 @@ impl fuser::Filesystem for BirchFuse {
         reply: ReplyEmpty,
     ) {
         refuse_if_down!(self, reply);
-        self.dir_ends.close(fh.0);
+        let _ = fh; // never sent once OPENDIR is answered ENOSYS
         reply.ok();
     }
 
@@ -1200,13 +1187,14 @@ impl fuser::Filesystem for BirchFuse {
         mut reply: ReplyDirectory,
     ) {
         refuse_if_down!(self, reply);
-        let end = self.dir_end(ino.0, fh, offset);
-        match self.fs.readdir_until(ino.0, offset, 512, end) {
+        let _ = fh;
+        let (pos, end) = self.dir_range(ino.0, offset);
+        match self.fs.readdir_until(ino.0, pos, 512, end) {
             Ok(entries) => {
                 for e in entries {
                     if reply.add(
                         INodeNo(e.ino),
-                        e.next_offset,
+                        dir_cookie::encode(e.next_offset, end),
                         file_type(e.kind),
                         OsStr::from_bytes(&e.name),
                     ) {
@@ -1228,8 +1216,9 @@ impl fuser::Filesystem for BirchFuse {
         mut reply: ReplyDirectoryPlus,
     ) {
         refuse_if_down!(self, reply);
-        let end = self.dir_end(ino.0, fh, offset);
-        match self.fs.readdir_until(ino.0, offset, 256, end) {
+        let _ = fh;
+        let (pos, end) = self.dir_range(ino.0, offset);
+        match self.fs.readdir_until(ino.0, pos, 256, end) {
             Ok(entries) => {
                 for e in entries {
                     // Entries other than "." and ".." count as lookups the kernel later forgets.
@@ -1241,7 +1230,7 @@ impl fuser::Filesystem for BirchFuse {
                     let Ok(a) = attr else { continue };
                     if reply.add(
                         INodeNo(e.ino),
-                        e.next_offset,
+                        dir_cookie::encode(e.next_offset, end),
                         OsStr::from_bytes(&e.name),
                         &self.options.ttl,
                         &file_attr(&a),
@@ -1565,6 +1554,38 @@ fn xattr_reply(reply: ReplyXattr, size: u32, value: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_readdir_cookie_carries_its_listing_end() {
+        for (pos, end) in [
+            (0, 0),
+            (1, 5),
+            (2, 2),
+            (77, 1 << 20),
+            ((1 << 31) - 1, (1 << 31) - 1),
+        ] {
+            let c = dir_cookie::encode(pos, Some(end));
+            assert!(c < (1 << 63), "a non-negative loff_t");
+            assert_eq!(dir_cookie::decode(c), (pos, Some(end)));
+        }
+        // Positions or ends past 31 bits: a plain position, no end.
+        assert_eq!(
+            dir_cookie::decode(dir_cookie::encode(1 << 31, Some(3))),
+            (1 << 31, None)
+        );
+        assert_eq!(
+            dir_cookie::decode(dir_cookie::encode(9, Some(1 << 31))),
+            (9, None)
+        );
+        assert_eq!(dir_cookie::decode(dir_cookie::encode(9, None)), (9, None));
+        // Cookies grow with the position within a listing, and a number below a listing's
+        // largest cookie is a position inside it.
+        let a = dir_cookie::encode(10, Some(100));
+        let b = dir_cookie::encode(11, Some(100));
+        assert!(a < b);
+        let (pos, end) = dir_cookie::decode(b - 1);
+        assert!(pos <= 11 && end.is_some());
+    }
 
     /// The LOOKUPs the kernel sends to resolve an uncached file handle are counted in the
     /// stats: "." of a file and of a directory, ".." of a directory, and "." of a removed file
