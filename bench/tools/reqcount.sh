@@ -27,7 +27,7 @@ rm -f /tmp/rc.img; $B mkfs --size 2G /tmp/rc.img >/dev/null
 RUST_LOG=fuser=debug $B mount -f /tmp/rc.img /tmp/rc-b > /tmp/rc-b.log 2>&1 & sleep 2
 run_target birch /tmp/rc-b /tmp/rc-b.log
 $B umount /tmp/rc-b
-M=/var/tmp/birchbench/libfuse-e8d407ce/build/example/memfs_ll
-LD_LIBRARY_PATH=/var/tmp/birchbench/libfuse-e8d407ce/build/lib $M -d -o writeback_cache,no_timeout /tmp/rc-m > /tmp/rc-m.log 2>&1 & sleep 2
+M=$(ls -d /var/tmp/birchbench/libfuse-*/build/example/memfs_ll | head -1)
+LD_LIBRARY_PATH=$(dirname $(dirname $M))/lib $M -d -o writeback_cache,no_timeout /tmp/rc-m > /tmp/rc-m.log 2>&1 & sleep 2
 run_target memfs_ll /tmp/rc-m /tmp/rc-m.log
 umount /tmp/rc-m
