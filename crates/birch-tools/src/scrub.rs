@@ -106,6 +106,11 @@ fn offline(image: &Path, rate: Option<u64>, force: bool) -> Result<Value, String
 /// Starts a scrub in the daemon serving the mount at `mountpoint`, follows its progress and
 /// returns its report. Ctrl-C cancels it.
 fn online(mountpoint: &Path, rate: Option<u64>) -> Result<Value, String> {
+    // Scrub reads committed trees: commit what was written so far (the kernel's dirty pages
+    // first), so the scrub covers it. A read-only mount has nothing to commit; that failure
+    // is not one.
+    let _ = crate::mount::syncfs(mountpoint);
+    let _ = crate::mount::control(mountpoint, "sync");
     let command = format!("scrub-start rate={}", rate.unwrap_or(0));
     crate::mount::control(mountpoint, &command).map_err(|e| match e.raw_os_error() {
         Some(libc::EBUSY) => "a scrub is already running on this mount".to_string(),
