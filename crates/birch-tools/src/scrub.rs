@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use birch_core::device::{BlockDevice, FileDevice, OpenMode};
 use birch_core::scrub::{
-    scrub, ImageViews, ScrubOptions, ScrubProgress, ONLINE_RATE_DEFAULT_BYTES_PER_SEC,
+    scrub, ImageViews, ScrubOptions, ScrubProgress, ViewSource, ONLINE_RATE_DEFAULT_BYTES_PER_SEC,
 };
 use serde_json::Value;
 
@@ -82,16 +82,20 @@ fn offline(image: &Path, rate: Option<u64>, force: bool) -> Result<Value, String
         rate_bytes_per_sec: rate,
     };
     catch_interrupt();
+    let bar = progress_bar(views.bytes_used());
     let worker = {
         let progress = progress.clone();
         std::thread::spawn(move || scrub(&views, options, &progress))
     };
-    let bar = progress_bar();
     while !worker.is_finished() {
         if INTERRUPTED.load(Ordering::SeqCst) {
             progress.cancel.store(true, Ordering::SeqCst);
         }
-        bar.set_length(progress.bytes_total.load(Ordering::Relaxed));
+        // The total is 0 until the scrub thread has read the superblock: keep the bar's.
+        let total = progress.bytes_total.load(Ordering::Relaxed);
+        if total > 0 {
+            bar.set_length(total);
+        }
         bar.set_position(progress.bytes_done.load(Ordering::Relaxed));
         std::thread::sleep(POLL_INTERVAL.min(Duration::from_millis(100)));
     }
@@ -121,21 +125,30 @@ fn online(mountpoint: &Path, rate: Option<u64>) -> Result<Value, String> {
         _ => format!("starting the scrub: {e}"),
     })?;
     catch_interrupt();
-    let bar = progress_bar();
+    let mut bar: Option<indicatif::ProgressBar> = None;
     loop {
         if INTERRUPTED.load(Ordering::SeqCst) {
             let _ = crate::mount::control(mountpoint, "scrub-cancel");
-            bar.finish_and_clear();
+            if let Some(bar) = &bar {
+                bar.finish_and_clear();
+            }
             return Err("interrupted: the scrub was cancelled".into());
         }
         let status = read_status(mountpoint)?;
         let number = |name: &str| status.get(name).and_then(Value::as_u64).unwrap_or(0);
-        bar.set_length(number("bytes_total"));
-        bar.set_position(number("bytes_done"));
+        // Made once the total is known (the scrub thread sets it as it starts), so it never
+        // draws a 0-byte bar.
+        if number("bytes_total") > 0 {
+            let bar = bar.get_or_insert_with(|| progress_bar(number("bytes_total")));
+            bar.set_length(number("bytes_total"));
+            bar.set_position(number("bytes_done"));
+        }
         match status.get("state").and_then(Value::as_str) {
             Some("running") => std::thread::sleep(POLL_INTERVAL),
             Some("done") => {
-                bar.finish_and_clear();
+                if let Some(bar) = &bar {
+                    bar.finish_and_clear();
+                }
                 let mut report = status
                     .get("report")
                     .cloned()
@@ -147,12 +160,16 @@ fn online(mountpoint: &Path, rate: Option<u64>) -> Result<Value, String> {
                 return Ok(report);
             }
             Some("failed") => {
-                bar.finish_and_clear();
+                if let Some(bar) = &bar {
+                    bar.finish_and_clear();
+                }
                 let error = status.get("error").and_then(Value::as_str).unwrap_or("?");
                 return Err(format!("the scrub failed in the daemon: {error}"));
             }
             other => {
-                bar.finish_and_clear();
+                if let Some(bar) = &bar {
+                    bar.finish_and_clear();
+                }
                 return Err(format!("unexpected scrub state {other:?}"));
             }
         }
@@ -170,8 +187,8 @@ fn catch_interrupt() {
 }
 
 /// A bar with bytes done, rate and ETA on a terminal; hidden when stderr is not one.
-fn progress_bar() -> indicatif::ProgressBar {
-    let bar = indicatif::ProgressBar::new(0);
+fn progress_bar(total_bytes: u64) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(total_bytes);
     if let Ok(style) = indicatif::ProgressStyle::with_template(
         "scrub [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
     ) {
