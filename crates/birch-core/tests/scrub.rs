@@ -10,6 +10,9 @@
 //! - one flipped byte in a leaf is one damaged node whose owners include an inode whose items
 //!   the leaf holds, by path (found through the directory entries, since its own names sit in
 //!   the damaged leaf);
+//! - a damaged block two extents reference (a leaf edited and re-sealed so that the big
+//!   file's second extent points at its first one's blocks) is read once and names both
+//!   owners, by file offset;
 //! - an online scrub (the engine's newest snapshot per chunk, rate-limited so that it spans
 //!   many commits) while other threads create, rewrite and delete files and commit all the
 //!   time reports no damage: a block freed between chunks is never read as bad.
@@ -318,4 +321,98 @@ fn an_online_scrub_under_writes_and_deletes_reports_no_false_damage() {
         "the scrubs read under {generations} generations: not under concurrent commits"
     );
     fs.close().expect("close");
+}
+
+/// Every leaf of the image, decoded, with its address.
+fn decoded_leaves(bytes: &[u8]) -> Vec<(u64, Node)> {
+    let dev = MemDevice::from_bytes(bytes.to_vec());
+    let (sb, _) = Engine::read_superblock(&dev).expect("superblock");
+    let mut out = Vec::new();
+    let mut stack = vec![(sb.fs_root.addr, sb.fs_root.generation, sb.fs_root.level)];
+    while let Some((addr, generation, level)) = stack.pop() {
+        let mut buf = vec![0u8; NODE_SIZE];
+        dev.read_at(&mut buf, addr).expect("read");
+        let expect = Expect {
+            fsid: sb.fsid,
+            addr,
+            generation,
+            owner: FS_TREE_ID,
+            level: Some(level),
+        };
+        let node = Node::decode(&buf, &expect).expect("decode");
+        match &node.body {
+            NodeBody::Internal(ptrs) => {
+                stack.extend(ptrs.iter().map(|p| (p.addr, p.generation, level - 1)))
+            }
+            NodeBody::Leaf(_) => out.push((addr, node)),
+        }
+    }
+    out
+}
+
+/// A block two extents reference (as a damaged image may have; birchfs itself never shares
+/// one) is read once, and its damage names both owners: here the big file's second extent is
+/// pointed at its first one's blocks.
+#[test]
+fn a_damaged_block_two_extents_share_is_read_once_and_names_both_owners() {
+    let image = build_image();
+    let mut bytes = image.bytes.clone();
+    let mut shared = None;
+    for (addr, mut node) in decoded_leaves(&bytes) {
+        let NodeBody::Leaf(items) = &mut node.body else {
+            continue;
+        };
+        let extents: Vec<usize> = items
+            .iter()
+            .enumerate()
+            .filter(|(_, (k, _))| {
+                k.objectid == image.big_ino && k.kind() == Some(ItemType::ExtentData)
+            })
+            .map(|(slot, _)| slot)
+            .collect();
+        let [first, second, ..] = extents[..] else {
+            continue;
+        };
+        let source = FileExtent::decode(&items[first].1).expect("first extent");
+        let mut extent = FileExtent::decode(&items[second].1).expect("second extent");
+        extent.kind = source.kind.clone();
+        items[second].1 = extent.encode();
+        let offsets = (items[first].0.offset, items[second].0.offset);
+        // Re-sealed: the leaf's checksum still holds, only the data is damaged below.
+        let sealed = node.encode().expect("encode");
+        bytes[addr as usize..addr as usize + NODE_SIZE].copy_from_slice(&sealed);
+        if let ExtentKind::Regular { disk_addr, .. } = source.kind {
+            shared = Some((disk_addr, offsets.0, offsets.1));
+        }
+        break;
+    }
+    let (disk_addr, first_offset, second_offset) =
+        shared.expect("a leaf holding two of the big file's extents");
+    let (_, _, _, data_blocks) = layout(&bytes, image.big_ino);
+    bytes[disk_addr as usize + 10] ^= 0x80;
+    let report = scrub_image(bytes);
+    assert_eq!(report.damage.len(), 1, "{:#?}", report.damage);
+    let damage = &report.damage[0];
+    assert_eq!((damage.kind, damage.block), (DamageKind::Data, disk_addr));
+    let mut owners: Vec<(u64, Option<u64>)> =
+        damage.owners.iter().map(|o| (o.inode, o.offset)).collect();
+    owners.sort();
+    assert_eq!(
+        owners,
+        vec![
+            (image.big_ino, Some(first_offset)),
+            (image.big_ino, Some(second_offset))
+        ]
+    );
+    assert!(damage
+        .owners
+        .iter()
+        .all(|o| o.paths.contains(&"/dir/big".to_string())));
+    // Read once: the shared blocks count once, not once per reference.
+    let shared_blocks = (data_blocks - report.data_blocks) as usize;
+    assert!(
+        shared_blocks > 0,
+        "{} of {data_blocks} blocks read",
+        report.data_blocks
+    );
 }
