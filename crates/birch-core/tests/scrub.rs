@@ -13,6 +13,9 @@
 //! - a damaged block two extents reference (a leaf edited and re-sealed so that the big
 //!   file's second extent points at its first one's blocks) is read once and names both
 //!   owners, by file offset;
+//! - a damaged root is one node damage covering every key, and the scrub still reports;
+//! - the online job behind the control commands starts, refuses a second start (`Busy`),
+//!   cancels, and reports its states as JSON;
 //! - an online scrub (the engine's newest snapshot per chunk, rate-limited so that it spans
 //!   many commits) while other threads create, rewrite and delete files and commit all the
 //!   time reports no damage: a block freed between chunks is never read as bad.
@@ -415,4 +418,66 @@ fn a_damaged_block_two_extents_share_is_read_once_and_names_both_owners() {
         "{} of {data_blocks} blocks read",
         report.data_blocks
     );
+}
+
+/// A damaged root hides the whole tree: one node damage, at the root, covering every key; the
+/// scrub still ends with a report (no owner can be named: every name is under it).
+#[test]
+fn a_damaged_root_is_one_node_damage_covering_every_key() {
+    let image = build_image();
+    let dev = MemDevice::from_bytes(image.bytes.clone());
+    let (sb, _) = Engine::read_superblock(&dev).expect("superblock");
+    assert!(sb.fs_root.level > 0, "the tree has only a leaf");
+    let mut bytes = image.bytes.clone();
+    bytes[sb.fs_root.addr as usize + 200] ^= 0x10;
+    let report = scrub_image(bytes);
+    assert_eq!(report.damage.len(), 1, "{:#?}", report.damage);
+    let damage = &report.damage[0];
+    assert_eq!(
+        (damage.kind, damage.block),
+        (DamageKind::Node, sb.fs_root.addr)
+    );
+    assert_eq!(damage.keys, Some((Key::MIN, None)));
+    assert_eq!((report.nodes, report.data_blocks), (0, 0));
+}
+
+/// The online job a mount drives through control commands: `scrub-start` runs it in its own
+/// thread, a second start while it runs is `Busy`, `scrub-cancel` stops it, and the status
+/// JSON says each state; a full run at no limit ends `done` and clean.
+#[test]
+fn the_online_job_starts_refuses_a_second_start_cancels_and_reports() {
+    let image = build_image();
+    let dev = Arc::new(MemDevice::from_bytes(image.bytes));
+    let fs = Filesystem::open_device(dev, quiet()).expect("open");
+    assert!(fs.scrub_status().contains("\"idle\""));
+    let wait_done = |fs: &Filesystem| {
+        for _ in 0..600 {
+            let status = fs.scrub_status();
+            if !status.contains("\"running\"") {
+                return status;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        panic!("the scrub did not end: {}", fs.scrub_status());
+    };
+    // 1 MB/s: slow enough to be running when the second start comes.
+    fs.control(b"scrub-start rate=1000000").expect("start");
+    assert!(matches!(fs.control(b"scrub-start"), Err(Error::Busy(_))));
+    fs.control(b"scrub-cancel").expect("cancel");
+    let status = wait_done(&fs);
+    assert!(
+        status.contains("\"state\": \"done\"") && status.contains("\"cancelled\": true"),
+        "{status}"
+    );
+    fs.control(b"scrub-start rate=0").expect("start again");
+    let status = wait_done(&fs);
+    assert!(
+        status.contains("\"clean\": true") && status.contains("\"cancelled\": false"),
+        "{status}"
+    );
+    assert!(matches!(
+        fs.control(b"scrub-start rate=fast"),
+        Err(Error::Invalid(_))
+    ));
+    fs.close().expect("close");
 }
