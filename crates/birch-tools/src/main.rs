@@ -144,9 +144,11 @@ enum Command {
         #[arg(short = 'C', value_name = "FD", num_args = 0..=1, hide = true)]
         progress_fd: Option<Option<String>>,
     },
-    /// Read every node and data block the filesystem references once and verify every
-    /// checksum: offline on an unmounted IMAGE, or online through the root of a live mount
-    /// (the daemon scrubs in a thread of its own; needs root). Each damaged block is printed
+    /// Verify every checksum of a filesystem, offline (image) or online (mount point).
+    ///
+    /// Reads every node and data block the filesystem references once: offline on an
+    /// unmounted IMAGE, or online through the root of a live mount (the daemon scrubs in a
+    /// thread of its own; needs root; the mount commits first). Each damaged block is printed
     /// with the inodes and paths it belongs to. Scrub only detects: with one copy of each
     /// block it cannot heal. Exit codes: 0 clean, 1 damage found, 2 usage or operational
     /// error (including an interrupted or cancelled scrub).
