@@ -81,6 +81,20 @@ impl ImageViews {
     }
 }
 
+impl ImageViews {
+    /// Records of the fsync log newer than the committed tree: what the next read-write
+    /// mount replays (after a crash). Scrub does not cover them; the caller says so. Reads
+    /// the log area.
+    pub fn pending_log_records(&self) -> u64 {
+        let replay = crate::log::read_log(&*self.device, &self.superblock);
+        replay
+            .records
+            .iter()
+            .filter(|r| r.generation > self.superblock.generation)
+            .count() as u64
+    }
+}
+
 impl ViewSource for ImageViews {
     fn newest(&self) -> Result<View> {
         Ok(View {
