@@ -83,6 +83,9 @@ if [[ $can_mount == 1 ]]; then
   tier "stats" bash tests/mount/stats-test.sh
   # Images of older formats (FORMAT.md §9) still check clean, mount and take writes.
   tier "format fixtures" bash tests/images/check-fixtures.sh
+  # birch scrub offline and online: clean and damaged (a data byte, a leaf byte) images,
+  # exit codes 0/1/2, JSON fields, inodes and paths of damaged blocks (about 5 s).
+  tier "scrub" bash tests/mount/scrub-test.sh
   # -o uring (FUSE over io_uring) and its fallback when registration fails; skips (77) on a
   # kernel without it. Leaves the fuse module's enable_uring as it found it.
   tier "FUSE over io_uring" bash tests/mount/uring-test.sh

@@ -1000,6 +1000,13 @@ impl Engine {
         (generation, merged.into_iter().collect())
     }
 
+    /// The newest durable commit's tree. While the returned snapshot is held, every block
+    /// freed by later commits stays pinned (DESIGN §5): hold it briefly (scrub takes it
+    /// again for every chunk of keys).
+    pub fn committed_snapshot(&self) -> Arc<Snapshot> {
+        self.state.read().snapshot.0.clone()
+    }
+
     /// The value of `key` in the last durable commit (no delta).
     pub fn committed_get(&self, key: &Key) -> Result<Option<Vec<u8>>> {
         let snapshot = self.state.read().snapshot.clone();

@@ -79,6 +79,10 @@ const ACL_ACCESS: &[u8] = b"system.posix_acl_access";
 /// The root xattr that returns every counter as JSON.
 pub const STATS_XATTR: &[u8] = b"trusted.birch.stats";
 
+/// The root xattr that returns the online scrub's status and, once done, its report as JSON
+/// (`Filesystem::scrub_status`); `scrub-start` and `scrub-cancel` on [`CONTROL_XATTR`] drive it.
+pub const SCRUB_XATTR: &[u8] = b"trusted.birch.scrub";
+
 /// Adapter settings.
 #[derive(Debug, Clone)]
 pub struct FuseOptions {
@@ -1360,6 +1364,10 @@ impl fuser::Filesystem for BirchFuse {
                 size,
                 stats_with_transport(self.fs.stats_json(), &self.handle_lookups.pairs()).as_bytes(),
             );
+            return;
+        }
+        if ino.0 == 1 && name.as_bytes() == SCRUB_XATTR {
+            xattr_reply(reply, size, self.fs.scrub_status().as_bytes());
             return;
         }
         match self.fs.getxattr(ino.0, name.as_bytes()) {

@@ -171,6 +171,15 @@ fn birchfs_5() -> String {
             "birch stats MOUNTPOINT prints the live counters of a mount (see birch-stats(1))."
         )
     ));
+    page.push_str(&format!(
+        ".SH SCRUB\n{}\n",
+        roff_text(
+            "birch scrub IMAGE (unmounted) or birch scrub MOUNTPOINT (online, as root) reads \
+             every node and data block once and verifies its checksum, naming the inodes and \
+             paths of each damaged block; it cannot heal, as birchfs keeps one copy of each \
+             block. Exit 0 clean, 1 damage found, 2 error (see birch-scrub(1))."
+        )
+    ));
     page.push_str(
         ".SH SEE ALSO\n.BR birch (1),\n.BR mkfs.birch (8),\n.BR fsck.birch (8),\n.BR mount.fuse.birch (8),\n.BR fstab (5),\n.BR mount (8)\n",
     );

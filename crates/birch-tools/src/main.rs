@@ -1,4 +1,5 @@
-//! `birch`: mkfs, mount, umount, sync, stats, shutdown, fsck and inspect for birchfs images.
+//! `birch`: mkfs, mount, umount, sync, stats, shutdown, fsck, scrub and inspect for birchfs
+//! images.
 //!
 //! A thin layer over birch-core and birch-fuse: it parses arguments, prints, and picks exit
 //! codes. Installed also as `mkfs.birch`, `fsck.birch` (and `fsck.fuse.birch`, which fsck(8)
@@ -7,11 +8,13 @@
 //!
 //! Exit codes: 0 success; 1 an operation failed (bad option, image missing or in use, not a
 //! birchfs image, mount failed); 2 usage error. fsck follows fsck(8): 0 clean, 4 errors left
-//! uncorrected, 8 operational error.
+//! uncorrected, 8 operational error. scrub: 0 clean, 1 damage found, 2 usage or operational
+//! error.
 
 mod docs;
 mod fusecrash;
 mod mount;
+mod scrub;
 mod stats;
 
 /// mimalloc: per-thread heaps, so FUSE threads working on different files do not meet in the
@@ -35,7 +38,7 @@ use clap::{Parser, Subcommand};
     name = "birch",
     version,
     about = "birchfs: a copy-on-write B-tree filesystem in userspace",
-    after_help = "Exit codes: 0 success, 1 operation failed, 2 usage error; fsck: 0 clean, 4 errors found, 8 operational error."
+    after_help = "Exit codes: 0 success, 1 operation failed, 2 usage error; fsck: 0 clean, 4 errors found, 8 operational error; scrub: 0 clean, 1 damage found, 2 usage or operational error."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -140,6 +143,29 @@ enum Command {
         /// Accepted for fsck(8)'s -C (progress to a file descriptor); no progress is written.
         #[arg(short = 'C', value_name = "FD", num_args = 0..=1, hide = true)]
         progress_fd: Option<Option<String>>,
+    },
+    /// Verify every checksum of a filesystem, offline (image) or online (mount point).
+    ///
+    /// Reads every node and data block the filesystem references once: offline on an
+    /// unmounted IMAGE, or online through the root of a live mount (the daemon scrubs in a
+    /// thread of its own; needs root; the mount commits first). Each damaged block is printed
+    /// with the inodes and paths it belongs to. Scrub only detects: with one copy of each
+    /// block it cannot heal. Exit codes: 0 clean, 1 damage found, 2 usage or operational
+    /// error (including an interrupted or cancelled scrub).
+    Scrub {
+        /// An image file or block device (offline), or a mount point (online).
+        target: PathBuf,
+        /// Read at most this many MB/s (10^6 bytes); 0 is unlimited. Default: unlimited
+        /// offline, 100 online.
+        #[arg(long, value_name = "MB/s")]
+        rate: Option<f64>,
+        /// Print the report as one JSON object.
+        #[arg(long)]
+        json: bool,
+        /// Offline: read an image even while it is mounted (a live mount changes it under
+        /// the scrub, so damage may be misreported; scrub the mount point instead).
+        #[arg(long)]
+        force: bool,
     },
     /// Run the crash matrix: each workload on a recording in-memory device, then every crash
     /// state (each flush point, plus seeded subsets of unflushed writes, some torn) recovered,
@@ -250,6 +276,12 @@ fn main() -> ExitCode {
             Some(image) if !list_passes => fsck(&image, data, force),
             _ => list_fsck_passes(),
         },
+        Command::Scrub {
+            target,
+            rate,
+            json,
+            force,
+        } => scrub::scrub_main(&target, rate, json, force),
         Command::Inspect { image, what } => inspect(&image, &what),
         Command::Crashtest {
             workload,

@@ -346,6 +346,8 @@ pub(crate) struct Inner {
     pub(crate) buffers: buffer::Buffers,
     /// When reads move atime: an [`AtimeMode`] as u8 (file.rs).
     pub(crate) atime: AtomicU8,
+    /// The last online scrub started by `scrub-start`, running or done.
+    scrub: Mutex<Option<crate::scrub::ScrubJob>>,
 }
 
 /// A mounted-or-embedded birchfs filesystem.
@@ -484,6 +486,7 @@ impl Filesystem {
             logged_names: Mutex::new(HashMap::new()),
             buffers: buffer::Buffers::new(options.buffered, device_bytes),
             atime: AtomicU8::new(AtimeMode::Relatime as u8),
+            scrub: Mutex::new(None),
         });
         let fs = Filesystem { inner, view: false };
         match fs.getattr(ROOT_OBJECTID) {
@@ -620,7 +623,11 @@ impl Filesystem {
     /// Control commands from the mount helper (`trusted.birch.control` on the root): `ro`
     /// commits and stops writing (remount,ro), `rw` allows writes again (remount,rw), `sync`
     /// commits, `shutdown`, `shutdown-log` and `shutdown-now` shut down
-    /// ([`Filesystem::shutdown`] with [`ShutdownMode::Commit`], `Log` or `Now`).
+    /// ([`Filesystem::shutdown`] with [`ShutdownMode::Commit`], `Log` or `Now`),
+    /// `scrub-start [rate=BYTES_PER_SEC]` starts an online scrub in a thread of its own
+    /// (`EBUSY` while one runs; rate 0 is unlimited, none is
+    /// [`crate::scrub::ONLINE_RATE_DEFAULT_BYTES_PER_SEC`]), `scrub-cancel` stops it; its
+    /// progress and report are [`Filesystem::scrub_status`].
     pub fn control(&self, command: &[u8]) -> Result<()> {
         self.inner.engine.check_up()?;
         match command {
@@ -649,6 +656,13 @@ impl Filesystem {
                 Ok(())
             }
             b"sync" => self.sync(),
+            b"scrub-cancel" => {
+                if let Some(job) = self.inner.scrub.lock().as_ref() {
+                    job.cancel();
+                }
+                Ok(())
+            }
+            other if other.starts_with(b"scrub-start") => self.scrub_start(other),
             other if other.starts_with(b"atime=") => {
                 let mode = std::str::from_utf8(&other[6..])
                     .ok()
@@ -666,6 +680,47 @@ impl Filesystem {
                 "control command {:?}",
                 String::from_utf8_lossy(other)
             ))),
+        }
+    }
+
+    /// Starts an online scrub (control command `scrub-start [rate=BYTES_PER_SEC]`).
+    fn scrub_start(&self, command: &[u8]) -> Result<()> {
+        let text = String::from_utf8_lossy(command);
+        let mut rate = Some(crate::scrub::ONLINE_RATE_DEFAULT_BYTES_PER_SEC);
+        for word in text.split_whitespace().skip(1) {
+            let value = word
+                .strip_prefix("rate=")
+                .and_then(|v| v.parse::<u64>().ok())
+                .ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "control command {text:?}: expected scrub-start [rate=BYTES_PER_SEC]"
+                    ))
+                })?;
+            rate = (value > 0).then_some(value);
+        }
+        let mut slot = self.inner.scrub.lock();
+        if slot.as_ref().is_some_and(|job| job.is_running()) {
+            return Err(Error::Busy(
+                "scrub-start: a scrub is already running".into(),
+            ));
+        }
+        let views = Arc::new(crate::scrub::EngineViews::new(self.inner.engine.clone()));
+        let job = crate::scrub::ScrubJob::start(
+            views,
+            crate::scrub::ScrubOptions {
+                rate_bytes_per_sec: rate,
+            },
+        )?;
+        *slot = Some(job);
+        Ok(())
+    }
+
+    /// The online scrub's status as JSON ([`crate::scrub::ScrubJob::status_json`]), or
+    /// `{"state": "idle"}` when none was started since the mount.
+    pub fn scrub_status(&self) -> String {
+        match self.inner.scrub.lock().as_ref() {
+            Some(job) => job.status_json(),
+            None => "{\"state\": \"idle\"}".to_string(),
         }
     }
 
@@ -706,6 +761,9 @@ impl Filesystem {
     pub fn power_cut(self) {
         self.inner.closed.store(true, Ordering::SeqCst);
         self.inner.stop.store(true, Ordering::SeqCst);
+        if let Some(mut job) = self.inner.scrub.lock().take() {
+            job.stop();
+        }
         {
             let (lock, cvar) = &self.inner.wake;
             *lock.lock() = true;

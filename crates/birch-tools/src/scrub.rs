@@ -1,0 +1,343 @@
+//! `birch scrub`: read and verify every block a filesystem references, offline on an image
+//! or online through a mount, and print what is damaged with its inodes and paths.
+//!
+//! Owns: choosing offline or online by the target, the progress bar, printing (text or
+//! `--json`) and the exit codes: 0 clean, 1 damage found, 2 usage or operational error.
+//! Must not touch: the scrub itself, which lives in `birch_core::scrub` (offline it runs in
+//! this process, online in the daemon, started and read through root xattrs).
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use birch_core::device::{BlockDevice, FileDevice, OpenMode};
+use birch_core::scrub::{
+    scrub, ImageViews, ScrubOptions, ScrubProgress, ViewSource, ONLINE_RATE_DEFAULT_BYTES_PER_SEC,
+};
+use serde_json::Value;
+
+/// Exit code: every block verified.
+const EXIT_CLEAN: u8 = 0;
+/// Exit code: at least one damaged block.
+const EXIT_DAMAGE: u8 = 1;
+/// Exit code: usage or operational error (the scrub did not finish).
+const EXIT_ERROR: u8 = 2;
+
+/// The root xattr with the online scrub's status (`birch_fuse::SCRUB_XATTR`).
+const SCRUB_XATTR: &str = "trusted.birch.scrub";
+
+/// How often the online scrub's status is read.
+const POLL_INTERVAL: Duration = Duration::from_millis(200);
+
+/// What every report ends with: scrub cannot heal.
+const NO_HEAL: &str = "scrub only detects: birchfs keeps one copy of each block, so a damaged \
+block cannot be rebuilt; restore the files named above from a backup (or delete them)";
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_interrupt(_signal: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+/// `birch scrub TARGET`: offline when TARGET is an image, online when it is a mount's root.
+/// `rate_mb` is in MB/s (10^6 bytes); 0 is unlimited.
+pub(crate) fn scrub_main(target: &Path, rate_mb: Option<f64>, json: bool, force: bool) -> ExitCode {
+    if rate_mb.is_some_and(|r| !r.is_finite() || r < 0.0) {
+        eprintln!("birch scrub: --rate must be a number of MB/s, 0 or more");
+        return ExitCode::from(EXIT_ERROR);
+    }
+    let rate = |default: Option<u64>| match rate_mb {
+        Some(r) if r > 0.0 => Some((r * 1e6) as u64),
+        Some(_) => None,
+        None => default,
+    };
+    let result = if target.is_dir() {
+        online(target, rate(Some(ONLINE_RATE_DEFAULT_BYTES_PER_SEC)))
+    } else {
+        offline(target, rate(None), force)
+    };
+    match result {
+        Ok(report) => print_report(target, &report, json),
+        Err(e) => {
+            eprintln!("birch scrub: {}: {e}", target.display());
+            ExitCode::from(EXIT_ERROR)
+        }
+    }
+}
+
+/// Scrubs an unmounted image in this process; the report as JSON.
+fn offline(image: &Path, rate: Option<u64>, force: bool) -> Result<Value, String> {
+    let mode = if force {
+        OpenMode::ReadOnlyUnlocked
+    } else {
+        OpenMode::ReadOnly
+    };
+    let device: Arc<dyn BlockDevice> =
+        Arc::new(FileDevice::open(image, mode).map_err(|e| e.to_string())?);
+    let views = ImageViews::open(device).map_err(|e| e.to_string())?;
+    let pending = views.pending_log_records();
+    if pending > 0 {
+        eprintln!(
+            "birch scrub: {}: {pending} fsync log records wait for replay (after a crash); \
+             the blocks they reference are not scrubbed until a read-write mount replays them",
+            image.display()
+        );
+    }
+    let progress = Arc::new(ScrubProgress::default());
+    let options = ScrubOptions {
+        rate_bytes_per_sec: rate,
+    };
+    catch_interrupt();
+    let bar = progress_bar(views.bytes_used());
+    let worker = {
+        let progress = progress.clone();
+        std::thread::spawn(move || scrub(&views, options, &progress))
+    };
+    while !worker.is_finished() {
+        if INTERRUPTED.load(Ordering::SeqCst) {
+            progress.cancel.store(true, Ordering::SeqCst);
+        }
+        // The total is 0 until the scrub thread has read the superblock: keep the bar's.
+        let total = progress.bytes_total.load(Ordering::Relaxed);
+        if total > 0 {
+            bar.set_length(total);
+        }
+        bar.set_position(progress.bytes_done.load(Ordering::Relaxed));
+        std::thread::sleep(POLL_INTERVAL.min(Duration::from_millis(100)));
+    }
+    bar.finish_and_clear();
+    let report = worker
+        .join()
+        .map_err(|_| "the scrub thread panicked".to_string())?
+        .map_err(|e| e.to_string())?;
+    let mut report: Value =
+        serde_json::from_str(&report.to_json()).map_err(|e| format!("report: {e}"))?;
+    if let Some(obj) = report.as_object_mut() {
+        obj.insert("pending_log_records".into(), pending.into());
+    }
+    Ok(report)
+}
+
+/// Starts a scrub in the daemon serving the mount at `mountpoint`, follows its progress and
+/// returns its report. Ctrl-C cancels it.
+fn online(mountpoint: &Path, rate: Option<u64>) -> Result<Value, String> {
+    // Scrub reads committed trees: commit what was written so far (the kernel's dirty pages
+    // first), so the scrub covers it. A read-only mount has nothing to commit; that failure
+    // is not one.
+    let _ = crate::mount::syncfs(mountpoint);
+    let _ = crate::mount::control(mountpoint, "sync");
+    let command = format!("scrub-start rate={}", rate.unwrap_or(0));
+    crate::mount::control(mountpoint, &command).map_err(|e| match e.raw_os_error() {
+        Some(libc::EBUSY) => "a scrub is already running on this mount".to_string(),
+        Some(libc::EPERM) => "an online scrub needs root (CAP_SYS_ADMIN)".to_string(),
+        Some(libc::ENOTSUP) | Some(libc::ENODATA) | Some(libc::EINVAL) => {
+            format!("not the root of a birchfs mount that can scrub ({e})")
+        }
+        _ => format!("starting the scrub: {e}"),
+    })?;
+    catch_interrupt();
+    let mut bar: Option<indicatif::ProgressBar> = None;
+    loop {
+        if INTERRUPTED.load(Ordering::SeqCst) {
+            let _ = crate::mount::control(mountpoint, "scrub-cancel");
+            if let Some(bar) = &bar {
+                bar.finish_and_clear();
+            }
+            return Err("interrupted: the scrub was cancelled".into());
+        }
+        let status = read_status(mountpoint)?;
+        let number = |name: &str| status.get(name).and_then(Value::as_u64).unwrap_or(0);
+        // Made once the total is known (the scrub thread sets it as it starts), so it never
+        // draws a 0-byte bar.
+        if number("bytes_total") > 0 {
+            let bar = bar.get_or_insert_with(|| progress_bar(number("bytes_total")));
+            bar.set_length(number("bytes_total"));
+            bar.set_position(number("bytes_done"));
+        }
+        match status.get("state").and_then(Value::as_str) {
+            Some("running") => std::thread::sleep(POLL_INTERVAL),
+            Some("done") => {
+                if let Some(bar) = &bar {
+                    bar.finish_and_clear();
+                }
+                let mut report = status
+                    .get("report")
+                    .cloned()
+                    .ok_or("the status has no report")?;
+                // The status lists at most 100 damaged blocks; `damaged` counts them all.
+                if let (Some(obj), Some(all)) = (report.as_object_mut(), status.get("damaged")) {
+                    obj.insert("damaged".into(), all.clone());
+                }
+                return Ok(report);
+            }
+            Some("failed") => {
+                if let Some(bar) = &bar {
+                    bar.finish_and_clear();
+                }
+                let error = status.get("error").and_then(Value::as_str).unwrap_or("?");
+                return Err(format!("the scrub failed in the daemon: {error}"));
+            }
+            other => {
+                if let Some(bar) = &bar {
+                    bar.finish_and_clear();
+                }
+                return Err(format!("unexpected scrub state {other:?}"));
+            }
+        }
+    }
+}
+
+fn catch_interrupt() {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(
+            libc::SIGINT,
+            on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t,
+        );
+    }
+}
+
+/// A bar with bytes done, rate and ETA on a terminal; hidden when stderr is not one.
+fn progress_bar(total_bytes: u64) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(total_bytes);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "scrub [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+/// Reads the root's scrub status xattr.
+fn read_status(mountpoint: &Path) -> Result<Value, String> {
+    let path = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes())
+        .map_err(|_| "path contains a NUL byte".to_string())?;
+    let name = std::ffi::CString::new(SCRUB_XATTR).map_err(|_| "xattr name".to_string())?;
+    // The status may grow between the size query and the read: retry.
+    for _ in 0..4 {
+        // SAFETY: getxattr with valid NUL-terminated strings and no buffer (size query).
+        let len = unsafe { libc::getxattr(path.as_ptr(), name.as_ptr(), std::ptr::null_mut(), 0) };
+        if len < 0 {
+            return Err(format!(
+                "reading {SCRUB_XATTR}: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        let mut buf = vec![0u8; len as usize + 1024];
+        // SAFETY: getxattr writes at most buf.len() bytes into buf, which outlives the call.
+        let got = unsafe {
+            libc::getxattr(
+                path.as_ptr(),
+                name.as_ptr(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+            )
+        };
+        if got < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ERANGE) {
+                continue;
+            }
+            return Err(format!("reading {SCRUB_XATTR}: {e}"));
+        }
+        buf.truncate(got as usize);
+        return serde_json::from_slice(&buf).map_err(|e| format!("{SCRUB_XATTR}: {e}"));
+    }
+    Err(format!("{SCRUB_XATTR} kept growing while read"))
+}
+
+/// Prints the report (text, or the JSON object with `--json`) and picks the exit code.
+fn print_report(target: &Path, report: &Value, json: bool) -> ExitCode {
+    let damaged = report.get("damaged").and_then(Value::as_u64).unwrap_or(0);
+    let cancelled = report
+        .get("cancelled")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    if json {
+        println!("{report}");
+    } else {
+        for damage in report
+            .get("damage")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            println!("{}", damage_line(damage));
+        }
+        let number = |name: &str| report.get(name).and_then(Value::as_u64).unwrap_or(0);
+        let real = |name: &str| report.get(name).and_then(Value::as_f64).unwrap_or(0.0);
+        println!(
+            "{}: {} nodes, {} data blocks, {:.1} MB in {:.1} s ({:.1} MB/s, {} chunks), {} damaged blocks{}",
+            target.display(),
+            number("nodes"),
+            number("data_blocks"),
+            number("bytes") as f64 / 1e6,
+            real("elapsed_sec"),
+            real("rate_mb_per_sec"),
+            number("chunks"),
+            damaged,
+            if cancelled { ", cancelled before the end" } else { "" }
+        );
+        if damaged > 0 {
+            println!("{NO_HEAL}");
+        }
+    }
+    if damaged > 0 {
+        ExitCode::from(EXIT_DAMAGE)
+    } else if cancelled {
+        ExitCode::from(EXIT_ERROR)
+    } else {
+        ExitCode::from(EXIT_CLEAN)
+    }
+}
+
+/// One damaged block in a line: what, where, found and expected, and every owner's paths.
+fn damage_line(damage: &Value) -> String {
+    let text = |name: &str| damage.get(name).and_then(Value::as_str).unwrap_or("?");
+    let block = damage.get("block").and_then(Value::as_u64).unwrap_or(0);
+    let generation = damage
+        .get("generation")
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    let mut line = format!(
+        "damaged {} block {block:#x} (generation {generation})",
+        text("kind")
+    );
+    if let Some(keys) = damage.get("keys").filter(|k| !k.is_null()) {
+        let low = keys.get("low").and_then(Value::as_str).unwrap_or("?");
+        let high = keys.get("high").and_then(Value::as_str).unwrap_or("end");
+        line.push_str(&format!(", keys [{low}, {high})"));
+    }
+    line.push_str(&format!(
+        ": found {}, expected {}",
+        text("found"),
+        text("expected")
+    ));
+    for owner in damage
+        .get("owners")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        let inode = owner.get("inode").and_then(Value::as_u64).unwrap_or(0);
+        line.push_str(&format!("; inode {inode}"));
+        if let Some(offset) = owner.get("offset").and_then(Value::as_u64) {
+            line.push_str(&format!(" offset {offset}"));
+        }
+        let paths: Vec<&str> = owner
+            .get("paths")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .collect();
+        if paths.is_empty() {
+            line.push_str(" (path unknown)");
+        } else {
+            line.push_str(&format!(" {}", paths.join(" ")));
+        }
+    }
+    line
+}

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# `birch scrub` on images and on a real mount: a clean image scrubs clean offline and online
+# (exit 0, --json with its fields); an image in use is refused offline (exit 2); one flipped
+# byte in a data block is found offline and online (exit 1) with the file's inode and both
+# of its paths (it has a hard link); one flipped byte in a leaf is found offline with an
+# inode whose items the leaf holds and its path; the text output says scrub cannot heal; a
+# missing target is exit 2. Runs in a few seconds.
+# Skips (exit 77) when not root or without /dev/fuse.
+set -uo pipefail
+BIRCH=${BIRCH:-$(pwd)/target/release/birch}
+if [[ ! -e /dev/fuse ]]; then echo "scrub-test: SKIP: /dev/fuse is absent"; exit 77; fi
+if [[ $(id -u) != 0 ]]; then echo "scrub-test: SKIP: needs root (trusted.birch.scrub)"; exit 77; fi
+[[ -x $BIRCH ]] || { echo "scrub-test: $BIRCH not built"; exit 1; }
+
+WORK=$(mktemp -d /tmp/scrub-test.XXXXXX)
+MNT=$WORK/mnt
+IMG=$WORK/disk.img
+mkdir -p "$MNT"
+cleanup() {
+  if mountpoint -q "$MNT"; then "$BIRCH" umount "$MNT" || umount -l "$MNT"; fi
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+FAIL=0
+ok() { echo "ok   $*"; }
+bad() { echo "FAIL $*"; FAIL=1; }
+
+# expect_rc WANT WHAT -- command...: runs the command (stdout to $WORK/out), checks its exit code.
+expect_rc() {
+  local want=$1 what=$2; shift 3
+  "$@" >"$WORK/out" 2>"$WORK/err"
+  local rc=$?
+  if [[ $rc == "$want" ]]; then ok "$what: exit $rc"; else bad "$what: exit $rc, expected $want: $(cat "$WORK/err")"; fi
+}
+
+# json_check FILE PYTHON-EXPR WHAT: the expression over `r` (the parsed JSON) must be true.
+json_check() {
+  if python3 - "$1" "$2" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+sys.exit(0 if eval(sys.argv[2]) else 1)
+EOF
+  then ok "$3"; else bad "$3: $(head -c 600 "$1")"; fi
+}
+
+"$BIRCH" mkfs --size 256M "$IMG" >/dev/null || { echo "scrub-test: mkfs failed"; exit 1; }
+"$BIRCH" mount "$IMG" "$MNT" || { echo "scrub-test: mount failed"; exit 1; }
+mkdir -p "$MNT/d/e"
+head -c $((8 << 20)) /dev/urandom >"$MNT/d/e/big"
+ln "$MNT/d/e/big" "$MNT/big-link"
+for i in $(seq 1 400); do echo "small $i" >"$MNT/d/s$i"; done
+BIG_INO=$(stat -c %i "$MNT/d/e/big")
+
+# Online, clean: exit 0 and the JSON fields scripts read.
+expect_rc 0 "online scrub of a clean mount" -- "$BIRCH" scrub --json --rate 0 "$MNT"
+cp "$WORK/out" "$WORK/online-clean.json"
+json_check "$WORK/online-clean.json" \
+  'r["clean"] and r["damaged"] == 0 and r["damage"] == [] and r["nodes"] > 1 and r["data_blocks"] >= 2048 and r["healed"] is False and r["chunks"] >= 1 and "rate_mb_per_sec" in r' \
+  "online clean JSON: clean, counts, healed false"
+expect_rc 0 "online scrub with the default rate (text)" -- "$BIRCH" scrub "$MNT"
+grep -q "0 damaged blocks" "$WORK/out" && ok "text summary" || bad "text summary: $(cat "$WORK/out")"
+
+# Offline while mounted: refused like fsck.
+expect_rc 2 "offline scrub of a mounted image is refused" -- "$BIRCH" scrub "$IMG"
+
+"$BIRCH" umount "$MNT" || { echo "scrub-test: umount failed"; exit 1; }
+expect_rc 0 "offline scrub of a clean image" -- "$BIRCH" scrub --json "$IMG"
+json_check "$WORK/out" 'r["clean"] and r["data_blocks"] >= 2048' "offline clean JSON"
+cp "$IMG" "$WORK/clean.img"
+
+# One byte of the big file's second extent, flipped.
+EXTENT=$("$BIRCH" inspect "$IMG" inode "$BIG_INO" | awk '/extent regular/ {print $7}' | sed -n 2p)
+[[ -n $EXTENT ]] || { echo "scrub-test: no second extent of inode $BIG_INO"; exit 1; }
+BAD=$((EXTENT + 3 * 4096))
+python3 - "$IMG" "$BAD" <<'EOF'
+import sys
+with open(sys.argv[1], "r+b") as f:
+    f.seek(int(sys.argv[2]) + 77)
+    b = f.read(1)
+    f.seek(int(sys.argv[2]) + 77)
+    f.write(bytes([b[0] ^ 0xFF]))
+EOF
+expect_rc 1 "offline scrub finds a flipped data byte" -- "$BIRCH" scrub --json "$IMG"
+json_check "$WORK/out" \
+  "r['damaged'] == 1 and r['damage'][0]['kind'] == 'data' and r['damage'][0]['block'] == $BAD and r['damage'][0]['owners'][0]['inode'] == $BIG_INO and sorted(r['damage'][0]['owners'][0]['paths']) == ['/big-link', '/d/e/big']" \
+  "offline data damage: block, inode and both paths"
+expect_rc 1 "offline scrub (text) of the damaged image" -- "$BIRCH" scrub "$IMG"
+grep -q "/d/e/big" "$WORK/out" && grep -q "cannot be rebuilt" "$WORK/out" \
+  && ok "text names the path and says scrub cannot heal" || bad "text: $(cat "$WORK/out")"
+
+"$BIRCH" mount "$IMG" "$MNT" || { echo "scrub-test: mount of the damaged image failed"; exit 1; }
+expect_rc 1 "online scrub finds the flipped data byte" -- "$BIRCH" scrub --json --rate 200 "$MNT"
+json_check "$WORK/out" \
+  "r['damaged'] == 1 and r['damage'][0]['block'] == $BAD and '/d/e/big' in r['damage'][0]['owners'][0]['paths']" \
+  "online data damage: block and path"
+"$BIRCH" umount "$MNT" || { echo "scrub-test: umount failed"; exit 1; }
+
+# One byte of a leaf holding the small files' items, flipped (in a copy of the clean image).
+# The root node's pointers: "slot N key (INO, inode, 0) -> ADDR ..."; the first leaf that
+# starts at a small file's inode item, past /d's own items (its entries stay readable).
+LEAF=$("$BIRCH" inspect "$WORK/clean.img" tree fs \
+  | awk '$1 == "slot" && $5 == "inode," { ino = substr($4, 2) + 0; if (!done && ino > 300) { print ino, $8; done = 1 } }')
+LEAF_INO=$(echo "$LEAF" | awk '{print $1}')
+LEAF_ADDR=$(echo "$LEAF" | awk '{print $2}')
+[[ -n $LEAF_ADDR ]] || { echo "scrub-test: no leaf found"; exit 1; }
+python3 - "$WORK/clean.img" "$LEAF_ADDR" <<'EOF'
+import sys
+with open(sys.argv[1], "r+b") as f:
+    at = int(sys.argv[2], 16) + 8000
+    f.seek(at)
+    b = f.read(1)
+    f.seek(at)
+    f.write(bytes([b[0] ^ 0x01]))
+EOF
+expect_rc 1 "offline scrub finds a flipped leaf byte" -- "$BIRCH" scrub --json "$WORK/clean.img"
+json_check "$WORK/out" \
+  "r['damaged'] == 1 and r['damage'][0]['kind'] == 'node' and r['damage'][0]['block'] == $((LEAF_ADDR)) and any(o['inode'] == $LEAF_INO and o['paths'] and o['paths'][0].startswith('/d/s') for o in r['damage'][0]['owners'])" \
+  "node damage: block, inode $LEAF_INO and its path"
+
+expect_rc 2 "a missing target" -- "$BIRCH" scrub "$WORK/no-such-image"
+
+if [[ $FAIL == 0 ]]; then echo "scrub-test: all passed"; else echo "scrub-test: FAILED"; fi
+exit $FAIL
