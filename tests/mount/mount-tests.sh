@@ -150,6 +150,18 @@ expect_fail "missing mountpoint" "does not exist" "$BIRCH" mount "$IMG" "$WORK/n
 expect_fail "missing image" "does not exist" "$BIRCH" mount "$WORK/none.img" "$MNT"
 head -c 1M /dev/zero > "$WORK/zero.img"
 expect_fail "not a birchfs image" "not a birchfs image" "$BIRCH" mount "$WORK/zero.img" "$MNT"
+# Output into a closed pipe (`birch inspect IMG tree fs | head`) ends the command by SIGPIPE,
+# as any Unix tool, never a panic.
+closed_pipe() {
+  python3 - "$BIRCH" "$IMG" <<'PYEOF2'
+import os, subprocess, sys
+r, w = os.pipe()
+os.close(r)
+p = subprocess.run([sys.argv[1], "inspect", sys.argv[2], "super"], stdout=w, stderr=subprocess.PIPE)
+sys.exit(0 if p.returncode == -13 and b"panicked" not in p.stderr else 1)
+PYEOF2
+}
+check "inspect into a closed pipe ends by SIGPIPE, no panic" closed_pipe
 "$BIRCH" mount "${EXTRA_OPTS[@]}" "$IMG" "$MNT"
 mkdir -p "$WORK/mnt2" "$WORK/mnt3"
 expect_fail "fsck refuses a mounted image" "in use" "$BIRCH" fsck "$IMG"

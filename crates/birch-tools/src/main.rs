@@ -218,7 +218,7 @@ fn main() -> ExitCode {
     // of the clap definitions so that neither the help, the pages nor the completions it
     // writes offer it.
     if let [_, command, dir] = args.as_slice() {
-        if command == "gen-docs" {
+        if command == "gen-docs" && !dir.starts_with('-') {
             return match docs::generate(Path::new(dir)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => fail(format!("gen-docs: {e}")),
@@ -236,6 +236,15 @@ fn main() -> ExitCode {
             };
         }
     };
+    // Output into a closed pipe (`birch inspect IMG tree fs | head`) ends a command quietly,
+    // as for any Unix tool, instead of a panic in println!. Not for a mount: its daemon must
+    // outlive whatever its stderr was piped into.
+    if !matches!(cli.command, Command::Mount { .. } | Command::Crashtest { .. }) {
+        // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     match cli.command {
         Command::Mkfs {
             size,
