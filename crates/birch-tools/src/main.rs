@@ -239,7 +239,10 @@ fn main() -> ExitCode {
     // Output into a closed pipe (`birch inspect IMG tree fs | head`) ends a command quietly,
     // as for any Unix tool, instead of a panic in println!. Not for a mount: its daemon must
     // outlive whatever its stderr was piped into.
-    if !matches!(cli.command, Command::Mount { .. } | Command::Crashtest { .. }) {
+    if !matches!(
+        cli.command,
+        Command::Mount { .. } | Command::Crashtest { .. }
+    ) {
         // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
         unsafe {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
