@@ -1424,6 +1424,37 @@ impl fuser::Filesystem for BirchFuse {
         }
     }
 
+    fn tmpfile(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        mode: u32,
+        umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        refuse_if_down!(self, reply);
+        match self
+            .fs
+            .tmpfile(caller(req, self.umask(umask)), parent.0, mode, flags)
+        {
+            Ok((a, fh)) => {
+                if writes(flags) {
+                    self.write_opens.opened(a.ino);
+                }
+                let (fh, open_flags) = self.opened(fh, flags);
+                reply.created(
+                    &self.options.ttl,
+                    &file_attr(&a),
+                    Generation(a.generation),
+                    fh,
+                    open_flags,
+                )
+            }
+            Err(e) => reply.error(errno("tmpfile", &e)),
+        }
+    }
+
     fn fallocate(
         &self,
         req: &Request,

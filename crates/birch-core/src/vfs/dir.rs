@@ -231,68 +231,14 @@ impl Filesystem {
             &encode_dir_entries(&with_probe_entry(&slot.dir_item, name)),
             "create",
         )?;
-        // Default ACL of the directory, or the umask (symlinks are always 0777).
-        let inherited = if symlink.is_some() {
-            super::acl::Inherited {
-                mode,
-                access: None,
-                default: None,
-            }
-        } else {
-            let parent_default = self.xattr_value(parent, &d, super::acl::ACL_DEFAULT)?;
-            super::acl::inherit(
-                parent_default.as_deref(),
-                mode,
-                caller.umask,
-                kind == FileKind::Dir,
-            )?
-        };
-        let ino = if kind == FileKind::Dir {
-            self.inner.engine.allocate_objectid_alone()
-        } else {
-            self.inner.engine.allocate_objectid()
-        };
-        let t = now();
-        let mut gid = caller.gid;
-        let mut mode = inherited.mode;
-        if d.item.mode & libc::S_ISGID != 0 {
-            // setgid directory: new entries take its group, and new directories stay setgid.
-            gid = d.item.gid;
-            if kind == FileKind::Dir {
-                mode |= libc::S_ISGID;
-            }
-        }
-        let item = InodeItem {
-            generation: super::new_generation(&self.inner.engine.fsid(), ino),
-            transid: 0,
-            size: 0,
-            nbytes: 0,
-            nlink: if kind == FileKind::Dir { 2 } else { 1 },
-            uid: caller.uid,
-            gid,
-            mode,
-            rdev,
-            flags: 0,
-            next_dir_index: 2,
-            atime: t,
-            mtime: t,
-            ctime: t,
-            otime: t,
-        };
+        let nlink = if kind == FileKind::Dir { 2 } else { 1 };
+        let (ino, mut item, inherited) =
+            self.new_inode_item(caller, parent, &d, mode, nlink, symlink.is_some())?;
+        item.rdev = rdev;
+        let t = item.ctime;
         let state = self.insert_inode(ino, item);
         let mut c = state.data.write();
-        // A new inode has no xattrs but the ACLs it inherits (put below).
-        *c.xattrs_absent.get_mut() = super::xattr::ABSENT_CAPABILITY
-            | if inherited.default.is_none() {
-                super::xattr::ABSENT_ACL_DEFAULT
-            } else {
-                0
-            }
-            | if inherited.access.is_none() {
-                super::xattr::ABSENT_ACL_ACCESS
-            } else {
-                0
-            };
+        set_absent_xattrs(&mut c, &inherited);
         let _op = self.inner.engine.hold()?;
         if let Some(target) = symlink {
             self.write_locked(ino, &mut c, 0, target, None)?;
@@ -332,22 +278,7 @@ impl Filesystem {
                 encode_dir_entries(std::slice::from_ref(&entry)),
             );
             txn.put(inode_ref_key(ino, parent, name), encode_inode_refs(&refs));
-            for (acl_name, acl) in [
-                (super::acl::ACL_ACCESS, inherited.access),
-                (super::acl::ACL_DEFAULT, inherited.default),
-            ] {
-                if let Some(acl) = acl {
-                    let xattrs = [birch_format::items::Xattr {
-                        name: acl_name.to_vec(),
-                        value: acl,
-                        spill: None,
-                    }];
-                    txn.put(
-                        super::xattr::xattr_key(ino, acl_name),
-                        birch_format::items::encode_xattrs(&xattrs),
-                    );
-                }
-            }
+            put_inherited_acls(&txn, ino, inherited);
         }
         drop(_op);
         self.remember(&state);
@@ -356,6 +287,117 @@ impl Filesystem {
         drop(d);
         self.maybe_commit();
         Ok(attr)
+    }
+
+    /// A new inode item for a node of `mode` (type included) made in directory `parent`
+    /// (locked as `d`) by `caller`, with its number: the directory's default ACL or the
+    /// umask applied (symlinks are always 0777), and the setgid directory rules (new entries
+    /// take its group, new directories stay setgid).
+    fn new_inode_item(
+        &self,
+        caller: Caller,
+        parent: u64,
+        d: &InodeData,
+        mode: u32,
+        nlink: u32,
+        symlink: bool,
+    ) -> Result<(u64, InodeItem, super::acl::Inherited)> {
+        let kind = FileKind::from_mode(mode);
+        let inherited = if symlink {
+            super::acl::Inherited {
+                mode,
+                access: None,
+                default: None,
+            }
+        } else {
+            let parent_default = self.xattr_value(parent, d, super::acl::ACL_DEFAULT)?;
+            super::acl::inherit(
+                parent_default.as_deref(),
+                mode,
+                caller.umask,
+                kind == FileKind::Dir,
+            )?
+        };
+        let ino = if kind == FileKind::Dir {
+            self.inner.engine.allocate_objectid_alone()
+        } else {
+            self.inner.engine.allocate_objectid()
+        };
+        let t = now();
+        let mut gid = caller.gid;
+        let mut mode = inherited.mode;
+        if d.item.mode & libc::S_ISGID != 0 {
+            gid = d.item.gid;
+            if kind == FileKind::Dir {
+                mode |= libc::S_ISGID;
+            }
+        }
+        let item = InodeItem {
+            generation: super::new_generation(&self.inner.engine.fsid(), ino),
+            transid: 0,
+            size: 0,
+            nbytes: 0,
+            nlink,
+            uid: caller.uid,
+            gid,
+            mode,
+            rdev: 0,
+            flags: 0,
+            next_dir_index: 2,
+            atime: t,
+            mtime: t,
+            ctime: t,
+            otime: t,
+        };
+        Ok((ino, item, inherited))
+    }
+
+    /// O_TMPFILE: a new regular file in `parent` without a name (link count 0), open as
+    /// `flags` say; returns its attributes and a handle. Its orphan item is put in the same
+    /// transaction, so a crash before a `link` gives it a name frees it at the next mount,
+    /// as for a file unlinked while open; so does its last close and forget. The directory
+    /// supplies its default ACL and setgid group as for `create` and is not changed. Unless
+    /// `flags` has `O_EXCL`, `link` may give it a name (Linux's `I_LINKABLE`).
+    pub fn tmpfile(
+        &self,
+        caller: Caller,
+        parent: u64,
+        mode: u32,
+        flags: i32,
+    ) -> Result<(Attr, u64)> {
+        self.admit(true)?;
+        let dir = self.dir_state(parent)?;
+        let d = dir.data.read();
+        if d.item.nlink == 0 {
+            return Err(Error::NotFound(format!("dir {parent} was removed")));
+        }
+        let (ino, item, inherited) = self.new_inode_item(
+            caller,
+            parent,
+            &d,
+            libc::S_IFREG | (mode & 0o7777),
+            0,
+            false,
+        )?;
+        drop(d);
+        let state = self.insert_inode(ino, item);
+        let mut c = state.data.write();
+        set_absent_xattrs(&mut c, &inherited);
+        c.linkable = flags & libc::O_EXCL == 0;
+        {
+            let _op = self.inner.engine.hold()?;
+            let txn = self.inner.engine.begin()?;
+            c.item.transid = txn.generation();
+            txn.put(super::inode_key(ino), c.item.encode());
+            txn.put(Key::new(ORPHAN_OBJECTID, ItemType::Orphan, ino), Vec::new());
+            put_inherited_acls(&txn, ino, inherited);
+        }
+        self.remember(&state);
+        let attr = attr_of(ino, &c.item);
+        drop(c);
+        let fh = self.open_file(ino, flags & !libc::O_TMPFILE)?;
+        self.maybe_commit();
+        Ok((attr, fh))
     }
 
     /// mknod: regular files, fifos, sockets, device nodes.
@@ -455,7 +497,7 @@ impl Filesystem {
         if d.item.nlink == 0 {
             return Err(Error::NotFound(format!("dir {newparent} was removed")));
         }
-        if c.item.nlink == 0 {
+        if c.item.nlink == 0 && !c.linkable {
             return Err(Error::NotFound(format!("inode {ino} was removed")));
         }
         if c.item.nlink >= LINK_MAX {
@@ -520,8 +562,10 @@ impl Filesystem {
                 encode_inode_refs(&ref_list),
             );
             if c.item.nlink == 1 {
-                // An O_TMPFILE-style inode getting its first name leaves the orphan list.
+                // A tmpfile getting its first name leaves the orphan list, and may not be
+                // linked again once its names are gone.
                 txn.delete(Key::new(ORPHAN_OBJECTID, ItemType::Orphan, ino));
+                c.linkable = false;
             }
         }
         target.lookups.fetch_add(1, Ordering::SeqCst);
@@ -1338,5 +1382,41 @@ impl RenamePlan {
     fn set(&mut self, key: Key, value: Option<Vec<u8>>) {
         self.puts.retain(|(k, _)| *k != key);
         self.puts.push((key, value));
+    }
+}
+
+/// Marks the xattrs a new inode lacks: all but the ACLs it inherits (put by
+/// [`put_inherited_acls`]).
+fn set_absent_xattrs(c: &mut InodeData, inherited: &super::acl::Inherited) {
+    *c.xattrs_absent.get_mut() = super::xattr::ABSENT_CAPABILITY
+        | if inherited.default.is_none() {
+            super::xattr::ABSENT_ACL_DEFAULT
+        } else {
+            0
+        }
+        | if inherited.access.is_none() {
+            super::xattr::ABSENT_ACL_ACCESS
+        } else {
+            0
+        };
+}
+
+/// Stores the ACLs a new inode inherits from its directory.
+fn put_inherited_acls(txn: &crate::txn::WriteTxn<'_>, ino: u64, inherited: super::acl::Inherited) {
+    for (acl_name, acl) in [
+        (super::acl::ACL_ACCESS, inherited.access),
+        (super::acl::ACL_DEFAULT, inherited.default),
+    ] {
+        if let Some(acl) = acl {
+            let xattrs = [birch_format::items::Xattr {
+                name: acl_name.to_vec(),
+                value: acl,
+                spill: None,
+            }];
+            txn.put(
+                super::xattr::xattr_key(ino, acl_name),
+                birch_format::items::encode_xattrs(&xattrs),
+            );
+        }
     }
 }
