@@ -4,7 +4,7 @@
 Each test runs in a fresh subdirectory of the mount and checks that the operation works and
 that at least one of its error paths gives the errno Linux (ext4) gives. Operations: lookup,
 forget, getattr, setattr, readlink, mknod, mkdir, unlink, rmdir, symlink, rename, rename2
-(RENAME_NOREPLACE / RENAME_EXCHANGE), link, open, read, write, flush, release, fsync/fdatasync,
+(RENAME_NOREPLACE / RENAME_EXCHANGE / RENAME_WHITEOUT), link, open, read, write, flush, release, fsync/fdatasync,
 opendir, readdir, readdirplus, releasedir, fsyncdir, statfs, setxattr, getxattr, listxattr,
 removexattr, access, create, fallocate, lseek (SEEK_DATA/SEEK_HOLE), copy_file_range,
 getlk/setlk, O_DIRECT, mmap, O_TMPFILE, suid/sgid clearing (FUSE_HANDLE_KILLPRIV_V2) on write,
@@ -54,7 +54,7 @@ MiB = 1 << 20
 # --- libc ------------------------------------------------------------------------------------
 libc = ctypes.CDLL(None, use_errno=True)
 AT_FDCWD = -100
-RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+RENAME_NOREPLACE, RENAME_EXCHANGE, RENAME_WHITEOUT = 1, 2, 4
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE = 0x01, 0x02, 0x10
 UTIME_NOW, UTIME_OMIT = (1 << 30) - 1, (1 << 30) - 2
 AT_STATX_FORCE_SYNC = 0x2000
@@ -1431,6 +1431,41 @@ def op_enospc(d):
 def bfree_of(path):
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+@test
+def op_rename_whiteout(d):
+    # RENAME_WHITEOUT (overlayfs's rename out of an upper layer): the source name becomes a
+    # character device 0:0 with mode 0 in the same step.
+    os.chmod(d, 0o777)
+    wfile(J(d, "a"), b"upper")
+    wfile(J(d, "b"), b"other")
+    os.mkdir(J(d, "dir"))
+    expect_err("RENAME_WHITEOUT|RENAME_EXCHANGE", errno.EINVAL, renameat2, J(d, "a"), J(d, "b"),
+               RENAME_WHITEOUT | RENAME_EXCHANGE)
+    expect_err("RENAME_WHITEOUT|RENAME_NOREPLACE onto a name", errno.EEXIST, renameat2, J(d, "a"), J(d, "b"),
+               RENAME_WHITEOUT | RENAME_NOREPLACE)
+    expect_err("RENAME_WHITEOUT of a missing name", errno.ENOENT, renameat2, J(d, "missing"), J(d, "c"),
+               RENAME_WHITEOUT)
+    renameat2(J(d, "a"), J(d, "c"), RENAME_WHITEOUT | RENAME_NOREPLACE)
+    st = os.lstat(J(d, "a"))
+    check(st.st_mode == stat.S_IFCHR and st.st_rdev == 0 and st.st_nlink == 1 and st.st_uid == 0,
+          f"whiteout: mode {st.st_mode:o} rdev {st.st_rdev} nlink {st.st_nlink} uid {st.st_uid}")
+    check(rfile(J(d, "c")) == b"upper", "renamed file lost its data")
+    renameat2(J(d, "c"), J(d, "b"), RENAME_WHITEOUT)  # over an existing file
+    check(rfile(J(d, "b")) == b"upper", "rename over a file with a whiteout")
+    check(stat.S_ISCHR(os.lstat(J(d, "c")).st_mode), "no whiteout after a rename over a file")
+    renameat2(J(d, "dir"), J(d, "dir2"), RENAME_WHITEOUT)  # a directory
+    check(stat.S_ISDIR(os.lstat(J(d, "dir2")).st_mode) and stat.S_ISCHR(os.lstat(J(d, "dir")).st_mode),
+          "directory rename with a whiteout")
+    check(sorted(os.listdir(d)) == ["a", "b", "c", "dir", "dir2"], f"names {sorted(os.listdir(d))}")
+    # A user may make one too (Linux 6.x checks no CAP_MKNOD for whiteouts); it is theirs.
+    wfile(J(d, "u"), b"u")
+    os.chown(J(d, "u"), NOBODY, NOBODY)
+    user_ok("RENAME_WHITEOUT", lambda: renameat2(J(d, "u"), J(d, "u2"), RENAME_WHITEOUT))
+    st = os.lstat(J(d, "u"))
+    check(stat.S_ISCHR(st.st_mode) and (st.st_uid, st.st_gid) == (NOBODY, NOBODY),
+          f"user's whiteout: mode {st.st_mode:o} owner {st.st_uid}:{st.st_gid}")
 
 
 @test

@@ -926,7 +926,7 @@ impl fuser::Filesystem for BirchFuse {
 
     fn rename(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         newparent: INodeNo,
@@ -935,7 +935,8 @@ impl fuser::Filesystem for BirchFuse {
         reply: ReplyEmpty,
     ) {
         refuse_if_down!(self, reply);
-        match self.fs.rename(
+        match self.fs.rename_as(
+            caller(req, 0),
             parent.0,
             name.as_bytes(),
             newparent.0,

@@ -1,4 +1,4 @@
-//! Namespace operations: lookup, create, link, unlink, rename, readdir.
+//! Namespace operations: lookup, create (and O_TMPFILE), link, unlink, rename (with whiteouts), readdir.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -29,6 +29,10 @@ pub struct DirEntryOut {
 pub(crate) const RENAME_NOREPLACE: u32 = 1;
 pub(crate) const RENAME_EXCHANGE: u32 = 2;
 pub(crate) const RENAME_WHITEOUT: u32 = 4;
+/// A whiteout's permission bits and device number, as Linux's `vfs_whiteout` makes it
+/// (`WHITEOUT_MODE`, `WHITEOUT_DEV`): overlayfs recognises a whiteout by them.
+const WHITEOUT_MODE: u32 = 0;
+const WHITEOUT_DEV: u64 = 0;
 
 fn dir_item_key(dir: u64, name: &[u8]) -> Key {
     Key::new(dir, ItemType::DirItem, name_hash(&[name]))
@@ -715,7 +719,8 @@ impl Filesystem {
         Ok(())
     }
 
-    /// rename with Linux flags (RENAME_NOREPLACE, RENAME_EXCHANGE; RENAME_WHITEOUT is EINVAL).
+    /// rename with Linux flags (RENAME_NOREPLACE, RENAME_EXCHANGE, RENAME_WHITEOUT); a
+    /// whiteout is owned by root ([`Filesystem::rename_as`] names its owner).
     pub fn rename(
         &self,
         parent: u64,
@@ -724,9 +729,26 @@ impl Filesystem {
         newname: &[u8],
         flags: u32,
     ) -> Result<()> {
-        if flags & RENAME_WHITEOUT != 0
-            || flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE | RENAME_WHITEOUT) != 0
-            || (flags & RENAME_NOREPLACE != 0 && flags & RENAME_EXCHANGE != 0)
+        self.rename_as(Caller::default(), parent, name, newparent, newname, flags)
+    }
+
+    /// rename by `caller`, with Linux flags. With `RENAME_WHITEOUT` the source name is taken,
+    /// in the same transaction, by a whiteout: a character device 0:0 with mode 0, owned by
+    /// `caller` (the directory's group when it is setgid), as Linux's `vfs_whiteout` makes for
+    /// overlayfs. `RENAME_EXCHANGE` with `RENAME_NOREPLACE` or `RENAME_WHITEOUT` is EINVAL.
+    /// Permissions (creating in the source directory, Linux's `CAP_MKNOD` for a whiteout) are
+    /// the kernel's to check, as for every call.
+    pub fn rename_as(
+        &self,
+        caller: Caller,
+        parent: u64,
+        name: &[u8],
+        newparent: u64,
+        newname: &[u8],
+        flags: u32,
+    ) -> Result<()> {
+        if flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE | RENAME_WHITEOUT) != 0
+            || (flags & (RENAME_NOREPLACE | RENAME_WHITEOUT) != 0 && flags & RENAME_EXCHANGE != 0)
         {
             return Err(Error::Invalid(format!("rename flags {flags:#x}")));
         }
@@ -831,6 +853,7 @@ impl Filesystem {
             inos.iter().map(|(i, s)| (*i, s.data.write())).collect();
         let t = now();
         let mut plan = RenamePlan::default();
+        let mut whiteout = None;
         // Reads first: every list we change.
         let src_slot = self.read_dir_item(parent, name)?;
         let src_refs = self.read_refs(src.child, parent, name)?;
@@ -890,8 +913,16 @@ impl Filesystem {
                 dst_refs,
                 t,
             )?;
+            if flags & RENAME_WHITEOUT != 0 {
+                whiteout =
+                    Some(self.plan_whiteout(caller, &mut plan, &mut guards, parent, name, t)?);
+            }
         }
         let txn = self.inner.engine.begin()?;
+        if let Some((ino, mut item)) = whiteout {
+            item.transid = txn.generation();
+            txn.put(super::inode_key(ino), item.encode());
+        }
         for (ino, g) in guards.iter_mut() {
             g.item.transid = txn.generation();
             txn.put(super::inode_key(*ino), g.item.encode());
@@ -1072,6 +1103,79 @@ impl Filesystem {
         );
         guard(guards, src.child)?.item.ctime = t;
         Ok(())
+    }
+
+    /// Adds to a planned move the whiteout that takes the source name `name` in `parent`
+    /// (RENAME_WHITEOUT): a new inode, a character device 0:0 with mode 0 and one link, whose
+    /// number and item it returns for the rename's transaction to store.
+    fn plan_whiteout(
+        &self,
+        caller: Caller,
+        plan: &mut RenamePlan,
+        guards: &mut [(u64, RwLockWriteGuard<'_, InodeData>)],
+        parent: u64,
+        name: &[u8],
+        t: birch_format::items::Timespec,
+    ) -> Result<(u64, InodeItem)> {
+        let ino = self.inner.engine.allocate_objectid();
+        let p = guard(guards, parent)?;
+        let index = p.item.next_dir_index;
+        p.item.next_dir_index += 1;
+        p.item.size += 1;
+        let gid = if p.item.mode & libc::S_ISGID != 0 {
+            p.item.gid
+        } else {
+            caller.gid
+        };
+        let item = InodeItem {
+            generation: super::new_generation(&self.inner.engine.fsid(), ino),
+            transid: 0,
+            size: 0,
+            nbytes: 0,
+            nlink: 1,
+            uid: caller.uid,
+            gid,
+            mode: libc::S_IFCHR | WHITEOUT_MODE,
+            rdev: WHITEOUT_DEV,
+            flags: 0,
+            next_dir_index: 2,
+            atime: t,
+            mtime: t,
+            ctime: t,
+            otime: t,
+        };
+        let entry = DirEntry {
+            child: ino,
+            dir_index: index,
+            file_type: libc::DT_CHR,
+            name: name.to_vec(),
+        };
+        // The move planned the source name's dir item without the source: the whiteout joins
+        // what is left there (other names that hash alike, or the new name's entry when both
+        // names share the item).
+        let item_key = dir_item_key(parent, name);
+        let mut list = match plan.get(&item_key) {
+            Some(Some(bytes)) => decode_dir_entries(bytes)
+                .map_err(|e| Error::corrupt(format!("planned dir item {item_key}"), e))?,
+            Some(None) => Vec::new(),
+            None => return Err(Error::bug("rename: whiteout without the source's dir item")),
+        };
+        list.push(entry.clone());
+        check_list_size(&encode_dir_entries(&list), "rename whiteout")?;
+        plan.set(item_key, Some(encode_dir_entries(&list)));
+        plan.puts.push((
+            dir_index_key(parent, index),
+            Some(encode_dir_entries(std::slice::from_ref(&entry))),
+        ));
+        plan.puts.push((
+            inode_ref_key(ino, parent, name),
+            Some(encode_inode_refs(&[InodeRef {
+                parent,
+                dir_index: index,
+                name: name.to_vec(),
+            }])),
+        ));
+        Ok((ino, item))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1382,6 +1486,15 @@ impl RenamePlan {
     fn set(&mut self, key: Key, value: Option<Vec<u8>>) {
         self.puts.retain(|(k, _)| *k != key);
         self.puts.push((key, value));
+    }
+
+    /// The planned value of `key`: `None` when the plan leaves it alone.
+    fn get(&self, key: &Key) -> Option<Option<&[u8]>> {
+        self.puts
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_deref())
     }
 }
 
