@@ -1,4 +1,5 @@
-//! Namespace operations: lookup, create (and O_TMPFILE), link, unlink, rename (with whiteouts), readdir.
+//! Namespace operations: lookup, create (and O_TMPFILE), link, unlink, rename (with whiteouts),
+//! readdir.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
