@@ -930,7 +930,7 @@ impl fuser::Filesystem for BirchFuse {
 
     fn rename(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         newparent: INodeNo,
@@ -939,7 +939,8 @@ impl fuser::Filesystem for BirchFuse {
         reply: ReplyEmpty,
     ) {
         refuse_if_down!(self, reply);
-        match self.fs.rename(
+        match self.fs.rename_as(
+            caller(req, 0),
             parent.0,
             name.as_bytes(),
             newparent.0,
@@ -1429,6 +1430,37 @@ impl fuser::Filesystem for BirchFuse {
                 )
             }
             Err(e) => reply.error(errno("create", &e)),
+        }
+    }
+
+    fn tmpfile(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        mode: u32,
+        umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        refuse_if_down!(self, reply);
+        match self
+            .fs
+            .tmpfile(caller(req, self.umask(umask)), parent.0, mode, flags)
+        {
+            Ok((a, fh)) => {
+                if writes(flags) {
+                    self.write_opens.opened(a.ino);
+                }
+                let (fh, open_flags) = self.opened(fh, flags);
+                reply.created(
+                    &self.options.ttl,
+                    &file_attr(&a),
+                    Generation(a.generation),
+                    fh,
+                    open_flags,
+                )
+            }
+            Err(e) => reply.error(errno("tmpfile", &e)),
         }
     }
 

@@ -859,6 +859,27 @@ pub trait Filesystem: Send + Sync + 'static {
         reply.error(Errno::ENOSYS);
     }
 
+    /// Create and open an unnamed regular file in directory `parent` (`O_TMPFILE`,
+    /// FUSE_TMPFILE, Linux 6.0+). Reply as for [`Filesystem::create`]: the new inode's
+    /// entry and an open file handle. It has no name until a `link` gives it one. Added by
+    /// birchfs (BIRCH-PATCH.md); an ENOSYS reply makes the kernel answer `O_TMPFILE` with
+    /// EOPNOTSUPP from then on.
+    fn tmpfile(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        mode: u32,
+        umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        warn!(
+            "[Not Implemented] tmpfile(parent: {parent:#x?}, mode: {mode}, \
+            umask: {umask:#x?}, flags: {flags:#x?})"
+        );
+        reply.error(Errno::ENOSYS);
+    }
+
     /// Test for a POSIX file lock.
     fn getlk(
         &self,

@@ -1,4 +1,5 @@
-//! Namespace operations: lookup, create, link, unlink, rename, readdir.
+//! Namespace operations: lookup, create (and O_TMPFILE), link, unlink, rename (with whiteouts),
+//! readdir.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -29,6 +30,10 @@ pub struct DirEntryOut {
 pub(crate) const RENAME_NOREPLACE: u32 = 1;
 pub(crate) const RENAME_EXCHANGE: u32 = 2;
 pub(crate) const RENAME_WHITEOUT: u32 = 4;
+/// A whiteout's permission bits and device number, as Linux's `vfs_whiteout` makes it
+/// (`WHITEOUT_MODE`, `WHITEOUT_DEV`): overlayfs recognises a whiteout by them.
+const WHITEOUT_MODE: u32 = 0;
+const WHITEOUT_DEV: u64 = 0;
 
 fn dir_item_key(dir: u64, name: &[u8]) -> Key {
     Key::new(dir, ItemType::DirItem, name_hash(&[name]))
@@ -231,68 +236,14 @@ impl Filesystem {
             &encode_dir_entries(&with_probe_entry(&slot.dir_item, name)),
             "create",
         )?;
-        // Default ACL of the directory, or the umask (symlinks are always 0777).
-        let inherited = if symlink.is_some() {
-            super::acl::Inherited {
-                mode,
-                access: None,
-                default: None,
-            }
-        } else {
-            let parent_default = self.xattr_value(parent, &d, super::acl::ACL_DEFAULT)?;
-            super::acl::inherit(
-                parent_default.as_deref(),
-                mode,
-                caller.umask,
-                kind == FileKind::Dir,
-            )?
-        };
-        let ino = if kind == FileKind::Dir {
-            self.inner.engine.allocate_objectid_alone()
-        } else {
-            self.inner.engine.allocate_objectid()
-        };
-        let t = now();
-        let mut gid = caller.gid;
-        let mut mode = inherited.mode;
-        if d.item.mode & libc::S_ISGID != 0 {
-            // setgid directory: new entries take its group, and new directories stay setgid.
-            gid = d.item.gid;
-            if kind == FileKind::Dir {
-                mode |= libc::S_ISGID;
-            }
-        }
-        let item = InodeItem {
-            generation: super::new_generation(&self.inner.engine.fsid(), ino),
-            transid: 0,
-            size: 0,
-            nbytes: 0,
-            nlink: if kind == FileKind::Dir { 2 } else { 1 },
-            uid: caller.uid,
-            gid,
-            mode,
-            rdev,
-            flags: 0,
-            next_dir_index: 2,
-            atime: t,
-            mtime: t,
-            ctime: t,
-            otime: t,
-        };
+        let nlink = if kind == FileKind::Dir { 2 } else { 1 };
+        let (ino, mut item, inherited) =
+            self.new_inode_item(caller, parent, &d, mode, nlink, symlink.is_some())?;
+        item.rdev = rdev;
+        let t = item.ctime;
         let state = self.insert_inode(ino, item);
         let mut c = state.data.write();
-        // A new inode has no xattrs but the ACLs it inherits (put below).
-        *c.xattrs_absent.get_mut() = super::xattr::ABSENT_CAPABILITY
-            | if inherited.default.is_none() {
-                super::xattr::ABSENT_ACL_DEFAULT
-            } else {
-                0
-            }
-            | if inherited.access.is_none() {
-                super::xattr::ABSENT_ACL_ACCESS
-            } else {
-                0
-            };
+        set_absent_xattrs(&mut c, &inherited);
         let _op = self.inner.engine.hold()?;
         if let Some(target) = symlink {
             self.write_locked(ino, &mut c, 0, target, None)?;
@@ -332,22 +283,7 @@ impl Filesystem {
                 encode_dir_entries(std::slice::from_ref(&entry)),
             );
             txn.put(inode_ref_key(ino, parent, name), encode_inode_refs(&refs));
-            for (acl_name, acl) in [
-                (super::acl::ACL_ACCESS, inherited.access),
-                (super::acl::ACL_DEFAULT, inherited.default),
-            ] {
-                if let Some(acl) = acl {
-                    let xattrs = [birch_format::items::Xattr {
-                        name: acl_name.to_vec(),
-                        value: acl,
-                        spill: None,
-                    }];
-                    txn.put(
-                        super::xattr::xattr_key(ino, acl_name),
-                        birch_format::items::encode_xattrs(&xattrs),
-                    );
-                }
-            }
+            put_inherited_acls(&txn, ino, inherited);
         }
         drop(_op);
         self.remember(&state);
@@ -356,6 +292,117 @@ impl Filesystem {
         drop(d);
         self.maybe_commit();
         Ok(attr)
+    }
+
+    /// A new inode item for a node of `mode` (type included) made in directory `parent`
+    /// (locked as `d`) by `caller`, with its number: the directory's default ACL or the
+    /// umask applied (symlinks are always 0777), and the setgid directory rules (new entries
+    /// take its group, new directories stay setgid).
+    fn new_inode_item(
+        &self,
+        caller: Caller,
+        parent: u64,
+        d: &InodeData,
+        mode: u32,
+        nlink: u32,
+        symlink: bool,
+    ) -> Result<(u64, InodeItem, super::acl::Inherited)> {
+        let kind = FileKind::from_mode(mode);
+        let inherited = if symlink {
+            super::acl::Inherited {
+                mode,
+                access: None,
+                default: None,
+            }
+        } else {
+            let parent_default = self.xattr_value(parent, d, super::acl::ACL_DEFAULT)?;
+            super::acl::inherit(
+                parent_default.as_deref(),
+                mode,
+                caller.umask,
+                kind == FileKind::Dir,
+            )?
+        };
+        let ino = if kind == FileKind::Dir {
+            self.inner.engine.allocate_objectid_alone()
+        } else {
+            self.inner.engine.allocate_objectid()
+        };
+        let t = now();
+        let mut gid = caller.gid;
+        let mut mode = inherited.mode;
+        if d.item.mode & libc::S_ISGID != 0 {
+            gid = d.item.gid;
+            if kind == FileKind::Dir {
+                mode |= libc::S_ISGID;
+            }
+        }
+        let item = InodeItem {
+            generation: super::new_generation(&self.inner.engine.fsid(), ino),
+            transid: 0,
+            size: 0,
+            nbytes: 0,
+            nlink,
+            uid: caller.uid,
+            gid,
+            mode,
+            rdev: 0,
+            flags: 0,
+            next_dir_index: 2,
+            atime: t,
+            mtime: t,
+            ctime: t,
+            otime: t,
+        };
+        Ok((ino, item, inherited))
+    }
+
+    /// O_TMPFILE: a new regular file in `parent` without a name (link count 0), open as
+    /// `flags` say; returns its attributes and a handle. Its orphan item is put in the same
+    /// transaction, so a crash before a `link` gives it a name frees it at the next mount,
+    /// as for a file unlinked while open; so does its last close and forget. The directory
+    /// supplies its default ACL and setgid group as for `create` and is not changed. Unless
+    /// `flags` has `O_EXCL`, `link` may give it a name (Linux's `I_LINKABLE`).
+    pub fn tmpfile(
+        &self,
+        caller: Caller,
+        parent: u64,
+        mode: u32,
+        flags: i32,
+    ) -> Result<(Attr, u64)> {
+        self.admit(true)?;
+        let dir = self.dir_state(parent)?;
+        let d = dir.data.read();
+        if d.item.nlink == 0 {
+            return Err(Error::NotFound(format!("dir {parent} was removed")));
+        }
+        let (ino, item, inherited) = self.new_inode_item(
+            caller,
+            parent,
+            &d,
+            libc::S_IFREG | (mode & 0o7777),
+            0,
+            false,
+        )?;
+        drop(d);
+        let state = self.insert_inode(ino, item);
+        let mut c = state.data.write();
+        set_absent_xattrs(&mut c, &inherited);
+        c.linkable = flags & libc::O_EXCL == 0;
+        {
+            let _op = self.inner.engine.hold()?;
+            let txn = self.inner.engine.begin()?;
+            c.item.transid = txn.generation();
+            txn.put(super::inode_key(ino), c.item.encode());
+            txn.put(Key::new(ORPHAN_OBJECTID, ItemType::Orphan, ino), Vec::new());
+            put_inherited_acls(&txn, ino, inherited);
+        }
+        self.remember(&state);
+        let attr = attr_of(ino, &c.item);
+        drop(c);
+        let fh = self.open_file(ino, flags & !libc::O_TMPFILE)?;
+        self.maybe_commit();
+        Ok((attr, fh))
     }
 
     /// mknod: regular files, fifos, sockets, device nodes.
@@ -455,7 +502,7 @@ impl Filesystem {
         if d.item.nlink == 0 {
             return Err(Error::NotFound(format!("dir {newparent} was removed")));
         }
-        if c.item.nlink == 0 {
+        if c.item.nlink == 0 && !c.linkable {
             return Err(Error::NotFound(format!("inode {ino} was removed")));
         }
         if c.item.nlink >= LINK_MAX {
@@ -520,8 +567,10 @@ impl Filesystem {
                 encode_inode_refs(&ref_list),
             );
             if c.item.nlink == 1 {
-                // An O_TMPFILE-style inode getting its first name leaves the orphan list.
+                // A tmpfile getting its first name leaves the orphan list, and may not be
+                // linked again once its names are gone.
                 txn.delete(Key::new(ORPHAN_OBJECTID, ItemType::Orphan, ino));
+                c.linkable = false;
             }
         }
         target.lookups.fetch_add(1, Ordering::SeqCst);
@@ -671,7 +720,8 @@ impl Filesystem {
         Ok(())
     }
 
-    /// rename with Linux flags (RENAME_NOREPLACE, RENAME_EXCHANGE; RENAME_WHITEOUT is EINVAL).
+    /// rename with Linux flags (RENAME_NOREPLACE, RENAME_EXCHANGE, RENAME_WHITEOUT); a
+    /// whiteout is owned by root ([`Filesystem::rename_as`] names its owner).
     pub fn rename(
         &self,
         parent: u64,
@@ -680,9 +730,26 @@ impl Filesystem {
         newname: &[u8],
         flags: u32,
     ) -> Result<()> {
-        if flags & RENAME_WHITEOUT != 0
-            || flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE | RENAME_WHITEOUT) != 0
-            || (flags & RENAME_NOREPLACE != 0 && flags & RENAME_EXCHANGE != 0)
+        self.rename_as(Caller::default(), parent, name, newparent, newname, flags)
+    }
+
+    /// rename by `caller`, with Linux flags. With `RENAME_WHITEOUT` the source name is taken,
+    /// in the same transaction, by a whiteout: a character device 0:0 with mode 0, owned by
+    /// `caller` (the directory's group when it is setgid), as Linux's `vfs_whiteout` makes for
+    /// overlayfs. `RENAME_EXCHANGE` with `RENAME_NOREPLACE` or `RENAME_WHITEOUT` is EINVAL.
+    /// Permissions (creating in the source directory, Linux's `CAP_MKNOD` for a whiteout) are
+    /// the kernel's to check, as for every call.
+    pub fn rename_as(
+        &self,
+        caller: Caller,
+        parent: u64,
+        name: &[u8],
+        newparent: u64,
+        newname: &[u8],
+        flags: u32,
+    ) -> Result<()> {
+        if flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE | RENAME_WHITEOUT) != 0
+            || (flags & (RENAME_NOREPLACE | RENAME_WHITEOUT) != 0 && flags & RENAME_EXCHANGE != 0)
         {
             return Err(Error::Invalid(format!("rename flags {flags:#x}")));
         }
@@ -787,6 +854,7 @@ impl Filesystem {
             inos.iter().map(|(i, s)| (*i, s.data.write())).collect();
         let t = now();
         let mut plan = RenamePlan::default();
+        let mut whiteout = None;
         // Reads first: every list we change.
         let src_slot = self.read_dir_item(parent, name)?;
         let src_refs = self.read_refs(src.child, parent, name)?;
@@ -846,8 +914,16 @@ impl Filesystem {
                 dst_refs,
                 t,
             )?;
+            if flags & RENAME_WHITEOUT != 0 {
+                whiteout =
+                    Some(self.plan_whiteout(caller, &mut plan, &mut guards, parent, name, t)?);
+            }
         }
         let txn = self.inner.engine.begin()?;
+        if let Some((ino, mut item)) = whiteout {
+            item.transid = txn.generation();
+            txn.put(super::inode_key(ino), item.encode());
+        }
         for (ino, g) in guards.iter_mut() {
             g.item.transid = txn.generation();
             txn.put(super::inode_key(*ino), g.item.encode());
@@ -1028,6 +1104,79 @@ impl Filesystem {
         );
         guard(guards, src.child)?.item.ctime = t;
         Ok(())
+    }
+
+    /// Adds to a planned move the whiteout that takes the source name `name` in `parent`
+    /// (RENAME_WHITEOUT): a new inode, a character device 0:0 with mode 0 and one link, whose
+    /// number and item it returns for the rename's transaction to store.
+    fn plan_whiteout(
+        &self,
+        caller: Caller,
+        plan: &mut RenamePlan,
+        guards: &mut [(u64, RwLockWriteGuard<'_, InodeData>)],
+        parent: u64,
+        name: &[u8],
+        t: birch_format::items::Timespec,
+    ) -> Result<(u64, InodeItem)> {
+        let ino = self.inner.engine.allocate_objectid();
+        let p = guard(guards, parent)?;
+        let index = p.item.next_dir_index;
+        p.item.next_dir_index += 1;
+        p.item.size += 1;
+        let gid = if p.item.mode & libc::S_ISGID != 0 {
+            p.item.gid
+        } else {
+            caller.gid
+        };
+        let item = InodeItem {
+            generation: super::new_generation(&self.inner.engine.fsid(), ino),
+            transid: 0,
+            size: 0,
+            nbytes: 0,
+            nlink: 1,
+            uid: caller.uid,
+            gid,
+            mode: libc::S_IFCHR | WHITEOUT_MODE,
+            rdev: WHITEOUT_DEV,
+            flags: 0,
+            next_dir_index: 2,
+            atime: t,
+            mtime: t,
+            ctime: t,
+            otime: t,
+        };
+        let entry = DirEntry {
+            child: ino,
+            dir_index: index,
+            file_type: libc::DT_CHR,
+            name: name.to_vec(),
+        };
+        // The move planned the source name's dir item without the source: the whiteout joins
+        // what is left there (other names that hash alike, or the new name's entry when both
+        // names share the item).
+        let item_key = dir_item_key(parent, name);
+        let mut list = match plan.get(&item_key) {
+            Some(Some(bytes)) => decode_dir_entries(bytes)
+                .map_err(|e| Error::corrupt(format!("planned dir item {item_key}"), e))?,
+            Some(None) => Vec::new(),
+            None => return Err(Error::bug("rename: whiteout without the source's dir item")),
+        };
+        list.push(entry.clone());
+        check_list_size(&encode_dir_entries(&list), "rename whiteout")?;
+        plan.set(item_key, Some(encode_dir_entries(&list)));
+        plan.puts.push((
+            dir_index_key(parent, index),
+            Some(encode_dir_entries(std::slice::from_ref(&entry))),
+        ));
+        plan.puts.push((
+            inode_ref_key(ino, parent, name),
+            Some(encode_inode_refs(&[InodeRef {
+                parent,
+                dir_index: index,
+                name: name.to_vec(),
+            }])),
+        ));
+        Ok((ino, item))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1338,5 +1487,50 @@ impl RenamePlan {
     fn set(&mut self, key: Key, value: Option<Vec<u8>>) {
         self.puts.retain(|(k, _)| *k != key);
         self.puts.push((key, value));
+    }
+
+    /// The planned value of `key`: `None` when the plan leaves it alone.
+    fn get(&self, key: &Key) -> Option<Option<&[u8]>> {
+        self.puts
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_deref())
+    }
+}
+
+/// Marks the xattrs a new inode lacks: all but the ACLs it inherits (put by
+/// [`put_inherited_acls`]).
+fn set_absent_xattrs(c: &mut InodeData, inherited: &super::acl::Inherited) {
+    *c.xattrs_absent.get_mut() = super::xattr::ABSENT_CAPABILITY
+        | if inherited.default.is_none() {
+            super::xattr::ABSENT_ACL_DEFAULT
+        } else {
+            0
+        }
+        | if inherited.access.is_none() {
+            super::xattr::ABSENT_ACL_ACCESS
+        } else {
+            0
+        };
+}
+
+/// Stores the ACLs a new inode inherits from its directory.
+fn put_inherited_acls(txn: &crate::txn::WriteTxn<'_>, ino: u64, inherited: super::acl::Inherited) {
+    for (acl_name, acl) in [
+        (super::acl::ACL_ACCESS, inherited.access),
+        (super::acl::ACL_DEFAULT, inherited.default),
+    ] {
+        if let Some(acl) = acl {
+            let xattrs = [birch_format::items::Xattr {
+                name: acl_name.to_vec(),
+                value: acl,
+                spill: None,
+            }];
+            txn.put(
+                super::xattr::xattr_key(ino, acl_name),
+                birch_format::items::encode_xattrs(&xattrs),
+            );
+        }
     }
 }

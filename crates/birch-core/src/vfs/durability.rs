@@ -5,7 +5,9 @@
 //!   items as deletions: the inode item itself, extents (whose data blocks were written at
 //!   write time, so the log's one flush makes them durable too), xattrs, inode refs;
 //! - for each name of I in those refs, the parent's dir item and dir index, so a new file's
-//!   name survives with it.
+//!   name survives with it;
+//! - when a name was added, the deletion of I's committed orphan item (a tmpfile committed
+//!   without a name and linked since).
 //!
 //! fdatasync leaves out the inode item when only its timestamps changed since it was last
 //! logged or committed (an overwrite in place): size, block count and mode, which reading the
@@ -35,7 +37,8 @@
 //!   that one: replaying the new entry would leave that inode with a name without an entry;
 //! - a new name's directory was itself created after the last commit: its own name would be
 //!   missing after replay;
-//! - I is a directory (fsyncdir), or has no names left, or its dir item is shared by another
+//! - I is a directory (fsyncdir), or has no names (unlinked, or a tmpfile not linked yet: the
+//!   commit makes its orphan item durable with it), or its dir item is shared by another
 //!   name through a hash collision;
 //! - the log area is full; or the mount says `fsync=commit`.
 //!
@@ -445,6 +448,24 @@ impl Filesystem {
                 key: *key,
                 value: value.as_ref().map(|v| v.to_vec()),
             });
+        }
+        if changed
+            .iter()
+            .any(|(key, _)| key.kind() == Some(ItemType::InodeRef))
+        {
+            // A tmpfile committed without a name and linked since: its orphan item is gone
+            // from the running state, and replay must remove it too, or the next mount's
+            // orphan reclaim would see a named inode listed as an orphan.
+            let orphan = Key::new(ORPHAN_OBJECTID, ItemType::Orphan, ino);
+            if engine.get(&orphan).map_err(Err)?.is_none()
+                && engine.committed_get(&orphan).map_err(Err)?.is_some()
+            {
+                records.push(LogRecord {
+                    generation,
+                    key: orphan,
+                    value: None,
+                });
+            }
         }
         Ok(Some(records))
     }

@@ -267,6 +267,7 @@ impl InodeState {
                 item,
                 freed: false,
                 write_error: false,
+                linkable: false,
                 xattrs_absent: AtomicU8::new(0),
                 dirty: buffer::DirtyBuf::default(),
             }),
@@ -310,6 +311,10 @@ pub(crate) struct InodeData {
     pub(crate) freed: bool,
     /// A data write failed: fsync reports EIO from now on (databases rely on this).
     pub(crate) write_error: bool,
+    /// Made by `tmpfile` without `O_EXCL` and never linked yet: `link` may give it a name
+    /// although its link count is 0 (Linux's `I_LINKABLE`). An inode whose names were all
+    /// removed never is.
+    pub(crate) linkable: bool,
     /// xattrs known to be absent ([`xattr::ABSENT_ACL_DEFAULT`] and friends), so the lookups
     /// that every create, write and chmod makes cost a tree search only once per inode.
     /// A bit is set under the read or the write lock (through `&self`), and cleared only
@@ -1054,6 +1059,10 @@ impl Filesystem {
             let mut data = state.data.write();
             if data.item.nlink == 0 && !data.freed {
                 self.free_inode(ino, &mut data)?;
+            } else if data.item.nlink > 0 {
+                // Named again (a linked tmpfile whose orphan item outlived its link): not an
+                // orphan.
+                self.inner.engine.begin()?.delete(key);
             }
             drop(data);
             self.shard(ino).lock().remove(&ino);

@@ -1799,6 +1799,12 @@ mod op {
                 arg: data.fetch()?,
                 name: data.fetch_str()?.as_ref(),
             }),
+            // birchfs: FUSE_TMPFILE carries CREATE's argument; its name is the kernel's "/".
+            fuse_opcode::FUSE_TMPFILE => Operation::TmpFile(Create {
+                header,
+                arg: data.fetch()?,
+                name: data.fetch_str()?.as_ref(),
+            }),
             fuse_opcode::FUSE_INTERRUPT => Operation::Interrupt(Interrupt {
                 header,
                 arg: data.fetch()?,
@@ -1914,6 +1920,8 @@ pub(crate) enum Operation<'a> {
     SetLk(SetLk<'a>),
     Access(Access<'a>),
     Create(Create<'a>),
+    /// birchfs: an O_TMPFILE open (FUSE_TMPFILE), answered as `Create`.
+    TmpFile(Create<'a>),
     Interrupt(Interrupt<'a>),
     BMap(BMap<'a>),
     Destroy(Destroy<'a>),
@@ -2062,6 +2070,12 @@ impl fmt::Display for Operation<'_> {
                 f,
                 "CREATE name {:?}, mode {:#05o}, flags {:#x}",
                 x.name(),
+                x.mode(),
+                x.flags()
+            ),
+            Operation::TmpFile(x) => write!(
+                f,
+                "TMPFILE mode {:#05o}, flags {:#x}",
                 x.mode(),
                 x.flags()
             ),
