@@ -31,6 +31,9 @@
 //! cargo run --release -p birch-bench -- [--quick] [--image PATH] [--json]
 //! ```
 //!
+//! `--bench-global-objectid-lock` and `--bench-apply-per-item` open part 3's filesystems with
+//! seed 002's and seed 003's "before" (benchmark-only `OpenOptions`, docs/BENCHMARKS.md).
+//!
 //! `--quick` shrinks every part (50,000 B-tree operations instead of 1,000,000) and finishes
 //! in well under 20 s on a MemDevice. `--json` prints the figures as JSON on stdout and the
 //! table on stderr.
@@ -80,7 +83,18 @@ struct Args {
     /// Run only these parts (repeatable): btree, commit, create, append, overwrite.
     #[arg(long, value_parser = ["btree", "commit", "create", "append", "overwrite"])]
     only: Vec<String>,
+    /// Seed 002's "before", benchmark only: one mutex on the object id counter for every
+    /// create, no batch of ids per thread (`OpenOptions::bench_global_objectid_lock`).
+    #[arg(long)]
+    bench_global_objectid_lock: bool,
+    /// Seed 003's "before", benchmark only: the commit deletes and inserts each changed extent
+    /// item in a descent of its own (`OpenOptions::bench_apply_per_item`).
+    #[arg(long)]
+    bench_apply_per_item: bool,
 }
+
+/// The benchmark-only switches every filesystem of part 3 is opened with (set once in `run`).
+static SWITCHES: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
 
 impl Args {
     fn wants(&self, part: &str) -> bool {
@@ -239,6 +253,7 @@ fn run(args: &Args) -> Res<()> {
         Some(path) => Target::Image(path.clone()),
         None => Target::Mem,
     };
+    let _ = SWITCHES.set((args.bench_global_objectid_lock, args.bench_apply_per_item));
     let started = Instant::now();
     let mut rows = Vec::new();
     eprintln!("birch-engine-bench on {}", target.describe());
@@ -504,10 +519,14 @@ const REPEATS: usize = 5;
 fn new_fs(target: &Target, size: u64) -> Res<Filesystem> {
     let dev = target.device(size)?;
     Filesystem::mkfs(dev.clone(), &MkfsOptions::default())?;
+    let (bench_global_objectid_lock, bench_apply_per_item) =
+        SWITCHES.get().copied().unwrap_or_default();
     Ok(Filesystem::open_device(
         dev,
         OpenOptions {
             commit_interval: None,
+            bench_global_objectid_lock,
+            bench_apply_per_item,
             ..Default::default()
         },
     )?)
@@ -567,6 +586,10 @@ fn fs_row(name: &str, unit: &'static str, ops: usize, secs: f64, in_sync: f64, d
             ),
             ("commit_jobs", delta.engine.commit_jobs as f64),
             ("commit_jobs_helped", delta.engine.commit_jobs_helped as f64),
+            (
+                "objectid_lock_waits",
+                delta.engine.objectid_lock_waits as f64,
+            ),
         ],
         delta,
     }

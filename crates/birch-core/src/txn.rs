@@ -221,6 +221,14 @@ pub struct Engine {
     /// Incompat feature flags the next commit sets (a change that needs one was recorded).
     incompat_wanted: AtomicU64,
     next_objectid: AtomicU64,
+    /// Benchmark-only switch (seed 002's "before", [`Engine::set_bench_global_objectid_lock`]):
+    /// every object id is taken one at a time under [`Engine::objectid_lock`].
+    bench_global_objectid_lock: AtomicBool,
+    /// The one lock on the id counter while `bench_global_objectid_lock` is on; unused otherwise.
+    objectid_lock: Mutex<()>,
+    /// Benchmark-only switch (seed 003's "before", [`Engine::set_bench_apply_per_item`]): the
+    /// commit apply deletes and inserts each extent item in a descent of its own.
+    bench_apply_per_item: AtomicBool,
     read_only: RwLock<Option<ReadOnlyCause>>,
     /// Whether `read_only` holds a cause: every mutation asks, so the common answer (no)
     /// costs one load instead of a lock on a line every core writes.
@@ -228,6 +236,23 @@ pub struct Engine {
     instance: u64,
     log: FsyncLog,
     replay: Mutex<Option<Replay>>,
+}
+
+/// Seed 003's "before" (`bench_apply_per_item`): each changed extent item costs a delete (a
+/// lookup, and a descent when the item exists) and an insert descent of its own; the other
+/// items still go in one descent per leaf.
+fn apply_per_item(writer: &mut TreeWriter<'_>, changes: &[(Key, Option<&[u8]>)]) -> Result<()> {
+    let (extents, rest): (Vec<_>, Vec<_>) = changes
+        .iter()
+        .partition(|(key, _)| key.kind() == Some(ItemType::ExtentData));
+    writer.apply_sorted(&rest)?;
+    for (key, value) in extents {
+        writer.delete(&key)?;
+        if let Some(value) = value {
+            writer.insert(key, value.to_vec())?;
+        }
+    }
+    Ok(())
 }
 
 static INSTANCES: AtomicU64 = AtomicU64::new(1);
@@ -521,6 +546,9 @@ impl Engine {
             board: Mutex::new(None),
             parallel_apply_min: AtomicUsize::new(PARALLEL_APPLY_MIN),
             next_objectid: AtomicU64::new(batch_aligned(superblock.next_objectid)),
+            bench_global_objectid_lock: AtomicBool::new(false),
+            objectid_lock: Mutex::new(()),
+            bench_apply_per_item: AtomicBool::new(false),
             superblock: Mutex::new(superblock),
             incompat_wanted: AtomicU64::new(0),
             read_only: RwLock::new(None),
@@ -1060,8 +1088,39 @@ impl Engine {
         self.commit_estimate_blocks() + keep <= room
     }
 
+    /// Benchmark only (mount option `bench_global_objectid_lock`, seed 002's "before"): every
+    /// object id is taken from the counter under one mutex, one id at a time, with no batch per
+    /// thread; waits for the mutex count in `objectid_lock_waits`. Off by default.
+    pub fn set_bench_global_objectid_lock(&self, on: bool) {
+        self.bench_global_objectid_lock.store(on, Ordering::Relaxed);
+    }
+
+    /// Benchmark only (mount option `bench_apply_per_item`, seed 003's "before"): the commit
+    /// apply deletes each changed extent item in a descent of its own and inserts it in another,
+    /// instead of one descent per leaf of changes; such commits never run the parallel apply.
+    /// Off by default.
+    pub fn set_bench_apply_per_item(&self, on: bool) {
+        self.bench_apply_per_item.store(on, Ordering::Relaxed);
+    }
+
+    /// Takes the id counter's one mutex (`bench_global_objectid_lock`), counting a wait
+    /// when another thread holds it.
+    fn objectid_locked(&self) -> MutexGuard<'_, ()> {
+        if let Some(guard) = self.objectid_lock.try_lock() {
+            return guard;
+        }
+        self.counters.add(|c| &c.objectid_lock_waits, 1);
+        self.objectid_lock.lock()
+    }
+
     /// A new object id, never used before in this filesystem.
     pub fn allocate_objectid(&self) -> u64 {
+        if self.bench_global_objectid_lock.load(Ordering::Relaxed) {
+            let _guard = self.objectid_locked();
+            let id = self.next_objectid.load(Ordering::Relaxed);
+            self.next_objectid.store(id + 1, Ordering::Relaxed);
+            return id;
+        }
         OBJECTID_RANGES.with(|ranges| {
             let mut ranges = ranges.borrow_mut();
             let range = ranges.entry(self.instance).or_insert((0, 0));
@@ -1081,6 +1140,14 @@ impl Engine {
     /// entries then get a delta shard and inode-table shard of their own, see
     /// `delta::batch_shard`). The rest of the batch is never used.
     pub fn allocate_objectid_alone(&self) -> u64 {
+        if self.bench_global_objectid_lock.load(Ordering::Relaxed) {
+            // Ids taken one at a time leave the counter anywhere inside a batch.
+            let _guard = self.objectid_locked();
+            let id = batch_aligned(self.next_objectid.load(Ordering::Relaxed));
+            self.next_objectid
+                .store(id + OBJECTID_BATCH, Ordering::Relaxed);
+            return id;
+        }
         self.next_objectid
             .fetch_add(OBJECTID_BATCH, Ordering::Relaxed)
     }
@@ -1234,6 +1301,10 @@ impl Engine {
         frozen: &Arc<FrozenDelta>,
         generation: u64,
     ) -> Result<Vec<Arc<Node>>> {
+        if self.bench_apply_per_item.load(Ordering::Relaxed) {
+            apply_per_item(writer, &frozen.sorted())?;
+            return Ok(Vec::new());
+        }
         let min = self.parallel_apply_min.load(Ordering::Relaxed);
         let planned = if frozen.len() >= min.max(1) {
             let sample = frozen.sample(PARALLEL_SAMPLE_STEP);
@@ -1388,6 +1459,57 @@ mod tests {
             .last_in(&k(floor), &k(key))
             .expect("last_in")
             .map(|(key, _)| key.offset)
+    }
+
+    /// `bench_global_objectid_lock` (seed 002's "before"): ids come one at a time from the
+    /// shared counter (a second thread's id follows the first's, no batch in between), and a
+    /// create that finds the counter's mutex held waits for it and counts the wait. Off, a
+    /// thread takes a batch of its own and never touches the mutex.
+    #[test]
+    fn the_global_objectid_lock_switch_takes_one_lock_per_id_and_counts_waits() {
+        let dev: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(32 << 20));
+        drop(Engine::create(dev.clone(), &MkfsOptions::default(), Vec::new()).expect("create"));
+        let engine = Engine::open(dev).expect("open");
+        let other_thread = |engine: &Arc<Engine>| {
+            let engine = engine.clone();
+            std::thread::spawn(move || engine.allocate_objectid())
+                .join()
+                .expect("thread")
+        };
+
+        // Off: each thread has a batch of its own; the mutex is never asked for.
+        let a = engine.allocate_objectid();
+        let b = other_thread(&engine);
+        assert!(b.abs_diff(a) >= OBJECTID_BATCH, "{a} and {b} share a batch");
+        let held = engine.objectid_lock.lock();
+        let c = other_thread(&engine);
+        drop(held);
+        assert!(c > b);
+        assert_eq!(engine.counters().values().objectid_lock_waits, 0);
+
+        // On: one id at a time, the next thread's id right after.
+        engine.set_bench_global_objectid_lock(true);
+        let d = engine.allocate_objectid();
+        let e = other_thread(&engine);
+        assert_eq!(e, d + 1);
+        let dir = engine.allocate_objectid_alone();
+        assert_eq!(dir % OBJECTID_BATCH, 0, "a directory still starts a batch");
+        assert!(engine.allocate_objectid() >= dir + OBJECTID_BATCH);
+
+        // A create that finds the mutex held waits until it is released, and says so.
+        let held = engine.objectid_lock.lock();
+        let waiter = {
+            let engine = engine.clone();
+            std::thread::spawn(move || engine.allocate_objectid())
+        };
+        while engine.counters().values().objectid_lock_waits == 0 {
+            assert!(!waiter.is_finished(), "allocated past a held lock");
+            std::thread::yield_now();
+        }
+        assert!(!waiter.is_finished());
+        drop(held);
+        waiter.join().expect("waiter");
+        assert_eq!(engine.counters().values().objectid_lock_waits, 1);
     }
 
     #[test]

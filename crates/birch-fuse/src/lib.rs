@@ -14,6 +14,7 @@
 
 #![warn(missing_docs)]
 
+mod sync_writes;
 mod waiters;
 
 use std::collections::HashMap;
@@ -109,6 +110,10 @@ pub struct FuseOptions {
     /// The session's request loops (fuser's `n_threads`): a loop serves a waiting request
     /// itself only while another stays free to read.
     pub loops: usize,
+    /// Benchmark only, off by default (mount option `bench_serialize_sync_writes`, seed 001's
+    /// "before"): synchronous and direct writes to one file are serialized in the daemon for
+    /// the write and its flush.
+    pub bench_serialize_sync_writes: bool,
 }
 
 impl Default for FuseOptions {
@@ -120,6 +125,7 @@ impl Default for FuseOptions {
             write_through_below: DEFAULT_WRITE_THROUGH_BELOW,
             waiters: DEFAULT_WAITERS,
             loops: 2,
+            bench_serialize_sync_writes: false,
         }
     }
 }
@@ -163,6 +169,8 @@ pub struct BirchFuse {
     lost_writes: LostWrites,
     /// Worker threads for requests that wait for the device.
     waiters: waiters::Waiters,
+    /// Serializes synchronous and direct writes per inode under `bench_serialize_sync_writes`.
+    sync_writes: Arc<sync_writes::SyncWriteGate>,
     /// LOOKUPs of "." and ".." by node id: how the kernel resolves file handles (NFS export,
     /// open_by_handle_at) whose inodes it no longer caches.
     handle_lookups: HandleLookups,
@@ -393,6 +401,9 @@ impl BirchFuse {
     pub fn new(fs: Arc<Filesystem>, options: FuseOptions) -> BirchFuse {
         let waiters = waiters::Waiters::new(options.waiters, options.loops);
         let notifier = Arc::new(OnceLock::new());
+        let sync_writes = Arc::new(sync_writes::SyncWriteGate::new(
+            options.bench_serialize_sync_writes,
+        ));
         BirchFuse {
             fs,
             options,
@@ -404,8 +415,16 @@ impl BirchFuse {
             write_opens: WriteOpens::new(),
             lost_writes: LostWrites::new(),
             waiters,
+            sync_writes,
             handle_lookups: HandleLookups::default(),
         }
+    }
+
+    /// The adapter's own figures for the stats xattr.
+    fn adapter_pairs(&self) -> Vec<(&'static str, u64)> {
+        let mut pairs = self.handle_lookups.pairs().to_vec();
+        pairs.extend(self.sync_writes.pairs());
+        pairs
     }
 
     /// LOOKUP of `name` in `parent`, counting the lookups of "." and ".." (see
@@ -1048,17 +1067,24 @@ impl fuser::Filesystem for BirchFuse {
             .then_some(flags.0 & libc::O_SYNC != libc::O_SYNC);
         let here = if through { self.serve_here() } else { None };
         if !through || here.is_some() {
-            let result = write_now(
-                &self.fs,
-                &self.notifier,
-                ino.0,
-                offset,
-                data,
-                append,
-                kill.as_deref(),
-                false,
-                sync,
-            );
+            let write = || {
+                write_now(
+                    &self.fs,
+                    &self.notifier,
+                    ino.0,
+                    offset,
+                    data,
+                    append,
+                    kill.as_deref(),
+                    false,
+                    sync,
+                )
+            };
+            let result = if through {
+                self.sync_writes.run(ino.0, write)
+            } else {
+                write()
+            };
             let cached = write_flags.contains(WriteFlags::FUSE_WRITE_CACHE);
             match result {
                 Ok(n) => {
@@ -1085,18 +1111,22 @@ impl fuser::Filesystem for BirchFuse {
         let fs = self.fs.clone();
         let notifier = self.notifier.clone();
         let data = data.to_vec();
+        let gate = self.sync_writes.clone();
         self.waiters.run(move || {
-            match write_now(
-                &fs,
-                &notifier,
-                ino.0,
-                offset,
-                &data,
-                append,
-                kill.as_deref(),
-                true,
-                sync,
-            ) {
+            let result = gate.run(ino.0, || {
+                write_now(
+                    &fs,
+                    &notifier,
+                    ino.0,
+                    offset,
+                    &data,
+                    append,
+                    kill.as_deref(),
+                    true,
+                    sync,
+                )
+            });
+            match result {
                 Ok(n) => reply.written(n),
                 Err(e) => reply.error(errno("write", &e)),
             }
@@ -1363,7 +1393,7 @@ impl fuser::Filesystem for BirchFuse {
             xattr_reply(
                 reply,
                 size,
-                stats_with_transport(self.fs.stats_json(), &self.handle_lookups.pairs()).as_bytes(),
+                stats_with_transport(self.fs.stats_json(), &self.adapter_pairs()).as_bytes(),
             );
             return;
         }

@@ -37,6 +37,10 @@ struct MountConfig {
     buffer: bool,
     /// FUSE over io_uring beside /dev/fuse (`uring`, `uring=on|off`, DESIGN §12.5).
     uring: bool,
+    /// Benchmark-only switches, each a seed's "before" (off by default; docs/BENCHMARKS.md).
+    bench_serialize_sync_writes: bool,
+    bench_global_objectid_lock: bool,
+    bench_apply_per_item: bool,
 }
 
 /// Default number of FUSE request loops (`threads=`): one per CPU, at least 2, at most 8.
@@ -65,6 +69,9 @@ pub(crate) const MOUNT_OPTIONS: &[(&str, &str)] = &[
     ("nodev", "Device files on the mount cannot be opened (dev undoes it)."),
     ("nosuid", "set-user-ID and set-group-ID bits are ignored (suid undoes it)."),
     ("noexec", "Files on the mount cannot be executed (exec undoes it)."),
+    ("bench_serialize_sync_writes", "Benchmark only, never for use (seed 001's \"before\"): synchronous and direct writes to one file are serialized in the daemon for the write and its flush. Off by default."),
+    ("bench_global_objectid_lock", "Benchmark only, never for use (seed 002's \"before\"): every create takes its object id under one mutex, with no batch of ids per thread. Off by default."),
+    ("bench_apply_per_item", "Benchmark only, never for use (seed 003's \"before\"): a commit deletes and inserts each changed extent item in a B-tree descent of its own instead of one descent per leaf. Off by default."),
     ("defaults", "Accepted and ignored, as are auto, noauto, user, nouser, users, nofail, _netdev, async and default_permissions: mount(8) and fstab handle them."),
 ];
 
@@ -88,6 +95,9 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         keep_cache: true,
         buffer: true,
         uring: false,
+        bench_serialize_sync_writes: false,
+        bench_global_objectid_lock: false,
+        bench_apply_per_item: false,
     };
     for opt in raw
         .iter()
@@ -120,6 +130,15 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
             "buffer" => c.buffer = on_off(opt, value)?,
             "uring" => c.uring = value.is_none() || on_off(opt, value)?,
             "keep_cache" => c.keep_cache = on_off(opt, value)?,
+            "bench_serialize_sync_writes" => {
+                c.bench_serialize_sync_writes = value.is_none() || on_off(opt, value)?
+            }
+            "bench_global_objectid_lock" => {
+                c.bench_global_objectid_lock = value.is_none() || on_off(opt, value)?
+            }
+            "bench_apply_per_item" => {
+                c.bench_apply_per_item = value.is_none() || on_off(opt, value)?
+            }
             "noatime" | "atime" | "relatime" | "strictatime" => {
                 c.atime = AtimeMode::from_option(key);
             }
@@ -462,6 +481,8 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
         wait_for_lock: true,
         fsync: config.fsync,
         buffered: config.buffer,
+        bench_global_objectid_lock: config.bench_global_objectid_lock,
+        bench_apply_per_item: config.bench_apply_per_item,
     };
     let fs = match Filesystem::open(image, options) {
         Ok(fs) => Arc::new(fs),
@@ -574,6 +595,7 @@ fn fuse_options(config: &MountConfig, fs: &Filesystem, mountpoint: &Path) -> Fus
         write_through_below,
         waiters: config.waiters,
         loops: config.threads,
+        bench_serialize_sync_writes: config.bench_serialize_sync_writes,
     }
 }
 
@@ -957,6 +979,9 @@ impl InProcessMount {
             keep_cache: caches,
             buffer: true,
             uring: false,
+            bench_serialize_sync_writes: false,
+            bench_global_objectid_lock: false,
+            bench_apply_per_item: false,
         };
         let mut fuse_config = Config::default();
         fuse_config.acl = SessionACL::Owner;
@@ -1012,5 +1037,23 @@ mod tests {
             }
         }
         assert!(parse_options(&["no_such_option".into()]).is_err());
+    }
+
+    /// The benchmark switches are off unless named, and each sets its own field.
+    #[test]
+    fn benchmark_switches_are_off_by_default_and_parse() -> Result<(), String> {
+        let c = parse_options(&[])?;
+        assert!(
+            !c.bench_serialize_sync_writes
+                && !c.bench_global_objectid_lock
+                && !c.bench_apply_per_item
+        );
+        let c = parse_options(&["bench_serialize_sync_writes,bench_apply_per_item=on".into()])?;
+        assert!(c.bench_serialize_sync_writes && c.bench_apply_per_item);
+        assert!(!c.bench_global_objectid_lock);
+        let c = parse_options(&["bench_global_objectid_lock".into()])?;
+        assert!(c.bench_global_objectid_lock && !c.bench_apply_per_item);
+        assert!(parse_options(&["bench_apply_per_item=maybe".into()]).is_err());
+        Ok(())
     }
 }
