@@ -450,6 +450,15 @@ fn the_online_job_starts_refuses_a_second_start_cancels_and_reports() {
     let dev = Arc::new(MemDevice::from_bytes(image.bytes));
     let fs = Filesystem::open_device(dev, quiet()).expect("open");
     assert!(fs.scrub_status().contains("\"idle\""));
+    // More data than one chunk (8 MiB) holds, so a rate-limited job is still sleeping between
+    // chunks when the cancel comes, however fast the first chunk went.
+    let (big, fh) = fs
+        .create(Caller::default(), 1, b"big", 0o644, 0)
+        .expect("create big");
+    fs.write(big.ino, 0, &vec![0x5cu8; 12 << 20], false)
+        .expect("write big");
+    fs.release(big.ino, fh).expect("release big");
+    fs.sync().expect("commit big");
     let wait_done = |fs: &Filesystem| {
         for _ in 0..600 {
             let status = fs.scrub_status();
