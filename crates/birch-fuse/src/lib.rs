@@ -1204,12 +1204,12 @@ impl fuser::Filesystem for BirchFuse {
         &self,
         _req: &Request,
         _ino: INodeNo,
-        fh: FileHandle,
+        _fh: FileHandle,
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
+        // Never sent once OPENDIR is answered ENOSYS (no directory handles).
         refuse_if_down!(self, reply);
-        let _ = fh; // never sent once OPENDIR is answered ENOSYS
         reply.ok();
     }
 
@@ -1217,12 +1217,11 @@ impl fuser::Filesystem for BirchFuse {
         &self,
         _req: &Request,
         ino: INodeNo,
-        fh: FileHandle,
+        _fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
         refuse_if_down!(self, reply);
-        let _ = fh;
         let (pos, end) = self.dir_range(ino.0, offset);
         match self.fs.readdir_until(ino.0, pos, 512, end) {
             Ok(entries) => {
@@ -1246,12 +1245,11 @@ impl fuser::Filesystem for BirchFuse {
         &self,
         _req: &Request,
         ino: INodeNo,
-        fh: FileHandle,
+        _fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
         refuse_if_down!(self, reply);
-        let _ = fh;
         let (pos, end) = self.dir_range(ino.0, offset);
         match self.fs.readdir_until(ino.0, pos, 256, end) {
             Ok(entries) => {

@@ -212,40 +212,9 @@ fn progress_bar(total_bytes: u64) -> indicatif::ProgressBar {
 
 /// Reads the root's scrub status xattr.
 fn read_status(mountpoint: &Path) -> Result<Value, String> {
-    let path = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes())
-        .map_err(|_| "path contains a NUL byte".to_string())?;
-    let name = std::ffi::CString::new(SCRUB_XATTR).map_err(|_| "xattr name".to_string())?;
-    // The status may grow between the size query and the read: retry.
-    for _ in 0..4 {
-        // SAFETY: getxattr with valid NUL-terminated strings and no buffer (size query).
-        let len = unsafe { libc::getxattr(path.as_ptr(), name.as_ptr(), std::ptr::null_mut(), 0) };
-        if len < 0 {
-            return Err(format!(
-                "reading {SCRUB_XATTR}: {}",
-                std::io::Error::last_os_error()
-            ));
-        }
-        let mut buf = vec![0u8; len as usize + 1024];
-        // SAFETY: getxattr writes at most buf.len() bytes into buf, which outlives the call.
-        let got = unsafe {
-            libc::getxattr(
-                path.as_ptr(),
-                name.as_ptr(),
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-            )
-        };
-        if got < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::ERANGE) {
-                continue;
-            }
-            return Err(format!("reading {SCRUB_XATTR}: {e}"));
-        }
-        buf.truncate(got as usize);
-        return serde_json::from_slice(&buf).map_err(|e| format!("{SCRUB_XATTR}: {e}"));
-    }
-    Err(format!("{SCRUB_XATTR} kept growing while read"))
+    let buf = crate::stats::getxattr(mountpoint, SCRUB_XATTR)
+        .map_err(|e| format!("reading {SCRUB_XATTR}: {e}"))?;
+    serde_json::from_slice(&buf).map_err(|e| format!("{SCRUB_XATTR}: {e}"))
 }
 
 /// Prints the report (text, or the JSON object with `--json`) and picks the exit code.

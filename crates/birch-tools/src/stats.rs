@@ -97,37 +97,28 @@ fn ratio(part: u64, whole: u64) -> Option<f64> {
     (whole > 0).then(|| part as f64 / whole as f64)
 }
 
-/// Reads the stats of the mount at `mountpoint`.
-pub(crate) fn read(mountpoint: &Path) -> Result<Snapshot, String> {
-    let shown = mountpoint.display();
-    let path = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes())
-        .map_err(|_| format!("{shown}: path contains a NUL byte"))?;
-    let name = std::ffi::CString::new(STATS_XATTR)
-        .map_err(|_| format!("{STATS_XATTR}: contains a NUL byte"))?;
-    let explain = |e: std::io::Error| -> String {
-        match e.raw_os_error() {
-            Some(libc::ENODATA) | Some(libc::ENOTSUP) => {
-                format!("{shown}: not the root of a birchfs mount (no {STATS_XATTR})")
-            }
-            Some(libc::EPERM) => {
-                format!("{shown}: reading {STATS_XATTR} needs root (CAP_SYS_ADMIN)")
-            }
-            _ => format!("{shown}: reading {STATS_XATTR}: {e}"),
-        }
-    };
-    // The value grows between the size query and the read when a counter gains a digit: retry.
+/// The value of xattr `name` of `path`, read whole: the value may grow between the size query
+/// and the read (a counter gains a digit, a scrub status moves on), so ERANGE retries.
+pub(crate) fn getxattr(path: &Path, name: &str) -> std::io::Result<Vec<u8>> {
+    let invalid =
+        |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, what.to_string());
+    let cpath = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| invalid("path contains a NUL byte"))?;
+    let cname =
+        std::ffi::CString::new(name).map_err(|_| invalid("xattr name contains a NUL byte"))?;
     for _ in 0..4 {
         // SAFETY: getxattr with valid NUL-terminated strings and no buffer (size query).
-        let len = unsafe { libc::getxattr(path.as_ptr(), name.as_ptr(), std::ptr::null_mut(), 0) };
+        let len =
+            unsafe { libc::getxattr(cpath.as_ptr(), cname.as_ptr(), std::ptr::null_mut(), 0) };
         if len < 0 {
-            return Err(explain(std::io::Error::last_os_error()));
+            return Err(std::io::Error::last_os_error());
         }
-        let mut buf = vec![0u8; len as usize + 256];
+        let mut buf = vec![0u8; len as usize + 1024];
         // SAFETY: getxattr writes at most buf.len() bytes into buf, which outlives the call.
         let got = unsafe {
             libc::getxattr(
-                path.as_ptr(),
-                name.as_ptr(),
+                cpath.as_ptr(),
+                cname.as_ptr(),
                 buf.as_mut_ptr().cast(),
                 buf.len(),
             )
@@ -137,13 +128,28 @@ pub(crate) fn read(mountpoint: &Path) -> Result<Snapshot, String> {
             if e.raw_os_error() == Some(libc::ERANGE) {
                 continue;
             }
-            return Err(explain(e));
+            return Err(e);
         }
         buf.truncate(got as usize);
-        let text = String::from_utf8(buf).map_err(|_| format!("{shown}: stats are not UTF-8"))?;
-        return Snapshot::parse(&text).map_err(|e| format!("{shown}: {e}"));
+        return Ok(buf);
     }
-    Err(format!("{shown}: {STATS_XATTR} kept growing while read"))
+    Err(std::io::Error::other(format!(
+        "{name} kept growing while read"
+    )))
+}
+
+/// Reads the stats of the mount at `mountpoint`.
+pub(crate) fn read(mountpoint: &Path) -> Result<Snapshot, String> {
+    let shown = mountpoint.display();
+    let buf = getxattr(mountpoint, STATS_XATTR).map_err(|e| match e.raw_os_error() {
+        Some(libc::ENODATA) | Some(libc::ENOTSUP) => {
+            format!("{shown}: not the root of a birchfs mount (no {STATS_XATTR})")
+        }
+        Some(libc::EPERM) => format!("{shown}: reading {STATS_XATTR} needs root (CAP_SYS_ADMIN)"),
+        _ => format!("{shown}: reading {STATS_XATTR}: {e}"),
+    })?;
+    let text = String::from_utf8(buf).map_err(|_| format!("{shown}: stats are not UTF-8"))?;
+    Snapshot::parse(&text).map_err(|e| format!("{shown}: {e}"))
 }
 
 /// Bytes for people: 1023 B, 4.0 KiB, 1.5 GiB.
