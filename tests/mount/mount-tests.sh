@@ -131,6 +131,24 @@ done
 check "20 cycles of write, umount, immediate mount, verify" test $cycle_ok = 1
 check "fsck clean after cycles" "$BIRCH" fsck "$IMG"
 
+# umount(8) of a FUSE mount returns before the daemon's final commit, which holds the image
+# lock until it is done; a mount right after it, read-only or not, waits for the lock instead of
+# failing "image is in use". Here another process holds the lock for 2 s, as such a daemon would.
+for opts in ro rw; do
+  flock -x "$IMG" sleep 2 &
+  holder=$!
+  sleep 0.3
+  out=$("$BIRCH" mount "${EXTRA_OPTS[@]}" -o "$opts" "$IMG" "$MNT" 2>&1)
+  rc=$?
+  wait "$holder"
+  if [[ $rc == 0 ]] && cmp -s "$WORK/cycle" "$MNT/cycle"; then
+    ok "mount -o $opts waits for the image lock of a finishing daemon"
+  else
+    bad "mount -o $opts waits for the image lock of a finishing daemon (rc $rc: $out)"
+  fi
+  mountpoint -q "$MNT" && "$BIRCH" umount "$MNT"
+done
+
 # A writer still exiting holds the mount for a moment: birch umount waits for it (EBUSY is
 # retried for a few seconds) instead of failing.
 if "$BIRCH" mount "${EXTRA_OPTS[@]}" "$IMG" "$MNT"; then

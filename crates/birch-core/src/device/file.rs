@@ -21,6 +21,9 @@ pub enum OpenMode {
     ReadWriteWait,
     /// Read only; still takes the lock, so a live mount is refused.
     ReadOnly,
+    /// Read only, waiting for another holder to let go (a read-only mount right after an
+    /// unmount, while the previous daemon finishes its final commit).
+    ReadOnlyWait,
     /// Read only without the lock: a look at a live image, which may be inconsistent.
     ReadOnlyUnlocked,
 }
@@ -74,7 +77,12 @@ impl FileDevice {
             Err(e) => return Err(with_path(e, path, "open")),
         };
         if mode != OpenMode::ReadOnlyUnlocked {
-            lock_image(&file, path, writable, mode == OpenMode::ReadWriteWait)?;
+            lock_image(
+                &file,
+                path,
+                writable,
+                matches!(mode, OpenMode::ReadWriteWait | OpenMode::ReadOnlyWait),
+            )?;
         }
         let size = file
             .seek(SeekFrom::End(0))

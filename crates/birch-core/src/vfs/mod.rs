@@ -461,7 +461,8 @@ impl Filesystem {
     /// Opens the filesystem in an image file or on a block device.
     pub fn open(path: &Path, options: OpenOptions) -> Result<Filesystem> {
         let mode = match (options.read_only, options.wait_for_lock) {
-            (true, _) => OpenMode::ReadOnly,
+            (true, false) => OpenMode::ReadOnly,
+            (true, true) => OpenMode::ReadOnlyWait,
             (false, true) => OpenMode::ReadWriteWait,
             (false, false) => OpenMode::ReadWrite,
         };
