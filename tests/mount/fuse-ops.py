@@ -1428,6 +1428,43 @@ def op_enospc(d):
     check(r.returncode == 0, f"second birch sync: {r.stdout}")
 
 
+@test
+def op_dirty_cap(d):
+    """The mount's dirty-page cap (its writeback device's max_bytes) follows free space: half
+    the free space above the headroom (twice the base cap of a sixteenth of the filesystem),
+    falling as space is used and rising when it is freed (DESIGN §12.3)."""
+    if CTX.ref:
+        raise Skip("dirty cap: a birch mount's writeback device")
+    st = os.stat(CTX.mnt)
+    path = f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/max_bytes"
+    if not os.path.exists(path):
+        raise Skip(f"dirty cap: no {path}")
+
+    def cap():
+        with open(path) as f:
+            return int(f.read())
+
+    def want():
+        # The 256 MiB mount: base 16 MiB, headroom 32 MiB.
+        return max((bfree_of(CTX.mnt) - 32 * MiB) // 2, 16 * MiB)
+
+    def near(a, b):
+        return abs(a - b) <= b // 4 + MiB
+
+    commit()
+    check(poll(lambda: near(cap(), want()), 5), f"dirty cap {cap() >> 20} MiB, want about {want() >> 20} MiB")
+    first = cap()
+    check(first > 64 * MiB, f"dirty cap of a nearly empty 256 MiB filesystem only {first >> 20} MiB")
+    wfile(J(d, "big"), b"c" * (120 * MiB))
+    commit()
+    check(poll(lambda: cap() < first and near(cap(), want()), 5),
+          f"dirty cap {cap() >> 20} MiB after 120 MiB used (was {first >> 20}), want about {want() >> 20} MiB")
+    os.unlink(J(d, "big"))
+    poll(lambda: commit() or bfree_of(CTX.mnt) > 200 * MiB, 10, 0.2)
+    check(poll(lambda: near(cap(), want()) and cap() > 64 * MiB, 5),
+          f"dirty cap {cap() >> 20} MiB after the space was freed, want about {want() >> 20} MiB")
+
+
 def bfree_of(path):
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
