@@ -27,7 +27,8 @@
 #
 # Knobs: BIRCH (binary), XFSTESTS_DIR (build, default /var/tmp/birch-xfstests),
 # XFSTESTS_IMG_SIZE (default 10G), XFSTESTS_TIMEOUT (whole run, default 5400 s),
-# BIRCH_XFSTESTS_FSCK_EACH (default 1), KEEP_WORK=1 (keep the images).
+# BIRCH_XFSTESTS_FSCK_EACH (default 1), KEEP_WORK=1 (keep the images), BIRCH_MOUNT_OPTS
+# (extra birch mount options for every mount, e.g. `uring`).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 RESULTS_DIR=${RESULTS_DIR:-/tmp/birch-xfstests-results}
@@ -125,7 +126,7 @@ export TEST_DEV=$WORK_DIR/test.img
 export TEST_DIR=$WORK_DIR/test
 export SCRATCH_DEV=$WORK_DIR/scratch.img
 export SCRATCH_MNT=$WORK_DIR/scratch
-export FUSE_MOUNT_OPTIONS="-o allow_other"
+export FUSE_MOUNT_OPTIONS="-o allow_other${BIRCH_MOUNT_OPTS:+,$BIRCH_MOUNT_OPTS}"
 export RESULT_BASE=$RESULTS_DIR/results
 export FUSE_MKFS_PROG=$WORK_DIR/mkfs-hook
 $fsck_line

@@ -324,16 +324,9 @@ impl Run<'_> {
 
 /// One FUSE-level run: a seeded sequence of 4–10 operations, each followed by a durability
 /// call, on a mount over a recording device; then `states` crash states checked.
-pub fn run(
-    seed: u64,
-    writeback: bool,
-    caches: bool,
-    buffered: bool,
-    states: usize,
-    progress: &mut dyn FnMut(),
-) -> CrashReport {
-    let name = variant_name(writeback, caches, buffered);
-    match record(seed, writeback, caches, buffered) {
+pub fn run(seed: u64, variant: Variant, states: usize, progress: &mut dyn FnMut()) -> CrashReport {
+    let name = variant.name();
+    match record(seed, variant) {
         Ok((base, events, history)) => {
             check_recording(&name, seed, &base, &events, &history, states, progress)
         }
@@ -346,20 +339,68 @@ pub fn run(
 
 type Recording = (Vec<u8>, Vec<Recorded>, History);
 
-/// How a FUSE run's mount is set up, as its report names it.
-pub fn variant_name(writeback: bool, caches: bool, buffered: bool) -> String {
-    let on = |b: bool| if b { "on" } else { "off" };
-    let mut name = format!("fuse writeback={}", on(writeback));
-    if !caches {
-        name.push_str(",ttl=0,keep_cache=off");
+/// Whether the mount at `mnt` served requests over FUSE over io_uring (its stats counter).
+fn served_over_ring(mnt: &Path) -> Result<(), String> {
+    let Ok(raw) = crate::stats::getxattr(mnt, "trusted.birch.stats") else {
+        // Shut down: the counters are gone with the mount.
+        return Ok(());
+    };
+    let text = String::from_utf8_lossy(&raw);
+    let ring = text
+        .split("\"fuse_uring_requests\":")
+        .nth(1)
+        .and_then(|rest| {
+            rest.trim_start()
+                .split(|c: char| !c.is_ascii_digit())
+                .next()
+        })
+        .and_then(|n| n.parse::<u64>().ok());
+    match ring {
+        Some(n) if n > 0 => Ok(()),
+        other => Err(format!(
+            "the uring variant served no request over the ring (fuse_uring_requests {other:?})"
+        )),
     }
-    if !buffered {
-        name.push_str(",buffer=off");
-    }
-    name
 }
 
-fn record(seed: u64, writeback: bool, caches: bool, buffered: bool) -> Result<Recording, String> {
+/// How a FUSE run's mount is set up.
+#[derive(Debug, Clone, Copy)]
+pub struct Variant {
+    /// The kernel's writeback cache (`writeback=`).
+    pub writeback: bool,
+    /// Name, attribute and page caches (`ttl=`, `keep_cache=`); off: ttl=0, keep_cache=off.
+    pub caches: bool,
+    /// The daemon's write buffer (`buffer=`).
+    pub buffered: bool,
+    /// FUSE over io_uring (`uring`).
+    pub uring: bool,
+}
+
+impl Variant {
+    /// The mount options of this variant, as its report names it.
+    pub fn name(&self) -> String {
+        let on = |b: bool| if b { "on" } else { "off" };
+        let mut name = format!("fuse writeback={}", on(self.writeback));
+        if !self.caches {
+            name.push_str(",ttl=0,keep_cache=off");
+        }
+        if !self.buffered {
+            name.push_str(",buffer=off");
+        }
+        if self.uring {
+            name.push_str(",uring");
+        }
+        name
+    }
+}
+
+fn record(seed: u64, variant: Variant) -> Result<Recording, String> {
+    let Variant {
+        writeback,
+        caches,
+        buffered,
+        uring,
+    } = variant;
     let mut rng = Rng::new(seed);
     let quiet = OpenOptions {
         commit_interval: None,
@@ -387,7 +428,7 @@ fn record(seed: u64, writeback: bool, caches: bool, buffered: bool) -> Result<Re
     let fs = Arc::new(Filesystem::open_device(dev.clone(), options).map_err(|e| e.to_string())?);
     let mnt = std::env::temp_dir().join(format!("birch-crashtest-{}-{seed}", std::process::id()));
     std::fs::create_dir_all(&mnt).map_err(|e| io("mkdir", &mnt.display().to_string(), e))?;
-    let mount = InProcessMount::start(fs.clone(), &mnt, writeback, caches)?;
+    let mount = InProcessMount::start(fs.clone(), &mnt, writeback, caches, uring)?;
     let mut run = Run {
         mnt: mnt.clone(),
         dev: &dev,
@@ -424,6 +465,11 @@ fn record(seed: u64, writeback: bool, caches: bool, buffered: bool) -> Result<Re
             result = run.shutdown();
             break;
         }
+    }
+    // A run of the io_uring variant must have been served over the ring (a fallback to
+    // /dev/fuse would test the other transport again); a shut-down mount answers nothing.
+    if uring && result.is_ok() {
+        result = served_over_ring(&mnt);
     }
     // Power cut: what reached the device so far is all a crash can keep.
     run.mark();

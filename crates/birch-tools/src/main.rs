@@ -786,20 +786,31 @@ fn crashtest(
             )),
         }
     }
+    // FUSE over io_uring in one run in five where the kernel has it; the fuse module's
+    // enable_uring is put back as it was found.
+    let uring_was = if fuse_runs >= 5 {
+        mount::uring_param()
+    } else {
+        None
+    };
     for i in 0..fuse_runs {
         // Every setting of the mount's caches in turn: the writeback cache in two runs of
         // three, the name/attribute and page caches (ttl, keep_cache) in every other run, the
         // daemon's write buffer in three runs of four.
-        let writeback = i % 3 != 2;
-        let caches = i % 2 == 0;
-        let buffered = i % 4 != 3;
-        bar.set_message(fusecrash::variant_name(writeback, caches, buffered));
+        let variant = fusecrash::Variant {
+            writeback: i % 3 != 2,
+            caches: i % 2 == 0,
+            buffered: i % 4 != 3,
+            uring: uring_was.is_some() && i % 5 == 4,
+        };
+        bar.set_message(variant.name());
         let run_seed = seed.wrapping_add(1_000_000 + i);
-        let report = fusecrash::run(run_seed, writeback, caches, buffered, states, &mut || {
-            bar.inc(1)
-        });
+        let report = fusecrash::run(run_seed, variant, states, &mut || bar.inc(1));
         total += report.states;
         failures.extend(report.failures);
+    }
+    if uring_was == Some(false) {
+        mount::set_uring_param(false);
     }
     bar.finish_and_clear();
     if let Some(reason) = fuse_skip {

@@ -501,12 +501,7 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
     if config.uring {
         // The kernel offers FUSE_OVER_IO_URING in INIT (sent during mount(2)) only if this is on.
         enable_fuse_uring();
-        fuse_config.uring = Some(fuser::UringOptions {
-            queue_depth: URING_QUEUE_DEPTH,
-            mountpoint: Some(canonical(mountpoint)),
-            // Test hook for the fallback (tests/mount/uring-test.sh): registration fails.
-            break_register: std::env::var_os("BIRCH_URING_BREAK_REGISTER").is_some(),
-        });
+        fuse_config.uring = Some(uring_options(mountpoint));
     }
     let fuse_fd = match kernel_mount(image, mountpoint, config) {
         Ok(fd) => fd,
@@ -561,6 +556,29 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
 const URING_QUEUE_DEPTH: usize = 64;
 
 const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
+
+/// The fuse module's `enable_uring`, or `None` on a kernel without FUSE over io_uring.
+pub(crate) fn uring_param() -> Option<bool> {
+    let v = std::fs::read_to_string(ENABLE_URING).ok()?;
+    Some(v.trim() == "Y" || v.trim() == "1")
+}
+
+/// Sets the fuse module's `enable_uring` (needs root); a failure is logged.
+pub(crate) fn set_uring_param(on: bool) {
+    if let Err(e) = std::fs::write(ENABLE_URING, if on { "Y" } else { "N" }) {
+        log::warn!("uring: cannot set {ENABLE_URING}: {e}");
+    }
+}
+
+/// The io_uring transport's settings for a mount at `mountpoint`.
+fn uring_options(mountpoint: &Path) -> fuser::UringOptions {
+    fuser::UringOptions {
+        queue_depth: URING_QUEUE_DEPTH,
+        mountpoint: Some(canonical(mountpoint)),
+        // Test hook for the fallback (tests/mount/uring-test.sh): registration fails.
+        break_register: std::env::var_os("BIRCH_URING_BREAK_REGISTER").is_some(),
+    }
+}
 
 /// Turns on the fuse module's `enable_uring` (needs root) if it is off, and says so.
 fn enable_fuse_uring() {
@@ -1065,12 +1083,14 @@ pub(crate) struct InProcessMount {
 impl InProcessMount {
     /// Mounts `fs` at `mountpoint` and serves it from background threads.
     /// With `caches` false the kernel caches no names or attributes (`ttl=0`) and drops a
-    /// file's pages at every open (`keep_cache=off`), as those mount options do.
+    /// file's pages at every open (`keep_cache=off`), as those mount options do; with `uring`
+    /// it serves over FUSE over io_uring (falling back to /dev/fuse as a mount does).
     pub(crate) fn start(
         fs: Arc<Filesystem>,
         mountpoint: &Path,
         writeback: bool,
         caches: bool,
+        uring: bool,
     ) -> Result<InProcessMount, String> {
         let config = MountConfig {
             read_only: false,
@@ -1090,7 +1110,7 @@ impl InProcessMount {
             writeback,
             keep_cache: caches,
             buffer: true,
-            uring: false,
+            uring,
             bench_serialize_sync_writes: false,
             bench_global_objectid_lock: false,
             bench_apply_per_item: false,
@@ -1098,6 +1118,10 @@ impl InProcessMount {
         let mut fuse_config = Config::default();
         fuse_config.acl = SessionACL::Owner;
         fuse_config.n_threads = Some(config.threads);
+        if uring {
+            enable_fuse_uring();
+            fuse_config.uring = Some(uring_options(mountpoint));
+        }
         fuse_config.clone_fd = true;
         let fd = kernel_mount(Path::new("crashtest"), mountpoint, &config)
             .map_err(|e| format!("mount on {}: {e}", mountpoint.display()))?;
