@@ -86,6 +86,9 @@ class Processes(unittest.TestCase):
         arg = f"/tmp/birchbench-test-{os.getpid()}-{time.time()}"
         q = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", arg], stdin=subprocess.DEVNULL)
         try:
+            deadline = time.monotonic() + 10  # until the child has exec'd
+            while not mounts.pids_with_arg(arg) and time.monotonic() < deadline:
+                time.sleep(0.05)
             self.assertEqual(mounts.pids_with_arg(arg), [q.pid])
             self.assertEqual(mounts.pids_with_arg(arg + "/sub"), [])  # whole arguments only
             me = open("/proc/self/cmdline", "rb").read().split(b"\0")[0].decode()
