@@ -42,6 +42,11 @@ import warnings
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # os.fork with the watchdog
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Mounting, unmounting and aborting hung mounts: the repository's one helper, shared with the
+# benchmark harness and tests/posix/lib.sh (bench/birchbench/mounts.py; standard library only).
+sys.path.insert(0, os.path.join(REPO, "bench"))
+from birchbench import mounts  # noqa: E402
+
 BIRCH = os.environ.get("BIRCH", os.path.join(REPO, "target", "release", "birch"))
 # Extra mount options for the test mounts, e.g. BIRCH_MOUNT_OPTS=uring.
 MOUNT_OPTS = [o for o in os.environ.get("BIRCH_MOUNT_OPTS", "").split(",") if o]
@@ -1861,16 +1866,6 @@ def run(cmd, **kw):
     return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
-def fuse_abort(mnt):
-    """Abort the FUSE connection of one of our own mounts (unsticks hung requests)."""
-    try:
-        dev = os.stat(mnt).st_dev
-        with open(f"/sys/fs/fuse/connections/{os.minor(dev)}/abort", "w") as f:
-            f.write("1")
-    except OSError:
-        pass
-
-
 def main():
     args = sys.argv[1:]
     ref_dir = None
@@ -1911,12 +1906,15 @@ def main():
             print(f"FAIL {name}: {err}", flush=True)
 
     def unmount_all():
+        # `birch umount` must work; when it does not, the helper goes on (fusermount3, umount,
+        # abort, lazy unmount) so that nothing stays mounted, and the run fails.
         ok = True
         for m in reversed(mounted[:]):
-            r = run([BIRCH, "umount", m], timeout=60)
-            if r.returncode != 0:
-                print(f"birch umount {m} failed ({r.returncode}): {r.stdout.strip()}; umount -l", flush=True)
-                run(["umount", "-l", m])
+            failed = []
+            err = mounts.unmount(m, fuse=True, birch=BIRCH, birch_timeout=60, timeout=30, abort=True, errors=failed)
+            if failed or err:
+                print(f"birch umount {m} failed: {'; '.join(failed)}"
+                      + (f"; still mounted: {err}" if err else "; unmounted by the fallbacks"), flush=True)
                 ok = False
             mounted.remove(m)
         return ok
@@ -1924,22 +1922,21 @@ def main():
     def on_hang(name):
         print(f"FAIL {name}: hung for more than {TEST_TIMEOUT} s; aborting the run", flush=True)
         for m in mounted:
-            fuse_abort(m)
-            run(["umount", "-l", m])
+            mounts.abort_mount(m)  # abort the FUSE connection (from mountinfo), then umount -l
         print(f"fuse-ops: aborted; work dir left at {work}", flush=True)
         os._exit(1)
 
     try:
         if ref_dir is None:
-            with open(log, "w") as lf:
+            with open(log, "w"):  # a fresh daemon log; mount_birch appends the daemons' output
                 for image, size, m in ((img, "256M", mnt), (img2, "64M", mnt2)):
                     r = run([BIRCH, "mkfs", "--size", size, image])
                     if r.returncode != 0:
                         print(f"fuse-ops: mkfs {image} failed: {r.stdout}")
                         return 1
-                    r = subprocess.run([BIRCH, "mount", "-o", ",".join(["allow_other"] + MOUNT_OPTS), image, m], stdout=lf, stderr=lf)
-                    if r.returncode != 0 or not os.path.ismount(m):
-                        print(f"fuse-ops: mount {image} failed ({r.returncode}); log:\n{open(log).read()}")
+                    rc, _ = mounts.mount_birch(BIRCH, image, m, ",".join(["allow_other"] + MOUNT_OPTS), log_path=log)
+                    if rc != 0 or not os.path.ismount(m):
+                        print(f"fuse-ops: mount {image} failed ({rc}); log:\n{open(log).read()}")
                         return 1
                     mounted.append(m)
             CTX.mnt, CTX.mnt2 = mnt, mnt2

@@ -5,6 +5,11 @@
 # the `birch` binary), cleanup of every mount / loop device on exit (also on
 # failure or signal), and a results directory for logs.
 #
+# Unmounting with escalation, aborting a hung FUSE connection and detaching loop
+# devices are not written here: they call the command line of the repository's one
+# mount/loop helper, bench/birchbench/mounts.py (standard library Python, shared with
+# the benchmark harness and tests/mount/fuse-ops.py). Change them there.
+#
 # Environment knobs (all optional):
 #   BIRCH             path of the birch binary   (default: target/release/birch)
 #   BIRCH_MOUNT_OPTS  -o options for birch mount (default: allow_other)
@@ -40,6 +45,8 @@ export PATH="$HOME/.cargo/bin:/usr/local/sbin:/usr/sbin:/sbin:$PATH"
 export NO_COLOR=1
 
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+# Each line a command prints, logged.
+_log_lines() { local l; while IFS= read -r l; do [[ -n $l ]] && log "$l"; done; return 0; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 skip() { printf 'skipped: %s\n' "$*" >&2; exit "$EXIT_SKIP"; }
 
@@ -48,39 +55,41 @@ skip() { printf 'skipped: %s\n' "$*" >&2; exit "$EXIT_SKIP"; }
 # in reverse order by the EXIT trap, whatever way the script ends.
 # ---------------------------------------------------------------------------
 _CLEANUP_MOUNTS=()    # "kind:mountpoint" (kind = ext4 | birch)
-_CLEANUP_LOOPS=()     # loop devices
+_CLEANUP_LOOPS=()     # "device:image" (detached only while still backed by that image)
 _CLEANUP_WORK=""      # work directory to delete
 _CLEANUP_DONE=0
 
-# Abort the FUSE connection behind MNT (unblocks a hung daemon). Reads the
-# device number from mountinfo: no file system access to a possibly hung mount.
+# The shared helper (see the head of this file). Runs from / like everything here;
+# it reads nothing below a mount point, so a hung mount cannot hang it.
+MOUNTS_PY=$REPO_ROOT/bench/birchbench/mounts.py
+_mounts() { python3 "$MOUNTS_PY" "$@"; }
+
+# Abort the FUSE connection behind MNT (unblocks a hung daemon). The helper reads
+# the device number from mountinfo: no file system access to a possibly hung mount.
 _fuse_abort() {
-  local mnt=$1 dev
-  dev=$(awk -v m="$mnt" '$5 == m { print $3 }' /proc/self/mountinfo | tail -n1)
-  [[ -n $dev ]] || return 0
-  if [[ ! -d /sys/fs/fuse/connections ]] || ! mountpoint -q /sys/fs/fuse/connections; then
-    mount -t fusectl fusectl /sys/fs/fuse/connections 2>/dev/null || true
-  fi
-  local f=/sys/fs/fuse/connections/${dev#*:}/abort
-  [[ -w $f ]] && echo 1 >"$f" 2>/dev/null && log "aborted FUSE connection ${dev#*:} of $mnt"
-  return 0
+  _mounts abort "$1" 2>&1 | _log_lines
 }
 
+# The same test as mounts.is_mounted, kept as a line of awk: it is on every
+# mount/unmount path here and decides nothing but "is it there".
 _is_mounted() { awk -v m="$1" '$5 == m { found = 1 } END { exit !found }' /proc/self/mountinfo; }
 
+# Unmount "kind:MNT" whatever state it is in: for birch, `birch umount` (60 s),
+# fusermount3 -u, umount (30 s each), then the FUSE connection aborted and the lazy
+# unmounts, and the daemon of MNT killed if it is still there 10 s later; for ext4,
+# umount, then umount -l. Every failed step is logged.
 _cleanup_mount() {
   local kind=${1%%:*} mnt=${1#*:}
   _is_mounted "$mnt" || return 0
   log "cleanup: unmounting $mnt ($kind)"
-  if [[ $kind == birch && -x $BIRCH ]]; then
-    timeout -k 5 60 "$BIRCH" umount "$mnt" && return 0
-  fi
-  timeout -k 5 30 umount "$mnt" 2>/dev/null && return 0
+  local -a args=(unmount --timeout 30)
   if [[ $kind == birch ]]; then
-    _fuse_abort "$mnt"
-    timeout -k 5 30 fusermount3 -u -z "$mnt" 2>/dev/null && return 0
+    args+=(--fuse --abort --birch-timeout 60)
+    [[ -x $BIRCH ]] && args+=(--birch "$BIRCH")
   fi
-  timeout -k 5 30 umount -l "$mnt" 2>/dev/null || log "cleanup: could not unmount $mnt"
+  _mounts "${args[@]}" "$mnt" 2>&1 | _log_lines
+  _is_mounted "$mnt" && log "cleanup: could not unmount $mnt"
+  return 0
 }
 
 cleanup() {
@@ -93,9 +102,9 @@ cleanup() {
     _cleanup_mount "${_CLEANUP_MOUNTS[i]}"
   done
   for ((i = ${#_CLEANUP_LOOPS[@]} - 1; i >= 0; i--)); do
-    if losetup "${_CLEANUP_LOOPS[i]}" >/dev/null 2>&1; then
-      losetup -d "${_CLEANUP_LOOPS[i]}" 2>/dev/null || log "cleanup: could not detach ${_CLEANUP_LOOPS[i]}"
-    fi
+    # detached only while its backing file is still our image: unmount_target may have
+    # detached it already, and another run may have been given the same device since
+    _mounts detach-loop "${_CLEANUP_LOOPS[i]%%:*}" "${_CLEANUP_LOOPS[i]#*:}" 2>&1 | _log_lines
   done
   if [[ -n $_CLEANUP_WORK && -d $_CLEANUP_WORK ]]; then
     if [[ ${KEEP_WORK:-0} == 1 ]]; then
@@ -224,7 +233,7 @@ require_cmd() {
 require_target() {
   case $1 in
     ext4)
-      require_cmd mkfs.ext4 e2fsck losetup mount umount
+      require_cmd mkfs.ext4 e2fsck losetup mount umount python3
       [[ -e /dev/loop-control ]] || skip "no /dev/loop-control: loop devices unavailable"
       ;;
     birch)
@@ -232,7 +241,7 @@ require_target() {
         skip "birch binary not found at $BIRCH (build it with 'cargo build --release' or set BIRCH=...)"
       fi
       [[ -c /dev/fuse ]] || skip "no /dev/fuse: FUSE unavailable on this machine"
-      require_cmd fusermount3 mount umount
+      require_cmd fusermount3 mount umount python3
       ;;
     *) die "unknown target '$1' (expected ext4 or birch)" ;;
   esac
@@ -255,7 +264,7 @@ mount_target() {
       mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$img" >&2 || die "mkfs.ext4 $img failed"
       local loop
       loop=$(losetup --find --show "$img") || die "losetup $img failed"
-      _CLEANUP_LOOPS+=("$loop")
+      _CLEANUP_LOOPS+=("$loop:$img")
       mount -t ext4 "$loop" "$mnt" || die "mount $loop $mnt failed"
       _CLEANUP_MOUNTS+=("ext4:$mnt")
       log "mounted ext4 $img ($loop) at $mnt"
