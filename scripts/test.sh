@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every birchfs test tier and prints the time of each:
-#   1. fmt and clippy          2. unit, property and library tests (cargo test)
+#   1. fmt and clippy          2. unit, property and library tests (cargo test), bench/tests
 #   2b. the Debian package: build, install, mkfs/mount -a/fsck through it, purge
 #   3. mount tests on a real FUSE mount, the NFS export through ganesha   4. pjdfstest (birch and the kernel ext4 baseline)
 #   5. fsx (3 seeds x 20,000 ops), xfstests generic/quick, the differential test against ext4
@@ -29,6 +29,7 @@ tier() {
 tier "fmt" cargo fmt --all -- --check
 tier "clippy" cargo clippy --all-targets --release --locked -- -D warnings
 tier "cargo test" cargo test --release --locked
+tier "bench unit tests" python3 -m unittest discover bench/tests
 # The mount tiers need the birch binary itself (cargo test does not build it).
 tier "build birch" cargo build --release --locked -p birch-tools
 # The Debian package (scripts/package.sh, reusing the release build just made): install it,
