@@ -1035,6 +1035,13 @@ impl Engine {
         self.state.read().snapshot.0.clone()
     }
 
+    /// A reader of the committed tree `root` (from [`Engine::committed_snapshot`]): what that
+    /// commit held, whatever commits and deltas come after, for as long as it is kept (it
+    /// pins the blocks later commits free, as the snapshot does).
+    pub fn committed_view(&self, root: Arc<Snapshot>) -> CommittedView<'_> {
+        CommittedView { engine: self, root }
+    }
+
     /// The value of `key` in the last durable commit (no delta).
     pub fn committed_get(&self, key: &Key) -> Result<Option<Vec<u8>>> {
         let snapshot = self.state.read().snapshot.clone();
@@ -1411,6 +1418,39 @@ impl<F: FnOnce()> Drop for OnDrop<F> {
         if let Some(f) = self.0.take() {
             f();
         }
+    }
+}
+
+/// The items of one committed tree, read through the engine's node cache: no delta, no
+/// later commit. Built by [`Engine::committed_view`]; `items::ReadView` reads through it.
+pub struct CommittedView<'e> {
+    engine: &'e Engine,
+    root: Arc<Snapshot>,
+}
+
+impl CommittedView<'_> {
+    /// The committed tree this view reads.
+    pub fn root(&self) -> &Snapshot {
+        &self.root
+    }
+
+    fn reader(&self) -> TreeReader<'_> {
+        TreeReader {
+            ctx: self.engine.ctx(),
+            root: self.root.root,
+        }
+    }
+
+    /// The value of `key` in this tree. May do device I/O.
+    pub fn get(&self, key: &Key) -> Result<Option<Vec<u8>>> {
+        self.engine.check_up()?;
+        self.reader().get(key)
+    }
+
+    /// Up to `limit` items of this tree in `[lo, hi)`. May do device I/O.
+    pub fn range(&self, lo: &Key, hi: &Key, limit: usize) -> Result<Vec<(Key, Vec<u8>)>> {
+        self.engine.check_up()?;
+        self.reader().range(lo, hi, limit)
     }
 }
 
