@@ -968,7 +968,7 @@ mod tests {
         set_xattr(&mut changes, FILE, b"user.k", Some(b"v1")).expect("xattr");
         record(&engine, changes);
         engine.commit().expect("commit");
-        let root = engine.committed_snapshot();
+        let root = engine.committed_root();
 
         // After the commit: rename "old" to "new", change the xattr, add a big one.
         let mut changes = Changes::new(&*engine);
