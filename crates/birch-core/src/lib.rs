@@ -1,13 +1,14 @@
 //! birchfs core: a copy-on-write B-tree filesystem as a library.
 //!
-//! Layers, each allowed to call only those after it: `vfs` (the POSIX API) → `txn` (the
-//! engine: deltas, commit) → `delta` → `btree` → `cache` → `device`; `alloc` is reached through
-//! the engine; `check` reads through the engine and `btree` and never writes; `scrub` reads committed
-//! views (the engine's snapshots, or an image's superblock) straight from the device and never
-//! writes. `error`,
-//! `readonly` (why the engine is read-only) and `ids` (object-id batching) are leaves that
-//! every layer may use and that use no layer. The on-disk format lives in the `birch-format`
-//! crate. Nothing here knows about FUSE.
+//! Layers, each allowed to call only those after it: `vfs` (the POSIX API) → `items` (typed
+//! keys and operations over inode, link and xattr items, over a live or committed view) →
+//! `txn` (the engine: deltas, commit) → `delta` → `btree` → `cache` → `device`; `alloc` is
+//! reached through the engine; `check` reads through the engine and `btree` and never writes;
+//! `scrub` reads committed views (the engine's committed roots, or an image's superblock)
+//! straight from the device and never writes. `error`, `readonly` (why the engine is
+//! read-only) and `ids` (object-id batching) are leaves that every layer may use and that use
+//! no layer. The on-disk format lives in the `birch-format` crate. Nothing here knows about
+//! FUSE.
 
 #![warn(missing_docs)]
 
@@ -20,6 +21,7 @@ pub mod delta;
 pub mod device;
 pub mod error;
 mod ids;
+pub mod items;
 pub mod log;
 pub mod readonly;
 pub mod scrub;

@@ -4,9 +4,9 @@
 //! Owns: the chunked walk of the committed tree ([`scrub`]), its rate limit and progress
 //! ([`ScrubProgress`]), the report of damaged blocks with their owners ([`ScrubReport`],
 //! [`Damage`]) and its JSON form. It works over a [`ViewSource`]: offline the one committed
-//! tree of an image ([`ImageViews`]), online the engine's newest committed snapshot
+//! tree of an image ([`ImageViews`]), online the engine's newest committed root
 //! ([`EngineViews`]), taken again for every chunk of keys so that a long scrub never pins an
-//! old view (a held snapshot keeps every block freed after it, DESIGN §5).
+//! old view (a held committed root keeps every block freed after it, DESIGN §5).
 //!
 //! Must not touch: any writer, the node cache (it reads the device itself, so it verifies
 //! what is on disk, not a cached copy), the running or frozen deltas. Scrub detects; with one
@@ -25,7 +25,7 @@ use birch_format::{Key, BLOCK_SIZE, FS_TREE_ID, NODE_SIZE, ROOT_OBJECTID};
 
 use crate::device::BlockDevice;
 use crate::error::{Error, Result};
-use crate::txn::{Engine, Snapshot};
+use crate::txn::{CommittedRoot, Engine};
 
 /// Leaves per chunk: after this many, the walk lets go of its view and takes the newest one.
 /// A view is held only while its chunk is read (the rate limit sleeps between chunks, with
@@ -50,7 +50,7 @@ pub struct View {
     pub root: RootPtr,
     /// Generation that wrote it.
     pub generation: u64,
-    _pin: Option<Arc<Snapshot>>,
+    _pin: Option<Arc<CommittedRoot>>,
 }
 
 /// Where the committed trees come from.
@@ -117,7 +117,7 @@ impl ViewSource for ImageViews {
     }
 }
 
-/// A live engine: each chunk reads under the newest committed snapshot, held only for that
+/// A live engine: each chunk reads under the newest committed root, held only for that
 /// chunk.
 pub struct EngineViews {
     engine: Arc<Engine>,
@@ -133,11 +133,11 @@ impl EngineViews {
 impl ViewSource for EngineViews {
     fn newest(&self) -> Result<View> {
         self.engine.check_up()?;
-        let snapshot = self.engine.committed_snapshot();
+        let committed = self.engine.committed_root();
         Ok(View {
-            root: snapshot.root,
-            generation: snapshot.generation,
-            _pin: Some(snapshot),
+            root: committed.root,
+            generation: committed.generation,
+            _pin: Some(committed),
         })
     }
     fn device(&self) -> &dyn BlockDevice {

@@ -1,6 +1,6 @@
 //! The engine: transactions, commit, and the read path over delta and committed tree.
 //!
-//! Owns: generation numbers, the running and frozen deltas, the committed snapshot, the commit
+//! Owns: generation numbers, the running and frozen deltas, the committed root, the commit
 //! order (write nodes, flush, write superblock N to slot N mod 2, flush), releasing pinned
 //! space once a commit is durable and unobserved, the object id high-water mark, the
 //! sticky read-only state after a failed commit, and the shutdown (its device [`Fence`]:
@@ -9,7 +9,7 @@
 //! Must not touch: files, inodes, names, FUSE. It never holds a lock across a flush: the
 //! `gate` (shared by every mutation, exclusive only for the in-memory freeze) and the state
 //! lock are released before any I/O. Readers never wait for a commit: they read the running
-//! delta, then the frozen one, then an immutable snapshot.
+//! delta, then the frozen one, then the immutable committed root.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -138,9 +138,10 @@ pub struct MkfsOptions {
     pub log_bytes: u64,
 }
 
-/// Space released when no snapshot that could still read it is left. The list of snapshot N
-/// holds what commit N+1 freed; it also holds the list of snapshot N+1 (`next`), so a list is
-/// dropped, and its space released, only after its own snapshot and every older one are gone.
+/// Space released when no committed root that could still read it is held. The list of
+/// committed root N holds what commit N+1 freed; it also holds the list of root N+1 (`next`),
+/// so a list is dropped, and its space released, only after its own root and every older one
+/// are let go.
 struct ReleaseOnDrop {
     alloc: Arc<Allocator>,
     ranges: Mutex<Vec<(u64, u64)>>,
@@ -163,12 +164,14 @@ impl Drop for ReleaseOnDrop {
     }
 }
 
-/// A committed, immutable tree version.
-pub struct Snapshot {
+/// The read state of one committed, immutable tree version: its root and generation, and,
+/// while it is held, a pin on every block later commits free. The engine's own, not a user
+/// snapshot of the filesystem.
+pub struct CommittedRoot {
     /// Root of the filesystem tree as of this commit.
     pub root: RootPtr,
-    /// Generation (commit number) that wrote this tree. While the snapshot is held, space
-    /// freed by later commits stays pinned.
+    /// Generation (commit number) that wrote this tree. While the committed root is held,
+    /// space freed by later commits stays pinned.
     pub generation: u64,
     release: Arc<ReleaseOnDrop>,
 }
@@ -176,17 +179,17 @@ pub struct Snapshot {
 /// What readers need besides the active delta; each stripe of [`Engine::state`] has a copy.
 struct ReadState {
     frozen: Option<Arc<FrozenDelta>>,
-    /// The current snapshot behind a pin of this stripe's own: a reader clones the pin, so
-    /// readers of different stripes count references on different cache lines.
-    snapshot: Arc<SnapshotPin>,
+    /// The current committed root behind a pin of this stripe's own: a reader clones the pin,
+    /// so readers of different stripes count references on different cache lines.
+    committed: Arc<CommittedRootPin>,
 }
 
-/// One stripe's hold on the current snapshot (see [`ReadState::snapshot`]).
-struct SnapshotPin(Arc<Snapshot>);
+/// One stripe's hold on the current committed root (see [`ReadState::committed`]).
+struct CommittedRootPin(Arc<CommittedRoot>);
 
-impl std::ops::Deref for SnapshotPin {
-    type Target = Snapshot;
-    fn deref(&self) -> &Snapshot {
+impl std::ops::Deref for CommittedRootPin {
+    type Target = CommittedRoot;
+    fn deref(&self) -> &CommittedRoot {
         &self.0
     }
 }
@@ -519,7 +522,7 @@ impl Engine {
             Some(r) => FsyncLog::new(&superblock, r.tail_lsn, r.next_seq),
             None => FsyncLog::new(&superblock, superblock.log_head, superblock.log_generation),
         };
-        let snapshot = Arc::new(Snapshot {
+        let committed = Arc::new(CommittedRoot {
             root,
             generation,
             release: ReleaseOnDrop::new(alloc.clone()),
@@ -539,7 +542,7 @@ impl Engine {
             running_generation: AtomicU64::new(generation + 1),
             state: Striped::new(|| ReadState {
                 frozen: None,
-                snapshot: Arc::new(SnapshotPin(snapshot.clone())),
+                committed: Arc::new(CommittedRootPin(committed.clone())),
             }),
             commit_lock: Mutex::new(()),
             commit_events: (Mutex::new(0), Condvar::new()),
@@ -574,14 +577,14 @@ impl Engine {
                 .map_err(|e| Error::io("mkfs: flush", e))?;
         }
         self.running_generation.store(3, Ordering::SeqCst);
-        let snapshot = Arc::new(Snapshot {
+        let committed = Arc::new(CommittedRoot {
             root,
             generation: 2,
             release: ReleaseOnDrop::new(self.alloc.clone()),
         });
         self.state
             .write()
-            .each(|state| state.snapshot = Arc::new(SnapshotPin(snapshot.clone())));
+            .each(|state| state.committed = Arc::new(CommittedRootPin(committed.clone())));
         Ok(())
     }
 
@@ -702,7 +705,7 @@ impl Engine {
 
     /// Marks every node and every extent the committed tree references as used.
     fn rebuild_allocator(&self) -> Result<()> {
-        let root = self.state.read().snapshot.root;
+        let root = self.state.read().committed.root;
         let ctx = self.ctx();
         let mut stack = vec![(root.addr, root.generation, root.level)];
         while let Some((addr, generation, level)) = stack.pop() {
@@ -759,7 +762,7 @@ impl Engine {
 
     /// The generation of the last durable commit.
     pub fn committed_generation(&self) -> u64 {
-        self.state.read().snapshot.generation
+        self.state.read().committed.generation
     }
 
     /// Why the engine is read-only, if it is: the shutdown, else the cause recorded by
@@ -818,7 +821,7 @@ impl Engine {
     /// The value of `key` as of now. May do device I/O (no lock held while it does).
     pub fn get(&self, key: &Key) -> Result<Option<Vec<u8>>> {
         self.check_up()?;
-        let snapshot = {
+        let committed = {
             let _gate = self.gate.read();
             if let Some(value) = self.active.get(key) {
                 return Ok(value.map(|v| v.to_vec()));
@@ -829,11 +832,11 @@ impl Engine {
                     return Ok(value.map(|v| v.to_vec()));
                 }
             }
-            state.snapshot.clone()
+            state.committed.clone()
         };
         TreeReader {
             ctx: self.ctx(),
-            root: snapshot.root,
+            root: committed.root,
         }
         .get(key)
     }
@@ -848,7 +851,7 @@ impl Engine {
             // Each source gives a chunk; the merge is exact up to the smallest last key of a
             // source that had more, so work stays proportional to what is returned.
             let chunk = (limit - out.len()).saturating_mul(2).max(8);
-            let ((active, active_more), (frozen, frozen_more), snapshot) = {
+            let ((active, active_more), (frozen, frozen_more), committed) = {
                 let _gate = self.gate.read();
                 let active = self.active.range_limited(&from, hi, chunk);
                 let state = self.state.read();
@@ -857,11 +860,11 @@ impl Engine {
                     .as_ref()
                     .map(|f| f.range_limited(&from, hi, chunk))
                     .unwrap_or_default();
-                (active, frozen, state.snapshot.clone())
+                (active, frozen, state.committed.clone())
             };
             let tree = TreeReader {
                 ctx: self.ctx(),
-                root: snapshot.root,
+                root: committed.root,
             }
             .range(&from, hi, chunk)?;
             let tree_more = tree.len() == chunk;
@@ -896,16 +899,16 @@ impl Engine {
         self.check_up()?;
         let mut upper = *key;
         while *floor <= upper {
-            let (active, frozen, snapshot) = {
+            let (active, frozen, committed) = {
                 let _gate = self.gate.read();
                 let active = self.active.last_in(floor, &upper);
                 let state = self.state.read();
                 let frozen = state.frozen.as_ref().and_then(|f| f.last_in(floor, &upper));
-                (active, frozen, state.snapshot.clone())
+                (active, frozen, state.committed.clone())
             };
             let tree = TreeReader {
                 ctx: self.ctx(),
-                root: snapshot.root,
+                root: committed.root,
             }
             .last_in(floor, &upper)?;
             // The greatest key any layer has; its value comes from the newest layer that
@@ -1028,19 +1031,26 @@ impl Engine {
         (generation, merged.into_iter().collect())
     }
 
-    /// The newest durable commit's tree. While the returned snapshot is held, every block
+    /// The newest durable commit's tree. While the returned root is held, every block
     /// freed by later commits stays pinned (DESIGN §5): hold it briefly (scrub takes it
     /// again for every chunk of keys).
-    pub fn committed_snapshot(&self) -> Arc<Snapshot> {
-        self.state.read().snapshot.0.clone()
+    pub fn committed_root(&self) -> Arc<CommittedRoot> {
+        self.state.read().committed.0.clone()
+    }
+
+    /// A reader of the committed tree `root` (from [`Engine::committed_root`]): what that
+    /// commit held, whatever commits and deltas come after, for as long as it is kept (it
+    /// pins the blocks later commits free, as the committed root does).
+    pub fn committed_view(&self, root: Arc<CommittedRoot>) -> CommittedView<'_> {
+        CommittedView { engine: self, root }
     }
 
     /// The value of `key` in the last durable commit (no delta).
     pub fn committed_get(&self, key: &Key) -> Result<Option<Vec<u8>>> {
-        let snapshot = self.state.read().snapshot.clone();
+        let committed = self.state.read().committed.clone();
         TreeReader {
             ctx: self.ctx(),
-            root: snapshot.root,
+            root: committed.root,
         }
         .get(key)
     }
@@ -1185,7 +1195,7 @@ impl Engine {
                 return Err(Error::ReadOnly(cause));
             }
         }
-        let (frozen, generation, snapshot) = {
+        let (frozen, generation, committed) = {
             let _gate = self.gate.write();
             let generation = self.running_generation.load(Ordering::SeqCst);
             let idle = self.active.is_empty()
@@ -1200,11 +1210,11 @@ impl Engine {
                 .store(generation + 1, Ordering::SeqCst);
             let mut state = self.state.write();
             state.each(|s| s.frozen = Some(frozen.clone()));
-            (frozen, generation, state.first().snapshot.0.clone())
+            (frozen, generation, state.first().committed.0.clone())
         };
         drop(after_freeze);
         let started = std::time::Instant::now();
-        let result = match self.write_commit(&frozen, generation, &snapshot) {
+        let result = match self.write_commit(&frozen, generation, &committed) {
             Ok(()) => {
                 self.commit_latency.record(started.elapsed());
                 Ok(generation)
@@ -1218,11 +1228,11 @@ impl Engine {
                 Err(e)
             }
         };
-        // The old snapshot goes first, under the lock: its release list holds the space this
-        // commit freed, and a caller that waited for the lock (an ENOSPC retry) must find that
-        // space back. Freeing the frozen items (the last reference to them is ours once the
-        // snapshot is published) happens outside the lock; the next commit may start now.
-        drop(snapshot);
+        // The old committed root goes first, under the lock: its release list holds the space
+        // this commit freed, and a caller that waited for the lock (an ENOSPC retry) must find
+        // that space back. Freeing the frozen items (the last reference to them is ours once the
+        // new root is published) happens outside the lock; the next commit may start now.
+        drop(committed);
         drop(_commit);
         drop(frozen);
         result
@@ -1345,10 +1355,10 @@ impl Engine {
         &self,
         frozen: &Arc<FrozenDelta>,
         generation: u64,
-        snapshot: &Snapshot,
+        committed: &CommittedRoot,
     ) -> Result<()> {
         let ctx = self.ctx();
-        let mut writer = TreeWriter::new(ctx, &self.alloc, generation, snapshot.root);
+        let mut writer = TreeWriter::new(ctx, &self.alloc, generation, committed.root);
         let mut nodes = self.apply(&mut writer, frozen, generation)?;
         nodes.extend(writer.write_dirty()?);
         self.device
@@ -1373,24 +1383,24 @@ impl Engine {
             .flush()
             .map_err(|e| Error::io(format!("commit {generation}: flush superblock"), e))?;
         self.log.set_reusable(log_head);
-        // Durable. Publish the new snapshot; the old one releases the space this commit freed
-        // once its last reader drops it.
+        // Durable. Publish the new committed root; the old one releases the space this commit
+        // freed once its last reader drops it.
         for node in nodes {
             self.cache.insert(node);
         }
         *self.superblock.lock() = sb;
         let new_release = ReleaseOnDrop::new(self.alloc.clone());
-        let new_snapshot = Arc::new(Snapshot {
+        let new_root = Arc::new(CommittedRoot {
             root,
             generation,
             release: new_release.clone(),
         });
         let old = {
             let mut state = self.state.write();
-            let old = state.first().snapshot.0.clone();
+            let old = state.first().committed.0.clone();
             state.each(|s| {
                 s.frozen = None;
-                s.snapshot = Arc::new(SnapshotPin(new_snapshot.clone()));
+                s.committed = Arc::new(CommittedRootPin(new_root.clone()));
             });
             old
         };
@@ -1411,6 +1421,39 @@ impl<F: FnOnce()> Drop for OnDrop<F> {
         if let Some(f) = self.0.take() {
             f();
         }
+    }
+}
+
+/// The items of one committed tree, read through the engine's node cache: no delta, no
+/// later commit. Built by [`Engine::committed_view`]; `items::ReadView` reads through it.
+pub struct CommittedView<'e> {
+    engine: &'e Engine,
+    root: Arc<CommittedRoot>,
+}
+
+impl CommittedView<'_> {
+    /// The committed tree this view reads.
+    pub fn root(&self) -> &CommittedRoot {
+        &self.root
+    }
+
+    fn reader(&self) -> TreeReader<'_> {
+        TreeReader {
+            ctx: self.engine.ctx(),
+            root: self.root.root,
+        }
+    }
+
+    /// The value of `key` in this tree. May do device I/O.
+    pub fn get(&self, key: &Key) -> Result<Option<Vec<u8>>> {
+        self.engine.check_up()?;
+        self.reader().get(key)
+    }
+
+    /// Up to `limit` items of this tree in `[lo, hi)`. May do device I/O.
+    pub fn range(&self, lo: &Key, hi: &Key, limit: usize) -> Result<Vec<(Key, Vec<u8>)>> {
+        self.engine.check_up()?;
+        self.reader().range(lo, hi, limit)
     }
 }
 

@@ -16,7 +16,7 @@
 //! - a damaged root is one node damage covering every key, and the scrub still reports;
 //! - the online job behind the control commands starts, refuses a second start (`Busy`),
 //!   cancels, and reports its states as JSON;
-//! - an online scrub (the engine's newest snapshot per chunk, rate-limited so that it spans
+//! - an online scrub (the engine's newest committed root per chunk, rate-limited so that it spans
 //!   many commits) while other threads create, rewrite and delete files and commit all the
 //!   time reports no damage: a block freed between chunks is never read as bad.
 

@@ -30,7 +30,7 @@ use birch_core::check::{check, check_replayed, CheckOptions, FindingKind, PassId
 use birch_core::device::{BlockDevice, FileDevice, OpenMode};
 use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::node::{Expect, Node};
-use birch_format::{Key, FS_TREE_ID, NODE_SIZE};
+use birch_format::{FS_TREE_ID, NODE_SIZE};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -681,16 +681,7 @@ fn inspect(image: &Path, what: &[String]) -> ExitCode {
                 Ok(fs) => fs,
                 Err(e) => return fail(e),
             };
-            let lo = Key {
-                objectid: ino,
-                item_type: 0,
-                offset: 0,
-            };
-            let hi = Key {
-                objectid: ino + 1,
-                item_type: 0,
-                offset: 0,
-            };
+            let (lo, hi) = birch_core::items::inode_key_range(ino);
             match fs.engine().range(&lo, &hi, usize::MAX) {
                 Ok(items) if items.is_empty() => return fail(format!("inode {ino}: no items")),
                 Ok(items) => {

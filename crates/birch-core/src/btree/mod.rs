@@ -188,8 +188,8 @@ fn scan_node(
 pub struct TreeReader<'a> {
     /// How to read and verify nodes.
     pub ctx: TreeCtx<'a>,
-    /// Root of the committed tree to read: address, generation and level. The snapshot
-    /// it names must stay unreleased while the reader is in use.
+    /// Root of the committed tree to read: address, generation and level. The engine's
+    /// committed root it names must stay held while the reader is in use.
     pub root: RootPtr,
 }
 

@@ -4,15 +4,13 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use birch_format::items::{
-    decode_dir_entries, decode_inode_refs, encode_dir_entries, encode_inode_refs, DirEntry,
-    InodeItem, InodeRef,
-};
-use birch_format::{name_hash, ItemType, Key, LINK_MAX, ORPHAN_OBJECTID, ROOT_OBJECTID};
+use birch_format::items::{DirEntry, InodeItem, Timespec};
+use birch_format::{LINK_MAX, ROOT_OBJECTID};
 use parking_lot::RwLockWriteGuard;
 
 use super::{attr_of, check_name, now, Attr, Caller, FileKind, Filesystem, InodeData, InodeState};
 use crate::error::{Error, Result};
+use crate::items::{self, Changes, Link, LiveChanges};
 
 /// One readdir entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,98 +33,19 @@ pub(crate) const RENAME_WHITEOUT: u32 = 4;
 const WHITEOUT_MODE: u32 = 0;
 const WHITEOUT_DEV: u64 = 0;
 
-fn dir_item_key(dir: u64, name: &[u8]) -> Key {
-    Key::new(dir, ItemType::DirItem, name_hash(&[name]))
-}
-
-fn dir_index_key(dir: u64, index: u64) -> Key {
-    Key::new(dir, ItemType::DirIndex, index)
-}
-
-fn inode_ref_key(ino: u64, parent: u64, name: &[u8]) -> Key {
-    Key::new(
-        ino,
-        ItemType::InodeRef,
-        name_hash(&[&parent.to_le_bytes(), name]),
-    )
-}
-
-/// A dir item or inode ref list grows with names that share one hash. It must fit one item;
-/// past that the name is refused before anything changes.
-fn check_list_size(bytes: &[u8], what: &str) -> Result<()> {
-    if bytes.len() > birch_format::MAX_ITEM_BYTES {
-        return Err(Error::NoSpace(format!(
-            "{what}: too many names share one hash"
-        )));
-    }
-    Ok(())
-}
-
-/// `list` with one more entry named `name`, to size a change before making it.
-fn with_probe_entry(list: &[DirEntry], name: &[u8]) -> Vec<DirEntry> {
-    let mut probe = list.to_vec();
-    probe.push(DirEntry {
-        child: 0,
-        dir_index: 0,
-        file_type: 0,
-        name: name.to_vec(),
-    });
-    probe
-}
-
-fn with_probe_ref(list: &[InodeRef], parent: u64, name: &[u8]) -> Vec<InodeRef> {
-    let mut probe = list.to_vec();
-    probe.push(InodeRef {
-        parent,
-        dir_index: 0,
-        name: name.to_vec(),
-    });
-    probe
-}
-
 fn is_dir(item: &InodeItem) -> bool {
     item.mode & libc::S_IFMT == libc::S_IFDIR
 }
 
-/// What an entry change needs read before it takes the write gate.
-struct EntrySlot {
-    dir_item: Vec<DirEntry>,
-}
-
-struct RefSlot {
-    refs: Vec<InodeRef>,
-}
-
 impl Filesystem {
-    fn read_dir_item(&self, dir: u64, name: &[u8]) -> Result<EntrySlot> {
-        let dir_item = match self.inner.engine.get(&dir_item_key(dir, name))? {
-            Some(bytes) => decode_dir_entries(&bytes).map_err(|e| {
-                Error::corrupt(
-                    format!("dir {dir} item for {:?}", String::from_utf8_lossy(name)),
-                    e,
-                )
-            })?,
-            None => Vec::new(),
-        };
-        Ok(EntrySlot { dir_item })
-    }
-
-    fn read_refs(&self, ino: u64, parent: u64, name: &[u8]) -> Result<RefSlot> {
-        let refs = match self.inner.engine.get(&inode_ref_key(ino, parent, name))? {
-            Some(bytes) => decode_inode_refs(&bytes)
-                .map_err(|e| Error::corrupt(format!("inode {ino} refs"), e))?,
-            None => Vec::new(),
-        };
-        Ok(RefSlot { refs })
-    }
-
     /// Finds `name` in `dir`.
     pub(crate) fn find_entry(&self, dir: u64, name: &[u8]) -> Result<Option<DirEntry>> {
-        Ok(self
-            .read_dir_item(dir, name)?
-            .dir_item
-            .into_iter()
-            .find(|e| e.name == name))
+        items::find_entry(&*self.inner.engine, dir, name)
+    }
+
+    /// A plan of item changes over the live state.
+    fn changes(&self) -> LiveChanges<'_> {
+        Changes::new(&*self.inner.engine)
     }
 
     fn dir_state(&self, dir: u64) -> Result<Arc<InodeState>> {
@@ -186,15 +105,7 @@ impl Filesystem {
         if dir == ROOT_OBJECTID {
             return Ok(ROOT_OBJECTID);
         }
-        let lo = Key::new(dir, ItemType::InodeRef, 0);
-        let hi = Key::new(dir, ItemType::InodeRef, u64::MAX);
-        let refs = self.inner.engine.range(&lo, &hi, 1)?;
-        let (key, bytes) = refs
-            .first()
-            .ok_or_else(|| Error::NotFound(format!("parent of dir {dir}")))?;
-        let refs = decode_inode_refs(bytes).map_err(|e| Error::corrupt(format!("ref {key}"), e))?;
-        refs.first()
-            .map(|r| r.parent)
+        items::first_parent(&*self.inner.engine, dir)?
             .ok_or_else(|| Error::NotFound(format!("parent of dir {dir}")))
     }
 
@@ -225,21 +136,28 @@ impl Filesystem {
         if kind == FileKind::Dir && d.item.nlink >= LINK_MAX {
             return Err(Error::TooManyLinks(format!("dir {parent}")));
         }
-        let slot = self.read_dir_item(parent, name)?;
-        if slot.dir_item.iter().any(|e| e.name == name) {
+        let mut changes = self.changes();
+        if items::find_entry(&changes, parent, name)?.is_some() {
             return Err(Error::Exists(format!(
                 "{:?} in dir {parent}",
                 String::from_utf8_lossy(name)
             )));
         }
-        check_list_size(
-            &encode_dir_entries(&with_probe_entry(&slot.dir_item, name)),
-            "create",
-        )?;
+        items::check_dir_room(&changes, parent, name, "create")?;
         let nlink = if kind == FileKind::Dir { 2 } else { 1 };
         let (ino, mut item, inherited) =
             self.new_inode_item(caller, parent, &d, mode, nlink, symlink.is_some())?;
         item.rdev = rdev;
+        let index = d.item.next_dir_index;
+        let link = Link {
+            parent,
+            name,
+            child: ino,
+            file_type: kind.dtype(),
+            dir_index: index,
+        };
+        // Read above: this plans without reading again.
+        items::add_first_link(&mut changes, &link, "create")?;
         let t = item.ctime;
         let state = self.insert_inode(ino, item);
         let mut c = state.data.write();
@@ -250,7 +168,6 @@ impl Filesystem {
             c.item.mtime = t;
             c.item.ctime = t;
         }
-        let index = d.item.next_dir_index;
         d.item.next_dir_index += 1;
         d.item.size += 1;
         if kind == FileKind::Dir {
@@ -258,32 +175,14 @@ impl Filesystem {
         }
         d.item.mtime = t;
         d.item.ctime = t;
-        let entry = DirEntry {
-            child: ino,
-            dir_index: index,
-            file_type: kind.dtype(),
-            name: name.to_vec(),
-        };
-        let mut dir_item = slot.dir_item;
-        dir_item.push(entry.clone());
-        let refs = vec![InodeRef {
-            parent,
-            dir_index: index,
-            name: name.to_vec(),
-        }];
         {
-            let txn = self.inner.engine.begin()?;
+            let mut txn = self.inner.engine.begin()?;
             c.item.transid = txn.generation();
             d.item.transid = txn.generation();
-            txn.put(super::inode_key(ino), c.item.encode());
-            txn.put(super::inode_key(parent), d.item.encode());
-            txn.put(dir_item_key(parent, name), encode_dir_entries(&dir_item));
-            txn.put(
-                dir_index_key(parent, index),
-                encode_dir_entries(std::slice::from_ref(&entry)),
-            );
-            txn.put(inode_ref_key(ino, parent, name), encode_inode_refs(&refs));
-            put_inherited_acls(&txn, ino, inherited);
+            items::put_inode(&mut txn, ino, &c.item);
+            items::put_inode(&mut txn, parent, &d.item);
+            put_inherited_acls(&mut txn, ino, inherited);
+            changes.record(&txn);
         }
         drop(_op);
         self.remember(&state);
@@ -391,11 +290,11 @@ impl Filesystem {
         c.linkable = flags & libc::O_EXCL == 0;
         {
             let _op = self.inner.engine.hold()?;
-            let txn = self.inner.engine.begin()?;
+            let mut txn = self.inner.engine.begin()?;
             c.item.transid = txn.generation();
-            txn.put(super::inode_key(ino), c.item.encode());
-            txn.put(Key::new(ORPHAN_OBJECTID, ItemType::Orphan, ino), Vec::new());
-            put_inherited_acls(&txn, ino, inherited);
+            items::put_inode(&mut txn, ino, &c.item);
+            items::put_orphan(&mut txn, ino);
+            put_inherited_acls(&mut txn, ino, inherited);
         }
         self.remember(&state);
         let attr = attr_of(ino, &c.item);
@@ -508,70 +407,40 @@ impl Filesystem {
         if c.item.nlink >= LINK_MAX {
             return Err(Error::TooManyLinks(format!("inode {ino}")));
         }
-        let slot = self.read_dir_item(newparent, newname)?;
-        if slot.dir_item.iter().any(|e| e.name == newname) {
-            return Err(Error::Exists(format!(
-                "{:?} in dir {newparent}",
-                String::from_utf8_lossy(newname)
-            )));
-        }
-        let refs = self.read_refs(ino, newparent, newname)?;
-        check_list_size(
-            &encode_dir_entries(&with_probe_entry(&slot.dir_item, newname)),
-            "link",
-        )?;
-        check_list_size(
-            &encode_inode_refs(&with_probe_ref(&refs.refs, newparent, newname)),
+        let index = d.item.next_dir_index;
+        let mut changes = self.changes();
+        items::add_link(
+            &mut changes,
+            &Link {
+                parent: newparent,
+                name: newname,
+                child: ino,
+                file_type: FileKind::from_mode(c.item.mode).dtype(),
+                dir_index: index,
+            },
             "link",
         )?;
         let t = now();
-        let index = d.item.next_dir_index;
         d.item.next_dir_index += 1;
         d.item.size += 1;
         d.item.mtime = t;
         d.item.ctime = t;
         c.item.nlink += 1;
         c.item.ctime = t;
-        let kind = FileKind::from_mode(c.item.mode);
-        let entry = DirEntry {
-            child: ino,
-            dir_index: index,
-            file_type: kind.dtype(),
-            name: newname.to_vec(),
-        };
-        let mut dir_item = slot.dir_item;
-        dir_item.push(entry.clone());
-        let mut ref_list = refs.refs;
-        ref_list.push(InodeRef {
-            parent: newparent,
-            dir_index: index,
-            name: newname.to_vec(),
-        });
         {
-            let txn = self.inner.engine.begin()?;
+            let mut txn = self.inner.engine.begin()?;
             c.item.transid = txn.generation();
             d.item.transid = txn.generation();
-            txn.put(super::inode_key(ino), c.item.encode());
-            txn.put(super::inode_key(newparent), d.item.encode());
+            items::put_inode(&mut txn, ino, &c.item);
+            items::put_inode(&mut txn, newparent, &d.item);
             self.unmark_log_clean(ino);
-            txn.put(
-                dir_item_key(newparent, newname),
-                encode_dir_entries(&dir_item),
-            );
-            txn.put(
-                dir_index_key(newparent, index),
-                encode_dir_entries(std::slice::from_ref(&entry)),
-            );
-            txn.put(
-                inode_ref_key(ino, newparent, newname),
-                encode_inode_refs(&ref_list),
-            );
             if c.item.nlink == 1 {
                 // A tmpfile getting its first name leaves the orphan list, and may not be
                 // linked again once its names are gone.
-                txn.delete(Key::new(ORPHAN_OBJECTID, ItemType::Orphan, ino));
+                items::delete_orphan(&mut txn, ino);
                 c.linkable = false;
             }
+            changes.record(&txn);
         }
         target.lookups.fetch_add(1, Ordering::SeqCst);
         Ok(attr_of(ino, &c.item))
@@ -623,8 +492,8 @@ impl Filesystem {
             .as_mut()
             .ok_or_else(|| Error::Invalid("remove of a directory from itself".into()))?;
         // Re-check under the locks: the entry may have changed.
-        let slot = self.read_dir_item(parent, name)?;
-        let Some(entry) = slot.dir_item.iter().find(|e| e.name == name).cloned() else {
+        let mut changes = self.changes();
+        let Some(entry) = items::find_entry(&changes, parent, name)? else {
             return Err(Error::NotFound(format!(
                 "{:?} in dir {parent}",
                 String::from_utf8_lossy(name)
@@ -646,42 +515,25 @@ impl Filesystem {
         if child_is_dir && c.item.size > 0 {
             return Err(Error::NotEmpty(format!("dir {child_ino}")));
         }
-        let refs = self.read_refs(child_ino, parent, name)?;
-        let t = now();
-        self.unlink_locked(
-            parent,
-            &mut d,
-            slot.dir_item,
-            &entry,
-            child_ino,
-            c,
-            refs.refs,
-            t,
-        )?;
+        items::remove_link(&mut changes, parent, &entry)?;
+        self.unlink_locked(parent, &mut d, child_ino, c, changes, now())?;
         drop(d);
         Ok(())
     }
 
-    /// Removes `entry` from the locked dir and drops the child's link; puts an orphan item when
-    /// the child has no names left.
+    /// Records `changes` (the removal of a name of `child_ino` from the locked dir, planned by
+    /// [`items::remove_link`]) and drops the child's link; puts an orphan item when the child
+    /// has no names left.
     fn unlink_locked(
         &self,
         parent: u64,
         d: &mut InodeData,
-        dir_item: Vec<DirEntry>,
-        entry: &DirEntry,
         child_ino: u64,
         c: &mut InodeData,
-        refs: Vec<InodeRef>,
-        t: birch_format::items::Timespec,
+        changes: LiveChanges<'_>,
+        t: Timespec,
     ) -> Result<()> {
         let child_is_dir = is_dir(&c.item);
-        let name = &entry.name;
-        let remaining: Vec<DirEntry> = dir_item.into_iter().filter(|e| e.name != *name).collect();
-        let remaining_refs: Vec<InodeRef> = refs
-            .into_iter()
-            .filter(|r| !(r.parent == parent && r.name == *name))
-            .collect();
         d.item.size = d.item.size.saturating_sub(1);
         d.item.mtime = t;
         d.item.ctime = t;
@@ -692,31 +544,16 @@ impl Filesystem {
             c.item.nlink = c.item.nlink.saturating_sub(1);
         }
         c.item.ctime = t;
-        let txn = self.inner.engine.begin()?;
+        let mut txn = self.inner.engine.begin()?;
         d.item.transid = txn.generation();
         c.item.transid = txn.generation();
-        txn.put(super::inode_key(parent), d.item.encode());
-        txn.put(super::inode_key(child_ino), c.item.encode());
+        items::put_inode(&mut txn, parent, &d.item);
+        items::put_inode(&mut txn, child_ino, &c.item);
         self.unmark_log_clean(child_ino);
-        let dkey = dir_item_key(parent, name);
-        if remaining.is_empty() {
-            txn.delete(dkey);
-        } else {
-            txn.put(dkey, encode_dir_entries(&remaining));
-        }
-        txn.delete(dir_index_key(parent, entry.dir_index));
-        let rkey = inode_ref_key(child_ino, parent, name);
-        if remaining_refs.is_empty() {
-            txn.delete(rkey);
-        } else {
-            txn.put(rkey, encode_inode_refs(&remaining_refs));
-        }
         if c.item.nlink == 0 {
-            txn.put(
-                Key::new(ORPHAN_OBJECTID, ItemType::Orphan, child_ino),
-                Vec::new(),
-            );
+            items::put_orphan(&mut txn, child_ino);
         }
+        changes.record(&txn);
         Ok(())
     }
 
@@ -853,88 +690,41 @@ impl Filesystem {
         let mut guards: Vec<(u64, RwLockWriteGuard<'_, InodeData>)> =
             inos.iter().map(|(i, s)| (*i, s.data.write())).collect();
         let t = now();
-        let mut plan = RenamePlan::default();
+        let mut plan = self.changes();
         let mut whiteout = None;
-        // Reads first: every list we change.
-        let src_slot = self.read_dir_item(parent, name)?;
-        let src_refs = self.read_refs(src.child, parent, name)?;
+        let rename = Rename {
+            parent,
+            name,
+            newparent,
+            newname,
+            src,
+            t,
+        };
         if flags & RENAME_EXCHANGE != 0 {
             let dst = dst
                 .as_ref()
                 .ok_or_else(|| Error::NotFound("exchange target".into()))?;
-            let dst_slot = self.read_dir_item(newparent, newname)?;
-            let dst_refs = self.read_refs(dst.child, newparent, newname)?;
-            let new_src_refs = self.read_refs(src.child, newparent, newname)?;
-            let new_dst_refs = self.read_refs(dst.child, parent, name)?;
-            self.plan_exchange(
-                &mut plan,
-                &mut guards,
-                parent,
-                name,
-                newparent,
-                newname,
-                &src,
-                dst,
-                src_slot,
-                dst_slot,
-                src_refs,
-                dst_refs,
-                new_src_refs,
-                new_dst_refs,
-                t,
-            )?;
+            plan_exchange(&rename, dst, &mut plan, &mut guards)?;
         } else {
-            let dst_slot = self.read_dir_item(newparent, newname)?;
-            let new_refs = self.read_refs(src.child, newparent, newname)?;
-            check_list_size(
-                &encode_dir_entries(&with_probe_entry(&dst_slot.dir_item, newname)),
-                "rename",
-            )?;
-            check_list_size(
-                &encode_inode_refs(&with_probe_ref(&new_refs.refs, newparent, newname)),
-                "rename",
-            )?;
-            let dst_refs = match &dst {
-                Some(d) => Some(self.read_refs(d.child, newparent, newname)?),
-                None => None,
-            };
-            self.plan_move(
-                &mut plan,
-                &mut guards,
-                parent,
-                name,
-                newparent,
-                newname,
-                &src,
-                dst.as_ref(),
-                src_slot,
-                dst_slot,
-                src_refs,
-                new_refs,
-                dst_refs,
-                t,
-            )?;
+            // The new name must fit before anything is planned.
+            items::check_dir_room(&plan, newparent, newname, "rename")?;
+            items::check_ref_room(&plan, rename.src.child, newparent, newname, "rename")?;
+            plan_move(&rename, dst.as_ref(), &mut plan, &mut guards)?;
             if flags & RENAME_WHITEOUT != 0 {
-                whiteout =
-                    Some(self.plan_whiteout(caller, &mut plan, &mut guards, parent, name, t)?);
+                whiteout = Some(self.plan_whiteout(caller, &rename, &mut plan, &mut guards)?);
             }
         }
-        let txn = self.inner.engine.begin()?;
+        let mut txn = self.inner.engine.begin()?;
         if let Some((ino, mut item)) = whiteout {
             item.transid = txn.generation();
-            txn.put(super::inode_key(ino), item.encode());
+            items::put_inode(&mut txn, ino, &item);
         }
         for (ino, g) in guards.iter_mut() {
             g.item.transid = txn.generation();
-            txn.put(super::inode_key(*ino), g.item.encode());
+            items::put_inode(&mut txn, *ino, &g.item);
             self.unmark_log_clean(*ino);
         }
-        for (key, value) in plan.puts {
-            match value {
-                Some(v) => txn.put(key, v),
-                None => txn.delete(key),
-            }
-        }
+        plan.record(&txn);
         Ok(())
     }
 
@@ -951,176 +741,34 @@ impl Filesystem {
         Err(Error::Loop("directory tree deeper than 4096 levels".into()))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn plan_move(
-        &self,
-        plan: &mut RenamePlan,
-        guards: &mut [(u64, RwLockWriteGuard<'_, InodeData>)],
-        parent: u64,
-        name: &[u8],
-        newparent: u64,
-        newname: &[u8],
-        src: &DirEntry,
-        dst: Option<&DirEntry>,
-        src_slot: EntrySlot,
-        dst_slot: EntrySlot,
-        src_refs: RefSlot,
-        new_refs: RefSlot,
-        dst_refs: Option<RefSlot>,
-        t: birch_format::items::Timespec,
-    ) -> Result<()> {
-        let src_is_dir = src.file_type == libc::DT_DIR;
-        // Remove the source entry.
-        let same_item =
-            parent == newparent && dir_item_key(parent, name) == dir_item_key(newparent, newname);
-        let mut src_list: Vec<DirEntry> = src_slot
-            .dir_item
-            .into_iter()
-            .filter(|e| e.name != name)
-            .collect();
-        plan.puts.push((dir_index_key(parent, src.dir_index), None));
-        let src_ref_list: Vec<InodeRef> = src_refs
-            .refs
-            .into_iter()
-            .filter(|r| !(r.parent == parent && r.name == name))
-            .collect();
-        let same_ref =
-            inode_ref_key(src.child, parent, name) == inode_ref_key(src.child, newparent, newname);
-        // Replace a target.
-        let mut dst_list = if same_item {
-            std::mem::take(&mut src_list)
-        } else {
-            dst_slot.dir_item
-        };
-        if let (Some(dst), Some(dst_refs)) = (dst, dst_refs) {
-            dst_list.retain(|e| e.name != newname);
-            plan.puts
-                .push((dir_index_key(newparent, dst.dir_index), None));
-            let remaining: Vec<InodeRef> = dst_refs
-                .refs
-                .into_iter()
-                .filter(|r| !(r.parent == newparent && r.name == newname))
-                .collect();
-            plan.set(
-                inode_ref_key(dst.child, newparent, newname),
-                if remaining.is_empty() {
-                    None
-                } else {
-                    Some(encode_inode_refs(&remaining))
-                },
-            );
-            let dst_is_dir = dst.file_type == libc::DT_DIR;
-            let g = guard(guards, dst.child)?;
-            if dst_is_dir {
-                g.item.nlink = 0;
-            } else {
-                g.item.nlink = g.item.nlink.saturating_sub(1);
-            }
-            g.item.ctime = t;
-            if g.item.nlink == 0 {
-                plan.puts.push((
-                    Key::new(ORPHAN_OBJECTID, ItemType::Orphan, dst.child),
-                    Some(Vec::new()),
-                ));
-            }
-            let np = guard(guards, newparent)?;
-            np.item.size = np.item.size.saturating_sub(1);
-            if dst_is_dir {
-                np.item.nlink = np.item.nlink.saturating_sub(1);
-            }
-        }
-        // Add the new entry.
-        let index = {
-            let np = guard(guards, newparent)?;
-            let index = np.item.next_dir_index;
-            np.item.next_dir_index += 1;
-            np.item.size += 1;
-            np.item.mtime = t;
-            np.item.ctime = t;
-            if src_is_dir && parent != newparent {
-                np.item.nlink += 1;
-            }
-            index
-        };
-        {
-            let p = guard(guards, parent)?;
-            p.item.size = p.item.size.saturating_sub(1);
-            p.item.mtime = t;
-            p.item.ctime = t;
-            if src_is_dir && parent != newparent {
-                p.item.nlink = p.item.nlink.saturating_sub(1);
-            }
-        }
-        let entry = DirEntry {
-            child: src.child,
-            dir_index: index,
-            file_type: src.file_type,
-            name: newname.to_vec(),
-        };
-        dst_list.push(entry.clone());
-        if !same_item {
-            plan.set(
-                dir_item_key(parent, name),
-                if src_list.is_empty() {
-                    None
-                } else {
-                    Some(encode_dir_entries(&src_list))
-                },
-            );
-        }
-        plan.set(
-            dir_item_key(newparent, newname),
-            Some(encode_dir_entries(&dst_list)),
-        );
-        plan.puts.push((
-            dir_index_key(newparent, index),
-            Some(encode_dir_entries(std::slice::from_ref(&entry))),
-        ));
-        let mut new_ref_list = if same_ref {
-            src_ref_list.clone()
-        } else {
-            new_refs.refs
-        };
-        new_ref_list.retain(|r| !(r.parent == newparent && r.name == newname));
-        new_ref_list.push(InodeRef {
-            parent: newparent,
-            dir_index: index,
-            name: newname.to_vec(),
-        });
-        if !same_ref {
-            // The old ref key keeps any other names that hash alike.
-            plan.set(
-                inode_ref_key(src.child, parent, name),
-                if src_ref_list.is_empty() {
-                    None
-                } else {
-                    Some(encode_inode_refs(&src_ref_list))
-                },
-            );
-        }
-        plan.set(
-            inode_ref_key(src.child, newparent, newname),
-            Some(encode_inode_refs(&new_ref_list)),
-        );
-        guard(guards, src.child)?.item.ctime = t;
-        Ok(())
-    }
-
-    /// Adds to a planned move the whiteout that takes the source name `name` in `parent`
-    /// (RENAME_WHITEOUT): a new inode, a character device 0:0 with mode 0 and one link, whose
-    /// number and item it returns for the rename's transaction to store.
+    /// Adds to a planned move the whiteout that takes the source name (RENAME_WHITEOUT): a
+    /// new inode, a character device 0:0 with mode 0 and one link, whose number and item it
+    /// returns for the rename's transaction to store.
     fn plan_whiteout(
         &self,
         caller: Caller,
-        plan: &mut RenamePlan,
+        rename: &Rename<'_>,
+        plan: &mut LiveChanges<'_>,
         guards: &mut [(u64, RwLockWriteGuard<'_, InodeData>)],
-        parent: u64,
-        name: &[u8],
-        t: birch_format::items::Timespec,
     ) -> Result<(u64, InodeItem)> {
+        let (parent, t) = (rename.parent, rename.t);
         let ino = self.inner.engine.allocate_objectid();
         let p = guard(guards, parent)?;
         let index = p.item.next_dir_index;
+        // The move planned the source name's dir item without the source: the whiteout joins
+        // what is left there (other names that hash alike, or the new name's entry when both
+        // names share the item).
+        items::add_first_link(
+            plan,
+            &Link {
+                parent,
+                name: rename.name,
+                child: ino,
+                file_type: libc::DT_CHR,
+                dir_index: index,
+            },
+            "rename whiteout",
+        )?;
         p.item.next_dir_index += 1;
         p.item.size += 1;
         let gid = if p.item.mode & libc::S_ISGID != 0 {
@@ -1145,188 +793,7 @@ impl Filesystem {
             ctime: t,
             otime: t,
         };
-        let entry = DirEntry {
-            child: ino,
-            dir_index: index,
-            file_type: libc::DT_CHR,
-            name: name.to_vec(),
-        };
-        // The move planned the source name's dir item without the source: the whiteout joins
-        // what is left there (other names that hash alike, or the new name's entry when both
-        // names share the item).
-        let item_key = dir_item_key(parent, name);
-        let mut list = match plan.get(&item_key) {
-            Some(Some(bytes)) => decode_dir_entries(bytes)
-                .map_err(|e| Error::corrupt(format!("planned dir item {item_key}"), e))?,
-            Some(None) => Vec::new(),
-            None => return Err(Error::bug("rename: whiteout without the source's dir item")),
-        };
-        list.push(entry.clone());
-        check_list_size(&encode_dir_entries(&list), "rename whiteout")?;
-        plan.set(item_key, Some(encode_dir_entries(&list)));
-        plan.puts.push((
-            dir_index_key(parent, index),
-            Some(encode_dir_entries(std::slice::from_ref(&entry))),
-        ));
-        plan.puts.push((
-            inode_ref_key(ino, parent, name),
-            Some(encode_inode_refs(&[InodeRef {
-                parent,
-                dir_index: index,
-                name: name.to_vec(),
-            }])),
-        ));
         Ok((ino, item))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn plan_exchange(
-        &self,
-        plan: &mut RenamePlan,
-        guards: &mut [(u64, RwLockWriteGuard<'_, InodeData>)],
-        parent: u64,
-        name: &[u8],
-        newparent: u64,
-        newname: &[u8],
-        src: &DirEntry,
-        dst: &DirEntry,
-        src_slot: EntrySlot,
-        dst_slot: EntrySlot,
-        src_refs: RefSlot,
-        dst_refs: RefSlot,
-        new_src_refs: RefSlot,
-        new_dst_refs: RefSlot,
-        t: birch_format::items::Timespec,
-    ) -> Result<()> {
-        // Entries keep their names and indexes; only the child (and type) swap.
-        let swap = |list: Vec<DirEntry>, n: &[u8], child: u64, ftype: u8| -> Vec<DirEntry> {
-            list.into_iter()
-                .map(|mut e| {
-                    if e.name == n {
-                        e.child = child;
-                        e.file_type = ftype;
-                    }
-                    e
-                })
-                .collect()
-        };
-        let same_item = dir_item_key(parent, name) == dir_item_key(newparent, newname);
-        let src_list = swap(src_slot.dir_item, name, dst.child, dst.file_type);
-        let src_list = if same_item {
-            swap(src_list, newname, src.child, src.file_type)
-        } else {
-            src_list
-        };
-        plan.set(
-            dir_item_key(parent, name),
-            Some(encode_dir_entries(&src_list)),
-        );
-        if !same_item {
-            let dst_list = swap(dst_slot.dir_item, newname, src.child, src.file_type);
-            plan.set(
-                dir_item_key(newparent, newname),
-                Some(encode_dir_entries(&dst_list)),
-            );
-        }
-        plan.puts.push((
-            dir_index_key(parent, src.dir_index),
-            Some(encode_dir_entries(&[DirEntry {
-                child: dst.child,
-                dir_index: src.dir_index,
-                file_type: dst.file_type,
-                name: name.to_vec(),
-            }])),
-        ));
-        plan.puts.push((
-            dir_index_key(newparent, dst.dir_index),
-            Some(encode_dir_entries(&[DirEntry {
-                child: src.child,
-                dir_index: dst.dir_index,
-                file_type: src.file_type,
-                name: newname.to_vec(),
-            }])),
-        ));
-        // Refs: src now lives at (newparent, newname), dst at (parent, name).
-        let move_ref = |plan: &mut RenamePlan,
-                        ino: u64,
-                        old_parent: u64,
-                        old_name: &[u8],
-                        old_refs: Vec<InodeRef>,
-                        new_parent: u64,
-                        new_name: &[u8],
-                        new_refs: Vec<InodeRef>,
-                        index: u64| {
-            let old_key = inode_ref_key(ino, old_parent, old_name);
-            let new_key = inode_ref_key(ino, new_parent, new_name);
-            let kept: Vec<InodeRef> = old_refs
-                .into_iter()
-                .filter(|r| !(r.parent == old_parent && r.name == old_name))
-                .collect();
-            let mut added = if old_key == new_key {
-                kept.clone()
-            } else {
-                new_refs
-            };
-            added.retain(|r| !(r.parent == new_parent && r.name == new_name));
-            added.push(InodeRef {
-                parent: new_parent,
-                dir_index: index,
-                name: new_name.to_vec(),
-            });
-            if old_key != new_key {
-                plan.set(
-                    old_key,
-                    if kept.is_empty() {
-                        None
-                    } else {
-                        Some(encode_inode_refs(&kept))
-                    },
-                );
-            }
-            plan.set(new_key, Some(encode_inode_refs(&added)));
-        };
-        move_ref(
-            plan,
-            src.child,
-            parent,
-            name,
-            src_refs.refs,
-            newparent,
-            newname,
-            new_src_refs.refs,
-            dst.dir_index,
-        );
-        move_ref(
-            plan,
-            dst.child,
-            newparent,
-            newname,
-            dst_refs.refs,
-            parent,
-            name,
-            new_dst_refs.refs,
-            src.dir_index,
-        );
-        let src_is_dir = src.file_type == libc::DT_DIR;
-        let dst_is_dir = dst.file_type == libc::DT_DIR;
-        if parent != newparent && src_is_dir != dst_is_dir {
-            let (gain, lose) = if src_is_dir {
-                (newparent, parent)
-            } else {
-                (parent, newparent)
-            };
-            guard(guards, gain)?.item.nlink += 1;
-            let l = guard(guards, lose)?;
-            l.item.nlink = l.item.nlink.saturating_sub(1);
-        }
-        for dir in [parent, newparent] {
-            let g = guard(guards, dir)?;
-            g.item.mtime = t;
-            g.item.ctime = t;
-        }
-        guard(guards, src.child)?.item.ctime = t;
-        guard(guards, dst.child)?.item.ctime = t;
-        Ok(())
     }
 
     /// Up to `limit` entries of `dir` from cookie `offset` ("." is 0, ".." is 1, then the
@@ -1379,17 +846,17 @@ impl Filesystem {
         if out.len() >= limit || lo_index >= hi_index {
             return Ok(out);
         }
-        let lo = dir_index_key(dir, lo_index);
-        let hi = Key::new(dir, ItemType::DirIndex, hi_index);
-        for (key, bytes) in self.inner.engine.range(&lo, &hi, limit - out.len())? {
-            let entries = decode_dir_entries(&bytes)
-                .map_err(|e| Error::corrupt(format!("dir index {key}"), e))?;
-            let Some(e) = entries.into_iter().next() else {
-                continue;
-            };
+        let listed = items::listing(
+            &*self.inner.engine,
+            dir,
+            lo_index,
+            hi_index,
+            limit - out.len(),
+        )?;
+        for (index, e) in listed {
             out.push(DirEntryOut {
                 ino: e.child,
-                next_offset: key.offset + 1,
+                next_offset: index + 1,
                 kind: FileKind::from_dtype(e.file_type),
                 name: e.name,
             });
@@ -1477,26 +944,150 @@ fn guard<'g, 'a>(
         .ok_or_else(|| Error::bug(format!("rename: inode {ino} not locked")))
 }
 
-/// Item changes of a rename, applied under one write gate.
-#[derive(Default)]
-struct RenamePlan {
-    puts: Vec<(Key, Option<Vec<u8>>)>,
+/// What a rename moves: the source name, the target name, the source's entry, and the time
+/// it stamps.
+struct Rename<'n> {
+    parent: u64,
+    name: &'n [u8],
+    newparent: u64,
+    newname: &'n [u8],
+    src: DirEntry,
+    t: Timespec,
 }
 
-impl RenamePlan {
-    fn set(&mut self, key: Key, value: Option<Vec<u8>>) {
-        self.puts.retain(|(k, _)| *k != key);
-        self.puts.push((key, value));
+/// Plans a move of `rename.src` to the new name, replacing `dst` (the entry there, if any),
+/// and updates the locked inodes' counts and times. Every item is planned before any
+/// inode in `guards` changes.
+fn plan_move(
+    rename: &Rename<'_>,
+    dst: Option<&DirEntry>,
+    plan: &mut LiveChanges<'_>,
+    guards: &mut [(u64, RwLockWriteGuard<'_, InodeData>)],
+) -> Result<()> {
+    let Rename {
+        parent,
+        newparent,
+        newname,
+        t,
+        ..
+    } = *rename;
+    let src = &rename.src;
+    let src_is_dir = src.file_type == libc::DT_DIR;
+    // Remove the source name and any target: other names under their hashes stay.
+    items::remove_link(plan, parent, src)?;
+    if let Some(dst) = dst {
+        items::remove_link(plan, newparent, dst)?;
     }
+    let index = guard(guards, newparent)?.item.next_dir_index;
+    items::add_link(
+        plan,
+        &Link {
+            parent: newparent,
+            name: newname,
+            child: src.child,
+            file_type: src.file_type,
+            dir_index: index,
+        },
+        "rename",
+    )?;
+    if let Some(dst) = dst {
+        let dst_is_dir = dst.file_type == libc::DT_DIR;
+        let g = guard(guards, dst.child)?;
+        if dst_is_dir {
+            g.item.nlink = 0;
+        } else {
+            g.item.nlink = g.item.nlink.saturating_sub(1);
+        }
+        g.item.ctime = t;
+        if g.item.nlink == 0 {
+            items::put_orphan(plan, dst.child);
+        }
+        let np = guard(guards, newparent)?;
+        np.item.size = np.item.size.saturating_sub(1);
+        if dst_is_dir {
+            np.item.nlink = np.item.nlink.saturating_sub(1);
+        }
+    }
+    {
+        let np = guard(guards, newparent)?;
+        np.item.next_dir_index += 1;
+        np.item.size += 1;
+        np.item.mtime = t;
+        np.item.ctime = t;
+        if src_is_dir && parent != newparent {
+            np.item.nlink += 1;
+        }
+    }
+    {
+        let p = guard(guards, parent)?;
+        p.item.size = p.item.size.saturating_sub(1);
+        p.item.mtime = t;
+        p.item.ctime = t;
+        if src_is_dir && parent != newparent {
+            p.item.nlink = p.item.nlink.saturating_sub(1);
+        }
+    }
+    guard(guards, src.child)?.item.ctime = t;
+    Ok(())
+}
 
-    /// The planned value of `key`: `None` when the plan leaves it alone.
-    fn get(&self, key: &Key) -> Option<Option<&[u8]>> {
-        self.puts
-            .iter()
-            .rev()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_deref())
+/// Plans a RENAME_EXCHANGE of `rename.src` and `dst`: the entries keep their names and
+/// positions and swap the inodes they name; each inode's ref moves to its new name. Updates
+/// the locked inodes' counts and times once every item is planned.
+fn plan_exchange(
+    rename: &Rename<'_>,
+    dst: &DirEntry,
+    plan: &mut LiveChanges<'_>,
+    guards: &mut [(u64, RwLockWriteGuard<'_, InodeData>)],
+) -> Result<()> {
+    let Rename {
+        parent,
+        name,
+        newparent,
+        newname,
+        t,
+        ..
+    } = *rename;
+    let src = &rename.src;
+    // The source's name now names dst, at the source's position; and the other way round.
+    let at_src = Link {
+        parent,
+        name,
+        child: dst.child,
+        file_type: dst.file_type,
+        dir_index: src.dir_index,
+    };
+    let at_dst = Link {
+        parent: newparent,
+        name: newname,
+        child: src.child,
+        file_type: src.file_type,
+        dir_index: dst.dir_index,
+    };
+    items::retarget_link(plan, &at_src)?;
+    items::retarget_link(plan, &at_dst)?;
+    items::move_ref(plan, parent, name, &at_dst, "rename")?;
+    items::move_ref(plan, newparent, newname, &at_src, "rename")?;
+    let src_is_dir = src.file_type == libc::DT_DIR;
+    let dst_is_dir = dst.file_type == libc::DT_DIR;
+    if parent != newparent && src_is_dir != dst_is_dir {
+        let (gain, lose) = if src_is_dir {
+            (newparent, parent)
+        } else {
+            (parent, newparent)
+        };
+        guard(guards, gain)?.item.nlink += 1;
+        let l = guard(guards, lose)?;
+        l.item.nlink = l.item.nlink.saturating_sub(1);
     }
+    for dir in [parent, newparent] {
+        let g = guard(guards, dir)?;
+        g.item.mtime = t;
+        g.item.ctime = t;
+    }
+    guard(guards, src.child)?.item.ctime = t;
+    guard(guards, dst.child)?.item.ctime = t;
+    Ok(())
 }
 
 /// Marks the xattrs a new inode lacks: all but the ACLs it inherits (put by
@@ -1516,21 +1107,14 @@ fn set_absent_xattrs(c: &mut InodeData, inherited: &super::acl::Inherited) {
 }
 
 /// Stores the ACLs a new inode inherits from its directory.
-fn put_inherited_acls(txn: &crate::txn::WriteTxn<'_>, ino: u64, inherited: super::acl::Inherited) {
+fn put_inherited_acls(w: &mut impl items::ItemWrite, ino: u64, inherited: super::acl::Inherited) {
     for (acl_name, acl) in [
         (super::acl::ACL_ACCESS, inherited.access),
         (super::acl::ACL_DEFAULT, inherited.default),
     ] {
         if let Some(acl) = acl {
-            let xattrs = [birch_format::items::Xattr {
-                name: acl_name.to_vec(),
-                value: acl,
-                spill: None,
-            }];
-            txn.put(
-                super::xattr::xattr_key(ino, acl_name),
-                birch_format::items::encode_xattrs(&xattrs),
-            );
+            // An ACL is at most XATTR_VALUE_MAX bytes (setxattr refuses more): inline.
+            items::put_new_xattr(w, ino, acl_name, acl);
         }
     }
 }

@@ -51,11 +51,12 @@ use birch_format::items::{
     decode_dir_entries, decode_inode_refs, ExtentKind, FileExtent, InodeItem,
 };
 use birch_format::log::LogRecord;
-use birch_format::{name_hash, ItemType, Key, ORPHAN_OBJECTID};
+use birch_format::{ItemType, Key, ORPHAN_OBJECTID};
 
-use super::{inode_key, log_clean_key, Filesystem, InodeState, Logged};
+use super::{log_clean_key, Filesystem, InodeState, Logged};
 use crate::counters::Counters;
 use crate::error::{Error, Result};
+use crate::items::{self, dir_index_key, dir_item_key, inode_key, orphan_key};
 use crate::log::LogOutcome;
 
 /// How fsync makes a file durable.
@@ -393,7 +394,7 @@ impl Filesystem {
                     {
                         return Err(Ok(Fallback::NewParent));
                     }
-                    let item_key = Key::new(r.parent, ItemType::DirItem, name_hash(&[&r.name]));
+                    let item_key = dir_item_key(r.parent, &r.name);
                     let item = engine.get(&item_key).map_err(Err)?;
                     let entries = match &item {
                         Some(bytes) => decode_dir_entries(bytes)
@@ -429,7 +430,7 @@ impl Filesystem {
                             Err(e) => return Err(Err(e)),
                         }
                     }
-                    let index_key = Key::new(r.parent, ItemType::DirIndex, r.dir_index);
+                    let index_key = dir_index_key(r.parent, r.dir_index);
                     let index = engine.get(&index_key).map_err(Err)?;
                     records.push(LogRecord {
                         generation,
@@ -456,7 +457,7 @@ impl Filesystem {
             // A tmpfile committed without a name and linked since: its orphan item is gone
             // from the running state, and replay must remove it too, or the next mount's
             // orphan reclaim would see a named inode listed as an orphan.
-            let orphan = Key::new(ORPHAN_OBJECTID, ItemType::Orphan, ino);
+            let orphan = orphan_key(ino);
             if engine.get(&orphan).map_err(Err)?.is_none()
                 && engine.committed_get(&orphan).map_err(Err)?.is_some()
             {
@@ -619,13 +620,13 @@ impl Filesystem {
         generation: u64,
     ) -> Result<Option<Vec<LogRecord>>> {
         let engine = &self.inner.engine;
-        let orphan = Key::new(ORPHAN_OBJECTID, ItemType::Orphan, other);
+        let orphan = orphan_key(other);
         // `free_inode` deletes every item of the inode, then its orphan item: both gone means
         // the free is complete.
         if engine.get(&inode_key(other))?.is_some() || engine.get(&orphan)?.is_some() {
             return Ok(None);
         }
-        let (lo, hi) = super::inode_items(other);
+        let (lo, hi) = crate::items::inode_key_range(other);
         if !engine.range(&lo, &hi, 1)?.is_empty() {
             return Ok(None);
         }
@@ -646,7 +647,7 @@ impl Filesystem {
                     Some((index, g)) if *g > committed => {
                         // The ref queued named one entry, in `parent` (its dir index was
                         // queued for this inode too), or the inode falls back.
-                        let index_key = Key::new(parent, ItemType::DirIndex, *index);
+                        let index_key = dir_index_key(parent, *index);
                         let ours = *index != SEVERAL_NAMES
                             && names
                                 .get(&index_key)
@@ -667,7 +668,7 @@ impl Filesystem {
                             Error::corrupt(format!("committed inode ref {ref_key}"), e)
                         })?;
                         for r in refs {
-                            if r.parent != parent || name_hash(&[&r.name]) != key.offset {
+                            if dir_item_key(r.parent, &r.name) != *key {
                                 return Ok(None);
                             }
                             indexes.push(r.dir_index);
@@ -679,7 +680,7 @@ impl Filesystem {
         let [index] = indexes[..] else {
             return Ok(None);
         };
-        let index_key = Key::new(parent, ItemType::DirIndex, index);
+        let index_key = dir_index_key(parent, index);
         if engine.get(&index_key)?.is_some() {
             return Ok(None);
         }
@@ -815,10 +816,10 @@ impl Filesystem {
         let [(parent, name, index)] = lost[..] else {
             return Ok(None);
         };
-        if *parent != key.objectid || name_hash(&[name]) != key.offset {
+        if dir_item_key(*parent, name) != *key {
             return Ok(None);
         }
-        let old_index = Key::new(*parent, ItemType::DirIndex, *index);
+        let old_index = dir_index_key(*parent, *index);
         if engine.get(&old_index)?.is_some() {
             return Ok(None);
         }
@@ -838,7 +839,7 @@ impl Filesystem {
             if engine.committed_get(&inode_key(*parent))?.is_none() {
                 return Ok(None);
             }
-            let item_key = Key::new(*parent, ItemType::DirItem, name_hash(&[name]));
+            let item_key = dir_item_key(*parent, name);
             let Some(item) = engine.get(&item_key)? else {
                 return Ok(None);
             };
@@ -851,7 +852,7 @@ impl Filesystem {
                 Some(holders) if holders.is_empty() => {}
                 _ => return Ok(None),
             }
-            let index_key = Key::new(*parent, ItemType::DirIndex, *index);
+            let index_key = dir_index_key(*parent, *index);
             let Some(index_item) = engine.get(&index_key)? else {
                 return Ok(None);
             };
@@ -969,29 +970,20 @@ impl Filesystem {
 
     /// Recomputes a non-directory's link count from its refs.
     fn fix_nlink(&self, ino: u64) -> Result<()> {
-        let engine = &self.inner.engine;
-        let Some(bytes) = engine.get(&inode_key(ino))? else {
+        let engine = &*self.inner.engine;
+        let Some(mut item) = items::get_inode(engine, ino)? else {
             return Ok(());
         };
-        let mut item = birch_format::items::InodeItem::decode(&bytes)
-            .map_err(|e| Error::corrupt(format!("inode {ino}"), e))?;
         if item.mode & libc::S_IFMT == libc::S_IFDIR {
             return Ok(());
         }
-        let lo = Key::new(ino, ItemType::InodeRef, 0);
-        let hi = Key::new(ino, ItemType::InodeRef, u64::MAX);
-        let mut names = 0u32;
-        for (key, bytes) in engine.range(&lo, &hi, usize::MAX)? {
-            names += decode_inode_refs(&bytes)
-                .map_err(|e| Error::corrupt(format!("ref {key}"), e))?
-                .len() as u32;
-        }
+        let names = items::count_names(engine, ino)?;
         if item.nlink != names {
             item.nlink = names;
-            let txn = engine.begin()?;
-            txn.put(inode_key(ino), item.encode());
+            let mut txn = engine.begin()?;
+            items::put_inode(&mut txn, ino, &item);
             if names == 0 {
-                txn.put(Key::new(ORPHAN_OBJECTID, ItemType::Orphan, ino), Vec::new());
+                items::put_orphan(&mut txn, ino);
             }
         }
         Ok(())
@@ -999,31 +991,25 @@ impl Filesystem {
 
     /// Recomputes a directory's size, link count and next index from its entries.
     fn fix_dir(&self, dir: u64) -> Result<()> {
-        let engine = &self.inner.engine;
-        let Some(bytes) = engine.get(&inode_key(dir))? else {
+        let engine = &*self.inner.engine;
+        let Some(mut item) = items::get_inode(engine, dir)? else {
             return Ok(());
         };
-        let mut item = birch_format::items::InodeItem::decode(&bytes)
-            .map_err(|e| Error::corrupt(format!("inode {dir}"), e))?;
-        let lo = Key::new(dir, ItemType::DirIndex, 0);
-        let hi = Key::new(dir, ItemType::DirIndex, u64::MAX);
         let mut entries = 0u64;
         let mut subdirs = 0u32;
         let mut next_index = item.next_dir_index;
-        for (key, bytes) in engine.range(&lo, &hi, usize::MAX)? {
-            let list = decode_dir_entries(&bytes)
-                .map_err(|e| Error::corrupt(format!("dir index {key}"), e))?;
+        for (index, entry) in items::listing(engine, dir, 0, u64::MAX, usize::MAX)? {
             entries += 1;
-            if list.first().is_some_and(|e| e.file_type == libc::DT_DIR) {
+            if entry.file_type == libc::DT_DIR {
                 subdirs += 1;
             }
-            next_index = next_index.max(key.offset + 1);
+            next_index = next_index.max(index + 1);
         }
         if (item.size, item.nlink, item.next_dir_index) != (entries, 2 + subdirs, next_index) {
             item.size = entries;
             item.nlink = 2 + subdirs;
             item.next_dir_index = next_index;
-            engine.begin()?.put(inode_key(dir), item.encode());
+            items::put_inode(&mut engine.begin()?, dir, &item);
         }
         Ok(())
     }

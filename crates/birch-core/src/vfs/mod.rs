@@ -5,7 +5,8 @@
 //! a shutdown ([`Filesystem::shutdown`]; the engine's fence does the stopping), and the errors
 //! POSIX callers see (mapped to errno once, in [`crate::Error::errno`]).
 //!
-//! Must not touch: nodes or blocks directly (it goes through the engine), or any FUSE type.
+//! Must not touch: nodes or blocks directly (it goes through the engine), or any FUSE type;
+//! the keys and payloads of inode, link and xattr items (it goes through [`crate::items`]).
 //! Locking: an operation locks the inodes it changes, in ascending inode order; it never holds
 //! an inode lock across a commit or flush, and it holds the engine's write gate only while it
 //! records items in memory. Data I/O of one file happens under that file's lock only.
@@ -25,12 +26,13 @@ use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use birch_format::items::{InodeItem, Timespec};
-use birch_format::{ItemType, Key, BLOCK_SIZE, ORPHAN_OBJECTID, ROOT_OBJECTID};
+use birch_format::{ItemType, Key, BLOCK_SIZE, ROOT_OBJECTID};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::counters::CachePadded;
 use crate::device::{BlockDevice, FileDevice, OpenMode};
 use crate::error::{Error, Result};
+use crate::items;
 use crate::readonly::ReadOnlyCause;
 use crate::txn::{Engine, MkfsOptions};
 
@@ -286,16 +288,6 @@ impl InodeState {
     }
 }
 
-/// The key range `[lo, hi)` that holds every item of inode `ino`.
-pub(crate) fn inode_items(ino: u64) -> (Key, Key) {
-    let at = |objectid| Key {
-        objectid,
-        item_type: 0,
-        offset: 0,
-    };
-    (at(ino), at(ino + 1))
-}
-
 /// The key under which [`Logged::values`] keeps an inode's log-clean mark (its inode item as
 /// of the mark): `all` for everything queued, else all but times an fdatasync left out. Past
 /// every real item key of the inode.
@@ -407,9 +399,7 @@ pub fn clock() -> Timespec {
     now()
 }
 
-pub(crate) fn inode_key(ino: u64) -> Key {
-    Key::new(ino, ItemType::InodeItem, 0)
-}
+pub(crate) use crate::items::inode_key;
 
 impl Filesystem {
     /// Makes a new filesystem on `device` with an empty root directory.
@@ -889,13 +879,8 @@ impl Filesystem {
         if let Some(state) = self.shard(ino).lock().get(&ino) {
             return Ok(state.clone());
         }
-        let bytes = self
-            .inner
-            .engine
-            .get(&inode_key(ino))?
+        let item = items::get_inode(&*self.inner.engine, ino)?
             .ok_or_else(|| Error::NotFound(format!("inode {ino}")))?;
-        let item =
-            InodeItem::decode(&bytes).map_err(|e| Error::corrupt(format!("inode {ino}"), e))?;
         let state = InodeState::new(item);
         let mut shard = self.shard(ino).lock();
         Ok(shard.entry(ino).or_insert(state).clone())
@@ -985,9 +970,9 @@ impl Filesystem {
     /// Stores an inode item in the running transaction. The inode is no longer log-clean
     /// ([`Filesystem::unmark_log_clean`]); a write that logs its own change marks it again.
     pub(crate) fn store_inode(&self, ino: u64, data: &mut InodeData) -> Result<()> {
-        let txn = self.inner.engine.begin()?;
+        let mut txn = self.inner.engine.begin()?;
         data.item.transid = txn.generation();
-        txn.put(inode_key(ino), data.item.encode());
+        items::put_inode(&mut txn, ino, &data.item);
         self.unmark_log_clean(ino);
         Ok(())
     }
@@ -1012,22 +997,22 @@ impl Filesystem {
 
     /// Deletes every item of an inode and frees its data. The inode has no names.
     pub(crate) fn free_inode(&self, ino: u64, data: &mut InodeData) -> Result<()> {
-        let (lo, hi) = inode_items(ino);
-        let mut items = Vec::new();
+        let (lo, hi) = items::inode_key_range(ino);
+        let mut found = Vec::new();
         loop {
-            let from = items
+            let from = found
                 .last()
                 .and_then(|(k, _): &(Key, _)| k.successor())
                 .unwrap_or(lo);
             let batch = self.inner.engine.range(&from, &hi, 4096)?;
             let done = batch.len() < 4096;
-            items.extend(batch);
+            found.extend(batch);
             if done {
                 break;
             }
         }
-        let txn = self.inner.engine.begin()?;
-        for (key, value) in &items {
+        let mut txn = self.inner.engine.begin()?;
+        for (key, value) in &found {
             if key.kind() == Some(ItemType::ExtentData) {
                 if let Ok(extent) = birch_format::items::FileExtent::decode(value) {
                     if let Some((addr, blocks)) = extent.disk_range() {
@@ -1037,7 +1022,7 @@ impl Filesystem {
             }
             txn.delete(*key);
         }
-        txn.delete(Key::new(ORPHAN_OBJECTID, ItemType::Orphan, ino));
+        items::delete_orphan(&mut txn, ino);
         drop(txn);
         data.freed = true;
         self.drop_buffered_from(data, 0);
@@ -1046,11 +1031,7 @@ impl Filesystem {
 
     /// Frees every orphan that nothing in memory holds.
     fn reclaim_orphans(&self) -> Result<()> {
-        let lo = Key::new(ORPHAN_OBJECTID, ItemType::Orphan, 0);
-        let hi = Key::new(ORPHAN_OBJECTID, ItemType::Orphan, u64::MAX);
-        let orphans = self.inner.engine.range(&lo, &hi, usize::MAX)?;
-        for (key, _) in orphans {
-            let ino = key.offset;
+        for ino in items::orphans(&*self.inner.engine)? {
             let in_use = self
                 .shard(ino)
                 .lock()
@@ -1062,7 +1043,7 @@ impl Filesystem {
             let state = match self.inode(ino) {
                 Ok(state) => state,
                 Err(Error::NotFound(_)) => {
-                    self.inner.engine.begin()?.delete(key);
+                    items::delete_orphan(&mut self.inner.engine.begin()?, ino);
                     continue;
                 }
                 Err(e) => return Err(e),
@@ -1073,7 +1054,7 @@ impl Filesystem {
             } else if data.item.nlink > 0 {
                 // Named again (a linked tmpfile whose orphan item outlived its link): not an
                 // orphan.
-                self.inner.engine.begin()?.delete(key);
+                items::delete_orphan(&mut self.inner.engine.begin()?, ino);
             }
             drop(data);
             self.shard(ino).lock().remove(&ino);

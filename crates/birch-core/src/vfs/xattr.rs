@@ -1,19 +1,22 @@
 //! Extended attributes: `(ino, Xattr, hash(name))` items holding lists of name/value pairs;
 //! a value over `XATTR_VALUE_MAX` bytes is stored out of line in `(ino, XattrChunk, hash(name,
 //! index))` items (FORMAT.md §6.5, §6.8), behind the incompat flag `INCOMPAT_XATTR_CHUNKS`.
+//! Those items are read and planned by [`crate::items`]; this file keeps the POSIX rules:
+//! the create/replace flags, the size limits, what an access ACL does to the mode, and the
+//! in-memory absence bits.
 
 use std::sync::atomic::Ordering;
 
-use birch_format::items::{
-    decode_xattrs, encode_xattrs, xattr_chunk_hash, Xattr, XattrChunk, XattrSpill,
-};
 use birch_format::superblock::INCOMPAT_XATTR_CHUNKS;
-use birch_format::{
-    name_hash, FormatError, ItemType, Key, XATTR_CHUNK_BYTES, XATTR_SIZE_MAX, XATTR_VALUE_MAX,
-};
+use birch_format::{XATTR_SIZE_MAX, XATTR_VALUE_MAX};
 
 use super::{now, Filesystem, InodeData};
 use crate::error::{Error, Result};
+use crate::items::{self, Changes, XattrStored};
+
+/// The key of an inode's xattr list under a name's hash (the chmod path writes the access
+/// ACL's).
+pub(crate) use crate::items::xattr_key;
 
 /// setxattr flags.
 pub const XATTR_CREATE: i32 = 1;
@@ -39,24 +42,6 @@ fn absent_bit(name: &[u8]) -> Option<u8> {
     }
 }
 
-pub(crate) fn xattr_key(ino: u64, name: &[u8]) -> Key {
-    Key::new(ino, ItemType::Xattr, name_hash(&[name]))
-}
-
-/// The key of chunk `index` of the out-of-line value of xattr `name` of `ino`.
-pub(crate) fn xattr_chunk_key(ino: u64, name: &[u8], index: u32) -> Key {
-    Key::new(ino, ItemType::XattrChunk, xattr_chunk_hash(name, index))
-}
-
-/// Records the deletion of chunks `from ..` of an xattr list entry's out-of-line value.
-fn delete_chunks(txn: &crate::txn::WriteTxn<'_>, ino: u64, entry: &Xattr, from: u32) {
-    if let Some(spill) = entry.spill {
-        for index in from..spill.chunks() {
-            txn.delete(xattr_chunk_key(ino, &entry.name, index));
-        }
-    }
-}
-
 fn check_xattr_name(name: &[u8]) -> Result<()> {
     if name.is_empty() {
         return Err(Error::Range("empty xattr name".into()));
@@ -68,73 +53,6 @@ fn check_xattr_name(name: &[u8]) -> Result<()> {
 }
 
 impl Filesystem {
-    fn xattr_list(&self, ino: u64, name: &[u8]) -> Result<Vec<Xattr>> {
-        match self.inner.engine.get(&xattr_key(ino, name))? {
-            Some(bytes) => {
-                decode_xattrs(&bytes).map_err(|e| Error::corrupt(format!("inode {ino} xattr"), e))
-            }
-            None => Ok(Vec::new()),
-        }
-    }
-
-    /// The value an xattr list entry holds: inline, or read from its chunk items (each checked
-    /// for its name and index, the whole for its size and crc32c).
-    fn entry_value(&self, ino: u64, entry: Xattr) -> Result<Vec<u8>> {
-        let Some(spill) = entry.spill else {
-            return Ok(entry.value);
-        };
-        let what = || {
-            format!(
-                "inode {ino} xattr {:?}",
-                String::from_utf8_lossy(&entry.name)
-            )
-        };
-        let mut out = Vec::with_capacity(spill.size as usize);
-        for index in 0..spill.chunks() {
-            let bytes = self
-                .inner
-                .engine
-                .get(&xattr_chunk_key(ino, &entry.name, index))?
-                .ok_or_else(|| {
-                    Error::corrupt(
-                        what(),
-                        FormatError::invalid("xattr chunk", format!("{index} missing"), "present"),
-                    )
-                })?;
-            let chunk = XattrChunk::decode(&bytes).map_err(|e| Error::corrupt(what(), e))?;
-            if chunk.name != entry.name || chunk.index != index {
-                return Err(Error::corrupt(
-                    what(),
-                    FormatError::invalid(
-                        "xattr chunk",
-                        format!(
-                            "{:?} chunk {}",
-                            String::from_utf8_lossy(&chunk.name),
-                            chunk.index
-                        ),
-                        format!("chunk {index} of this name"),
-                    ),
-                ));
-            }
-            out.extend_from_slice(&chunk.data);
-        }
-        if out.len() != spill.size as usize || birch_format::checksum(&out) != spill.crc {
-            return Err(Error::corrupt(
-                what(),
-                FormatError::invalid(
-                    "out-of-line xattr value",
-                    format!(
-                        "{} bytes, crc {:#010x}",
-                        out.len(),
-                        birch_format::checksum(&out)
-                    ),
-                    format!("{} bytes, crc {:#010x}", spill.size, spill.crc),
-                ),
-            ));
-        }
-        Ok(out)
-    }
-
     /// The value of an xattr, if set. The caller holds the inode's lock (read or write) and
     /// passes its data: an absence is remembered there ([`InodeData::xattrs_absent`]).
     pub(crate) fn xattr_value(
@@ -149,14 +67,7 @@ impl Filesystem {
                 return Ok(None);
             }
         }
-        let value = match self
-            .xattr_list(ino, name)?
-            .into_iter()
-            .find(|x| x.name == name)
-        {
-            Some(entry) => Some(self.entry_value(ino, entry)?),
-            None => None,
-        };
+        let value = items::get_xattr(&*self.inner.engine, ino, name)?;
         if let (None, Some(bit)) = (&value, bit) {
             data.xattrs_absent.fetch_or(bit, Ordering::Relaxed);
         }
@@ -209,16 +120,16 @@ impl Filesystem {
         };
         let state = self.inode(ino)?;
         let mut data = state.data.write();
-        let mut list = self.xattr_list(ino, name)?;
-        let old = list.iter().find(|x| x.name == name).cloned();
-        let exists = old.is_some();
+        let mut changes = Changes::new(&*self.inner.engine);
+        let exists = items::xattr_list(&changes, ino, name)?
+            .iter()
+            .any(|x| x.name == name);
         if flags & XATTR_CREATE != 0 && exists {
             return Err(Error::Exists(format!("xattr on inode {ino}")));
         }
         if flags & XATTR_REPLACE != 0 && !exists {
             return Err(Error::NoData(format!("xattr on inode {ino}")));
         }
-        list.retain(|x| x.name != name);
         let mut store = true;
         // The mode an access ACL gives, set only once nothing can fail any more: a setfacl
         // that fails (ENOSPC, xfstests generic/449) leaves the mode as it was.
@@ -231,67 +142,16 @@ impl Filesystem {
             new_mode = Some(mode);
             store = !equivalent;
         }
-        // A value over XATTR_VALUE_MAX goes out of line, in chunks.
-        let spill = (store && value.len() > XATTR_VALUE_MAX).then(|| XattrSpill {
-            size: value.len() as u32,
-            crc: birch_format::checksum(value),
-        });
-        if store {
-            list.push(Xattr {
-                name: name.to_vec(),
-                value: if spill.is_some() {
-                    Vec::new()
-                } else {
-                    value.to_vec()
-                },
-                spill,
-            });
-        }
-        let encoded = encode_xattrs(&list);
-        if encoded.len() > birch_format::MAX_ITEM_BYTES {
-            return Err(Error::NoSpace(format!(
-                "xattrs of inode {ino} sharing one hash"
-            )));
-        }
-        if let Some(spill) = spill {
-            // A chunk key another name of this inode holds (a hash collision) cannot be used.
-            for index in 0..spill.chunks() {
-                if let Some(bytes) = self.inner.engine.get(&xattr_chunk_key(ino, name, index))? {
-                    let chunk = XattrChunk::decode(&bytes)
-                        .map_err(|e| Error::corrupt(format!("inode {ino} xattr chunk"), e))?;
-                    if chunk.name != name {
-                        return Err(Error::NoSpace(format!(
-                            "xattr chunks of inode {ino} sharing one hash"
-                        )));
-                    }
-                }
-            }
-        }
+        // An ACL the mode says all of is not stored: one stored before is removed.
+        let stored = items::set_xattr(&mut changes, ino, name, store.then_some(value))?;
         let _op = self.inner.engine.hold()?;
-        if spill.is_some() {
+        if stored == XattrStored::Chunks {
             // Before the chunks are recorded: the commit that holds them sets the flag.
             self.inner.engine.want_incompat(INCOMPAT_XATTR_CHUNKS);
         }
         data.item.ctime = now();
-        if store || exists {
-            let txn = self.inner.engine.begin()?;
-            if list.is_empty() {
-                txn.delete(xattr_key(ino, name));
-            } else {
-                txn.put(xattr_key(ino, name), encoded);
-            }
-            let chunks = spill.map_or(0, |s| s.chunks());
-            for (index, data) in (0..chunks).zip(value.chunks(XATTR_CHUNK_BYTES)) {
-                let chunk = XattrChunk {
-                    name: name.to_vec(),
-                    index,
-                    data: data.to_vec(),
-                };
-                txn.put(xattr_chunk_key(ino, name, index), chunk.encode());
-            }
-            if let Some(old) = &old {
-                delete_chunks(&txn, ino, old, chunks);
-            }
+        if !changes.is_empty() {
+            changes.record(&self.inner.engine.begin()?);
         }
         if let Some(mode) = new_mode {
             data.item.mode = mode;
@@ -319,15 +179,10 @@ impl Filesystem {
     pub fn listxattr(&self, ino: u64) -> Result<Vec<u8>> {
         let state = self.inode(ino)?;
         let _data = state.data.read();
-        let lo = Key::new(ino, ItemType::Xattr, 0);
-        let hi = Key::new(ino, ItemType::Xattr, u64::MAX);
         let mut out = Vec::new();
-        for (key, bytes) in self.inner.engine.range(&lo, &hi, usize::MAX)? {
-            // Keys of type Xattr only (chunks sort after them, outside the range).
-            for x in decode_xattrs(&bytes).map_err(|e| Error::corrupt(format!("xattr {key}"), e))? {
-                out.extend_from_slice(&x.name);
-                out.push(0);
-            }
+        for name in items::xattr_names(&*self.inner.engine, ino)? {
+            out.extend_from_slice(&name);
+            out.push(0);
         }
         Ok(out)
     }
@@ -357,17 +212,9 @@ impl Filesystem {
         let cap = CAPABILITY;
         if data.xattrs_absent.load(Ordering::Relaxed) & ABSENT_CAPABILITY == 0 {
             // One search: the list under the name's hash, without the capability if it is there.
-            let mut list = self.xattr_list(ino, cap)?;
-            let old = list.iter().find(|x| x.name == cap).cloned();
-            list.retain(|x| x.name != cap);
-            if let Some(old) = old {
-                let txn = self.inner.engine.begin()?;
-                if list.is_empty() {
-                    txn.delete(xattr_key(ino, cap));
-                } else {
-                    txn.put(xattr_key(ino, cap), encode_xattrs(&list));
-                }
-                delete_chunks(&txn, ino, &old, 0);
+            let mut changes = Changes::new(&*self.inner.engine);
+            if items::remove_xattr(&mut changes, ino, cap)? {
+                changes.record(&self.inner.engine.begin()?);
                 dropped = true;
             }
             data.xattrs_absent
@@ -406,21 +253,12 @@ impl Filesystem {
         self.admit(false)?;
         let state = self.inode(ino)?;
         let mut data = state.data.write();
-        let mut list = self.xattr_list(ino, name)?;
-        let Some(old) = list.iter().find(|x| x.name == name).cloned() else {
+        let mut changes = Changes::new(&*self.inner.engine);
+        if !items::remove_xattr(&mut changes, ino, name)? {
             return Err(Error::NoData(format!("xattr of inode {ino}")));
-        };
-        list.retain(|x| x.name != name);
-        data.item.ctime = now();
-        {
-            let txn = self.inner.engine.begin()?;
-            if list.is_empty() {
-                txn.delete(xattr_key(ino, name));
-            } else {
-                txn.put(xattr_key(ino, name), encode_xattrs(&list));
-            }
-            delete_chunks(&txn, ino, &old, 0);
         }
+        data.item.ctime = now();
+        changes.record(&self.inner.engine.begin()?);
         *data.xattrs_absent.get_mut() = 0;
         self.store_inode(ino, &mut data)
     }
