@@ -17,16 +17,20 @@
 //! **Freeing, and the birth generation.** Every data block that leaves a file, or that an
 //! operation allocated and gives back, goes through [`DataLayer::free`], which is told the
 //! block's birth generation: for a block an extent referenced, the generation recorded in that
-//! extent item. Today the birth is only checked against the running generation, and the block
+//! extent item. A block's real birth is the generation of the transaction that first recorded
+//! it in an extent item (no older tree can reference it). Today the birth is only checked against the running generation, and the block
 //! is freed: pinned until the freeing commit is durable when an extent item referenced it
 //! ([`Seen::Recorded`]), at once when nothing ever did ([`Seen::Unrecorded`]). It is the hook
 //! that sharing (reflinks) and snapshots need: a block born after the newest snapshot is shared
 //! with none and may be freed, one born at or before it may be shared and must be kept.
 //! Contract: *a recorded birth generation may be older than the block's real birth, never
 //! newer.* That errs the safe way for the check above (an older birth keeps a block that could
-//! have gone); a newer one would free a block a snapshot still reads. A piece cut from an
-//! extent keeps the extent's generation, and a block given back unrecorded is told the
-//! generation it was allocated in.
+//! have gone); a newer one would free a block a snapshot still reads. New extents record the
+//! transaction that records them; a piece cut from an extent keeps the extent's generation; an
+//! extent merged with the one before it keeps the earlier extent's (older) generation, so the
+//! later blocks' recorded birth may be older than their real one, and the earlier blocks' is
+//! never moved forward. A block given back unrecorded is told the generation it was allocated
+//! in.
 
 use std::cell::RefCell;
 use std::collections::HashSet;
@@ -399,7 +403,8 @@ impl<'e> DataLayer<'e> {
         Ok(changes)
     }
 
-    /// Joins the first new extent to the one before it when both are contiguous on disk.
+    /// Joins the first new extent to the one before it when both are contiguous on disk; the
+    /// joined extent keeps the earlier one's generation.
     fn merge_with_previous(
         &self,
         ino: u64,
@@ -419,7 +424,7 @@ impl<'e> DataLayer<'e> {
         };
         let Ok(FileExtent {
             kind: ExtentKind::Regular { disk_addr, csums },
-            generation,
+            ..
         }) = FileExtent::decode(&first_bytes)
         else {
             return Ok(());
@@ -458,8 +463,10 @@ impl<'e> DataLayer<'e> {
         } else {
             changes.items.retain(|(k, _)| *k != first);
         }
+        // The earlier extent's generation: the recorded birth of its blocks must never move
+        // forward (the free path's contract, module doc).
         let merged = FileExtent {
-            generation,
+            generation: prev.generation,
             kind: ExtentKind::Regular {
                 disk_addr: prev_addr,
                 csums: joined,
@@ -916,6 +923,38 @@ mod tests {
             engine.allocate_data_near(addr, 1, 4).expect("reuse"),
             (addr, 4)
         );
+    }
+
+    #[test]
+    fn merged_extent_keeps_the_older_birth() {
+        let (_mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        // Two blocks written together (contiguous on disk); the first is recorded in one
+        // generation, the second, appended, in the next, and merges into the first's extent.
+        let runs = data.write_new(INO, 0, &pattern(2, 1)).expect("write");
+        assert_eq!(runs.len(), 1);
+        let run = &runs[0];
+        let first = WrittenRun {
+            csums: run.csums[..1].to_vec(),
+            ..run.clone()
+        };
+        let second = WrittenRun {
+            file_offset: BLOCK_SIZE,
+            addr: run.addr + BLOCK_SIZE,
+            csums: run.csums[1..].to_vec(),
+            birth: run.birth,
+        };
+        data.replace_range(INO, 0, BLOCK_SIZE, vec![first], false)
+            .expect("record");
+        let born = engine.running_generation();
+        engine.commit().expect("commit");
+        assert!(engine.running_generation() > born);
+        data.replace_range(INO, BLOCK_SIZE, BLOCK_SIZE, vec![second], false)
+            .expect("record the append");
+        let extents = data.extents(INO, 0, 2 * BLOCK_SIZE).expect("extents");
+        assert_eq!(extents.len(), 1, "append did not merge: {extents:?}");
+        assert_eq!(extents[0].1.len_bytes(), 2 * BLOCK_SIZE);
+        assert_eq!(extents[0].1.generation, born);
     }
 
     #[test]
