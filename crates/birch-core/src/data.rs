@@ -244,8 +244,29 @@ impl<'e> DataLayer<'e> {
     /// Replaces `[offset, offset + len)` of the file with `runs` ([`DataLayer::write_new`] or
     /// [`DataLayer::write_reserved`] wrote them; they cover the range): one range drop, the new
     /// extent items, and a merge with the extent before them when contiguous on disk. With
-    /// `keep`, also returns the items it set and deleted (for the fsync log).
+    /// `keep`, also returns the items it set and deleted (for the fsync log). On failure
+    /// nothing is recorded and the runs are given back.
     pub(crate) fn replace_range(
+        &self,
+        ino: u64,
+        offset: u64,
+        len: u64,
+        runs: Vec<WrittenRun>,
+        keep: bool,
+    ) -> Result<(BlockDelta, Option<Vec<ItemChange>>)> {
+        let taken: Vec<(BlockRun, u64)> = runs.iter().map(|r| (r.run(), r.birth)).collect();
+        self.record_runs(ino, offset, len, runs, keep)
+            .inspect_err(|_| {
+                // Every failure comes before the first item is recorded (the look-ups, or
+                // `begin` in `apply`): no item, delta or log batch saw the runs.
+                for (run, birth) in taken {
+                    self.free(run, birth, Seen::Unrecorded);
+                }
+            })
+    }
+
+    /// [`DataLayer::replace_range`] without the give-back.
+    fn record_runs(
         &self,
         ino: u64,
         offset: u64,
@@ -984,6 +1005,21 @@ mod tests {
         // Given back, not pinned: the space is taken again at once.
         let runs = data.write_new(INO, 0, &pattern(2, 5)).expect("write after");
         assert_eq!(read_back(&data, &runs).expect("read"), pattern(2, 5));
+    }
+
+    #[test]
+    fn runs_that_cannot_be_recorded_go_back() {
+        let (_mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        let free_before = engine.allocator().free_blocks();
+        let runs = data.write_new(INO, 0, &pattern(3, 6)).expect("write");
+        assert_eq!(engine.allocator().free_blocks(), free_before - 3);
+        // A shut-down engine takes no item: nothing is recorded and the blocks go back.
+        engine.shut_down();
+        assert!(data
+            .replace_range(INO, 0, 3 * BLOCK_SIZE, runs, false)
+            .is_err());
+        assert_eq!(engine.allocator().free_blocks(), free_before);
     }
 
     #[test]

@@ -379,7 +379,6 @@ impl Filesystem {
         let started = Instant::now();
         let list: Vec<(u64, &[u8])> = blocks.iter().map(|(i, b)| (*i, &b.bytes[..])).collect();
         let written = self.data().write_reserved(ino, &list, &mut reserved);
-        drop(list);
         self.data().unreserve(reserved);
         let runs = match written {
             Ok(runs) => runs,
@@ -405,10 +404,21 @@ impl Filesystem {
         let counters = self.engine().counters();
         counters.add(|c| &c.buffer_flushes, 1);
         counters.add(|c| &c.buffer_flush_runs, runs.len() as u64);
-        let _op = self.inner.engine.hold()?;
-        for run in runs {
+        let _op = match self.inner.engine.hold() {
+            Ok(op) => op,
+            Err(e) => {
+                self.data().give_back(&runs);
+                return Err(e);
+            }
+        };
+        let mut runs = runs.into_iter();
+        while let Some(run) = runs.next() {
             let (offset, len) = (run.file_offset, run.csums.len() as u64 * BLOCK_SIZE);
-            self.record_new_blocks(ino, data, offset, len, vec![run], false)?;
+            if let Err(e) = self.record_new_blocks(ino, data, offset, len, vec![run], false) {
+                // The runs not recorded yet go back (the failed one already went back).
+                self.data().give_back(&runs.collect::<Vec<_>>());
+                return Err(e);
+            }
         }
         self.unmark_log_clean(ino);
         Ok(())

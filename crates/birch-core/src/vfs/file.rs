@@ -338,10 +338,21 @@ impl Filesystem {
         // since the last commit is queued in the fsync log): the write then queues its own
         // items, so an fsync right after it (an O_SYNC write) only waits for the batch.
         let mut own_items: Option<Vec<ItemChange>> = None;
+        // Written blocks go back on every error until they are recorded.
+        let in_blocks = match &prewritten {
+            Some(runs) => match self.in_blocks(ino, &data) {
+                Ok(in_blocks) => in_blocks,
+                Err(e) => {
+                    self.data().give_back(runs);
+                    return Err(e);
+                }
+            },
+            None => false,
+        };
         match prewritten {
             // In blocks (the same look-ups write_locked would do); otherwise the blocks go
             // back and the general path writes.
-            Some(extents) if self.in_blocks(ino, &data)? => {
+            Some(extents) if in_blocks => {
                 // A buffered write that raced in since the flush above goes first.
                 if let Err(e) = self.flush_locked(ino, &mut data) {
                     self.data().give_back(&extents);
@@ -350,7 +361,13 @@ impl Filesystem {
                 let clean = self.inner.fsync_mode == FsyncMode::Log
                     && data.item.nlink > 0
                     && !data.write_error
-                    && self.log_clean_ticket(ino, &state, true)?.is_some();
+                    && match self.log_clean_ticket(ino, &state, true) {
+                        Ok(ticket) => ticket.is_some(),
+                        Err(e) => {
+                            self.data().give_back(&extents);
+                            return Err(e);
+                        }
+                    };
                 own_items = self
                     .record_new_blocks(ino, &mut data, offset, bytes.len() as u64, extents, clean)
                     .inspect_err(|_| self.unmark_log_clean(ino))?;
