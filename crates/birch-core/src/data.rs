@@ -18,11 +18,12 @@
 //! operation allocated and gives back, goes through [`DataLayer::free`], which is told the
 //! block's birth generation: for a block an extent referenced, the generation recorded in that
 //! extent item. A block's real birth is the generation of the transaction that first recorded
-//! it in an extent item (no older tree can reference it). Today the birth is only checked against the running generation, and the block
-//! is freed: pinned until the freeing commit is durable when an extent item referenced it
-//! ([`Seen::Recorded`]), at once when nothing ever did ([`Seen::Unrecorded`]). It is the hook
-//! that sharing (reflinks) and snapshots need: a block born after the newest snapshot is shared
-//! with none and may be freed, one born at or before it may be shared and must be kept.
+//! it in an extent item (no older tree can reference it). Today the birth is only checked
+//! against the freeing transaction's generation, and the block is freed: pinned until the
+//! freeing commit is durable when an extent item referenced it ([`Seen::Recorded`]), at once
+//! when nothing ever did ([`Seen::Unrecorded`]). It is the hook that sharing (reflinks) and
+//! snapshots need: a block born after the newest snapshot is shared with none and may be
+//! freed, one born at or before it may be shared and must be kept.
 //! Contract: *a recorded birth generation may be older than the block's real birth, never
 //! newer.* That errs the safe way for the check above (an older birth keeps a block that could
 //! have gone); a newer one would free a block a snapshot still reads. New extents record the
