@@ -1,14 +1,15 @@
 //! birchfs core: a copy-on-write B-tree filesystem as a library.
 //!
 //! Layers, each allowed to call only those after it: `vfs` (the POSIX API) → `items` (typed
-//! keys and operations over inode, link and xattr items, over a live or committed view) →
-//! `txn` (the engine: deltas, commit) → `delta` → `btree` → `cache` → `device`; `alloc` is
-//! reached through the engine; `check` reads through the engine and `btree` and never writes;
-//! `scrub` reads committed views (the engine's committed roots, or an image's superblock)
-//! straight from the device and never writes. `error`, `readonly` (why the engine is
-//! read-only) and `ids` (object-id batching) are leaves that every layer may use and that use
-//! no layer. The on-disk format lives in the `birch-format` crate. Nothing here knows about
-//! FUSE.
+//! keys and operations over inode, link and xattr items, over a live or committed view) and
+//! `data` (file data blocks and extent maps: allocation, writes, verified reads, reservations,
+//! the one free path) → `txn` (the engine: deltas, commit) → `delta` → `btree` → `cache` →
+//! `device`; `alloc` is reached through the engine (for data blocks, only by `data`); `check`
+//! reads through the engine and `btree` and never writes; `scrub` reads committed views (the
+//! engine's committed roots, or an image's superblock) straight from the device and never
+//! writes. `error`, `readonly` (why the engine is read-only) and `ids` (object-id batching) are
+//! leaves that every layer may use and that use no layer. The on-disk format lives in the
+//! `birch-format` crate. Nothing here knows about FUSE.
 
 #![warn(missing_docs)]
 
@@ -17,6 +18,7 @@ pub mod btree;
 pub mod cache;
 pub mod check;
 pub mod counters;
+mod data;
 pub mod delta;
 pub mod device;
 pub mod error;

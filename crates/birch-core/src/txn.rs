@@ -1475,13 +1475,6 @@ impl WriteTxn<'_> {
         self.engine.active.put(key, None);
     }
 
-    /// Frees data blocks that the items changed in this transaction stopped referencing.
-    /// They stay pinned until this transaction's commit is durable.
-    pub fn free_data(&self, addr: u64, blocks: u64) {
-        let generation = self.engine.running_generation.load(Ordering::SeqCst);
-        self.engine.alloc.free_pinned(generation, addr, blocks);
-    }
-
     /// The generation these changes will commit in.
     pub fn generation(&self) -> u64 {
         self.engine.running_generation.load(Ordering::SeqCst)

@@ -8,7 +8,8 @@
 //! the drain that makes every commit hold every write that returned before its freeze
 //! ([`Filesystem::commit_now`]).
 //! Must not touch: names and directories, the fsync log (fsync flushes through here first,
-//! then logs what the flush recorded), the tree (extents are recorded through file.rs).
+//! then logs what the flush recorded), the tree, the device and the allocator: space is
+//! reserved, allocated and written, and extents recorded, by the data layer (`crate::data`).
 //!
 //! The rules (DESIGN §10.10):
 //! - A buffered block is whole: a partial write reads and verifies the old block first, as a
@@ -33,12 +34,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use birch_format::items::ExtentKind;
-use birch_format::{BLOCK_SIZE, EXTENT_MAX_BLOCKS, MAX_FILE_BYTES};
+use birch_format::{BLOCK_SIZE, MAX_FILE_BYTES};
 use parking_lot::Mutex;
 
-use super::file::NewExtent;
 use super::{Filesystem, InodeData, InodeState};
-use crate::alloc::Purpose;
 use crate::error::{Error, Result};
 
 /// Most threads a drain flushes files with, and files per thread before it adds one.
@@ -98,6 +97,24 @@ impl DirtyBuf {
             out[(lo - offset) as usize..(hi - offset) as usize]
                 .copy_from_slice(&block.bytes[(lo - start) as usize..(hi - start) as usize]);
         }
+    }
+
+    /// The bytes of `[offset, end)`, every block of which is buffered ([`DirtyBuf::covers`]),
+    /// copied out block by block (no zero-filled buffer that is then overwritten).
+    pub(crate) fn read_covered(&self, offset: u64, end: u64) -> Vec<u8> {
+        let mut out = Vec::with_capacity(end.saturating_sub(offset) as usize);
+        for (&index, block) in self
+            .blocks
+            .range(offset / BLOCK_SIZE..end.div_ceil(BLOCK_SIZE))
+        {
+            let start = index * BLOCK_SIZE;
+            let lo = start.max(offset);
+            let hi = (start + BLOCK_SIZE).min(end);
+            out.extend_from_slice(&block.bytes[(lo - start) as usize..(hi - start) as usize]);
+        }
+        // Covered: the blocks were consecutive, so every byte was copied in order.
+        debug_assert_eq!(out.len() as u64, end - offset);
+        out
     }
 
     /// Whether every block of `[offset, end)` is buffered: a read of it needs no device read
@@ -202,7 +219,7 @@ impl Filesystem {
             let want = DirtyBuf::reservation_for(held + fresh.len() as u64)
                 .saturating_sub(data.dirty.reserved);
             if want > 0 {
-                if !self.inner.engine.allocator().try_reserve(want) {
+                if !self.data().reserve(want) {
                     return Err(Error::NoSpace(format!(
                         "reserve {want} blocks to buffer a write to inode {ino} at {offset}"
                     )));
@@ -216,7 +233,7 @@ impl Filesystem {
         if !fresh.is_empty() {
             let lo = fresh[0] * BLOCK_SIZE;
             let hi = (fresh[fresh.len() - 1] + 1) * BLOCK_SIZE;
-            for (start, extent) in self.extents(ino, lo, hi)? {
+            for (start, extent) in self.data().extents(ino, lo, hi)? {
                 if !matches!(extent.kind, ExtentKind::Inline(_)) {
                     mapped.push((start, start + extent.len_bytes()));
                 }
@@ -230,13 +247,13 @@ impl Filesystem {
                 // Copied once, straight from the request (the copy below rewrites the same).
                 let at = (start - offset) as usize;
                 Box::from(&bytes[at..at + BLOCK_SIZE as usize])
+            } else if start < data.item.size {
+                // What the block holds now, zeros past the file's end.
+                let mut old = self.read_locked(ino, data, start, BLOCK_SIZE as usize)?;
+                old.resize(BLOCK_SIZE as usize, 0);
+                old.into_boxed_slice()
             } else {
-                let mut block = vec![0u8; BLOCK_SIZE as usize].into_boxed_slice();
-                if start < data.item.size {
-                    let old = self.read_locked(ino, data, start, BLOCK_SIZE as usize)?;
-                    block[..old.len()].copy_from_slice(&old);
-                }
-                block
+                vec![0u8; BLOCK_SIZE as usize].into_boxed_slice()
             };
             let counted = !mapped.iter().any(|(s, e)| *s <= start && start < *e);
             made.push((
@@ -335,7 +352,7 @@ impl Filesystem {
         };
         let extra = data.dirty.reserved.saturating_sub(need);
         if extra > 0 {
-            self.inner.engine.allocator().unreserve(extra);
+            self.data().unreserve(extra);
             data.dirty.reserved -= extra;
         }
     }
@@ -346,12 +363,8 @@ impl Filesystem {
     /// the error is returned.
     pub(crate) fn flush_locked(&self, ino: u64, data: &mut InodeData) -> Result<()> {
         if data.dirty.blocks.is_empty() {
-            if data.dirty.reserved > 0 {
-                self.inner
-                    .engine
-                    .allocator()
-                    .unreserve(std::mem::take(&mut data.dirty.reserved));
-            }
+            self.data()
+                .unreserve(std::mem::take(&mut data.dirty.reserved));
             return Ok(());
         }
         let blocks = std::mem::take(&mut data.dirty.blocks);
@@ -364,8 +377,9 @@ impl Filesystem {
         let counted = blocks.values().filter(|b| b.counted).count() as u64;
         data.item.nbytes = data.item.nbytes.saturating_sub(counted * BLOCK_SIZE);
         let started = Instant::now();
-        let written = self.write_buffered(ino, &blocks, &mut reserved);
-        self.inner.engine.allocator().unreserve(reserved);
+        let list: Vec<(u64, &[u8])> = blocks.iter().map(|(i, b)| (*i, &b.bytes[..])).collect();
+        let written = self.data().write_reserved(ino, &list, &mut reserved);
+        self.data().unreserve(reserved);
         let runs = match written {
             Ok(runs) => runs,
             Err(e) => {
@@ -390,95 +404,24 @@ impl Filesystem {
         let counters = self.engine().counters();
         counters.add(|c| &c.buffer_flushes, 1);
         counters.add(|c| &c.buffer_flush_runs, runs.len() as u64);
-        let _op = self.inner.engine.hold()?;
-        for (offset, addr, csums) in runs {
-            let len = csums.len() as u64 * BLOCK_SIZE;
-            self.record_new_blocks(ino, data, offset, len, vec![(offset, addr, csums)], false)?;
+        let _op = match self.inner.engine.hold() {
+            Ok(op) => op,
+            Err(e) => {
+                self.data().give_back(&runs);
+                return Err(e);
+            }
+        };
+        let mut runs = runs.into_iter();
+        while let Some(run) = runs.next() {
+            let (offset, len) = (run.file_offset, run.csums.len() as u64 * BLOCK_SIZE);
+            if let Err(e) = self.record_new_blocks(ino, data, offset, len, vec![run], false) {
+                // The runs not recorded yet go back (the failed one already went back).
+                self.data().give_back(&runs.collect::<Vec<_>>());
+                return Err(e);
+            }
         }
         self.unmark_log_clean(ino);
         Ok(())
-    }
-
-    /// Allocates space for `blocks` and writes them, one device write per allocated run;
-    /// returns the extents to record: (file offset, disk address, checksums), each a run of
-    /// consecutive file blocks on consecutive disk blocks. Takes the space from `reserved`
-    /// as it allocates. No lock but the caller's inode lock; on failure frees what it took.
-    fn write_buffered(
-        &self,
-        ino: u64,
-        blocks: &BTreeMap<u64, DirtyBlock>,
-        reserved: &mut u64,
-    ) -> Result<Vec<NewExtent>> {
-        let alloc = self.inner.engine.allocator();
-        let list: Vec<(u64, &DirtyBlock)> = blocks.iter().map(|(i, b)| (*i, b)).collect();
-        let total = list.len() as u64;
-        let first_offset = list[0].0 * BLOCK_SIZE;
-        let mut goal = self.continuation_goal(ino, first_offset)?;
-        let mut taken: Vec<(u64, u64)> = Vec::new();
-        let mut runs: Vec<NewExtent> = Vec::new();
-        let mut done = 0u64;
-        let fail = |taken: &[(u64, u64)], e: Error| -> Error {
-            for (addr, got) in taken {
-                alloc.free_now(*addr, *got);
-            }
-            e
-        };
-        while done < total {
-            let want = (total - done).min(EXTENT_MAX_BLOCKS * 16);
-            let allocated = match goal {
-                Some(g) => alloc.allocate_near(g, 1, want, Purpose::Reserved),
-                None => alloc.allocate(1, want, Purpose::Reserved),
-            };
-            let (addr, got) = match allocated {
-                Ok(v) => v,
-                Err(e) => return Err(fail(&taken, e)),
-            };
-            let from_reserve = got.min(*reserved);
-            alloc.unreserve(from_reserve);
-            *reserved -= from_reserve;
-            taken.push((addr, got));
-            // One buffer for the run, started at a block-aligned address so the device's
-            // O_DIRECT write takes it as it is (no bounce copy).
-            let len = (got * BLOCK_SIZE) as usize;
-            let mut raw: Vec<u8> = Vec::with_capacity(len + BLOCK_SIZE as usize);
-            let pad = raw.as_ptr().align_offset(BLOCK_SIZE as usize);
-            raw.resize(pad, 0);
-            for (_, block) in &list[done as usize..(done + got) as usize] {
-                raw.extend_from_slice(&block.bytes);
-            }
-            let buf = &raw[pad..pad + len];
-            if let Err(e) = self.inner.engine.device().write_at(buf, addr) {
-                let first = list[done as usize].0 * BLOCK_SIZE;
-                return Err(fail(
-                    &taken,
-                    Error::io(
-                        format!("flush inode {ino} offset {first} to block {addr:#x}"),
-                        e,
-                    ),
-                ));
-            }
-            for (n, (index, block)) in list[done as usize..(done + got) as usize]
-                .iter()
-                .enumerate()
-            {
-                let disk = addr + n as u64 * BLOCK_SIZE;
-                let file = index * BLOCK_SIZE;
-                let csum = birch_format::checksum(&block.bytes);
-                match runs.last_mut() {
-                    Some((off, at, csums))
-                        if *off + csums.len() as u64 * BLOCK_SIZE == file
-                            && *at + csums.len() as u64 * BLOCK_SIZE == disk
-                            && (csums.len() as u64) < EXTENT_MAX_BLOCKS =>
-                    {
-                        csums.push(csum)
-                    }
-                    _ => runs.push((file, disk, vec![csum])),
-                }
-            }
-            done += got;
-            goal = Some(addr + got * BLOCK_SIZE);
-        }
-        Ok(runs)
     }
 
     /// Commits, first flushing every buffered write (the drain, see the module doc). Every

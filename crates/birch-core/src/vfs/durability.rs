@@ -47,9 +47,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use birch_format::items::{
-    decode_dir_entries, decode_inode_refs, ExtentKind, FileExtent, InodeItem,
-};
+use birch_format::items::{decode_dir_entries, decode_inode_refs, InodeItem};
 use birch_format::log::LogRecord;
 use birch_format::{ItemType, Key, ORPHAN_OBJECTID};
 
@@ -943,13 +941,7 @@ impl Filesystem {
                     max_objectid = max_objectid.max(r.key.objectid);
                 }
                 if let (Some(ItemType::ExtentData), Some(value)) = (r.key.kind(), &r.value) {
-                    if let Ok(FileExtent {
-                        kind: ExtentKind::Regular { disk_addr, csums },
-                        ..
-                    }) = FileExtent::decode(value)
-                    {
-                        engine.allocator().mark_used(disk_addr, csums.len() as u64);
-                    }
+                    self.data().mark_replayed_extent(value);
                 }
                 match &r.value {
                     Some(v) => txn.put(r.key, v.clone()),

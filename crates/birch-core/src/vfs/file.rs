@@ -1,55 +1,27 @@
 //! File data and attributes: open, read, write, truncate, fallocate, lseek, setattr, fsync.
 //!
-//! Data lives in copy-on-write extents: a write allocates new blocks, writes them (O_DIRECT,
-//! no flush), and replaces the extent items covering the range; blocks it stops referencing are
-//! freed, pinned until the commit is durable. Partial blocks are read, verified and merged
-//! first. Files up to [`INLINE_MAX_BYTES`] live inline in their extent item.
+//! Data lives in copy-on-write extents: a write has the data layer (`crate::data`) allocate new
+//! blocks, write them (O_DIRECT, no flush) and replace the extent items covering the range;
+//! blocks it stops referencing are freed, pinned until the commit is durable. Partial blocks
+//! are read, verified and merged first. Files up to [`INLINE_MAX_BYTES`] live inline in their
+//! extent item. This file keeps the POSIX side: sizes, times, `nbytes`, locks, errors.
 
 use std::sync::atomic::Ordering;
 
-use birch_format::items::{ExtentKind, FileExtent};
-use birch_format::{
-    ItemType, Key, BLOCK_SIZE, EXTENT_MAX_BLOCKS, INLINE_MAX_BYTES, MAX_FILE_BYTES,
-};
+use birch_format::items::ExtentKind;
+use birch_format::{BLOCK_SIZE, INLINE_MAX_BYTES, MAX_FILE_BYTES};
 
 use super::{attr_of, now, Attr, Filesystem, FsyncMode, InodeData, SetAttr, SetTime};
+use crate::data::{BlockDelta, DataLayer, ItemChange, WrittenRun};
 use crate::error::{Error, Result};
-
-const EXTENT_MAX_BYTES: u64 = EXTENT_MAX_BLOCKS * BLOCK_SIZE;
 
 /// fallocate mode bits, as Linux defines them.
 pub const FALLOC_FL_KEEP_SIZE: i32 = 0x01;
 pub const FALLOC_FL_PUNCH_HOLE: i32 = 0x02;
 pub const FALLOC_FL_ZERO_RANGE: i32 = 0x10;
 
-fn extent_key(ino: u64, offset: u64) -> Key {
-    Key::new(ino, ItemType::ExtentData, offset)
-}
-
 fn round_up(v: u64) -> u64 {
     v.div_ceil(BLOCK_SIZE) * BLOCK_SIZE
-}
-
-/// Item changes and frees computed under an inode lock, applied under one write gate.
-#[derive(Default)]
-struct Changes {
-    items: Vec<(Key, Option<Vec<u8>>)>,
-    frees: Vec<(u64, u64)>,
-    blocks_added: u64,
-    blocks_freed: u64,
-    /// Keys that exist now (in the tree or the delta): only these need a deletion recorded.
-    existed: std::collections::HashSet<Key>,
-}
-
-/// A block run written for a file and not yet recorded: (file offset, disk address, crc32c
-/// of each block).
-pub(super) type NewExtent = (u64, u64, Vec<u32>);
-
-impl Changes {
-    fn set(&mut self, key: Key, value: Option<Vec<u8>>) {
-        self.items.retain(|(k, _)| *k != key);
-        self.items.push((key, value));
-    }
 }
 
 /// When reads move a file's atime: the mount's atime flags. Linux decides this in the VFS
@@ -90,37 +62,9 @@ impl AtimeMode {
 }
 
 impl Filesystem {
-    /// Extents of `ino` that overlap `[from, to)`, in order.
-    pub(super) fn extents(&self, ino: u64, from: u64, to: u64) -> Result<Vec<(u64, FileExtent)>> {
-        let hi = extent_key(ino, to);
-        // Extents never overlap, so only the last one starting at or before `from` can reach
-        // into the range from the left: one reverse look finds it, then a range from there.
-        let reach_floor = extent_key(ino, from.saturating_sub(EXTENT_MAX_BYTES - 1));
-        let lo = match self
-            .inner
-            .engine
-            .last_in(&reach_floor, &extent_key(ino, from))?
-        {
-            Some((key, _)) => key,
-            None => extent_key(ino, from),
-        };
-        let items = self.inner.engine.range(&lo, &hi, usize::MAX)?;
-        let mut out = Vec::new();
-        for (key, bytes) in items {
-            let extent = FileExtent::decode(&bytes)
-                .map_err(|e| Error::corrupt(format!("inode {ino} extent {key}"), e))?;
-            if key.offset + extent.len_bytes() > from {
-                out.push((key.offset, extent));
-            }
-        }
-        Ok(out)
-    }
-
-    /// Whether the file has any extent item (one range step, not a scan of all extents).
-    fn has_extent_items(&self, ino: u64) -> Result<bool> {
-        let lo = extent_key(ino, 0);
-        let hi = extent_key(ino, u64::MAX);
-        Ok(!self.inner.engine.range(&lo, &hi, 1)?.is_empty())
+    /// The data layer: file data blocks and extent maps.
+    pub(crate) fn data(&self) -> DataLayer<'_> {
+        DataLayer::new(&self.inner.engine)
     }
 
     /// Whether a regular file keeps its data in blocks (not inline), so a block-aligned write
@@ -129,22 +73,8 @@ impl Filesystem {
         if data.item.mode & libc::S_IFMT != libc::S_IFREG {
             return Ok(false);
         }
-        Ok(self.inline_data(ino)?.is_none()
-            && (!data.dirty.is_empty() || self.has_extent_items(ino)?))
-    }
-
-    /// The inline data of a file, if it is stored inline.
-    fn inline_data(&self, ino: u64) -> Result<Option<Vec<u8>>> {
-        match self.inner.engine.get(&extent_key(ino, 0))? {
-            Some(bytes) => match FileExtent::decode(&bytes)
-                .map_err(|e| Error::corrupt(format!("inode {ino} extent at 0"), e))?
-                .kind
-            {
-                ExtentKind::Inline(data) => Ok(Some(data)),
-                _ => Ok(None),
-            },
-            None => Ok(None),
-        }
+        Ok(self.data().inline_data(ino)?.is_none()
+            && (!data.dirty.is_empty() || self.data().has_extents(ino)?))
     }
 
     /// Opens `ino`; returns a handle number.
@@ -255,13 +185,14 @@ impl Filesystem {
             return Ok(Vec::new());
         }
         let end = file_size.min(offset.saturating_add(size as u64));
-        let mut out = vec![0u8; (end - offset) as usize];
         if data.dirty.covers(offset, end) {
-            // All of it is in the write buffer: no extent lookup, no device read.
-            data.dirty.overlay(offset, &mut out);
-            return Ok(out);
+            // All of it is in the write buffer: no extent lookup, no device read, and the
+            // bytes are copied out without zero-filling a buffer first.
+            return Ok(data.dirty.read_covered(offset, end));
         }
-        for (start, extent) in self.extents(ino, offset, end)? {
+        // Zeroed: holes and preallocated extents read as zeros.
+        let mut out = vec![0u8; (end - offset) as usize];
+        for (start, extent) in self.data().extents(ino, offset, end)? {
             match &extent.kind {
                 ExtentKind::Inline(bytes) => {
                     let from = offset.max(start);
@@ -277,39 +208,11 @@ impl Filesystem {
                     let ext_end = start + csums.len() as u64 * BLOCK_SIZE;
                     let from = offset.max(start);
                     let to = end.min(ext_end);
-                    if from >= to {
-                        continue;
+                    if from < to {
+                        let part = &mut out[(from - offset) as usize..(to - offset) as usize];
+                        self.data()
+                            .read_verified(ino, start, *disk_addr, csums, from, to, part)?;
                     }
-                    let first_block = (from - start) / BLOCK_SIZE;
-                    let last_block = (to - 1 - start) / BLOCK_SIZE;
-                    let nblocks = last_block - first_block + 1;
-                    let mut buf = vec![0u8; (nblocks * BLOCK_SIZE) as usize];
-                    let at = disk_addr + first_block * BLOCK_SIZE;
-                    self.inner
-                        .engine
-                        .device()
-                        .read_at(&mut buf, at)
-                        .map_err(|e| {
-                            Error::io(format!("read inode {ino} offset {from} block {at:#x}"), e)
-                        })?;
-                    for n in 0..nblocks {
-                        let block =
-                            &buf[(n * BLOCK_SIZE) as usize..((n + 1) * BLOCK_SIZE) as usize];
-                        let want = csums[(first_block + n) as usize];
-                        let got = birch_format::checksum(block);
-                        if got != want {
-                            let addr = at + n * BLOCK_SIZE;
-                            log::error!("inode {ino} offset {} block {addr:#x}: data checksum {got:#010x}, expected {want:#010x}", start + (first_block + n) * BLOCK_SIZE);
-                            return Err(Error::DataChecksum(format!(
-                                "inode {ino} offset {} block {addr:#x}",
-                                start + (first_block + n) * BLOCK_SIZE
-                            )));
-                        }
-                    }
-                    let buf_start = start + first_block * BLOCK_SIZE;
-                    out[(from - offset) as usize..(to - offset) as usize].copy_from_slice(
-                        &buf[(from - buf_start) as usize..(to - buf_start) as usize],
-                    );
                 }
             }
         }
@@ -403,7 +306,7 @@ impl Filesystem {
                 && data.item.size > INLINE_MAX_BYTES as u64
         };
         let prewritten = if aligned && likely_in_blocks && !buffer {
-            match self.write_new_blocks(ino, offset, bytes) {
+            match self.data().write_new(ino, offset, bytes) {
                 Ok(extents) => Some(extents),
                 Err(e) => {
                     if matches!(e, Error::Io { .. }) {
@@ -419,12 +322,14 @@ impl Filesystem {
         let _op = match self.inner.engine.hold() {
             Ok(op) => op,
             Err(e) => {
-                self.give_back(prewritten.as_deref().unwrap_or_default());
+                self.data()
+                    .give_back(prewritten.as_deref().unwrap_or_default());
                 return Err(e);
             }
         };
         if data.item.mode & libc::S_IFMT == libc::S_IFDIR {
-            self.give_back(prewritten.as_deref().unwrap_or_default());
+            self.data()
+                .give_back(prewritten.as_deref().unwrap_or_default());
             return Err(Error::IsDir(format!("write to dir {ino}")));
         }
         let offset = if append { data.item.size } else { offset };
@@ -432,27 +337,44 @@ impl Filesystem {
         // Items this write changed, kept when the inode is log-clean (everything it changed
         // since the last commit is queued in the fsync log): the write then queues its own
         // items, so an fsync right after it (an O_SYNC write) only waits for the batch.
-        let mut own_items: Option<Vec<(Key, Option<Vec<u8>>)>> = None;
+        let mut own_items: Option<Vec<ItemChange>> = None;
+        // Written blocks go back on every error until they are recorded.
+        let in_blocks = match &prewritten {
+            Some(runs) => match self.in_blocks(ino, &data) {
+                Ok(in_blocks) => in_blocks,
+                Err(e) => {
+                    self.data().give_back(runs);
+                    return Err(e);
+                }
+            },
+            None => false,
+        };
         match prewritten {
             // In blocks (the same look-ups write_locked would do); otherwise the blocks go
             // back and the general path writes.
-            Some(extents) if self.in_blocks(ino, &data)? => {
+            Some(extents) if in_blocks => {
                 // A buffered write that raced in since the flush above goes first.
                 if let Err(e) = self.flush_locked(ino, &mut data) {
-                    self.give_back(&extents);
+                    self.data().give_back(&extents);
                     return Err(e);
                 }
                 let clean = self.inner.fsync_mode == FsyncMode::Log
                     && data.item.nlink > 0
                     && !data.write_error
-                    && self.log_clean_ticket(ino, &state, true)?.is_some();
+                    && match self.log_clean_ticket(ino, &state, true) {
+                        Ok(ticket) => ticket.is_some(),
+                        Err(e) => {
+                            self.data().give_back(&extents);
+                            return Err(e);
+                        }
+                    };
                 own_items = self
                     .record_new_blocks(ino, &mut data, offset, bytes.len() as u64, extents, clean)
                     .inspect_err(|_| self.unmark_log_clean(ino))?;
                 data.item.size = data.item.size.max(offset + bytes.len() as u64);
             }
             Some(extents) => {
-                self.give_back(&extents);
+                self.data().give_back(&extents);
                 self.flush_locked(ino, &mut data)?;
                 self.write_locked(ino, &mut data, offset, bytes, None)?;
             }
@@ -521,55 +443,55 @@ impl Filesystem {
             .filter(|e| *e <= MAX_FILE_BYTES)
             .ok_or_else(|| Error::TooBig(format!("write to inode {ino} at {offset}")))?;
         let new_size = data.item.size.max(end);
-        let inline = self.inline_data(ino)?;
+        let inline = self.data().inline_data(ino)?;
         // Any extent (even preallocated past EOF on an empty file) or buffered block means
         // the file is in blocks.
         let has_blocks =
-            inline.is_none() && (!data.dirty.is_empty() || self.has_extent_items(ino)?);
+            inline.is_none() && (!data.dirty.is_empty() || self.data().has_extents(ino)?);
         if !has_blocks && new_size <= INLINE_MAX_BYTES as u64 {
             let mut content = self.read_locked(ino, data, 0, data.item.size as usize)?;
             content.resize(new_size as usize, 0);
             content[offset as usize..end as usize].copy_from_slice(bytes);
-            let extent = FileExtent {
-                generation: self.inner.engine.running_generation(),
-                kind: ExtentKind::Inline(content),
-            };
-            self.inner
-                .engine
-                .begin()?
-                .put(extent_key(ino, 0), extent.encode());
+            self.data().set_inline(ino, content)?;
             data.item.size = new_size;
             return Ok(());
         }
         if let Some(inline) = inline {
             // Grows past the inline limit: move the inline bytes to a block first.
-            let mut changes = Changes::default();
-            changes.set(extent_key(ino, 0), None);
             let mut block = inline;
             block.resize(BLOCK_SIZE as usize, 0);
-            self.apply(ino, data, changes)?;
+            self.data().remove_inline(ino)?;
             self.write_blocks(ino, data, 0, &block)?;
         }
         if let Some(state) = buffer {
             return self.buffer_write_locked(ino, state, data, offset, bytes);
         }
         // Build whole blocks: merge partial head and tail blocks with what is there. The
-        // buffer is this thread's, reused: a fresh one per WRITE of up to 1 MiB cost a page
-        // fault and the kernel's zeroing of new pages every time (perf, untar).
+        // buffer is this thread's, reused, and filled only by copying: a fresh zeroed one per
+        // WRITE of up to 1 MiB cost a page fault and the kernel's zeroing of new pages every
+        // time (perf: untar, sysbench random writes).
         let first = offset / BLOCK_SIZE * BLOCK_SIZE;
         let last_end = round_up(end);
         let mut buf = MergeBuf::take((last_end - first) as usize);
-        if offset != first {
-            let head = self.read_locked(ino, data, first, BLOCK_SIZE as usize)?;
-            buf[..head.len()].copy_from_slice(&head);
-        }
-        if end != last_end && (last_end - BLOCK_SIZE > first || offset == first) {
+        let head = if offset != first {
+            self.read_locked(ino, data, first, BLOCK_SIZE as usize)?
+        } else {
+            Vec::new()
+        };
+        // Bytes past the file's end (a short read) are zeros.
+        buf.extend_padded(&head, 0, (offset - first) as usize);
+        buf.extend(bytes);
+        if end != last_end {
             let tail_start = last_end - BLOCK_SIZE;
-            let tail = self.read_locked(ino, data, tail_start, BLOCK_SIZE as usize)?;
-            let at = (tail_start - first) as usize;
-            buf[at..at + tail.len()].copy_from_slice(&tail);
+            // Inside one block whose head was read, the head holds the tail too.
+            let tail = if tail_start == first && offset != first {
+                head
+            } else {
+                self.read_locked(ino, data, tail_start, BLOCK_SIZE as usize)?
+            };
+            buf.extend_padded(&tail, (end - tail_start) as usize, BLOCK_SIZE as usize);
         }
-        buf[(offset - first) as usize..(end - first) as usize].copy_from_slice(bytes);
+        debug_assert_eq!(buf.len() as u64, last_end - first);
         self.write_blocks(ino, data, first, &buf)?;
         data.item.size = new_size;
         Ok(())
@@ -577,194 +499,35 @@ impl Filesystem {
 
     /// Writes whole blocks at a block-aligned file offset into new extents.
     fn write_blocks(&self, ino: u64, data: &mut InodeData, offset: u64, buf: &[u8]) -> Result<()> {
-        let new_extents = self.write_new_blocks(ino, offset, buf).inspect_err(|e| {
+        let runs = self.data().write_new(ino, offset, buf).inspect_err(|e| {
             if matches!(e, Error::Io { .. }) {
                 data.write_error = true;
             }
         })?;
-        self.record_new_blocks(ino, data, offset, buf.len() as u64, new_extents, false)
+        self.record_new_blocks(ino, data, offset, buf.len() as u64, runs, false)
             .map(|_| ())
     }
 
-    /// Allocates new blocks for `buf` (whole blocks for a block-aligned file offset) and
-    /// writes them; returns the extents (file offset, disk address, checksums) to record.
-    /// Needs no inode lock: the blocks are new and referenced by nothing until recorded.
-    fn write_new_blocks(&self, ino: u64, offset: u64, buf: &[u8]) -> Result<Vec<NewExtent>> {
-        debug_assert!(offset % BLOCK_SIZE == 0 && buf.len() as u64 % BLOCK_SIZE == 0);
-        let total_blocks = buf.len() as u64 / BLOCK_SIZE;
-        let mut new_extents: Vec<NewExtent> = Vec::new();
-        let mut done = 0u64;
-        let mut goal = self.continuation_goal(ino, offset)?;
-        while done < total_blocks {
-            let want = (total_blocks - done).min(EXTENT_MAX_BLOCKS);
-            let (addr, got) = match self.allocate_blocks(goal, want) {
-                Ok(v) => v,
-                Err(e) => {
-                    self.give_back(&new_extents);
-                    return Err(e);
-                }
-            };
-            let slice = &buf[(done * BLOCK_SIZE) as usize..((done + got) * BLOCK_SIZE) as usize];
-            if let Err(e) = self.inner.engine.device().write_at(slice, addr) {
-                self.inner.engine.allocator().free_now(addr, got);
-                self.give_back(&new_extents);
-                return Err(Error::io(
-                    format!(
-                        "write inode {ino} offset {} to block {addr:#x}",
-                        offset + done * BLOCK_SIZE
-                    ),
-                    e,
-                ));
-            }
-            let csums = slice
-                .chunks(BLOCK_SIZE as usize)
-                .map(birch_format::checksum)
-                .collect();
-            new_extents.push((offset + done * BLOCK_SIZE, addr, csums));
-            done += got;
-            goal = Some(addr + got * BLOCK_SIZE);
-        }
-        Ok(new_extents)
-    }
-
-    /// Replaces `[offset, offset + len)` of the file with blocks [`Filesystem::write_new_blocks`]
-    /// wrote, with the inode lock held: one range drop, the new extent items, and a merge with
-    /// the extent before them. With `keep`, returns the items it set and deleted.
+    /// Replaces `[offset, offset + len)` of the file with `runs` the data layer wrote, with
+    /// the inode lock held, and moves `nbytes`. With `keep`, returns the items it set and
+    /// deleted.
     pub(super) fn record_new_blocks(
         &self,
         ino: u64,
         data: &mut InodeData,
         offset: u64,
         len: u64,
-        new_extents: Vec<NewExtent>,
+        runs: Vec<WrittenRun>,
         keep: bool,
-    ) -> Result<Option<Vec<(Key, Option<Vec<u8>>)>>> {
-        let mut changes = self.drop_range(ino, offset, offset + len)?;
-        let generation = self.inner.engine.running_generation();
-        for (file_offset, addr, csums) in new_extents {
-            changes.blocks_added += csums.len() as u64;
-            let extent = FileExtent {
-                generation,
-                kind: ExtentKind::Regular {
-                    disk_addr: addr,
-                    csums,
-                },
-            };
-            changes.set(extent_key(ino, file_offset), Some(extent.encode()));
-        }
-        self.merge_with_previous(ino, offset, &mut changes)?;
-        let kept = keep.then(|| changes.items.clone());
-        self.apply(ino, data, changes)?;
+    ) -> Result<Option<Vec<ItemChange>>> {
+        let (delta, kept) = self.data().replace_range(ino, offset, len, runs, keep)?;
+        Self::account(data, delta);
         Ok(kept)
     }
 
-    /// Joins the first new extent to the one before it when both are contiguous on disk.
-    fn merge_with_previous(&self, ino: u64, offset: u64, changes: &mut Changes) -> Result<()> {
-        if offset == 0 {
-            return Ok(());
-        }
-        let Some((_, Some(first_bytes))) = changes
-            .items
-            .iter()
-            .find(|(k, _)| *k == extent_key(ino, offset))
-            .cloned()
-        else {
-            return Ok(());
-        };
-        let Ok(FileExtent {
-            kind: ExtentKind::Regular { disk_addr, csums },
-            generation,
-        }) = FileExtent::decode(&first_bytes)
-        else {
-            return Ok(());
-        };
-        let before = self.extents(ino, offset - 1, offset)?;
-        let Some((prev_off, prev)) = before.into_iter().next() else {
-            return Ok(());
-        };
-        if changes
-            .items
-            .iter()
-            .any(|(k, v)| *k == extent_key(ino, prev_off) && v.is_none())
-        {
-            return Ok(());
-        }
-        let ExtentKind::Regular {
-            disk_addr: prev_addr,
-            csums: prev_csums,
-        } = prev.kind
-        else {
-            return Ok(());
-        };
-        let prev_len = prev_csums.len() as u64 * BLOCK_SIZE;
-        if prev_off + prev_len != offset
-            || prev_addr + prev_len != disk_addr
-            || prev_csums.len() + csums.len() > EXTENT_MAX_BLOCKS as usize
-        {
-            return Ok(());
-        }
-        let mut joined = prev_csums;
-        joined.extend(csums);
-        // The first new extent is merged away: a key that never existed needs no deletion.
-        let first = extent_key(ino, offset);
-        if changes.existed.contains(&first) {
-            changes.set(first, None);
-        } else {
-            changes.items.retain(|(k, _)| *k != first);
-        }
-        changes.set(
-            extent_key(ino, prev_off),
-            Some(
-                FileExtent {
-                    generation,
-                    kind: ExtentKind::Regular {
-                        disk_addr: prev_addr,
-                        csums: joined,
-                    },
-                }
-                .encode(),
-            ),
-        );
-        Ok(())
-    }
-
-    fn give_back(&self, extents: &[NewExtent]) {
-        for (_, addr, csums) in extents {
-            self.inner
-                .engine
-                .allocator()
-                .free_now(*addr, csums.len() as u64);
-        }
-    }
-
-    /// Allocates 1..=`want` data blocks, at `goal` when that space is free (ENOSPC is
-    /// retried after a commit at the top of each operation, with no lock held: see
-    /// [`Filesystem::retry_on_full`]).
-    fn allocate_blocks(&self, goal: Option<u64>, want: u64) -> Result<(u64, u64)> {
-        match goal {
-            Some(goal) => self.inner.engine.allocate_data_near(goal, 1, want),
-            None => self.inner.engine.allocate_data(1, want),
-        }
-    }
-
-    /// Where a write at `offset` would continue the file on disk: the address just after
-    /// the block before `offset`, if that block is allocated.
-    pub(super) fn continuation_goal(&self, ino: u64, offset: u64) -> Result<Option<u64>> {
-        if offset < BLOCK_SIZE {
-            return Ok(None);
-        }
-        let before = offset - BLOCK_SIZE;
-        Ok(self
-            .extents(ino, before, offset)?
-            .into_iter()
-            .find_map(|(start, extent)| match extent.kind {
-                ExtentKind::Regular { disk_addr, .. } | ExtentKind::Prealloc { disk_addr, .. }
-                    if start <= before =>
-                {
-                    Some(disk_addr + (offset - start))
-                }
-                _ => None,
-            }))
+    /// Moves the inode's `nbytes` by the blocks an extent-map change added and freed.
+    fn account(data: &mut InodeData, delta: BlockDelta) {
+        data.item.nbytes = delta.apply_to(data.item.nbytes);
     }
 
     /// Runs an operation; on ENOSPC commits (space freed earlier is pinned until a commit is
@@ -796,70 +559,11 @@ impl Filesystem {
     /// ENOSPC ([`Self::retry_on_full`]).
     const FULL_RETRIES: usize = 4;
 
-    /// Computes removal of every extent byte in the block-aligned range `[from, to)`: pieces
-    /// outside the range are kept (split), blocks inside are freed.
-    fn drop_range(&self, ino: u64, from: u64, to: u64) -> Result<Changes> {
-        let mut changes = Changes::default();
-        for (start, extent) in self.extents(ino, from, to)? {
-            let len = extent.len_bytes();
-            let ext_end = start + len;
-            changes.set(extent_key(ino, start), None);
-            changes.existed.insert(extent_key(ino, start));
-            let disk_addr = match &extent.kind {
-                ExtentKind::Inline(_) => continue,
-                ExtentKind::Regular { disk_addr, .. } | ExtentKind::Prealloc { disk_addr, .. } => {
-                    *disk_addr
-                }
-            };
-            let piece = |lo: u64, hi: u64| -> FileExtent {
-                let skip = (lo - start) / BLOCK_SIZE;
-                let blocks = (hi - lo) / BLOCK_SIZE;
-                let addr = disk_addr + skip * BLOCK_SIZE;
-                let kind = match &extent.kind {
-                    ExtentKind::Regular { csums, .. } => ExtentKind::Regular {
-                        disk_addr: addr,
-                        csums: csums[skip as usize..(skip + blocks) as usize].to_vec(),
-                    },
-                    _ => ExtentKind::Prealloc {
-                        disk_addr: addr,
-                        blocks,
-                    },
-                };
-                FileExtent {
-                    generation: extent.generation,
-                    kind,
-                }
-            };
-            if start < from {
-                changes.set(extent_key(ino, start), Some(piece(start, from).encode()));
-            }
-            if ext_end > to {
-                changes.set(extent_key(ino, to), Some(piece(to, ext_end).encode()));
-            }
-            let cut_lo = start.max(from);
-            let cut_hi = ext_end.min(to);
-            if cut_lo < cut_hi {
-                let blocks = (cut_hi - cut_lo) / BLOCK_SIZE;
-                changes.frees.push((disk_addr + (cut_lo - start), blocks));
-                changes.blocks_freed += blocks;
-            }
-        }
-        Ok(changes)
-    }
-
-    fn apply(&self, _ino: u64, data: &mut InodeData, changes: Changes) -> Result<()> {
-        let txn = self.inner.engine.begin()?;
-        for (key, value) in changes.items {
-            match value {
-                Some(v) => txn.put(key, v),
-                None => txn.delete(key),
-            }
-        }
-        for (addr, blocks) in changes.frees {
-            txn.free_data(addr, blocks);
-        }
-        data.item.nbytes = (data.item.nbytes + changes.blocks_added * BLOCK_SIZE)
-            .saturating_sub(changes.blocks_freed * BLOCK_SIZE);
+    /// Drops every extent byte in the block-aligned range `[from, to)` (pieces outside it
+    /// are kept, blocks inside freed) and moves `nbytes`.
+    fn drop_range_locked(&self, ino: u64, data: &mut InodeData, from: u64, to: u64) -> Result<()> {
+        let delta = self.data().drop_range(ino, from, to)?;
+        Self::account(data, delta);
         Ok(())
     }
 
@@ -875,31 +579,21 @@ impl Filesystem {
         }
         // An explicit size: a later failed flush of buffered data keeps it (buffer.rs).
         data.dirty.forget_size_before();
-        if let Some(inline) = self.inline_data(ino)? {
+        if let Some(inline) = self.data().inline_data(ino)? {
             if new_size <= INLINE_MAX_BYTES as u64 {
                 let mut content = inline;
                 content.resize(new_size as usize, 0);
-                let txn = self.inner.engine.begin()?;
                 if new_size == 0 {
-                    txn.delete(extent_key(ino, 0));
+                    self.data().remove_inline(ino)?;
                 } else {
-                    txn.put(
-                        extent_key(ino, 0),
-                        FileExtent {
-                            generation: txn.generation(),
-                            kind: ExtentKind::Inline(content),
-                        }
-                        .encode(),
-                    );
+                    self.data().set_inline(ino, content)?;
                 }
                 data.item.size = new_size;
                 return Ok(());
             }
             // Growing past the inline limit: the bytes move to a block, the rest is a hole.
             let len = inline.len();
-            let mut changes = Changes::default();
-            changes.set(extent_key(ino, 0), None);
-            self.apply(ino, data, changes)?;
+            self.data().remove_inline(ino)?;
             let mut block = inline;
             block.resize(BLOCK_SIZE as usize, 0);
             if len > 0 {
@@ -914,11 +608,11 @@ impl Filesystem {
             // One pass over everything past the new end, preallocated extents beyond EOF
             // (fallocate KEEP_SIZE) included: two passes would plan from the same old extent.
             let keep_end = round_up(new_size);
-            let changes = self.drop_range(ino, keep_end, u64::MAX / 2)?;
-            self.apply(ino, data, changes)?;
+            self.drop_range_locked(ino, data, keep_end, u64::MAX / 2)?;
             if new_size % BLOCK_SIZE != 0 && !data.dirty.holds(new_size / BLOCK_SIZE) {
                 let tail_start = new_size / BLOCK_SIZE * BLOCK_SIZE;
                 let mapped = self
+                    .data()
                     .extents(ino, tail_start, tail_start + 1)?
                     .into_iter()
                     .any(|(_, e)| matches!(e.kind, ExtentKind::Regular { .. }));
@@ -1066,27 +760,19 @@ impl Filesystem {
         if from >= to {
             return Ok(());
         }
-        if let Some(mut inline) = self.inline_data(ino)? {
+        if let Some(mut inline) = self.data().inline_data(ino)? {
             let hi = (to as usize).min(inline.len());
             if (from as usize) < hi {
                 inline[from as usize..hi].fill(0);
             }
-            let txn = self.inner.engine.begin()?;
-            txn.put(
-                extent_key(ino, 0),
-                FileExtent {
-                    generation: txn.generation(),
-                    kind: ExtentKind::Inline(inline),
-                }
-                .encode(),
-            );
+            self.data().set_inline(ino, inline)?;
             return Ok(());
         }
         let first_full = round_up(from);
         let last_full = to / BLOCK_SIZE * BLOCK_SIZE;
         let size = data.item.size;
         let zero_partial = |lo: u64, hi: u64, data: &mut InodeData| -> Result<()> {
-            let mapped = !self.extents(ino, lo, hi)?.is_empty();
+            let mapped = !self.data().extents(ino, lo, hi)?.is_empty();
             if mapped && lo < hi {
                 self.write_locked(ino, data, lo, &vec![0u8; (hi - lo) as usize], None)?;
                 data.item.size = size;
@@ -1099,74 +785,22 @@ impl Filesystem {
         zero_partial(from, first_full, data)?;
         zero_partial(last_full, to, data)?;
         if first_full < last_full {
-            let changes = self.drop_range(ino, first_full, last_full)?;
-            self.apply(ino, data, changes)?;
+            self.drop_range_locked(ino, data, first_full, last_full)?;
         }
         Ok(())
     }
 
     /// Allocates preallocated extents for every unmapped block in `[from, to)`.
     fn preallocate_locked(&self, ino: u64, data: &mut InodeData, from: u64, to: u64) -> Result<()> {
-        if let Some(inline) = self.inline_data(ino)? {
-            let mut changes = Changes::default();
-            changes.set(extent_key(ino, 0), None);
-            self.apply(ino, data, changes)?;
+        if let Some(inline) = self.data().inline_data(ino)? {
+            self.data().remove_inline(ino)?;
             let mut block = inline;
             block.resize(BLOCK_SIZE as usize, 0);
             self.write_blocks(ino, data, 0, &block)?;
         }
-        let lo = from / BLOCK_SIZE * BLOCK_SIZE;
-        let hi = round_up(to);
-        let mapped: Vec<(u64, u64)> = self
-            .extents(ino, lo, hi)?
-            .iter()
-            .map(|(s, e)| (*s, s + e.len_bytes()))
-            .collect();
-        let mut holes = Vec::new();
-        let mut cursor = lo;
-        for (s, e) in mapped {
-            if s > cursor {
-                holes.push((cursor, s.min(hi)));
-            }
-            cursor = cursor.max(e);
-        }
-        if cursor < hi {
-            holes.push((cursor, hi));
-        }
-        let mut changes = Changes::default();
-        let generation = self.inner.engine.running_generation();
-        let mut allocated: Vec<(u64, u64)> = Vec::new();
-        for (mut s, e) in holes {
-            while s < e {
-                let want = ((e - s) / BLOCK_SIZE).min(EXTENT_MAX_BLOCKS);
-                let (addr, got) = match self.allocate_blocks(None, want) {
-                    Ok(v) => v,
-                    Err(err) => {
-                        for (a, b) in allocated {
-                            self.inner.engine.allocator().free_now(a, b);
-                        }
-                        return Err(err);
-                    }
-                };
-                allocated.push((addr, got));
-                changes.set(
-                    extent_key(ino, s),
-                    Some(
-                        FileExtent {
-                            generation,
-                            kind: ExtentKind::Prealloc {
-                                disk_addr: addr,
-                                blocks: got,
-                            },
-                        }
-                        .encode(),
-                    ),
-                );
-                changes.blocks_added += got;
-                s += got * BLOCK_SIZE;
-            }
-        }
-        self.apply(ino, data, changes)
+        let delta = self.data().preallocate(ino, from, to)?;
+        Self::account(data, delta);
+        Ok(())
     }
 
     /// SEEK_DATA (3) and SEEK_HOLE (4).
@@ -1181,7 +815,7 @@ impl Filesystem {
                 "seek inode {ino} to {offset} past size {size}"
             )));
         }
-        let extents = self.extents(ino, offset, size)?;
+        let extents = self.data().extents(ino, offset, size)?;
         match whence {
             libc::SEEK_DATA => {
                 for (s, e) in &extents {
@@ -1292,8 +926,10 @@ impl Filesystem {
     }
 }
 
-/// A zeroed buffer of whole blocks for merging a write, taken from a per-thread spare and
-/// given back when dropped (kept only up to [`MergeBuf::KEEP`] bytes).
+/// A buffer of whole blocks for merging a write, taken empty (with room for `len` bytes)
+/// from a per-thread spare and given back when dropped (kept only up to [`MergeBuf::KEEP`]
+/// bytes). It is filled only by copying ([`MergeBuf::extend`], [`MergeBuf::extend_padded`]):
+/// no byte is zeroed only to be overwritten, and none is read before it is written.
 struct MergeBuf(Vec<u8>);
 
 impl MergeBuf {
@@ -1306,8 +942,21 @@ impl MergeBuf {
     fn take(len: usize) -> MergeBuf {
         let mut v = Self::SPARE.with(|s| std::mem::take(&mut *s.borrow_mut()));
         v.clear();
-        v.resize(len, 0);
+        v.reserve(len);
         MergeBuf(v)
+    }
+
+    /// Appends `bytes`.
+    fn extend(&mut self, bytes: &[u8]) {
+        self.0.extend_from_slice(bytes);
+    }
+
+    /// Appends `src[lo..hi]`, with zeros for the part of it past `src`'s end.
+    fn extend_padded(&mut self, src: &[u8], lo: usize, hi: usize) {
+        let copied = src.get(lo..hi.min(src.len())).unwrap_or_default();
+        self.0.extend_from_slice(copied);
+        let zeros = hi.saturating_sub(lo) - copied.len();
+        self.0.resize(self.0.len() + zeros, 0);
     }
 }
 
@@ -1315,12 +964,6 @@ impl std::ops::Deref for MergeBuf {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         &self.0
-    }
-}
-
-impl std::ops::DerefMut for MergeBuf {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.0
     }
 }
 

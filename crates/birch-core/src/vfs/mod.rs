@@ -1012,13 +1012,10 @@ impl Filesystem {
             }
         }
         let mut txn = self.inner.engine.begin()?;
+        let data_layer = self.data();
         for (key, value) in &found {
             if key.kind() == Some(ItemType::ExtentData) {
-                if let Ok(extent) = birch_format::items::FileExtent::decode(value) {
-                    if let Some((addr, blocks)) = extent.disk_range() {
-                        txn.free_data(addr, blocks);
-                    }
-                }
+                data_layer.free_extent_item(&txn, key, value);
             }
             txn.delete(*key);
         }

@@ -1,0 +1,1050 @@
+//! The data layer: file data blocks and the extent items that place them in a file.
+//!
+//! Owns: allocation of data blocks (at a goal address, so a file continues on disk, or from a
+//! buffered write's reservation), writing them and computing their crc32c, reading them back
+//! with every block's checksum verified, the space reservations of buffered blocks, the one
+//! free path of data blocks ([`DataLayer::free`]), and a file's extent map as typed operations:
+//! the extents of a range, dropping a range, replacing a range with newly written blocks,
+//! inline and preallocated extents. `vfs` calls these and never builds an extent key, writes
+//! or reads a data block, or asks the allocator for data space.
+//!
+//! Must not touch: inodes (their size and `nbytes`: the operations report the blocks they
+//! added and freed, and the caller accounts), names, xattrs, permissions, errno, the fsync log,
+//! and locks: a caller that changes a file's extent map holds that inode's write lock, which
+//! orders the look-up and the change. Tree nodes are reached only through the engine (items go
+//! into the running delta).
+//!
+//! **Freeing, and the birth generation.** Every data block that leaves a file, or that an
+//! operation allocated and gives back, goes through [`DataLayer::free`], which is told the
+//! block's birth generation: for a block an extent referenced, the generation recorded in that
+//! extent item. A block's real birth is the generation of the transaction that first recorded
+//! it in an extent item (no older tree can reference it). Today the birth is only checked
+//! against the freeing transaction's generation, and the block is freed: pinned until the
+//! freeing commit is durable when an extent item referenced it ([`Seen::Recorded`]), at once
+//! when nothing ever did ([`Seen::Unrecorded`]). It is the hook that sharing (reflinks) and
+//! snapshots need: a block born after the newest snapshot is shared with none and may be
+//! freed, one born at or before it may be shared and must be kept.
+//! Contract: *a recorded birth generation may be older than the block's real birth, never
+//! newer.* That errs the safe way for the check above (an older birth keeps a block that could
+//! have gone); a newer one would free a block a snapshot still reads. New extents record the
+//! transaction that records them; a piece cut from an extent keeps the extent's generation; an
+//! extent merged with the one before it keeps the earlier extent's (older) generation, so the
+//! later blocks' recorded birth may be older than their real one, and the earlier blocks' is
+//! never moved forward. A block given back unrecorded is told the generation it was allocated
+//! in.
+
+use std::cell::RefCell;
+use std::collections::HashSet;
+
+use birch_format::items::{ExtentKind, FileExtent};
+use birch_format::{ItemType, Key, BLOCK_SIZE, EXTENT_MAX_BLOCKS};
+use parking_lot::Mutex;
+
+use crate::alloc::Purpose;
+use crate::error::{Error, Result};
+use crate::txn::{Engine, WriteTxn};
+
+/// The longest extent in bytes: extent look-ups look back this far for one that reaches in.
+const EXTENT_MAX_BYTES: u64 = EXTENT_MAX_BLOCKS * BLOCK_SIZE;
+
+/// Most blocks one allocation of a buffered flush asks for (16 extents, 16 MiB): the run is
+/// written with one device write.
+const FLUSH_RUN_MAX_BLOCKS: u64 = EXTENT_MAX_BLOCKS * 16;
+
+/// The key of `ino`'s extent item at file byte `offset`.
+fn extent_key(ino: u64, offset: u64) -> Key {
+    Key::new(ino, ItemType::ExtentData, offset)
+}
+
+/// A run of consecutive data blocks on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BlockRun {
+    /// Byte address of the first block (block aligned).
+    pub(crate) addr: u64,
+    /// Length in blocks.
+    pub(crate) blocks: u64,
+}
+
+/// Blocks written for a file and not yet recorded in its extent map: what
+/// [`DataLayer::replace_range`] records, or [`DataLayer::give_back`] frees when the operation
+/// fails before recording them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct WrittenRun {
+    /// File byte offset of the first block.
+    pub(crate) file_offset: u64,
+    /// Byte address of the first block on the device.
+    pub(crate) addr: u64,
+    /// crc32c of each block, in order (its length is the run's block count).
+    pub(crate) csums: Vec<u32>,
+    /// The running generation when the blocks were allocated.
+    pub(crate) birth: u64,
+}
+
+impl WrittenRun {
+    /// The blocks this run occupies.
+    pub(crate) fn run(&self) -> BlockRun {
+        BlockRun {
+            addr: self.addr,
+            blocks: self.csums.len() as u64,
+        }
+    }
+}
+
+/// How far blocks being freed were seen, which decides when their space may be reused.
+#[derive(Clone, Copy)]
+pub(crate) enum Seen<'t, 'e> {
+    /// No extent item ever referenced them: allocated by the operation that gives them back
+    /// (a failed write). Reusable at once.
+    Unrecorded,
+    /// An extent item referenced them (committed, in the running delta, or in an fsync log
+    /// batch that replay would apply), and `txn` drops that reference: pinned until its
+    /// commit is durable and no reader walks a snapshot that referenced them.
+    Recorded(&'t WriteTxn<'e>),
+}
+
+/// Blocks an extent-map change added to a file and freed from it: the caller moves the
+/// inode's `nbytes` by the difference.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BlockDelta {
+    /// Blocks newly referenced.
+    pub(crate) added: u64,
+    /// Blocks no longer referenced.
+    pub(crate) freed: u64,
+}
+
+impl BlockDelta {
+    /// `nbytes` after this change.
+    pub(crate) fn apply_to(self, nbytes: u64) -> u64 {
+        (nbytes + self.added * BLOCK_SIZE).saturating_sub(self.freed * BLOCK_SIZE)
+    }
+}
+
+/// An item changed by an extent-map operation: the key and its new value (`None`: deleted).
+pub(crate) type ItemChange = (Key, Option<Vec<u8>>);
+
+/// Item changes and frees planned from one look at the extent map, applied together.
+#[derive(Default)]
+struct ExtentChanges {
+    items: Vec<ItemChange>,
+    /// Blocks no longer referenced, each with its recorded birth generation.
+    frees: Vec<(BlockRun, u64)>,
+    delta: BlockDelta,
+    /// Keys that exist now (in the tree or the delta): only these need a deletion recorded.
+    existed: HashSet<Key>,
+}
+
+impl ExtentChanges {
+    fn set(&mut self, key: Key, value: Option<Vec<u8>>) {
+        self.items.retain(|(k, _)| *k != key);
+        self.items.push((key, value));
+    }
+}
+
+/// The data layer over one engine: a view, cheap to make for each call.
+pub(crate) struct DataLayer<'e> {
+    engine: &'e Engine,
+}
+
+impl<'e> DataLayer<'e> {
+    /// The data layer of `engine`.
+    pub(crate) fn new(engine: &'e Engine) -> DataLayer<'e> {
+        DataLayer { engine }
+    }
+
+    // ---- The extent map: look-ups ----
+
+    /// Extents of `ino` that overlap `[from, to)`, in order, each with its file offset.
+    pub(crate) fn extents(&self, ino: u64, from: u64, to: u64) -> Result<Vec<(u64, FileExtent)>> {
+        let hi = extent_key(ino, to);
+        // Extents never overlap, so only the last one starting at or before `from` can reach
+        // into the range from the left: one reverse look finds it, then a range from there.
+        let reach_floor = extent_key(ino, from.saturating_sub(EXTENT_MAX_BYTES - 1));
+        let lo = match self.engine.last_in(&reach_floor, &extent_key(ino, from))? {
+            Some((key, _)) => key,
+            None => extent_key(ino, from),
+        };
+        let items = self.engine.range(&lo, &hi, usize::MAX)?;
+        let mut out = Vec::new();
+        for (key, bytes) in items {
+            let extent = FileExtent::decode(&bytes)
+                .map_err(|e| Error::corrupt(format!("inode {ino} extent {key}"), e))?;
+            if key.offset + extent.len_bytes() > from {
+                out.push((key.offset, extent));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether the file has any extent item (one range step, not a scan of all extents).
+    pub(crate) fn has_extents(&self, ino: u64) -> Result<bool> {
+        let lo = extent_key(ino, 0);
+        let hi = extent_key(ino, u64::MAX);
+        Ok(!self.engine.range(&lo, &hi, 1)?.is_empty())
+    }
+
+    /// The inline data of a file, if it is stored inline.
+    pub(crate) fn inline_data(&self, ino: u64) -> Result<Option<Vec<u8>>> {
+        match self.engine.get(&extent_key(ino, 0))? {
+            Some(bytes) => match FileExtent::decode(&bytes)
+                .map_err(|e| Error::corrupt(format!("inode {ino} extent at 0"), e))?
+                .kind
+            {
+                ExtentKind::Inline(data) => Ok(Some(data)),
+                _ => Ok(None),
+            },
+            None => Ok(None),
+        }
+    }
+
+    /// Where a write at `offset` would continue the file on disk: the address just after
+    /// the block before `offset`, if that block is allocated.
+    pub(crate) fn continuation_goal(&self, ino: u64, offset: u64) -> Result<Option<u64>> {
+        if offset < BLOCK_SIZE {
+            return Ok(None);
+        }
+        let before = offset - BLOCK_SIZE;
+        Ok(self
+            .extents(ino, before, offset)?
+            .into_iter()
+            .find_map(|(start, extent)| match extent.kind {
+                ExtentKind::Regular { disk_addr, .. } | ExtentKind::Prealloc { disk_addr, .. }
+                    if start <= before =>
+                {
+                    Some(disk_addr + (offset - start))
+                }
+                _ => None,
+            }))
+    }
+
+    // ---- The extent map: changes (the caller holds the inode's write lock) ----
+
+    /// Stores `content` (at most `INLINE_MAX_BYTES`) as the file's inline data.
+    pub(crate) fn set_inline(&self, ino: u64, content: Vec<u8>) -> Result<()> {
+        let txn = self.engine.begin()?;
+        let extent = FileExtent {
+            generation: txn.generation(),
+            kind: ExtentKind::Inline(content),
+        };
+        txn.put(extent_key(ino, 0), extent.encode());
+        Ok(())
+    }
+
+    /// Deletes the file's inline extent (emptied, or its bytes are moving to a block).
+    pub(crate) fn remove_inline(&self, ino: u64) -> Result<()> {
+        self.engine.begin()?.delete(extent_key(ino, 0));
+        Ok(())
+    }
+
+    /// Removes every extent byte in the block-aligned range `[from, to)`: pieces of extents
+    /// reaching outside it are kept (split), blocks inside are freed (pinned).
+    pub(crate) fn drop_range(&self, ino: u64, from: u64, to: u64) -> Result<BlockDelta> {
+        let changes = self.plan_drop(ino, from, to)?;
+        self.apply(changes)
+    }
+
+    /// Replaces `[offset, offset + len)` of the file with `runs` ([`DataLayer::write_new`] or
+    /// [`DataLayer::write_reserved`] wrote them; they cover the range): one range drop, the new
+    /// extent items, and a merge with the extent before them when contiguous on disk. With
+    /// `keep`, also returns the items it set and deleted (for the fsync log). On failure
+    /// nothing is recorded and the runs are given back.
+    pub(crate) fn replace_range(
+        &self,
+        ino: u64,
+        offset: u64,
+        len: u64,
+        runs: Vec<WrittenRun>,
+        keep: bool,
+    ) -> Result<(BlockDelta, Option<Vec<ItemChange>>)> {
+        let taken: Vec<(BlockRun, u64)> = runs.iter().map(|r| (r.run(), r.birth)).collect();
+        self.record_runs(ino, offset, len, runs, keep)
+            .inspect_err(|_| {
+                // Every failure comes before the first item is recorded (the look-ups, or
+                // `begin` in `apply`): no item, delta or log batch saw the runs.
+                for (run, birth) in taken {
+                    self.free(run, birth, Seen::Unrecorded);
+                }
+            })
+    }
+
+    /// [`DataLayer::replace_range`] without the give-back.
+    fn record_runs(
+        &self,
+        ino: u64,
+        offset: u64,
+        len: u64,
+        runs: Vec<WrittenRun>,
+        keep: bool,
+    ) -> Result<(BlockDelta, Option<Vec<ItemChange>>)> {
+        let mut changes = self.plan_drop(ino, offset, offset + len)?;
+        let generation = self.engine.running_generation();
+        for run in runs {
+            changes.delta.added += run.csums.len() as u64;
+            let extent = FileExtent {
+                generation,
+                kind: ExtentKind::Regular {
+                    disk_addr: run.addr,
+                    csums: run.csums,
+                },
+            };
+            changes.set(extent_key(ino, run.file_offset), Some(extent.encode()));
+        }
+        self.merge_with_previous(ino, offset, &mut changes)?;
+        let kept = keep.then(|| changes.items.clone());
+        Ok((self.apply(changes)?, kept))
+    }
+
+    /// Allocates preallocated extents (read as zeros) for every unmapped block of the
+    /// block-rounded range `[from, to)`. On failure gives back what it allocated.
+    pub(crate) fn preallocate(&self, ino: u64, from: u64, to: u64) -> Result<BlockDelta> {
+        let lo = from / BLOCK_SIZE * BLOCK_SIZE;
+        let hi = to.div_ceil(BLOCK_SIZE) * BLOCK_SIZE;
+        let mut holes = Vec::new();
+        let mut cursor = lo;
+        for (s, e) in self.extents(ino, lo, hi)? {
+            let end = s + e.len_bytes();
+            if s > cursor {
+                holes.push((cursor, s.min(hi)));
+            }
+            cursor = cursor.max(end);
+        }
+        if cursor < hi {
+            holes.push((cursor, hi));
+        }
+        let mut changes = ExtentChanges::default();
+        let generation = self.engine.running_generation();
+        let mut allocated: Vec<BlockRun> = Vec::new();
+        for (mut s, e) in holes {
+            while s < e {
+                let want = ((e - s) / BLOCK_SIZE).min(EXTENT_MAX_BLOCKS);
+                let run = match self.allocate(None, want) {
+                    Ok(run) => run,
+                    Err(err) => {
+                        for run in allocated {
+                            self.free(run, generation, Seen::Unrecorded);
+                        }
+                        return Err(err);
+                    }
+                };
+                allocated.push(run);
+                let extent = FileExtent {
+                    generation,
+                    kind: ExtentKind::Prealloc {
+                        disk_addr: run.addr,
+                        blocks: run.blocks,
+                    },
+                };
+                changes.set(extent_key(ino, s), Some(extent.encode()));
+                changes.delta.added += run.blocks;
+                s += run.blocks * BLOCK_SIZE;
+            }
+        }
+        self.apply(changes)
+    }
+
+    /// Frees the blocks of an extent item that `txn` deletes with the rest of a file (an
+    /// unlinked inode's last use, orphan reclaim). An item that does not decode is left (its
+    /// blocks stay used until the next mount derives the free-space map again).
+    pub(crate) fn free_extent_item(&self, txn: &WriteTxn<'_>, key: &Key, value: &[u8]) {
+        match FileExtent::decode(value) {
+            Ok(extent) => {
+                if let Some((addr, blocks)) = extent.disk_range() {
+                    let run = BlockRun { addr, blocks };
+                    self.free(run, extent.generation, Seen::Recorded(txn));
+                }
+            }
+            Err(e) => log::warn!("freeing extent {key}: does not decode ({e}); blocks kept"),
+        }
+    }
+
+    /// Marks the blocks of a regular extent item that log replay applies as used (the
+    /// free-space map was derived from the committed tree, which does not reference them).
+    pub(crate) fn mark_replayed_extent(&self, value: &[u8]) {
+        if let Ok(FileExtent {
+            kind: ExtentKind::Regular { disk_addr, csums },
+            ..
+        }) = FileExtent::decode(value)
+        {
+            self.engine
+                .allocator()
+                .mark_used(disk_addr, csums.len() as u64);
+        }
+    }
+
+    /// Computes removal of every extent byte in the block-aligned range `[from, to)`: pieces
+    /// outside the range are kept (split), blocks inside are freed.
+    fn plan_drop(&self, ino: u64, from: u64, to: u64) -> Result<ExtentChanges> {
+        let mut changes = ExtentChanges::default();
+        for (start, extent) in self.extents(ino, from, to)? {
+            let len = extent.len_bytes();
+            let ext_end = start + len;
+            changes.set(extent_key(ino, start), None);
+            changes.existed.insert(extent_key(ino, start));
+            let disk_addr = match &extent.kind {
+                ExtentKind::Inline(_) => continue,
+                ExtentKind::Regular { disk_addr, .. } | ExtentKind::Prealloc { disk_addr, .. } => {
+                    *disk_addr
+                }
+            };
+            let piece = |lo: u64, hi: u64| -> FileExtent {
+                let skip = (lo - start) / BLOCK_SIZE;
+                let blocks = (hi - lo) / BLOCK_SIZE;
+                let addr = disk_addr + skip * BLOCK_SIZE;
+                let kind = match &extent.kind {
+                    ExtentKind::Regular { csums, .. } => ExtentKind::Regular {
+                        disk_addr: addr,
+                        csums: csums[skip as usize..(skip + blocks) as usize].to_vec(),
+                    },
+                    _ => ExtentKind::Prealloc {
+                        disk_addr: addr,
+                        blocks,
+                    },
+                };
+                FileExtent {
+                    generation: extent.generation,
+                    kind,
+                }
+            };
+            if start < from {
+                changes.set(extent_key(ino, start), Some(piece(start, from).encode()));
+            }
+            if ext_end > to {
+                changes.set(extent_key(ino, to), Some(piece(to, ext_end).encode()));
+            }
+            let cut_lo = start.max(from);
+            let cut_hi = ext_end.min(to);
+            if cut_lo < cut_hi {
+                let blocks = (cut_hi - cut_lo) / BLOCK_SIZE;
+                let run = BlockRun {
+                    addr: disk_addr + (cut_lo - start),
+                    blocks,
+                };
+                changes.frees.push((run, extent.generation));
+                changes.delta.freed += blocks;
+            }
+        }
+        Ok(changes)
+    }
+
+    /// Joins the first new extent to the one before it when both are contiguous on disk; the
+    /// joined extent keeps the earlier one's generation.
+    fn merge_with_previous(
+        &self,
+        ino: u64,
+        offset: u64,
+        changes: &mut ExtentChanges,
+    ) -> Result<()> {
+        if offset == 0 {
+            return Ok(());
+        }
+        let Some((_, Some(first_bytes))) = changes
+            .items
+            .iter()
+            .find(|(k, _)| *k == extent_key(ino, offset))
+            .cloned()
+        else {
+            return Ok(());
+        };
+        let Ok(FileExtent {
+            kind: ExtentKind::Regular { disk_addr, csums },
+            ..
+        }) = FileExtent::decode(&first_bytes)
+        else {
+            return Ok(());
+        };
+        let before = self.extents(ino, offset - 1, offset)?;
+        let Some((prev_off, prev)) = before.into_iter().next() else {
+            return Ok(());
+        };
+        if changes
+            .items
+            .iter()
+            .any(|(k, v)| *k == extent_key(ino, prev_off) && v.is_none())
+        {
+            return Ok(());
+        }
+        let ExtentKind::Regular {
+            disk_addr: prev_addr,
+            csums: prev_csums,
+        } = prev.kind
+        else {
+            return Ok(());
+        };
+        let prev_len = prev_csums.len() as u64 * BLOCK_SIZE;
+        if prev_off + prev_len != offset
+            || prev_addr + prev_len != disk_addr
+            || prev_csums.len() + csums.len() > EXTENT_MAX_BLOCKS as usize
+        {
+            return Ok(());
+        }
+        let mut joined = prev_csums;
+        joined.extend(csums);
+        // The first new extent is merged away: a key that never existed needs no deletion.
+        let first = extent_key(ino, offset);
+        if changes.existed.contains(&first) {
+            changes.set(first, None);
+        } else {
+            changes.items.retain(|(k, _)| *k != first);
+        }
+        // The earlier extent's generation: the recorded birth of its blocks must never move
+        // forward (the free path's contract, module doc).
+        let merged = FileExtent {
+            generation: prev.generation,
+            kind: ExtentKind::Regular {
+                disk_addr: prev_addr,
+                csums: joined,
+            },
+        };
+        changes.set(extent_key(ino, prev_off), Some(merged.encode()));
+        Ok(())
+    }
+
+    /// Records planned changes in the running transaction: items set and deleted, blocks
+    /// freed through [`DataLayer::free`].
+    fn apply(&self, changes: ExtentChanges) -> Result<BlockDelta> {
+        let txn = self.engine.begin()?;
+        for (key, value) in changes.items {
+            match value {
+                Some(v) => txn.put(key, v),
+                None => txn.delete(key),
+            }
+        }
+        for (run, birth) in changes.frees {
+            self.free(run, birth, Seen::Recorded(&txn));
+        }
+        Ok(changes.delta)
+    }
+
+    // ---- Blocks: space, writes, reads, frees ----
+
+    /// Reserves `blocks` of data space for buffered blocks to be allocated at their flush
+    /// ([`DataLayer::write_reserved`]); false when fewer are available (the caller commits,
+    /// which unpins freed space, and retries).
+    pub(crate) fn reserve(&self, blocks: u64) -> bool {
+        self.engine.allocator().try_reserve(blocks)
+    }
+
+    /// Gives back a reservation (its blocks were allocated, or their data dropped).
+    pub(crate) fn unreserve(&self, blocks: u64) {
+        if blocks > 0 {
+            self.engine.allocator().unreserve(blocks);
+        }
+    }
+
+    /// Allocates 1..=`want` data blocks, starting at `goal` when that space is free
+    /// (ENOSPC is retried after a commit by the caller, with no lock held).
+    fn allocate(&self, goal: Option<u64>, want: u64) -> Result<BlockRun> {
+        let (addr, blocks) = match goal {
+            Some(goal) => self.engine.allocate_data_near(goal, 1, want)?,
+            None => self.engine.allocate_data(1, want)?,
+        };
+        Ok(BlockRun { addr, blocks })
+    }
+
+    /// Allocates new blocks for `buf` (whole blocks for the block-aligned file offset
+    /// `offset`), continuing the file on disk when it can, and writes them; returns the runs
+    /// to record. Needs no inode lock: the blocks are new and referenced by nothing until
+    /// recorded. On failure gives back what it allocated. Does device I/O.
+    pub(crate) fn write_new(&self, ino: u64, offset: u64, buf: &[u8]) -> Result<Vec<WrittenRun>> {
+        debug_assert!(offset % BLOCK_SIZE == 0 && buf.len() as u64 % BLOCK_SIZE == 0);
+        let total_blocks = buf.len() as u64 / BLOCK_SIZE;
+        let birth = self.engine.running_generation();
+        let mut written: Vec<WrittenRun> = Vec::new();
+        let mut done = 0u64;
+        let mut goal = self.continuation_goal(ino, offset)?;
+        while done < total_blocks {
+            let want = (total_blocks - done).min(EXTENT_MAX_BLOCKS);
+            let run = match self.allocate(goal, want) {
+                Ok(run) => run,
+                Err(e) => {
+                    self.give_back(&written);
+                    return Err(e);
+                }
+            };
+            let slice =
+                &buf[(done * BLOCK_SIZE) as usize..((done + run.blocks) * BLOCK_SIZE) as usize];
+            let file_offset = offset + done * BLOCK_SIZE;
+            if let Err(e) = self.engine.device().write_at(slice, run.addr) {
+                self.free(run, birth, Seen::Unrecorded);
+                self.give_back(&written);
+                return Err(Error::io(
+                    format!(
+                        "write inode {ino} offset {file_offset} to block {:#x}",
+                        run.addr
+                    ),
+                    e,
+                ));
+            }
+            written.push(WrittenRun {
+                file_offset,
+                addr: run.addr,
+                csums: slice
+                    .chunks(BLOCK_SIZE as usize)
+                    .map(birch_format::checksum)
+                    .collect(),
+                birth,
+            });
+            done += run.blocks;
+            goal = Some(run.addr + run.blocks * BLOCK_SIZE);
+        }
+        Ok(written)
+    }
+
+    /// Allocates space for a file's buffered `blocks` (file block index and its 4 KiB, in
+    /// file order, not empty) from `reserved` (taking the reservation down as it allocates)
+    /// and writes them, one device write per allocated run; returns the runs to record, each
+    /// of consecutive file blocks on consecutive disk blocks and at most one extent long.
+    /// On failure frees what it took. Does device I/O; the caller holds the inode lock.
+    pub(crate) fn write_reserved(
+        &self,
+        ino: u64,
+        blocks: &[(u64, &[u8])],
+        reserved: &mut u64,
+    ) -> Result<Vec<WrittenRun>> {
+        let Some(&(first_index, _)) = blocks.first() else {
+            return Ok(Vec::new());
+        };
+        let alloc = self.engine.allocator();
+        let birth = self.engine.running_generation();
+        let total = blocks.len() as u64;
+        let mut goal = self.continuation_goal(ino, first_index * BLOCK_SIZE)?;
+        let mut taken: Vec<BlockRun> = Vec::new();
+        let mut runs: Vec<WrittenRun> = Vec::new();
+        let mut done = 0u64;
+        let fail = |taken: &[BlockRun], e: Error| -> Error {
+            for run in taken {
+                self.free(*run, birth, Seen::Unrecorded);
+            }
+            e
+        };
+        while done < total {
+            let want = (total - done).min(FLUSH_RUN_MAX_BLOCKS);
+            let allocated = match goal {
+                Some(g) => alloc.allocate_near(g, 1, want, Purpose::Reserved),
+                None => alloc.allocate(1, want, Purpose::Reserved),
+            };
+            let (addr, got) = match allocated {
+                Ok(v) => v,
+                Err(e) => return Err(fail(&taken, e)),
+            };
+            let from_reserve = got.min(*reserved);
+            self.unreserve(from_reserve);
+            *reserved -= from_reserve;
+            taken.push(BlockRun { addr, blocks: got });
+            let part = &blocks[done as usize..(done + got) as usize];
+            // One buffer for the run, filled by copying (never zeroed first), started at a
+            // block-aligned address so the device's O_DIRECT write takes it as it is.
+            let mut stage = Stage::take((got * BLOCK_SIZE) as usize);
+            for (_, bytes) in part {
+                stage.push(bytes);
+            }
+            if let Err(e) = self.engine.device().write_at(stage.bytes(), addr) {
+                let first = part.first().map_or(0, |(i, _)| i * BLOCK_SIZE);
+                return Err(fail(
+                    &taken,
+                    Error::io(
+                        format!("flush inode {ino} offset {first} to block {addr:#x}"),
+                        e,
+                    ),
+                ));
+            }
+            drop(stage);
+            for (n, (index, bytes)) in part.iter().enumerate() {
+                let disk = addr + n as u64 * BLOCK_SIZE;
+                let file = index * BLOCK_SIZE;
+                let csum = birch_format::checksum(bytes);
+                match runs.last_mut() {
+                    Some(run)
+                        if run.file_offset + run.csums.len() as u64 * BLOCK_SIZE == file
+                            && run.addr + run.csums.len() as u64 * BLOCK_SIZE == disk
+                            && (run.csums.len() as u64) < EXTENT_MAX_BLOCKS =>
+                    {
+                        run.csums.push(csum)
+                    }
+                    _ => runs.push(WrittenRun {
+                        file_offset: file,
+                        addr: disk,
+                        csums: vec![csum],
+                        birth,
+                    }),
+                }
+            }
+            done += got;
+            goal = Some(addr + got * BLOCK_SIZE);
+        }
+        Ok(runs)
+    }
+
+    /// Frees written runs that were never recorded (the operation that wrote them failed).
+    pub(crate) fn give_back(&self, runs: &[WrittenRun]) {
+        for run in runs {
+            self.free(run.run(), run.birth, Seen::Unrecorded);
+        }
+    }
+
+    /// Reads bytes `[from, to)` of the file from the regular extent at file offset `start`
+    /// (`disk_addr`, `csums`) into `out` (exactly `to - from` bytes), verifying the checksum of
+    /// every block it reads. A mismatch is [`Error::DataChecksum`] naming the inode, the file
+    /// offset and the block. Does device I/O.
+    pub(crate) fn read_verified(
+        &self,
+        ino: u64,
+        start: u64,
+        disk_addr: u64,
+        csums: &[u32],
+        from: u64,
+        to: u64,
+        out: &mut [u8],
+    ) -> Result<()> {
+        debug_assert!(start <= from && from < to && to <= start + csums.len() as u64 * BLOCK_SIZE);
+        debug_assert_eq!(out.len() as u64, to - from);
+        let first_block = (from - start) / BLOCK_SIZE;
+        let last_block = (to - 1 - start) / BLOCK_SIZE;
+        let nblocks = last_block - first_block + 1;
+        let at = disk_addr + first_block * BLOCK_SIZE;
+        let mut buf = Scratch::take((nblocks * BLOCK_SIZE) as usize);
+        self.engine
+            .device()
+            .read_at(&mut buf.0, at)
+            .map_err(|e| Error::io(format!("read inode {ino} offset {from} block {at:#x}"), e))?;
+        for (n, block) in buf.0.chunks(BLOCK_SIZE as usize).enumerate() {
+            let index = first_block + n as u64;
+            let want = csums.get(index as usize).copied();
+            let got = birch_format::checksum(block);
+            if want != Some(got) {
+                let addr = at + n as u64 * BLOCK_SIZE;
+                let offset = start + index * BLOCK_SIZE;
+                let want = want.unwrap_or_default();
+                log::error!(
+                    "inode {ino} offset {offset} block {addr:#x}: data checksum {got:#010x}, expected {want:#010x}"
+                );
+                return Err(Error::DataChecksum(format!(
+                    "inode {ino} offset {offset} block {addr:#x}"
+                )));
+            }
+        }
+        let buf_start = start + first_block * BLOCK_SIZE;
+        out.copy_from_slice(&buf.0[(from - buf_start) as usize..(to - buf_start) as usize]);
+        Ok(())
+    }
+
+    /// The one free path of data blocks: `run` leaves a file (an extent dropped by truncate,
+    /// punch or overwrite, a deleted file's extents) or goes back unrecorded (a failed write).
+    /// `birth` is the blocks' birth generation, for a recorded block the generation of the
+    /// extent item that referenced it; it may be older than the real birth, never newer (see
+    /// the module doc). Today it only frees: [`Seen::Recorded`] pins the blocks until the
+    /// freeing commit is durable, [`Seen::Unrecorded`] frees them at once.
+    pub(crate) fn free(&self, run: BlockRun, birth: u64, seen: Seen<'_, '_>) {
+        let alloc = self.engine.allocator();
+        match seen {
+            Seen::Recorded(txn) => {
+                let generation = txn.generation();
+                // A block cannot be born after the transaction that frees it.
+                debug_assert!(birth <= generation, "birth {birth} after {generation}");
+                alloc.free_pinned(generation, run.addr, run.blocks);
+            }
+            Seen::Unrecorded => alloc.free_now(run.addr, run.blocks),
+        }
+    }
+}
+
+/// A per-thread buffer of `len` bytes for a device read, reused so a read does not fault in
+/// and zero fresh pages each time (kept only up to [`Scratch::KEEP`] bytes). The read
+/// overwrites all of it; it is zeroed on take only where it grew.
+struct Scratch(Vec<u8>);
+
+impl Scratch {
+    const KEEP: usize = 4 << 20;
+
+    thread_local! {
+        static SPARE: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    }
+
+    fn take(len: usize) -> Scratch {
+        let mut v = Self::SPARE.with(|s| std::mem::take(&mut *s.borrow_mut()));
+        v.resize(len, 0);
+        Scratch(v)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if self.0.capacity() <= Self::KEEP {
+            let v = std::mem::take(&mut self.0);
+            Self::SPARE.with(|s| *s.borrow_mut() = v);
+        }
+    }
+}
+
+/// Block-aligned staging buffers for flush runs, shared by every thread (a drain flushes
+/// from threads it starts for each commit, so per-thread buffers would die with them): a
+/// fresh buffer of a 16 MiB run cost the kernel's zeroing of 4,096 new pages on every flush.
+/// Kept up to [`Stage::POOL_BYTES`] in all.
+static STAGE_POOL: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+
+/// A run being staged for one device write: filled only by copying ([`Stage::push`]), so no
+/// byte is zeroed only to be overwritten and none is read before it is written.
+struct Stage {
+    raw: Vec<u8>,
+    /// Bytes before the block-aligned start.
+    pad: usize,
+}
+
+impl Stage {
+    /// Most capacity the pool keeps, all buffers together: two runs of the largest size.
+    const POOL_BYTES: usize = 2 * (FLUSH_RUN_MAX_BLOCKS as usize + 1) * BLOCK_SIZE as usize;
+
+    /// An empty stage with room for `len` bytes after a block-aligned start.
+    fn take(len: usize) -> Stage {
+        let mut raw = STAGE_POOL.lock().pop().unwrap_or_default();
+        raw.clear();
+        raw.reserve(len + BLOCK_SIZE as usize);
+        let pad = raw.as_ptr().align_offset(BLOCK_SIZE as usize);
+        // Only the few bytes before the aligned start are zeroed; they are never written.
+        raw.resize(pad, 0);
+        Stage { raw, pad }
+    }
+
+    fn push(&mut self, bytes: &[u8]) {
+        self.raw.extend_from_slice(bytes);
+    }
+
+    /// The staged bytes, from the block-aligned start.
+    fn bytes(&self) -> &[u8] {
+        &self.raw[self.pad..]
+    }
+}
+
+impl Drop for Stage {
+    fn drop(&mut self) {
+        let raw = std::mem::take(&mut self.raw);
+        let mut pool = STAGE_POOL.lock();
+        let kept: usize = pool.iter().map(Vec::capacity).sum();
+        if kept + raw.capacity() <= Self::POOL_BYTES {
+            pool.push(raw);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The data layer on its own, over an engine on a memory device: a written run reads back
+    //! verified, a corrupted block fails its read naming the block, the free path keeps
+    //! recorded blocks until the commit that freed them, and a failed write gives its
+    //! blocks back at once.
+
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::device::{BlockDevice, MemDevice};
+    use crate::txn::MkfsOptions;
+
+    const INO: u64 = 300;
+
+    fn setup() -> (Arc<MemDevice>, Arc<Engine>) {
+        let mem = Arc::new(MemDevice::new(32 << 20));
+        let dev: Arc<dyn BlockDevice> = mem.clone();
+        let engine = Engine::create(dev, &MkfsOptions::default(), Vec::new()).expect("create");
+        (mem, engine)
+    }
+
+    fn pattern(blocks: u64, seed: u8) -> Vec<u8> {
+        (0..blocks * BLOCK_SIZE)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect()
+    }
+
+    fn read_back(data: &DataLayer<'_>, runs: &[WrittenRun]) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        for run in runs {
+            let len = run.csums.len() as u64 * BLOCK_SIZE;
+            let mut part = vec![0u8; len as usize];
+            data.read_verified(
+                INO,
+                run.file_offset,
+                run.addr,
+                &run.csums,
+                run.file_offset,
+                run.file_offset + len,
+                &mut part,
+            )?;
+            out.extend_from_slice(&part);
+        }
+        Ok(out)
+    }
+
+    #[test]
+    fn written_blocks_read_back_verified() {
+        let (_mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        let bytes = pattern(3, 7);
+        let runs = data.write_new(INO, 0, &bytes).expect("write");
+        assert_eq!(runs.iter().map(|r| r.csums.len()).sum::<usize>(), 3);
+        assert_eq!(read_back(&data, &runs).expect("read"), bytes);
+        // A part of a block, in the middle of the run.
+        let run = &runs[0];
+        let mut part = vec![0u8; 100];
+        data.read_verified(INO, 0, run.addr, &run.csums, 5000, 5100, &mut part)
+            .expect("read part");
+        assert_eq!(part, bytes[5000..5100]);
+        // Recorded and looked up through the extent map.
+        let (delta, _) = data
+            .replace_range(INO, 0, bytes.len() as u64, runs, false)
+            .expect("record");
+        assert_eq!(delta, BlockDelta { added: 3, freed: 0 });
+        let extents = data.extents(INO, 0, 3 * BLOCK_SIZE).expect("extents");
+        assert_eq!(extents.len(), 1);
+        assert_eq!(extents[0].1.len_bytes(), 3 * BLOCK_SIZE);
+    }
+
+    #[test]
+    fn corrupted_block_fails_naming_the_block() {
+        let (mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        let runs = data.write_new(INO, 0, &pattern(2, 1)).expect("write");
+        let bad = runs[0].addr + BLOCK_SIZE;
+        mem.corrupt(bad + 17, &[0xff, 0x00, 0xaa]);
+        match read_back(&data, &runs) {
+            Err(Error::DataChecksum(what)) => {
+                assert!(what.contains(&format!("block {bad:#x}")), "{what}");
+                assert!(
+                    what.contains(&format!("inode {INO} offset {BLOCK_SIZE}")),
+                    "{what}"
+                );
+            }
+            other => panic!("expected a data checksum error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn freed_blocks_stay_pinned_until_the_commit() {
+        let (_mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        let runs = data.write_new(INO, 0, &pattern(4, 2)).expect("write");
+        let addr = runs[0].addr;
+        data.replace_range(INO, 0, 4 * BLOCK_SIZE, runs, false)
+            .expect("record");
+        engine.commit().expect("commit");
+        let pinned_before = engine.allocator().pinned_blocks();
+        let delta = data.drop_range(INO, 0, 4 * BLOCK_SIZE).expect("drop");
+        assert_eq!(delta, BlockDelta { added: 0, freed: 4 });
+        assert_eq!(engine.allocator().pinned_blocks(), pinned_before + 4);
+        assert!(
+            engine.allocator().is_used(addr),
+            "freed block reusable before the commit"
+        );
+        // An allocation asking for exactly that place must not get it.
+        let (got, blocks) = engine.allocate_data_near(addr, 1, 4).expect("allocate");
+        assert!(got + blocks * BLOCK_SIZE <= addr || got >= addr + 4 * BLOCK_SIZE);
+        engine.allocator().free_now(got, blocks);
+        engine.commit().expect("commit");
+        assert!(
+            !engine.allocator().is_used(addr),
+            "not released after the commit"
+        );
+        assert_eq!(
+            engine.allocate_data_near(addr, 1, 4).expect("reuse"),
+            (addr, 4)
+        );
+    }
+
+    #[test]
+    fn merged_extent_keeps_the_older_birth() {
+        let (_mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        // Two blocks written together (contiguous on disk); the first is recorded in one
+        // generation, the second, appended, in the next, and merges into the first's extent.
+        let runs = data.write_new(INO, 0, &pattern(2, 1)).expect("write");
+        assert_eq!(runs.len(), 1);
+        let run = &runs[0];
+        let first = WrittenRun {
+            csums: run.csums[..1].to_vec(),
+            ..run.clone()
+        };
+        let second = WrittenRun {
+            file_offset: BLOCK_SIZE,
+            addr: run.addr + BLOCK_SIZE,
+            csums: run.csums[1..].to_vec(),
+            birth: run.birth,
+        };
+        data.replace_range(INO, 0, BLOCK_SIZE, vec![first], false)
+            .expect("record");
+        let born = engine.running_generation();
+        engine.commit().expect("commit");
+        assert!(engine.running_generation() > born);
+        data.replace_range(INO, BLOCK_SIZE, BLOCK_SIZE, vec![second], false)
+            .expect("record the append");
+        let extents = data.extents(INO, 0, 2 * BLOCK_SIZE).expect("extents");
+        assert_eq!(extents.len(), 1, "append did not merge: {extents:?}");
+        assert_eq!(extents[0].1.len_bytes(), 2 * BLOCK_SIZE);
+        assert_eq!(extents[0].1.generation, born);
+    }
+
+    #[test]
+    fn failed_write_gives_its_blocks_back() {
+        let (mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        let free_before = engine.allocator().free_blocks();
+        let pinned_before = engine.allocator().pinned_blocks();
+        mem.fail_writes(true);
+        match data.write_new(INO, 0, &pattern(300, 3)) {
+            Err(Error::Io { context, .. }) => {
+                assert!(context.contains(&format!("inode {INO}")), "{context}");
+                assert!(context.contains("block 0x"), "{context}");
+            }
+            other => panic!("expected an I/O error, got {other:?}"),
+        }
+        let mut reserved = 0;
+        let block = pattern(1, 4);
+        let blocks = [(9u64, &block[..]), (10, &block[..])];
+        assert!(matches!(
+            data.write_reserved(INO, &blocks, &mut reserved),
+            Err(Error::Io { .. })
+        ));
+        mem.fail_writes(false);
+        assert_eq!(engine.allocator().free_blocks(), free_before);
+        assert_eq!(engine.allocator().pinned_blocks(), pinned_before);
+        // Given back, not pinned: the space is taken again at once.
+        let runs = data.write_new(INO, 0, &pattern(2, 5)).expect("write after");
+        assert_eq!(read_back(&data, &runs).expect("read"), pattern(2, 5));
+    }
+
+    #[test]
+    fn runs_that_cannot_be_recorded_go_back() {
+        let (_mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        let free_before = engine.allocator().free_blocks();
+        let runs = data.write_new(INO, 0, &pattern(3, 6)).expect("write");
+        assert_eq!(engine.allocator().free_blocks(), free_before - 3);
+        // A shut-down engine takes no item: nothing is recorded and the blocks go back.
+        engine.shut_down();
+        assert!(data
+            .replace_range(INO, 0, 3 * BLOCK_SIZE, runs, false)
+            .is_err());
+        assert_eq!(engine.allocator().free_blocks(), free_before);
+    }
+
+    #[test]
+    fn reserved_flush_runs_follow_file_and_disk_order() {
+        let (_mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        assert!(data.reserve(3));
+        let mut reserved = 3;
+        let (a, b, c) = (pattern(1, 1), pattern(1, 2), pattern(1, 3));
+        let blocks = [(0u64, &a[..]), (1, &b[..]), (5, &c[..])];
+        let runs = data
+            .write_reserved(INO, &blocks, &mut reserved)
+            .expect("flush");
+        assert_eq!(reserved, 0);
+        assert_eq!(engine.allocator().reserved_blocks(), 0);
+        assert_eq!(runs.len(), 2);
+        assert_eq!((runs[0].file_offset, runs[0].csums.len()), (0, 2));
+        assert_eq!(
+            (runs[1].file_offset, runs[1].csums.len()),
+            (5 * BLOCK_SIZE, 1)
+        );
+        let mut both = a.clone();
+        both.extend_from_slice(&b);
+        assert_eq!(read_back(&data, &runs[..1]).expect("read"), both);
+        assert_eq!(read_back(&data, &runs[1..]).expect("read"), c);
+    }
+}
