@@ -31,20 +31,20 @@ const WATCH_HEADER_EVERY: u64 = 20;
 
 /// One reading of the stats: counters and gauges by name, and the latency histograms.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub(crate) struct Snapshot {
+pub(crate) struct Sample {
     pub(crate) values: BTreeMap<String, u64>,
     pub(crate) histograms: BTreeMap<String, LatencyValues>,
 }
 
-impl Snapshot {
+impl Sample {
     /// Parses the JSON the daemon returns: numbers, and arrays of bucket counts.
-    pub(crate) fn parse(text: &str) -> Result<Snapshot, String> {
+    pub(crate) fn parse(text: &str) -> Result<Sample, String> {
         let value: Value =
             serde_json::from_str(text).map_err(|e| format!("stats are not JSON: {e}"))?;
         let Value::Object(map) = value else {
             return Err("stats are not a JSON object".into());
         };
-        let mut snapshot = Snapshot::default();
+        let mut snapshot = Sample::default();
         for (name, value) in map {
             match value {
                 Value::Number(n) => {
@@ -139,7 +139,7 @@ pub(crate) fn getxattr(path: &Path, name: &str) -> std::io::Result<Vec<u8>> {
 }
 
 /// Reads the stats of the mount at `mountpoint`.
-pub(crate) fn read(mountpoint: &Path) -> Result<Snapshot, String> {
+pub(crate) fn read(mountpoint: &Path) -> Result<Sample, String> {
     let shown = mountpoint.display();
     let buf = getxattr(mountpoint, STATS_XATTR).map_err(|e| match e.raw_os_error() {
         Some(libc::ENODATA) | Some(libc::ENOTSUP) => {
@@ -149,7 +149,7 @@ pub(crate) fn read(mountpoint: &Path) -> Result<Snapshot, String> {
         _ => format!("{shown}: reading {STATS_XATTR}: {e}"),
     })?;
     let text = String::from_utf8(buf).map_err(|_| format!("{shown}: stats are not UTF-8"))?;
-    Snapshot::parse(&text).map_err(|e| format!("{shown}: {e}"))
+    Sample::parse(&text).map_err(|e| format!("{shown}: {e}"))
 }
 
 /// Bytes for people: 1023 B, 4.0 KiB, 1.5 GiB.
@@ -199,7 +199,7 @@ fn latency_summary(values: &LatencyValues) -> String {
 }
 
 /// The table `birch stats MNT` prints.
-pub(crate) fn render_table(mountpoint: &str, s: &Snapshot) -> String {
+pub(crate) fn render_table(mountpoint: &str, s: &Sample) -> String {
     let mut out = String::new();
     let size = s.get("size_bytes");
     let free = s.get("free_bytes");
@@ -259,7 +259,7 @@ pub(crate) struct Interval {
     pub(crate) secs: f64,
     /// Per-second rates of every counter (gauges left out).
     pub(crate) rates: BTreeMap<String, f64>,
-    pub(crate) end: Snapshot,
+    pub(crate) end: Sample,
     pub(crate) latencies: BTreeMap<String, LatencyValues>,
 }
 
@@ -272,7 +272,7 @@ const GAUGES: [&str; 5] = [
     "size_bytes",
 ];
 
-pub(crate) fn interval(start: &Snapshot, end: &Snapshot, secs: f64) -> Interval {
+pub(crate) fn interval(start: &Sample, end: &Sample, secs: f64) -> Interval {
     let secs = if secs > 0.0 { secs } else { 1.0 };
     let rates = end
         .values
@@ -354,7 +354,7 @@ fn latency_json(values: &LatencyValues) -> Value {
 }
 
 /// `birch stats --json MNT`: the counters, the gauges, and what the table derives from them.
-pub(crate) fn snapshot_json(mountpoint: &str, s: &Snapshot) -> Value {
+pub(crate) fn sample_json(mountpoint: &str, s: &Sample) -> Value {
     let latencies: serde_json::Map<String, Value> = HISTOGRAMS
         .iter()
         .map(|(label, field)| {
@@ -406,7 +406,7 @@ pub fn stats_main(
     };
     let Some(secs) = watch else {
         if json {
-            println!("{}", snapshot_json(&shown, &first));
+            println!("{}", sample_json(&shown, &first));
         } else {
             print!("{}", render_table(&shown, &first));
         }
@@ -465,8 +465,8 @@ mod tests {
         )
     }
 
-    fn parsed(text: &str) -> Snapshot {
-        match Snapshot::parse(text) {
+    fn parsed(text: &str) -> Sample {
+        match Sample::parse(text) {
             Ok(s) => s,
             Err(e) => panic!("{e}: {text}"),
         }
@@ -479,10 +479,10 @@ mod tests {
         assert_eq!(s.values.get("fuse_dev_requests"), Some(&5));
         assert_eq!(s.histogram("fsync_latency_us_log2").count(), 10);
         assert_eq!(s.cache_hit_rate(), Some(0.99));
-        assert!(Snapshot::parse("[1]").is_err());
-        assert!(Snapshot::parse("{\"x\": -1}").is_err());
-        assert!(Snapshot::parse("{\"x\": [1, 2]}").is_err());
-        assert!(Snapshot::parse("not json").is_err());
+        assert!(Sample::parse("[1]").is_err());
+        assert!(Sample::parse("{\"x\": -1}").is_err());
+        assert!(Sample::parse("{\"x\": [1, 2]}").is_err());
+        assert!(Sample::parse("not json").is_err());
     }
 
     #[test]
@@ -543,7 +543,7 @@ mod tests {
     #[test]
     fn json_has_counters_and_derived_fields() {
         let s = parsed(&sample(3, 99, 1, &[(6, 9), (12, 1)]));
-        let v = snapshot_json("/mnt/x", &s);
+        let v = sample_json("/mnt/x", &s);
         assert_eq!(v["counters"]["commits"], 3);
         assert_eq!(v["log_fill"], 0.25);
         assert_eq!(v["free_fraction"], 0.5);
