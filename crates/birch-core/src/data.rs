@@ -356,17 +356,15 @@ impl<'e> DataLayer<'e> {
         }
     }
 
-    /// Marks the blocks of a regular extent item that log replay applies as used (the
+    /// Marks the blocks of an extent item (regular or preallocated) that log replay applies as used (the
     /// free-space map was derived from the committed tree, which does not reference them).
     pub(crate) fn mark_replayed_extent(&self, value: &[u8]) {
-        if let Ok(FileExtent {
-            kind: ExtentKind::Regular { disk_addr, csums },
-            ..
-        }) = FileExtent::decode(value)
+        // Regular and preallocated extents alike hold blocks, as the open walk counts them
+        // (`FileExtent::disk_range`): a replayed one left unmarked could be handed out again.
+        if let Some((disk_addr, blocks)) =
+            FileExtent::decode(value).ok().and_then(|e| e.disk_range())
         {
-            self.engine
-                .allocator()
-                .mark_used(disk_addr, csums.len() as u64);
+            self.engine.allocator().mark_used(disk_addr, blocks);
         }
     }
 
