@@ -423,6 +423,10 @@ pub fn scrub(
         )? {
             Flow::Done => None,
             Flow::StopAt(next) => Some(next),
+            Flow::Cancelled => {
+                walk.report.cancelled = true;
+                None
+            }
         };
         drop(view);
         walk.confirm_pending()?;
@@ -440,6 +444,8 @@ enum Flow {
     Done,
     /// The chunk's budget ran out: the next chunk starts at this key.
     StopAt(Key),
+    /// The scrub was cancelled in the middle of the subtree.
+    Cancelled,
 }
 
 /// A failure seen under one view, to be confirmed under the newest before it is reported.
@@ -480,7 +486,7 @@ impl Walk<'_> {
         from: Key,
     ) -> Result<Flow> {
         if self.progress.cancel.load(Ordering::Relaxed) {
-            return Ok(Flow::Done);
+            return Ok(Flow::Cancelled);
         }
         let first_visit = !self.seen_nodes.contains(&(addr, generation));
         let node = match read_node(self.views.device(), self.fsid, addr, generation, level) {
@@ -529,8 +535,8 @@ impl Walk<'_> {
                         child_high,
                         from,
                     )?;
-                    if let Flow::StopAt(next) = flow {
-                        return Ok(Flow::StopAt(next));
+                    if !matches!(flow, Flow::Done) {
+                        return Ok(flow);
                     }
                 }
                 Ok(Flow::Done)
