@@ -6,7 +6,8 @@
 #
 # What it proves, step by step (each prints its time):
 #   1. `birch mkfs rbd:rbd/birch --size 1G` creates the image with layering and exclusive-lock
-#      (checked with `rbd info`), and a second mkfs without --force is refused;
+#      (checked with `rbd info`), and a second mkfs without --force is refused; so are images
+#      without exclusive-lock or with 8 KiB objects (a node could cross an object);
 #   2. files written with fsync through a mount are there, byte for byte, after umount and a
 #      fresh mount, and `birch fsck` of the image is clean;
 #   3. while that mount is live, a second mount and an fsck of the image are refused within
@@ -94,6 +95,22 @@ if "$BIRCH" mkfs "$SPEC" 2>"$DIR/mkfs2.err"; then
 else
   grep -q "holds a birchfs filesystem; use --force" "$DIR/mkfs2.err" \
     && say "ok: second mkfs refused: $(cat "$DIR/mkfs2.err")" || fail "second mkfs: $(cat "$DIR/mkfs2.err")"
+fi
+
+# An image without exclusive-lock, and one whose 8 KiB objects would split a 16 KiB node.
+rbd create --size 64M --image-feature layering rbd/nolock
+rbd create --size 64M --object-size 8K rbd/smallobj
+if "$BIRCH" mkfs rbd:rbd/nolock 2>"$DIR/nolock.err"; then
+  fail "mkfs of an image without exclusive-lock went ahead"
+else
+  grep -q "lacks the exclusive-lock feature" "$DIR/nolock.err" \
+    && say "ok: refused without exclusive-lock: $(grep -v '^20..-' "$DIR/nolock.err")" || fail "no-lock refusal: $(cat "$DIR/nolock.err")"
+fi
+if "$BIRCH" mkfs rbd:rbd/smallobj 2>"$DIR/smallobj.err"; then
+  fail "mkfs of an image with 8 KiB objects went ahead"
+else
+  grep -q "object size 8192 bytes" "$DIR/smallobj.err" \
+    && say "ok: refused 8 KiB objects: $(grep -v '^20..-' "$DIR/smallobj.err")" || fail "object-size refusal: $(cat "$DIR/smallobj.err")"
 fi
 
 # --- 2. write with fsync, remount, verify ---
