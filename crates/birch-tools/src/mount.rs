@@ -473,6 +473,9 @@ fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String]) -> ExitCode {
         Err(e) => return fail(format!("cannot start the mount daemon: {e}")),
     };
     let started = Instant::now();
+    // What the daemon said so far is passed on while it waits (for a lock, or for a dead RBD
+    // holder's watch to expire), so a slow mount says why.
+    let mut shown = 0;
     loop {
         if mounted_source(mountpoint).is_some() {
             let _ = std::fs::remove_file(&log_path);
@@ -481,7 +484,7 @@ fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String]) -> ExitCode {
         if let Ok(Some(status)) = child.try_wait() {
             let text = std::fs::read_to_string(&log_path).unwrap_or_default();
             let _ = std::fs::remove_file(&log_path);
-            eprint!("{text}");
+            eprint!("{}", text.get(shown..).unwrap_or_default());
             return fail(format!(
                 "mount daemon exited ({status}) before the mount was live"
             ));
@@ -492,6 +495,14 @@ fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String]) -> ExitCode {
                 image.display(),
                 log_path.display()
             ));
+        }
+        if started.elapsed() > Duration::from_secs(1) {
+            let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+            // Whole lines only, so the rest is printed once at exit.
+            if let Some(end) = text.get(shown..).and_then(|t| t.rfind('\n')) {
+                eprint!("{}", &text[shown..shown + end + 1]);
+                shown += end + 1;
+            }
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -518,10 +529,12 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
         ceph: config.ceph.clone(),
         holder: format!("mount at {}", canonical(mountpoint).display()),
     };
-    let opened = open_image(image, mode, &image_options)
-        .map_err(|e| birch_core::Error::io("open image", e))
-        .and_then(|device| Filesystem::open_device(device, options));
-    let fs = match opened {
+    // The device's errors name the image already (path or rbd: spec).
+    let device = match open_image(image, mode, &image_options) {
+        Ok(d) => d,
+        Err(e) => return fail(e),
+    };
+    let fs = match Filesystem::open_device(device, options) {
         Ok(fs) => Arc::new(fs),
         Err(e) => return fail(format!("{}: {e}", image.display())),
     };

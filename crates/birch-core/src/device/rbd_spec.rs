@@ -419,6 +419,24 @@ mod tests {
         assert_eq!(none.client_id(Some("--keyring /k")), None);
     }
 
+    #[cfg(not(feature = "rbd"))]
+    #[test]
+    fn rbd_images_without_the_feature_are_refused_clearly() {
+        let options = crate::device::ImageOptions::default();
+        let mode = crate::device::OpenMode::ReadOnly;
+        let err = crate::device::open_image(Path::new("rbd:rbd/img0"), mode, &options)
+            .err()
+            .map(|e| (e.kind(), e.to_string()));
+        let (kind, text) = err.unwrap_or_else(|| panic!("an rbd: image must be refused"));
+        assert_eq!(kind, io::ErrorKind::Unsupported);
+        assert!(
+            text.contains("rbd:rbd/img0") && text.contains("built without RBD support"),
+            "{text}"
+        );
+        let bad = crate::device::open_image(Path::new("rbd:img0"), mode, &options).err();
+        assert!(bad.is_some_and(|e| e.to_string().contains("no image name")));
+    }
+
     #[test]
     fn object_layout_must_hold_whole_nodes() {
         // The default: 4 MiB objects, no striping.
