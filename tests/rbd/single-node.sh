@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Copied from /work/shared/ceph/single-node.sh (the shared notes of issue 21, measured on this
 # machine 2026-11-25) so that tests/rbd/rbd-test.sh works from a clean checkout; CI has no
-# /work/shared. Changes from the original: none but this header (used by rbd-test.sh).
+# /work/shared. Changes from the original: this header, and the monitor's free-space thresholds
+# taken from MON_DATA_AVAIL_WARN / MON_DATA_AVAIL_CRIT (defaults as before, 2 and 1 %): on a
+# shared, nearly full disk the warning alone kept the cluster from HEALTH_OK (used by
+# rbd-test.sh).
 # Single-node Ceph (Debian 12 packages, ceph 16.2.x "pacific") on loopback,
 # no systemd, everything under $BASE (default /var/tmp/ceph1).
 #
@@ -105,8 +108,8 @@ mon_allow_pool_size_one = true
 mon_allow_pool_delete = true
 mon_warn_on_pool_no_redundancy = false
 # / is 21% used but the fs only has ~28% "available": default warn is 30%
-mon_data_avail_warn = 2
-mon_data_avail_crit = 1
+mon_data_avail_warn = ${MON_DATA_AVAIL_WARN:-2}
+mon_data_avail_crit = ${MON_DATA_AVAIL_CRIT:-1}
 
 [client]
 # clients must not share one admin socket path (two concurrent rbd/rados processes
