@@ -171,13 +171,13 @@ impl Cluster {
         };
         if rc < 0 {
             let which = match &ceph.conf {
-                Some(p) => p.display().to_string(),
+                Some(p) => format!("reading {}", p.display()),
                 None => match std::env::var("CEPH_CONF") {
-                    Ok(p) => format!("{p} (CEPH_CONF)"),
-                    Err(_) => "no ceph.conf found in the default places (/etc/ceph/ceph.conf, ...); set CEPH_CONF or ceph_conf=".into(),
+                    Ok(p) => format!("reading {p} (CEPH_CONF)"),
+                    Err(_) => "no ceph.conf in the default places (/etc/ceph/ceph.conf, ...): set CEPH_CONF, --ceph-conf or -o ceph_conf=".into(),
                 },
             };
-            return Err(rc_error(rc.into(), format!("{spec}: reading {which}")));
+            return Err(rc_error(rc.into(), format!("{spec}: {which}")));
         }
         // SAFETY: as above; NULL means the CEPH_ARGS variable.
         let rc = unsafe { ffi::rados_conf_parse_env(self.handle, std::ptr::null()) };
