@@ -24,10 +24,11 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use birch_core::check::{check, check_replayed, CheckOptions, FindingKind, PassId, PASSES};
-use birch_core::device::{BlockDevice, FileDevice, OpenMode};
+use birch_core::device::{
+    create_rbd_image, open_image, BlockDevice, CephOptions, ImageOptions, OpenMode, RbdSpec,
+};
 use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::node::{Expect, Node};
 use birch_format::{FS_TREE_ID, NODE_SIZE};
@@ -47,7 +48,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Make a new birchfs filesystem in an image file (created if missing) or on a block device.
+    /// Make a new birchfs filesystem in an image file (created if missing), on a block device,
+    /// or on a Ceph RBD image `rbd:POOL/IMAGE` (created with --size if missing; needs a build
+    /// with the `rbd` feature).
     Mkfs {
         /// Size of the image, e.g. 1G, 512M (an image file is created or grown to it).
         #[arg(long, short)]
@@ -63,6 +66,8 @@ enum Command {
         /// --size BLOCKSK).
         #[arg(conflicts_with = "size")]
         blocks: Option<u64>,
+        #[command(flatten)]
+        ceph: CephArgs,
     },
     /// Mount an image. Returns once the mount is live; the daemon serves in the background.
     Mount {
@@ -144,6 +149,8 @@ enum Command {
         /// Accepted for fsck(8)'s -C (progress to a file descriptor); no progress is written.
         #[arg(short = 'C', value_name = "FD", num_args = 0..=1, hide = true)]
         progress_fd: Option<Option<String>>,
+        #[command(flatten)]
+        ceph: CephArgs,
     },
     /// Verify every checksum of a filesystem, offline (image) or online (mount point).
     ///
@@ -197,7 +204,38 @@ enum Command {
         image: PathBuf,
         #[arg(num_args = 1..=2)]
         what: Vec<String>,
+        #[command(flatten)]
+        ceph: CephArgs,
     },
+}
+
+/// Cluster access for an `rbd:POOL/IMAGE` image, as `rbd --id/-c/--keyring` and the mount
+/// options `ceph_id=`, `ceph_conf=`, `keyring=`; unset, librados reads `CEPH_CONF`,
+/// `CEPH_ARGS` and /etc/ceph.
+#[derive(clap::Args, Clone, Default)]
+struct CephArgs {
+    /// rbd: images: Ceph client id (without `client.`; default admin).
+    #[arg(long, value_name = "ID")]
+    ceph_id: Option<String>,
+    /// rbd: images: ceph.conf to read (default: CEPH_CONF, then /etc/ceph/ceph.conf).
+    #[arg(long, value_name = "PATH")]
+    ceph_conf: Option<PathBuf>,
+    /// rbd: images: keyring holding the client's key.
+    #[arg(long, value_name = "PATH")]
+    keyring: Option<PathBuf>,
+}
+
+impl CephArgs {
+    fn image_options(&self, holder: &str) -> ImageOptions {
+        ImageOptions {
+            ceph: CephOptions {
+                id: self.ceph_id.clone(),
+                conf: self.ceph_conf.clone(),
+                keyring: self.keyring.clone(),
+            },
+            holder: holder.to_string(),
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -256,9 +294,10 @@ fn main() -> ExitCode {
             force,
             image,
             blocks,
+            ceph,
         } => {
             let size = size.or_else(|| blocks.map(|b| format!("{b}K")));
-            mkfs(&image, size.as_deref(), label, force)
+            mkfs(&image, size.as_deref(), label, force, &ceph)
         }
         Command::Mount {
             image,
@@ -284,9 +323,10 @@ fn main() -> ExitCode {
             list_passes,
             data,
             force,
+            ceph,
             ..
         } => match image {
-            Some(image) if !list_passes => fsck(&image, data, force),
+            Some(image) if !list_passes => fsck(&image, data, force, &ceph),
             _ => list_fsck_passes(),
         },
         Command::Scrub {
@@ -295,7 +335,7 @@ fn main() -> ExitCode {
             json,
             force,
         } => scrub::scrub_main(&target, rate, json, force),
-        Command::Inspect { image, what } => inspect(&image, &what),
+        Command::Inspect { image, what, ceph } => inspect(&image, &what, &ceph),
         Command::Crashtest {
             workload,
             seed,
@@ -336,11 +376,16 @@ pub(crate) fn parse_size(text: &str) -> Option<u64> {
 
 /// Names a filesystem signature found on the device, if any.
 fn existing_signature(path: &Path) -> Option<&'static str> {
-    let dev = FileDevice::open(path, OpenMode::ReadOnlyUnlocked).ok()?;
+    let dev = open_image(path, OpenMode::ReadOnlyUnlocked, &ImageOptions::default()).ok()?;
+    signature_of(&*dev)
+}
+
+/// Names a filesystem signature found on an open device, if any.
+fn signature_of(dev: &dyn BlockDevice) -> Option<&'static str> {
     let mut head = vec![0u8; 128 * 1024];
     let len = (dev.size_bytes() as usize).min(head.len()) / 4096 * 4096;
     dev.read_at(&mut head[..len], 0).ok()?;
-    if Engine::read_superblock(&dev).is_ok() {
+    if Engine::read_superblock(dev).is_ok() {
         return Some("birchfs");
     }
     if len > 0x438 + 2 && head[0x438] == 0x53 && head[0x439] == 0xef {
@@ -355,7 +400,7 @@ fn existing_signature(path: &Path) -> Option<&'static str> {
     None
 }
 
-fn mkfs(image: &Path, size: Option<&str>, label: String, force: bool) -> ExitCode {
+fn mkfs(image: &Path, size: Option<&str>, label: String, force: bool, ceph: &CephArgs) -> ExitCode {
     let size = match size.map(parse_size) {
         Some(None) => {
             return fail(format!(
@@ -365,6 +410,11 @@ fn mkfs(image: &Path, size: Option<&str>, label: String, force: bool) -> ExitCod
         Some(Some(s)) => Some(s),
         None => None,
     };
+    match RbdSpec::from_path(image) {
+        Ok(Some(spec)) => return mkfs_rbd(&spec, image, size, label, force, ceph),
+        Ok(None) => {}
+        Err(e) => return fail(e),
+    }
     if size.is_none() && !image.exists() {
         return fail(format!(
             "{}: does not exist; give --size to create an image file",
@@ -400,6 +450,61 @@ fn mkfs(image: &Path, size: Option<&str>, label: String, force: bool) -> ExitCod
             ExitCode::SUCCESS
         }
         Err(e) => fail(e),
+    }
+}
+
+/// `birch mkfs rbd:POOL/IMAGE`: creates the image (layering and exclusive-lock set
+/// explicitly) when --size is given and it does not exist, then formats it under the image
+/// lock; an existing birchfs (or other filesystem) only with --force.
+fn mkfs_rbd(
+    spec: &RbdSpec,
+    image: &Path,
+    size: Option<u64>,
+    label: String,
+    force: bool,
+    ceph: &CephArgs,
+) -> ExitCode {
+    let options = ceph.image_options("mkfs");
+    let created = match size {
+        Some(size) => match create_rbd_image(spec, size, &options.ceph) {
+            Ok(created) => created,
+            Err(e) => return fail(e),
+        },
+        None => false,
+    };
+    let device = match open_image(image, OpenMode::ReadWrite, &options) {
+        Ok(d) => d,
+        Err(e) => return fail(e),
+    };
+    if !created {
+        if let Some(size) = size.filter(|s| *s != device.size_bytes()) {
+            eprintln!(
+                "birch: {spec} exists with {} bytes, not {size}: formatting it at its own size (rbd resize changes it)",
+                device.size_bytes()
+            );
+        }
+        if !force {
+            if let Some(kind) = signature_of(&*device) {
+                return fail(format!(
+                    "{spec}: holds a {kind} filesystem; use --force to overwrite it"
+                ));
+            }
+        }
+    }
+    let result = Filesystem::mkfs(
+        device,
+        &MkfsOptions {
+            label,
+            log_bytes: 0,
+        },
+    );
+    match result {
+        Ok(()) => {
+            let how = if created { "created and made" } else { "made" };
+            println!("birch: {how} a birchfs filesystem on {spec}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(format!("{spec}: {e}")),
     }
 }
 
@@ -485,13 +590,13 @@ fn list_fsck_passes() -> ExitCode {
     ExitCode::SUCCESS
 }
 
-fn fsck(image: &Path, data: bool, force: bool) -> ExitCode {
+fn fsck(image: &Path, data: bool, force: bool, ceph: &CephArgs) -> ExitCode {
     let mode = if force {
         OpenMode::ReadOnlyUnlocked
     } else {
         OpenMode::ReadOnly
     };
-    let device = match FileDevice::open(image, mode) {
+    let device = match open_image(image, mode, &ceph.image_options("fsck")) {
         Ok(d) => d,
         Err(e) => {
             eprintln!("birch fsck: {e}");
@@ -502,7 +607,6 @@ fn fsck(image: &Path, data: bool, force: bool) -> ExitCode {
     let spinner = indicatif::ProgressBar::new_spinner();
     spinner.set_message(format!("checking {}", image.display()));
     spinner.enable_steady_tick(std::time::Duration::from_millis(120));
-    let device: Arc<dyn BlockDevice> = Arc::new(device);
     let result = check(&*device, CheckOptions { data });
     // With fsyncs logged since the last commit, also check what the next mount will see: the
     // log replayed in memory (the image is not written).
@@ -564,9 +668,13 @@ fn fsck(image: &Path, data: bool, force: bool) -> ExitCode {
     }
 }
 
-fn inspect(image: &Path, what: &[String]) -> ExitCode {
-    let device = match FileDevice::open(image, OpenMode::ReadOnlyUnlocked) {
-        Ok(d) => Arc::new(d),
+fn inspect(image: &Path, what: &[String], ceph: &CephArgs) -> ExitCode {
+    let device = match open_image(
+        image,
+        OpenMode::ReadOnlyUnlocked,
+        &ceph.image_options("inspect"),
+    ) {
+        Ok(d) => d,
         Err(e) => return fail(e),
     };
     let (sb, notes) = match Engine::read_superblock(&*device) {

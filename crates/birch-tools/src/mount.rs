@@ -6,7 +6,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use birch_core::device::{FileDevice, OpenMode};
+use birch_core::device::{
+    is_rbd_path, open_image, CephOptions, FileDevice, ImageOptions, LocalLock, OpenMode, RbdSpec,
+    RBD_SUPPORTED,
+};
 use birch_core::vfs::{AtimeMode, FsyncMode};
 use birch_core::{Filesystem, OpenOptions};
 use birch_fuse::{BirchFuse, FuseOptions};
@@ -42,6 +45,8 @@ struct MountConfig {
     bench_serialize_sync_writes: bool,
     bench_global_objectid_lock: bool,
     bench_apply_per_item: bool,
+    /// Cluster access for an `rbd:` image (`ceph_id=`, `ceph_conf=`, `keyring=`).
+    ceph: CephOptions,
 }
 
 /// Default number of FUSE request loops (`threads=`): one per CPU, at least 2, at most 8.
@@ -73,6 +78,9 @@ pub(crate) const MOUNT_OPTIONS: &[(&str, &str)] = &[
     ("bench_serialize_sync_writes", "Benchmark only, never for use (seed 001's \"before\"): synchronous and direct writes to one file are serialized in the daemon for the write and its flush. Off by default."),
     ("bench_global_objectid_lock", "Benchmark only, never for use (seed 002's \"before\"): every create takes its object id under one mutex, with no batch of ids per thread. Off by default."),
     ("bench_apply_per_item", "Benchmark only, never for use (seed 003's \"before\"): a commit deletes and inserts each changed extent item in a B-tree descent of its own instead of one descent per leaf. Off by default."),
+    ("ceph_id=ID", "rbd: images: the Ceph client id to connect as, without client. (as rbd --id; default admin, or --id in CEPH_ARGS)."),
+    ("ceph_conf=PATH", "rbd: images: the ceph.conf to read (default: CEPH_CONF, then /etc/ceph/ceph.conf)."),
+    ("keyring=PATH", "rbd: images: the keyring holding the client's key (default: as ceph.conf says)."),
     ("defaults", "Accepted and ignored, as are auto, noauto, user, nouser, users, nofail, _netdev, async and default_permissions: mount(8) and fstab handle them."),
 ];
 
@@ -99,6 +107,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         bench_serialize_sync_writes: false,
         bench_global_objectid_lock: false,
         bench_apply_per_item: false,
+        ceph: CephOptions::default(),
     };
     for opt in raw
         .iter()
@@ -114,6 +123,9 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
                 .filter(|n| *n >= 0.0)
                 .ok_or_else(|| format!("option {opt}: needs a non-negative number"))
         };
+        if c.ceph.take_mount_option(key, value)? {
+            continue;
+        }
         match key {
             "ro" => c.read_only = true,
             "rw" => c.read_only = false,
@@ -311,7 +323,14 @@ fn preflight(image: &Path, mountpoint: &Path) -> Result<Option<String>, String> 
         }
         Ok(_) => {}
     }
-    if !image.exists() {
+    if is_rbd_path(image) {
+        // Checked here, in the parent, without connecting: librados threads would not survive
+        // the daemon's fork, and the daemon (a new process) reports cluster errors itself.
+        RbdSpec::from_path(image).map_err(|e| e.to_string())?;
+        if !RBD_SUPPORTED {
+            return Err(format!("{}: birch was built without RBD support (rebuild with `cargo build --release --features rbd`)", image.display()));
+        }
+    } else if !image.exists() {
         return Err(format!("{}: image does not exist", image.display()));
     }
     if !Path::new("/dev/fuse").exists() {
@@ -329,6 +348,11 @@ fn preflight(image: &Path, mountpoint: &Path) -> Result<Option<String>, String> 
     // a bind mount of it, since the kernel cannot give one FUSE connection a second superblock.
     // A mount whose daemon is gone is an error; a daemon still finishing its final commit after
     // an unmount is waited for (the image lock), so an immediate remount works.
+    // An RBD image is never shared this way yet: a second mount on this host is refused by the
+    // image lock like one on another host.
+    if is_rbd_path(image) {
+        return Ok(None);
+    }
     if let Some(at) = mount_of_source(&canonical(image)) {
         return match FileDevice::open(image, OpenMode::ReadOnly) {
             Err(e) if e.kind() == std::io::ErrorKind::ResourceBusy => Ok(Some(at)),
@@ -449,6 +473,9 @@ fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String]) -> ExitCode {
         Err(e) => return fail(format!("cannot start the mount daemon: {e}")),
     };
     let started = Instant::now();
+    // What the daemon said so far is passed on while it waits (for a lock, or for a dead RBD
+    // holder's watch to expire), so a slow mount says why.
+    let mut shown = 0;
     loop {
         if mounted_source(mountpoint).is_some() {
             let _ = std::fs::remove_file(&log_path);
@@ -457,7 +484,7 @@ fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String]) -> ExitCode {
         if let Ok(Some(status)) = child.try_wait() {
             let text = std::fs::read_to_string(&log_path).unwrap_or_default();
             let _ = std::fs::remove_file(&log_path);
-            eprint!("{text}");
+            eprint!("{}", text.get(shown..).unwrap_or_default());
             return fail(format!(
                 "mount daemon exited ({status}) before the mount was live"
             ));
@@ -468,6 +495,14 @@ fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String]) -> ExitCode {
                 image.display(),
                 log_path.display()
             ));
+        }
+        if started.elapsed() > Duration::from_secs(1) {
+            let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+            // Whole lines only, so the rest is printed once at exit.
+            if let Some(end) = text.get(shown..).and_then(|t| t.rfind('\n')) {
+                eprint!("{}", &text[shown..shown + end + 1]);
+                shown += end + 1;
+            }
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -485,7 +520,21 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
         bench_global_objectid_lock: config.bench_global_objectid_lock,
         bench_apply_per_item: config.bench_apply_per_item,
     };
-    let fs = match Filesystem::open(image, options) {
+    let mode = if config.read_only {
+        OpenMode::ReadOnlyWait
+    } else {
+        OpenMode::ReadWriteWait
+    };
+    let image_options = ImageOptions {
+        ceph: config.ceph.clone(),
+        holder: format!("mount at {}", canonical(mountpoint).display()),
+    };
+    // The device's errors name the image already (path or rbd: spec).
+    let device = match open_image(image, mode, &image_options) {
+        Ok(d) => d,
+        Err(e) => return fail(e),
+    };
+    let fs = match Filesystem::open_device(device, options) {
         Ok(fs) => Arc::new(fs),
         Err(e) => return fail(format!("{}: {e}", image.display())),
     };
@@ -900,6 +949,11 @@ pub fn umount(mountpoint: &Path) -> ExitCode {
 }
 
 fn wait_for_release(image: &Path) -> ExitCode {
+    match RbdSpec::from_path(image) {
+        Ok(Some(spec)) => return wait_for_rbd_release(&spec),
+        Ok(None) => {}
+        Err(e) => return fail(e),
+    }
     let started = Instant::now();
     let mut told = false;
     loop {
@@ -919,6 +973,24 @@ fn wait_for_release(image: &Path) -> ExitCode {
             return fail(format!("{}: still held after 300 s", image.display()));
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// After unmounting an `rbd:` image: waits for the daemon on this host to release it (its
+/// [`LocalLock`], held until the image lock is released and the image closed); `birch umount`
+/// has no cluster credentials of its own.
+fn wait_for_rbd_release(spec: &RbdSpec) -> ExitCode {
+    match LocalLock::wait_released(spec, Duration::from_secs(3)) {
+        Ok(true) => return ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("birch: waiting for the daemon to finish its final commit of {spec}")
+        }
+        Err(e) => return fail(e),
+    }
+    match LocalLock::wait_released(spec, Duration::from_secs(300)) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => fail(format!("{spec}: still held after 300 s")),
+        Err(e) => fail(e),
     }
 }
 
@@ -1114,6 +1186,7 @@ impl InProcessMount {
             bench_serialize_sync_writes: false,
             bench_global_objectid_lock: false,
             bench_apply_per_item: false,
+            ceph: CephOptions::default(),
         };
         let mut fuse_config = Config::default();
         fuse_config.acl = SessionACL::Owner;

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use birch_core::device::{BlockDevice, FileDevice, OpenMode};
+use birch_core::device::{open_image, BlockDevice, ImageOptions, OpenMode};
 use birch_core::scrub::{
     scrub, ImageViews, ScrubOptions, ScrubProgress, ViewSource, ONLINE_RATE_DEFAULT_BYTES_PER_SEC,
 };
@@ -74,8 +74,13 @@ fn offline(image: &Path, rate: Option<u64>, force: bool) -> Result<Value, String
     } else {
         OpenMode::ReadOnly
     };
+    // An rbd: image reaches the cluster as `rbd` does without options (CEPH_CONF, CEPH_ARGS).
+    let holder = ImageOptions {
+        holder: "scrub".into(),
+        ..Default::default()
+    };
     let device: Arc<dyn BlockDevice> =
-        Arc::new(FileDevice::open(image, mode).map_err(|e| e.to_string())?);
+        open_image(image, mode, &holder).map_err(|e| e.to_string())?;
     let views = ImageViews::open(device).map_err(|e| e.to_string())?;
     let pending = views.pending_log_records();
     if pending > 0 {

@@ -132,7 +132,7 @@ fn with_path(e: io::Error, path: &Path, what: &str) -> io::Error {
 
 /// Takes the image lock: flock (per open file, so a second open in one process is refused
 /// too) plus a POSIX record lock whose holder's pid F_GETLK can report.
-fn lock_image(file: &File, path: &Path, writable: bool, wait: bool) -> io::Result<()> {
+pub(super) fn lock_image(file: &File, path: &Path, writable: bool, wait: bool) -> io::Result<()> {
     let fd = file.as_raw_fd();
     let started = Instant::now();
     let mut told = false;

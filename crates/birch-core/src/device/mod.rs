@@ -3,8 +3,9 @@
 //! Owns: aligned reads and writes of whole blocks, flush, device size, and the exclusive lock
 //! on an image. Implemented for image files and block devices ([`FileDevice`], O_DIRECT so the
 //! host page cache never holds our data) and for memory ([`MemDevice`], which can forget
-//! unflushed writes to simulate power loss), and the shutdown [`Fence`] the engine puts in
-//! front of either.
+//! unflushed writes to simulate power loss), for Ceph RBD images (`RbdDevice`, through
+//! librbd, with the `rbd` cargo feature; `rbd:POOL/IMAGE` names one, see [`open_image`]), and
+//! the shutdown [`Fence`] the engine puts in front of any of them.
 //!
 //! Must not touch: checksums, nodes, trees. It never holds a caller's lock and never decides
 //! when to flush: callers do.
@@ -13,13 +14,23 @@ mod fence;
 mod file;
 mod mem;
 mod overlay;
+#[cfg(feature = "rbd")]
+mod rbd;
+#[cfg(feature = "rbd")]
+mod rbd_ffi;
+mod rbd_spec;
 
 pub use fence::Fence;
 pub use file::{FileDevice, OpenMode};
 pub use mem::{MemDevice, Recorded};
 pub use overlay::OverlayDevice;
+#[cfg(feature = "rbd")]
+pub use rbd::{RbdDevice, RbdOpenOptions, HOLDER_KEY};
+pub use rbd_spec::{check_rbd_layout, is_rbd_path, CephOptions, LocalLock, RbdSpec, RBD_PREFIX};
 
 use std::io;
+use std::path::Path;
+use std::sync::Arc;
 
 use crate::counters::Counters;
 
@@ -38,6 +49,77 @@ pub trait BlockDevice: Send + Sync {
     fn size_bytes(&self) -> u64;
     /// I/O counters of this device.
     fn counters(&self) -> &Counters;
+}
+
+/// Whether this build can open RBD images (the `rbd` cargo feature).
+pub const RBD_SUPPORTED: bool = cfg!(feature = "rbd");
+
+/// What opening an image needs besides its name and mode: cluster access for an RBD image,
+/// and what the opener is, recorded on the image while it holds it ("mount at /mnt/x").
+/// Ignored for image files and block devices.
+#[derive(Debug, Clone, Default)]
+pub struct ImageOptions {
+    /// How to reach the Ceph cluster.
+    pub ceph: CephOptions,
+    /// What holds the image (shown to a refused second user).
+    pub holder: String,
+}
+
+/// Opens an image argument: `rbd:POOL[/NAMESPACE]/IMAGE[@SNAP]` as an RBD image, anything
+/// else as an image file or block device ([`FileDevice`]). May do I/O (network I/O for RBD)
+/// and block for the image lock in the waiting modes.
+pub fn open_image(
+    path: &Path,
+    mode: OpenMode,
+    options: &ImageOptions,
+) -> io::Result<Arc<dyn BlockDevice>> {
+    match RbdSpec::from_path(path)? {
+        None => Ok(Arc::new(FileDevice::open(path, mode)?)),
+        Some(spec) => open_rbd(&spec, mode, options),
+    }
+}
+
+#[cfg(feature = "rbd")]
+fn open_rbd(
+    spec: &RbdSpec,
+    mode: OpenMode,
+    options: &ImageOptions,
+) -> io::Result<Arc<dyn BlockDevice>> {
+    let options = RbdOpenOptions {
+        ceph: options.ceph.clone(),
+        holder: options.holder.clone(),
+    };
+    Ok(Arc::new(RbdDevice::open(spec, mode, &options)?))
+}
+
+#[cfg(not(feature = "rbd"))]
+fn open_rbd(
+    spec: &RbdSpec,
+    _mode: OpenMode,
+    _options: &ImageOptions,
+) -> io::Result<Arc<dyn BlockDevice>> {
+    Err(no_rbd(spec))
+}
+
+/// Creates an RBD image of `size_bytes` with the features birch needs (layering,
+/// exclusive-lock); `Ok(false)` when it exists already (untouched).
+pub fn create_rbd_image(spec: &RbdSpec, size_bytes: u64, ceph: &CephOptions) -> io::Result<bool> {
+    #[cfg(feature = "rbd")]
+    return rbd::create_image(spec, size_bytes, ceph);
+    #[cfg(not(feature = "rbd"))]
+    {
+        let _ = (size_bytes, ceph);
+        Err(no_rbd(spec))
+    }
+}
+
+/// The error for an `rbd:` image in a build without the `rbd` feature.
+#[cfg(not(feature = "rbd"))]
+fn no_rbd(spec: &RbdSpec) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        format!("{spec}: birch was built without RBD support (rebuild with `cargo build --release --features rbd`, which needs librbd-dev and librados-dev)"),
+    )
 }
 
 /// Checks that an I/O is block aligned and inside the device.

@@ -30,7 +30,9 @@ use birch_format::{ItemType, Key, BLOCK_SIZE, ROOT_OBJECTID};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::counters::CachePadded;
-use crate::device::{BlockDevice, FileDevice, OpenMode};
+use crate::device::{
+    create_rbd_image, open_image, BlockDevice, CephOptions, ImageOptions, OpenMode, RbdSpec,
+};
 use crate::error::{Error, Result};
 use crate::items;
 use crate::readonly::ReadOnlyCause;
@@ -427,8 +429,15 @@ impl Filesystem {
 
     /// Makes a new filesystem in an image file (created or extended to `size_bytes` when
     /// given) or on a block device.
+    /// An `rbd:POOL/IMAGE` path names a Ceph RBD image (created with `size_bytes` when it
+    /// does not exist; cluster access from the environment, as `rbd` has it).
     pub fn mkfs_path(path: &Path, size_bytes: Option<u64>, options: &MkfsOptions) -> Result<()> {
-        if let Some(size) = size_bytes {
+        if let Some(spec) = RbdSpec::from_path(path).map_err(|e| Error::io("mkfs", e))? {
+            if let Some(size) = size_bytes {
+                create_rbd_image(&spec, size, &CephOptions::default())
+                    .map_err(|e| Error::io("mkfs", e))?;
+            }
+        } else if let Some(size) = size_bytes {
             let file = std::fs::OpenOptions::new()
                 .create(true)
                 .write(true)
@@ -443,12 +452,13 @@ impl Filesystem {
                     .map_err(|e| Error::io(format!("{}: set size {size}", path.display()), e))?;
             }
         }
-        let device =
-            FileDevice::open(path, OpenMode::ReadWrite).map_err(|e| Error::io("mkfs", e))?;
-        Filesystem::mkfs(Arc::new(device), options)
+        let device = open_image(path, OpenMode::ReadWrite, &ImageOptions::default())
+            .map_err(|e| Error::io("mkfs", e))?;
+        Filesystem::mkfs(device, options)
     }
 
-    /// Opens the filesystem in an image file or on a block device.
+    /// Opens the filesystem in an image file, on a block device or (`rbd:POOL/IMAGE`, with
+    /// cluster access from the environment) on a Ceph RBD image.
     pub fn open(path: &Path, options: OpenOptions) -> Result<Filesystem> {
         let mode = match (options.read_only, options.wait_for_lock) {
             (true, false) => OpenMode::ReadOnly,
@@ -456,8 +466,9 @@ impl Filesystem {
             (false, true) => OpenMode::ReadWriteWait,
             (false, false) => OpenMode::ReadWrite,
         };
-        let device = FileDevice::open(path, mode).map_err(|e| Error::io("open image", e))?;
-        Filesystem::open_device(Arc::new(device), options)
+        let device = open_image(path, mode, &ImageOptions::default())
+            .map_err(|e| Error::io("open image", e))?;
+        Filesystem::open_device(device, options)
     }
 
     /// Opens the filesystem on any device; reclaims orphans left by a crash.
