@@ -4,7 +4,7 @@
 #   2b. the Debian package: build, install, mkfs/mount -a/fsck through it, purge
 #   3. mount tests on a real FUSE mount, the NFS export through ganesha   4. pjdfstest (birch and the kernel ext4 baseline)
 #   5. fsx (3 seeds x 20,000 ops), xfstests generic/quick, the differential test against ext4
-#   6. benchmark harness in quick mode
+#   6. benchmark harness in quick mode   7. birch on a Ceph RBD image (single-node cluster)
 # Installs what the suites need (tests/posix/setup.sh). Needs root for tiers 3-6; without
 # /dev/fuse or root those tiers are skipped with a printed reason.
 set -uo pipefail
@@ -108,6 +108,13 @@ if [[ $can_mount == 1 ]]; then
   # produced numbers, never how big they are. BIRCH_BENCH_QUICK=0 leaves it out.
   if [[ ${BIRCH_BENCH_QUICK:-1} == 1 ]]; then
     tier "bench quick" bash bench/run.sh --quick
+  fi
+  # birch on a Ceph RBD image (issue 21): a single-node cluster on loopback (tests/rbd/; about
+  # 1.7 GB of memory, 3 GiB of disk, 2-4 minutes with the --features rbd build), mkfs, mount,
+  # fsync'd data across a remount and a kill -9, the second user refused, fsck. Last: it
+  # rebuilds target/release/birch with the rbd feature. BIRCH_RBD=0 leaves it out.
+  if [[ ${BIRCH_RBD:-1} == 1 ]]; then
+    tier "RBD on a single-node Ceph" bash tests/rbd/rbd-test.sh
   fi
 fi
 echo "=== summary"
