@@ -22,6 +22,7 @@ pub mod error;
 mod ids;
 pub mod log;
 pub mod readonly;
+pub mod repair;
 pub mod scrub;
 mod striped;
 pub mod txn;

@@ -683,6 +683,23 @@ impl Engine {
     /// Opens an existing image: reads the superblock, walks the tree to rebuild the free-space
     /// map, and returns the engine. May do much device I/O.
     pub fn open(device: Arc<dyn BlockDevice>) -> Result<Arc<Engine>> {
+        Engine::open_inner(device, None)
+    }
+
+    /// [`Engine::open`] for `fsck --repair` (DESIGN §13.4): an extent whose blocks lie
+    /// outside the device, in the reserved areas or on blocks a node or an earlier extent
+    /// holds does not fail the open; its key is returned instead, for the repair to delete.
+    /// Nodes must still all read.
+    pub fn open_for_repair(device: Arc<dyn BlockDevice>) -> Result<(Arc<Engine>, Vec<Key>)> {
+        let mut bad = Vec::new();
+        let engine = Engine::open_inner(device, Some(&mut bad))?;
+        Ok((engine, bad))
+    }
+
+    fn open_inner(
+        device: Arc<dyn BlockDevice>,
+        bad_extents: Option<&mut Vec<Key>>,
+    ) -> Result<Arc<Engine>> {
         let (superblock, notes) = Engine::read_superblock(&*device)?;
         for note in notes {
             log::warn!("{note}");
@@ -707,7 +724,7 @@ impl Engine {
             Some(replay),
         );
         let mut seen = HashMap::new();
-        engine.rebuild_allocator(&mut seen)?;
+        engine.rebuild_allocator(&mut seen, bad_extents)?;
         engine.keep_backup_trees(&mut seen);
         Ok(engine)
     }
@@ -820,7 +837,11 @@ impl Engine {
 
     /// Marks every node and every extent the committed tree references as used, and records
     /// each node's address and generation in `seen`.
-    fn rebuild_allocator(&self, seen: &mut HashMap<u64, u64>) -> Result<()> {
+    fn rebuild_allocator(
+        &self,
+        seen: &mut HashMap<u64, u64>,
+        mut bad_extents: Option<&mut Vec<Key>>,
+    ) -> Result<()> {
         let root = self.state.read().snapshot.root;
         let ctx = self.ctx();
         let mut stack = vec![(root.addr, root.generation, root.level)];
@@ -846,15 +867,30 @@ impl Engine {
                         if key.kind() != Some(ItemType::ExtentData) {
                             continue;
                         }
-                        let extent =
-                            birch_format::items::FileExtent::decode(value).map_err(|e| {
-                                Error::corrupt(format!("extent {key} in node {addr:#x}"), e)
-                            })?;
+                        let extent = match birch_format::items::FileExtent::decode(value) {
+                            Ok(extent) => extent,
+                            Err(_) if bad_extents.is_some() => {
+                                if let Some(bad) = bad_extents.as_deref_mut() {
+                                    bad.push(*key);
+                                }
+                                continue;
+                            }
+                            Err(e) => {
+                                return Err(Error::corrupt(
+                                    format!("extent {key} in node {addr:#x}"),
+                                    e,
+                                ))
+                            }
+                        };
                         if let Some((disk, blocks)) = extent.disk_range() {
                             if disk.saturating_add(blocks * birch_format::BLOCK_SIZE)
                                 > self.alloc.total_blocks() * birch_format::BLOCK_SIZE
                                 || !self.alloc.mark_used(disk, blocks)
                             {
+                                if let Some(bad) = bad_extents.as_deref_mut() {
+                                    bad.push(*key);
+                                    continue;
+                                }
                                 return Err(Error::corrupt(
                                     format!("open: extent {key} in node {addr:#x}"),
                                     FormatError::invalid(
