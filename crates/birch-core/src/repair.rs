@@ -252,6 +252,8 @@ fn trial_view(
 #[derive(Default)]
 struct Facts {
     inodes: BTreeMap<u64, InodeItem>,
+    /// The inode items as the tree holds them, to write only those that changed.
+    original: BTreeMap<u64, InodeItem>,
     /// (dir, name) → entry, from dir items and dir indexes together.
     entries: BTreeMap<(u64, Vec<u8>), DirEntry>,
     /// (dir, name) → which halves exist: (dir item, dir index).
@@ -277,6 +279,7 @@ fn gather(engine: &Engine) -> Result<Facts> {
         }
         match item {
             Item::Inode(inode) => {
+                facts.original.insert(key.objectid, inode.clone());
                 facts.inodes.insert(key.objectid, inode);
             }
             Item::InodeRefs(refs) => facts.refs.entry(key.objectid).or_default().extend(refs),
@@ -754,17 +757,22 @@ fn fix_counts(txn: &WriteTxn<'_>, facts: &Facts, out: &mut RepairReport) -> bool
                 }
             }
         }
-        if fixed.nlink != inode.nlink {
-            out.actions.push(format!(
-                "{path}: link count {} -> {}",
-                inode.nlink, fixed.nlink
-            ));
+        // Compared with the tree's item: a change made above (a new entry's index) is
+        // written even when the counts agree.
+        let stored = facts.original.get(ino);
+        if let Some(stored) = stored {
+            if fixed.nlink != stored.nlink {
+                out.actions.push(format!(
+                    "{path}: link count {} -> {}",
+                    stored.nlink, fixed.nlink
+                ));
+            }
+            if fixed.size != stored.size {
+                out.actions
+                    .push(format!("{path}: size {} -> {}", stored.size, fixed.size));
+            }
         }
-        if fixed.size != inode.size {
-            out.actions
-                .push(format!("{path}: size {} -> {}", inode.size, fixed.size));
-        }
-        if fixed != *inode {
+        if stored != Some(&fixed) {
             txn.put(Key::new(*ino, ItemType::InodeItem, 0), fixed.encode());
             changed = true;
         }
