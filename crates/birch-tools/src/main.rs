@@ -119,8 +119,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Check an image (read-only). Refuses an image a live mount holds. Each finding is
-    /// printed with its kind and stable number, e.g. `NodeUnreadable [002]: ...`.
+    /// Check an image (read-only unless --repair or -p). Refuses an image a live mount
+    /// holds. Each finding is printed with its kind and stable number, e.g.
+    /// `NodeUnreadable [002]: ...`.
     Fsck {
         /// The image (not needed with --list-passes).
         #[arg(required_unless_present = "list_passes")]
