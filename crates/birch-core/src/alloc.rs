@@ -8,15 +8,21 @@
 //! node and every extent a file references is in use), so it reaches disk only through the
 //! commits that change those trees. Space freed in generation N is *pinned*: the engine hands
 //! it back with [`Allocator::release`] only after commit N is durable and no reader still walks
-//! the snapshot that referenced it, so committed state is never overwritten.
+//! the committed root that referenced it, so committed state is never overwritten. After that it is
+//! *deferred* ([`Allocator::defer`]): still unused by any search until commit N + K + 1 is
+//! durable, so the K older trees the superblock names as backups stay whole (DESIGN §13.2).
+//! Deferred space counts as free; an allocation that finds nothing else reclaims it at once,
+//! giving up those backups ([`Allocator::backup_floor`]).
 //!
 //! Concurrency (seed 002, ext4's `__ext4_new_inode`): each thread prefers its own group, so
 //! concurrent writers take space under different locks; a group lock is held only while bits
 //! are scanned, never across anything that blocks.
 
 use std::cell::Cell;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+use birch_format::superblock::BACKUP_ROOTS;
 use birch_format::BLOCK_SIZE;
 use parking_lot::Mutex;
 
@@ -113,7 +119,19 @@ pub struct Allocator {
     pinned_blocks: AtomicU64,
     /// Blocks promised to buffered data not yet allocated: other data may not take them.
     reserved: AtomicU64,
+    /// Ranges freed by a durable, unobserved commit, waiting for commit `freed_by + K + 1`:
+    /// (freed_by, addr, blocks). Set in the bitmap, counted in `free_blocks`.
+    deferred: Mutex<VecDeque<(u64, u64, u64)>>,
+    deferred_blocks: AtomicU64,
+    /// The newest commit whose frees a reclaim handed out early: trees older than it are no
+    /// longer whole and may not be named as backups.
+    backup_floor: AtomicU64,
 }
+
+/// Commits after the one that freed a range before the range may be reused: K + 1, because a
+/// tree is named as a backup by the K superblocks after it and the older of the two durable
+/// slots is one commit behind (DESIGN §13.2).
+pub const DEFER_COMMITS: u64 = BACKUP_ROOTS as u64 + 1;
 
 impl Allocator {
     /// An allocator for a device of `total_bytes` with everything free.
@@ -143,6 +161,9 @@ impl Allocator {
             pinned: Mutex::new(Vec::new()),
             pinned_blocks: AtomicU64::new(0),
             reserved: AtomicU64::new(0),
+            deferred: Mutex::new(VecDeque::new()),
+            deferred_blocks: AtomicU64::new(0),
+            backup_floor: AtomicU64::new(0),
         }
     }
 
@@ -151,7 +172,8 @@ impl Allocator {
         self.total_blocks
     }
 
-    /// Free blocks, pinned ones excluded.
+    /// Free blocks, pinned ones excluded, deferred ones included (an allocation takes them
+    /// when nothing else is left).
     pub fn free_blocks(&self) -> u64 {
         self.free_blocks.load(Ordering::Relaxed)
     }
@@ -224,7 +246,22 @@ impl Allocator {
             let mut g = group.lock();
             let rel = block - g.first_block;
             if g.is_used(rel) {
-                clean = false;
+                drop(g);
+                // A deferred block is free to the current tree (replay of a log written
+                // after a reclaim may claim one): it leaves the deferred list, and the
+                // backup tree it belonged to is no longer whole.
+                if self.undefer(block) {
+                    continue;
+                }
+                // A deferred range released meanwhile leaves the block free: take it.
+                let mut g = group.lock();
+                if g.is_used(rel) {
+                    clean = false;
+                } else {
+                    g.set(rel, true);
+                    g.free -= 1;
+                    self.free_blocks.fetch_sub(1, Ordering::Relaxed);
+                }
             } else {
                 g.set(rel, true);
                 g.free -= 1;
@@ -249,6 +286,22 @@ impl Allocator {
         if self.free_blocks().saturating_sub(floor) < min {
             return Err(Error::NoSpace(format!("allocate {min} {purpose:?} blocks")));
         }
+        if let Some(found) = self.search(min, max) {
+            return Ok(found);
+        }
+        if self.reclaim_deferred() {
+            if let Some(found) = self.search(min, max) {
+                return Ok(found);
+            }
+        }
+        Err(Error::NoSpace(format!(
+            "allocate {min} contiguous {purpose:?} blocks"
+        )))
+    }
+
+    /// One pass over the groups from this thread's preferred one: the first free run of
+    /// `min..=max` blocks, marked used.
+    fn search(&self, min: u64, max: u64) -> Option<(u64, u64)> {
         let count = self.groups.len();
         let preferred = PREFERRED_GROUP.with(|p| {
             if p.get() == usize::MAX {
@@ -268,11 +321,9 @@ impl Allocator {
             g.free -= len;
             g.hint = rel + len;
             self.free_blocks.fetch_sub(len, Ordering::Relaxed);
-            return Ok(((g.first_block + rel) * BLOCK_SIZE, len));
+            return Some(((g.first_block + rel) * BLOCK_SIZE, len));
         }
-        Err(Error::NoSpace(format!(
-            "allocate {min} contiguous {purpose:?} blocks"
-        )))
+        None
     }
 
     /// Like [`Allocator::allocate`], but first tries a run that starts exactly at `goal` (a
@@ -357,8 +408,145 @@ impl Allocator {
         }
     }
 
+    /// Defers ranges that commit `freed_by` freed and no reader holds any more: they stay
+    /// out of every search until commit `freed_by + DEFER_COMMITS` is durable
+    /// ([`Allocator::commit_durable`]) or a reclaim needs them, and count as free meanwhile.
+    pub fn defer(&self, freed_by: u64, ranges: &[(u64, u64)]) {
+        let blocks: u64 = ranges.iter().map(|(_, b)| b).sum();
+        let mut deferred = self.deferred.lock();
+        deferred.extend(ranges.iter().map(|(addr, b)| (freed_by, *addr, *b)));
+        self.deferred_blocks.fetch_add(blocks, Ordering::Relaxed);
+        self.free_blocks.fetch_add(blocks, Ordering::Relaxed);
+    }
+
+    /// At open: marks the blocks of `[addr, addr + blocks)` that no newer tree holds as used
+    /// and defers them as if commit `freed_by` had freed them (an older tree's own blocks,
+    /// DESIGN §13.3). Returns how many blocks it deferred.
+    pub fn defer_unused(&self, freed_by: u64, addr: u64, blocks: u64) -> u64 {
+        let first = addr / BLOCK_SIZE;
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for block in first..first.saturating_add(blocks) {
+            let Some(group) = self.group_of(block) else {
+                break;
+            };
+            let mut g = group.lock();
+            let rel = block - g.first_block;
+            if g.is_used(rel) {
+                continue;
+            }
+            g.set(rel, true);
+            g.free -= 1;
+            self.free_blocks.fetch_sub(1, Ordering::Relaxed);
+            match runs.last_mut() {
+                Some((start, len)) if *start + *len * BLOCK_SIZE == block * BLOCK_SIZE => *len += 1,
+                _ => runs.push((block * BLOCK_SIZE, 1)),
+            }
+        }
+        self.defer(freed_by, &runs);
+        runs.iter().map(|(_, b)| b).sum()
+    }
+
+    /// Commit `generation` is durable: ranges deferred by commits up to
+    /// `generation - DEFER_COMMITS` become free for searches.
+    pub fn commit_durable(&self, generation: u64) {
+        let ready: Vec<(u64, u64)> = {
+            let mut deferred = self.deferred.lock();
+            let mut ready = Vec::new();
+            deferred.retain(|(freed_by, addr, blocks)| {
+                if freed_by.saturating_add(DEFER_COMMITS) <= generation {
+                    ready.push((*addr, *blocks));
+                    false
+                } else {
+                    true
+                }
+            });
+            ready
+        };
+        self.clear_deferred(&ready);
+    }
+
+    /// Hands every deferred range to the searches now (the device is full otherwise), and
+    /// raises the backup floor past the commits that freed them. Returns whether there was
+    /// any.
+    pub fn reclaim_deferred(&self) -> bool {
+        let taken: Vec<(u64, u64, u64)> = self.deferred.lock().drain(..).collect();
+        if taken.is_empty() {
+            return false;
+        }
+        let newest = taken.iter().map(|(g, _, _)| *g).max().unwrap_or(0);
+        self.backup_floor.fetch_max(newest, Ordering::SeqCst);
+        let ranges: Vec<(u64, u64)> = taken.iter().map(|(_, a, b)| (*a, *b)).collect();
+        self.clear_deferred(&ranges);
+        log::info!(
+            "space: reclaimed {} deferred blocks; older backup roots up to generation {newest} given up",
+            ranges.iter().map(|(_, b)| b).sum::<u64>()
+        );
+        true
+    }
+
+    /// Clears the bits of deferred ranges (already counted in `free_blocks`).
+    fn clear_deferred(&self, ranges: &[(u64, u64)]) {
+        for (addr, blocks) in ranges {
+            let first = addr / BLOCK_SIZE;
+            for block in first..first + blocks {
+                let Some(group) = self.group_of(block) else {
+                    continue;
+                };
+                let mut g = group.lock();
+                let rel = block - g.first_block;
+                assert!(
+                    g.is_used(rel),
+                    "deferred block {block} is free: allocator state is wrong"
+                );
+                g.set(rel, false);
+                g.free += 1;
+            }
+            self.deferred_blocks.fetch_sub(*blocks, Ordering::Relaxed);
+        }
+    }
+
+    /// Takes one block out of the deferred list, if it is there: it becomes used (it stays
+    /// set in the bitmap and leaves the free count). Raises the backup floor past the commit
+    /// that freed it.
+    fn undefer(&self, block: u64) -> bool {
+        let addr = block * BLOCK_SIZE;
+        let mut deferred = self.deferred.lock();
+        let Some(index) = deferred
+            .iter()
+            .position(|(_, a, b)| *a <= addr && addr < a + b * BLOCK_SIZE)
+        else {
+            return false;
+        };
+        let Some((freed_by, start, blocks)) = deferred.remove(index) else {
+            return false;
+        };
+        let before = (addr - start) / BLOCK_SIZE;
+        if before > 0 {
+            deferred.push_back((freed_by, start, before));
+        }
+        if blocks > before + 1 {
+            deferred.push_back((freed_by, addr + BLOCK_SIZE, blocks - before - 1));
+        }
+        drop(deferred);
+        self.backup_floor.fetch_max(freed_by, Ordering::SeqCst);
+        self.deferred_blocks.fetch_sub(1, Ordering::Relaxed);
+        self.free_blocks.fetch_sub(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Blocks deferred (free, but kept out of searches for the backup trees).
+    pub fn deferred_blocks(&self) -> u64 {
+        self.deferred_blocks.load(Ordering::Relaxed)
+    }
+
+    /// Trees of a generation below this may have lost blocks to a reclaim: they may not be
+    /// named as backups. 0 while no reclaim happened.
+    pub fn backup_floor(&self) -> u64 {
+        self.backup_floor.load(Ordering::SeqCst)
+    }
+
     /// Un-counts pinned blocks once their release is scheduled (they are counted in
-    /// `pinned_blocks` from free until the engine hands them to a snapshot guard).
+    /// `pinned_blocks` from free until the engine hands them to a committed root's pin).
     pub fn unpin_count(&self, blocks: u64) {
         self.pinned_blocks.fetch_sub(blocks, Ordering::Relaxed);
     }
@@ -399,6 +587,64 @@ mod tests {
         let ranges = a.take_pinned(1);
         a.release(&ranges);
         assert_eq!(a.free_blocks(), total);
+    }
+
+    /// Deferred space (DESIGN §13.2) is counted free but no search finds it until commit
+    /// `freed_by + DEFER_COMMITS` is durable; when nothing else is left an allocation
+    /// reclaims it at once and the backup floor rises past the commit that freed it.
+    #[test]
+    fn deferred_space_waits_its_commits_and_is_reclaimed_when_full() {
+        let a = Allocator::new(64 << 20);
+        let total = a.free_blocks();
+        let (addr, len) = a.allocate(8, 8, Purpose::Metadata).expect("space");
+        a.defer(10, &[(addr, len)]);
+        assert_eq!(a.free_blocks(), total, "deferred space counts as free");
+        assert_eq!(a.deferred_blocks(), 8);
+        assert!(a.is_used(addr), "no search may find it");
+        a.commit_durable(10 + DEFER_COMMITS - 1);
+        assert!(a.is_used(addr), "one commit too early");
+        a.commit_durable(10 + DEFER_COMMITS);
+        assert!(!a.is_used(addr));
+        assert_eq!((a.free_blocks(), a.deferred_blocks()), (total, 0));
+        assert_eq!(a.backup_floor(), 0);
+
+        // Full device: everything allocated, then a range deferred by commit 20.
+        let mut held = Vec::new();
+        while let Ok(run) = a.allocate(1, 256, Purpose::Metadata) {
+            held.push(run);
+        }
+        assert_eq!(a.free_blocks(), 0);
+        let (addr, len) = held[0];
+        a.defer(20, &[(addr, len)]);
+        assert_eq!(a.free_blocks(), len);
+        let got = a.allocate(1, len, Purpose::Metadata).expect("reclaimed");
+        assert_eq!(got, (addr, len));
+        assert_eq!(a.backup_floor(), 20);
+        assert_eq!(a.deferred_blocks(), 0);
+    }
+
+    /// Replay of a log written after a reclaim may claim a block the open walk deferred for
+    /// a backup tree: it leaves the deferred list (never released under the file) and the
+    /// floor rises.
+    #[test]
+    fn marking_a_deferred_block_used_takes_it_out_of_the_list() {
+        let a = Allocator::new(64 << 20);
+        let bs = BLOCK_SIZE;
+        let base = 1 << 20;
+        assert_eq!(a.defer_unused(7, base, 4), 4);
+        assert!(
+            a.mark_used(base + bs, 1),
+            "a deferred block is free to the tree"
+        );
+        assert_eq!(a.deferred_blocks(), 3);
+        assert_eq!(a.backup_floor(), 7);
+        a.commit_durable(7 + DEFER_COMMITS);
+        assert!(a.is_used(base + bs));
+        assert!(!a.is_used(base) && !a.is_used(base + 2 * bs) && !a.is_used(base + 3 * bs));
+        assert!(
+            !a.mark_used(base + bs, 1),
+            "a used block is a double reference"
+        );
     }
 
     #[test]

@@ -263,6 +263,20 @@ pub const PASSES: [Pass; 9] = [
     },
 ];
 
+impl FindingKind {
+    /// Whether the kind says the tree itself is damaged (the `tree` pass): its nodes cannot
+    /// all be read or trusted, so no item repair can work on it (`fsck --repair` falls back
+    /// to an older root instead, DESIGN §13.4).
+    pub fn is_structural(self) -> bool {
+        matches!(
+            self,
+            FindingKind::NodeUnreadable
+                | FindingKind::NodeKeyOutOfRange
+                | FindingKind::PointerKeyMismatch
+        )
+    }
+}
+
 impl PassId {
     /// The pass's stable number.
     pub fn number(self) -> u8 {
@@ -376,8 +390,22 @@ pub fn check_replayed(device: Arc<dyn BlockDevice>, options: CheckOptions) -> Re
 /// Checks the committed state on `device`. Errors only when the image cannot be read at all
 /// (no valid superblock); every problem inside is a finding.
 pub fn check(device: &dyn BlockDevice, options: CheckOptions) -> Result<Report> {
+    check_with_root(device, None, options)
+}
+
+/// [`check`] of the tree at `root` instead of the newest superblock's `fs_root` (a backup
+/// root, for `fsck --repair`'s fallback; DESIGN §13.4). The other superblock fields are the
+/// newest copy's.
+pub fn check_with_root(
+    device: &dyn BlockDevice,
+    root: Option<birch_format::superblock::RootPtr>,
+    options: CheckOptions,
+) -> Result<Report> {
     let mut report = Report::default();
-    let (sb, notes) = Engine::read_superblock(device)?;
+    let (mut sb, notes) = Engine::read_superblock(device)?;
+    if let Some(root) = root {
+        sb.fs_root = root;
+    }
     for note in notes {
         report.add(
             FindingKind::SuperblockSlotBad,

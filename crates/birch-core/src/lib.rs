@@ -26,6 +26,7 @@ mod ids;
 pub mod items;
 pub mod log;
 pub mod readonly;
+pub mod repair;
 pub mod scrub;
 mod striped;
 pub mod txn;

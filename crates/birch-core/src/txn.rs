@@ -19,7 +19,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use birch_format::node::{Node, NodeBody};
 use birch_format::superblock::{
-    RootPtr, Superblock, RESERVED_HEAD_BYTES, SUPER_BYTES, SUPER_OFFSETS,
+    BackupRoot, RootPtr, Superblock, BACKUP_ROOTS, COMPAT_BACKUP_ROOTS, RESERVED_HEAD_BYTES,
+    SUPER_BYTES, SUPER_OFFSETS,
 };
 use birch_format::{
     FormatError, ItemType, Key, FIRST_FREE_OBJECTID, FORMAT_VERSION, FS_TREE_ID, NODE_BLOCKS,
@@ -141,9 +142,11 @@ pub struct MkfsOptions {
 /// Space released when no committed root that could still read it is held. The list of
 /// committed root N holds what commit N+1 freed; it also holds the list of root N+1 (`next`),
 /// so a list is dropped, and its space released, only after its own root and every older one
-/// are let go.
+/// are let go. Released space is deferred, not freed: see [`Allocator::defer`].
 struct ReleaseOnDrop {
     alloc: Arc<Allocator>,
+    /// The commit that freed `ranges` (the one after this list's committed root).
+    freed_by: AtomicU64,
     ranges: Mutex<Vec<(u64, u64)>>,
     next: Mutex<Option<Arc<ReleaseOnDrop>>>,
 }
@@ -152,6 +155,7 @@ impl ReleaseOnDrop {
     fn new(alloc: Arc<Allocator>) -> Arc<ReleaseOnDrop> {
         Arc::new(ReleaseOnDrop {
             alloc,
+            freed_by: AtomicU64::new(0),
             ranges: Mutex::new(Vec::new()),
             next: Mutex::new(None),
         })
@@ -160,7 +164,11 @@ impl ReleaseOnDrop {
 
 impl Drop for ReleaseOnDrop {
     fn drop(&mut self) {
-        self.alloc.release(&self.ranges.lock());
+        let ranges = std::mem::take(&mut *self.ranges.lock());
+        if !ranges.is_empty() {
+            self.alloc
+                .defer(self.freed_by.load(Ordering::SeqCst), &ranges);
+        }
     }
 }
 
@@ -457,7 +465,7 @@ impl Engine {
             label: options.label.clone(),
             generation: 0,
             incompat: 0,
-            compat: 0,
+            compat: COMPAT_BACKUP_ROOTS,
             ro_compat: 0,
             total_bytes,
             bytes_used: 0,
@@ -469,6 +477,7 @@ impl Engine {
             log_generation: 1,
             commit_time_sec: sec,
             commit_time_nsec: nsec,
+            backup_roots: Vec::new(),
         };
         let counters = Counters::default();
         let cache = NodeCache::new(4096);
@@ -676,6 +685,23 @@ impl Engine {
     /// Opens an existing image: reads the superblock, walks the tree to rebuild the free-space
     /// map, and returns the engine. May do much device I/O.
     pub fn open(device: Arc<dyn BlockDevice>) -> Result<Arc<Engine>> {
+        Engine::open_inner(device, None)
+    }
+
+    /// [`Engine::open`] for `fsck --repair` (DESIGN §13.4): an extent whose blocks lie
+    /// outside the device, in the reserved areas or on blocks a node or an earlier extent
+    /// holds does not fail the open; its key is returned instead, for the repair to delete.
+    /// Nodes must still all read.
+    pub fn open_for_repair(device: Arc<dyn BlockDevice>) -> Result<(Arc<Engine>, Vec<Key>)> {
+        let mut bad = Vec::new();
+        let engine = Engine::open_inner(device, Some(&mut bad))?;
+        Ok((engine, bad))
+    }
+
+    fn open_inner(
+        device: Arc<dyn BlockDevice>,
+        bad_extents: Option<&mut Vec<Key>>,
+    ) -> Result<Arc<Engine>> {
         let (superblock, notes) = Engine::read_superblock(&*device)?;
         for note in notes {
             log::warn!("{note}");
@@ -699,17 +725,131 @@ impl Engine {
             NodeCache::new(65536),
             Some(replay),
         );
-        engine.rebuild_allocator()?;
+        let mut seen = HashMap::new();
+        engine.rebuild_allocator(&mut seen, bad_extents)?;
+        engine.keep_backup_trees(&mut seen);
         Ok(engine)
     }
 
-    /// Marks every node and every extent the committed tree references as used.
-    fn rebuild_allocator(&self) -> Result<()> {
+    /// The backup trees of both slots, newest first (DESIGN §13.3): each one's blocks that no
+    /// newer tree holds are marked used and deferred as if the commit after it had freed them.
+    /// A tree that does not read whole is dropped from the superblock's list with a warning.
+    /// `seen` holds the nodes (address → generation) of the trees walked so far.
+    fn keep_backup_trees(&self, seen: &mut HashMap<u64, u64>) {
+        let current = self.superblock.lock().clone();
+        let mut roots = current.backup_roots.clone();
+        if let Some(other) = other_slot(&*self.device, &current) {
+            roots.push(BackupRoot {
+                generation: other.generation,
+                fs_root: other.fs_root,
+            });
+            roots.extend(other.backup_roots);
+        }
+        roots.sort_by_key(|b| std::cmp::Reverse(b.generation));
+        roots.dedup_by_key(|b| b.generation);
+        let mut whole = Vec::new();
+        for backup in roots {
+            if backup.generation >= current.generation {
+                continue;
+            }
+            match self.backup_tree_ranges(&backup, seen) {
+                Ok(ranges) => {
+                    for (addr, blocks) in ranges {
+                        self.alloc.defer_unused(backup.generation + 1, addr, blocks);
+                    }
+                    whole.push(backup.generation);
+                }
+                Err(e) => log::warn!(
+                    "open: backup root of generation {} is not whole and is dropped: {e}",
+                    backup.generation
+                ),
+            }
+        }
+        self.superblock
+            .lock()
+            .backup_roots
+            .retain(|b| whole.contains(&b.generation));
+    }
+
+    /// The nodes and extents of a backup tree that the trees walked before did not reach.
+    /// A node already seen at the same generation is shared with them, subtree and all; at
+    /// another generation its block was reused and the tree is not whole.
+    fn backup_tree_ranges(
+        &self,
+        backup: &BackupRoot,
+        seen: &mut HashMap<u64, u64>,
+    ) -> Result<Vec<(u64, u64)>> {
+        let ctx = self.ctx();
+        let total = self.alloc.total_blocks() * birch_format::BLOCK_SIZE;
+        let root = backup.fs_root;
+        let mut ranges = Vec::new();
+        let mut visited = Vec::new();
+        let mut stack = vec![(root.addr, root.generation, root.level)];
+        while let Some((addr, generation, level)) = stack.pop() {
+            match seen.get(&addr) {
+                Some(g) if *g == generation => continue,
+                Some(g) => {
+                    return Err(Error::corrupt(
+                        format!("backup generation {}", backup.generation),
+                        FormatError::invalid(
+                            format!("node {addr:#x}"),
+                            format!("generation {g} there now"),
+                            format!("generation {generation}"),
+                        ),
+                    ))
+                }
+                None => {}
+            }
+            let node = ctx.read(addr, generation, level)?;
+            visited.push((addr, generation));
+            ranges.push((addr, NODE_BLOCKS));
+            match &node.body {
+                NodeBody::Internal(ptrs) => {
+                    stack.extend(ptrs.iter().map(|p| (p.addr, p.generation, level - 1)))
+                }
+                NodeBody::Leaf(items) => {
+                    for (key, value) in items {
+                        if key.kind() != Some(ItemType::ExtentData) {
+                            continue;
+                        }
+                        let extent = birch_format::items::FileExtent::decode(value)
+                            .map_err(|e| Error::corrupt(format!("extent {key}"), e))?;
+                        if let Some((disk, blocks)) = extent.disk_range() {
+                            if disk < RESERVED_HEAD_BYTES
+                                || disk.saturating_add(blocks * birch_format::BLOCK_SIZE) > total
+                            {
+                                return Err(Error::corrupt(
+                                    format!("extent {key} in node {addr:#x}"),
+                                    FormatError::invalid(
+                                        format!("extent at {disk:#x} x {blocks} blocks"),
+                                        "outside the device",
+                                        "blocks inside the device",
+                                    ),
+                                ));
+                            }
+                            ranges.push((disk, blocks));
+                        }
+                    }
+                }
+            }
+        }
+        seen.extend(visited);
+        Ok(ranges)
+    }
+
+    /// Marks every node and every extent the committed tree references as used, and records
+    /// each node's address and generation in `seen`.
+    fn rebuild_allocator(
+        &self,
+        seen: &mut HashMap<u64, u64>,
+        mut bad_extents: Option<&mut Vec<Key>>,
+    ) -> Result<()> {
         let root = self.state.read().committed.root;
         let ctx = self.ctx();
         let mut stack = vec![(root.addr, root.generation, root.level)];
         while let Some((addr, generation, level)) = stack.pop() {
             let node = ctx.read(addr, generation, level)?;
+            seen.insert(addr, generation);
             if !self.alloc.mark_used(addr, NODE_BLOCKS) {
                 return Err(Error::corrupt(
                     format!("open: node {addr:#x} (generation {generation})"),
@@ -729,15 +869,30 @@ impl Engine {
                         if key.kind() != Some(ItemType::ExtentData) {
                             continue;
                         }
-                        let extent =
-                            birch_format::items::FileExtent::decode(value).map_err(|e| {
-                                Error::corrupt(format!("extent {key} in node {addr:#x}"), e)
-                            })?;
+                        let extent = match birch_format::items::FileExtent::decode(value) {
+                            Ok(extent) => extent,
+                            Err(_) if bad_extents.is_some() => {
+                                if let Some(bad) = bad_extents.as_deref_mut() {
+                                    bad.push(*key);
+                                }
+                                continue;
+                            }
+                            Err(e) => {
+                                return Err(Error::corrupt(
+                                    format!("extent {key} in node {addr:#x}"),
+                                    e,
+                                ))
+                            }
+                        };
                         if let Some((disk, blocks)) = extent.disk_range() {
                             if disk.saturating_add(blocks * birch_format::BLOCK_SIZE)
                                 > self.alloc.total_blocks() * birch_format::BLOCK_SIZE
                                 || !self.alloc.mark_used(disk, blocks)
                             {
+                                if let Some(bad) = bad_extents.as_deref_mut() {
+                                    bad.push(*key);
+                                    continue;
+                                }
                                 return Err(Error::corrupt(
                                     format!("open: extent {key} in node {addr:#x}"),
                                     FormatError::invalid(
@@ -1368,6 +1523,8 @@ impl Engine {
         let mut sb = self.superblock.lock().clone();
         let (sec, nsec) = now();
         sb.incompat |= self.incompat_wanted.load(Ordering::SeqCst);
+        sb.backup_roots = backups_after(&sb, self.alloc.backup_floor());
+        sb.compat |= COMPAT_BACKUP_ROOTS;
         sb.generation = generation;
         sb.fs_root = root;
         sb.next_objectid = self.next_objectid.load(Ordering::Relaxed);
@@ -1406,11 +1563,42 @@ impl Engine {
         };
         let freed = self.alloc.take_pinned(generation);
         self.alloc.unpin_count(freed.iter().map(|(_, b)| b).sum());
+        old.release.freed_by.store(generation, Ordering::SeqCst);
         old.release.ranges.lock().extend(freed);
+        self.alloc.commit_durable(generation);
         *old.release.next.lock() = Some(new_release);
         self.counters.add(|c| &c.commits, 1);
         Ok(())
     }
+}
+
+/// The other slot's superblock, when it decodes, sits in its own slot, shares the fsid, is
+/// older, and keeps backup roots; `None` otherwise.
+fn other_slot(device: &dyn BlockDevice, current: &Superblock) -> Option<Superblock> {
+    let slot = 1 - current.slot();
+    let mut bytes = vec![0u8; SUPER_BYTES];
+    device.read_at(&mut bytes, SUPER_OFFSETS[slot]).ok()?;
+    let other = Superblock::decode(&bytes, "other superblock slot").ok()?;
+    (other.slot() == slot
+        && other.fsid == current.fsid
+        && other.generation < current.generation
+        && other.compat & COMPAT_BACKUP_ROOTS != 0)
+        .then_some(other)
+}
+
+/// The backup roots the commit after `previous` names: `previous`'s own root, then its
+/// backups, newest first, at most [`BACKUP_ROOTS`], none below `floor` (a tree a reclaim may
+/// have broken, DESIGN §13.2).
+pub(crate) fn backups_after(previous: &Superblock, floor: u64) -> Vec<BackupRoot> {
+    let newest = BackupRoot {
+        generation: previous.generation,
+        fs_root: previous.fs_root,
+    };
+    std::iter::once(newest)
+        .chain(previous.backup_roots.iter().copied())
+        .filter(|b| b.generation >= floor && b.generation > 0)
+        .take(BACKUP_ROOTS)
+        .collect()
 }
 
 /// Runs its function when dropped (once).
@@ -1488,6 +1676,155 @@ mod tests {
 
     fn k(offset: u64) -> Key {
         Key::new(300, ItemType::ExtentData, offset)
+    }
+
+    /// Every item of the tree at `root`, read straight from the device (no node cache, so
+    /// an overwritten node shows): `None` when a node no longer verifies.
+    fn raw_items(
+        device: &dyn BlockDevice,
+        fsid: [u8; 16],
+        root: RootPtr,
+    ) -> Option<Vec<(Key, Vec<u8>)>> {
+        raw_tree(device, fsid, root).map(|(items, _)| items)
+    }
+
+    /// [`raw_items`] and the addresses of the tree's nodes.
+    fn raw_tree(
+        device: &dyn BlockDevice,
+        fsid: [u8; 16],
+        root: RootPtr,
+    ) -> Option<(Vec<(Key, Vec<u8>)>, Vec<u64>)> {
+        let mut items = Vec::new();
+        let mut nodes = Vec::new();
+        let mut stack = vec![(root.addr, root.generation, root.level)];
+        while let Some((addr, generation, level)) = stack.pop() {
+            let mut bytes = vec![0u8; NODE_SIZE];
+            device.read_at(&mut bytes, addr).ok()?;
+            nodes.push(addr);
+            let expect = birch_format::node::Expect {
+                fsid,
+                addr,
+                generation,
+                owner: FS_TREE_ID,
+                level: Some(level),
+            };
+            match Node::decode(&bytes, &expect).ok()?.body {
+                NodeBody::Internal(ptrs) => {
+                    stack.extend(ptrs.iter().map(|p| (p.addr, p.generation, level - 1)))
+                }
+                NodeBody::Leaf(leaf) => items.extend(leaf),
+            }
+        }
+        items.sort_by_key(|(key, _)| *key);
+        Some((items, nodes))
+    }
+
+    /// Whether no node of the tree at `root` is free in the allocator (so no commit may
+    /// write there).
+    fn tree_held(engine: &Engine, root: RootPtr) -> bool {
+        raw_tree(&**engine.device(), engine.fsid(), root)
+            .is_some_and(|(_, nodes)| nodes.iter().all(|a| engine.allocator().is_used(*a)))
+    }
+
+    /// Rewrites every one of `count` items with values of `round`, then commits.
+    fn rewrite_all(engine: &Engine, count: u64, round: u8) -> u64 {
+        let txn = engine.begin().expect("begin");
+        for i in 0..count {
+            txn.put(Key::new(1000 + i, ItemType::Xattr, 0), vec![round; 300]);
+        }
+        drop(txn);
+        engine.commit().expect("commit")
+    }
+
+    /// DESIGN §13.2: the K commits after generation N rewrite every item of the tree, and
+    /// generation N's tree is still whole on the device after each of them (no block of it
+    /// was reused), is named among the superblock's backup roots, and survives a reopen (the
+    /// open walk keeps it), its nodes never free in the allocator meanwhile. With
+    /// `DEFER_COMMITS` at 0 (checked by hand) tree N's nodes are free after commit N+2.
+    #[test]
+    fn the_k_commits_after_n_leave_tree_n_whole() {
+        // 6000 items of 300 bytes take about 960 blocks per tree (leaves half full after
+        // the rewrites); 32 MiB leaves about 7,100 blocks, room for the live tree, the
+        // K + 1 kept and the one being written, and little more, so the allocator wraps.
+        let dev: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(32 << 20));
+        drop(Engine::create(dev.clone(), &MkfsOptions::default(), Vec::new()).expect("create"));
+        let engine = Engine::open(dev.clone()).expect("open");
+        let fsid = engine.fsid();
+        let count = 6000;
+        let n = rewrite_all(&engine, count, 1);
+        let root_n = engine.superblock().fs_root;
+        let items_n = raw_items(&*dev, fsid, root_n).expect("tree N reads");
+        assert_eq!(items_n.len() as u64, count);
+        for round in 0..BACKUP_ROOTS as u8 {
+            let g = rewrite_all(&engine, count, 2 + round);
+            let sb = engine.superblock();
+            assert_eq!(sb.generation, g);
+            assert!(
+                sb.backup_roots
+                    .iter()
+                    .any(|b| b.generation == n && b.fs_root == root_n),
+                "superblock {g} names generation {n}: {:?}",
+                sb.backup_roots
+            );
+            assert!(
+                raw_items(&*dev, fsid, root_n).as_ref() == Some(&items_n),
+                "tree {n} after commit {g}"
+            );
+            assert!(tree_held(&engine, root_n), "tree {n} free after commit {g}");
+        }
+        drop(engine);
+        let engine = Engine::open(dev.clone()).expect("reopen");
+        assert!(
+            engine.allocator().deferred_blocks() > 0,
+            "the open walk defers backup-only blocks"
+        );
+        let sb = engine.superblock();
+        assert_eq!(sb.backup_roots.len(), BACKUP_ROOTS);
+        let oldest = sb.backup_roots[BACKUP_ROOTS - 1];
+        let items_oldest = raw_items(&*dev, fsid, oldest.fs_root).expect("oldest backup reads");
+        // Tree G is named by superblocks up to G+K, so it stays held until commit G+K+2
+        // is durable (DESIGN §13.2) and whole until then.
+        let held_until = oldest.generation + BACKUP_ROOTS as u64 + 1;
+        for round in 0..BACKUP_ROOTS as u8 {
+            let g = rewrite_all(&engine, count, 10 + round);
+            if g <= held_until + 1 {
+                assert!(
+                    raw_items(&*dev, fsid, oldest.fs_root).as_ref() == Some(&items_oldest),
+                    "backup {} after reopen and commit {g}",
+                    oldest.generation
+                );
+            }
+            if g <= held_until {
+                assert!(
+                    tree_held(&engine, oldest.fs_root),
+                    "backup free after commit {g}"
+                );
+            }
+        }
+    }
+
+    /// An image from before the flag (compat bit clear, backup bytes zero) opens; its first
+    /// commit by this build sets the flag and names the previous root.
+    #[test]
+    fn an_image_without_the_flag_opens_and_gains_it() {
+        let dev: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(16 << 20));
+        drop(Engine::create(dev.clone(), &MkfsOptions::default(), Vec::new()).expect("create"));
+        for offset in SUPER_OFFSETS {
+            let mut bytes = vec![0u8; SUPER_BYTES];
+            dev.read_at(&mut bytes, offset).expect("read");
+            let mut sb = Superblock::decode(&bytes, "slot").expect("decode");
+            sb.compat = 0;
+            sb.backup_roots.clear();
+            dev.write_at(&sb.encode(), offset).expect("write");
+        }
+        let engine = Engine::open(dev.clone()).expect("open an image without the flag");
+        assert!(engine.superblock().backup_roots.is_empty());
+        let before = engine.superblock();
+        rewrite_all(&engine, 10, 1);
+        let after = engine.superblock();
+        assert_ne!(after.compat & COMPAT_BACKUP_ROOTS, 0);
+        assert_eq!(after.backup_roots[0].generation, before.generation);
+        assert_eq!(after.backup_roots[0].fs_root, before.fs_root);
     }
 
     fn last(engine: &Engine, floor: u64, key: u64) -> Option<u64> {

@@ -23,8 +23,20 @@ pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_XATTR_CHUNKS;
 /// `XattrChunk` items, and an xattr list entry may say so (value length `0xFFFF`). Set by the
 /// first commit that holds such a value; an image without one keeps the bit clear.
 pub const INCOMPAT_XATTR_CHUNKS: u64 = 1;
-/// Compatible feature flags this build understands: none in v1. Unknown bits are ignored.
-pub const COMPAT_SUPPORTED: u64 = 0;
+/// Compatible feature flags this build understands. Unknown bits are ignored.
+pub const COMPAT_SUPPORTED: u64 = COMPAT_BACKUP_ROOTS;
+/// Compat bit 0: the superblock carries [`BACKUP_ROOTS`] backup roots (bytes 240 .. 336) and
+/// the trees they name are kept whole (reuse of freed space deferred, DESIGN §13.1). A build
+/// without the bit reads those bytes as zero and writes them as zero: it loses the safety
+/// net only. Read only when the bit is set, so images from before it open as they did.
+pub const COMPAT_BACKUP_ROOTS: u64 = 1;
+/// How many older roots each superblock names (K, DESIGN §13.1).
+pub const BACKUP_ROOTS: usize = 3;
+/// Byte offset of the first backup root entry in the superblock.
+pub const BACKUP_ROOTS_OFFSET: usize = 240;
+/// Encoded size of one backup root entry.
+pub const BACKUP_ROOT_BYTES: usize = 32;
+const _: () = assert!(BACKUP_ROOTS_OFFSET + BACKUP_ROOTS * BACKUP_ROOT_BYTES <= SUPER_BYTES);
 /// Read-only-compatible feature flags this build understands: none in v1. An unknown bit
 /// allows read-only use only; the writable open refuses it ([`Superblock::validate`] does not).
 pub const RO_COMPAT_SUPPORTED: u64 = 0;
@@ -38,6 +50,15 @@ pub struct RootPtr {
     pub generation: u64,
     /// Level of the root node (0 = leaf).
     pub level: u8,
+}
+
+/// An older commit's root, kept whole for a fallback (`fsck --repair`, DESIGN §13).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BackupRoot {
+    /// Generation of the commit (its superblock's generation).
+    pub generation: u64,
+    /// That commit's fs tree root.
+    pub fs_root: RootPtr,
 }
 
 /// The decoded superblock.
@@ -86,6 +107,9 @@ pub struct Superblock {
     pub commit_time_sec: i64,
     /// Nanoseconds of the commit time (not range-checked on decode).
     pub commit_time_nsec: u32,
+    /// Roots of older commits, newest first, at most [`BACKUP_ROOTS`]; stored only with
+    /// [`COMPAT_BACKUP_ROOTS`] (empty otherwise). Each names a generation below `generation`.
+    pub backup_roots: Vec<BackupRoot>,
 }
 
 const LABEL_BYTES: usize = 64;
@@ -129,6 +153,16 @@ impl Superblock {
         w.u64(self.log_generation);
         w.i64(self.commit_time_sec);
         w.u32(self.commit_time_nsec);
+        w.u32(0);
+        if self.compat & COMPAT_BACKUP_ROOTS != 0 {
+            for backup in self.backup_roots.iter().take(BACKUP_ROOTS) {
+                w.u64(backup.generation);
+                w.u64(backup.fs_root.addr);
+                w.u64(backup.fs_root.generation);
+                w.u8(backup.fs_root.level);
+                w.zeros(7);
+            }
+        }
         let mut bytes = w.into_bytes();
         bytes.resize(SUPER_BYTES, 0);
         let sum = checksum(&bytes[4..]);
@@ -183,7 +217,7 @@ impl Superblock {
             .position(|b| *b == 0)
             .unwrap_or(LABEL_BYTES);
         let label = String::from_utf8_lossy(&label_bytes[..label_len]).into_owned();
-        let sb = Superblock {
+        let mut sb = Superblock {
             version,
             block_size,
             node_size,
@@ -213,7 +247,28 @@ impl Superblock {
             log_generation: r.u64()?,
             commit_time_sec: r.i64()?,
             commit_time_nsec: r.u32()?,
+            backup_roots: Vec::new(),
         };
+        if sb.compat & COMPAT_BACKUP_ROOTS != 0 {
+            r.skip(4)?;
+            for _ in 0..BACKUP_ROOTS {
+                let generation = r.u64()?;
+                let addr = r.u64()?;
+                let root_generation = r.u64()?;
+                let level = r.u8()?;
+                r.skip(7)?;
+                if generation != 0 {
+                    sb.backup_roots.push(BackupRoot {
+                        generation,
+                        fs_root: RootPtr {
+                            addr,
+                            generation: root_generation,
+                            level,
+                        },
+                    });
+                }
+            }
+        }
         sb.validate(what)?;
         Ok(sb)
     }
@@ -275,6 +330,18 @@ impl Superblock {
                 format!("< {}", crate::MAX_LEVEL),
             ));
         }
+        if self.backup_roots.len() > BACKUP_ROOTS {
+            return Err(FormatError::invalid(
+                format!("{what} backup roots"),
+                self.backup_roots.len(),
+                format!("at most {BACKUP_ROOTS}"),
+            ));
+        }
+        let mut above = self.generation;
+        for (i, backup) in self.backup_roots.iter().enumerate() {
+            self.validate_backup(what, i, backup, above)?;
+            above = backup.generation;
+        }
         let log_end = self.log_start.checked_add(self.log_bytes);
         if self.log_bytes != 0
             && (self.log_start < RESERVED_HEAD_BYTES
@@ -284,6 +351,50 @@ impl Superblock {
                 format!("{what} log area"),
                 format!("{:#x}+{:#x}", self.log_start, self.log_bytes),
                 "inside the device",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Superblock {
+    /// One backup entry: a generation below the previous entry's (or the superblock's), a
+    /// root inside the device no newer than that generation, a level below the limit.
+    fn validate_backup(
+        &self,
+        what: &str,
+        index: usize,
+        backup: &BackupRoot,
+        above: u64,
+    ) -> Result<(), FormatError> {
+        let root = backup.fs_root;
+        let field = format!("{what} backup root {index}");
+        if backup.generation >= above {
+            return Err(FormatError::invalid(
+                format!("{field} generation"),
+                backup.generation,
+                format!("< {above} (newest first, below the superblock's)"),
+            ));
+        }
+        if root.addr % BLOCK_SIZE != 0
+            || root.addr < RESERVED_HEAD_BYTES
+            || root.addr.saturating_add(NODE_SIZE as u64) > self.total_bytes
+        {
+            return Err(FormatError::invalid(
+                format!("{field} address"),
+                format!("{:#x}", root.addr),
+                "a block-aligned address inside the device",
+            ));
+        }
+        if root.generation > backup.generation || root.level >= crate::MAX_LEVEL {
+            return Err(FormatError::invalid(
+                format!("{field} root"),
+                format!("generation {} level {}", root.generation, root.level),
+                format!(
+                    "generation <= {}, level < {}",
+                    backup.generation,
+                    crate::MAX_LEVEL
+                ),
             ));
         }
         Ok(())
@@ -324,7 +435,18 @@ impl fmt::Display for Superblock {
             f,
             "  commit time      {}.{:09}",
             self.commit_time_sec, self.commit_time_nsec
-        )
+        )?;
+        for backup in &self.backup_roots {
+            write!(
+                f,
+                "\n  backup root      generation {}: addr {:#x} generation {} level {}",
+                backup.generation,
+                backup.fs_root.addr,
+                backup.fs_root.generation,
+                backup.fs_root.level
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -357,7 +479,75 @@ mod tests {
             log_generation: 1,
             commit_time_sec: 1_700_000_000,
             commit_time_nsec: 5,
+            backup_roots: Vec::new(),
         }
+    }
+
+    fn with_backups() -> Superblock {
+        let mut sb = sample();
+        sb.compat = COMPAT_BACKUP_ROOTS;
+        sb.backup_roots = (0..3)
+            .map(|i| BackupRoot {
+                generation: 8 - i,
+                fs_root: RootPtr {
+                    addr: RESERVED_HEAD_BYTES + 4096 * (16 + i),
+                    generation: 7 - i,
+                    level: 1,
+                },
+            })
+            .collect();
+        sb
+    }
+
+    #[test]
+    fn backup_roots_round_trip_at_their_offset() {
+        let sb = with_backups();
+        let bytes = sb.encode();
+        assert_eq!(Superblock::decode(&bytes, "slot 1"), Ok(sb.clone()));
+        let at = BACKUP_ROOTS_OFFSET;
+        assert_eq!(bytes[at..at + 8], 8u64.to_le_bytes());
+        assert_eq!(
+            bytes[at + 8..at + 16],
+            (RESERVED_HEAD_BYTES + 4096 * 16).to_le_bytes()
+        );
+        assert_eq!(bytes[at + 16..at + 24], 7u64.to_le_bytes());
+        assert_eq!(bytes[at + 24], 1);
+        let third = at + 2 * BACKUP_ROOT_BYTES;
+        assert_eq!(bytes[third..third + 8], 6u64.to_le_bytes());
+        assert!(bytes[at + BACKUP_ROOTS * BACKUP_ROOT_BYTES..]
+            .iter()
+            .all(|b| *b == 0));
+    }
+
+    #[test]
+    fn backup_bytes_are_ignored_without_the_flag() {
+        // An older build never wrote them; with the flag clear they are not read.
+        let mut sb = with_backups();
+        let encoded = sb.encode();
+        sb.compat = 0;
+        let mut bytes = sb.encode();
+        bytes[BACKUP_ROOTS_OFFSET..BACKUP_ROOTS_OFFSET + 96]
+            .copy_from_slice(&encoded[BACKUP_ROOTS_OFFSET..BACKUP_ROOTS_OFFSET + 96]);
+        let sum = checksum(&bytes[4..]);
+        bytes[..4].copy_from_slice(&sum.to_le_bytes());
+        let decoded = Superblock::decode(&bytes, "slot 1");
+        assert_eq!(decoded.map(|s| s.backup_roots.len()), Ok(0));
+    }
+
+    #[test]
+    fn backups_out_of_order_or_outside_are_refused() {
+        let mut sb = with_backups();
+        sb.backup_roots.swap(0, 1);
+        assert!(Superblock::decode(&sb.encode(), "slot 1").is_err());
+        let mut sb = with_backups();
+        sb.backup_roots[0].generation = sb.generation;
+        assert!(Superblock::decode(&sb.encode(), "slot 1").is_err());
+        let mut sb = with_backups();
+        sb.backup_roots[2].fs_root.addr = sb.total_bytes;
+        assert!(Superblock::decode(&sb.encode(), "slot 1").is_err());
+        let mut sb = with_backups();
+        sb.backup_roots[1].fs_root.generation = 99;
+        assert!(Superblock::decode(&sb.encode(), "slot 1").is_err());
     }
 
     #[test]

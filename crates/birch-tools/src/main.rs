@@ -29,6 +29,7 @@ use birch_core::check::{check, check_replayed, CheckOptions, FindingKind, PassId
 use birch_core::device::{
     create_rbd_image, open_image, BlockDevice, CephOptions, ImageOptions, OpenMode, RbdSpec,
 };
+use birch_core::repair::{repair, RepairMode};
 use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::node::{Expect, Node};
 use birch_format::{FS_TREE_ID, NODE_SIZE};
@@ -39,7 +40,7 @@ use clap::{Parser, Subcommand};
     name = "birch",
     version,
     about = "birchfs: a copy-on-write B-tree filesystem in userspace",
-    after_help = "Exit codes: 0 success, 1 operation failed, 2 usage error; fsck: 0 clean, 4 errors found, 8 operational error; scrub: 0 clean, 1 damage found, 2 usage or operational error."
+    after_help = "Exit codes: 0 success, 1 operation failed, 2 usage error; fsck: 0 clean, 1 errors corrected (--repair, -p), 4 errors left, 8 operational error; scrub: 0 clean, 1 damage found, 2 usage or operational error."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -123,8 +124,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Check an image (read-only). Refuses an image a live mount holds. Each finding is
-    /// printed with its kind and stable number, e.g. `NodeUnreadable [002]: ...`.
+    /// Check an image (read-only unless --repair or -p). Refuses an image a live mount
+    /// holds. Each finding is printed with its kind and stable number, e.g.
+    /// `NodeUnreadable [002]: ...`.
     Fsck {
         /// The image (not needed with --list-passes).
         #[arg(required_unless_present = "list_passes")]
@@ -139,10 +141,22 @@ enum Command {
         /// Look at an image even while it is mounted (results may be inconsistent).
         #[arg(long)]
         force: bool,
-        /// Accepted for fsck(8), which passes -a, -p, -n, -y or -r on to fsck.birch; birch
-        /// fsck never writes, so each one only checks.
-        #[arg(short = 'a', short_aliases = ['p', 'y', 'n', 'r'])]
-        auto: bool,
+        /// Repair what the check finds (DESIGN §13.4): fall back to the newest whole backup
+        /// root when the newest tree is damaged, drop dangling names and extents on blocks
+        /// that are not the file's (every path that lost data is printed), reattach inodes
+        /// without names under /lost+found, recompute link counts and sizes. Each repair is a
+        /// copy-on-write commit. A pending fsync log is replayed first. -y and -r are the same.
+        #[arg(long, short = 'y', short_alias = 'r', conflicts_with_all = ["preen", "dry_run"])]
+        repair: bool,
+        /// Preen (fsck(8) -p, -a): fix only what loses nothing (link counts, directory sizes,
+        /// sizes that must cover their extents, stale orphan items, the missing half of a
+        /// name); anything else is reported and left (exit 4).
+        #[arg(long, short = 'p', short_alias = 'a', conflicts_with = "dry_run")]
+        preen: bool,
+        /// Dry run: do the whole repair on a copy in memory, print what it would do and what
+        /// a second check would find; the image is not written. Exit 0 clean, 4 errors.
+        #[arg(long = "dry-run", short = 'n')]
+        dry_run: bool,
         /// Accepted for fsck(8) (e2fsck's "check even if clean"): birch fsck always checks.
         #[arg(short = 'f', hide = true)]
         always: bool,
@@ -324,9 +338,26 @@ fn main() -> ExitCode {
             data,
             force,
             ceph,
+            repair,
+            preen,
+            dry_run,
             ..
         } => match image {
-            Some(image) if !list_passes => fsck(&image, data, force, &ceph),
+            Some(image) if !list_passes => {
+                let mode = if repair {
+                    Some(RepairMode::Full)
+                } else if preen {
+                    Some(RepairMode::Preen)
+                } else if dry_run {
+                    Some(RepairMode::DryRun)
+                } else {
+                    None
+                };
+                match mode {
+                    Some(mode) => fsck_repair(&image, data, force, mode, &ceph),
+                    None => fsck(&image, data, force, &ceph),
+                }
+            }
             _ => list_fsck_passes(),
         },
         Command::Scrub {
@@ -666,6 +697,84 @@ fn fsck(image: &Path, data: bool, force: bool, ceph: &CephArgs) -> ExitCode {
             ExitCode::from(8)
         }
     }
+}
+
+/// `birch fsck --repair`, `-p` / `-a`, `-n`: repairs (or, with -n, repairs a copy in
+/// memory), printing the findings before, each change, what was left, and the check after.
+/// Exit codes as fsck(8): 0 clean, 1 errors corrected, 4 errors left, 8 operational error.
+fn fsck_repair(
+    image: &Path,
+    data: bool,
+    force: bool,
+    mode: RepairMode,
+    ceph: &CephArgs,
+) -> ExitCode {
+    let open_mode = match (mode, force) {
+        (RepairMode::DryRun, true) => OpenMode::ReadOnlyUnlocked,
+        (RepairMode::DryRun, false) => OpenMode::ReadOnly,
+        _ => OpenMode::ReadWrite,
+    };
+    let device = match open_image(image, open_mode, &ceph.image_options("fsck")) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("birch fsck: {e}");
+            return ExitCode::from(8);
+        }
+    };
+    let report = match repair(device, mode, CheckOptions { data }) {
+        Ok(report) => report,
+        Err(e) => {
+            eprintln!("birch fsck: {}: repair failed: {e}", image.display());
+            return ExitCode::from(8);
+        }
+    };
+    let show = image.display();
+    for finding in &report.before.findings {
+        println!("{finding}");
+    }
+    println!(
+        "{show}: generation {}, {} findings before repair",
+        report
+            .before
+            .superblock
+            .as_ref()
+            .map_or(0, |s| s.generation),
+        report.before.findings.len()
+    );
+    let verb = if mode == RepairMode::DryRun {
+        "would repair"
+    } else {
+        "repaired"
+    };
+    for action in &report.actions {
+        println!("{verb}: {action}");
+    }
+    for lost in &report.lost {
+        println!("lost: {lost}");
+    }
+    for refused in &report.refused {
+        println!("left: {refused}");
+    }
+    if let Some(after) = &report.after {
+        for finding in &after.findings {
+            println!("after repair: {finding}");
+        }
+        println!(
+            "{show}: after repair: generation {}, {} findings",
+            after.superblock.as_ref().map_or(0, |s| s.generation),
+            after.findings.len()
+        );
+    }
+    let code = report.exit_code();
+    let code = match mode {
+        // A dry run corrected nothing on the image: its code is the check's.
+        RepairMode::DryRun if code == 1 => 4,
+        _ => code,
+    };
+    if code == 4 && mode == RepairMode::Preen {
+        eprintln!("birch fsck: {show}: errors left; run birch fsck --repair {show}");
+    }
+    ExitCode::from(code)
 }
 
 fn inspect(image: &Path, what: &[String], ceph: &CephArgs) -> ExitCode {

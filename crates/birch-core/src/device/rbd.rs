@@ -4,7 +4,7 @@
 //! device request. The engine's own ordering (nodes written, flush, superblock, flush) carries
 //! over unchanged, since `rbd_flush` returns only when every write that completed before it
 //! is on the OSDs, librbd's cache or not. Writes in flight (`rbd_aio_*`) come next
-//! (DESIGN §13).
+//! (DESIGN §14).
 //!
 //! One writer at a time: a locked open takes this host's [`LocalLock`] and then the image's
 //! exclusive lock (`rbd_lock_acquire`) before anything reads the superblock, after listing the

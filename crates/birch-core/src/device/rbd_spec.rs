@@ -190,7 +190,7 @@ fn strip_client(id: &str) -> &str {
 /// A log batch (a run of whole blocks holding records) can still span two objects; its
 /// checksum covers every byte, so a torn batch never verifies and replay ends before it, and
 /// its fsync was not acknowledged (the batch's flush had not completed). Aligning batches to
-/// objects needs a change in the log writer (next step, DESIGN §13).
+/// objects needs a change in the log writer (next step, DESIGN §14).
 pub fn check_rbd_layout(
     object_bytes: u64,
     stripe_unit_bytes: u64,
