@@ -935,9 +935,24 @@ mod tests {
         assert!(got + blocks * BLOCK_SIZE <= addr || got >= addr + 4 * BLOCK_SIZE);
         engine.allocator().free_now(got, blocks);
         engine.commit().expect("commit");
+        // Released by that commit, the space is deferred for the backup trees (DESIGN §13.2):
+        // still untouched by any search until DEFER_COMMITS more commits are durable.
+        assert!(
+            engine.allocator().is_used(addr),
+            "reusable while a backup tree may still read it"
+        );
+        for i in 0..crate::alloc::DEFER_COMMITS {
+            // A commit with nothing to write is no commit: give each one a change.
+            let other = data
+                .write_new(INO + 1, i * BLOCK_SIZE, &pattern(1, 9))
+                .expect("write");
+            data.replace_range(INO + 1, i * BLOCK_SIZE, BLOCK_SIZE, other, false)
+                .expect("record");
+            engine.commit().expect("commit");
+        }
         assert!(
             !engine.allocator().is_used(addr),
-            "not released after the commit"
+            "not released after the deferral"
         );
         assert_eq!(
             engine.allocate_data_near(addr, 1, 4).expect("reuse"),
