@@ -18,11 +18,14 @@ use birch_format::items::{
     self, DirEntry, ExtentKind, FileExtent, InodeItem, InodeRef, Item, Timespec,
 };
 use birch_format::superblock::{BackupRoot, RootPtr, Superblock, SUPER_OFFSETS};
-use birch_format::{name_hash, ItemType, Key, BLOCK_SIZE, ORPHAN_OBJECTID, ROOT_OBJECTID};
+use birch_format::{Key, BLOCK_SIZE, ORPHAN_OBJECTID, ROOT_OBJECTID};
 
 use crate::check::{check, check_with_root, CheckOptions, FindingKind, Report};
 use crate::device::{BlockDevice, OverlayDevice};
 use crate::error::{Error, Result};
+use crate::items::{
+    dir_index_key, dir_item_key, inode_key, inode_key_range, inode_ref_key, orphan_key,
+};
 use crate::txn::{Engine, WriteTxn};
 
 /// How much a repair may do.
@@ -309,22 +312,6 @@ fn gather(engine: &Engine) -> Result<Facts> {
     Ok(facts)
 }
 
-fn dir_item_key(dir: u64, name: &[u8]) -> Key {
-    Key::new(dir, ItemType::DirItem, name_hash(&[name]))
-}
-
-fn dir_index_key(dir: u64, index: u64) -> Key {
-    Key::new(dir, ItemType::DirIndex, index)
-}
-
-fn inode_ref_key(ino: u64, parent: u64, name: &[u8]) -> Key {
-    Key::new(
-        ino,
-        ItemType::InodeRef,
-        name_hash(&[&parent.to_le_bytes(), name]),
-    )
-}
-
 const DT_DIR: u8 = 4;
 const LOST_AND_FOUND: &[u8] = b"lost+found";
 
@@ -408,11 +395,8 @@ fn fix_items(
                 .push(format!("object {object} has items but no inode"));
             continue;
         }
-        for (key, _) in engine.range(
-            &Key::new(object, ItemType::InodeItem, 0),
-            &Key::new(object + 1, ItemType::InodeItem, 0),
-            usize::MAX,
-        )? {
+        let (lo, hi) = inode_key_range(object);
+        for (key, _) in engine.range(&lo, &hi, usize::MAX)? {
             txn.delete(key);
         }
         facts.refs.remove(&object);
@@ -579,7 +563,7 @@ fn fix_orphans(
         .filter(|ino| !facts.inodes.contains_key(ino))
         .collect();
     for ino in stale {
-        txn.delete(Key::new(ORPHAN_OBJECTID, ItemType::Orphan, ino));
+        txn.delete(orphan_key(ino));
         facts.orphans.remove(&ino);
         changed = true;
         out.actions.push(format!(
@@ -694,7 +678,7 @@ fn lost_and_found(
         otime: time,
         ..Default::default()
     };
-    txn.put(Key::new(ino, ItemType::InodeItem, 0), inode.encode());
+    txn.put(inode_key(ino), inode.encode());
     facts.inodes.insert(ino, inode);
     let entry = DirEntry {
         child: ino,
@@ -773,7 +757,7 @@ fn fix_counts(txn: &WriteTxn<'_>, facts: &Facts, out: &mut RepairReport) -> bool
             }
         }
         if stored != Some(&fixed) {
-            txn.put(Key::new(*ino, ItemType::InodeItem, 0), fixed.encode());
+            txn.put(inode_key(*ino), fixed.encode());
             changed = true;
         }
     }

@@ -301,6 +301,17 @@ unsafe impl Send for RbdDevice {}
 unsafe impl Sync for RbdDevice {}
 
 impl RbdDevice {
+    /// The error of an `rbd_read`/`rbd_write` that returned `n` (a negative errno, or 0:
+    /// nothing moved) for `len` bytes at `at`.
+    fn short_io(&self, n: isize, what: &str, at: u64, len: usize) -> io::Error {
+        let rc = if n == 0 {
+            -i64::from(libc::EIO)
+        } else {
+            n as i64
+        };
+        rc_error(rc, format!("{}: {what} at {at:#x} length {len}", self.spec))
+    }
+
     /// Opens `spec`. Read-write and locked read-only modes take this host's lock and the
     /// image's exclusive lock before returning (so before the caller reads the superblock),
     /// refusing a live holder within a few seconds; `ReadOnlyUnlocked` opens read-only with no
@@ -752,20 +763,7 @@ impl BlockDevice for RbdDevice {
                 )
             };
             if n <= 0 {
-                let rc = if n == 0 {
-                    -i64::from(libc::EIO)
-                } else {
-                    n as i64
-                };
-                return Err(rc_error(
-                    rc,
-                    format!(
-                        "{}: read at {:#x} length {}",
-                        self.spec,
-                        offset + done as u64,
-                        rest.len()
-                    ),
-                ));
+                return Err(self.short_io(n, "read", offset + done as u64, rest.len()));
             }
             done += n as usize;
         }
@@ -798,20 +796,7 @@ impl BlockDevice for RbdDevice {
                 )
             };
             if n <= 0 {
-                let rc = if n == 0 {
-                    -i64::from(libc::EIO)
-                } else {
-                    n as i64
-                };
-                return Err(rc_error(
-                    rc,
-                    format!(
-                        "{}: write at {:#x} length {}",
-                        self.spec,
-                        offset + done as u64,
-                        rest.len()
-                    ),
-                ));
+                return Err(self.short_io(n, "write", offset + done as u64, rest.len()));
             }
             done += n as usize;
         }
