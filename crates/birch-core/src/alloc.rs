@@ -389,23 +389,30 @@ impl Allocator {
 
     /// Makes ranges free again (pinned ranges whose commit is durable and unobserved).
     pub fn release(&self, ranges: &[(u64, u64)]) {
-        for (addr, blocks) in ranges {
-            let first = addr / BLOCK_SIZE;
-            for block in first..first + blocks {
-                let Some(group) = self.group_of(block) else {
-                    continue;
-                };
-                let mut g = group.lock();
-                let rel = block - g.first_block;
-                assert!(
-                    g.is_used(rel),
-                    "release of free block {block}: allocator state is wrong"
-                );
-                g.set(rel, false);
-                g.free += 1;
-                self.free_blocks.fetch_add(1, Ordering::Relaxed);
-            }
+        for &(addr, blocks) in ranges {
+            let cleared = self.clear_used(addr, blocks, "release of free block");
+            self.free_blocks.fetch_add(cleared, Ordering::Relaxed);
         }
+    }
+
+    /// Clears the used bits of `blocks` blocks at byte address `addr` in their groups and
+    /// returns how many it cleared (blocks past the device are skipped). A bit already clear
+    /// means the allocator's state is wrong: `what` names the caller in the panic.
+    fn clear_used(&self, addr: u64, blocks: u64, what: &str) -> u64 {
+        let first = addr / BLOCK_SIZE;
+        let mut cleared = 0;
+        for block in first..first + blocks {
+            let Some(group) = self.group_of(block) else {
+                continue;
+            };
+            let mut g = group.lock();
+            let rel = block - g.first_block;
+            assert!(g.is_used(rel), "{what} {block}: allocator state is wrong");
+            g.set(rel, false);
+            g.free += 1;
+            cleared += 1;
+        }
+        cleared
     }
 
     /// Defers ranges that commit `freed_by` freed and no reader holds any more: they stay
@@ -486,22 +493,9 @@ impl Allocator {
 
     /// Clears the bits of deferred ranges (already counted in `free_blocks`).
     fn clear_deferred(&self, ranges: &[(u64, u64)]) {
-        for (addr, blocks) in ranges {
-            let first = addr / BLOCK_SIZE;
-            for block in first..first + blocks {
-                let Some(group) = self.group_of(block) else {
-                    continue;
-                };
-                let mut g = group.lock();
-                let rel = block - g.first_block;
-                assert!(
-                    g.is_used(rel),
-                    "deferred block {block} is free: allocator state is wrong"
-                );
-                g.set(rel, false);
-                g.free += 1;
-            }
-            self.deferred_blocks.fetch_sub(*blocks, Ordering::Relaxed);
+        for &(addr, blocks) in ranges {
+            self.clear_used(addr, blocks, "free deferred block");
+            self.deferred_blocks.fetch_sub(blocks, Ordering::Relaxed);
         }
     }
 

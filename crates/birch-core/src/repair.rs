@@ -312,6 +312,25 @@ fn gather(engine: &Engine) -> Result<Facts> {
     Ok(facts)
 }
 
+/// Writes the three items of a new name of `ino` in `dir` (a directory repair made or found
+/// without this name, so the entry's hash slots hold nothing else): the dir item, the dir index
+/// and the inode ref. Returns the ref.
+fn put_link(txn: &WriteTxn<'_>, dir: u64, ino: u64, entry: &DirEntry) -> InodeRef {
+    let encoded = items::encode_dir_entries(std::slice::from_ref(entry));
+    txn.put(dir_item_key(dir, &entry.name), encoded.clone());
+    txn.put(dir_index_key(dir, entry.dir_index), encoded);
+    let r = InodeRef {
+        parent: dir,
+        dir_index: entry.dir_index,
+        name: entry.name.clone(),
+    };
+    txn.put(
+        inode_ref_key(ino, dir, &entry.name),
+        items::encode_inode_refs(std::slice::from_ref(&r)),
+    );
+    r
+}
+
 const DT_DIR: u8 = 4;
 const LOST_AND_FOUND: &[u8] = b"lost+found";
 
@@ -609,23 +628,7 @@ fn fix_orphans(
             file_type,
             name: name.clone(),
         };
-        txn.put(
-            dir_item_key(lost_found, &name),
-            items::encode_dir_entries(std::slice::from_ref(&entry)),
-        );
-        txn.put(
-            dir_index_key(lost_found, index),
-            items::encode_dir_entries(std::slice::from_ref(&entry)),
-        );
-        let r = InodeRef {
-            parent: lost_found,
-            dir_index: index,
-            name: name.clone(),
-        };
-        txn.put(
-            inode_ref_key(ino, lost_found, &name),
-            items::encode_inode_refs(std::slice::from_ref(&r)),
-        );
+        let r = put_link(txn, lost_found, ino, &entry);
         facts.refs.entry(ino).or_default().push(r);
         facts.entries.insert((lost_found, name), entry);
         changed = true;
@@ -686,23 +689,7 @@ fn lost_and_found(
         file_type: DT_DIR,
         name: LOST_AND_FOUND.to_vec(),
     };
-    txn.put(
-        dir_item_key(ROOT_OBJECTID, LOST_AND_FOUND),
-        items::encode_dir_entries(std::slice::from_ref(&entry)),
-    );
-    txn.put(
-        dir_index_key(ROOT_OBJECTID, index),
-        items::encode_dir_entries(std::slice::from_ref(&entry)),
-    );
-    let r = InodeRef {
-        parent: ROOT_OBJECTID,
-        dir_index: index,
-        name: LOST_AND_FOUND.to_vec(),
-    };
-    txn.put(
-        inode_ref_key(ino, ROOT_OBJECTID, LOST_AND_FOUND),
-        items::encode_inode_refs(std::slice::from_ref(&r)),
-    );
+    let r = put_link(txn, ROOT_OBJECTID, ino, &entry);
     facts.refs.entry(ino).or_default().push(r);
     facts
         .entries
