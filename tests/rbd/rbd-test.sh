@@ -19,7 +19,8 @@
 #
 # Exit 0 when every check passes, 1 on a failure, 77 (skip) without root or /dev/fuse, when the
 # Ceph packages cannot be installed, or when another cluster holds the monitor ports.
-# Builds birch with `--features rbd` (BIRCH=path skips the build). Works under
+# Builds birch with `--features rbd` (BIRCH_RBD=path skips the build: BIRCH, which
+# scripts/test.sh exports for every tier, is a build without the feature). Works under
 # RBD_TEST_DIR (default /var/tmp/birch-rbd-test), the cluster under $RBD_TEST_DIR/ceph.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -57,7 +58,9 @@ mkdir -p "$DIR"
 export MON_DATA_AVAIL_WARN=${MON_DATA_AVAIL_WARN:-1} MON_DATA_AVAIL_CRIT=${MON_DATA_AVAIL_CRIT:-0}
 avail_kb=$(df -Pk "$DIR" | awk 'NR == 2 { print $4 }')
 ((avail_kb > 3 * 1024 * 1024)) || skip "less than 3 GiB free under $DIR"
-if [[ -z ${BIRCH:-} ]]; then
+if [[ -n ${BIRCH_RBD:-} ]]; then
+  BIRCH=$BIRCH_RBD
+else
   say "building birch with --features rbd"
   cargo build --release --locked --features rbd -p birch-tools 2>&1 | tail -n 2
   BIRCH=$ROOT/target/release/birch
