@@ -610,9 +610,7 @@ mod tests {
                     let (a, start) = (a.clone(), start.clone());
                     std::thread::spawn(move || {
                         start.wait();
-                        (0..16)
-                            .map(|_| a.allocate(4, 4, Purpose::Metadata).is_ok())
-                            .all(|ok| ok)
+                        (0..16).all(|_| a.allocate(4, 4, Purpose::Metadata).is_ok())
                     })
                 })
                 .collect();
