@@ -1437,7 +1437,7 @@ def op_enospc(d):
 def op_dirty_cap(d):
     """The mount's dirty-page cap (its writeback device's max_bytes) follows free space: half
     the free space above the headroom (twice the base cap of a sixteenth of the filesystem),
-    falling as space is used and rising when it is freed (DESIGN §12.3)."""
+    falling as space is used and rising when it is freed (DESIGN §12.4)."""
     if CTX.ref:
         raise Skip("dirty cap: a birch mount's writeback device")
     st = os.stat(CTX.mnt)

@@ -437,7 +437,7 @@ impl BirchFuse {
 
     /// Tells the kernel to drop its cached attributes of `ino` (and ACLs): for changes the
     /// daemon makes that the kernel cannot know of. Attributes only: safe inside a request
-    /// handler (an entry or range invalidation is not, see DESIGN §12.3).
+    /// handler (an entry or range invalidation is not, see DESIGN §12.4).
     fn invalidate_attrs(&self, ino: u64) {
         invalidate_attrs(&self.notifier, ino);
     }
@@ -591,7 +591,7 @@ fn read_now(
 
 /// Tells the kernel to drop its cached attributes of `ino` (and ACLs): for changes the daemon
 /// makes that the kernel cannot know of. Attributes only: safe inside a request handler (an
-/// entry or range invalidation is not, see DESIGN §12.3).
+/// entry or range invalidation is not, see DESIGN §12.4).
 fn invalidate_attrs(notifier: &OnceLock<fuser::Notifier>, ino: u64) {
     if let Some(notifier) = notifier.get() {
         if let Err(e) = notifier.inval_inode(INodeNo(ino), -1, 0) {

@@ -647,7 +647,7 @@ fn enable_fuse_uring() {
 /// (`None` without the writeback cache). With the writeback cache, the kernel may hold at most
 /// the cap dirty for this mount (its writeback device's `max_bytes`). The *base* cap is a
 /// sixteenth of the filesystem, between 16 and 256 MiB; opens for writing are written through
-/// once free space falls below twice the base (the headroom, DESIGN §12.3). Above that, the
+/// once free space falls below twice the base (the headroom, DESIGN §12.4). Above that, the
 /// cap follows free space ([`DirtyCap`]).
 fn fuse_options(
     config: &MountConfig,
@@ -703,7 +703,7 @@ fn free_bytes(fs: &Filesystem) -> u64 {
 /// dirty always fits when it is written back.
 const DIRTY_CAP_EVERY: Duration = Duration::from_millis(100);
 
-/// The mount's dirty-page cap, fitted to free space (DESIGN §12.3). A small fixed cap made a
+/// The mount's dirty-page cap, fitted to free space (DESIGN §12.4). A small fixed cap made a
 /// writer of more than the cap run at the daemon's speed of taking random write-backs
 /// (sysbench random 8 KiB writes: 208 MiB/s with 128 MiB, 767 MiB/s with 768 MiB). The cap is
 /// half the free space above the headroom, at least the base and at most an eighth of the
