@@ -37,7 +37,9 @@ use std::cell::RefCell;
 use std::collections::HashSet;
 
 use birch_format::items::{ExtentKind, FileExtent};
-use birch_format::{ItemType, Key, BLOCK_SIZE, EXTENT_MAX_BLOCKS};
+use birch_format::{
+    BlockAddr, BlockCount, Generation, ItemType, Key, BLOCK_SIZE, EXTENT_MAX_BLOCKS,
+};
 use parking_lot::Mutex;
 
 use crate::alloc::Purpose;
@@ -63,6 +65,26 @@ pub(crate) struct BlockRun {
     pub(crate) addr: u64,
     /// Length in blocks.
     pub(crate) blocks: u64,
+}
+
+impl BlockRun {
+    /// The run the allocator handed out.
+    fn new(addr: BlockAddr, blocks: BlockCount) -> BlockRun {
+        BlockRun {
+            addr: addr.get(),
+            blocks: blocks.get(),
+        }
+    }
+
+    /// The first block's address, as the allocator takes it.
+    fn disk_addr(&self) -> BlockAddr {
+        BlockAddr::new(self.addr)
+    }
+
+    /// The length, as the allocator takes it.
+    fn block_count(&self) -> BlockCount {
+        BlockCount::new(self.blocks)
+    }
 }
 
 /// Blocks written for a file and not yet recorded in its extent map: what
@@ -364,7 +386,9 @@ impl<'e> DataLayer<'e> {
         if let Some((disk_addr, blocks)) =
             FileExtent::decode(value).ok().and_then(|e| e.disk_range())
         {
-            self.engine.allocator().mark_used(disk_addr, blocks);
+            self.engine
+                .allocator()
+                .mark_used(BlockAddr::new(disk_addr), BlockCount::new(blocks));
         }
     }
 
@@ -518,24 +542,27 @@ impl<'e> DataLayer<'e> {
     /// ([`DataLayer::write_reserved`]); false when fewer are available (the caller commits,
     /// which unpins freed space, and retries).
     pub(crate) fn reserve(&self, blocks: u64) -> bool {
-        self.engine.allocator().try_reserve(blocks)
+        self.engine.allocator().try_reserve(BlockCount::new(blocks))
     }
 
     /// Gives back a reservation (its blocks were allocated, or their data dropped).
     pub(crate) fn unreserve(&self, blocks: u64) {
         if blocks > 0 {
-            self.engine.allocator().unreserve(blocks);
+            self.engine.allocator().unreserve(BlockCount::new(blocks));
         }
     }
 
     /// Allocates 1..=`want` data blocks, starting at `goal` when that space is free
     /// (ENOSPC is retried after a commit by the caller, with no lock held).
     fn allocate(&self, goal: Option<u64>, want: u64) -> Result<BlockRun> {
+        let (one, want) = (BlockCount::new(1), BlockCount::new(want));
         let (addr, blocks) = match goal {
-            Some(goal) => self.engine.allocate_data_near(goal, 1, want)?,
-            None => self.engine.allocate_data(1, want)?,
+            Some(goal) => self
+                .engine
+                .allocate_data_near(BlockAddr::new(goal), one, want)?,
+            None => self.engine.allocate_data(one, want)?,
         };
-        Ok(BlockRun { addr, blocks })
+        Ok(BlockRun::new(addr, blocks))
     }
 
     /// Allocates new blocks for `buf` (whole blocks for the block-aligned file offset
@@ -616,12 +643,13 @@ impl<'e> DataLayer<'e> {
         };
         while done < total {
             let want = (total - done).min(FLUSH_RUN_MAX_BLOCKS);
+            let (one, want) = (BlockCount::new(1), BlockCount::new(want));
             let allocated = match goal {
-                Some(g) => alloc.allocate_near(g, 1, want, Purpose::Reserved),
-                None => alloc.allocate(1, want, Purpose::Reserved),
+                Some(g) => alloc.allocate_near(BlockAddr::new(g), one, want, Purpose::Reserved),
+                None => alloc.allocate(one, want, Purpose::Reserved),
             };
             let (addr, got) = match allocated {
-                Ok(v) => v,
+                Ok((addr, got)) => (addr.get(), got.get()),
                 Err(e) => return Err(fail(&taken, e)),
             };
             let from_reserve = got.min(*reserved);
@@ -738,9 +766,13 @@ impl<'e> DataLayer<'e> {
                 let generation = txn.generation();
                 // A block cannot be born after the transaction that frees it.
                 debug_assert!(birth <= generation, "birth {birth} after {generation}");
-                alloc.free_pinned(generation, run.addr, run.blocks);
+                alloc.free_pinned(
+                    Generation::new(generation),
+                    run.disk_addr(),
+                    run.block_count(),
+                );
             }
-            Seen::Unrecorded => alloc.free_now(run.addr, run.blocks),
+            Seen::Unrecorded => alloc.free_now(run.disk_addr(), run.block_count()),
         }
     }
 }
@@ -925,14 +957,17 @@ mod tests {
         let pinned_before = engine.allocator().pinned_blocks();
         let delta = data.drop_range(INO, 0, 4 * BLOCK_SIZE).expect("drop");
         assert_eq!(delta, BlockDelta { added: 0, freed: 4 });
-        assert_eq!(engine.allocator().pinned_blocks(), pinned_before + 4);
+        let (addr, four) = (BlockAddr::new(addr), BlockCount::new(4));
+        assert_eq!(engine.allocator().pinned_blocks(), pinned_before + four);
         assert!(
             engine.allocator().is_used(addr),
             "freed block reusable before the commit"
         );
         // An allocation asking for exactly that place must not get it.
-        let (got, blocks) = engine.allocate_data_near(addr, 1, 4).expect("allocate");
-        assert!(got + blocks * BLOCK_SIZE <= addr || got >= addr + 4 * BLOCK_SIZE);
+        let (got, blocks) = engine
+            .allocate_data_near(addr, BlockCount::new(1), four)
+            .expect("allocate");
+        assert!(got + blocks <= addr || got >= addr + four);
         engine.allocator().free_now(got, blocks);
         engine.commit().expect("commit");
         // Released by that commit, the space is deferred for the backup trees (DESIGN §13.2):
@@ -955,8 +990,10 @@ mod tests {
             "not released after the deferral"
         );
         assert_eq!(
-            engine.allocate_data_near(addr, 1, 4).expect("reuse"),
-            (addr, 4)
+            engine
+                .allocate_data_near(addr, BlockCount::new(1), four)
+                .expect("reuse"),
+            (addr, four)
         );
     }
 
@@ -1027,7 +1064,10 @@ mod tests {
         let data = DataLayer::new(&engine);
         let free_before = engine.allocator().free_blocks();
         let runs = data.write_new(INO, 0, &pattern(3, 6)).expect("write");
-        assert_eq!(engine.allocator().free_blocks(), free_before - 3);
+        assert_eq!(
+            engine.allocator().free_blocks(),
+            free_before - BlockCount::new(3)
+        );
         // A shut-down engine takes no item: nothing is recorded and the blocks go back.
         engine.shut_down();
         assert!(data
@@ -1048,7 +1088,7 @@ mod tests {
             .write_reserved(INO, &blocks, &mut reserved)
             .expect("flush");
         assert_eq!(reserved, 0);
-        assert_eq!(engine.allocator().reserved_blocks(), 0);
+        assert_eq!(engine.allocator().reserved_blocks(), BlockCount::new(0));
         assert_eq!(runs.len(), 2);
         assert_eq!((runs[0].file_offset, runs[0].csums.len()), (0, 2));
         assert_eq!(

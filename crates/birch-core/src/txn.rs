@@ -23,8 +23,8 @@ use birch_format::superblock::{
     SUPER_BYTES, SUPER_OFFSETS,
 };
 use birch_format::{
-    FormatError, ItemType, Key, FIRST_FREE_OBJECTID, FORMAT_VERSION, FS_TREE_ID, NODE_BLOCKS,
-    NODE_SIZE,
+    BlockAddr, BlockCount, FormatError, Generation, ItemType, Key, FIRST_FREE_OBJECTID,
+    FORMAT_VERSION, FS_TREE_ID, NODE_BLOCKS, NODE_SIZE,
 };
 use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
 
@@ -147,7 +147,7 @@ struct ReleaseOnDrop {
     alloc: Arc<Allocator>,
     /// The commit that freed `ranges` (the one after this list's committed root).
     freed_by: AtomicU64,
-    ranges: Mutex<Vec<(u64, u64)>>,
+    ranges: Mutex<Vec<(BlockAddr, BlockCount)>>,
     next: Mutex<Option<Arc<ReleaseOnDrop>>>,
 }
 
@@ -166,8 +166,8 @@ impl Drop for ReleaseOnDrop {
     fn drop(&mut self) {
         let ranges = std::mem::take(&mut *self.ranges.lock());
         if !ranges.is_empty() {
-            self.alloc
-                .defer(self.freed_by.load(Ordering::SeqCst), &ranges);
+            let freed_by = Generation::new(self.freed_by.load(Ordering::SeqCst));
+            self.alloc.defer(freed_by, &ranges);
         }
     }
 }
@@ -454,8 +454,7 @@ impl Engine {
         }
         let fsid = random_fsid();
         let alloc = Arc::new(Allocator::new(total_bytes));
-        alloc.mark_used(0, RESERVED_HEAD_BYTES / birch_format::BLOCK_SIZE);
-        alloc.mark_used(log_start, log_bytes / birch_format::BLOCK_SIZE);
+        mark_reserved_areas(&alloc, log_start, log_bytes);
         let (sec, nsec) = now();
         let superblock = Superblock {
             version: FORMAT_VERSION,
@@ -707,11 +706,7 @@ impl Engine {
             log::warn!("{note}");
         }
         let alloc = Arc::new(Allocator::new(superblock.total_bytes));
-        alloc.mark_used(0, RESERVED_HEAD_BYTES / birch_format::BLOCK_SIZE);
-        alloc.mark_used(
-            superblock.log_start,
-            superblock.log_bytes / birch_format::BLOCK_SIZE,
-        );
+        mark_reserved_areas(&alloc, superblock.log_start, superblock.log_bytes);
         let fsid = superblock.fsid;
         let root = superblock.fs_root;
         let replay = read_log(&*device, &superblock);
@@ -754,8 +749,9 @@ impl Engine {
             }
             match self.backup_tree_ranges(&backup, seen) {
                 Ok(ranges) => {
+                    let freed_by = Generation::new(backup.generation).next();
                     for (addr, blocks) in ranges {
-                        self.alloc.defer_unused(backup.generation + 1, addr, blocks);
+                        self.alloc.defer_unused(freed_by, addr, blocks);
                     }
                     whole.push(backup.generation);
                 }
@@ -778,9 +774,9 @@ impl Engine {
         &self,
         backup: &BackupRoot,
         seen: &mut HashMap<u64, u64>,
-    ) -> Result<Vec<(u64, u64)>> {
+    ) -> Result<Vec<(BlockAddr, BlockCount)>> {
         let ctx = self.ctx();
-        let total = self.alloc.total_blocks() * birch_format::BLOCK_SIZE;
+        let total = self.alloc.total_blocks().bytes();
         let root = backup.fs_root;
         let mut ranges = Vec::new();
         let mut visited = Vec::new();
@@ -802,7 +798,7 @@ impl Engine {
             }
             let node = ctx.read(addr, generation, level)?;
             visited.push((addr, generation));
-            ranges.push((addr, NODE_BLOCKS));
+            ranges.push((BlockAddr::new(addr), BlockCount::new(NODE_BLOCKS)));
             match &node.body {
                 NodeBody::Internal(ptrs) => {
                     stack.extend(ptrs.iter().map(|p| (p.addr, p.generation, level - 1)))
@@ -827,7 +823,7 @@ impl Engine {
                                     ),
                                 ));
                             }
-                            ranges.push((disk, blocks));
+                            ranges.push((BlockAddr::new(disk), BlockCount::new(blocks)));
                         }
                     }
                 }
@@ -850,7 +846,10 @@ impl Engine {
         while let Some((addr, generation, level)) = stack.pop() {
             let node = ctx.read(addr, generation, level)?;
             seen.insert(addr, generation);
-            if !self.alloc.mark_used(addr, NODE_BLOCKS) {
+            if !self
+                .alloc
+                .mark_used(BlockAddr::new(addr), BlockCount::new(NODE_BLOCKS))
+            {
                 return Err(Error::corrupt(
                     format!("open: node {addr:#x} (generation {generation})"),
                     FormatError::invalid(
@@ -886,8 +885,10 @@ impl Engine {
                         };
                         if let Some((disk, blocks)) = extent.disk_range() {
                             if disk.saturating_add(blocks * birch_format::BLOCK_SIZE)
-                                > self.alloc.total_blocks() * birch_format::BLOCK_SIZE
-                                || !self.alloc.mark_used(disk, blocks)
+                                > self.alloc.total_blocks().bytes()
+                                || !self
+                                    .alloc
+                                    .mark_used(BlockAddr::new(disk), BlockCount::new(blocks))
                             {
                                 if let Some(bad) = bad_extents.as_deref_mut() {
                                     bad.push(*key);
@@ -1250,7 +1251,7 @@ impl Engine {
             .alloc
             .free_blocks()
             .saturating_sub(self.alloc.reserved_blocks());
-        self.commit_estimate_blocks() + keep <= room
+        self.commit_estimate_blocks() + keep <= room.get()
     }
 
     /// Benchmark only (mount option `bench_global_objectid_lock`, seed 002's "before"): every
@@ -1318,12 +1319,21 @@ impl Engine {
     }
 
     /// Allocates data blocks: a run of `min..=max` blocks.
-    pub fn allocate_data(&self, min: u64, max: u64) -> Result<(u64, u64)> {
+    pub fn allocate_data(
+        &self,
+        min: BlockCount,
+        max: BlockCount,
+    ) -> Result<(BlockAddr, BlockCount)> {
         self.alloc.allocate(min, max, Purpose::Data)
     }
 
     /// Data space starting at `goal` if it is free there, anywhere otherwise.
-    pub fn allocate_data_near(&self, goal: u64, min: u64, max: u64) -> Result<(u64, u64)> {
+    pub fn allocate_data_near(
+        &self,
+        goal: BlockAddr,
+        min: BlockCount,
+        max: BlockCount,
+    ) -> Result<(BlockAddr, BlockCount)> {
         self.alloc.allocate_near(goal, min, max, Purpose::Data)
     }
 
@@ -1354,7 +1364,7 @@ impl Engine {
             let _gate = self.gate.write();
             let generation = self.running_generation.load(Ordering::SeqCst);
             let idle = self.active.is_empty()
-                && self.alloc.pinned_blocks() == 0
+                && self.alloc.pinned_blocks() == BlockCount::new(0)
                 && self.next_objectid.load(Ordering::Relaxed)
                     == self.superblock.lock().next_objectid;
             if idle {
@@ -1523,13 +1533,12 @@ impl Engine {
         let mut sb = self.superblock.lock().clone();
         let (sec, nsec) = now();
         sb.incompat |= self.incompat_wanted.load(Ordering::SeqCst);
-        sb.backup_roots = backups_after(&sb, self.alloc.backup_floor());
+        sb.backup_roots = backups_after(&sb, self.alloc.backup_floor().get());
         sb.compat |= COMPAT_BACKUP_ROOTS;
         sb.generation = generation;
         sb.fs_root = root;
         sb.next_objectid = self.next_objectid.load(Ordering::Relaxed);
-        sb.bytes_used =
-            (self.alloc.total_blocks() - self.alloc.free_blocks()) * birch_format::BLOCK_SIZE;
+        sb.bytes_used = (self.alloc.total_blocks() - self.alloc.free_blocks()).bytes();
         sb.commit_time_sec = sec;
         sb.commit_time_nsec = nsec;
         let (log_head, log_seq) = self.log.retire(generation);
@@ -1561,15 +1570,27 @@ impl Engine {
             });
             old
         };
-        let freed = self.alloc.take_pinned(generation);
+        let freed = self.alloc.take_pinned(Generation::new(generation));
         self.alloc.unpin_count(freed.iter().map(|(_, b)| b).sum());
         old.release.freed_by.store(generation, Ordering::SeqCst);
         old.release.ranges.lock().extend(freed);
-        self.alloc.commit_durable(generation);
+        self.alloc.commit_durable(Generation::new(generation));
         *old.release.next.lock() = Some(new_release);
         self.counters.add(|c| &c.commits, 1);
         Ok(())
     }
+}
+
+/// Marks the areas no tree references as used: the head (superblocks) and the log area.
+fn mark_reserved_areas(alloc: &Allocator, log_start: u64, log_bytes: u64) {
+    alloc.mark_used(
+        BlockAddr::new(0),
+        BlockCount::new(RESERVED_HEAD_BYTES / birch_format::BLOCK_SIZE),
+    );
+    alloc.mark_used(
+        BlockAddr::new(log_start),
+        BlockCount::new(log_bytes / birch_format::BLOCK_SIZE),
+    );
 }
 
 /// The other slot's superblock, when it decodes, sits in its own slot, shares the fsid, is
@@ -1722,8 +1743,11 @@ mod tests {
     /// Whether no node of the tree at `root` is free in the allocator (so no commit may
     /// write there).
     fn tree_held(engine: &Engine, root: RootPtr) -> bool {
-        raw_tree(&**engine.device(), engine.fsid(), root)
-            .is_some_and(|(_, nodes)| nodes.iter().all(|a| engine.allocator().is_used(*a)))
+        raw_tree(&**engine.device(), engine.fsid(), root).is_some_and(|(_, nodes)| {
+            nodes
+                .iter()
+                .all(|a| engine.allocator().is_used(BlockAddr::new(*a)))
+        })
     }
 
     /// Rewrites every one of `count` items with values of `round`, then commits.
@@ -1775,7 +1799,7 @@ mod tests {
         drop(engine);
         let engine = Engine::open(dev.clone()).expect("reopen");
         assert!(
-            engine.allocator().deferred_blocks() > 0,
+            engine.allocator().deferred_blocks() > BlockCount::new(0),
             "the open walk defers backup-only blocks"
         );
         let sb = engine.superblock();

@@ -543,7 +543,7 @@ impl Filesystem {
         loop {
             match op() {
                 Err(Error::NoSpace(why)) => {
-                    let pinned = self.inner.engine.allocator().pinned_blocks();
+                    let pinned = self.inner.engine.allocator().pinned_blocks().get();
                     if commits == Self::FULL_RETRIES || (commits > 0 && pinned == 0) {
                         return Err(Error::NoSpace(why));
                     }

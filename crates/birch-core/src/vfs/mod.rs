@@ -850,13 +850,13 @@ impl Filesystem {
         let engine = &self.inner.engine;
         let alloc = engine.allocator();
         let keep = if grows {
-            alloc.metadata_reserve_blocks() / 2
+            alloc.metadata_reserve_blocks().get() / 2
         } else {
             0
         };
         if engine.metadata_fits(keep) {
             let room = alloc.free_blocks().saturating_sub(alloc.reserved_blocks());
-            if engine.commit_estimate_blocks().saturating_mul(2) + keep > room {
+            if engine.commit_estimate_blocks().saturating_mul(2) + keep > room.get() {
                 self.wake_committer();
             }
             return Ok(());
@@ -1087,9 +1087,11 @@ impl Filesystem {
         // and retries (DESIGN §10.7), so a writer gets it. `df` after `rm` shows it at once.
         let pinned = alloc.pinned_blocks();
         StatFs {
-            blocks: alloc.total_blocks(),
-            bfree: (alloc.free_blocks() + pinned).saturating_sub(alloc.reserved_blocks()),
-            bavail: alloc.available_blocks() + pinned,
+            blocks: alloc.total_blocks().get(),
+            bfree: (alloc.free_blocks() + pinned)
+                .saturating_sub(alloc.reserved_blocks())
+                .get(),
+            bavail: (alloc.available_blocks() + pinned).get(),
             files,
             ffree: files.saturating_sub(used_ids),
             bsize: BLOCK_SIZE as u32,
