@@ -203,7 +203,7 @@ fn fall_back(
         .copied()
         .filter(|b| b.generation < chosen.generation)
         .collect();
-    next.log_head = replay.tail_lsn;
+    next.log_head = replay.tail_lsn.get();
     next.log_generation = replay.next_seq;
     device
         .write_at(&next.encode(), SUPER_OFFSETS[next.slot()])

@@ -23,7 +23,7 @@ use birch_format::superblock::{
     SUPER_BYTES, SUPER_OFFSETS,
 };
 use birch_format::{
-    BlockAddr, BlockCount, FormatError, Generation, ItemType, Key, FIRST_FREE_OBJECTID,
+    BlockAddr, BlockCount, FormatError, Generation, ItemType, Key, Lsn, FIRST_FREE_OBJECTID,
     FORMAT_VERSION, FS_TREE_ID, NODE_BLOCKS, NODE_SIZE,
 };
 use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
@@ -528,7 +528,11 @@ impl Engine {
         let generation = superblock.generation;
         let log = match &replay {
             Some(r) => FsyncLog::new(&superblock, r.tail_lsn, r.next_seq),
-            None => FsyncLog::new(&superblock, superblock.log_head, superblock.log_generation),
+            None => FsyncLog::new(
+                &superblock,
+                Lsn::new(superblock.log_head),
+                superblock.log_generation,
+            ),
         };
         let committed = Arc::new(CommittedRoot {
             root,
@@ -1541,8 +1545,8 @@ impl Engine {
         sb.bytes_used = (self.alloc.total_blocks() - self.alloc.free_blocks()).bytes();
         sb.commit_time_sec = sec;
         sb.commit_time_nsec = nsec;
-        let (log_head, log_seq) = self.log.retire(generation);
-        sb.log_head = log_head;
+        let (log_head, log_seq) = self.log.retire(Generation::new(generation));
+        sb.log_head = log_head.get();
         sb.log_generation = log_seq;
         self.write_superblock(&sb)?;
         self.device
