@@ -37,9 +37,7 @@ use std::cell::RefCell;
 use std::collections::HashSet;
 
 use birch_format::items::{ExtentKind, FileExtent};
-use birch_format::{
-    BlockAddr, BlockCount, Generation, ItemType, Key, BLOCK_SIZE, EXTENT_MAX_BLOCKS,
-};
+use birch_format::{BlockAddr, BlockCount, ItemType, Key, BLOCK_SIZE, EXTENT_MAX_BLOCKS};
 use parking_lot::Mutex;
 
 use crate::alloc::Purpose;
@@ -244,7 +242,7 @@ impl<'e> DataLayer<'e> {
     pub(crate) fn set_inline(&self, ino: u64, content: Vec<u8>) -> Result<()> {
         let txn = self.engine.begin()?;
         let extent = FileExtent {
-            generation: txn.generation(),
+            generation: txn.generation().get(),
             kind: ExtentKind::Inline(content),
         };
         txn.put(extent_key(ino, 0), extent.encode());
@@ -298,7 +296,7 @@ impl<'e> DataLayer<'e> {
         keep: bool,
     ) -> Result<(BlockDelta, Option<Vec<ItemChange>>)> {
         let mut changes = self.plan_drop(ino, offset, offset + len)?;
-        let generation = self.engine.running_generation();
+        let generation = self.engine.running_generation().get();
         for run in runs {
             changes.delta.added += run.csums.len() as u64;
             let extent = FileExtent {
@@ -333,7 +331,7 @@ impl<'e> DataLayer<'e> {
             holes.push((cursor, hi));
         }
         let mut changes = ExtentChanges::default();
-        let generation = self.engine.running_generation();
+        let generation = self.engine.running_generation().get();
         let mut allocated: Vec<BlockRun> = Vec::new();
         for (mut s, e) in holes {
             while s < e {
@@ -572,7 +570,7 @@ impl<'e> DataLayer<'e> {
     pub(crate) fn write_new(&self, ino: u64, offset: u64, buf: &[u8]) -> Result<Vec<WrittenRun>> {
         debug_assert!(offset % BLOCK_SIZE == 0 && buf.len() as u64 % BLOCK_SIZE == 0);
         let total_blocks = buf.len() as u64 / BLOCK_SIZE;
-        let birth = self.engine.running_generation();
+        let birth = self.engine.running_generation().get();
         let mut written: Vec<WrittenRun> = Vec::new();
         let mut done = 0u64;
         let mut goal = self.continuation_goal(ino, offset)?;
@@ -629,7 +627,7 @@ impl<'e> DataLayer<'e> {
             return Ok(Vec::new());
         };
         let alloc = self.engine.allocator();
-        let birth = self.engine.running_generation();
+        let birth = self.engine.running_generation().get();
         let total = blocks.len() as u64;
         let mut goal = self.continuation_goal(ino, first_index * BLOCK_SIZE)?;
         let mut taken: Vec<BlockRun> = Vec::new();
@@ -765,12 +763,11 @@ impl<'e> DataLayer<'e> {
             Seen::Recorded(txn) => {
                 let generation = txn.generation();
                 // A block cannot be born after the transaction that frees it.
-                debug_assert!(birth <= generation, "birth {birth} after {generation}");
-                alloc.free_pinned(
-                    Generation::new(generation),
-                    run.disk_addr(),
-                    run.block_count(),
+                debug_assert!(
+                    birth <= generation.get(),
+                    "birth {birth} after {generation}"
                 );
+                alloc.free_pinned(generation, run.disk_addr(), run.block_count());
             }
             Seen::Unrecorded => alloc.free_now(run.disk_addr(), run.block_count()),
         }
@@ -1018,9 +1015,9 @@ mod tests {
         };
         data.replace_range(INO, 0, BLOCK_SIZE, vec![first], false)
             .expect("record");
-        let born = engine.running_generation();
+        let born = engine.running_generation().get();
         engine.commit().expect("commit");
-        assert!(engine.running_generation() > born);
+        assert!(engine.running_generation().get() > born);
         data.replace_range(INO, BLOCK_SIZE, BLOCK_SIZE, vec![second], false)
             .expect("record the append");
         let extents = data.extents(INO, 0, 2 * BLOCK_SIZE).expect("extents");

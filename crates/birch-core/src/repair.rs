@@ -671,7 +671,7 @@ fn lost_and_found(
     };
     let inode = InodeItem {
         generation: ino,
-        transid: txn.generation(),
+        transid: txn.generation().get(),
         nlink: 2,
         mode: libc::S_IFDIR | 0o700,
         next_dir_index: 2,

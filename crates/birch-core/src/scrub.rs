@@ -136,7 +136,7 @@ impl ViewSource for EngineViews {
         let committed = self.engine.committed_root();
         Ok(View {
             root: committed.root,
-            generation: committed.generation,
+            generation: committed.generation.get(),
             _pin: Some(committed),
         })
     }

@@ -180,7 +180,7 @@ pub struct CommittedRoot {
     pub root: RootPtr,
     /// Generation (commit number) that wrote this tree. While the committed root is held,
     /// space freed by later commits stays pinned.
-    pub generation: u64,
+    pub generation: Generation,
     release: Arc<ReleaseOnDrop>,
 }
 
@@ -536,7 +536,7 @@ impl Engine {
         };
         let committed = Arc::new(CommittedRoot {
             root,
-            generation,
+            generation: Generation::new(generation),
             release: ReleaseOnDrop::new(alloc.clone()),
         });
         let fence = Arc::new(Fence::new(device));
@@ -591,7 +591,7 @@ impl Engine {
         self.running_generation.store(3, Ordering::SeqCst);
         let committed = Arc::new(CommittedRoot {
             root,
-            generation: 2,
+            generation: Generation::new(2),
             release: ReleaseOnDrop::new(self.alloc.clone()),
         });
         self.state
@@ -916,12 +916,12 @@ impl Engine {
     }
 
     /// The running transaction's generation.
-    pub fn running_generation(&self) -> u64 {
-        self.running_generation.load(Ordering::SeqCst)
+    pub fn running_generation(&self) -> Generation {
+        Generation::new(self.running_generation.load(Ordering::SeqCst))
     }
 
     /// The generation of the last durable commit.
-    pub fn committed_generation(&self) -> u64 {
+    pub fn committed_generation(&self) -> Generation {
         self.state.read().committed.generation
     }
 
@@ -1165,7 +1165,7 @@ impl Engine {
 
     /// The items of object `objectid` changed since the last durable commit (running delta
     /// over frozen delta), with the running generation they will commit in.
-    pub fn changed_items(&self, objectid: u64) -> (u64, Vec<(Key, DeltaValue)>) {
+    pub fn changed_items(&self, objectid: u64) -> (Generation, Vec<(Key, DeltaValue)>) {
         let lo = Key {
             objectid,
             item_type: 0,
@@ -1188,7 +1188,7 @@ impl Engine {
             .into_iter()
             .collect();
         merged.extend(active);
-        (generation, merged.into_iter().collect())
+        (Generation::new(generation), merged.into_iter().collect())
     }
 
     /// The newest durable commit's tree. While the returned root is held, every block
@@ -1344,7 +1344,7 @@ impl Engine {
     /// Commits the running transaction; returns the new durable generation (or the current one
     /// when nothing changed). Concurrent callers queue; mutations go on during the commit.
     /// Does device I/O with no engine lock held except the commit lock itself.
-    pub fn commit(&self) -> Result<u64> {
+    pub fn commit(&self) -> Result<Generation> {
         self.commit_then(|| {})
     }
 
@@ -1352,7 +1352,7 @@ impl Engine {
     /// is frozen (mutations go on into the next one), or when the commit returns without
     /// freezing (nothing to commit, read-only). The filesystem's buffered data path uses it
     /// to write data through only between its drain and the freeze.
-    pub fn commit_then(&self, after_freeze: impl FnOnce()) -> Result<u64> {
+    pub fn commit_then(&self, after_freeze: impl FnOnce()) -> Result<Generation> {
         let after_freeze = OnDrop(Some(after_freeze));
         let _commit = self.lock_commit();
         self.check_up()?;
@@ -1386,7 +1386,7 @@ impl Engine {
         let result = match self.write_commit(&frozen, generation, &committed) {
             Ok(()) => {
                 self.commit_latency.record(started.elapsed());
-                Ok(generation)
+                Ok(Generation::new(generation))
             }
             Err(_) if self.is_shut_down() => Err(Error::Shutdown),
             Err(e) => {
@@ -1562,7 +1562,7 @@ impl Engine {
         let new_release = ReleaseOnDrop::new(self.alloc.clone());
         let new_root = Arc::new(CommittedRoot {
             root,
-            generation,
+            generation: Generation::new(generation),
             release: new_release.clone(),
         });
         let old = {
@@ -1689,8 +1689,8 @@ impl WriteTxn<'_> {
     }
 
     /// The generation these changes will commit in.
-    pub fn generation(&self) -> u64 {
-        self.engine.running_generation.load(Ordering::SeqCst)
+    pub fn generation(&self) -> Generation {
+        self.engine.running_generation()
     }
 }
 
@@ -1761,7 +1761,7 @@ mod tests {
             txn.put(Key::new(1000 + i, ItemType::Xattr, 0), vec![round; 300]);
         }
         drop(txn);
-        engine.commit().expect("commit")
+        engine.commit().expect("commit").get()
     }
 
     /// DESIGN §13.2: the K commits after generation N rewrite every item of the tree, and

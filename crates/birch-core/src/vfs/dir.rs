@@ -177,8 +177,8 @@ impl Filesystem {
         d.item.ctime = t;
         {
             let mut txn = self.inner.engine.begin()?;
-            c.item.transid = txn.generation();
-            d.item.transid = txn.generation();
+            c.item.transid = txn.generation().get();
+            d.item.transid = txn.generation().get();
             items::put_inode(&mut txn, ino, &c.item);
             items::put_inode(&mut txn, parent, &d.item);
             put_inherited_acls(&mut txn, ino, inherited);
@@ -291,7 +291,7 @@ impl Filesystem {
         {
             let _op = self.inner.engine.hold()?;
             let mut txn = self.inner.engine.begin()?;
-            c.item.transid = txn.generation();
+            c.item.transid = txn.generation().get();
             items::put_inode(&mut txn, ino, &c.item);
             items::put_orphan(&mut txn, ino);
             put_inherited_acls(&mut txn, ino, inherited);
@@ -429,8 +429,8 @@ impl Filesystem {
         c.item.ctime = t;
         {
             let mut txn = self.inner.engine.begin()?;
-            c.item.transid = txn.generation();
-            d.item.transid = txn.generation();
+            c.item.transid = txn.generation().get();
+            d.item.transid = txn.generation().get();
             items::put_inode(&mut txn, ino, &c.item);
             items::put_inode(&mut txn, newparent, &d.item);
             self.unmark_log_clean(ino);
@@ -545,8 +545,8 @@ impl Filesystem {
         }
         c.item.ctime = t;
         let mut txn = self.inner.engine.begin()?;
-        d.item.transid = txn.generation();
-        c.item.transid = txn.generation();
+        d.item.transid = txn.generation().get();
+        c.item.transid = txn.generation().get();
         items::put_inode(&mut txn, parent, &d.item);
         items::put_inode(&mut txn, child_ino, &c.item);
         self.unmark_log_clean(child_ino);
@@ -716,11 +716,11 @@ impl Filesystem {
         }
         let mut txn = self.inner.engine.begin()?;
         if let Some((ino, mut item)) = whiteout {
-            item.transid = txn.generation();
+            item.transid = txn.generation().get();
             items::put_inode(&mut txn, ino, &item);
         }
         for (ino, g) in guards.iter_mut() {
-            g.item.transid = txn.generation();
+            g.item.transid = txn.generation().get();
             items::put_inode(&mut txn, *ino, &g.item);
             self.unmark_log_clean(*ino);
         }

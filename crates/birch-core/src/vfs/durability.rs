@@ -136,7 +136,7 @@ impl Filesystem {
                         // A queued record only counts while replay would still apply it: once a
                         // commit covers its generation, replay skips it, and the committed value
                         // may differ (changed and changed back), so it is logged again.
-                        let committed = engine.committed_generation();
+                        let committed = engine.committed_generation().get();
                         let mut logged = state.logged.lock();
                         let mut fresh: Vec<LogRecord> = records
                             .into_iter()
@@ -171,7 +171,7 @@ impl Filesystem {
                         // inode log-clean as of its current inode item.
                         let mark = |logged: &mut Logged| -> Result<()> {
                             let current = engine.get(&inode_key(ino))?;
-                            let generation = engine.running_generation();
+                            let generation = engine.running_generation().get();
                             logged
                                 .values
                                 .insert(log_clean_key(ino, false), (current.clone(), generation));
@@ -279,7 +279,7 @@ impl Filesystem {
         let Some(current) = engine.get(&inode_key(ino))? else {
             return Ok(None);
         };
-        let committed = engine.committed_generation();
+        let committed = engine.committed_generation().get();
         let logged = state.logged.lock();
         if logged.ticket == 0 {
             return Ok(None);
@@ -305,7 +305,7 @@ impl Filesystem {
         items: Vec<(Key, Option<Vec<u8>>)>,
     ) {
         let engine = &self.inner.engine;
-        let committed = engine.committed_generation();
+        let committed = engine.committed_generation().get();
         let records: Vec<LogRecord> = items
             .into_iter()
             .map(|(key, value)| LogRecord {
@@ -348,6 +348,7 @@ impl Filesystem {
     ) -> std::result::Result<Option<Vec<LogRecord>>, Result<Fallback>> {
         let engine = &self.inner.engine;
         let (generation, changed) = engine.changed_items(ino);
+        let generation = generation.get();
         if changed.is_empty() || self.only_atime_changed(ino, &changed) {
             // An atime-only change (relatime on read) never costs a log write.
             return Ok(None);
@@ -484,6 +485,7 @@ impl Filesystem {
     ) -> std::result::Result<Option<Vec<LogRecord>>, Result<Fallback>> {
         let engine = &self.inner.engine;
         let (generation, changed) = engine.changed_items(dir);
+        let generation = generation.get();
         if changed.is_empty() || self.only_atime_changed(dir, &changed) {
             return Ok(None);
         }
@@ -491,7 +493,7 @@ impl Filesystem {
         if engine.committed_get(&key).map_err(Err)?.is_none() {
             return Err(Ok(Fallback::Directory));
         }
-        let committed = engine.committed_generation();
+        let committed = engine.committed_generation().get();
         {
             let logged = state.logged.lock();
             for (k, value) in &changed {
@@ -563,7 +565,7 @@ impl Filesystem {
     /// it, else the committed one.
     fn replay_base(&self, state: &super::InodeState, key: &Key) -> Result<Option<Vec<u8>>> {
         let engine = &self.inner.engine;
-        let committed = engine.committed_generation();
+        let committed = engine.committed_generation().get();
         if let Some((value, generation)) = state.logged.lock().values.get(key) {
             if *generation > committed {
                 return Ok(value.clone());
@@ -587,7 +589,7 @@ impl Filesystem {
             }
             others.extend(entries.iter().map(|e| e.child).filter(|c| *c != ino));
         }
-        let committed = engine.committed_generation();
+        let committed = engine.committed_generation().get();
         let mut logged = self.inner.logged_names.lock();
         logged.retain(|_, (_, g)| *g > committed);
         if let Some((child, _)) = logged.get(key) {
@@ -632,7 +634,7 @@ impl Filesystem {
         if changed.iter().any(|(_, v)| v.is_some()) {
             return Ok(None);
         }
-        let committed = engine.committed_generation();
+        let committed = engine.committed_generation().get();
         let parent = key.objectid;
         let mut indexes = Vec::new();
         for (ref_key, _) in changed
@@ -755,7 +757,7 @@ impl Filesystem {
         generation: u64,
     ) -> Result<Option<Vec<LogRecord>>> {
         let engine = &self.inner.engine;
-        let committed = engine.committed_generation();
+        let committed = engine.committed_generation().get();
         let (_, changed) = engine.changed_items(other);
         let state = self.shard(other).lock().get(&other).cloned();
         let mut inode_item = None;
@@ -898,7 +900,7 @@ impl Filesystem {
         let Some(replay) = engine.take_replay() else {
             return Ok(false);
         };
-        let committed = engine.committed_generation();
+        let committed = engine.committed_generation().get();
         let live: Vec<LogRecord> = replay
             .records
             .into_iter()

@@ -409,7 +409,7 @@ impl Filesystem {
         match own_items {
             Some(mut items) if !dropped => {
                 items.push((super::inode_key(ino), Some(data.item.encode())));
-                self.log_write(ino, &state, _op.generation(), items);
+                self.log_write(ino, &state, _op.generation().get(), items);
             }
             // Dropped privileges changed an xattr item too: the next fsync collects.
             _ => {}

@@ -982,7 +982,7 @@ impl Filesystem {
     /// ([`Filesystem::unmark_log_clean`]); a write that logs its own change marks it again.
     pub(crate) fn store_inode(&self, ino: u64, data: &mut InodeData) -> Result<()> {
         let mut txn = self.inner.engine.begin()?;
-        data.item.transid = txn.generation();
+        data.item.transid = txn.generation().get();
         items::put_inode(&mut txn, ino, &data.item);
         self.unmark_log_clean(ino);
         Ok(())
