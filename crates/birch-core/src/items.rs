@@ -50,14 +50,15 @@ pub fn inode_key(ino: u64) -> Key {
 /// The key range `[lo, hi)` that holds every item of inode `ino` (inode item, refs, xattrs,
 /// extents, and a directory's entries), and no item of another inode.
 pub fn inode_key_range(ino: u64) -> (Key, Key) {
-    let at = |objectid| Key {
-        objectid,
-        item_type: 0,
-        offset: 0,
-    };
-    // Object ids stop well below u64::MAX (the orphan list's id is the highest in use), so
-    // the next id exists for every inode.
-    (at(ino), at(ino.saturating_add(1)))
+    Key::object_range(ino)
+}
+
+/// The key range `[lo, hi)` of every inode ref item of inode `ino` (all its names), whatever
+/// their hashes.
+pub fn inode_refs_range(ino: u64) -> (Key, Key) {
+    let lo = Key::new(ino, ItemType::InodeRef, 0);
+    let last = Key::new(ino, ItemType::InodeRef, u64::MAX);
+    (lo, last.successor().unwrap_or(Key::MAX))
 }
 
 /// The key of the dir item under which `name` is (or would be) in directory `dir`.
@@ -1095,5 +1096,18 @@ mod tests {
         ] {
             assert!(!(lo <= key && key < hi), "{key} inside the range");
         }
+    }
+
+    /// The refs range (scrub's path lookup reads it) holds every ref of the inode, also one
+    /// whose hash is the greatest, and nothing else of it.
+    #[test]
+    fn an_inode_refs_range_holds_exactly_its_refs() {
+        let (lo, hi) = inode_refs_range(FILE);
+        let inside = |key: Key| lo <= key && key < hi;
+        assert!(inside(inode_ref_key(FILE, DIR, b"f")));
+        assert!(inside(Key::new(FILE, ItemType::InodeRef, u64::MAX)));
+        assert!(!inside(inode_key(FILE)));
+        assert!(!inside(Key::new(FILE, ItemType::Xattr, 0)));
+        assert!(!inside(inode_ref_key(FILE + 1, DIR, b"f")));
     }
 }

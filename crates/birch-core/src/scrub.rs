@@ -927,8 +927,7 @@ impl PathResolver<'_> {
         if let Some(names) = self.names.get(&inode) {
             return names.clone();
         }
-        let lo = Key::new(inode, ItemType::InodeRef, 0);
-        let hi = Key::new(inode, ItemType::Xattr, 0);
+        let (lo, hi) = crate::items::inode_refs_range(inode);
         let mut items_out = Vec::new();
         let names = match collect_range(self.device, self.fsid, self.root, &lo, &hi, &mut items_out)
         {

@@ -23,8 +23,8 @@ use birch_format::superblock::{
     SUPER_BYTES, SUPER_OFFSETS,
 };
 use birch_format::{
-    BlockAddr, BlockCount, FormatError, Generation, ItemType, Key, Lsn, FIRST_FREE_OBJECTID,
-    FORMAT_VERSION, FS_TREE_ID, NODE_BLOCKS, NODE_SIZE,
+    BlockAddr, BlockCount, FormatError, Generation, InodeNo, ItemType, Key, Lsn,
+    FIRST_FREE_OBJECTID, FORMAT_VERSION, FS_TREE_ID, NODE_BLOCKS, NODE_SIZE,
 };
 use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
 
@@ -1163,19 +1163,11 @@ impl Engine {
             .is_some_and(|r| !r.records.is_empty())
     }
 
-    /// The items of object `objectid` changed since the last durable commit (running delta
-    /// over frozen delta), with the running generation they will commit in.
-    pub fn changed_items(&self, objectid: u64) -> (Generation, Vec<(Key, DeltaValue)>) {
-        let lo = Key {
-            objectid,
-            item_type: 0,
-            offset: 0,
-        };
-        let hi = Key {
-            objectid: objectid.saturating_add(1),
-            item_type: 0,
-            offset: 0,
-        };
+    /// The items of inode `ino` changed since the last durable commit (running delta over
+    /// frozen delta), with the running generation they will commit in.
+    pub fn changed_items(&self, ino: InodeNo) -> (Generation, Vec<(Key, DeltaValue)>) {
+        // The range `items::inode_key_range` names too (the engine sits below `items`).
+        let (lo, hi) = Key::object_range(ino.get());
         let _gate = self.gate.read();
         let generation = self.running_generation.load(Ordering::SeqCst);
         let active = self.active.range(&lo, &hi);
@@ -1283,15 +1275,15 @@ impl Engine {
         self.objectid_lock.lock()
     }
 
-    /// A new object id, never used before in this filesystem.
-    pub fn allocate_objectid(&self) -> u64 {
+    /// A new inode number (object id), never used before in this filesystem.
+    pub fn allocate_objectid(&self) -> InodeNo {
         if self.bench_global_objectid_lock.load(Ordering::Relaxed) {
             let _guard = self.objectid_locked();
             let id = self.next_objectid.load(Ordering::Relaxed);
             self.next_objectid.store(id + 1, Ordering::Relaxed);
-            return id;
+            return InodeNo::new(id);
         }
-        OBJECTID_RANGES.with(|ranges| {
+        let id = OBJECTID_RANGES.with(|ranges| {
             let mut ranges = ranges.borrow_mut();
             let range = ranges.entry(self.instance).or_insert((0, 0));
             if range.0 == range.1 {
@@ -1303,23 +1295,26 @@ impl Engine {
             let id = range.0;
             range.0 += 1;
             id
-        })
+        });
+        InodeNo::new(id)
     }
 
     /// A new object id that shares its batch of 64 with no other object (a directory: its
     /// entries then get a delta shard and inode-table shard of their own, see
     /// `delta::batch_shard`). The rest of the batch is never used.
-    pub fn allocate_objectid_alone(&self) -> u64 {
+    pub fn allocate_objectid_alone(&self) -> InodeNo {
         if self.bench_global_objectid_lock.load(Ordering::Relaxed) {
             // Ids taken one at a time leave the counter anywhere inside a batch.
             let _guard = self.objectid_locked();
             let id = batch_aligned(self.next_objectid.load(Ordering::Relaxed));
             self.next_objectid
                 .store(id + OBJECTID_BATCH, Ordering::Relaxed);
-            return id;
+            return InodeNo::new(id);
         }
-        self.next_objectid
-            .fetch_add(OBJECTID_BATCH, Ordering::Relaxed)
+        InodeNo::new(
+            self.next_objectid
+                .fetch_add(OBJECTID_BATCH, Ordering::Relaxed),
+        )
     }
 
     /// Allocates data blocks: a run of `min..=max` blocks.
@@ -1873,13 +1868,13 @@ mod tests {
         let engine = Engine::open(dev).expect("open");
         let other_thread = |engine: &Arc<Engine>| {
             let engine = engine.clone();
-            std::thread::spawn(move || engine.allocate_objectid())
+            std::thread::spawn(move || engine.allocate_objectid().get())
                 .join()
                 .expect("thread")
         };
 
         // Off: each thread has a batch of its own; the mutex is never asked for.
-        let a = engine.allocate_objectid();
+        let a = engine.allocate_objectid().get();
         let b = other_thread(&engine);
         assert!(b.abs_diff(a) >= OBJECTID_BATCH, "{a} and {b} share a batch");
         let held = engine.objectid_lock.lock();
@@ -1890,18 +1885,18 @@ mod tests {
 
         // On: one id at a time, the next thread's id right after.
         engine.set_bench_global_objectid_lock(true);
-        let d = engine.allocate_objectid();
+        let d = engine.allocate_objectid().get();
         let e = other_thread(&engine);
         assert_eq!(e, d + 1);
-        let dir = engine.allocate_objectid_alone();
+        let dir = engine.allocate_objectid_alone().get();
         assert_eq!(dir % OBJECTID_BATCH, 0, "a directory still starts a batch");
-        assert!(engine.allocate_objectid() >= dir + OBJECTID_BATCH);
+        assert!(engine.allocate_objectid().get() >= dir + OBJECTID_BATCH);
 
         // A create that finds the mutex held waits until it is released, and says so.
         let held = engine.objectid_lock.lock();
         let waiter = {
             let engine = engine.clone();
-            std::thread::spawn(move || engine.allocate_objectid())
+            std::thread::spawn(move || engine.allocate_objectid().get())
         };
         while engine.counters().values().objectid_lock_waits == 0 {
             assert!(!waiter.is_finished(), "allocated past a held lock");

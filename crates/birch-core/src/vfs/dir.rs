@@ -226,7 +226,8 @@ impl Filesystem {
             self.inner.engine.allocate_objectid_alone()
         } else {
             self.inner.engine.allocate_objectid()
-        };
+        }
+        .get();
         let t = now();
         let mut gid = caller.gid;
         let mut mode = inherited.mode;
@@ -752,7 +753,7 @@ impl Filesystem {
         guards: &mut [(u64, RwLockWriteGuard<'_, InodeData>)],
     ) -> Result<(u64, InodeItem)> {
         let (parent, t) = (rename.parent, rename.t);
-        let ino = self.inner.engine.allocate_objectid();
+        let ino = self.inner.engine.allocate_objectid().get();
         let p = guard(guards, parent)?;
         let index = p.item.next_dir_index;
         // The move planned the source name's dir item without the source: the whiteout joins

@@ -49,7 +49,7 @@ use std::collections::{BTreeSet, HashMap};
 
 use birch_format::items::{decode_dir_entries, decode_inode_refs, InodeItem};
 use birch_format::log::LogRecord;
-use birch_format::{ItemType, Key, ORPHAN_OBJECTID};
+use birch_format::{InodeNo, ItemType, Key, ORPHAN_OBJECTID};
 
 use super::{log_clean_key, Filesystem, InodeState, Logged};
 use crate::counters::Counters;
@@ -347,7 +347,7 @@ impl Filesystem {
         nlink: u32,
     ) -> std::result::Result<Option<Vec<LogRecord>>, Result<Fallback>> {
         let engine = &self.inner.engine;
-        let (generation, changed) = engine.changed_items(ino);
+        let (generation, changed) = engine.changed_items(InodeNo::new(ino));
         let generation = generation.get();
         if changed.is_empty() || self.only_atime_changed(ino, &changed) {
             // An atime-only change (relatime on read) never costs a log write.
@@ -484,7 +484,7 @@ impl Filesystem {
         state: &InodeState,
     ) -> std::result::Result<Option<Vec<LogRecord>>, Result<Fallback>> {
         let engine = &self.inner.engine;
-        let (generation, changed) = engine.changed_items(dir);
+        let (generation, changed) = engine.changed_items(InodeNo::new(dir));
         let generation = generation.get();
         if changed.is_empty() || self.only_atime_changed(dir, &changed) {
             return Ok(None);
@@ -630,7 +630,7 @@ impl Filesystem {
         if !engine.range(&lo, &hi, 1)?.is_empty() {
             return Ok(None);
         }
-        let (_, changed) = engine.changed_items(other);
+        let (_, changed) = engine.changed_items(InodeNo::new(other));
         if changed.iter().any(|(_, v)| v.is_some()) {
             return Ok(None);
         }
@@ -758,7 +758,7 @@ impl Filesystem {
     ) -> Result<Option<Vec<LogRecord>>> {
         let engine = &self.inner.engine;
         let committed = engine.committed_generation().get();
-        let (_, changed) = engine.changed_items(other);
+        let (_, changed) = engine.changed_items(InodeNo::new(other));
         let state = self.shard(other).lock().get(&other).cloned();
         let mut inode_item = None;
         let mut ref_changes = Vec::new();
