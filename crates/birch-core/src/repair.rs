@@ -18,7 +18,7 @@ use birch_format::items::{
     self, DirEntry, ExtentKind, FileExtent, InodeItem, InodeRef, Item, Timespec,
 };
 use birch_format::superblock::{BackupRoot, RootPtr, Superblock, SUPER_OFFSETS};
-use birch_format::{Key, BLOCK_SIZE, ORPHAN_OBJECTID, ROOT_OBJECTID};
+use birch_format::{InodeNo, Key, BLOCK_SIZE, ORPHAN_OBJECTID, ROOT_OBJECTID};
 
 use crate::check::{check, check_with_root, CheckOptions, FindingKind, Report};
 use crate::device::{BlockDevice, OverlayDevice};
@@ -317,15 +317,18 @@ fn gather(engine: &Engine) -> Result<Facts> {
 /// and the inode ref. Returns the ref.
 fn put_link(txn: &WriteTxn<'_>, dir: u64, ino: u64, entry: &DirEntry) -> InodeRef {
     let encoded = items::encode_dir_entries(std::slice::from_ref(entry));
-    txn.put(dir_item_key(dir, &entry.name), encoded.clone());
-    txn.put(dir_index_key(dir, entry.dir_index), encoded);
+    txn.put(
+        dir_item_key(InodeNo::new(dir), &entry.name),
+        encoded.clone(),
+    );
+    txn.put(dir_index_key(InodeNo::new(dir), entry.dir_index), encoded);
     let r = InodeRef {
         parent: dir,
         dir_index: entry.dir_index,
         name: entry.name.clone(),
     };
     txn.put(
-        inode_ref_key(ino, dir, &entry.name),
+        inode_ref_key(InodeNo::new(ino), InodeNo::new(dir), &entry.name),
         items::encode_inode_refs(std::slice::from_ref(&r)),
     );
     r
@@ -414,7 +417,7 @@ fn fix_items(
                 .push(format!("object {object} has items but no inode"));
             continue;
         }
-        let (lo, hi) = inode_key_range(object);
+        let (lo, hi) = inode_key_range(InodeNo::new(object));
         for (key, _) in engine.range(&lo, &hi, usize::MAX)? {
             txn.delete(key);
         }
@@ -455,7 +458,7 @@ fn fix_names(
     let mut dir_item_lists: BTreeMap<Key, Vec<DirEntry>> = BTreeMap::new();
     let mut touched_lists: BTreeSet<Key> = BTreeSet::new();
     for ((dir, name), entry) in &names {
-        let key = dir_item_key(*dir, name);
+        let key = dir_item_key(InodeNo::new(*dir), name);
         dir_item_lists.entry(key).or_default();
         let dangling = !facts.inodes.contains_key(&entry.child) || !facts.inodes.contains_key(dir);
         let show = format!(
@@ -475,7 +478,7 @@ fn fix_names(
                 continue;
             }
             touched_lists.insert(key);
-            txn.delete(dir_index_key(*dir, entry.dir_index));
+            txn.delete(dir_index_key(InodeNo::new(*dir), entry.dir_index));
             facts.entries.remove(&(*dir, name.clone()));
             changed = true;
             let what = format!(
@@ -501,7 +504,7 @@ fn fix_names(
         }
         if !has_index {
             txn.put(
-                dir_index_key(*dir, entry.dir_index),
+                dir_index_key(InodeNo::new(*dir), entry.dir_index),
                 items::encode_dir_entries(std::slice::from_ref(entry)),
             );
             changed = true;
@@ -517,7 +520,7 @@ fn fix_names(
             };
             refs.push(r.clone());
             txn.put(
-                inode_ref_key(entry.child, *dir, name),
+                inode_ref_key(InodeNo::new(entry.child), InodeNo::new(*dir), name),
                 items::encode_inode_refs(&[r]),
             );
             changed = true;
@@ -556,7 +559,11 @@ fn fix_names(
                 kept.push(r);
                 continue;
             }
-            txn.delete(inode_ref_key(ino, r.parent, &r.name));
+            txn.delete(inode_ref_key(
+                InodeNo::new(ino),
+                InodeNo::new(r.parent),
+                &r.name,
+            ));
             changed = true;
             out.actions.push(format!("{show}: removed (no such entry)"));
         }
@@ -582,7 +589,7 @@ fn fix_orphans(
         .filter(|ino| !facts.inodes.contains_key(ino))
         .collect();
     for ino in stale {
-        txn.delete(orphan_key(ino));
+        txn.delete(orphan_key(InodeNo::new(ino)));
         facts.orphans.remove(&ino);
         changed = true;
         out.actions.push(format!(
@@ -681,7 +688,7 @@ fn lost_and_found(
         otime: time,
         ..Default::default()
     };
-    txn.put(inode_key(ino), inode.encode());
+    txn.put(inode_key(InodeNo::new(ino)), inode.encode());
     facts.inodes.insert(ino, inode);
     let entry = DirEntry {
         child: ino,
@@ -744,7 +751,7 @@ fn fix_counts(txn: &WriteTxn<'_>, facts: &Facts, out: &mut RepairReport) -> bool
             }
         }
         if stored != Some(&fixed) {
-            txn.put(inode_key(*ino), fixed.encode());
+            txn.put(inode_key(InodeNo::new(*ino)), fixed.encode());
             changed = true;
         }
     }

@@ -151,7 +151,7 @@ impl Filesystem {
                         if datasync {
                             // fdatasync: an inode item whose only change is its timestamps is
                             // not needed to read the data back (size, blocks and mode are).
-                            let key = inode_key(ino);
+                            let key = inode_key(InodeNo::new(ino));
                             let before = fresh.len();
                             let reference = match logged.values.get(&key) {
                                 Some((v, g)) if *g > committed => v.clone(),
@@ -170,7 +170,7 @@ impl Filesystem {
                         // inode item's times after an fdatasync that left those out): mark the
                         // inode log-clean as of its current inode item.
                         let mark = |logged: &mut Logged| -> Result<()> {
-                            let current = engine.get(&inode_key(ino))?;
+                            let current = engine.get(&inode_key(InodeNo::new(ino)))?;
                             let generation = engine.running_generation().get();
                             logged
                                 .values
@@ -276,7 +276,7 @@ impl Filesystem {
         if state.logged.lock().ticket == 0 {
             return Ok(None);
         }
-        let Some(current) = engine.get(&inode_key(ino))? else {
+        let Some(current) = engine.get(&inode_key(InodeNo::new(ino)))? else {
             return Ok(None);
         };
         let committed = engine.committed_generation().get();
@@ -387,13 +387,13 @@ impl Filesystem {
                 }
                 for r in refs {
                     if engine
-                        .committed_get(&inode_key(r.parent))
+                        .committed_get(&inode_key(InodeNo::new(r.parent)))
                         .map_err(Err)?
                         .is_none()
                     {
                         return Err(Ok(Fallback::NewParent));
                     }
-                    let item_key = dir_item_key(r.parent, &r.name);
+                    let item_key = dir_item_key(InodeNo::new(r.parent), &r.name);
                     let item = engine.get(&item_key).map_err(Err)?;
                     let entries = match &item {
                         Some(bytes) => decode_dir_entries(bytes)
@@ -417,7 +417,10 @@ impl Filesystem {
                         // Gone: its deletion. Still there, renamed away: its move (the seeds'
                         // dbench saves a file under a temporary name and writes a new one
                         // under the old name, then fsyncs the new one).
-                        let exists = engine.get(&inode_key(other)).map_err(Err)?.is_some();
+                        let exists = engine
+                            .get(&inode_key(InodeNo::new(other)))
+                            .map_err(Err)?
+                            .is_some();
                         let found = if exists {
                             self.moved_records(other, &item_key, generation)
                         } else {
@@ -429,7 +432,7 @@ impl Filesystem {
                             Err(e) => return Err(Err(e)),
                         }
                     }
-                    let index_key = dir_index_key(r.parent, r.dir_index);
+                    let index_key = dir_index_key(InodeNo::new(r.parent), r.dir_index);
                     let index = engine.get(&index_key).map_err(Err)?;
                     records.push(LogRecord {
                         generation,
@@ -456,7 +459,7 @@ impl Filesystem {
             // A tmpfile committed without a name and linked since: its orphan item is gone
             // from the running state, and replay must remove it too, or the next mount's
             // orphan reclaim would see a named inode listed as an orphan.
-            let orphan = orphan_key(ino);
+            let orphan = orphan_key(InodeNo::new(ino));
             if engine.get(&orphan).map_err(Err)?.is_none()
                 && engine.committed_get(&orphan).map_err(Err)?.is_some()
             {
@@ -489,7 +492,7 @@ impl Filesystem {
         if changed.is_empty() || self.only_atime_changed(dir, &changed) {
             return Ok(None);
         }
-        let key = inode_key(dir);
+        let key = inode_key(InodeNo::new(dir));
         if engine.committed_get(&key).map_err(Err)?.is_none() {
             return Err(Ok(Fallback::Directory));
         }
@@ -620,13 +623,14 @@ impl Filesystem {
         generation: u64,
     ) -> Result<Option<Vec<LogRecord>>> {
         let engine = &self.inner.engine;
-        let orphan = orphan_key(other);
+        let orphan = orphan_key(InodeNo::new(other));
         // `free_inode` deletes every item of the inode, then its orphan item: both gone means
         // the free is complete.
-        if engine.get(&inode_key(other))?.is_some() || engine.get(&orphan)?.is_some() {
+        if engine.get(&inode_key(InodeNo::new(other)))?.is_some() || engine.get(&orphan)?.is_some()
+        {
             return Ok(None);
         }
-        let (lo, hi) = crate::items::inode_key_range(other);
+        let (lo, hi) = crate::items::inode_key_range(InodeNo::new(other));
         if !engine.range(&lo, &hi, 1)?.is_empty() {
             return Ok(None);
         }
@@ -647,7 +651,7 @@ impl Filesystem {
                     Some((index, g)) if *g > committed => {
                         // The ref queued named one entry, in `parent` (its dir index was
                         // queued for this inode too), or the inode falls back.
-                        let index_key = dir_index_key(parent, *index);
+                        let index_key = dir_index_key(InodeNo::new(parent), *index);
                         let ours = *index != SEVERAL_NAMES
                             && names
                                 .get(&index_key)
@@ -668,7 +672,7 @@ impl Filesystem {
                             Error::corrupt(format!("committed inode ref {ref_key}"), e)
                         })?;
                         for r in refs {
-                            if dir_item_key(r.parent, &r.name) != *key {
+                            if dir_item_key(InodeNo::new(r.parent), &r.name) != *key {
                                 return Ok(None);
                             }
                             indexes.push(r.dir_index);
@@ -680,7 +684,7 @@ impl Filesystem {
         let [index] = indexes[..] else {
             return Ok(None);
         };
-        let index_key = dir_index_key(parent, index);
+        let index_key = dir_index_key(InodeNo::new(parent), index);
         if engine.get(&index_key)?.is_some() {
             return Ok(None);
         }
@@ -774,7 +778,7 @@ impl Filesystem {
                 continue;
             }
             match k.kind() {
-                Some(ItemType::InodeItem) if *k == inode_key(other) => {
+                Some(ItemType::InodeItem) if *k == inode_key(InodeNo::new(other)) => {
                     let (Some(current), Some(base)) = (value, base) else {
                         return Ok(None);
                     };
@@ -807,7 +811,7 @@ impl Filesystem {
         let inode_item = match inode_item {
             Some(item) => item,
             // The rename moved ctime; an equal inode item would mean the kernel restored it.
-            None => match engine.get(&inode_key(other))? {
+            None => match engine.get(&inode_key(InodeNo::new(other)))? {
                 Some(item) => item.to_vec(),
                 None => return Ok(None),
             },
@@ -816,16 +820,16 @@ impl Filesystem {
         let [(parent, name, index)] = lost[..] else {
             return Ok(None);
         };
-        if dir_item_key(*parent, name) != *key {
+        if dir_item_key(InodeNo::new(*parent), name) != *key {
             return Ok(None);
         }
-        let old_index = dir_index_key(*parent, *index);
+        let old_index = dir_index_key(InodeNo::new(*parent), *index);
         if engine.get(&old_index)?.is_some() {
             return Ok(None);
         }
         let mut records = vec![LogRecord {
             generation,
-            key: inode_key(other),
+            key: inode_key(InodeNo::new(other)),
             value: Some(inode_item),
         }];
         for (k, value) in ref_changes {
@@ -836,10 +840,13 @@ impl Filesystem {
             });
         }
         for (parent, name, index) in now.iter().filter(|n| !before.contains(n)) {
-            if engine.committed_get(&inode_key(*parent))?.is_none() {
+            if engine
+                .committed_get(&inode_key(InodeNo::new(*parent)))?
+                .is_none()
+            {
                 return Ok(None);
             }
-            let item_key = dir_item_key(*parent, name);
+            let item_key = dir_item_key(InodeNo::new(*parent), name);
             let Some(item) = engine.get(&item_key)? else {
                 return Ok(None);
             };
@@ -852,7 +859,7 @@ impl Filesystem {
                 Some(holders) if holders.is_empty() => {}
                 _ => return Ok(None),
             }
-            let index_key = dir_index_key(*parent, *index);
+            let index_key = dir_index_key(InodeNo::new(*parent), *index);
             let Some(index_item) = engine.get(&index_key)? else {
                 return Ok(None);
             };
@@ -884,7 +891,7 @@ impl Filesystem {
         let [(key, Some(now))] = changed else {
             return false;
         };
-        if *key != inode_key(ino) {
+        if *key != inode_key(InodeNo::new(ino)) {
             return false;
         }
         let Ok(Some(committed)) = self.inner.engine.committed_get(key) else {
@@ -965,19 +972,19 @@ impl Filesystem {
     /// Recomputes a non-directory's link count from its refs.
     fn fix_nlink(&self, ino: u64) -> Result<()> {
         let engine = &*self.inner.engine;
-        let Some(mut item) = items::get_inode(engine, ino)? else {
+        let Some(mut item) = items::get_inode(engine, InodeNo::new(ino))? else {
             return Ok(());
         };
         if item.mode & libc::S_IFMT == libc::S_IFDIR {
             return Ok(());
         }
-        let names = items::count_names(engine, ino)?;
+        let names = items::count_names(engine, InodeNo::new(ino))?;
         if item.nlink != names {
             item.nlink = names;
             let mut txn = engine.begin()?;
-            items::put_inode(&mut txn, ino, &item);
+            items::put_inode(&mut txn, InodeNo::new(ino), &item);
             if names == 0 {
-                items::put_orphan(&mut txn, ino);
+                items::put_orphan(&mut txn, InodeNo::new(ino));
             }
         }
         Ok(())
@@ -986,13 +993,13 @@ impl Filesystem {
     /// Recomputes a directory's size, link count and next index from its entries.
     fn fix_dir(&self, dir: u64) -> Result<()> {
         let engine = &*self.inner.engine;
-        let Some(mut item) = items::get_inode(engine, dir)? else {
+        let Some(mut item) = items::get_inode(engine, InodeNo::new(dir))? else {
             return Ok(());
         };
         let mut entries = 0u64;
         let mut subdirs = 0u32;
         let mut next_index = item.next_dir_index;
-        for (index, entry) in items::listing(engine, dir, 0, u64::MAX, usize::MAX)? {
+        for (index, entry) in items::listing(engine, InodeNo::new(dir), 0, u64::MAX, usize::MAX)? {
             entries += 1;
             if entry.file_type == libc::DT_DIR {
                 subdirs += 1;
@@ -1003,7 +1010,7 @@ impl Filesystem {
             item.size = entries;
             item.nlink = 2 + subdirs;
             item.next_dir_index = next_index;
-            items::put_inode(&mut engine.begin()?, dir, &item);
+            items::put_inode(&mut engine.begin()?, InodeNo::new(dir), &item);
         }
         Ok(())
     }
@@ -1055,7 +1062,7 @@ fn is_inode_record(r: &LogRecord) -> bool {
 /// Scans only when the committed generation moved since the last sweep (remembered under a
 /// key of its own), so a synchronous write does not walk every extent logged since the commit.
 fn forget_committed(logged: &mut Logged, ino: u64, committed: u64) {
-    let mut swept = inode_key(ino);
+    let mut swept = inode_key(InodeNo::new(ino));
     swept.offset = u64::MAX - 2;
     if logged
         .values
