@@ -3,7 +3,9 @@
 //! transaction and the committed trees) and `vfs`.
 //!
 //! Owns: the key of every item of those kinds, and the key range of one inode's items
-//! ([`inode_key_range`]), so that `vfs`, fsync and replay and the CLI build none by hand;
+//! ([`inode_key_range`]) and of its names ([`inode_refs_range`]), so that `vfs`, fsync and
+//! replay, scrub and the CLI build none by hand (every inode and directory number here is an
+//! [`InodeNo`]);
 //! decoding with context (which inode or directory, which item); the operations whose items
 //! must change together: a link is a dir item entry, a dir index and an inode ref
 //! ([`add_link`], [`remove_link`], [`retarget_link`], [`move_ref`]), and an xattr value over

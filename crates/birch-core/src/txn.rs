@@ -1227,7 +1227,7 @@ impl Engine {
     /// still being written) take: each changed item may copy its own leaf and that leaf's
     /// parent, new bytes fill leaves at least half, and the levels above take at most
     /// [`COMMIT_TOP_NODES`]. Loads only, no lock.
-    pub fn commit_estimate_blocks(&self) -> u64 {
+    pub fn commit_estimate_blocks(&self) -> BlockCount {
         let nodes = |items: usize, bytes: usize| -> u64 {
             2 * items as u64 + 2 * bytes.div_ceil(NODE_SIZE) as u64 + COMMIT_TOP_NODES
         };
@@ -1235,19 +1235,19 @@ impl Engine {
         if let Some(frozen) = self.state.read().frozen.clone() {
             total += nodes(frozen.len(), frozen.bytes());
         }
-        total * NODE_BLOCKS
+        BlockCount::new(total * NODE_BLOCKS)
     }
 
     /// Whether the metadata of the changes so far fits in the space left, keeping `keep`
     /// blocks besides (blocks reserved for buffered data are not there to take). A commit
     /// that ran out of space would turn the filesystem read-only; an operation asks this
     /// first and gets ENOSPC instead (`Filesystem::admit`, DESIGN §10.7).
-    pub fn metadata_fits(&self, keep: u64) -> bool {
+    pub fn metadata_fits(&self, keep: BlockCount) -> bool {
         let room = self
             .alloc
             .free_blocks()
             .saturating_sub(self.alloc.reserved_blocks());
-        self.commit_estimate_blocks() + keep <= room.get()
+        self.commit_estimate_blocks() + keep <= room
     }
 
     /// Benchmark only (mount option `bench_global_objectid_lock`, seed 002's "before"): every

@@ -123,11 +123,6 @@ impl BlockCount {
         self.0 * BLOCK_SIZE
     }
 
-    /// Blocks that `bytes` fill, the last one possibly in part.
-    pub const fn covering(bytes: u64) -> BlockCount {
-        BlockCount(bytes.div_ceil(BLOCK_SIZE))
-    }
-
     /// `self - other`, or zero when `other` is more.
     pub const fn saturating_sub(self, other: BlockCount) -> BlockCount {
         BlockCount(self.0.saturating_sub(other.0))
@@ -186,15 +181,6 @@ impl Generation {
     }
 }
 
-/// The position `bytes` further on in the log.
-impl Add<u64> for Lsn {
-    type Output = Lsn;
-
-    fn add(self, bytes: u64) -> Lsn {
-        Lsn(self.0 + bytes)
-    }
-}
-
 // Zero-cost: each type is exactly its u64, checked in every build.
 const _: () = assert!(std::mem::size_of::<BlockAddr>() == std::mem::size_of::<u64>());
 const _: () = assert!(std::mem::size_of::<BlockCount>() == std::mem::size_of::<u64>());
@@ -222,7 +208,7 @@ mod tests {
         let addr = BlockAddr::from_block_index(3);
         assert_eq!(addr.get(), 3 * BLOCK_SIZE);
         assert_eq!((addr + BlockCount::new(2)).block_index(), 5);
-        assert_eq!(BlockCount::covering(BLOCK_SIZE + 1), BlockCount::new(2));
+        assert_eq!(BlockCount::new(2).bytes(), 2 * BLOCK_SIZE);
         assert!(addr.is_block_aligned() && !BlockAddr::new(1).is_block_aligned());
     }
 }

@@ -26,7 +26,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use birch_format::items::{InodeItem, Timespec};
-use birch_format::{InodeNo, ItemType, Key, BLOCK_SIZE, ROOT_OBJECTID};
+use birch_format::{BlockCount, InodeNo, ItemType, Key, BLOCK_SIZE, ROOT_OBJECTID};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::counters::CachePadded;
@@ -850,13 +850,14 @@ impl Filesystem {
         let engine = &self.inner.engine;
         let alloc = engine.allocator();
         let keep = if grows {
-            alloc.metadata_reserve_blocks().get() / 2
+            BlockCount::new(alloc.metadata_reserve_blocks().get() / 2)
         } else {
-            0
+            BlockCount::new(0)
         };
         if engine.metadata_fits(keep) {
             let room = alloc.free_blocks().saturating_sub(alloc.reserved_blocks());
-            if engine.commit_estimate_blocks().saturating_mul(2) + keep > room.get() {
+            let twice = BlockCount::new(engine.commit_estimate_blocks().get().saturating_mul(2));
+            if twice + keep > room {
                 self.wake_committer();
             }
             return Ok(());
