@@ -681,10 +681,23 @@ def op_open(d):
     expect_err("open of a missing name", errno.ENOENT, os.open, J(d, "missing"), os.O_RDONLY)
     os.symlink("f", J(d, "l"))
     expect_err("O_NOFOLLOW on a symlink", errno.ELOOP, os.open, J(d, "l"), os.O_RDONLY | os.O_NOFOLLOW)
+    os.utime(f, (1_000_000_000, 1_000_000_000))
     fd = os.open(f, os.O_WRONLY | os.O_TRUNC)
     check(os.fstat(fd).st_size == 0, "O_TRUNC: fstat size not 0")
     os.close(fd)
     check(rfile(f) == b"", "O_TRUNC did not empty the file")
+    check(os.stat(f).st_mtime > 1_000_000_000, "O_TRUNC did not update mtime")
+    # An empty file opened with O_TRUNC still gets new times (Linux's do_truncate for open).
+    os.utime(f, (1_000_000_000, 1_000_000_000))
+    os.close(os.open(f, os.O_WRONLY | os.O_TRUNC))
+    check(os.stat(f).st_mtime > 1_000_000_000, "O_TRUNC of an empty file did not update mtime")
+    # O_TRUNC by another user clears suid and sgid, as a truncate does.
+    wfile(J(d, "suid"), b"x" * 5000, 0o6777)
+    os.chmod(J(d, "suid"), 0o6777)
+    user_ok("O_TRUNC open of a 06777 file", lambda: os.close(os.open(J(d, "suid"), os.O_WRONLY | os.O_TRUNC)))
+    st = os.stat(J(d, "suid"))
+    check(st.st_size == 0, "O_TRUNC by nobody did not empty the file")
+    check(stat.S_IMODE(st.st_mode) & 0o6000 == 0, f"O_TRUNC by nobody kept suid/sgid: {oct(st.st_mode)}")
     wfile(J(d, "secret"), b"s", 0o600)
     user_expect_err("open of a 0600 root file", errno.EACCES, lambda: os.open(J(d, "secret"), os.O_RDONLY))
     fd = os.open(J(d, "rdonly"), os.O_CREAT | os.O_WRONLY, 0o444)  # creating open may write

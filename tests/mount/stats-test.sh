@@ -78,6 +78,14 @@ want(c1["dirty_bytes"] > 0, "dirty_bytes is 0 with 4 MiB buffered")
 want(c2["commits"] > c1["commits"], "birch sync did not move commits")
 want(synced["latency"]["commit_latency"]["count"] > 0, "no commit latency after birch sync")
 want(c2["dirty_bytes"] == 0, f"dirty_bytes {c2['dirty_bytes']} after birch sync")
+# Requests by opcode: the 16 fsyncs are 16 FSYNC requests, and no opcode counts more requests
+# than were served in all.
+want(c1.get("fuse_op_fsync", 0) - c0.get("fuse_op_fsync", 0) == 16,
+     f"fuse_op_fsync moved by {c1.get('fuse_op_fsync', 0) - c0.get('fuse_op_fsync', 0)}, expected 16")
+want(c1.get("fuse_op_create", 0) - c0.get("fuse_op_create", 0) >= 2, "fuse_op_create did not count 2 creates")
+served = c2["fuse_dev_requests"] + c2.get("fuse_uring_requests", 0)
+by_op = sum(v for k, v in c2.items() if k.startswith("fuse_op_"))
+want(0 < by_op <= served, f"requests by opcode {by_op}, served {served}")
 want(c2["bytes_written"] - c0["bytes_written"] >= 4 << 20, "bytes_written moved less than 4 MiB")
 want(c2["free_bytes"] < c0["free_bytes"], "free_bytes did not drop after writing 4 MiB")
 want(0 < synced["free_fraction"] < 1, f"free_fraction {synced['free_fraction']}")

@@ -119,6 +119,7 @@ counters! {
     fsync_commits: "fsyncs answered by a full commit (all reasons).",
     fsync_log: "fsyncs made durable through the log.",
     fsync_nothing: "fsyncs that found nothing to make durable.",
+    fsync_clean: "fsyncs through the log that found the inode log-clean (everything queued by its writes and SETATTRs): no scan, only a wait for the batch.",
     fsync_fallback_mode: "fsync commits because the mount uses fsync=commit.",
     fsync_fallback_log_full: "fsync commits because the log area had no room.",
     fsync_fallback_names: "fsync commits because a name of the inode was removed or renamed.",

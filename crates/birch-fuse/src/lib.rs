@@ -725,8 +725,9 @@ fn negative_attr() -> FileAttr {
 }
 
 /// The filesystem's counters plus the adapter's own: how many FUSE requests this process
-/// served over /dev/fuse and over io_uring (`fuse_dev_requests`, `fuse_uring_requests`) and
-/// `extra` (the LOOKUPs of "." and "..").
+/// served over /dev/fuse and over io_uring (`fuse_dev_requests`, `fuse_uring_requests`), by
+/// opcode over both (`fuse_op_NAME`, opcodes seen at least once), and `extra` (the LOOKUPs of
+/// "." and "..").
 fn stats_with_transport(mut json: String, extra: &[(&str, u64)]) -> String {
     let (dev, ring) = fuser::transport_counts();
     if json.ends_with('}') {
@@ -741,6 +742,14 @@ fn stats_with_transport(mut json: String, extra: &[(&str, u64)]) -> String {
         ));
         for (name, value) in extra {
             json.push_str(&format!(", \"{name}\": {value}"));
+        }
+        // Requests by opcode (`fuse_op_lookup`, ...): what a workload costs in round trips.
+        let mut by_op = std::collections::BTreeMap::new();
+        for (name, n) in fuser::opcode_counts() {
+            *by_op.entry(name).or_insert(0u64) += n;
+        }
+        for (name, n) in by_op {
+            json.push_str(&format!(", \"fuse_op_{name}\": {n}"));
         }
         json.push('}');
     }

@@ -81,7 +81,7 @@ pub use crate::session::SessionACL;
 pub use crate::session::SessionUnmounter;
 pub use crate::uring::UringOptions;
 pub use crate::uring::on_ring_queue;
-pub use crate::uring::transport_counts;
+pub use crate::uring::{opcode_counts, transport_counts};
 
 mod access_flags;
 mod uring;

@@ -607,7 +607,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
             // The kernel driver makes sure that we get exactly one request per read
             match self.ch.receive_retrying(buf) {
                 Ok(size) => match {
-                    crate::uring::count_dev_request();
+                    crate::uring::count_dev_request(&buf[..size]);
                     RequestWithSender::new(self.ch.sender(), &buf[..size])
                 } {
                     // Dispatch request

@@ -88,8 +88,92 @@ pub fn transport_counts() -> (u64, u64) {
     )
 }
 
-pub(crate) fn count_dev_request() {
+pub(crate) fn count_dev_request(request: &[u8]) {
     DEV_SERVED.fetch_add(1, Ordering::Relaxed);
+    count_opcode(request);
+}
+
+/// Requests served by opcode (both transports), opcodes 0..64; birch's addition.
+static BY_OPCODE: [AtomicU64; 64] = [const { AtomicU64::new(0) }; 64];
+
+/// Counts one request by the opcode in its `fuse_in_header` (bytes 4..8).
+fn count_opcode(request: &[u8]) {
+    if let Some(op) = request.get(4..8) {
+        let op = u32::from_ne_bytes([op[0], op[1], op[2], op[3]]) as usize;
+        if let Some(slot) = BY_OPCODE.get(op) {
+            slot.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Requests served in this process so far by opcode: `(opcode name in lower case, count)` for
+/// each opcode seen at least once (FORGET and BATCH_FORGET included: they get no reply).
+pub fn opcode_counts() -> Vec<(&'static str, u64)> {
+    BY_OPCODE
+        .iter()
+        .enumerate()
+        .filter_map(|(op, n)| {
+            let n = n.load(Ordering::Relaxed);
+            (n > 0).then(|| (opcode_name(op as u32), n))
+        })
+        .collect()
+}
+
+/// The name of a FUSE opcode (include/uapi/linux/fuse.h), lower case without `FUSE_`.
+fn opcode_name(op: u32) -> &'static str {
+    match op {
+        1 => "lookup",
+        2 => "forget",
+        3 => "getattr",
+        4 => "setattr",
+        5 => "readlink",
+        6 => "symlink",
+        8 => "mknod",
+        9 => "mkdir",
+        10 => "unlink",
+        11 => "rmdir",
+        12 => "rename",
+        13 => "link",
+        14 => "open",
+        15 => "read",
+        16 => "write",
+        17 => "statfs",
+        18 => "release",
+        20 => "fsync",
+        21 => "setxattr",
+        22 => "getxattr",
+        23 => "listxattr",
+        24 => "removexattr",
+        25 => "flush",
+        26 => "init",
+        27 => "opendir",
+        28 => "readdir",
+        29 => "releasedir",
+        30 => "fsyncdir",
+        31 => "getlk",
+        32 => "setlk",
+        33 => "setlkw",
+        34 => "access",
+        35 => "create",
+        36 => "interrupt",
+        37 => "bmap",
+        38 => "destroy",
+        39 => "ioctl",
+        40 => "poll",
+        41 => "notify_reply",
+        42 => "batch_forget",
+        43 => "fallocate",
+        44 => "readdirplus",
+        45 => "rename2",
+        46 => "lseek",
+        47 => "copy_file_range",
+        48 => "setupmapping",
+        49 => "removemapping",
+        50 => "syncfs",
+        51 => "tmpfile",
+        52 => "statx",
+        _ => "other",
+    }
 }
 
 const IN_HDR: usize = 40;
@@ -608,6 +692,7 @@ fn serve_entry<FS: Filesystem>(
     let total = IN_HDR + op_len + payload_sz;
     buf[IN_HDR + op_len..total].copy_from_slice(&payload[..payload_sz]);
     RING_SERVED.fetch_add(1, Ordering::Relaxed);
+    count_opcode(&buf[..total]);
     let sender = dev.with_ring(RingReply {
         queue: shared.clone(),
         idx,

@@ -641,6 +641,18 @@ impl Filesystem {
         let mut data = state.data.write();
         let _op = self.inner.engine.hold()?;
         let t = now();
+        // Times only (the kernel's SETATTR of mtime and ctime before every FSYNC under the
+        // writeback cache, touch, utimes) on a log-clean inode: the new inode item is queued
+        // in the log here, as a synchronous write queues its own items, so the inode stays
+        // log-clean and the fsync after it only waits for the batch instead of collecting
+        // every item the inode changed since the commit.
+        let times_only =
+            set.size.is_none() && set.mode.is_none() && set.uid.is_none() && set.gid.is_none();
+        let log_own = times_only
+            && self.inner.fsync_mode == FsyncMode::Log
+            && data.item.nlink > 0
+            && !data.write_error
+            && self.log_clean_ticket(ino, &state, true)?.is_some();
         if let Some(size) = set.size {
             match data.item.mode & libc::S_IFMT {
                 libc::S_IFDIR => return Err(Error::IsDir(format!("truncate of dir {ino}"))),
@@ -695,6 +707,13 @@ impl Filesystem {
         }
         data.item.ctime = set.ctime.unwrap_or(t);
         self.store_inode(ino, &mut data)?;
+        if log_own {
+            let item = (
+                super::inode_key(InodeNo::new(ino)),
+                Some(data.item.encode()),
+            );
+            self.log_write(ino, &state, _op.generation().get(), vec![item]);
+        }
         Ok(attr_of(ino, &data.item))
     }
 
