@@ -30,7 +30,7 @@ use crate::items::{
     dir_index_key, dir_item_key, inode_key, inode_key_range, inode_ref_key, orphan_key,
     xattr_chunk_key,
 };
-use crate::txn::{Engine, WriteTxn};
+use crate::txn::{older_roots, Engine, WriteTxn};
 
 /// How much a repair may do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,28 +158,6 @@ fn replay_log(device: Arc<dyn BlockDevice>, out: &mut RepairReport) -> Result<()
     Ok(())
 }
 
-/// The roots to try, newest first: the newest slot's backups, then the other slot's root
-/// and its backups.
-fn candidates(device: &dyn BlockDevice, sb: &Superblock) -> Vec<BackupRoot> {
-    let mut roots = sb.backup_roots.clone();
-    let other = 1 - sb.slot();
-    let mut bytes = vec![0u8; birch_format::superblock::SUPER_BYTES];
-    if device.read_at(&mut bytes, SUPER_OFFSETS[other]).is_ok() {
-        if let Ok(o) = Superblock::decode(&bytes, "other superblock slot") {
-            if o.fsid == sb.fsid && o.generation < sb.generation && o.slot() == other {
-                roots.push(BackupRoot {
-                    generation: o.generation,
-                    fs_root: o.fs_root,
-                });
-                roots.extend(o.backup_roots);
-            }
-        }
-    }
-    roots.sort_by_key(|b| std::cmp::Reverse(b.generation));
-    roots.dedup_by_key(|b| b.generation);
-    roots
-}
-
 /// Finds the newest older root whose tree is whole and writes superblock N+1 naming it.
 /// Returns the check of the chosen tree, or `None` (with the reason in `refused`) when no
 /// tree is whole.
@@ -190,7 +168,7 @@ fn fall_back(
 ) -> Result<Option<Report>> {
     let (sb, _) = Engine::read_superblock(&**device)?;
     let mut chosen: Option<(BackupRoot, Report)> = None;
-    for candidate in candidates(&**device, &sb) {
+    for candidate in older_roots(&**device, &sb, false) {
         let report = check_with_root(&**device, Some(candidate.fs_root), options)?;
         let whole = !report.findings.iter().any(|f| f.kind.is_structural());
         out.actions.push(format!(
