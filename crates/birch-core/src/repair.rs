@@ -22,7 +22,15 @@ use birch_format::superblock::{
 };
 use birch_format::{ItemType, Key, BLOCK_SIZE, INLINE_MAX_BYTES, ORPHAN_OBJECTID, ROOT_OBJECTID};
 
+use birch_format::node::NodeBody;
+use birch_format::superblock::RESERVED_HEAD_BYTES;
+use birch_format::{FS_TREE_ID, NODE_BLOCKS, NODE_SIZE};
+
+use crate::alloc::Allocator;
+use crate::btree::{TreeCtx, TreeWriter};
+use crate::cache::NodeCache;
 use crate::check::{check, check_with_root, CheckOptions, FindingKind, Report};
+use crate::counters::Counters;
 use crate::data::DataLayer;
 use crate::device::{BlockDevice, OverlayDevice};
 use crate::error::{Error, Result};
@@ -30,6 +38,7 @@ use crate::items::{
     dir_index_key, dir_item_key, inode_key, inode_key_range, inode_ref_key, orphan_key,
     xattr_chunk_key,
 };
+use crate::scrub::read_node;
 use crate::txn::{older_roots, Engine, WriteTxn};
 
 /// How much a repair may do.
@@ -61,6 +70,8 @@ pub struct RepairReport {
     pub lost: Vec<String>,
     /// The generation fallen back to, if any.
     pub fell_back_to: Option<u64>,
+    /// Whether no older tree was whole and a new tree was salvaged from the readable leaves.
+    pub salvaged: bool,
 }
 
 impl RepairReport {
@@ -109,7 +120,14 @@ pub fn repair(
         }
         match fall_back(&device, options, &mut out)? {
             Some(chosen) => bad_blocks = bad_data_blocks(&chosen),
-            None => return Ok(out),
+            None => {
+                if !salvage(&device, &mut out)? {
+                    return Ok(out);
+                }
+                if options.data {
+                    bad_blocks = bad_data_blocks(&check(&*device, options)?);
+                }
+            }
         }
     } else if out.before.log_batches > 0 {
         if let Err(e) = replay_log(device.clone(), &mut out) {
@@ -134,7 +152,7 @@ pub fn repair(
     };
     let wrote = fix_items(&engine, &damage, mode, &mut out)?;
     drop(engine);
-    if wrote || out.fell_back_to.is_some() || out.before.log_batches > 0 {
+    if wrote || out.fell_back_to.is_some() || out.salvaged || out.before.log_batches > 0 {
         out.after = Some(check(&*device, options)?);
     }
     Ok(out)
@@ -187,7 +205,7 @@ fn fall_back(
         }
     }
     let Some((chosen, chosen_report)) = chosen else {
-        out.refused.push(format!(
+        out.actions.push(format!(
             "the tree of generation {} is damaged and no backup root is whole",
             sb.generation
         ));
@@ -1337,4 +1355,203 @@ pub fn repairable(kind: FindingKind, mode: RepairMode) -> bool {
                 )
         }
     }
+}
+
+/// A key range `[low, high)`; `None` is past every key.
+type KeyRange = (Key, Option<Key>);
+
+/// The part of `a` inside `b`, if any.
+fn intersect(a: &KeyRange, b: &KeyRange) -> Option<KeyRange> {
+    let low = a.0.max(b.0);
+    let high = match (a.1, b.1) {
+        (Some(x), Some(y)) => Some(x.min(y)),
+        (x, None) => x,
+        (None, y) => y,
+    };
+    high.is_none_or(|h| low < h).then_some((low, high))
+}
+
+fn in_range(key: &Key, range: &KeyRange) -> bool {
+    *key >= range.0 && range.1.is_none_or(|h| *key < h)
+}
+
+/// What the salvage reads out of the trees.
+#[derive(Default)]
+struct Harvest {
+    /// Items kept, the first tree's version of each key winning.
+    items: BTreeMap<Key, Vec<u8>>,
+    /// Every node address the trees name, read or not: the new tree must not overwrite them
+    /// (a crash before its superblock leaves the old state).
+    nodes: BTreeSet<u64>,
+    /// Every extent's blocks in the leaves read, for the same reason.
+    extents: Vec<(u64, u64)>,
+}
+
+/// Walks the tree at `root` whole, tolerating damage: every node that reads and verifies
+/// gives its items that lie in its parent's key range and in one of `want` (and are not
+/// held yet); the key ranges under nodes that do not read are returned (as far as they lie
+/// in `want`).
+fn harvest(
+    device: &dyn BlockDevice,
+    sb: &Superblock,
+    root: RootPtr,
+    want: &[KeyRange],
+    h: &mut Harvest,
+) -> Vec<KeyRange> {
+    let mut lost = Vec::new();
+    let mut visited = BTreeSet::new();
+    let mut stack = vec![(
+        root.addr,
+        root.generation,
+        root.level,
+        Key::MIN,
+        None::<Key>,
+    )];
+    while let Some((addr, generation, level, low, high)) = stack.pop() {
+        h.nodes.insert(addr);
+        let node = visited
+            .insert(addr)
+            .then(|| {
+                let inside = addr.saturating_add(NODE_SIZE as u64) <= sb.total_bytes;
+                inside
+                    .then(|| read_node(device, sb.fsid, addr, generation, level).ok())
+                    .flatten()
+            })
+            .flatten();
+        let Some(node) = node else {
+            lost.extend(want.iter().filter_map(|w| intersect(w, &(low, high))));
+            continue;
+        };
+        match node.body {
+            NodeBody::Leaf(leaf) => {
+                for (key, value) in leaf {
+                    if key.kind() == Some(ItemType::ExtentData) {
+                        if let Some(range) =
+                            FileExtent::decode(&value).ok().and_then(|e| e.disk_range())
+                        {
+                            h.extents.push(range);
+                        }
+                    }
+                    if in_range(&key, &(low, high))
+                        && want.iter().any(|w| in_range(&key, w))
+                        && !h.items.contains_key(&key)
+                    {
+                        h.items.insert(key, value);
+                    }
+                }
+            }
+            NodeBody::Internal(ptrs) => {
+                for (slot, ptr) in ptrs.iter().enumerate() {
+                    let child_high = ptrs.get(slot + 1).map(|p| p.key).or(high);
+                    stack.push((
+                        ptr.addr,
+                        ptr.generation,
+                        level.saturating_sub(1),
+                        ptr.key.max(low),
+                        child_high,
+                    ));
+                }
+            }
+        }
+    }
+    lost
+}
+
+/// Salvage (DESIGN §13.4): the newest tree is damaged and no older root is whole. Every item
+/// of the newest tree's readable leaves is kept; the key ranges under its unreadable nodes
+/// are looked up in the older trees, newest first; what no tree holds readable is lost and
+/// reported by key range. The items go into a new tree written to blocks none of those trees
+/// names, and superblock N+1 names it (no backups: the older trees are not whole). Returns
+/// false (with the reason in `refused`) when nothing could be read.
+fn salvage(device: &Arc<dyn BlockDevice>, out: &mut RepairReport) -> Result<bool> {
+    let (sb, _) = Engine::read_superblock(&**device)?;
+    let mut h = Harvest::default();
+    let everything = [(Key::MIN, None)];
+    let mut lost = harvest(&**device, &sb, sb.fs_root, &everything, &mut h);
+    out.actions.push(format!(
+        "salvage: {} items read from the tree of generation {}, {} key ranges unreadable",
+        h.items.len(),
+        sb.generation,
+        lost.len()
+    ));
+    for older in older_roots(&**device, &sb, false) {
+        if lost.is_empty() {
+            break;
+        }
+        let before = h.items.len();
+        lost = harvest(&**device, &sb, older.fs_root, &lost, &mut h);
+        out.actions.push(format!(
+            "salvage: {} items of those ranges read from the tree of generation {}",
+            h.items.len() - before,
+            older.generation
+        ));
+    }
+    if h.items.is_empty() {
+        out.refused.push(format!(
+            "the tree of generation {} is damaged, no backup root is whole, and no leaf of any tree reads",
+            sb.generation
+        ));
+        return Ok(false);
+    }
+    for (low, high) in &lost {
+        let high = high.map_or("the end".to_string(), |h| h.to_string());
+        out.lost.push(format!(
+            "keys {low} up to {high}: unreadable in every tree (objects {} ..)",
+            low.objectid
+        ));
+    }
+    let alloc = Allocator::new(sb.total_bytes);
+    alloc.mark_used(0, RESERVED_HEAD_BYTES / BLOCK_SIZE);
+    alloc.mark_used(sb.log_start, sb.log_bytes / BLOCK_SIZE);
+    for addr in &h.nodes {
+        alloc.mark_used(*addr, NODE_BLOCKS);
+    }
+    for (addr, blocks) in &h.extents {
+        alloc.mark_used(*addr, *blocks);
+    }
+    let counters = Counters::default();
+    let cache = NodeCache::new(1024);
+    let ctx = TreeCtx {
+        device: &**device,
+        cache: &cache,
+        counters: &counters,
+        fsid: sb.fsid,
+        owner: FS_TREE_ID,
+    };
+    let generation = sb.generation + 1;
+    let mut writer = TreeWriter::create(ctx, &alloc, generation)?;
+    let count = h.items.len();
+    for (key, value) in h.items {
+        if let Err(e) = writer.insert(key, value) {
+            out.lost.push(format!("item {key}: not kept ({e})"));
+        }
+    }
+    writer.write_dirty()?;
+    let root = writer.root();
+    device
+        .flush()
+        .map_err(|e| Error::io("repair: flush the salvaged tree", e))?;
+    let replay = crate::log::read_log(&**device, &sb);
+    let mut next = sb.clone();
+    next.generation = generation;
+    next.fs_root = root;
+    next.backup_roots.clear();
+    next.log_head = replay.tail_lsn;
+    next.log_generation = replay.next_seq;
+    device
+        .write_at(&next.encode(), SUPER_OFFSETS[next.slot()])
+        .map_err(|e| Error::io(format!("repair: write superblock {generation}"), e))?;
+    device
+        .flush()
+        .map_err(|e| Error::io("repair: flush superblock", e))?;
+    out.salvaged = true;
+    out.actions.push(format!(
+        "salvage: wrote a new tree of {count} items (node {:#x}), named by superblock {generation}",
+        root.addr
+    ));
+    if replay.records.iter().any(|r| r.generation > sb.generation) {
+        out.lost
+            .push("the fsync log records of the damaged generation".to_string());
+    }
+    Ok(true)
 }

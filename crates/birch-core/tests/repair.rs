@@ -15,6 +15,8 @@ use birch_core::repair::{repair, RepairMode, RepairReport};
 use birch_core::vfs::OpenOptions;
 use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::items::{ExtentKind, FileExtent, InodeItem};
+use birch_format::node::{Expect, Node, NodeBody};
+use birch_format::superblock::RootPtr;
 use birch_format::{name_hash, ItemType, Key};
 
 const BIG: usize = 40_000;
@@ -607,4 +609,155 @@ fn a_bad_superblock_slot_is_rewritten_by_preen() {
     let (_, notes) = Engine::read_superblock(&*dev).expect("superblock");
     assert!(notes.is_empty(), "{notes:?}");
     assert_eq!(run(&dev, RepairMode::Full).exit_code(), 0);
+}
+
+/// The address of the leaf that holds (or would hold) `key` in the tree at `root`.
+fn leaf_of(dev: &MemDevice, fsid: [u8; 16], root: RootPtr, key: Key) -> u64 {
+    let (mut addr, mut generation, mut level) = (root.addr, root.generation, root.level);
+    loop {
+        let mut bytes = vec![0u8; birch_format::NODE_SIZE];
+        dev.read_at(&mut bytes, addr).expect("read node");
+        let expect = Expect {
+            fsid,
+            addr,
+            generation,
+            owner: birch_format::FS_TREE_ID,
+            level: Some(level),
+        };
+        match Node::decode(&bytes, &expect).expect("node").body {
+            NodeBody::Leaf(_) => return addr,
+            NodeBody::Internal(ptrs) => {
+                let ptr = ptrs
+                    .iter()
+                    .rev()
+                    .find(|p| p.key <= key)
+                    .or(ptrs.first())
+                    .expect("a pointer");
+                (addr, generation, level) = (ptr.addr, ptr.generation, level - 1);
+            }
+        }
+    }
+}
+
+/// A leaf shared by the newest tree and every backup is corrupted, and so is the newest
+/// tree's own leaf that holds `/b`: no backup is whole. Repair salvages: the newest tree's
+/// readable leaves, `/b`'s leaf from the newest backup, and the shared leaf's key range is
+/// reported lost; the names into it go, everything else reads back, a second check is clean.
+#[test]
+fn with_no_whole_backup_the_readable_leaves_are_salvaged() {
+    let dev = Arc::new(MemDevice::new(64 << 20));
+    Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
+    let fs = open(&dev);
+    fs.mkdir(Default::default(), 1, b"many", 0o755)
+        .expect("mkdir");
+    for i in 0..300 {
+        fs.write_file(&format!("/many/f{i:03}"), format!("file {i}").as_bytes())
+            .expect("write");
+    }
+    fs.mkdir(Default::default(), 1, b"a", 0o755).expect("mkdir");
+    fs.write_file("/a/big", &big()).expect("big");
+    fs.sync().expect("sync");
+    for round in 0..4u8 {
+        fs.write_file("/b", &[round; 100]).expect("b");
+        fs.sync().expect("sync");
+    }
+    let victim = fs.resolve("/many/f150").expect("f150");
+    let b = fs.resolve("/b").expect("b");
+    let inos: Vec<(usize, u64)> = (0..300)
+        .map(|i| (i, fs.resolve(&format!("/many/f{i:03}")).expect("resolve")))
+        .collect();
+    fs.close().expect("close");
+    let (sb, _) = Engine::read_superblock(&*dev).expect("superblock");
+    assert_eq!(sb.backup_roots.len(), 3);
+    let key = |ino| Key::new(ino, ItemType::InodeItem, 0);
+    let shared = leaf_of(&dev, sb.fsid, sb.fs_root, key(victim));
+    for backup in &sb.backup_roots {
+        assert_eq!(
+            leaf_of(&dev, sb.fsid, backup.fs_root, key(victim)),
+            shared,
+            "the leaf is in every backup"
+        );
+    }
+    let newest_b = leaf_of(&dev, sb.fsid, sb.fs_root, key(b));
+    assert_ne!(newest_b, shared);
+    assert_ne!(
+        leaf_of(&dev, sb.fsid, sb.backup_roots[0].fs_root, key(b)),
+        newest_b,
+        "the newest backup has its own copy of /b's leaf"
+    );
+    let kept: Vec<(usize, u64)> = inos
+        .iter()
+        .copied()
+        .filter(|(_, ino)| {
+            // All of its items: the first and the last key it may have.
+            let first = Key {
+                objectid: *ino,
+                item_type: 0,
+                offset: 0,
+            };
+            let last = Key {
+                objectid: *ino,
+                item_type: u8::MAX,
+                offset: u64::MAX,
+            };
+            leaf_of(&dev, sb.fsid, sb.fs_root, first) != shared
+                && leaf_of(&dev, sb.fsid, sb.fs_root, last) != shared
+        })
+        .collect();
+    assert!(kept.len() > 100 && kept.len() < 300, "{}", kept.len());
+    dev.corrupt(shared + 100, &[0xff; 8]);
+    dev.corrupt(newest_b + 100, &[0xff; 8]);
+    assert!(kinds(&dev).contains(&FindingKind::NodeUnreadable));
+    assert_eq!(run(&dev, RepairMode::Preen).exit_code(), 4);
+    let report = repaired(&dev, "salvage");
+    assert!(report.salvaged, "{:#?}", report.actions);
+    assert_eq!(report.fell_back_to, None);
+    assert_lost(&report, &["unreadable in every tree"]);
+    assert_lost(&report, &["/many/f150"]);
+    let fs = open(&dev);
+    assert_eq!(fs.read_file("/a/big").expect("big"), big());
+    assert_eq!(
+        fs.read_file("/b").expect("b"),
+        vec![2u8; 100],
+        "from the newest backup"
+    );
+    assert!(fs.resolve("/many/f150").is_err());
+    for (i, _) in kept {
+        assert_eq!(
+            fs.read_file(&format!("/many/f{i:03}")).expect("kept"),
+            format!("file {i}").as_bytes()
+        );
+    }
+}
+
+/// Every root node corrupted, the newest and the backups': nothing reads, so repair refuses
+/// (exit 4) and writes nothing rather than an empty filesystem.
+#[test]
+fn with_nothing_readable_repair_refuses_and_writes_nothing() {
+    let (dev, _, _) = image();
+    let (sb, _) = Engine::read_superblock(&*dev).expect("superblock");
+    let other = {
+        use birch_format::superblock::{Superblock, SUPER_BYTES, SUPER_OFFSETS};
+        let mut bytes = vec![0u8; SUPER_BYTES];
+        dev.read_at(&mut bytes, SUPER_OFFSETS[1 - sb.slot()])
+            .expect("read");
+        Superblock::decode(&bytes, "other slot").expect("other slot")
+    };
+    dev.corrupt(sb.fs_root.addr + 100, &[0xff; 8]);
+    for backup in sb.backup_roots.iter().chain(&other.backup_roots) {
+        dev.corrupt(backup.fs_root.addr + 100, &[0xff; 8]);
+    }
+    let before = dev.snapshot();
+    let report = run(&dev, RepairMode::Full);
+    assert_eq!(report.exit_code(), 4, "{:#?}", report.actions);
+    assert!(!report.salvaged);
+    assert!(
+        report
+            .refused
+            .iter()
+            .any(|r| r.contains("no leaf of any tree reads")),
+        "{:#?}",
+        report.refused
+    );
+    assert!(dev.snapshot() == before, "a refused repair wrote");
 }

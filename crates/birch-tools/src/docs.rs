@@ -72,7 +72,8 @@ on. Without them fsck.birch only checks. -p and -a preen: they fix only what los
 counts, directory sizes, sizes that must cover their extents, stale orphan items, the missing \
 half of a name, a bad superblock copy) and leave the rest (exit 4). -y and -r (also --repair) \
 repair everything the check finds: a damaged newest tree falls back to the newest whole backup \
-root of the three each superblock keeps, names of missing inodes, undecodable items, misaligned \
+root of the three each superblock keeps (with none whole, every leaf that reads is salvaged \
+into a new tree and the key ranges lost are printed), names of missing inodes, undecodable items, misaligned \
 extents and extents on blocks outside the image are dropped, and with --data so are data \
 blocks that cannot be read or fail their checksum (every path and byte range that lost data is \
 printed; the range reads as zeros), inodes without names go to /lost+found, a missing root \

@@ -143,7 +143,8 @@ enum Command {
         #[arg(long)]
         force: bool,
         /// Repair what the check finds (DESIGN §13.4): fall back to the newest whole backup
-        /// root when the newest tree is damaged, drop dangling names, undecodable items,
+        /// root when the newest tree is damaged (with none whole, salvage every readable
+        /// leaf into a new tree and print the key ranges lost), drop dangling names, undecodable items,
         /// misaligned extents and extents on blocks that are not the file's (every path and
         /// byte range that lost data is printed), trim overlapping extents, rewrite bad inline
         /// extents as blocks, remove xattrs whose chunks are damaged, remake a missing root
