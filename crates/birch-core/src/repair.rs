@@ -635,7 +635,7 @@ fn fix_extents(
             continue;
         }
         let mut cuts: Vec<(u64, u64, Cut)> = Vec::new();
-        // Candidates: (file offset, extent, its original generation for precedence).
+        // Candidates: (file offset, extent); the extent's generation gives precedence.
         let mut candidates: Vec<(u64, FileExtent)> = Vec::new();
         for (offset, extent) in &list {
             match &extent.kind {
@@ -673,7 +673,7 @@ fn fix_extents(
                 {
                     cuts.push((
                         *offset,
-                        offset + extent.len_bytes(),
+                        offset.saturating_add(extent.len_bytes()),
                         Cut::Lost("a misaligned extent".into()),
                     ));
                 }
@@ -685,7 +685,7 @@ fn fix_extents(
         let mut claimed: Vec<(u64, u64)> = Vec::new();
         let mut kept: Vec<(u64, FileExtent)> = Vec::new();
         for (offset, extent) in candidates {
-            let end = offset + extent.len_bytes();
+            let end = offset.saturating_add(extent.len_bytes());
             let (addr, csums, blocks) = match &extent.kind {
                 ExtentKind::Inline(_) => {
                     if claimed.iter().any(|(s, e)| *s < end && offset < *e) {
@@ -703,19 +703,21 @@ fn fix_extents(
             };
             let mut run_start: Option<u64> = None;
             for i in 0..=blocks {
-                let at = offset + i * BLOCK_SIZE;
+                let at = offset.saturating_add(i * BLOCK_SIZE);
                 let keep = i < blocks && {
-                    let stale = claimed.iter().any(|(s, e)| *s < at + BLOCK_SIZE && at < *e);
+                    let stale = claimed
+                        .iter()
+                        .any(|(s, e)| *s < at.saturating_add(BLOCK_SIZE) && at < *e);
                     let bad = csums
                         .is_some()
                         .then(|| bad_blocks.get(&(addr + i * BLOCK_SIZE)))
                         .flatten();
                     if stale {
-                        cuts.push((at, at + BLOCK_SIZE, Cut::Stale));
+                        cuts.push((at, at.saturating_add(BLOCK_SIZE), Cut::Stale));
                     } else if let Some(why) = bad {
                         cuts.push((
                             at,
-                            at + BLOCK_SIZE,
+                            at.saturating_add(BLOCK_SIZE),
                             Cut::Lost(format!("data block {:#x} {why}", addr + i * BLOCK_SIZE)),
                         ));
                     }
@@ -735,7 +737,7 @@ fn fix_extents(
                             },
                         };
                         kept.push((
-                            offset + first * BLOCK_SIZE,
+                            offset.saturating_add(first * BLOCK_SIZE),
                             FileExtent {
                                 generation: extent.generation,
                                 kind,
@@ -772,7 +774,10 @@ fn fix_extents(
         };
         let (before, after) = (blocks_of(&list), blocks_of(&kept));
         if let Some(inode) = facts.inodes.get_mut(&ino) {
-            inode.nbytes = (inode.nbytes + after * BLOCK_SIZE).saturating_sub(before * BLOCK_SIZE);
+            inode.nbytes = inode
+                .nbytes
+                .saturating_add(after * BLOCK_SIZE)
+                .saturating_sub(before * BLOCK_SIZE);
         }
         let size = facts.inodes.get(&ino).map_or(u64::MAX, |i| i.size);
         report_cuts(&path, size, cuts, out);
@@ -815,8 +820,8 @@ fn extent_problems(
                     if let Some(why) = bad_blocks.get(&(disk_addr + n * BLOCK_SIZE)) {
                         problems.push(format!(
                             "bytes {}..{}: data block {:#x} {why}",
-                            offset + n * BLOCK_SIZE,
-                            offset + (n + 1) * BLOCK_SIZE,
+                            offset.saturating_add(n * BLOCK_SIZE),
+                            offset.saturating_add((n + 1) * BLOCK_SIZE),
                             disk_addr + n * BLOCK_SIZE
                         ));
                     }
@@ -1302,7 +1307,7 @@ fn extent_end(extents: Option<&Vec<(u64, FileExtent)>>) -> Option<(u64, u64, u64
     for (offset, extent) in extents? {
         let end = offset.saturating_add(extent.len_bytes());
         let (regular_start, inline_end) = match extent.kind {
-            ExtentKind::Regular { .. } => (offset + 1, 0),
+            ExtentKind::Regular { .. } => (offset.saturating_add(1), 0),
             ExtentKind::Inline(_) => (0, end),
             ExtentKind::Prealloc { .. } => continue,
         };

@@ -480,6 +480,29 @@ fn a_misaligned_extent_is_dropped_and_reported() {
     assert!(data[offset as usize..].iter().all(|b| *b == 0));
 }
 
+/// An extent moved to a garbage offset near the end of the key space (misaligned, past the
+/// size): dropped without an overflow; no data of the file's size was in it, so nothing is
+/// reported lost.
+#[test]
+fn an_extent_at_a_garbage_offset_is_dropped() {
+    let (dev, _, big_ino) = image();
+    let (offset, extent) = extent_at(&dev, big_ino, 0);
+    damage(&dev, |engine| {
+        let txn = engine.begin().expect("begin");
+        txn.delete(Key::new(big_ino, ItemType::ExtentData, offset));
+        txn.put(
+            Key::new(big_ino, ItemType::ExtentData, u64::MAX - 100),
+            extent.encode(),
+        );
+    });
+    let found = kinds(&dev);
+    assert!(found.contains(&FindingKind::ExtentMisaligned), "{found:?}");
+    let report = repaired(&dev, "garbage offset");
+    assert!(report.lost.is_empty(), "{:#?}", report.lost);
+    let fs = open(&dev);
+    assert_eq!(fs.read_file("/a/big").expect("read").len(), BIG);
+}
+
 /// A newer extent written over two blocks of `/a/big` without the older extent being cut:
 /// the newer one keeps the range, the older is split around it, nothing is lost.
 #[test]
