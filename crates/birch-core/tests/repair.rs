@@ -784,3 +784,28 @@ fn with_nothing_readable_repair_refuses_and_writes_nothing() {
     );
     assert!(dev.snapshot() == before, "a refused repair wrote");
 }
+
+/// Out-of-line xattr chunks on an image whose superblock lost `INCOMPAT_XATTR_CHUNKS`: the
+/// values are whole, so repair keeps them and sets the flag again with its commit.
+#[test]
+fn chunks_without_their_flag_get_the_flag_back() {
+    use birch_format::superblock::{INCOMPAT_XATTR_CHUNKS, SUPER_OFFSETS};
+    let (dev, small, _) = image();
+    let fs = open(&dev);
+    let value: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
+    fs.setxattr(small, b"user.big", &value, 0)
+        .expect("big xattr");
+    fs.close().expect("close");
+    let (mut sb, _) = Engine::read_superblock(&*dev).expect("superblock");
+    assert_ne!(sb.incompat & INCOMPAT_XATTR_CHUNKS, 0);
+    sb.incompat &= !INCOMPAT_XATTR_CHUNKS;
+    dev.write_at(&sb.encode(), SUPER_OFFSETS[sb.slot()])
+        .expect("write superblock");
+    assert_eq!(kinds(&dev), vec![FindingKind::XattrChunkMismatch]);
+    let report = repaired(&dev, "flag");
+    assert!(report.lost.is_empty(), "{:#?}", report.lost);
+    let (sb, _) = Engine::read_superblock(&*dev).expect("superblock");
+    assert_ne!(sb.incompat & INCOMPAT_XATTR_CHUNKS, 0);
+    let fs = open(&dev);
+    assert_eq!(fs.getxattr(small, b"user.big").expect("kept"), value);
+}
