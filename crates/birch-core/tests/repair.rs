@@ -454,20 +454,26 @@ fn undecodable_items_are_deleted_and_a_ref_is_written_back() {
     assert_eq!(fs.read_file("/a/small").expect("small"), b"small file");
 }
 
+/// Moves the extent of `ino` at file offset 0 to the offset `to` gives; returns its offset.
+fn move_first_extent(dev: &Arc<MemDevice>, ino: u64, to: impl Fn(u64) -> u64) -> u64 {
+    let (offset, extent) = extent_at(dev, ino, 0);
+    damage(dev, |engine| {
+        let txn = engine.begin().expect("begin");
+        txn.delete(Key::new(ino, ItemType::ExtentData, offset));
+        txn.put(
+            Key::new(ino, ItemType::ExtentData, to(offset)),
+            extent.encode(),
+        );
+    });
+    offset
+}
+
 /// A regular extent moved to an offset that is not block-aligned: dropped, reported, the
 /// file keeps its size and reads zeros.
 #[test]
 fn a_misaligned_extent_is_dropped_and_reported() {
     let (dev, _, big_ino) = image();
-    let (offset, extent) = extent_at(&dev, big_ino, 0);
-    damage(&dev, |engine| {
-        let txn = engine.begin().expect("begin");
-        txn.delete(Key::new(big_ino, ItemType::ExtentData, offset));
-        txn.put(
-            Key::new(big_ino, ItemType::ExtentData, offset + 100),
-            extent.encode(),
-        );
-    });
+    let offset = move_first_extent(&dev, big_ino, |offset| offset + 100);
     assert_eq!(kinds(&dev), vec![FindingKind::ExtentMisaligned]);
     let report = repaired(&dev, "misaligned extent");
     assert_lost(
@@ -486,15 +492,7 @@ fn a_misaligned_extent_is_dropped_and_reported() {
 #[test]
 fn an_extent_at_a_garbage_offset_is_dropped() {
     let (dev, _, big_ino) = image();
-    let (offset, extent) = extent_at(&dev, big_ino, 0);
-    damage(&dev, |engine| {
-        let txn = engine.begin().expect("begin");
-        txn.delete(Key::new(big_ino, ItemType::ExtentData, offset));
-        txn.put(
-            Key::new(big_ino, ItemType::ExtentData, u64::MAX - 100),
-            extent.encode(),
-        );
-    });
+    move_first_extent(&dev, big_ino, |_| u64::MAX - 100);
     let found = kinds(&dev);
     assert!(found.contains(&FindingKind::ExtentMisaligned), "{found:?}");
     let report = repaired(&dev, "garbage offset");
