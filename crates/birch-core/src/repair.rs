@@ -15,18 +15,33 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use birch_format::items::{
-    self, DirEntry, ExtentKind, FileExtent, InodeItem, InodeRef, Item, Timespec,
+    self, DirEntry, ExtentKind, FileExtent, InodeItem, InodeRef, Item, Timespec, Xattr, XattrChunk,
 };
-use birch_format::superblock::{BackupRoot, RootPtr, Superblock, SUPER_OFFSETS};
-use birch_format::{InodeNo, Key, BLOCK_SIZE, ORPHAN_OBJECTID, ROOT_OBJECTID};
+use birch_format::superblock::{
+    BackupRoot, RootPtr, Superblock, INCOMPAT_XATTR_CHUNKS, SUPER_OFFSETS,
+};
+use birch_format::{
+    BlockAddr, BlockCount, InodeNo, ItemType, Key, BLOCK_SIZE, INLINE_MAX_BYTES, ORPHAN_OBJECTID,
+    ROOT_OBJECTID,
+};
 
+use birch_format::node::NodeBody;
+use birch_format::{FS_TREE_ID, NODE_BLOCKS, NODE_SIZE};
+
+use crate::alloc::Allocator;
+use crate::btree::{TreeCtx, TreeWriter};
+use crate::cache::NodeCache;
 use crate::check::{check, check_with_root, CheckOptions, FindingKind, Report};
+use crate::counters::Counters;
+use crate::data::DataLayer;
 use crate::device::{BlockDevice, OverlayDevice};
 use crate::error::{Error, Result};
 use crate::items::{
     dir_index_key, dir_item_key, inode_key, inode_key_range, inode_ref_key, orphan_key,
+    xattr_chunk_key,
 };
-use crate::txn::{Engine, WriteTxn};
+use crate::scrub::read_node;
+use crate::txn::{older_roots, Engine, WriteTxn};
 
 /// How much a repair may do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +72,8 @@ pub struct RepairReport {
     pub lost: Vec<String>,
     /// The generation fallen back to, if any.
     pub fell_back_to: Option<u64>,
+    /// Whether no older tree was whole and a new tree was salvaged from the readable leaves.
+    pub salvaged: bool,
 }
 
 impl RepairReport {
@@ -95,25 +112,49 @@ pub fn repair(
     };
     let structural = out.before.findings.iter().any(|f| f.kind.is_structural());
     let opens = !structural && Engine::open_for_repair(device.clone()).is_ok();
+    // The data blocks that failed their check (with `--data`), in the tree being repaired.
+    let mut bad_blocks = bad_data_blocks(&out.before);
     if !opens {
         if mode == RepairMode::Preen {
             out.refused
                 .push("the newest tree is damaged: falling back needs birch fsck --repair".into());
             return Ok(out);
         }
-        if !fall_back(&device, options, &mut out)? {
-            return Ok(out);
+        match fall_back(&device, options, &mut out)? {
+            Some(chosen) => bad_blocks = bad_data_blocks(&chosen),
+            None => {
+                if !salvage(&device, &mut out)? {
+                    return Ok(out);
+                }
+                if options.data {
+                    bad_blocks = bad_data_blocks(&check(&*device, options)?);
+                }
+            }
         }
     } else if out.before.log_batches > 0 {
         if let Err(e) = replay_log(device.clone(), &mut out) {
             out.refused.push(format!("{e}"));
             return Ok(out);
         }
+        if options.data {
+            // The replay wrote data and extents the check before did not see.
+            bad_blocks = bad_data_blocks(&check(&*device, options)?);
+        }
     }
+    let slot_bad = out
+        .before
+        .findings
+        .iter()
+        .any(|f| f.kind == FindingKind::SuperblockSlotBad);
     let (engine, bad_extents) = Engine::open_for_repair(device.clone())?;
-    let wrote = fix_items(&engine, &bad_extents, mode, &mut out)?;
+    let damage = Damage {
+        bad_extents: &bad_extents,
+        bad_blocks: &bad_blocks,
+        slot_bad,
+    };
+    let wrote = fix_items(&engine, &damage, mode, &mut out)?;
     drop(engine);
-    if wrote || out.fell_back_to.is_some() || out.before.log_batches > 0 {
+    if wrote || out.fell_back_to.is_some() || out.salvaged || out.before.log_batches > 0 {
         out.after = Some(check(&*device, options)?);
     }
     Ok(out)
@@ -137,38 +178,17 @@ fn replay_log(device: Arc<dyn BlockDevice>, out: &mut RepairReport) -> Result<()
     Ok(())
 }
 
-/// The roots to try, newest first: the newest slot's backups, then the other slot's root
-/// and its backups.
-fn candidates(device: &dyn BlockDevice, sb: &Superblock) -> Vec<BackupRoot> {
-    let mut roots = sb.backup_roots.clone();
-    let other = 1 - sb.slot();
-    let mut bytes = vec![0u8; birch_format::superblock::SUPER_BYTES];
-    if device.read_at(&mut bytes, SUPER_OFFSETS[other]).is_ok() {
-        if let Ok(o) = Superblock::decode(&bytes, "other superblock slot") {
-            if o.fsid == sb.fsid && o.generation < sb.generation && o.slot() == other {
-                roots.push(BackupRoot {
-                    generation: o.generation,
-                    fs_root: o.fs_root,
-                });
-                roots.extend(o.backup_roots);
-            }
-        }
-    }
-    roots.sort_by_key(|b| std::cmp::Reverse(b.generation));
-    roots.dedup_by_key(|b| b.generation);
-    roots
-}
-
 /// Finds the newest older root whose tree is whole and writes superblock N+1 naming it.
-/// Returns false (with the reason in `refused`) when none is.
+/// Returns the check of the chosen tree, or `None` (with the reason in `refused`) when no
+/// tree is whole.
 fn fall_back(
     device: &Arc<dyn BlockDevice>,
     options: CheckOptions,
     out: &mut RepairReport,
-) -> Result<bool> {
+) -> Result<Option<Report>> {
     let (sb, _) = Engine::read_superblock(&**device)?;
-    let mut chosen: Option<BackupRoot> = None;
-    for candidate in candidates(&**device, &sb) {
+    let mut chosen: Option<(BackupRoot, Report)> = None;
+    for candidate in older_roots(&**device, &sb, false) {
         let report = check_with_root(&**device, Some(candidate.fs_root), options)?;
         let whole = !report.findings.iter().any(|f| f.kind.is_structural());
         out.actions.push(format!(
@@ -182,16 +202,16 @@ fn fall_back(
             }
         ));
         if whole && Engine::open(trial_view(device, &sb, candidate.fs_root)?).is_ok() {
-            chosen = Some(candidate);
+            chosen = Some((candidate, report));
             break;
         }
     }
-    let Some(chosen) = chosen else {
-        out.refused.push(format!(
+    let Some((chosen, chosen_report)) = chosen else {
+        out.actions.push(format!(
             "the tree of generation {} is damaged and no backup root is whole",
             sb.generation
         ));
-        return Ok(false);
+        return Ok(None);
     };
     let replay = crate::log::read_log(&**device, &sb);
     let mut next = sb.clone();
@@ -231,7 +251,28 @@ fn fall_back(
             "{pending} fsync log records of the damaged generation"
         ));
     }
-    Ok(true)
+    Ok(Some(chosen_report))
+}
+
+/// The data blocks a check found bad (`--data`): address → why.
+fn bad_data_blocks(report: &Report) -> BTreeMap<u64, &'static str> {
+    report
+        .findings
+        .iter()
+        .filter_map(|f| match (f.kind, f.block) {
+            (FindingKind::DataChecksumMismatch, Some(at)) => Some((at, "fails its checksum")),
+            (FindingKind::DataUnreadable, Some(at)) => Some((at, "cannot be read")),
+            _ => None,
+        })
+        .collect()
+}
+
+/// What the item repairs are told besides the items: extents the open could not take,
+/// data blocks that failed their check, and whether a superblock slot is bad.
+struct Damage<'a> {
+    bad_extents: &'a [Key],
+    bad_blocks: &'a BTreeMap<u64, &'static str>,
+    slot_bad: bool,
 }
 
 /// A copy-on-write view of `device` whose newest superblock names `root`: lets the
@@ -268,14 +309,29 @@ struct Facts {
     extents: BTreeMap<u64, Vec<(u64, FileExtent)>>,
     /// Object ids that have items.
     objects: BTreeSet<u64>,
+    /// Items with an unknown type or a payload that does not decode, and why.
+    undecodable: Vec<(Key, String)>,
+    /// Xattr list items by key.
+    xattrs: BTreeMap<Key, Vec<Xattr>>,
+    /// Chunks of out-of-line xattr values by key.
+    chunks: BTreeMap<Key, XattrChunk>,
 }
 
 fn gather(engine: &Engine) -> Result<Facts> {
     let mut facts = Facts::default();
     for (key, value) in engine.range(&Key::MIN, &Key::MAX, usize::MAX)? {
-        let Some(kind) = key.kind() else { continue };
-        let Ok(item) = Item::decode(kind, &value) else {
+        let Some(kind) = key.kind() else {
+            facts
+                .undecodable
+                .push((key, format!("unknown type code {}", key.item_type)));
             continue;
+        };
+        let item = match Item::decode(kind, &value) {
+            Ok(item) => item,
+            Err(e) => {
+                facts.undecodable.push((key, e.to_string()));
+                continue;
+            }
         };
         if key.objectid != ORPHAN_OBJECTID {
             facts.objects.insert(key.objectid);
@@ -306,7 +362,12 @@ fn gather(engine: &Engine) -> Result<Facts> {
             Item::Orphan => {
                 facts.orphans.insert(key.offset);
             }
-            Item::Xattrs(_) | Item::XattrChunk(_) => {}
+            Item::Xattrs(list) => {
+                facts.xattrs.insert(key, list);
+            }
+            Item::XattrChunk(chunk) => {
+                facts.chunks.insert(key, chunk);
+            }
         }
     }
     Ok(facts)
@@ -375,18 +436,19 @@ fn path_of(facts: &Facts, ino: u64) -> String {
 /// one commit. Returns whether anything was written.
 fn fix_items(
     engine: &Engine,
-    bad_extents: &[Key],
+    damage: &Damage<'_>,
     mode: RepairMode,
     out: &mut RepairReport,
 ) -> Result<bool> {
     let full = mode != RepairMode::Preen;
     let mut facts = gather(engine)?;
     let txn = engine.begin()?;
-    let mut changed = false;
+    let mut changed = fix_undecodable(&txn, &facts, damage.bad_extents, full, out);
+    changed |= make_root(&mut facts, full, out);
 
     // Extents on blocks that are not the file's to read: dropped, the range reads as a hole.
-    for key in bad_extents {
-        let path = path_of(&facts, key.objectid);
+    for key in damage.bad_extents {
+        let path = paths(&facts, key.objectid);
         if !full {
             out.refused.push(format!(
                 "{path}: extent at {} points outside its blocks",
@@ -399,7 +461,7 @@ fn fix_items(
             list.retain(|(offset, _)| *offset != key.offset);
         }
         changed = true;
-        let what = format!("{path}: dropped the extent at file offset {} (blocks outside the device, reserved or taken)", key.offset);
+        let what = format!("{path}: dropped the extent at file offset {} (blocks outside the device, reserved or taken, or an undecodable extent)", key.offset);
         out.lost.push(what.clone());
         out.actions.push(what);
     }
@@ -429,14 +491,520 @@ fn fix_items(
         ));
     }
 
+    changed |= fix_extents(engine, &txn, &mut facts, damage.bad_blocks, full, out)?;
+    changed |= fix_xattrs(engine, &txn, &facts, full, out);
     changed |= fix_names(engine, &txn, &mut facts, full, out)?;
     changed |= fix_orphans(engine, &txn, &mut facts, full, out)?;
     changed |= fix_counts(&txn, &facts, out);
+    if damage.slot_bad {
+        // The bad slot is the one the next commit writes (the newest valid superblock is in
+        // the other): a commit rewrites it, even one that changes nothing else.
+        if !changed {
+            if let Some(root) = facts.inodes.get(&ROOT_OBJECTID) {
+                txn.put(inode_key(InodeNo::new(ROOT_OBJECTID)), root.encode());
+                changed = true;
+            }
+        }
+        out.actions
+            .push("rewrote the bad superblock slot with the repair's commit".into());
+    }
     drop(txn);
     if changed {
         engine.commit()?;
     }
     Ok(changed)
+}
+
+/// Items with an unknown type code or a payload that does not decode are deleted; what they
+/// held is rebuilt from the other items where it can be (the other half of a name, an inode
+/// ref), and reported as lost where it cannot (an inode item, xattrs). Undecodable extents
+/// are left to the bad extents (the open returned them).
+fn fix_undecodable(
+    txn: &WriteTxn<'_>,
+    facts: &Facts,
+    bad_extents: &[Key],
+    full: bool,
+    out: &mut RepairReport,
+) -> bool {
+    let mut changed = false;
+    for (key, why) in &facts.undecodable {
+        if bad_extents.contains(key) {
+            continue;
+        }
+        let show = format!("item {key} of {}", paths(facts, key.objectid));
+        if !full {
+            out.refused.push(format!("{show}: undecodable ({why})"));
+            continue;
+        }
+        txn.delete(*key);
+        changed = true;
+        let what = format!("{show}: deleted (undecodable: {why})");
+        let rebuilt = matches!(
+            key.kind(),
+            Some(ItemType::DirItem | ItemType::DirIndex | ItemType::InodeRef)
+        );
+        if !rebuilt {
+            out.lost.push(what.clone());
+        }
+        out.actions.push(what);
+    }
+    changed
+}
+
+/// A missing root directory (inode 1) is made anew (mode 0755), its entries kept: its next
+/// directory index past every entry it has; link count and size come from `fix_counts`.
+fn make_root(facts: &mut Facts, full: bool, out: &mut RepairReport) -> bool {
+    if facts.inodes.contains_key(&ROOT_OBJECTID) {
+        return false;
+    }
+    if !full {
+        out.refused
+            .push("the root directory has no inode item".into());
+        return false;
+    }
+    let next = facts
+        .entries
+        .iter()
+        .filter(|((dir, _), _)| *dir == ROOT_OBJECTID)
+        .map(|(_, e)| e.dir_index + 1)
+        .max()
+        .unwrap_or(2)
+        .max(2);
+    let root = new_dir_inode(ROOT_OBJECTID, 1, 0o755, next);
+    facts.inodes.insert(ROOT_OBJECTID, root);
+    out.actions
+        .push("made the root directory (inode 1) anew, mode 0755, keeping its entries".into());
+    true
+}
+
+/// A directory inode item as mkdir makes one, stamped now.
+fn new_dir_inode(generation: u64, transid: u64, perm: u32, next_dir_index: u64) -> InodeItem {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let time = Timespec {
+        sec: now.as_secs() as i64,
+        nsec: now.subsec_nanos(),
+    };
+    InodeItem {
+        generation,
+        transid,
+        nlink: 2,
+        mode: libc::S_IFDIR | perm,
+        next_dir_index,
+        atime: time,
+        mtime: time,
+        ctime: time,
+        otime: time,
+        ..Default::default()
+    }
+}
+
+/// Why blocks of an extent are not kept.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Cut {
+    /// The data is gone: the range reads as a hole.
+    Lost(String),
+    /// A newer extent holds the range; the older blocks were stale.
+    Stale,
+}
+
+/// Each file's extents made valid: an invalid inline extent (not at 0, too large, or not
+/// alone) is rewritten as regular blocks; a misaligned regular or prealloc extent is
+/// dropped; where extents overlap, the newer (by generation) keeps the range and the older
+/// is trimmed to what is left; data blocks that failed their check are punched out. Every
+/// byte range that lost data is reported with the file's paths.
+fn fix_extents(
+    engine: &Engine,
+    txn: &WriteTxn<'_>,
+    facts: &mut Facts,
+    bad_blocks: &BTreeMap<u64, &'static str>,
+    full: bool,
+    out: &mut RepairReport,
+) -> Result<bool> {
+    let mut changed = false;
+    let inos: Vec<u64> = facts.extents.keys().copied().collect();
+    for ino in inos {
+        let Some(list) = facts.extents.get(&ino).cloned() else {
+            continue;
+        };
+        let problems = extent_problems(&list, bad_blocks);
+        if problems.is_empty() {
+            continue;
+        }
+        let path = paths(facts, ino);
+        if !full {
+            for p in problems {
+                out.refused.push(format!("{path}: {p}"));
+            }
+            continue;
+        }
+        let mut cuts: Vec<(u64, u64, Cut)> = Vec::new();
+        // Candidates: (file offset, extent); the extent's generation gives precedence.
+        let mut candidates: Vec<(u64, FileExtent)> = Vec::new();
+        for (offset, extent) in &list {
+            match &extent.kind {
+                ExtentKind::Inline(data) if !inline_valid(*offset, data, list.len()) => {
+                    let aligned = offset - offset % BLOCK_SIZE;
+                    let lead = (offset - aligned) as usize;
+                    let mut buf = vec![
+                        0u8;
+                        (lead + data.len()).div_ceil(BLOCK_SIZE as usize)
+                            * BLOCK_SIZE as usize
+                    ];
+                    buf[lead..lead + data.len()].copy_from_slice(data);
+                    let runs = DataLayer::new(engine)
+                        .write_new(ino, aligned, &buf)
+                        .map_err(|e| Error::Invalid(format!("repair: {path}: rewriting the inline extent at {offset} as blocks: {e}")))?;
+                    for run in runs {
+                        candidates.push((
+                            run.file_offset,
+                            FileExtent {
+                                generation: extent.generation,
+                                kind: ExtentKind::Regular {
+                                    disk_addr: run.addr,
+                                    csums: run.csums,
+                                },
+                            },
+                        ));
+                    }
+                    out.actions.push(format!(
+                        "{path}: rewrote the inline extent at {offset} ({} bytes) as data blocks",
+                        data.len()
+                    ));
+                }
+                ExtentKind::Regular { .. } | ExtentKind::Prealloc { .. }
+                    if offset % BLOCK_SIZE != 0 =>
+                {
+                    cuts.push((
+                        *offset,
+                        offset.saturating_add(extent.len_bytes()),
+                        Cut::Lost("a misaligned extent".into()),
+                    ));
+                }
+                _ => candidates.push((*offset, extent.clone())),
+            }
+        }
+        // Newest first: each extent keeps the blocks no newer extent holds.
+        candidates.sort_by_key(|(offset, e)| (std::cmp::Reverse(e.generation), *offset));
+        let mut claimed: Vec<(u64, u64)> = Vec::new();
+        let mut kept: Vec<(u64, FileExtent)> = Vec::new();
+        for (offset, extent) in candidates {
+            let end = offset.saturating_add(extent.len_bytes());
+            let (addr, csums, blocks) = match &extent.kind {
+                ExtentKind::Inline(_) => {
+                    if claimed.iter().any(|(s, e)| *s < end && offset < *e) {
+                        cuts.push((offset, end, Cut::Stale));
+                    } else {
+                        kept.push((offset, extent.clone()));
+                    }
+                    claimed.push((offset, end));
+                    continue;
+                }
+                ExtentKind::Regular { disk_addr, csums } => {
+                    (*disk_addr, Some(csums.clone()), csums.len() as u64)
+                }
+                ExtentKind::Prealloc { disk_addr, blocks } => (*disk_addr, None, *blocks),
+            };
+            let mut run_start: Option<u64> = None;
+            for i in 0..=blocks {
+                let at = offset.saturating_add(i * BLOCK_SIZE);
+                let keep = i < blocks && {
+                    let stale = claimed
+                        .iter()
+                        .any(|(s, e)| *s < at.saturating_add(BLOCK_SIZE) && at < *e);
+                    let bad = csums
+                        .is_some()
+                        .then(|| bad_blocks.get(&(addr + i * BLOCK_SIZE)))
+                        .flatten();
+                    if stale {
+                        cuts.push((at, at.saturating_add(BLOCK_SIZE), Cut::Stale));
+                    } else if let Some(why) = bad {
+                        cuts.push((
+                            at,
+                            at.saturating_add(BLOCK_SIZE),
+                            Cut::Lost(format!("data block {:#x} {why}", addr + i * BLOCK_SIZE)),
+                        ));
+                    }
+                    !stale && bad.is_none()
+                };
+                match (keep, run_start) {
+                    (true, None) => run_start = Some(i),
+                    (false, Some(first)) => {
+                        let kind = match &csums {
+                            Some(c) => ExtentKind::Regular {
+                                disk_addr: addr + first * BLOCK_SIZE,
+                                csums: c[first as usize..i as usize].to_vec(),
+                            },
+                            None => ExtentKind::Prealloc {
+                                disk_addr: addr + first * BLOCK_SIZE,
+                                blocks: i - first,
+                            },
+                        };
+                        kept.push((
+                            offset.saturating_add(first * BLOCK_SIZE),
+                            FileExtent {
+                                generation: extent.generation,
+                                kind,
+                            },
+                        ));
+                        run_start = None;
+                    }
+                    _ => {}
+                }
+            }
+            claimed.push((offset, end));
+        }
+        kept.sort_by_key(|(offset, _)| *offset);
+        // Write the difference: keys that went are deleted, new or changed ones put.
+        let old: BTreeMap<u64, &FileExtent> = list.iter().map(|(o, e)| (*o, e)).collect();
+        let new: BTreeMap<u64, &FileExtent> = kept.iter().map(|(o, e)| (*o, e)).collect();
+        for offset in old.keys() {
+            if !new.contains_key(offset) {
+                txn.delete(Key::new(ino, ItemType::ExtentData, *offset));
+            }
+        }
+        for (offset, extent) in &new {
+            if old.get(offset) != Some(extent) {
+                txn.put(
+                    Key::new(ino, ItemType::ExtentData, *offset),
+                    extent.encode(),
+                );
+            }
+        }
+        let blocks_of = |l: &[(u64, FileExtent)]| -> u64 {
+            l.iter()
+                .filter_map(|(_, e)| e.disk_range().map(|(_, b)| b))
+                .sum()
+        };
+        let (before, after) = (blocks_of(&list), blocks_of(&kept));
+        if let Some(inode) = facts.inodes.get_mut(&ino) {
+            inode.nbytes = inode
+                .nbytes
+                .saturating_add(after * BLOCK_SIZE)
+                .saturating_sub(before * BLOCK_SIZE);
+        }
+        let size = facts.inodes.get(&ino).map_or(u64::MAX, |i| i.size);
+        report_cuts(&path, size, cuts, out);
+        facts.extents.insert(ino, kept);
+        changed = true;
+    }
+    Ok(changed)
+}
+
+/// Whether an inline extent at `offset` among `count` extents is as the format wants it.
+fn inline_valid(offset: u64, data: &[u8], count: usize) -> bool {
+    offset == 0 && data.len() <= INLINE_MAX_BYTES && count == 1
+}
+
+/// What is wrong with a file's extents, in words; empty when nothing is.
+fn extent_problems(
+    list: &[(u64, FileExtent)],
+    bad_blocks: &BTreeMap<u64, &'static str>,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    let mut end_prev = 0u64;
+    for (offset, extent) in list {
+        if *offset < end_prev {
+            problems.push(format!("the extent at {offset} overlaps the one before it"));
+        }
+        end_prev = end_prev.max(offset.saturating_add(extent.len_bytes()));
+        match &extent.kind {
+            ExtentKind::Inline(data) => {
+                if !inline_valid(*offset, data, list.len()) {
+                    problems.push(format!(
+                        "the inline extent at {offset} is not alone at 0 or too large"
+                    ));
+                }
+            }
+            ExtentKind::Regular { disk_addr, csums } => {
+                if offset % BLOCK_SIZE != 0 {
+                    problems.push(format!("the extent at {offset} is misaligned"));
+                }
+                for n in 0..csums.len() as u64 {
+                    if let Some(why) = bad_blocks.get(&(disk_addr + n * BLOCK_SIZE)) {
+                        problems.push(format!(
+                            "bytes {}..{}: data block {:#x} {why}",
+                            offset.saturating_add(n * BLOCK_SIZE),
+                            offset.saturating_add((n + 1) * BLOCK_SIZE),
+                            disk_addr + n * BLOCK_SIZE
+                        ));
+                    }
+                }
+            }
+            ExtentKind::Prealloc { .. } => {
+                if offset % BLOCK_SIZE != 0 {
+                    problems.push(format!("the extent at {offset} is misaligned"));
+                }
+            }
+        }
+    }
+    problems
+}
+
+/// Reports the byte ranges cut from a file, adjacent ranges of one cause merged: lost data
+/// in `lost` and `actions` (up to the file's `size`: bytes past it held no data), stale
+/// blocks in `actions`.
+fn report_cuts(path: &str, size: u64, mut cuts: Vec<(u64, u64, Cut)>, out: &mut RepairReport) {
+    cuts.sort_by_key(|(start, _, _)| *start);
+    let mut merged: Vec<(u64, u64, Cut)> = Vec::new();
+    for (start, end, cut) in cuts {
+        match merged.last_mut() {
+            Some(last) if last.1 == start && last.2 == cut => last.1 = end,
+            _ => merged.push((start, end, cut)),
+        }
+    }
+    for (start, end, cut) in merged {
+        match cut {
+            Cut::Lost(why) => {
+                let end = end.min(size);
+                if start >= end {
+                    out.actions.push(format!(
+                        "{path}: dropped an extent past the end of the file at {start} ({why})"
+                    ));
+                    continue;
+                }
+                let what = format!("{path}: lost bytes {start}..{end} ({why}); they read as zeros");
+                out.lost.push(what.clone());
+                out.actions.push(what);
+            }
+            Cut::Stale => out.actions.push(format!(
+                "{path}: dropped stale blocks at bytes {start}..{end} (a newer extent holds them)"
+            )),
+        }
+    }
+}
+
+/// Out-of-line xattr values whose chunks are missing or do not add up are removed (the xattr
+/// is lost and reported); chunks no xattr claims are deleted; an image with whole
+/// out-of-line values but without `INCOMPAT_XATTR_CHUNKS` gets the flag.
+fn fix_xattrs(
+    engine: &Engine,
+    txn: &WriteTxn<'_>,
+    facts: &Facts,
+    full: bool,
+    out: &mut RepairReport,
+) -> bool {
+    let mut changed = false;
+    let mut claimed: BTreeSet<Key> = BTreeSet::new();
+    let mut spilled_kept = false;
+    let mut refused = false;
+    for (key, list) in &facts.xattrs {
+        let ino = key.objectid;
+        if !facts.inodes.contains_key(&ino) {
+            continue;
+        }
+        let mut kept = Vec::new();
+        let mut dropped = Vec::new();
+        for x in list {
+            let Some(spill) = x.spill else {
+                kept.push(x.clone());
+                continue;
+            };
+            let mut value = Vec::with_capacity(spill.size as usize);
+            let mut keys = Vec::new();
+            let mut whole = true;
+            for index in 0..spill.chunks() {
+                let at = xattr_chunk_key(InodeNo::new(ino), &x.name, index);
+                match facts.chunks.get(&at) {
+                    Some(c) if c.name == x.name && c.index == index => {
+                        value.extend_from_slice(&c.data);
+                        keys.push(at);
+                    }
+                    _ => whole = false,
+                }
+            }
+            if whole
+                && value.len() == spill.size as usize
+                && birch_format::checksum(&value) == spill.crc
+            {
+                claimed.extend(keys);
+                spilled_kept = true;
+                kept.push(x.clone());
+            } else {
+                dropped.push(x.name.clone());
+            }
+        }
+        let path = paths(facts, ino);
+        for name in &dropped {
+            let name = String::from_utf8_lossy(name);
+            if !full {
+                out.refused.push(format!(
+                    "{path}: xattr {name:?}: its out-of-line value is damaged"
+                ));
+                refused = true;
+                continue;
+            }
+            let what = format!("{path}: removed xattr {name:?} (its out-of-line value is damaged)");
+            out.lost.push(what.clone());
+            out.actions.push(what);
+        }
+        if full && !dropped.is_empty() {
+            if kept.is_empty() {
+                txn.delete(*key);
+            } else {
+                txn.put(*key, items::encode_xattrs(&kept));
+            }
+            changed = true;
+        }
+    }
+    if refused {
+        return changed;
+    }
+    for (key, chunk) in &facts.chunks {
+        if claimed.contains(key) || !facts.inodes.contains_key(&key.objectid) {
+            continue;
+        }
+        let show = format!(
+            "{}: chunk {} of xattr {:?}",
+            paths(facts, key.objectid),
+            chunk.index,
+            String::from_utf8_lossy(&chunk.name)
+        );
+        if !full {
+            out.refused.push(format!("{show}: claimed by no xattr"));
+            continue;
+        }
+        txn.delete(*key);
+        changed = true;
+        out.actions
+            .push(format!("{show}: deleted (claimed by no xattr)"));
+    }
+    if full && spilled_kept && engine.superblock().incompat & INCOMPAT_XATTR_CHUNKS == 0 {
+        engine.want_incompat(INCOMPAT_XATTR_CHUNKS);
+        out.actions.push(
+            "set the incompat flag INCOMPAT_XATTR_CHUNKS: the image holds out-of-line xattr values"
+                .into(),
+        );
+        // The flag goes with a commit: rewrite an item so there is one.
+        if let Some((key, list)) = facts
+            .xattrs
+            .iter()
+            .find(|(k, _)| facts.inodes.contains_key(&k.objectid))
+        {
+            txn.put(*key, items::encode_xattrs(list));
+            changed = true;
+        }
+    }
+    changed
+}
+
+/// Every path of `ino` ("/a/b and /c/d"), for reports; "inode N" when it has none.
+fn paths(facts: &Facts, ino: u64) -> String {
+    let refs = facts.refs.get(&ino).map(Vec::as_slice).unwrap_or_default();
+    if refs.is_empty() {
+        return path_of(facts, ino);
+    }
+    refs.iter()
+        .map(|r| {
+            format!(
+                "{}/{}",
+                path_of(facts, r.parent).trim_end_matches('/'),
+                String::from_utf8_lossy(&r.name)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" and ")
 }
 
 /// Dir items, dir indexes and inode refs: entries naming a missing inode go, a missing half
@@ -669,25 +1237,7 @@ fn lost_and_found(
     };
     let index = root.next_dir_index.max(2);
     root.next_dir_index = index + 1;
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    let time = Timespec {
-        sec: now.as_secs() as i64,
-        nsec: now.subsec_nanos(),
-    };
-    let inode = InodeItem {
-        generation: ino,
-        transid: txn.generation().get(),
-        nlink: 2,
-        mode: libc::S_IFDIR | 0o700,
-        next_dir_index: 2,
-        atime: time,
-        mtime: time,
-        ctime: time,
-        otime: time,
-        ..Default::default()
-    };
+    let inode = new_dir_inode(ino, txn.generation().get(), 0o700, 2);
     txn.put(inode_key(InodeNo::new(ino)), inode.encode());
     facts.inodes.insert(ino, inode);
     let entry = DirEntry {
@@ -766,7 +1316,7 @@ fn extent_end(extents: Option<&Vec<(u64, FileExtent)>>) -> Option<(u64, u64, u64
     for (offset, extent) in extents? {
         let end = offset.saturating_add(extent.len_bytes());
         let (regular_start, inline_end) = match extent.kind {
-            ExtentKind::Regular { .. } => (offset + 1, 0),
+            ExtentKind::Regular { .. } => (offset.saturating_add(1), 0),
             ExtentKind::Inline(_) => (0, end),
             ExtentKind::Prealloc { .. } => continue,
         };
@@ -790,6 +1340,7 @@ pub fn repairable(kind: FindingKind, mode: RepairMode) -> bool {
             | DirItemWithoutIndex
             | DirIndexWithoutItem
             | DirEntryWithoutInodeRef
+            | SuperblockSlotBad
     );
     match mode {
         RepairMode::Preen => preen,
@@ -807,7 +1358,213 @@ pub fn repairable(kind: FindingKind, mode: RepairMode) -> bool {
                         | DirEntryDangling
                         | InodeRefWithoutDirEntry
                         | OrphanMissing
+                        | ItemUndecodable
+                        | ExtentMisaligned
+                        | ExtentOverlap
+                        | InlineExtentInvalid
+                        | XattrChunkMismatch
+                        | RootDirMissing
+                        | DataChecksumMismatch
+                        | DataUnreadable
                 )
         }
     }
+}
+
+/// A key range `[low, high)`; `None` is past every key.
+type KeyRange = (Key, Option<Key>);
+
+/// The part of `a` inside `b`, if any.
+fn intersect(a: &KeyRange, b: &KeyRange) -> Option<KeyRange> {
+    let low = a.0.max(b.0);
+    let high = match (a.1, b.1) {
+        (Some(x), Some(y)) => Some(x.min(y)),
+        (x, None) => x,
+        (None, y) => y,
+    };
+    high.is_none_or(|h| low < h).then_some((low, high))
+}
+
+fn in_range(key: &Key, range: &KeyRange) -> bool {
+    *key >= range.0 && range.1.is_none_or(|h| *key < h)
+}
+
+/// What the salvage reads out of the trees.
+#[derive(Default)]
+struct Harvest {
+    /// Items kept, the first tree's version of each key winning.
+    items: BTreeMap<Key, Vec<u8>>,
+    /// Every node address the trees name, read or not: the new tree must not overwrite them
+    /// (a crash before its superblock leaves the old state).
+    nodes: BTreeSet<u64>,
+    /// Every extent's blocks in the leaves read, for the same reason.
+    extents: Vec<(u64, u64)>,
+}
+
+/// Walks the tree at `root` whole, tolerating damage: every node that reads and verifies
+/// gives its items that lie in its parent's key range and in one of `want` (and are not
+/// held yet); the key ranges under nodes that do not read are returned (as far as they lie
+/// in `want`).
+fn harvest(
+    device: &dyn BlockDevice,
+    sb: &Superblock,
+    root: RootPtr,
+    want: &[KeyRange],
+    h: &mut Harvest,
+) -> Vec<KeyRange> {
+    let mut lost = Vec::new();
+    let mut visited = BTreeSet::new();
+    let mut stack = vec![(
+        root.addr,
+        root.generation,
+        root.level,
+        Key::MIN,
+        None::<Key>,
+    )];
+    while let Some((addr, generation, level, low, high)) = stack.pop() {
+        h.nodes.insert(addr);
+        let node = visited
+            .insert(addr)
+            .then(|| {
+                let inside = addr.saturating_add(NODE_SIZE as u64) <= sb.total_bytes;
+                inside
+                    .then(|| read_node(device, sb.fsid, addr, generation, level).ok())
+                    .flatten()
+            })
+            .flatten();
+        let Some(node) = node else {
+            lost.extend(want.iter().filter_map(|w| intersect(w, &(low, high))));
+            continue;
+        };
+        match node.body {
+            NodeBody::Leaf(leaf) => {
+                for (key, value) in leaf {
+                    if key.kind() == Some(ItemType::ExtentData) {
+                        if let Some(range) =
+                            FileExtent::decode(&value).ok().and_then(|e| e.disk_range())
+                        {
+                            h.extents.push(range);
+                        }
+                    }
+                    if in_range(&key, &(low, high))
+                        && want.iter().any(|w| in_range(&key, w))
+                        && !h.items.contains_key(&key)
+                    {
+                        h.items.insert(key, value);
+                    }
+                }
+            }
+            NodeBody::Internal(ptrs) => {
+                for (slot, ptr) in ptrs.iter().enumerate() {
+                    let child_high = ptrs.get(slot + 1).map(|p| p.key).or(high);
+                    stack.push((
+                        ptr.addr,
+                        ptr.generation,
+                        level.saturating_sub(1),
+                        ptr.key.max(low),
+                        child_high,
+                    ));
+                }
+            }
+        }
+    }
+    lost
+}
+
+/// Salvage (DESIGN §13.4): the newest tree is damaged and no older root is whole. Every item
+/// of the newest tree's readable leaves is kept; the key ranges under its unreadable nodes
+/// are looked up in the older trees, newest first; what no tree holds readable is lost and
+/// reported by key range. The items go into a new tree written to blocks none of those trees
+/// names, and superblock N+1 names it (no backups: the older trees are not whole). Returns
+/// false (with the reason in `refused`) when nothing could be read.
+fn salvage(device: &Arc<dyn BlockDevice>, out: &mut RepairReport) -> Result<bool> {
+    let (sb, _) = Engine::read_superblock(&**device)?;
+    let mut h = Harvest::default();
+    let everything = [(Key::MIN, None)];
+    let mut lost = harvest(&**device, &sb, sb.fs_root, &everything, &mut h);
+    out.actions.push(format!(
+        "salvage: {} items read from the tree of generation {}, {} key ranges unreadable",
+        h.items.len(),
+        sb.generation,
+        lost.len()
+    ));
+    for older in older_roots(&**device, &sb, false) {
+        if lost.is_empty() {
+            break;
+        }
+        let before = h.items.len();
+        lost = harvest(&**device, &sb, older.fs_root, &lost, &mut h);
+        out.actions.push(format!(
+            "salvage: {} items of those ranges read from the tree of generation {}",
+            h.items.len() - before,
+            older.generation
+        ));
+    }
+    if h.items.is_empty() {
+        out.refused.push(format!(
+            "the tree of generation {} is damaged, no backup root is whole, and no leaf of any tree reads",
+            sb.generation
+        ));
+        return Ok(false);
+    }
+    for (low, high) in &lost {
+        let high = high.map_or("the end".to_string(), |h| h.to_string());
+        out.lost.push(format!(
+            "keys {low} up to {high}: unreadable in every tree (objects {} ..)",
+            low.objectid
+        ));
+    }
+    let alloc = Allocator::new(sb.total_bytes);
+    crate::txn::mark_reserved_areas(&alloc, sb.log_start, sb.log_bytes);
+    for addr in &h.nodes {
+        alloc.mark_used(BlockAddr::new(*addr), BlockCount::new(NODE_BLOCKS));
+    }
+    for (addr, blocks) in &h.extents {
+        alloc.mark_used(BlockAddr::new(*addr), BlockCount::new(*blocks));
+    }
+    let counters = Counters::default();
+    let cache = NodeCache::new(1024);
+    let ctx = TreeCtx {
+        device: &**device,
+        cache: &cache,
+        counters: &counters,
+        fsid: sb.fsid,
+        owner: FS_TREE_ID,
+    };
+    let generation = sb.generation + 1;
+    let mut writer = TreeWriter::create(ctx, &alloc, generation)?;
+    let count = h.items.len();
+    for (key, value) in h.items {
+        if let Err(e) = writer.insert(key, value) {
+            out.lost.push(format!("item {key}: not kept ({e})"));
+        }
+    }
+    writer.write_dirty()?;
+    let root = writer.root();
+    device
+        .flush()
+        .map_err(|e| Error::io("repair: flush the salvaged tree", e))?;
+    let replay = crate::log::read_log(&**device, &sb);
+    let mut next = sb.clone();
+    next.generation = generation;
+    next.fs_root = root;
+    next.backup_roots.clear();
+    next.log_head = replay.tail_lsn.get();
+    next.log_generation = replay.next_seq;
+    device
+        .write_at(&next.encode(), SUPER_OFFSETS[next.slot()])
+        .map_err(|e| Error::io(format!("repair: write superblock {generation}"), e))?;
+    device
+        .flush()
+        .map_err(|e| Error::io("repair: flush superblock", e))?;
+    out.salvaged = true;
+    out.actions.push(format!(
+        "salvage: wrote a new tree of {count} items (node {:#x}), named by superblock {generation}",
+        root.addr
+    ));
+    if replay.records.iter().any(|r| r.generation > sb.generation) {
+        out.lost
+            .push("the fsync log records of the damaged generation".to_string());
+    }
+    Ok(true)
 }

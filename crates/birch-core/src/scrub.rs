@@ -775,8 +775,9 @@ fn confirm_node(device: &dyn BlockDevice, fsid: [u8; 16], view: &View, damage: &
     }
 }
 
-/// Reads and verifies one node; the error says what was wrong, in words.
-fn read_node(
+/// Reads and verifies one node of the fs tree (also `fsck --repair`'s salvage); the error
+/// says what was wrong, in words.
+pub(crate) fn read_node(
     device: &dyn BlockDevice,
     fsid: [u8; 16],
     addr: u64,

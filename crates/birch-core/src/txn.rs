@@ -736,21 +736,8 @@ impl Engine {
     /// `seen` holds the nodes (address → generation) of the trees walked so far.
     fn keep_backup_trees(&self, seen: &mut HashMap<u64, u64>) {
         let current = self.superblock.lock().clone();
-        let mut roots = current.backup_roots.clone();
-        if let Some(other) = other_slot(&*self.device, &current) {
-            roots.push(BackupRoot {
-                generation: other.generation,
-                fs_root: other.fs_root,
-            });
-            roots.extend(other.backup_roots);
-        }
-        roots.sort_by_key(|b| std::cmp::Reverse(b.generation));
-        roots.dedup_by_key(|b| b.generation);
         let mut whole = Vec::new();
-        for backup in roots {
-            if backup.generation >= current.generation {
-                continue;
-            }
+        for backup in older_roots(&*self.device, &current, true) {
             match self.backup_tree_ranges(&backup, seen) {
                 Ok(ranges) => {
                     let freed_by = Generation::new(backup.generation).next();
@@ -779,62 +766,51 @@ impl Engine {
         backup: &BackupRoot,
         seen: &mut HashMap<u64, u64>,
     ) -> Result<Vec<(BlockAddr, BlockCount)>> {
-        let ctx = self.ctx();
         let total = self.alloc.total_blocks().bytes();
-        let root = backup.fs_root;
-        let mut ranges = Vec::new();
+        let mut nodes = Vec::new();
+        let mut extents = Vec::new();
         let mut visited = Vec::new();
-        let mut stack = vec![(root.addr, root.generation, root.level)];
-        while let Some((addr, generation, level)) = stack.pop() {
-            match seen.get(&addr) {
-                Some(g) if *g == generation => continue,
-                Some(g) => {
-                    return Err(Error::corrupt(
-                        format!("backup generation {}", backup.generation),
-                        FormatError::invalid(
-                            format!("node {addr:#x}"),
-                            format!("generation {g} there now"),
-                            format!("generation {generation}"),
-                        ),
-                    ))
+        self.walk_tree(
+            backup.fs_root,
+            |addr, generation| match seen.get(&addr) {
+                Some(g) if *g == generation => Ok(false),
+                Some(g) => Err(Error::corrupt(
+                    format!("backup generation {}", backup.generation),
+                    FormatError::invalid(
+                        format!("node {addr:#x}"),
+                        format!("generation {g} there now"),
+                        format!("generation {generation}"),
+                    ),
+                )),
+                None => {
+                    visited.push((addr, generation));
+                    nodes.push((BlockAddr::new(addr), BlockCount::new(NODE_BLOCKS)));
+                    Ok(true)
                 }
-                None => {}
-            }
-            let node = ctx.read(addr, generation, level)?;
-            visited.push((addr, generation));
-            ranges.push((BlockAddr::new(addr), BlockCount::new(NODE_BLOCKS)));
-            match &node.body {
-                NodeBody::Internal(ptrs) => {
-                    stack.extend(ptrs.iter().map(|p| (p.addr, p.generation, level - 1)))
-                }
-                NodeBody::Leaf(items) => {
-                    for (key, value) in items {
-                        if key.kind() != Some(ItemType::ExtentData) {
-                            continue;
-                        }
-                        let extent = birch_format::items::FileExtent::decode(value)
-                            .map_err(|e| Error::corrupt(format!("extent {key}"), e))?;
-                        if let Some((disk, blocks)) = extent.disk_range() {
-                            if disk < RESERVED_HEAD_BYTES
-                                || disk.saturating_add(blocks * birch_format::BLOCK_SIZE) > total
-                            {
-                                return Err(Error::corrupt(
-                                    format!("extent {key} in node {addr:#x}"),
-                                    FormatError::invalid(
-                                        format!("extent at {disk:#x} x {blocks} blocks"),
-                                        "outside the device",
-                                        "blocks inside the device",
-                                    ),
-                                ));
-                            }
-                            ranges.push((BlockAddr::new(disk), BlockCount::new(blocks)));
-                        }
+            },
+            |key, extent, addr| {
+                let extent = extent.map_err(|e| Error::corrupt(format!("extent {key}"), e))?;
+                if let Some((disk, blocks)) = extent.disk_range() {
+                    if disk < RESERVED_HEAD_BYTES
+                        || disk.saturating_add(blocks * birch_format::BLOCK_SIZE) > total
+                    {
+                        return Err(Error::corrupt(
+                            format!("extent {key} in node {addr:#x}"),
+                            FormatError::invalid(
+                                format!("extent at {disk:#x} x {blocks} blocks"),
+                                "outside the device",
+                                "blocks inside the device",
+                            ),
+                        ));
                     }
+                    extents.push((BlockAddr::new(disk), BlockCount::new(blocks)));
                 }
-            }
-        }
+                Ok(())
+            },
+        )?;
         seen.extend(visited);
-        Ok(ranges)
+        nodes.extend(extents);
+        Ok(nodes)
     }
 
     /// Marks every node and every extent the committed tree references as used, and records
@@ -845,68 +821,93 @@ impl Engine {
         mut bad_extents: Option<&mut Vec<Key>>,
     ) -> Result<()> {
         let root = self.state.read().committed.root;
+        self.walk_tree(
+            root,
+            |addr, generation| {
+                seen.insert(addr, generation);
+                if !self
+                    .alloc
+                    .mark_used(BlockAddr::new(addr), BlockCount::new(NODE_BLOCKS))
+                {
+                    return Err(Error::corrupt(
+                        format!("open: node {addr:#x} (generation {generation})"),
+                        FormatError::invalid(
+                            format!("node {addr:#x}"),
+                            "referenced twice or overlapping other metadata",
+                            "one reference to a free block",
+                        ),
+                    ));
+                }
+                Ok(true)
+            },
+            |key, extent, addr| {
+                let extent = match extent {
+                    Ok(extent) => extent,
+                    Err(_) if bad_extents.is_some() => {
+                        if let Some(bad) = bad_extents.as_deref_mut() {
+                            bad.push(key);
+                        }
+                        return Ok(());
+                    }
+                    Err(e) => {
+                        return Err(Error::corrupt(format!("extent {key} in node {addr:#x}"), e))
+                    }
+                };
+                if let Some((disk, blocks)) = extent.disk_range() {
+                    if disk.saturating_add(blocks * birch_format::BLOCK_SIZE)
+                        > self.alloc.total_blocks().bytes()
+                        || !self
+                            .alloc
+                            .mark_used(BlockAddr::new(disk), BlockCount::new(blocks))
+                    {
+                        if let Some(bad) = bad_extents.as_deref_mut() {
+                            bad.push(key);
+                            return Ok(());
+                        }
+                        return Err(Error::corrupt(
+                            format!("open: extent {key} in node {addr:#x}"),
+                            FormatError::invalid(
+                                format!("extent at {disk:#x} x {blocks} blocks"),
+                                "out of range or overlapping other space",
+                                "free blocks inside the device",
+                            ),
+                        ));
+                    }
+                }
+                Ok(())
+            },
+        )
+    }
+
+    /// Walks the tree at `root` depth first, reading and verifying every node. `node(addr,
+    /// generation)` is called before a node is read; `Ok(false)` skips it and its subtree.
+    /// `extent(key, decoded extent, node addr)` is called for every extent item. The first
+    /// error (a node that does not read, or a visitor's) ends the walk.
+    fn walk_tree(
+        &self,
+        root: RootPtr,
+        mut node: impl FnMut(u64, u64) -> Result<bool>,
+        mut extent: impl FnMut(
+            Key,
+            std::result::Result<birch_format::items::FileExtent, FormatError>,
+            u64,
+        ) -> Result<()>,
+    ) -> Result<()> {
         let ctx = self.ctx();
         let mut stack = vec![(root.addr, root.generation, root.level)];
         while let Some((addr, generation, level)) = stack.pop() {
-            let node = ctx.read(addr, generation, level)?;
-            seen.insert(addr, generation);
-            if !self
-                .alloc
-                .mark_used(BlockAddr::new(addr), BlockCount::new(NODE_BLOCKS))
-            {
-                return Err(Error::corrupt(
-                    format!("open: node {addr:#x} (generation {generation})"),
-                    FormatError::invalid(
-                        format!("node {addr:#x}"),
-                        "referenced twice or overlapping other metadata",
-                        "one reference to a free block",
-                    ),
-                ));
+            if !node(addr, generation)? {
+                continue;
             }
-            match &node.body {
+            let read = ctx.read(addr, generation, level)?;
+            match &read.body {
                 NodeBody::Internal(ptrs) => {
                     stack.extend(ptrs.iter().map(|p| (p.addr, p.generation, level - 1)))
                 }
                 NodeBody::Leaf(items) => {
                     for (key, value) in items {
-                        if key.kind() != Some(ItemType::ExtentData) {
-                            continue;
-                        }
-                        let extent = match birch_format::items::FileExtent::decode(value) {
-                            Ok(extent) => extent,
-                            Err(_) if bad_extents.is_some() => {
-                                if let Some(bad) = bad_extents.as_deref_mut() {
-                                    bad.push(*key);
-                                }
-                                continue;
-                            }
-                            Err(e) => {
-                                return Err(Error::corrupt(
-                                    format!("extent {key} in node {addr:#x}"),
-                                    e,
-                                ))
-                            }
-                        };
-                        if let Some((disk, blocks)) = extent.disk_range() {
-                            if disk.saturating_add(blocks * birch_format::BLOCK_SIZE)
-                                > self.alloc.total_blocks().bytes()
-                                || !self
-                                    .alloc
-                                    .mark_used(BlockAddr::new(disk), BlockCount::new(blocks))
-                            {
-                                if let Some(bad) = bad_extents.as_deref_mut() {
-                                    bad.push(*key);
-                                    continue;
-                                }
-                                return Err(Error::corrupt(
-                                    format!("open: extent {key} in node {addr:#x}"),
-                                    FormatError::invalid(
-                                        format!("extent at {disk:#x} x {blocks} blocks"),
-                                        "out of range or overlapping other space",
-                                        "free blocks inside the device",
-                                    ),
-                                ));
-                            }
+                        if key.kind() == Some(ItemType::ExtentData) {
+                            extent(*key, birch_format::items::FileExtent::decode(value), addr)?;
                         }
                     }
                 }
@@ -1581,7 +1582,7 @@ impl Engine {
 }
 
 /// Marks the areas no tree references as used: the head (superblocks) and the log area.
-fn mark_reserved_areas(alloc: &Allocator, log_start: u64, log_bytes: u64) {
+pub(crate) fn mark_reserved_areas(alloc: &Allocator, log_start: u64, log_bytes: u64) {
     alloc.mark_used(
         BlockAddr::new(0),
         BlockCount::new(RESERVED_HEAD_BYTES / birch_format::BLOCK_SIZE),
@@ -1593,8 +1594,12 @@ fn mark_reserved_areas(alloc: &Allocator, log_start: u64, log_bytes: u64) {
 }
 
 /// The other slot's superblock, when it decodes, sits in its own slot, shares the fsid, is
-/// older, and keeps backup roots; `None` otherwise.
-fn other_slot(device: &dyn BlockDevice, current: &Superblock) -> Option<Superblock> {
+/// older, and (with `need_flag`) keeps backup roots; `None` otherwise.
+fn other_slot(
+    device: &dyn BlockDevice,
+    current: &Superblock,
+    need_flag: bool,
+) -> Option<Superblock> {
     let slot = 1 - current.slot();
     let mut bytes = vec![0u8; SUPER_BYTES];
     device.read_at(&mut bytes, SUPER_OFFSETS[slot]).ok()?;
@@ -1602,8 +1607,32 @@ fn other_slot(device: &dyn BlockDevice, current: &Superblock) -> Option<Superblo
     (other.slot() == slot
         && other.fsid == current.fsid
         && other.generation < current.generation
-        && other.compat & COMPAT_BACKUP_ROOTS != 0)
+        && (!need_flag || other.compat & COMPAT_BACKUP_ROOTS != 0))
         .then_some(other)
+}
+
+/// The older roots the superblocks name, newest first, one per generation (DESIGN §13.3,
+/// §13.4): `current`'s backups, then the other slot's root and its backups. With `need_flag`
+/// the other slot counts only when it carries `COMPAT_BACKUP_ROOTS` (the open, which keeps
+/// these trees' blocks); without, its root is named even when an older build wrote it
+/// (`fsck --repair`, which validates every tree it would fall back to).
+pub(crate) fn older_roots(
+    device: &dyn BlockDevice,
+    current: &Superblock,
+    need_flag: bool,
+) -> Vec<BackupRoot> {
+    let mut roots = current.backup_roots.clone();
+    if let Some(other) = other_slot(device, current, need_flag) {
+        roots.push(BackupRoot {
+            generation: other.generation,
+            fs_root: other.fs_root,
+        });
+        roots.extend(other.backup_roots);
+    }
+    roots.retain(|b| b.generation < current.generation);
+    roots.sort_by_key(|b| std::cmp::Reverse(b.generation));
+    roots.dedup_by_key(|b| b.generation);
+    roots
 }
 
 /// The backup roots the commit after `previous` names: `previous`'s own root, then its

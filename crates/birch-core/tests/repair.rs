@@ -15,7 +15,9 @@ use birch_core::repair::{repair, RepairMode, RepairReport};
 use birch_core::vfs::OpenOptions;
 use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::items::{ExtentKind, FileExtent, InodeItem};
-use birch_format::{name_hash, ItemType, Key};
+use birch_format::node::{Expect, Node, NodeBody};
+use birch_format::superblock::RootPtr;
+use birch_format::{name_hash, BlockCount, InodeNo, ItemType, Key};
 
 const BIG: usize = 40_000;
 
@@ -71,6 +73,18 @@ fn damage(dev: &Arc<MemDevice>, change: impl FnOnce(&Engine)) {
     let engine = Engine::open(dev.clone()).expect("engine");
     change(&engine);
     engine.commit().expect("commit the damage");
+}
+
+/// Some line of `report.lost` holds every one of `parts`.
+fn assert_lost(report: &RepairReport, parts: &[&str]) {
+    assert!(
+        report
+            .lost
+            .iter()
+            .any(|l| parts.iter().all(|p| l.contains(p))),
+        "{parts:?} not among {:#?}",
+        report.lost
+    );
 }
 
 fn run(dev: &Arc<MemDevice>, mode: RepairMode) -> RepairReport {
@@ -196,11 +210,7 @@ fn an_entry_naming_a_missing_inode_is_dropped_and_reported() {
     assert!(found.contains(&FindingKind::DirEntryDangling), "{found:?}");
     assert!(found.contains(&FindingKind::ItemWithoutInode), "{found:?}");
     let report = repaired(&dev, "dangling");
-    assert!(
-        report.lost.iter().any(|l| l.contains("/a/small")),
-        "the lost path is reported: {:#?}",
-        report.lost
-    );
+    assert_lost(&report, &["/a/small"]);
     let fs = open(&dev);
     assert!(fs.resolve("/a/small").is_err());
     assert_eq!(fs.read_file("/a/big").expect("big kept"), big());
@@ -225,14 +235,7 @@ fn an_extent_past_the_device_is_dropped_and_the_rest_of_the_file_kept() {
         "a plain open refuses the image"
     );
     let report = repaired(&dev, "extent past the device");
-    assert!(
-        report
-            .lost
-            .iter()
-            .any(|l| l.contains("/a/big") && l.contains("offset 0")),
-        "{:#?}",
-        report.lost
-    );
+    assert_lost(&report, &["/a/big", "offset 0"]);
     let fs = open(&dev);
     let data = fs.read_file("/a/big").expect("read");
     assert_eq!(
@@ -295,4 +298,518 @@ fn a_failed_repair_leaves_the_old_state() {
     let crashed = Arc::new(dev.crash());
     assert_eq!(kinds(&crashed), vec![FindingKind::InodeNlinkMismatch]);
     repaired(&crashed, "after the failed repair");
+}
+
+/// The regular extent of `ino` that covers file offset `at`: (key offset, disk address).
+fn extent_at(dev: &Arc<MemDevice>, ino: u64, at: u64) -> (u64, FileExtent) {
+    let engine = Engine::open(dev.clone()).expect("engine");
+    let lo = Key::new(ino, ItemType::ExtentData, 0);
+    let hi = Key::new(ino, ItemType::ExtentData, u64::MAX);
+    engine
+        .range(&lo, &hi, usize::MAX)
+        .expect("range")
+        .into_iter()
+        .map(|(k, v)| (k.offset, FileExtent::decode(&v).expect("decode")))
+        .find(|(offset, e)| *offset <= at && at < offset + e.len_bytes())
+        .expect("an extent there")
+}
+
+fn disk_addr(extent: &FileExtent) -> u64 {
+    match extent.kind {
+        ExtentKind::Regular { disk_addr, .. } => disk_addr,
+        _ => panic!("not regular: {extent:?}"),
+    }
+}
+
+const BS: u64 = birch_format::BLOCK_SIZE;
+
+/// Bytes flipped in one data block of `/a/big`: repair punches that block out of its extent
+/// (the extent splits in two), the file reads zeros there and its other data as written, and
+/// the path and byte range are reported.
+#[test]
+fn a_data_block_failing_its_checksum_is_punched_out_and_reported() {
+    let (dev, _, big_ino) = image();
+    let (offset, extent) = extent_at(&dev, big_ino, 3 * BS);
+    let block = disk_addr(&extent) + (3 * BS - offset);
+    dev.corrupt(block + 10, &[0x5a; 16]);
+    let report = check(&*dev, CheckOptions { data: true }).expect("fsck");
+    let found: Vec<_> = report.findings.iter().map(|f| f.kind).collect();
+    assert_eq!(found, vec![FindingKind::DataChecksumMismatch]);
+    assert_eq!(kinds(&dev), vec![], "without --data the block is not read");
+    let preen = run(&dev, RepairMode::Preen);
+    assert_eq!(preen.exit_code(), 4, "preen drops no data");
+    let report = repaired(&dev, "bad data block");
+    let range = format!("/a/big: lost bytes {}..{}", 3 * BS, 4 * BS);
+    assert_lost(&report, &[&range]);
+    let fs = open(&dev);
+    let data = fs.read_file("/a/big").expect("read");
+    let mut want = big();
+    want[3 * BS as usize..4 * BS as usize].fill(0);
+    assert!(
+        data == want,
+        "a hole where the bad block was, the rest intact"
+    );
+    assert_eq!(fs.read_file("/a/small").expect("small"), b"small file");
+}
+
+/// A device whose reads of one byte range fail (a bad sector).
+struct BadReads {
+    inner: Arc<MemDevice>,
+    bad: std::ops::Range<u64>,
+}
+
+impl BlockDevice for BadReads {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        if offset < self.bad.end && self.bad.start < offset + buf.len() as u64 {
+            return Err(std::io::Error::from_raw_os_error(libc::EIO));
+        }
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        self.inner.write_at(buf, offset)
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+    fn counters(&self) -> &birch_core::counters::Counters {
+        self.inner.counters()
+    }
+}
+
+#[test]
+fn an_unreadable_data_block_is_punched_out_and_reported() {
+    let (dev, _, big_ino) = image();
+    let (offset, extent) = extent_at(&dev, big_ino, 9 * BS);
+    let block = disk_addr(&extent) + (9 * BS - offset);
+    let device: Arc<dyn BlockDevice> = Arc::new(BadReads {
+        inner: dev.clone(),
+        bad: block..block + BS,
+    });
+    let before = check(&*device, CheckOptions { data: true }).expect("fsck");
+    let found: Vec<_> = before.findings.iter().map(|f| f.kind).collect();
+    assert_eq!(found, vec![FindingKind::DataUnreadable]);
+    let report = repair(
+        device.clone(),
+        RepairMode::Full,
+        CheckOptions { data: true },
+    )
+    .expect("repair");
+    assert_eq!(report.exit_code(), 1, "{:#?}", report.actions);
+    // The last block holds the file's tail: the range reported ends at the size.
+    let range = format!("/a/big: lost bytes {}..{BIG}", 9 * BS);
+    assert_lost(&report, &[&range, "cannot be read"]);
+    let after = check(&*device, CheckOptions { data: true }).expect("fsck");
+    assert!(after.is_clean(), "{:#?}", after.findings);
+    let fs = open(&dev);
+    let data = fs.read_file("/a/big").expect("read");
+    let mut want = big();
+    want[9 * BS as usize..].fill(0);
+    assert!(data == want);
+}
+
+/// An item of an unknown type and an inode ref whose payload does not decode: both are
+/// deleted; the ref is written back from the directory entry, so nothing is lost.
+#[test]
+fn undecodable_items_are_deleted_and_a_ref_is_written_back() {
+    let (dev, small, _) = image();
+    damage(&dev, |engine| {
+        let refs = Key::new(small, ItemType::InodeRef, 0);
+        let ref_key = engine
+            .range(&refs, &Key::new(small, ItemType::InodeRef, u64::MAX), 1)
+            .expect("range")[0]
+            .0;
+        let txn = engine.begin().expect("begin");
+        txn.put(
+            Key {
+                objectid: small,
+                item_type: 200,
+                offset: 7,
+            },
+            vec![1, 2, 3],
+        );
+        txn.put(ref_key, vec![0xff; 5]);
+    });
+    let found = kinds(&dev);
+    assert_eq!(
+        found
+            .iter()
+            .filter(|k| **k == FindingKind::ItemUndecodable)
+            .count(),
+        2,
+        "{found:?}"
+    );
+    let report = repaired(&dev, "undecodable items");
+    assert!(
+        report
+            .actions
+            .iter()
+            .any(|a| a.contains("wrote back the inode's ref")),
+        "{:#?}",
+        report.actions
+    );
+    let fs = open(&dev);
+    assert_eq!(fs.read_file("/a/small").expect("small"), b"small file");
+}
+
+/// Moves the extent of `ino` at file offset 0 to the offset `to` gives; returns its offset.
+fn move_first_extent(dev: &Arc<MemDevice>, ino: u64, to: impl Fn(u64) -> u64) -> u64 {
+    let (offset, extent) = extent_at(dev, ino, 0);
+    damage(dev, |engine| {
+        let txn = engine.begin().expect("begin");
+        txn.delete(Key::new(ino, ItemType::ExtentData, offset));
+        txn.put(
+            Key::new(ino, ItemType::ExtentData, to(offset)),
+            extent.encode(),
+        );
+    });
+    offset
+}
+
+/// A regular extent moved to an offset that is not block-aligned: dropped, reported, the
+/// file keeps its size and reads zeros.
+#[test]
+fn a_misaligned_extent_is_dropped_and_reported() {
+    let (dev, _, big_ino) = image();
+    let offset = move_first_extent(&dev, big_ino, |offset| offset + 100);
+    assert_eq!(kinds(&dev), vec![FindingKind::ExtentMisaligned]);
+    let report = repaired(&dev, "misaligned extent");
+    assert_lost(
+        &report,
+        &[&format!("/a/big: lost bytes {}..", offset + 100)],
+    );
+    let fs = open(&dev);
+    let data = fs.read_file("/a/big").expect("read");
+    assert_eq!(data.len(), BIG);
+    assert!(data[offset as usize..].iter().all(|b| *b == 0));
+}
+
+/// An extent moved to a garbage offset near the end of the key space (misaligned, past the
+/// size): dropped without an overflow; no data of the file's size was in it, so nothing is
+/// reported lost.
+#[test]
+fn an_extent_at_a_garbage_offset_is_dropped() {
+    let (dev, _, big_ino) = image();
+    move_first_extent(&dev, big_ino, |_| u64::MAX - 100);
+    let found = kinds(&dev);
+    assert!(found.contains(&FindingKind::ExtentMisaligned), "{found:?}");
+    let report = repaired(&dev, "garbage offset");
+    assert!(report.lost.is_empty(), "{:#?}", report.lost);
+    let fs = open(&dev);
+    assert_eq!(fs.read_file("/a/big").expect("read").len(), BIG);
+}
+
+/// A newer extent written over two blocks of `/a/big` without the older extent being cut:
+/// the newer one keeps the range, the older is split around it, nothing is lost.
+#[test]
+fn overlapping_extents_keep_the_newer_data() {
+    let (dev, _, big_ino) = image();
+    damage(&dev, |engine| {
+        let two = BlockCount::new(2);
+        let (addr, blocks) = engine.allocate_data(two, two).expect("allocate");
+        assert_eq!(blocks, two);
+        let addr = addr.get();
+        let block = vec![7u8; BS as usize];
+        engine.device().write_at(&block, addr).expect("write");
+        engine.device().write_at(&block, addr + BS).expect("write");
+        let csum = birch_format::checksum(&block);
+        let extent = FileExtent {
+            generation: engine.running_generation().get(),
+            kind: ExtentKind::Regular {
+                disk_addr: addr,
+                csums: vec![csum, csum],
+            },
+        };
+        let txn = engine.begin().expect("begin");
+        txn.put(Key::new(big_ino, ItemType::ExtentData, BS), extent.encode());
+    });
+    assert_eq!(kinds(&dev), vec![FindingKind::ExtentOverlap]);
+    let report = repaired(&dev, "overlap");
+    assert!(report.lost.is_empty(), "{:#?}", report.lost);
+    assert!(
+        report.actions.iter().any(|a| a.contains(&format!(
+            "stale blocks at bytes {}..{}",
+            BS,
+            3 * BS
+        ))),
+        "{:#?}",
+        report.actions
+    );
+    let fs = open(&dev);
+    let mut want = big();
+    want[BS as usize..3 * BS as usize].fill(7);
+    assert!(fs.read_file("/a/big").expect("read") == want);
+}
+
+/// An inline extent moved off offset 0 (the size raised to cover it): rewritten as a data
+/// block at the aligned offset, its bytes where they were.
+#[test]
+fn an_inline_extent_off_zero_is_rewritten_as_a_block() {
+    let (dev, small, _) = image();
+    damage(&dev, |engine| {
+        let key = Key::new(small, ItemType::ExtentData, 0);
+        let value = engine.get(&key).expect("get").expect("inline");
+        let mut item = inode(engine, small);
+        item.size = 5000 + 10;
+        let txn = engine.begin().expect("begin");
+        txn.delete(key);
+        txn.put(Key::new(small, ItemType::ExtentData, 5000), value);
+        txn.put(Key::new(small, ItemType::InodeItem, 0), item.encode());
+    });
+    assert_eq!(kinds(&dev), vec![FindingKind::InlineExtentInvalid]);
+    let report = repaired(&dev, "inline off zero");
+    assert!(report.lost.is_empty(), "{:#?}", report.lost);
+    let fs = open(&dev);
+    let data = fs.read_file("/a/small").expect("read");
+    assert_eq!(data.len(), 5010);
+    assert!(data[..5000].iter().all(|b| *b == 0));
+    assert_eq!(&data[5000..], b"small file");
+}
+
+/// One chunk of an out-of-line xattr value deleted: the xattr is removed and reported, its
+/// other chunks go, the file's small xattr stays.
+#[test]
+fn an_xattr_with_a_missing_chunk_is_removed_and_reported() {
+    let (dev, small, _) = image();
+    let fs = open(&dev);
+    let value: Vec<u8> = (0..20_000u32).map(|i| (i % 253) as u8).collect();
+    fs.setxattr(small, b"user.big", &value, 0)
+        .expect("big xattr");
+    fs.setxattr(small, b"user.small", b"v", 0)
+        .expect("small xattr");
+    fs.close().expect("close");
+    assert_clean(&dev, "with the xattrs");
+    damage(&dev, |engine| {
+        let txn = engine.begin().expect("begin");
+        txn.delete(birch_core::items::xattr_chunk_key(
+            InodeNo::new(small),
+            b"user.big",
+            1,
+        ));
+    });
+    let found = kinds(&dev);
+    assert!(
+        found.contains(&FindingKind::XattrChunkMismatch),
+        "{found:?}"
+    );
+    let report = repaired(&dev, "xattr chunk");
+    assert_lost(&report, &["/a/small", "user.big"]);
+    let fs = open(&dev);
+    assert!(fs.getxattr(small, b"user.big").is_err());
+    assert_eq!(fs.getxattr(small, b"user.small").expect("small"), b"v");
+}
+
+/// The root directory's inode item deleted: made anew with its entries, everything under it
+/// reachable again.
+#[test]
+fn a_missing_root_directory_is_made_anew() {
+    let (dev, _, _) = image();
+    damage(&dev, |engine| {
+        let txn = engine.begin().expect("begin");
+        txn.delete(Key::new(1, ItemType::InodeItem, 0));
+    });
+    assert!(kinds(&dev).contains(&FindingKind::RootDirMissing));
+    let report = repaired(&dev, "root missing");
+    assert!(report.lost.is_empty(), "{:#?}", report.lost);
+    let fs = open(&dev);
+    assert_eq!(fs.read_file("/a/big").expect("big"), big());
+    assert_eq!(fs.read_file("/b").expect("b").len(), 100);
+    let root = inode(fs.engine(), 1);
+    assert_eq!(root.mode & libc::S_IFMT, libc::S_IFDIR);
+    assert_eq!(root.nlink, 3, "2 + the directory a");
+}
+
+/// The older superblock slot overwritten: preen rewrites it with its commit (nothing is
+/// lost), and both slots are valid again.
+#[test]
+fn a_bad_superblock_slot_is_rewritten_by_preen() {
+    let (dev, _, _) = image();
+    let (sb, _) = Engine::read_superblock(&*dev).expect("superblock");
+    let other = birch_format::superblock::SUPER_OFFSETS[1 - sb.slot()];
+    dev.corrupt(other + 64, &[0xee; 32]);
+    assert_eq!(kinds(&dev), vec![FindingKind::SuperblockSlotBad]);
+    let report = run(&dev, RepairMode::Preen);
+    assert_eq!(report.exit_code(), 1, "{:#?}", report.actions);
+    assert_clean(&dev, "after preen");
+    let (_, notes) = Engine::read_superblock(&*dev).expect("superblock");
+    assert!(notes.is_empty(), "{notes:?}");
+    assert_eq!(run(&dev, RepairMode::Full).exit_code(), 0);
+}
+
+/// The address of the leaf that holds (or would hold) `key` in the tree at `root`.
+fn leaf_of(dev: &MemDevice, fsid: [u8; 16], root: RootPtr, key: Key) -> u64 {
+    let (mut addr, mut generation, mut level) = (root.addr, root.generation, root.level);
+    loop {
+        let mut bytes = vec![0u8; birch_format::NODE_SIZE];
+        dev.read_at(&mut bytes, addr).expect("read node");
+        let expect = Expect {
+            fsid,
+            addr,
+            generation,
+            owner: birch_format::FS_TREE_ID,
+            level: Some(level),
+        };
+        match Node::decode(&bytes, &expect).expect("node").body {
+            NodeBody::Leaf(_) => return addr,
+            NodeBody::Internal(ptrs) => {
+                let ptr = ptrs
+                    .iter()
+                    .rev()
+                    .find(|p| p.key <= key)
+                    .or(ptrs.first())
+                    .expect("a pointer");
+                (addr, generation, level) = (ptr.addr, ptr.generation, level - 1);
+            }
+        }
+    }
+}
+
+/// A leaf shared by the newest tree and every backup is corrupted, and so is the newest
+/// tree's own leaf that holds `/b`: no backup is whole. Repair salvages: the newest tree's
+/// readable leaves, `/b`'s leaf from the newest backup, and the shared leaf's key range is
+/// reported lost; the names into it go, everything else reads back, a second check is clean.
+#[test]
+fn with_no_whole_backup_the_readable_leaves_are_salvaged() {
+    let dev = Arc::new(MemDevice::new(64 << 20));
+    Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
+    let fs = open(&dev);
+    fs.mkdir(Default::default(), 1, b"many", 0o755)
+        .expect("mkdir");
+    for i in 0..300 {
+        fs.write_file(&format!("/many/f{i:03}"), format!("file {i}").as_bytes())
+            .expect("write");
+    }
+    fs.mkdir(Default::default(), 1, b"a", 0o755).expect("mkdir");
+    fs.write_file("/a/big", &big()).expect("big");
+    fs.sync().expect("sync");
+    for round in 0..4u8 {
+        fs.write_file("/b", &[round; 100]).expect("b");
+        fs.sync().expect("sync");
+    }
+    let victim = fs.resolve("/many/f150").expect("f150");
+    let b = fs.resolve("/b").expect("b");
+    let inos: Vec<(usize, u64)> = (0..300)
+        .map(|i| (i, fs.resolve(&format!("/many/f{i:03}")).expect("resolve")))
+        .collect();
+    fs.close().expect("close");
+    let (sb, _) = Engine::read_superblock(&*dev).expect("superblock");
+    assert_eq!(sb.backup_roots.len(), 3);
+    let key = |ino| Key::new(ino, ItemType::InodeItem, 0);
+    let shared = leaf_of(&dev, sb.fsid, sb.fs_root, key(victim));
+    for backup in &sb.backup_roots {
+        assert_eq!(
+            leaf_of(&dev, sb.fsid, backup.fs_root, key(victim)),
+            shared,
+            "the leaf is in every backup"
+        );
+    }
+    let newest_b = leaf_of(&dev, sb.fsid, sb.fs_root, key(b));
+    assert_ne!(newest_b, shared);
+    assert_ne!(
+        leaf_of(&dev, sb.fsid, sb.backup_roots[0].fs_root, key(b)),
+        newest_b,
+        "the newest backup has its own copy of /b's leaf"
+    );
+    let kept: Vec<(usize, u64)> = inos
+        .iter()
+        .copied()
+        .filter(|(_, ino)| {
+            // All of its items: the first and the last key it may have.
+            let first = Key {
+                objectid: *ino,
+                item_type: 0,
+                offset: 0,
+            };
+            let last = Key {
+                objectid: *ino,
+                item_type: u8::MAX,
+                offset: u64::MAX,
+            };
+            leaf_of(&dev, sb.fsid, sb.fs_root, first) != shared
+                && leaf_of(&dev, sb.fsid, sb.fs_root, last) != shared
+        })
+        .collect();
+    assert!(kept.len() > 100 && kept.len() < 300, "{}", kept.len());
+    dev.corrupt(shared + 100, &[0xff; 8]);
+    dev.corrupt(newest_b + 100, &[0xff; 8]);
+    assert!(kinds(&dev).contains(&FindingKind::NodeUnreadable));
+    assert_eq!(run(&dev, RepairMode::Preen).exit_code(), 4);
+    let report = repaired(&dev, "salvage");
+    assert!(report.salvaged, "{:#?}", report.actions);
+    assert_eq!(report.fell_back_to, None);
+    assert_lost(&report, &["unreadable in every tree"]);
+    assert_lost(&report, &["/many/f150"]);
+    let fs = open(&dev);
+    assert_eq!(fs.read_file("/a/big").expect("big"), big());
+    assert_eq!(
+        fs.read_file("/b").expect("b"),
+        vec![2u8; 100],
+        "from the newest backup"
+    );
+    assert!(fs.resolve("/many/f150").is_err());
+    for (i, _) in kept {
+        assert_eq!(
+            fs.read_file(&format!("/many/f{i:03}")).expect("kept"),
+            format!("file {i}").as_bytes()
+        );
+    }
+}
+
+/// Every root node corrupted, the newest and the backups': nothing reads, so repair refuses
+/// (exit 4) and writes nothing rather than an empty filesystem.
+#[test]
+fn with_nothing_readable_repair_refuses_and_writes_nothing() {
+    let (dev, _, _) = image();
+    let (sb, _) = Engine::read_superblock(&*dev).expect("superblock");
+    let other = {
+        use birch_format::superblock::{Superblock, SUPER_BYTES, SUPER_OFFSETS};
+        let mut bytes = vec![0u8; SUPER_BYTES];
+        dev.read_at(&mut bytes, SUPER_OFFSETS[1 - sb.slot()])
+            .expect("read");
+        Superblock::decode(&bytes, "other slot").expect("other slot")
+    };
+    dev.corrupt(sb.fs_root.addr + 100, &[0xff; 8]);
+    for backup in sb.backup_roots.iter().chain(&other.backup_roots) {
+        dev.corrupt(backup.fs_root.addr + 100, &[0xff; 8]);
+    }
+    let before = dev.snapshot();
+    let report = run(&dev, RepairMode::Full);
+    assert_eq!(report.exit_code(), 4, "{:#?}", report.actions);
+    assert!(!report.salvaged);
+    assert!(
+        report
+            .refused
+            .iter()
+            .any(|r| r.contains("no leaf of any tree reads")),
+        "{:#?}",
+        report.refused
+    );
+    assert!(dev.snapshot() == before, "a refused repair wrote");
+}
+
+/// Out-of-line xattr chunks on an image whose superblock lost `INCOMPAT_XATTR_CHUNKS`: the
+/// values are whole, so repair keeps them and sets the flag again with its commit.
+#[test]
+fn chunks_without_their_flag_get_the_flag_back() {
+    use birch_format::superblock::{INCOMPAT_XATTR_CHUNKS, SUPER_OFFSETS};
+    let (dev, small, _) = image();
+    let fs = open(&dev);
+    let value: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
+    fs.setxattr(small, b"user.big", &value, 0)
+        .expect("big xattr");
+    fs.close().expect("close");
+    let (mut sb, _) = Engine::read_superblock(&*dev).expect("superblock");
+    assert_ne!(sb.incompat & INCOMPAT_XATTR_CHUNKS, 0);
+    sb.incompat &= !INCOMPAT_XATTR_CHUNKS;
+    dev.write_at(&sb.encode(), SUPER_OFFSETS[sb.slot()])
+        .expect("write superblock");
+    assert_eq!(kinds(&dev), vec![FindingKind::XattrChunkMismatch]);
+    let report = repaired(&dev, "flag");
+    assert!(report.lost.is_empty(), "{:#?}", report.lost);
+    let (sb, _) = Engine::read_superblock(&*dev).expect("superblock");
+    assert_ne!(sb.incompat & INCOMPAT_XATTR_CHUNKS, 0);
+    let fs = open(&dev);
+    assert_eq!(fs.getxattr(small, b"user.big").expect("kept"), value);
 }

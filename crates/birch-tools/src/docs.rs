@@ -70,11 +70,14 @@ birch(1), fsck.birch(8), birchfs(5).";
 const FSCK_NOTES: &str = "fsck -t birch IMAGE runs fsck.birch IMAGE, passing -a, -p, -n, -y or -r \
 on. Without them fsck.birch only checks. -p and -a preen: they fix only what loses nothing (link \
 counts, directory sizes, sizes that must cover their extents, stale orphan items, the missing \
-half of a name) and leave the rest (exit 4). -y and -r (also --repair) repair everything the \
-check finds: a damaged newest tree falls back to the newest whole backup root of the three each \
-superblock keeps, names of missing inodes and extents on blocks outside the image are dropped \
-(every path that lost data is printed), inodes without names go to /lost+found; a pending \
-fsync log is replayed first. Every repair is a copy-on-write commit: a crash during it leaves \
+half of a name, a bad superblock copy) and leave the rest (exit 4). -y and -r (also --repair) \
+repair everything the check finds: a damaged newest tree falls back to the newest whole backup \
+root of the three each superblock keeps (with none whole, every leaf that reads is salvaged \
+into a new tree and the key ranges lost are printed), names of missing inodes, undecodable items, misaligned \
+extents and extents on blocks outside the image are dropped, and with --data so are data \
+blocks that cannot be read or fail their checksum (every path and byte range that lost data is \
+printed; the range reads as zeros), inodes without names go to /lost+found, a missing root \
+directory is made anew; a pending fsync log is replayed first. Every repair is a copy-on-write commit: a crash during it leaves \
 the image as it was. -n repairs a copy in memory and writes nothing. Exit codes follow \
 fsck(8): 0 no errors, 1 errors corrected, 4 errors left uncorrected, 8 operational error \
 (image missing, or held by a live mount). For an \

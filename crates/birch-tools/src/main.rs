@@ -138,22 +138,27 @@ enum Command {
         /// with their numbers, then exit.
         #[arg(long)]
         list_passes: bool,
-        /// Also read every data block and verify its checksum.
+        /// Also read every data block and verify its checksum; with --repair, punch the
+        /// blocks that fail out of their files (the ranges read as zeros and are printed).
         #[arg(long)]
         data: bool,
         /// Look at an image even while it is mounted (results may be inconsistent).
         #[arg(long)]
         force: bool,
         /// Repair what the check finds (DESIGN §13.4): fall back to the newest whole backup
-        /// root when the newest tree is damaged, drop dangling names and extents on blocks
-        /// that are not the file's (every path that lost data is printed), reattach inodes
-        /// without names under /lost+found, recompute link counts and sizes. Each repair is a
-        /// copy-on-write commit. A pending fsync log is replayed first. -y and -r are the same.
+        /// root when the newest tree is damaged (with none whole, salvage every readable
+        /// leaf into a new tree and print the key ranges lost), drop dangling names, undecodable items,
+        /// misaligned extents and extents on blocks that are not the file's (every path and
+        /// byte range that lost data is printed), trim overlapping extents, rewrite bad inline
+        /// extents as blocks, remove xattrs whose chunks are damaged, remake a missing root
+        /// directory, reattach inodes without names under /lost+found, recompute link counts
+        /// and sizes, rewrite a bad superblock copy. Each repair is a copy-on-write commit. A
+        /// pending fsync log is replayed first. -y and -r are the same.
         #[arg(long, short = 'y', short_alias = 'r', conflicts_with_all = ["preen", "dry_run"])]
         repair: bool,
         /// Preen (fsck(8) -p, -a): fix only what loses nothing (link counts, directory sizes,
         /// sizes that must cover their extents, stale orphan items, the missing half of a
-        /// name); anything else is reported and left (exit 4).
+        /// name, a bad superblock copy); anything else is reported and left (exit 4).
         #[arg(long, short = 'p', short_alias = 'a', conflicts_with = "dry_run")]
         preen: bool,
         /// Dry run: do the whole repair on a copy in memory, print what it would do and what
