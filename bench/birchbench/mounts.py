@@ -15,7 +15,9 @@ Used by:
   - tests/mount/fuse-ops.py: `mount_birch`, `unmount`, `fuse_abort`, `abort_mount`;
   - tests/posix/lib.sh (and so pjdfstest.sh, fsx.sh, differential.sh, tests/xfstests/run.sh):
     through the command line below, for the cleanup unmount, the FUSE abort of the watchdog
-    and the loop-device detach.
+    and the loop-device detach;
+  - the cleanup traps of tests/mount/{mount-tests,scrub-test,stats-test,uring-test}.sh,
+    tests/images/check-fixtures.sh and tests/nfs/nfs-test.sh: `unmount --fuse --abort`.
 So a change here changes all of them: keep the command line and the return conventions.
 
 Must not touch: anything of the harness's (no logging, no report, no configuration; it is

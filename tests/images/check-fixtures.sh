@@ -19,8 +19,12 @@ BIRCH=${BIRCH:-$HERE/../../target/release/birch}
 WORK=$(mktemp -d /tmp/birch-fixtures.XXXXXX)
 MNT=$WORK/mnt
 mkdir -p "$MNT"
+# Cleanup unmounts through the repository's one mount helper (bench/birchbench/mounts.py):
+# `birch umount` (60 s), fusermount3 -u, umount, then the FUSE connection aborted, the lazy
+# unmounts, and the daemon of the mount point killed if it is still there.
+MOUNTS_PY=$HERE/../../bench/birchbench/mounts.py
 cleanup() {
-  mountpoint -q "$MNT" && { "$BIRCH" umount "$MNT" || umount -l "$MNT"; }
+  python3 "$MOUNTS_PY" unmount --fuse --abort --birch "$BIRCH" --birch-timeout 60 --timeout 30 "$MNT"
   rm -rf "$WORK"
 }
 trap cleanup EXIT

@@ -29,9 +29,13 @@ MNT=$WORK/mnt
 mkdir -p "$MNT"
 passed=0
 failed=0
+# Cleanup unmounts through the repository's one mount helper (bench/birchbench/mounts.py):
+# `birch umount` (60 s), fusermount3 -u, umount, then the FUSE connection aborted, the lazy
+# unmounts, and the daemon of the mount point killed if it is still there.
+MOUNTS_PY=$(cd "$(dirname "$0")/../.." && pwd)/bench/birchbench/mounts.py
 cleanup() {
   for m in "$WORK/mnt3" "$WORK/mnt2" "$MNT"; do
-    mountpoint -q "$m" && { "$BIRCH" umount "$m" || umount -l "$m"; }
+    python3 "$MOUNTS_PY" unmount --fuse --abort --birch "$BIRCH" --birch-timeout 60 --timeout 30 "$m"
   done
   rm -rf "$WORK"
 }

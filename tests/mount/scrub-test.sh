@@ -16,8 +16,12 @@ WORK=$(mktemp -d /tmp/scrub-test.XXXXXX)
 MNT=$WORK/mnt
 IMG=$WORK/disk.img
 mkdir -p "$MNT"
+# Cleanup unmounts through the repository's one mount helper (bench/birchbench/mounts.py):
+# `birch umount` (60 s), fusermount3 -u, umount, then the FUSE connection aborted, the lazy
+# unmounts, and the daemon of the mount point killed if it is still there.
+MOUNTS_PY=$(cd "$(dirname "$0")/../.." && pwd)/bench/birchbench/mounts.py
 cleanup() {
-  if mountpoint -q "$MNT"; then "$BIRCH" umount "$MNT" || umount -l "$MNT"; fi
+  python3 "$MOUNTS_PY" unmount --fuse --abort --birch "$BIRCH" --birch-timeout 60 --timeout 30 "$MNT"
   rm -rf "$WORK"
 }
 trap cleanup EXIT

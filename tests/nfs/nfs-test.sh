@@ -70,8 +70,9 @@ cleanup() {
   stop_ganesha
   for h in "${holds[@]}"; do umount "$h" 2>/dev/null; done
   rmdir "$DIR"/hold* 2>/dev/null
-  # findmnt reads the mount table: a mount whose daemon died cannot be stat'ed.
-  findmnt -n "$DIR/birch" >/dev/null && { "$BIRCH" umount "$DIR/birch" 2>/dev/null || umount -l "$DIR/birch"; }
+  # The repository's mount helper reads the mount table (a mount whose daemon died cannot be
+  # stat'ed): `birch umount`, then harder, up to aborting the FUSE connection.
+  python3 bench/birchbench/mounts.py unmount --fuse --abort --birch "$BIRCH" --timeout 30 "$DIR/birch" >/dev/null
   findmnt -n "$DIR/ext4" >/dev/null && umount "$DIR/ext4"
   findmnt -n "$DIR/ext4-crash" >/dev/null && umount "$DIR/ext4-crash"
   [[ -n $spare ]] && losetup -d "$spare" 2>/dev/null

@@ -57,7 +57,7 @@ use birch_core::device::{BlockDevice, FileDevice, MemDevice, OpenMode};
 use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::superblock::RootPtr;
-use birch_format::{ItemType, Key, BLOCK_SIZE, NODE_SIZE};
+use birch_format::{BlockAddr, BlockCount, Generation, ItemType, Key, BLOCK_SIZE, NODE_SIZE};
 use clap::Parser;
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
@@ -294,7 +294,7 @@ struct Tree {
 impl Tree {
     fn new(dev: Arc<dyn BlockDevice>) -> Res<Tree> {
         let alloc = Allocator::new(dev.size_bytes());
-        alloc.mark_used(0, 64);
+        alloc.mark_used(BlockAddr::new(0), BlockCount::new(64));
         let mut tree = Tree {
             dev,
             alloc,
@@ -347,7 +347,7 @@ impl Tree {
             let root = w.root();
             drop(w);
             self.dev.flush()?;
-            let pinned = self.alloc.take_pinned(generation);
+            let pinned = self.alloc.take_pinned(Generation::new(generation));
             self.alloc.release(&pinned);
             self.root = root;
             self.generation = generation;

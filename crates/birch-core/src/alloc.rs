@@ -23,7 +23,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use birch_format::superblock::BACKUP_ROOTS;
-use birch_format::BLOCK_SIZE;
+use birch_format::{BlockAddr, BlockCount, Generation, BLOCK_SIZE};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
@@ -115,13 +115,13 @@ pub struct Allocator {
     free_blocks: AtomicU64,
     total_blocks: u64,
     reserve_blocks: u64,
-    pinned: Mutex<Vec<(u64, u64, u64)>>,
+    pinned: Mutex<Vec<(Generation, BlockAddr, BlockCount)>>,
     pinned_blocks: AtomicU64,
     /// Blocks promised to buffered data not yet allocated: other data may not take them.
     reserved: AtomicU64,
     /// Ranges freed by a durable, unobserved commit, waiting for commit `freed_by + K + 1`:
     /// (freed_by, addr, blocks). Set in the bitmap, counted in `free_blocks`.
-    deferred: Mutex<VecDeque<(u64, u64, u64)>>,
+    deferred: Mutex<VecDeque<(Generation, BlockAddr, BlockCount)>>,
     deferred_blocks: AtomicU64,
     /// The newest commit whose frees a reclaim handed out early: trees older than it are no
     /// longer whole and may not be named as backups.
@@ -168,43 +168,44 @@ impl Allocator {
     }
 
     /// Blocks in the device.
-    pub fn total_blocks(&self) -> u64 {
-        self.total_blocks
+    pub fn total_blocks(&self) -> BlockCount {
+        BlockCount::new(self.total_blocks)
     }
 
     /// Free blocks, pinned ones excluded, deferred ones included (an allocation takes them
     /// when nothing else is left).
-    pub fn free_blocks(&self) -> u64 {
-        self.free_blocks.load(Ordering::Relaxed)
+    pub fn free_blocks(&self) -> BlockCount {
+        BlockCount::new(self.free_blocks.load(Ordering::Relaxed))
     }
 
     /// Blocks freed but not yet reusable.
-    pub fn pinned_blocks(&self) -> u64 {
-        self.pinned_blocks.load(Ordering::Relaxed)
+    pub fn pinned_blocks(&self) -> BlockCount {
+        BlockCount::new(self.pinned_blocks.load(Ordering::Relaxed))
     }
 
     /// Blocks data may still take (free minus the metadata reserve and the space reserved
     /// for buffered data).
-    pub fn available_blocks(&self) -> u64 {
+    pub fn available_blocks(&self) -> BlockCount {
         self.free_blocks()
-            .saturating_sub(self.reserve_blocks)
+            .saturating_sub(self.metadata_reserve_blocks())
             .saturating_sub(self.reserved_blocks())
     }
 
     /// Blocks data may never take (the metadata reserve, DESIGN §10.7).
-    pub fn metadata_reserve_blocks(&self) -> u64 {
-        self.reserve_blocks
+    pub fn metadata_reserve_blocks(&self) -> BlockCount {
+        BlockCount::new(self.reserve_blocks)
     }
 
     /// Blocks reserved for buffered data and not yet allocated.
-    pub fn reserved_blocks(&self) -> u64 {
-        self.reserved.load(Ordering::Relaxed)
+    pub fn reserved_blocks(&self) -> BlockCount {
+        BlockCount::new(self.reserved.load(Ordering::Relaxed))
     }
 
     /// Reserves `blocks` for data to be allocated later with [`Purpose::Reserved`]; false
     /// when fewer are available (the caller commits, which frees pinned space, and retries).
-    pub fn try_reserve(&self, blocks: u64) -> bool {
-        let free = self.free_blocks().saturating_sub(self.reserve_blocks);
+    pub fn try_reserve(&self, blocks: BlockCount) -> bool {
+        let blocks = blocks.get();
+        let free = self.free_blocks_raw().saturating_sub(self.reserve_blocks);
         self.reserved
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| {
                 (free.saturating_sub(r) >= blocks).then_some(r + blocks)
@@ -213,7 +214,8 @@ impl Allocator {
     }
 
     /// Gives back a reservation (allocated, or its data dropped).
-    pub fn unreserve(&self, blocks: u64) {
+    pub fn unreserve(&self, blocks: BlockCount) {
+        let blocks = blocks.get();
         let _ = self
             .reserved
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| {
@@ -221,10 +223,15 @@ impl Allocator {
             });
     }
 
+    /// [`Allocator::free_blocks`] as a plain number, for the arithmetic on block indices.
+    fn free_blocks_raw(&self) -> u64 {
+        self.free_blocks.load(Ordering::Relaxed)
+    }
+
     /// The free blocks below which an allocation for `purpose` fails.
     fn floor(&self, purpose: Purpose) -> u64 {
         match purpose {
-            Purpose::Data => self.reserve_blocks + self.reserved_blocks(),
+            Purpose::Data => self.reserve_blocks + self.reserved.load(Ordering::Relaxed),
             Purpose::Reserved => self.reserve_blocks,
             Purpose::Metadata => 0,
         }
@@ -236,10 +243,10 @@ impl Allocator {
 
     /// Marks a range used, at open (from the trees) and for reserved areas. Returns false if
     /// any block was already used (a double reference, which fsck reports).
-    pub fn mark_used(&self, addr: u64, blocks: u64) -> bool {
+    pub fn mark_used(&self, addr: BlockAddr, blocks: BlockCount) -> bool {
         let mut clean = true;
-        let first = addr / BLOCK_SIZE;
-        for block in first..first + blocks {
+        let first = addr.block_index();
+        for block in first..first + blocks.get() {
             let Some(group) = self.group_of(block) else {
                 return false;
             };
@@ -272,18 +279,23 @@ impl Allocator {
     }
 
     /// Whether a block is in use.
-    pub fn is_used(&self, addr: u64) -> bool {
-        let block = addr / BLOCK_SIZE;
+    pub fn is_used(&self, addr: BlockAddr) -> bool {
+        let block = addr.block_index();
         self.group_of(block).is_some_and(|g| {
             let g = g.lock();
             g.is_used(block - g.first_block)
         })
     }
 
-    /// Allocates a contiguous run of `min..=max` blocks; returns (byte address, blocks).
-    pub fn allocate(&self, min: u64, max: u64, purpose: Purpose) -> Result<(u64, u64)> {
+    /// Allocates a contiguous run of `min..=max` blocks; returns its address and length.
+    pub fn allocate(
+        &self,
+        min: BlockCount,
+        max: BlockCount,
+        purpose: Purpose,
+    ) -> Result<(BlockAddr, BlockCount)> {
         let floor = self.floor(purpose);
-        if self.free_blocks().saturating_sub(floor) < min {
+        if self.free_blocks_raw().saturating_sub(floor) < min.get() {
             return Err(Error::NoSpace(format!("allocate {min} {purpose:?} blocks")));
         }
         if let Some(found) = self.search(min, max) {
@@ -304,7 +316,8 @@ impl Allocator {
 
     /// One pass over the groups from this thread's preferred one: the first free run of
     /// `min..=max` blocks, marked used.
-    fn search(&self, min: u64, max: u64) -> Option<(u64, u64)> {
+    fn search(&self, min: BlockCount, max: BlockCount) -> Option<(BlockAddr, BlockCount)> {
+        let (min, max) = (min.get(), max.get());
         let count = self.groups.len();
         let preferred = PREFERRED_GROUP.with(|p| {
             if p.get() == usize::MAX {
@@ -324,7 +337,10 @@ impl Allocator {
             g.free -= len;
             g.hint = rel + len;
             self.free_blocks.fetch_sub(len, Ordering::Relaxed);
-            return Some(((g.first_block + rel) * BLOCK_SIZE, len));
+            return Some((
+                BlockAddr::from_block_index(g.first_block + rel),
+                BlockCount::new(len),
+            ));
         }
         None
     }
@@ -334,28 +350,28 @@ impl Allocator {
     /// disk and their extents merge.
     pub fn allocate_near(
         &self,
-        goal: u64,
-        min: u64,
-        max: u64,
+        goal: BlockAddr,
+        min: BlockCount,
+        max: BlockCount,
         purpose: Purpose,
-    ) -> Result<(u64, u64)> {
+    ) -> Result<(BlockAddr, BlockCount)> {
         let floor = self.floor(purpose);
-        let block = goal / BLOCK_SIZE;
-        if goal % BLOCK_SIZE == 0 && self.free_blocks().saturating_sub(floor) >= min {
+        let block = goal.block_index();
+        if goal.is_block_aligned() && self.free_blocks_raw().saturating_sub(floor) >= min.get() {
             if let Some(group) = self.group_of(block) {
                 let mut g = group.lock();
                 let rel = block - g.first_block;
                 let mut len = 0;
-                while len < max && rel + len < g.blocks && !g.is_used(rel + len) {
+                while len < max.get() && rel + len < g.blocks && !g.is_used(rel + len) {
                     len += 1;
                 }
-                if len >= min && len > 0 {
+                if len >= min.get() && len > 0 {
                     for b in rel..rel + len {
                         g.set(b, true);
                     }
                     g.free -= len;
                     self.free_blocks.fetch_sub(len, Ordering::Relaxed);
-                    return Ok((goal, len));
+                    return Ok((goal, BlockCount::new(len)));
                 }
             }
         }
@@ -364,19 +380,20 @@ impl Allocator {
 
     /// Records that the running transaction `generation` freed a range. It stays allocated
     /// until the engine releases it after the commit is durable.
-    pub fn free_pinned(&self, generation: u64, addr: u64, blocks: u64) {
+    pub fn free_pinned(&self, generation: Generation, addr: BlockAddr, blocks: BlockCount) {
         self.pinned.lock().push((generation, addr, blocks));
-        self.pinned_blocks.fetch_add(blocks, Ordering::Relaxed);
+        self.pinned_blocks
+            .fetch_add(blocks.get(), Ordering::Relaxed);
     }
 
     /// Frees at once a range allocated in the running transaction that no committed state has
     /// seen (an allocation that a failed operation gives back).
-    pub fn free_now(&self, addr: u64, blocks: u64) {
+    pub fn free_now(&self, addr: BlockAddr, blocks: BlockCount) {
         self.release(&[(addr, blocks)]);
     }
 
     /// Takes the ranges pinned by generations `<= generation`.
-    pub fn take_pinned(&self, generation: u64) -> Vec<(u64, u64)> {
+    pub fn take_pinned(&self, generation: Generation) -> Vec<(BlockAddr, BlockCount)> {
         let mut pinned = self.pinned.lock();
         let mut out = Vec::new();
         pinned.retain(|(g, addr, blocks)| {
@@ -391,7 +408,7 @@ impl Allocator {
     }
 
     /// Makes ranges free again (pinned ranges whose commit is durable and unobserved).
-    pub fn release(&self, ranges: &[(u64, u64)]) {
+    pub fn release(&self, ranges: &[(BlockAddr, BlockCount)]) {
         for &(addr, blocks) in ranges {
             let cleared = self.clear_used(addr, blocks, "release of free block");
             self.free_blocks.fetch_add(cleared, Ordering::Relaxed);
@@ -401,10 +418,10 @@ impl Allocator {
     /// Clears the used bits of `blocks` blocks at byte address `addr` in their groups and
     /// returns how many it cleared (blocks past the device are skipped). A bit already clear
     /// means the allocator's state is wrong: `what` names the caller in the panic.
-    fn clear_used(&self, addr: u64, blocks: u64, what: &str) -> u64 {
-        let first = addr / BLOCK_SIZE;
+    fn clear_used(&self, addr: BlockAddr, blocks: BlockCount, what: &str) -> u64 {
+        let first = addr.block_index();
         let mut cleared = 0;
-        for block in first..first + blocks {
+        for block in first..first + blocks.get() {
             let Some(group) = self.group_of(block) else {
                 continue;
             };
@@ -421,8 +438,8 @@ impl Allocator {
     /// Defers ranges that commit `freed_by` freed and no reader holds any more: they stay
     /// out of every search until commit `freed_by + DEFER_COMMITS` is durable
     /// ([`Allocator::commit_durable`]) or a reclaim needs them, and count as free meanwhile.
-    pub fn defer(&self, freed_by: u64, ranges: &[(u64, u64)]) {
-        let blocks: u64 = ranges.iter().map(|(_, b)| b).sum();
+    pub fn defer(&self, freed_by: Generation, ranges: &[(BlockAddr, BlockCount)]) {
+        let blocks: u64 = ranges.iter().map(|(_, b)| b.get()).sum();
         let mut deferred = self.deferred.lock();
         deferred.extend(ranges.iter().map(|(addr, b)| (freed_by, *addr, *b)));
         self.deferred_blocks.fetch_add(blocks, Ordering::Relaxed);
@@ -432,10 +449,15 @@ impl Allocator {
     /// At open: marks the blocks of `[addr, addr + blocks)` that no newer tree holds as used
     /// and defers them as if commit `freed_by` had freed them (an older tree's own blocks,
     /// DESIGN §13.3). Returns how many blocks it deferred.
-    pub fn defer_unused(&self, freed_by: u64, addr: u64, blocks: u64) -> u64 {
-        let first = addr / BLOCK_SIZE;
-        let mut runs: Vec<(u64, u64)> = Vec::new();
-        for block in first..first.saturating_add(blocks) {
+    pub fn defer_unused(
+        &self,
+        freed_by: Generation,
+        addr: BlockAddr,
+        blocks: BlockCount,
+    ) -> BlockCount {
+        let first = addr.block_index();
+        let mut runs: Vec<(BlockAddr, BlockCount)> = Vec::new();
+        for block in first..first.saturating_add(blocks.get()) {
             let Some(group) = self.group_of(block) else {
                 break;
             };
@@ -447,9 +469,10 @@ impl Allocator {
             g.set(rel, true);
             g.free -= 1;
             self.free_blocks.fetch_sub(1, Ordering::Relaxed);
+            let addr = BlockAddr::from_block_index(block);
             match runs.last_mut() {
-                Some((start, len)) if *start + *len * BLOCK_SIZE == block * BLOCK_SIZE => *len += 1,
-                _ => runs.push((block * BLOCK_SIZE, 1)),
+                Some((start, len)) if *start + *len == addr => *len += BlockCount::new(1),
+                _ => runs.push((addr, BlockCount::new(1))),
             }
         }
         self.defer(freed_by, &runs);
@@ -458,7 +481,7 @@ impl Allocator {
 
     /// Commit `generation` is durable: ranges deferred by commits up to
     /// `generation - DEFER_COMMITS` become free for searches.
-    pub fn commit_durable(&self, generation: u64) {
+    pub fn commit_durable(&self, generation: Generation) {
         // Cleared with the list locked, as a reclaim does: an allocation that finds nothing
         // and turns to the list waits for these ranges rather than missing them.
         let mut deferred = self.deferred.lock();
@@ -481,27 +504,28 @@ impl Allocator {
         // The list stays locked until its ranges are clear (lock order: the list, then
         // groups; nothing takes the list while holding a group).
         let mut deferred = self.deferred.lock();
-        let taken: Vec<(u64, u64, u64)> = deferred.drain(..).collect();
+        let taken: Vec<(Generation, BlockAddr, BlockCount)> = deferred.drain(..).collect();
         if taken.is_empty() {
             return false;
         }
-        let newest = taken.iter().map(|(g, _, _)| *g).max().unwrap_or(0);
-        self.backup_floor.fetch_max(newest, Ordering::SeqCst);
-        let ranges: Vec<(u64, u64)> = taken.iter().map(|(_, a, b)| (*a, *b)).collect();
+        let newest = taken.iter().map(|(g, _, _)| *g).max().unwrap_or_default();
+        self.backup_floor.fetch_max(newest.get(), Ordering::SeqCst);
+        let ranges: Vec<(BlockAddr, BlockCount)> = taken.iter().map(|(_, a, b)| (*a, *b)).collect();
         self.clear_deferred(&ranges);
         drop(deferred);
         log::info!(
             "space: reclaimed {} deferred blocks; older backup roots up to generation {newest} given up",
-            ranges.iter().map(|(_, b)| b).sum::<u64>()
+            ranges.iter().map(|(_, b)| b).sum::<BlockCount>()
         );
         true
     }
 
     /// Clears the bits of deferred ranges (already counted in `free_blocks`).
-    fn clear_deferred(&self, ranges: &[(u64, u64)]) {
+    fn clear_deferred(&self, ranges: &[(BlockAddr, BlockCount)]) {
         for &(addr, blocks) in ranges {
             self.clear_used(addr, blocks, "free deferred block");
-            self.deferred_blocks.fetch_sub(blocks, Ordering::Relaxed);
+            self.deferred_blocks
+                .fetch_sub(blocks.get(), Ordering::Relaxed);
         }
     }
 
@@ -509,82 +533,93 @@ impl Allocator {
     /// set in the bitmap and leaves the free count). Raises the backup floor past the commit
     /// that freed it.
     fn undefer(&self, block: u64) -> bool {
-        let addr = block * BLOCK_SIZE;
+        let addr = BlockAddr::from_block_index(block);
+        let one = BlockCount::new(1);
         let mut deferred = self.deferred.lock();
         let Some(index) = deferred
             .iter()
-            .position(|(_, a, b)| *a <= addr && addr < a + b * BLOCK_SIZE)
+            .position(|(_, a, b)| *a <= addr && addr < *a + *b)
         else {
             return false;
         };
         let Some((freed_by, start, blocks)) = deferred.remove(index) else {
             return false;
         };
-        let before = (addr - start) / BLOCK_SIZE;
-        if before > 0 {
+        let before = BlockCount::new(block - start.block_index());
+        if before > BlockCount::new(0) {
             deferred.push_back((freed_by, start, before));
         }
-        if blocks > before + 1 {
-            deferred.push_back((freed_by, addr + BLOCK_SIZE, blocks - before - 1));
+        if blocks > before + one {
+            deferred.push_back((freed_by, addr + one, blocks - before - one));
         }
         drop(deferred);
-        self.backup_floor.fetch_max(freed_by, Ordering::SeqCst);
+        self.backup_floor
+            .fetch_max(freed_by.get(), Ordering::SeqCst);
         self.deferred_blocks.fetch_sub(1, Ordering::Relaxed);
         self.free_blocks.fetch_sub(1, Ordering::Relaxed);
         true
     }
 
     /// Blocks deferred (free, but kept out of searches for the backup trees).
-    pub fn deferred_blocks(&self) -> u64 {
-        self.deferred_blocks.load(Ordering::Relaxed)
+    pub fn deferred_blocks(&self) -> BlockCount {
+        BlockCount::new(self.deferred_blocks.load(Ordering::Relaxed))
     }
 
     /// Trees of a generation below this may have lost blocks to a reclaim: they may not be
     /// named as backups. 0 while no reclaim happened.
-    pub fn backup_floor(&self) -> u64 {
-        self.backup_floor.load(Ordering::SeqCst)
+    pub fn backup_floor(&self) -> Generation {
+        Generation::new(self.backup_floor.load(Ordering::SeqCst))
     }
 
     /// Un-counts pinned blocks once their release is scheduled (they are counted in
     /// `pinned_blocks` from free until the engine hands them to a committed root's pin).
-    pub fn unpin_count(&self, blocks: u64) {
-        self.pinned_blocks.fetch_sub(blocks, Ordering::Relaxed);
+    pub fn unpin_count(&self, blocks: BlockCount) {
+        self.pinned_blocks
+            .fetch_sub(blocks.get(), Ordering::Relaxed);
     }
 }
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn allocate_near_takes_the_goal_when_free_and_falls_back_when_not() {
-        let a = super::Allocator::new(64 * super::GROUP_BLOCKS * birch_format::BLOCK_SIZE);
-        let bs = birch_format::BLOCK_SIZE;
-        let (first, n) = a.allocate(1, 1, super::Purpose::Data).expect("space");
-        assert_eq!(n, 1);
-        let (next, n) = a
-            .allocate_near(first + bs, 1, 4, super::Purpose::Data)
-            .expect("space");
-        assert_eq!((next, n), (first + bs, 4));
-        // The goal is taken now: the fallback finds another place.
-        let (other, _) = a
-            .allocate_near(first + bs, 1, 1, super::Purpose::Data)
-            .expect("space");
-        assert_ne!(other, first + bs);
-        assert!(a.is_used(other));
-        assert_eq!(a.free_blocks(), a.total_blocks() - 6);
+    use super::*;
+
+    /// `n` blocks.
+    fn b(n: u64) -> BlockCount {
+        BlockCount::new(n)
     }
 
-    use super::*;
+    #[test]
+    fn allocate_near_takes_the_goal_when_free_and_falls_back_when_not() {
+        let a = Allocator::new(64 * GROUP_BLOCKS * BLOCK_SIZE);
+        let (first, n) = a.allocate(b(1), b(1), Purpose::Data).expect("space");
+        assert_eq!(n, b(1));
+        let (next, n) = a
+            .allocate_near(first + b(1), b(1), b(4), Purpose::Data)
+            .expect("space");
+        assert_eq!((next, n), (first + b(1), b(4)));
+        // The goal is taken now: the fallback finds another place.
+        let (other, _) = a
+            .allocate_near(first + b(1), b(1), b(1), Purpose::Data)
+            .expect("space");
+        assert_ne!(other, first + b(1));
+        assert!(a.is_used(other));
+        assert_eq!(a.free_blocks(), a.total_blocks() - b(6));
+    }
 
     #[test]
     fn allocate_free_release() {
         let a = Allocator::new(64 << 20);
         let total = a.free_blocks();
-        let (addr, len) = a.allocate(4, 4, Purpose::Metadata).expect("space");
-        assert_eq!(len, 4);
-        assert_eq!(a.free_blocks(), total - 4);
-        a.free_pinned(1, addr, len);
-        assert_eq!(a.free_blocks(), total - 4, "pinned space is not free yet");
-        let ranges = a.take_pinned(1);
+        let (addr, len) = a.allocate(b(4), b(4), Purpose::Metadata).expect("space");
+        assert_eq!(len, b(4));
+        assert_eq!(a.free_blocks(), total - b(4));
+        a.free_pinned(Generation::new(1), addr, len);
+        assert_eq!(
+            a.free_blocks(),
+            total - b(4),
+            "pinned space is not free yet"
+        );
+        let ranges = a.take_pinned(Generation::new(1));
         a.release(&ranges);
         assert_eq!(a.free_blocks(), total);
     }
@@ -598,19 +633,19 @@ mod tests {
         for round in 0..300 {
             let a = std::sync::Arc::new(Allocator::new(16 << 20));
             let mut held = Vec::new();
-            while let Ok(run) = a.allocate(1, 64, Purpose::Metadata) {
+            while let Ok(run) = a.allocate(b(1), b(64), Purpose::Metadata) {
                 held.push(run);
             }
-            assert_eq!(a.free_blocks(), 0);
+            assert_eq!(a.free_blocks(), b(0));
             // Everything but the first run deferred, in many ranges.
-            a.defer(7, &held[1..]);
+            a.defer(Generation::new(7), &held[1..]);
             let start = std::sync::Arc::new(std::sync::Barrier::new(8));
             let threads: Vec<_> = (0..8)
                 .map(|_| {
                     let (a, start) = (a.clone(), start.clone());
                     std::thread::spawn(move || {
                         start.wait();
-                        (0..16).all(|_| a.allocate(4, 4, Purpose::Metadata).is_ok())
+                        (0..16).all(|_| a.allocate(b(4), b(4), Purpose::Metadata).is_ok())
                     })
                 })
                 .collect();
@@ -630,31 +665,32 @@ mod tests {
     fn deferred_space_waits_its_commits_and_is_reclaimed_when_full() {
         let a = Allocator::new(64 << 20);
         let total = a.free_blocks();
-        let (addr, len) = a.allocate(8, 8, Purpose::Metadata).expect("space");
-        a.defer(10, &[(addr, len)]);
+        let (addr, len) = a.allocate(b(8), b(8), Purpose::Metadata).expect("space");
+        let g = Generation::new;
+        a.defer(g(10), &[(addr, len)]);
         assert_eq!(a.free_blocks(), total, "deferred space counts as free");
-        assert_eq!(a.deferred_blocks(), 8);
+        assert_eq!(a.deferred_blocks(), b(8));
         assert!(a.is_used(addr), "no search may find it");
-        a.commit_durable(10 + DEFER_COMMITS - 1);
+        a.commit_durable(g(10 + DEFER_COMMITS - 1));
         assert!(a.is_used(addr), "one commit too early");
-        a.commit_durable(10 + DEFER_COMMITS);
+        a.commit_durable(g(10 + DEFER_COMMITS));
         assert!(!a.is_used(addr));
-        assert_eq!((a.free_blocks(), a.deferred_blocks()), (total, 0));
-        assert_eq!(a.backup_floor(), 0);
+        assert_eq!((a.free_blocks(), a.deferred_blocks()), (total, b(0)));
+        assert_eq!(a.backup_floor(), g(0));
 
         // Full device: everything allocated, then a range deferred by commit 20.
         let mut held = Vec::new();
-        while let Ok(run) = a.allocate(1, 256, Purpose::Metadata) {
+        while let Ok(run) = a.allocate(b(1), b(256), Purpose::Metadata) {
             held.push(run);
         }
-        assert_eq!(a.free_blocks(), 0);
+        assert_eq!(a.free_blocks(), b(0));
         let (addr, len) = held[0];
-        a.defer(20, &[(addr, len)]);
+        a.defer(g(20), &[(addr, len)]);
         assert_eq!(a.free_blocks(), len);
-        let got = a.allocate(1, len, Purpose::Metadata).expect("reclaimed");
+        let got = a.allocate(b(1), len, Purpose::Metadata).expect("reclaimed");
         assert_eq!(got, (addr, len));
-        assert_eq!(a.backup_floor(), 20);
-        assert_eq!(a.deferred_blocks(), 0);
+        assert_eq!(a.backup_floor(), g(20));
+        assert_eq!(a.deferred_blocks(), b(0));
     }
 
     /// Replay of a log written after a reclaim may claim a block the open walk deferred for
@@ -663,20 +699,20 @@ mod tests {
     #[test]
     fn marking_a_deferred_block_used_takes_it_out_of_the_list() {
         let a = Allocator::new(64 << 20);
-        let bs = BLOCK_SIZE;
-        let base = 1 << 20;
-        assert_eq!(a.defer_unused(7, base, 4), 4);
+        let g = Generation::new;
+        let base = BlockAddr::new(1 << 20);
+        assert_eq!(a.defer_unused(g(7), base, b(4)), b(4));
         assert!(
-            a.mark_used(base + bs, 1),
+            a.mark_used(base + b(1), b(1)),
             "a deferred block is free to the tree"
         );
-        assert_eq!(a.deferred_blocks(), 3);
-        assert_eq!(a.backup_floor(), 7);
-        a.commit_durable(7 + DEFER_COMMITS);
-        assert!(a.is_used(base + bs));
-        assert!(!a.is_used(base) && !a.is_used(base + 2 * bs) && !a.is_used(base + 3 * bs));
+        assert_eq!(a.deferred_blocks(), b(3));
+        assert_eq!(a.backup_floor(), g(7));
+        a.commit_durable(g(7 + DEFER_COMMITS));
+        assert!(a.is_used(base + b(1)));
+        assert!(!a.is_used(base) && !a.is_used(base + b(2)) && !a.is_used(base + b(3)));
         assert!(
-            !a.mark_used(base + bs, 1),
+            !a.mark_used(base + b(1), b(1)),
             "a used block is a double reference"
         );
     }
@@ -685,16 +721,16 @@ mod tests {
     fn data_cannot_take_the_reserve_and_no_space_is_an_error() {
         let a = Allocator::new(8 << 20);
         let mut got = 0;
-        while let Ok((_, len)) = a.allocate(1, 64, Purpose::Data) {
-            got += len;
+        while let Ok((_, len)) = a.allocate(b(1), b(64), Purpose::Data) {
+            got += len.get();
         }
-        assert!(got < a.total_blocks());
+        assert!(got < a.total_blocks().get());
         assert!(matches!(
-            a.allocate(1, 1, Purpose::Data),
+            a.allocate(b(1), b(1), Purpose::Data),
             Err(Error::NoSpace(_))
         ));
         assert!(
-            a.allocate(4, 4, Purpose::Metadata).is_ok(),
+            a.allocate(b(4), b(4), Purpose::Metadata).is_ok(),
             "metadata may use the reserve"
         );
     }
@@ -707,21 +743,18 @@ mod tests {
                 let a = a.clone();
                 std::thread::spawn(move || {
                     (0..500)
-                        .map(|_| a.allocate(1, 8, Purpose::Data).expect("space"))
+                        .map(|_| a.allocate(b(1), b(8), Purpose::Data).expect("space"))
                         .collect::<Vec<_>>()
                 })
             })
             .collect();
-        let mut all: Vec<(u64, u64)> = handles
+        let mut all: Vec<(BlockAddr, BlockCount)> = handles
             .into_iter()
             .flat_map(|h| h.join().expect("thread"))
             .collect();
         all.sort();
         for pair in all.windows(2) {
-            assert!(
-                pair[0].0 + pair[0].1 * BLOCK_SIZE <= pair[1].0,
-                "overlap {pair:?}"
-            );
+            assert!(pair[0].0 + pair[0].1 <= pair[1].0, "overlap {pair:?}");
         }
     }
 }

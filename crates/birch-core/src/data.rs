@@ -37,7 +37,7 @@ use std::cell::RefCell;
 use std::collections::HashSet;
 
 use birch_format::items::{ExtentKind, FileExtent};
-use birch_format::{ItemType, Key, BLOCK_SIZE, EXTENT_MAX_BLOCKS};
+use birch_format::{BlockAddr, BlockCount, ItemType, Key, BLOCK_SIZE, EXTENT_MAX_BLOCKS};
 use parking_lot::Mutex;
 
 use crate::alloc::Purpose;
@@ -63,6 +63,26 @@ pub(crate) struct BlockRun {
     pub(crate) addr: u64,
     /// Length in blocks.
     pub(crate) blocks: u64,
+}
+
+impl BlockRun {
+    /// The run the allocator handed out.
+    fn new(addr: BlockAddr, blocks: BlockCount) -> BlockRun {
+        BlockRun {
+            addr: addr.get(),
+            blocks: blocks.get(),
+        }
+    }
+
+    /// The first block's address, as the allocator takes it.
+    fn disk_addr(&self) -> BlockAddr {
+        BlockAddr::new(self.addr)
+    }
+
+    /// The length, as the allocator takes it.
+    fn block_count(&self) -> BlockCount {
+        BlockCount::new(self.blocks)
+    }
 }
 
 /// Blocks written for a file and not yet recorded in its extent map: what
@@ -222,7 +242,7 @@ impl<'e> DataLayer<'e> {
     pub(crate) fn set_inline(&self, ino: u64, content: Vec<u8>) -> Result<()> {
         let txn = self.engine.begin()?;
         let extent = FileExtent {
-            generation: txn.generation(),
+            generation: txn.generation().get(),
             kind: ExtentKind::Inline(content),
         };
         txn.put(extent_key(ino, 0), extent.encode());
@@ -276,7 +296,7 @@ impl<'e> DataLayer<'e> {
         keep: bool,
     ) -> Result<(BlockDelta, Option<Vec<ItemChange>>)> {
         let mut changes = self.plan_drop(ino, offset, offset + len)?;
-        let generation = self.engine.running_generation();
+        let generation = self.engine.running_generation().get();
         for run in runs {
             changes.delta.added += run.csums.len() as u64;
             let extent = FileExtent {
@@ -311,7 +331,7 @@ impl<'e> DataLayer<'e> {
             holes.push((cursor, hi));
         }
         let mut changes = ExtentChanges::default();
-        let generation = self.engine.running_generation();
+        let generation = self.engine.running_generation().get();
         let mut allocated: Vec<BlockRun> = Vec::new();
         for (mut s, e) in holes {
             while s < e {
@@ -364,7 +384,9 @@ impl<'e> DataLayer<'e> {
         if let Some((disk_addr, blocks)) =
             FileExtent::decode(value).ok().and_then(|e| e.disk_range())
         {
-            self.engine.allocator().mark_used(disk_addr, blocks);
+            self.engine
+                .allocator()
+                .mark_used(BlockAddr::new(disk_addr), BlockCount::new(blocks));
         }
     }
 
@@ -518,24 +540,27 @@ impl<'e> DataLayer<'e> {
     /// ([`DataLayer::write_reserved`]); false when fewer are available (the caller commits,
     /// which unpins freed space, and retries).
     pub(crate) fn reserve(&self, blocks: u64) -> bool {
-        self.engine.allocator().try_reserve(blocks)
+        self.engine.allocator().try_reserve(BlockCount::new(blocks))
     }
 
     /// Gives back a reservation (its blocks were allocated, or their data dropped).
     pub(crate) fn unreserve(&self, blocks: u64) {
         if blocks > 0 {
-            self.engine.allocator().unreserve(blocks);
+            self.engine.allocator().unreserve(BlockCount::new(blocks));
         }
     }
 
     /// Allocates 1..=`want` data blocks, starting at `goal` when that space is free
     /// (ENOSPC is retried after a commit by the caller, with no lock held).
     fn allocate(&self, goal: Option<u64>, want: u64) -> Result<BlockRun> {
+        let (one, want) = (BlockCount::new(1), BlockCount::new(want));
         let (addr, blocks) = match goal {
-            Some(goal) => self.engine.allocate_data_near(goal, 1, want)?,
-            None => self.engine.allocate_data(1, want)?,
+            Some(goal) => self
+                .engine
+                .allocate_data_near(BlockAddr::new(goal), one, want)?,
+            None => self.engine.allocate_data(one, want)?,
         };
-        Ok(BlockRun { addr, blocks })
+        Ok(BlockRun::new(addr, blocks))
     }
 
     /// Allocates new blocks for `buf` (whole blocks for the block-aligned file offset
@@ -545,7 +570,7 @@ impl<'e> DataLayer<'e> {
     pub(crate) fn write_new(&self, ino: u64, offset: u64, buf: &[u8]) -> Result<Vec<WrittenRun>> {
         debug_assert!(offset % BLOCK_SIZE == 0 && buf.len() as u64 % BLOCK_SIZE == 0);
         let total_blocks = buf.len() as u64 / BLOCK_SIZE;
-        let birth = self.engine.running_generation();
+        let birth = self.engine.running_generation().get();
         let mut written: Vec<WrittenRun> = Vec::new();
         let mut done = 0u64;
         let mut goal = self.continuation_goal(ino, offset)?;
@@ -602,7 +627,7 @@ impl<'e> DataLayer<'e> {
             return Ok(Vec::new());
         };
         let alloc = self.engine.allocator();
-        let birth = self.engine.running_generation();
+        let birth = self.engine.running_generation().get();
         let total = blocks.len() as u64;
         let mut goal = self.continuation_goal(ino, first_index * BLOCK_SIZE)?;
         let mut taken: Vec<BlockRun> = Vec::new();
@@ -616,12 +641,13 @@ impl<'e> DataLayer<'e> {
         };
         while done < total {
             let want = (total - done).min(FLUSH_RUN_MAX_BLOCKS);
+            let (one, want) = (BlockCount::new(1), BlockCount::new(want));
             let allocated = match goal {
-                Some(g) => alloc.allocate_near(g, 1, want, Purpose::Reserved),
-                None => alloc.allocate(1, want, Purpose::Reserved),
+                Some(g) => alloc.allocate_near(BlockAddr::new(g), one, want, Purpose::Reserved),
+                None => alloc.allocate(one, want, Purpose::Reserved),
             };
             let (addr, got) = match allocated {
-                Ok(v) => v,
+                Ok((addr, got)) => (addr.get(), got.get()),
                 Err(e) => return Err(fail(&taken, e)),
             };
             let from_reserve = got.min(*reserved);
@@ -737,10 +763,13 @@ impl<'e> DataLayer<'e> {
             Seen::Recorded(txn) => {
                 let generation = txn.generation();
                 // A block cannot be born after the transaction that frees it.
-                debug_assert!(birth <= generation, "birth {birth} after {generation}");
-                alloc.free_pinned(generation, run.addr, run.blocks);
+                debug_assert!(
+                    birth <= generation.get(),
+                    "birth {birth} after {generation}"
+                );
+                alloc.free_pinned(generation, run.disk_addr(), run.block_count());
             }
-            Seen::Unrecorded => alloc.free_now(run.addr, run.blocks),
+            Seen::Unrecorded => alloc.free_now(run.disk_addr(), run.block_count()),
         }
     }
 }
@@ -925,14 +954,17 @@ mod tests {
         let pinned_before = engine.allocator().pinned_blocks();
         let delta = data.drop_range(INO, 0, 4 * BLOCK_SIZE).expect("drop");
         assert_eq!(delta, BlockDelta { added: 0, freed: 4 });
-        assert_eq!(engine.allocator().pinned_blocks(), pinned_before + 4);
+        let (addr, four) = (BlockAddr::new(addr), BlockCount::new(4));
+        assert_eq!(engine.allocator().pinned_blocks(), pinned_before + four);
         assert!(
             engine.allocator().is_used(addr),
             "freed block reusable before the commit"
         );
         // An allocation asking for exactly that place must not get it.
-        let (got, blocks) = engine.allocate_data_near(addr, 1, 4).expect("allocate");
-        assert!(got + blocks * BLOCK_SIZE <= addr || got >= addr + 4 * BLOCK_SIZE);
+        let (got, blocks) = engine
+            .allocate_data_near(addr, BlockCount::new(1), four)
+            .expect("allocate");
+        assert!(got + blocks <= addr || got >= addr + four);
         engine.allocator().free_now(got, blocks);
         engine.commit().expect("commit");
         // Released by that commit, the space is deferred for the backup trees (DESIGN §13.2):
@@ -955,8 +987,10 @@ mod tests {
             "not released after the deferral"
         );
         assert_eq!(
-            engine.allocate_data_near(addr, 1, 4).expect("reuse"),
-            (addr, 4)
+            engine
+                .allocate_data_near(addr, BlockCount::new(1), four)
+                .expect("reuse"),
+            (addr, four)
         );
     }
 
@@ -981,9 +1015,9 @@ mod tests {
         };
         data.replace_range(INO, 0, BLOCK_SIZE, vec![first], false)
             .expect("record");
-        let born = engine.running_generation();
+        let born = engine.running_generation().get();
         engine.commit().expect("commit");
-        assert!(engine.running_generation() > born);
+        assert!(engine.running_generation().get() > born);
         data.replace_range(INO, BLOCK_SIZE, BLOCK_SIZE, vec![second], false)
             .expect("record the append");
         let extents = data.extents(INO, 0, 2 * BLOCK_SIZE).expect("extents");
@@ -1027,7 +1061,10 @@ mod tests {
         let data = DataLayer::new(&engine);
         let free_before = engine.allocator().free_blocks();
         let runs = data.write_new(INO, 0, &pattern(3, 6)).expect("write");
-        assert_eq!(engine.allocator().free_blocks(), free_before - 3);
+        assert_eq!(
+            engine.allocator().free_blocks(),
+            free_before - BlockCount::new(3)
+        );
         // A shut-down engine takes no item: nothing is recorded and the blocks go back.
         engine.shut_down();
         assert!(data
@@ -1048,7 +1085,7 @@ mod tests {
             .write_reserved(INO, &blocks, &mut reserved)
             .expect("flush");
         assert_eq!(reserved, 0);
-        assert_eq!(engine.allocator().reserved_blocks(), 0);
+        assert_eq!(engine.allocator().reserved_blocks(), BlockCount::new(0));
         assert_eq!(runs.len(), 2);
         assert_eq!((runs[0].file_offset, runs[0].csums.len()), (0, 2));
         assert_eq!(

@@ -3,7 +3,9 @@
 //! transaction and the committed trees) and `vfs`.
 //!
 //! Owns: the key of every item of those kinds, and the key range of one inode's items
-//! ([`inode_key_range`]), so that `vfs`, fsync and replay and the CLI build none by hand;
+//! ([`inode_key_range`]) and of its names ([`inode_refs_range`]), so that `vfs`, fsync and
+//! replay, scrub and the CLI build none by hand (every inode and directory number here is an
+//! [`InodeNo`]);
 //! decoding with context (which inode or directory, which item); the operations whose items
 //! must change together: a link is a dir item entry, a dir index and an inode ref
 //! ([`add_link`], [`remove_link`], [`retarget_link`], [`move_ref`]), and an xattr value over
@@ -32,8 +34,8 @@ use birch_format::items::{
     encode_xattrs, xattr_chunk_hash, DirEntry, InodeItem, InodeRef, Xattr, XattrChunk, XattrSpill,
 };
 use birch_format::{
-    name_hash, FormatError, ItemType, Key, MAX_ITEM_BYTES, ORPHAN_OBJECTID, XATTR_CHUNK_BYTES,
-    XATTR_VALUE_MAX,
+    name_hash, FormatError, InodeNo, ItemType, Key, MAX_ITEM_BYTES, ORPHAN_OBJECTID,
+    XATTR_CHUNK_BYTES, XATTR_VALUE_MAX,
 };
 
 use crate::error::{Error, Result};
@@ -43,55 +45,60 @@ use crate::txn::{CommittedView, Engine, WriteTxn};
 // Keys
 
 /// The key of inode `ino`'s inode item.
-pub fn inode_key(ino: u64) -> Key {
-    Key::new(ino, ItemType::InodeItem, 0)
+pub fn inode_key(ino: InodeNo) -> Key {
+    Key::new(ino.get(), ItemType::InodeItem, 0)
 }
 
 /// The key range `[lo, hi)` that holds every item of inode `ino` (inode item, refs, xattrs,
 /// extents, and a directory's entries), and no item of another inode.
-pub fn inode_key_range(ino: u64) -> (Key, Key) {
-    let at = |objectid| Key {
-        objectid,
-        item_type: 0,
-        offset: 0,
-    };
-    // Object ids stop well below u64::MAX (the orphan list's id is the highest in use), so
-    // the next id exists for every inode.
-    (at(ino), at(ino.saturating_add(1)))
+pub fn inode_key_range(ino: InodeNo) -> (Key, Key) {
+    Key::object_range(ino.get())
+}
+
+/// The key range `[lo, hi)` of every inode ref item of inode `ino` (all its names), whatever
+/// their hashes.
+pub fn inode_refs_range(ino: InodeNo) -> (Key, Key) {
+    let lo = Key::new(ino.get(), ItemType::InodeRef, 0);
+    let last = Key::new(ino.get(), ItemType::InodeRef, u64::MAX);
+    (lo, last.successor().unwrap_or(Key::MAX))
 }
 
 /// The key of the dir item under which `name` is (or would be) in directory `dir`.
-pub fn dir_item_key(dir: u64, name: &[u8]) -> Key {
-    Key::new(dir, ItemType::DirItem, name_hash(&[name]))
+pub fn dir_item_key(dir: InodeNo, name: &[u8]) -> Key {
+    Key::new(dir.get(), ItemType::DirItem, name_hash(&[name]))
 }
 
 /// The key of entry `index` of directory `dir`'s listing.
-pub fn dir_index_key(dir: u64, index: u64) -> Key {
-    Key::new(dir, ItemType::DirIndex, index)
+pub fn dir_index_key(dir: InodeNo, index: u64) -> Key {
+    Key::new(dir.get(), ItemType::DirIndex, index)
 }
 
 /// The key of inode `ino`'s ref list under which its name `name` in `parent` is (or would be).
-pub fn inode_ref_key(ino: u64, parent: u64, name: &[u8]) -> Key {
+pub fn inode_ref_key(ino: InodeNo, parent: InodeNo, name: &[u8]) -> Key {
     Key::new(
-        ino,
+        ino.get(),
         ItemType::InodeRef,
-        name_hash(&[&parent.to_le_bytes(), name]),
+        name_hash(&[&parent.get().to_le_bytes(), name]),
     )
 }
 
 /// The key of inode `ino`'s xattr list under which `name` is (or would be).
-pub fn xattr_key(ino: u64, name: &[u8]) -> Key {
-    Key::new(ino, ItemType::Xattr, name_hash(&[name]))
+pub fn xattr_key(ino: InodeNo, name: &[u8]) -> Key {
+    Key::new(ino.get(), ItemType::Xattr, name_hash(&[name]))
 }
 
 /// The key of chunk `index` of the out-of-line value of xattr `name` of `ino`.
-pub fn xattr_chunk_key(ino: u64, name: &[u8], index: u32) -> Key {
-    Key::new(ino, ItemType::XattrChunk, xattr_chunk_hash(name, index))
+pub fn xattr_chunk_key(ino: InodeNo, name: &[u8], index: u32) -> Key {
+    Key::new(
+        ino.get(),
+        ItemType::XattrChunk,
+        xattr_chunk_hash(name, index),
+    )
 }
 
 /// The key of the orphan item that lists inode `ino` (no names left, to be freed).
-pub fn orphan_key(ino: u64) -> Key {
-    Key::new(ORPHAN_OBJECTID, ItemType::Orphan, ino)
+pub fn orphan_key(ino: InodeNo) -> Key {
+    Key::new(ORPHAN_OBJECTID, ItemType::Orphan, ino.get())
 }
 
 /// The range `[lo, hi)` of the items of type `item_type` of object `objectid`.
@@ -261,7 +268,7 @@ impl<V: ReadView + ?Sized> ReadView for Changes<'_, V> {
 // Inode items and orphans
 
 /// Inode `ino`'s inode item, if it has one.
-pub fn get_inode<V: ReadView + ?Sized>(view: &V, ino: u64) -> Result<Option<InodeItem>> {
+pub fn get_inode<V: ReadView + ?Sized>(view: &V, ino: InodeNo) -> Result<Option<InodeItem>> {
     match view.get(&inode_key(ino))? {
         Some(bytes) => InodeItem::decode(&bytes)
             .map(Some)
@@ -271,27 +278,27 @@ pub fn get_inode<V: ReadView + ?Sized>(view: &V, ino: u64) -> Result<Option<Inod
 }
 
 /// Stores inode `ino`'s inode item.
-pub fn put_inode(w: &mut impl ItemWrite, ino: u64, item: &InodeItem) {
+pub fn put_inode(w: &mut impl ItemWrite, ino: InodeNo, item: &InodeItem) {
     w.put(inode_key(ino), item.encode());
 }
 
 /// Lists inode `ino` as an orphan (no names left; freed at its last close or the next mount).
-pub fn put_orphan(w: &mut impl ItemWrite, ino: u64) {
+pub fn put_orphan(w: &mut impl ItemWrite, ino: InodeNo) {
     w.put(orphan_key(ino), Vec::new());
 }
 
 /// Takes inode `ino` off the orphan list.
-pub fn delete_orphan(w: &mut impl ItemWrite, ino: u64) {
+pub fn delete_orphan(w: &mut impl ItemWrite, ino: InodeNo) {
     w.delete(orphan_key(ino));
 }
 
 /// Every inode on the orphan list.
-pub fn orphans<V: ReadView + ?Sized>(view: &V) -> Result<Vec<u64>> {
+pub fn orphans<V: ReadView + ?Sized>(view: &V) -> Result<Vec<InodeNo>> {
     let (lo, hi) = orphan_range();
     Ok(view
         .range(&lo, &hi, usize::MAX)?
         .into_iter()
-        .map(|(key, _)| key.offset)
+        .map(|(key, _)| InodeNo::new(key.offset))
         .collect())
 }
 
@@ -302,11 +309,11 @@ pub fn orphans<V: ReadView + ?Sized>(view: &V) -> Result<Vec<u64>> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Link<'n> {
     /// The directory that holds the name.
-    pub parent: u64,
+    pub parent: InodeNo,
     /// The name, 1 ..= `NAME_MAX` bytes, never `.` or `..`.
     pub name: &'n [u8],
     /// The inode the name points to.
-    pub child: u64,
+    pub child: InodeNo,
     /// The child's d_type, as the entry stores it.
     pub file_type: u8,
     /// The entry's position in `parent`'s listing (its dir index item).
@@ -316,7 +323,7 @@ pub struct Link<'n> {
 impl Link<'_> {
     fn entry(&self) -> DirEntry {
         DirEntry {
-            child: self.child,
+            child: self.child.get(),
             dir_index: self.dir_index,
             file_type: self.file_type,
             name: self.name.to_vec(),
@@ -330,7 +337,11 @@ fn shown(name: &[u8]) -> String {
 
 /// The entries of directory `dir` under `name`'s hash: the one named `name`, if there is
 /// one, and any other names that hash alike.
-pub fn dir_entries<V: ReadView + ?Sized>(view: &V, dir: u64, name: &[u8]) -> Result<Vec<DirEntry>> {
+pub fn dir_entries<V: ReadView + ?Sized>(
+    view: &V,
+    dir: InodeNo,
+    name: &[u8],
+) -> Result<Vec<DirEntry>> {
     match view.get(&dir_item_key(dir, name))? {
         Some(bytes) => decode_dir_entries(&bytes)
             .map_err(|e| Error::corrupt(format!("dir {dir} item for {}", shown(name)), e)),
@@ -341,7 +352,7 @@ pub fn dir_entries<V: ReadView + ?Sized>(view: &V, dir: u64, name: &[u8]) -> Res
 /// The entry `name` in directory `dir`, if there is one.
 pub fn find_entry<V: ReadView + ?Sized>(
     view: &V,
-    dir: u64,
+    dir: InodeNo,
     name: &[u8],
 ) -> Result<Option<DirEntry>> {
     Ok(dir_entries(view, dir, name)?
@@ -353,8 +364,8 @@ pub fn find_entry<V: ReadView + ?Sized>(
 /// name of `ino`, and any others that hash alike.
 pub fn inode_refs<V: ReadView + ?Sized>(
     view: &V,
-    ino: u64,
-    parent: u64,
+    ino: InodeNo,
+    parent: InodeNo,
     name: &[u8],
 ) -> Result<Vec<InodeRef>> {
     match view.get(&inode_ref_key(ino, parent, name))? {
@@ -367,19 +378,19 @@ pub fn inode_refs<V: ReadView + ?Sized>(
 
 /// The directory that holds the first name of `ino` in key order (a directory's only name):
 /// `None` when it has no names.
-pub fn first_parent<V: ReadView + ?Sized>(view: &V, ino: u64) -> Result<Option<u64>> {
-    let (lo, hi) = type_range(ino, ItemType::InodeRef);
+pub fn first_parent<V: ReadView + ?Sized>(view: &V, ino: InodeNo) -> Result<Option<InodeNo>> {
+    let (lo, hi) = type_range(ino.get(), ItemType::InodeRef);
     let refs = view.range(&lo, &hi, 1)?;
     let Some((key, bytes)) = refs.first() else {
         return Ok(None);
     };
     let refs = decode_inode_refs(bytes).map_err(|e| Error::corrupt(format!("ref {key}"), e))?;
-    Ok(refs.first().map(|r| r.parent))
+    Ok(refs.first().map(|r| InodeNo::new(r.parent)))
 }
 
 /// How many names inode `ino` has, counted from its refs.
-pub fn count_names<V: ReadView + ?Sized>(view: &V, ino: u64) -> Result<u32> {
-    let (lo, hi) = type_range(ino, ItemType::InodeRef);
+pub fn count_names<V: ReadView + ?Sized>(view: &V, ino: InodeNo) -> Result<u32> {
+    let (lo, hi) = type_range(ino.get(), ItemType::InodeRef);
     let mut names = 0u32;
     for (key, bytes) in view.range(&lo, &hi, usize::MAX)? {
         let refs =
@@ -393,7 +404,7 @@ pub fn count_names<V: ReadView + ?Sized>(view: &V, ino: u64) -> Result<u32> {
 /// listing order, each with its position.
 pub fn listing<V: ReadView + ?Sized>(
     view: &V,
-    dir: u64,
+    dir: InodeNo,
     from: u64,
     to: u64,
     limit: usize,
@@ -427,7 +438,7 @@ fn check_list_size(bytes: &[u8], op: &str) -> Result<()> {
 /// one item with it. Reads what [`add_link`] reads; through a [`Changes`], only once.
 pub fn check_dir_room<V: ReadView + ?Sized>(
     view: &V,
-    dir: u64,
+    dir: InodeNo,
     name: &[u8],
     op: &str,
 ) -> Result<()> {
@@ -445,14 +456,14 @@ pub fn check_dir_room<V: ReadView + ?Sized>(
 /// list would not fit one item with it.
 pub fn check_ref_room<V: ReadView + ?Sized>(
     view: &V,
-    ino: u64,
-    parent: u64,
+    ino: InodeNo,
+    parent: InodeNo,
     name: &[u8],
     op: &str,
 ) -> Result<()> {
     let mut probe = inode_refs(view, ino, parent, name)?;
     probe.push(InodeRef {
-        parent,
+        parent: parent.get(),
         dir_index: 0,
         name: name.to_vec(),
     });
@@ -493,9 +504,9 @@ pub fn add_ref<V: ReadView + ?Sized>(
     op: &str,
 ) -> Result<()> {
     let mut refs = inode_refs(changes, link.child, link.parent, link.name)?;
-    refs.retain(|r| !(r.parent == link.parent && r.name == link.name));
+    refs.retain(|r| !(r.parent == link.parent.get() && r.name == link.name));
     refs.push(InodeRef {
-        parent: link.parent,
+        parent: link.parent.get(),
         dir_index: link.dir_index,
         name: link.name.to_vec(),
     });
@@ -510,14 +521,14 @@ pub fn add_ref<V: ReadView + ?Sized>(
 /// left alone.
 pub fn remove_ref<V: ReadView + ?Sized>(
     changes: &mut Changes<'_, V>,
-    ino: u64,
-    parent: u64,
+    ino: InodeNo,
+    parent: InodeNo,
     name: &[u8],
 ) -> Result<()> {
     let refs = inode_refs(changes, ino, parent, name)?;
     let kept: Vec<InodeRef> = refs
         .into_iter()
-        .filter(|r| !(r.parent == parent && r.name == name))
+        .filter(|r| !(r.parent == parent.get() && r.name == name))
         .collect();
     let key = inode_ref_key(ino, parent, name);
     if kept.is_empty() {
@@ -555,7 +566,7 @@ pub fn add_first_link<V: ReadView + ?Sized>(
     changes.put(
         inode_ref_key(link.child, link.parent, link.name),
         encode_inode_refs(&[InodeRef {
-            parent: link.parent,
+            parent: link.parent.get(),
             dir_index: link.dir_index,
             name: link.name.to_vec(),
         }]),
@@ -569,7 +580,7 @@ pub fn add_first_link<V: ReadView + ?Sized>(
 /// alone. Link counts, sizes and the orphan item are the caller's.
 pub fn remove_link<V: ReadView + ?Sized>(
     changes: &mut Changes<'_, V>,
-    parent: u64,
+    parent: InodeNo,
     entry: &DirEntry,
 ) -> Result<()> {
     let name = entry.name.as_slice();
@@ -584,7 +595,7 @@ pub fn remove_link<V: ReadView + ?Sized>(
         changes.put(key, encode_dir_entries(&kept));
     }
     changes.delete(dir_index_key(parent, entry.dir_index));
-    remove_ref(changes, entry.child, parent, name)
+    remove_ref(changes, InodeNo::new(entry.child), parent, name)
 }
 
 /// Plans pointing the existing name of `link` (its directory, name and dir index) at
@@ -598,7 +609,7 @@ pub fn retarget_link<V: ReadView + ?Sized>(
         .into_iter()
         .map(|mut e| {
             if e.name == link.name {
-                e.child = link.child;
+                e.child = link.child.get();
                 e.file_type = link.file_type;
             }
             e
@@ -619,7 +630,7 @@ pub fn retarget_link<V: ReadView + ?Sized>(
 /// `to` ([`remove_ref`] then [`add_ref`]).
 pub fn move_ref<V: ReadView + ?Sized>(
     changes: &mut Changes<'_, V>,
-    from_parent: u64,
+    from_parent: InodeNo,
     from_name: &[u8],
     to: &Link<'_>,
     op: &str,
@@ -633,7 +644,7 @@ pub fn move_ref<V: ReadView + ?Sized>(
 
 /// The xattrs of inode `ino` under `name`'s hash: the one named `name`, if set, and any
 /// others that hash alike.
-pub fn xattr_list<V: ReadView + ?Sized>(view: &V, ino: u64, name: &[u8]) -> Result<Vec<Xattr>> {
+pub fn xattr_list<V: ReadView + ?Sized>(view: &V, ino: InodeNo, name: &[u8]) -> Result<Vec<Xattr>> {
     match view.get(&xattr_key(ino, name))? {
         Some(bytes) => {
             decode_xattrs(&bytes).map_err(|e| Error::corrupt(format!("inode {ino} xattr"), e))
@@ -644,7 +655,7 @@ pub fn xattr_list<V: ReadView + ?Sized>(view: &V, ino: u64, name: &[u8]) -> Resu
 
 /// The value an xattr list entry of inode `ino` holds: inline, or read from its chunk items
 /// (each checked for its name and index, the whole for its size and crc32c).
-pub fn xattr_value<V: ReadView + ?Sized>(view: &V, ino: u64, entry: Xattr) -> Result<Vec<u8>> {
+pub fn xattr_value<V: ReadView + ?Sized>(view: &V, ino: InodeNo, entry: Xattr) -> Result<Vec<u8>> {
     let Some(spill) = entry.spill else {
         return Ok(entry.value);
     };
@@ -687,7 +698,11 @@ pub fn xattr_value<V: ReadView + ?Sized>(view: &V, ino: u64, entry: Xattr) -> Re
 }
 
 /// The value of xattr `name` of inode `ino`, if set.
-pub fn get_xattr<V: ReadView + ?Sized>(view: &V, ino: u64, name: &[u8]) -> Result<Option<Vec<u8>>> {
+pub fn get_xattr<V: ReadView + ?Sized>(
+    view: &V,
+    ino: InodeNo,
+    name: &[u8],
+) -> Result<Option<Vec<u8>>> {
     match xattr_list(view, ino, name)?
         .into_iter()
         .find(|x| x.name == name)
@@ -698,9 +713,9 @@ pub fn get_xattr<V: ReadView + ?Sized>(view: &V, ino: u64, name: &[u8]) -> Resul
 }
 
 /// Every xattr name of inode `ino`, in key order (by hash).
-pub fn xattr_names<V: ReadView + ?Sized>(view: &V, ino: u64) -> Result<Vec<Vec<u8>>> {
+pub fn xattr_names<V: ReadView + ?Sized>(view: &V, ino: InodeNo) -> Result<Vec<Vec<u8>>> {
     // Keys of type Xattr only: chunks sort after them, outside the range.
-    let (lo, hi) = type_range(ino, ItemType::Xattr);
+    let (lo, hi) = type_range(ino.get(), ItemType::Xattr);
     let mut out = Vec::new();
     for (key, bytes) in view.range(&lo, &hi, usize::MAX)? {
         let list = decode_xattrs(&bytes).map_err(|e| Error::corrupt(format!("xattr {key}"), e))?;
@@ -711,7 +726,7 @@ pub fn xattr_names<V: ReadView + ?Sized>(view: &V, ino: u64) -> Result<Vec<Vec<u
 
 /// Stores the first xattrs of an inode made by the same operation, each alone under its hash
 /// (an inherited ACL): nothing to read. Each value fits inline.
-pub fn put_new_xattr(w: &mut impl ItemWrite, ino: u64, name: &[u8], value: Vec<u8>) {
+pub fn put_new_xattr(w: &mut impl ItemWrite, ino: InodeNo, name: &[u8], value: Vec<u8>) {
     let xattrs = [Xattr {
         name: name.to_vec(),
         value,
@@ -722,7 +737,7 @@ pub fn put_new_xattr(w: &mut impl ItemWrite, ino: u64, name: &[u8], value: Vec<u
 
 /// Stores `list` as inode `ino`'s xattr list under `name`'s hash (deleting an empty one),
 /// with no chunks of its own: the caller keeps every entry's values inline.
-pub fn put_xattr_list(w: &mut impl ItemWrite, ino: u64, name: &[u8], list: &[Xattr]) {
+pub fn put_xattr_list(w: &mut impl ItemWrite, ino: InodeNo, name: &[u8], list: &[Xattr]) {
     if list.is_empty() {
         w.delete(xattr_key(ino, name));
     } else {
@@ -750,7 +765,7 @@ pub enum XattrStored {
 /// the value's size limit.
 pub fn set_xattr<V: ReadView + ?Sized>(
     changes: &mut Changes<'_, V>,
-    ino: u64,
+    ino: InodeNo,
     name: &[u8],
     value: Option<&[u8]>,
 ) -> Result<XattrStored> {
@@ -819,14 +834,14 @@ pub fn set_xattr<V: ReadView + ?Sized>(
 /// Plans removing xattr `name` of inode `ino` and its chunks; whether it was set.
 pub fn remove_xattr<V: ReadView + ?Sized>(
     changes: &mut Changes<'_, V>,
-    ino: u64,
+    ino: InodeNo,
     name: &[u8],
 ) -> Result<bool> {
     Ok(set_xattr(changes, ino, name, None)? != XattrStored::Unchanged)
 }
 
 /// Plans deleting chunks `from ..` of an xattr list entry's out-of-line value.
-fn delete_chunks(w: &mut impl ItemWrite, ino: u64, entry: Option<&Xattr>, from: u32) {
+fn delete_chunks(w: &mut impl ItemWrite, ino: InodeNo, entry: Option<&Xattr>, from: u32) {
     let Some(entry) = entry else {
         return;
     };
@@ -853,8 +868,13 @@ mod tests {
     use crate::device::{BlockDevice, MemDevice};
     use crate::txn::{Engine, MkfsOptions};
 
-    const DIR: u64 = FIRST_FREE_OBJECTID;
-    const FILE: u64 = FIRST_FREE_OBJECTID + 1;
+    const DIR: InodeNo = InodeNo::new(FIRST_FREE_OBJECTID);
+    const FILE: InodeNo = InodeNo::new(FIRST_FREE_OBJECTID + 1);
+
+    /// The inode number `n` after `ino`.
+    fn after(ino: InodeNo, n: u64) -> InodeNo {
+        InodeNo::new(ino.get() + n)
+    }
 
     fn engine() -> Arc<Engine> {
         let dev: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(32 << 20));
@@ -873,7 +893,7 @@ mod tests {
     }
 
     /// Every key of object `ino` in the live state.
-    fn keys_of(engine: &Engine, ino: u64) -> Vec<Key> {
+    fn keys_of(engine: &Engine, ino: InodeNo) -> Vec<Key> {
         let (lo, hi) = inode_key_range(ino);
         ReadView::range(engine, &lo, &hi, usize::MAX)
             .expect("range")
@@ -900,7 +920,7 @@ mod tests {
         record(&engine, changes);
 
         let found = find_entry(&*engine, DIR, b"a").expect("find").expect("a");
-        assert_eq!((found.child, found.dir_index), (FILE, 2));
+        assert_eq!((found.child, found.dir_index), (FILE.get(), 2));
         assert_eq!(count_names(&*engine, FILE).expect("count"), 2);
         assert_eq!(first_parent(&*engine, FILE).expect("parent"), Some(DIR));
         let listed: Vec<(u64, Vec<u8>)> = listing(&*engine, DIR, 0, u64::MAX, usize::MAX)
@@ -933,7 +953,7 @@ mod tests {
         let mut list = Vec::new();
         while encode_dir_entries(&list).len() <= MAX_ITEM_BYTES - 8 {
             list.push(DirEntry {
-                child: FILE,
+                child: FILE.get(),
                 dir_index: 100 + list.len() as u64,
                 file_type: libc::DT_REG,
                 name: vec![b'y'; 255],
@@ -1045,8 +1065,8 @@ mod tests {
             Some(b"1".to_vec())
         );
         // A range cut short by its limit still answers in key order.
-        put_orphan(&mut changes, FILE + 5);
-        put_orphan(&mut changes, FILE + 6);
+        put_orphan(&mut changes, after(FILE, 5));
+        put_orphan(&mut changes, after(FILE, 6));
         let (lo, hi) = orphan_range();
         let first: Vec<u64> = changes
             .range(&lo, &hi, 2)
@@ -1054,7 +1074,7 @@ mod tests {
             .into_iter()
             .map(|(k, _)| k.offset)
             .collect();
-        assert_eq!(first, vec![DIR, FILE + 5]);
+        assert_eq!(first, vec![DIR.get(), after(FILE, 5).get()]);
     }
 
     #[test]
@@ -1062,19 +1082,19 @@ mod tests {
         let engine = engine();
         let item = InodeItem::default();
         let mut changes = Changes::new(&*engine);
-        for ino in [DIR, FILE, FILE + 1] {
+        for ino in [DIR, FILE, after(FILE, 1)] {
             put_inode(&mut changes, ino, &item);
             put_new_xattr(&mut changes, ino, b"user.x", b"v".to_vec());
         }
         add_link(&mut changes, &link(b"f", 2), "test").expect("add");
-        let tail = Key::new(FILE, ItemType::ExtentData, u64::MAX);
+        let tail = Key::new(FILE.get(), ItemType::ExtentData, u64::MAX);
         changes.put(tail, vec![1]);
         record(&engine, changes);
 
         let (lo, hi) = inode_key_range(FILE);
-        assert_eq!((lo.objectid, hi.objectid), (FILE, FILE + 1));
+        assert_eq!((lo.objectid, hi.objectid), (FILE.get(), FILE.get() + 1));
         let keys = keys_of(&engine, FILE);
-        assert!(keys.iter().all(|k| k.objectid == FILE));
+        assert!(keys.iter().all(|k| k.objectid == FILE.get()));
         // Inode item, ref, xattr, and the greatest key an inode can have.
         assert_eq!(keys.len(), 4);
         assert_eq!(keys.first(), Some(&inode_key(FILE)));
@@ -1088,12 +1108,25 @@ mod tests {
             assert!(lo <= key && key < hi, "{key} outside the range");
         }
         for key in [
-            inode_key(FILE + 1),
+            inode_key(after(FILE, 1)),
             dir_item_key(DIR, b"f"),
             dir_index_key(DIR, 2),
             orphan_key(FILE),
         ] {
             assert!(!(lo <= key && key < hi), "{key} inside the range");
         }
+    }
+
+    /// The refs range (scrub's path lookup reads it) holds every ref of the inode, also one
+    /// whose hash is the greatest, and nothing else of it.
+    #[test]
+    fn an_inode_refs_range_holds_exactly_its_refs() {
+        let (lo, hi) = inode_refs_range(FILE);
+        let inside = |key: Key| lo <= key && key < hi;
+        assert!(inside(inode_ref_key(FILE, DIR, b"f")));
+        assert!(inside(Key::new(FILE.get(), ItemType::InodeRef, u64::MAX)));
+        assert!(!inside(inode_key(FILE)));
+        assert!(!inside(Key::new(FILE.get(), ItemType::Xattr, 0)));
+        assert!(!inside(inode_ref_key(after(FILE, 1), DIR, b"f")));
     }
 }

@@ -33,7 +33,7 @@ use std::collections::{HashMap, VecDeque};
 use birch_format::items::{ExtentKind, FileExtent};
 use birch_format::log::{decode_batch, decode_header, encode_batch, LogRecord};
 use birch_format::superblock::Superblock;
-use birch_format::{ItemType, Key, BLOCK_SIZE};
+use birch_format::{Generation, ItemType, Key, Lsn, BLOCK_SIZE};
 use parking_lot::{Condvar, Mutex};
 
 use crate::counters::Counters;
@@ -44,17 +44,17 @@ use crate::readonly::ReadOnlyCause;
 /// A batch written and not yet retired by a commit.
 #[derive(Debug, Clone, Copy)]
 struct LiveBatch {
-    lsn: u64,
+    lsn: Lsn,
     seq: u64,
-    max_generation: u64,
+    max_generation: Generation,
 }
 
 struct LogState {
     /// Next byte position to write at.
-    tail_lsn: u64,
+    tail_lsn: Lsn,
     next_seq: u64,
     /// Space before this position may be overwritten (a durable superblock starts past it).
-    reusable_lsn: u64,
+    reusable_lsn: Lsn,
     live: VecDeque<LiveBatch>,
     /// Records queued for the next batch, and that batch's ticket.
     queued: Vec<LogRecord>,
@@ -69,14 +69,14 @@ struct LogState {
     failed: Option<String>,
     /// The generation of the last commit that retired batches; once its superblock is
     /// durable (`set_reusable`), queued records of that generation or older are dropped.
-    retired_generation: u64,
+    retired_generation: Generation,
     /// The newest generation a durable commit covers (set by `set_reusable`).
-    durable_generation: u64,
+    durable_generation: Generation,
     /// The newest record generation of a batch the log refused (its records are dropped and
     /// its fsyncs commit). Until a durable commit covers it, every wait answers `Full`: an
     /// fsync whose earlier records went into that batch (queued by a write, not waited for)
     /// must not return on a later batch alone.
-    refused_generation: u64,
+    refused_generation: Generation,
 }
 
 /// What became of an fsync's records.
@@ -103,12 +103,12 @@ pub struct FsyncLog {
 impl FsyncLog {
     /// A log continuing after `tail_lsn` / `next_seq` (the end of what replay read), with
     /// space before `head_lsn` reusable.
-    pub fn new(sb: &Superblock, tail_lsn: u64, next_seq: u64) -> FsyncLog {
+    pub fn new(sb: &Superblock, tail_lsn: Lsn, next_seq: u64) -> FsyncLog {
         FsyncLog {
             state: Mutex::new(LogState {
                 tail_lsn,
                 next_seq,
-                reusable_lsn: sb.log_head,
+                reusable_lsn: Lsn::new(sb.log_head),
                 live: VecDeque::new(),
                 queued: Vec::new(),
                 queued_at: HashMap::new(),
@@ -117,9 +117,9 @@ impl FsyncLog {
                 full_ticket: 0,
                 leader: false,
                 failed: None,
-                retired_generation: 0,
-                durable_generation: 0,
-                refused_generation: 0,
+                retired_generation: Generation::default(),
+                durable_generation: Generation::default(),
+                refused_generation: Generation::default(),
             }),
             wake: [Condvar::new(), Condvar::new()],
             start: sb.log_start,
@@ -133,7 +133,10 @@ impl FsyncLog {
     pub fn fill_bytes(&self) -> (u64, u64) {
         let st = self.state.lock();
         (
-            st.tail_lsn.saturating_sub(st.reusable_lsn).min(self.bytes),
+            st.tail_lsn
+                .get()
+                .saturating_sub(st.reusable_lsn.get())
+                .min(self.bytes),
             self.bytes,
         )
     }
@@ -218,11 +221,12 @@ impl FsyncLog {
                 continue;
             }
             let seq = st.next_seq;
-            let tail_lsn = st.tail_lsn;
+            let tail_lsn = st.tail_lsn.get();
             drop(st);
             // Encode with no lock held: only the leader moves the tail and the sequence, and
             // the reusable point only grows.
-            let max_generation = records.iter().map(|r| r.generation).max().unwrap_or(0);
+            let max_generation =
+                Generation::new(records.iter().map(|r| r.generation).max().unwrap_or(0));
             let mut lsn = tail_lsn;
             let mut bytes = encode_batch(self.fsid, seq, lsn, &records);
             let len = bytes.len() as u64;
@@ -230,7 +234,7 @@ impl FsyncLog {
                 lsn = (lsn / self.bytes + 1) * self.bytes; // never straddle the end
                 bytes = encode_batch(self.fsid, seq, lsn, &records);
             }
-            let reusable_lsn = self.state.lock().reusable_lsn;
+            let reusable_lsn = self.state.lock().reusable_lsn.get();
             if lsn + len - reusable_lsn > self.bytes || len > self.bytes / 2 {
                 st = self.state.lock();
                 st.full_ticket = batch_ticket;
@@ -246,11 +250,11 @@ impl FsyncLog {
             match written {
                 Ok(()) => {
                     st.live.push_back(LiveBatch {
-                        lsn,
+                        lsn: Lsn::new(lsn),
                         seq,
                         max_generation,
                     });
-                    st.tail_lsn = lsn + len;
+                    st.tail_lsn = Lsn::new(lsn + len);
                     st.next_seq = seq + 1;
                     st.durable_ticket = batch_ticket;
                     counters.add(|c| &c.log_batches, 1);
@@ -277,7 +281,7 @@ impl FsyncLog {
 
     /// Called by commit `generation` before it writes its superblock: drops the batches the
     /// commit covers and returns where the live log starts (lsn, seq).
-    pub fn retire(&self, generation: u64) -> (u64, u64) {
+    pub fn retire(&self, generation: Generation) -> (Lsn, u64) {
         let mut st = self.state.lock();
         st.retired_generation = st.retired_generation.max(generation);
         while st
@@ -296,14 +300,14 @@ impl FsyncLog {
     /// Called once the superblock naming `head_lsn` is durable: space before it is reusable,
     /// and queued records the commit covers (generation at most the retiring commit's) are
     /// dropped: replay would skip them, and the durable tree holds their values or newer.
-    pub fn set_reusable(&self, head_lsn: u64) {
+    pub fn set_reusable(&self, head_lsn: Lsn) {
         let mut st = self.state.lock();
         st.reusable_lsn = st.reusable_lsn.max(head_lsn);
         let covered = st.retired_generation;
         st.durable_generation = st.durable_generation.max(covered);
-        if st.queued.iter().any(|r| r.generation <= covered) {
+        if st.queued.iter().any(|r| r.generation <= covered.get()) {
             let st = &mut *st;
-            st.queued.retain(|r| r.generation > covered);
+            st.queued.retain(|r| r.generation > covered.get());
             st.queued_at.clear();
             for (at, r) in st.queued.iter().enumerate() {
                 st.queued_at.insert(r.key, at);
@@ -321,7 +325,7 @@ pub struct Replay {
     /// Number of batches that verified and were read.
     pub batches: u64,
     /// Where the next batch goes.
-    pub tail_lsn: u64,
+    pub tail_lsn: Lsn,
     /// Sequence number the next batch written must carry.
     pub next_seq: u64,
     /// Why reading stopped (end of log, torn batch, data checksum).
@@ -332,7 +336,7 @@ pub struct Replay {
 /// sequence number, and references only data blocks whose checksums match. May do much I/O.
 pub fn read_log(device: &dyn BlockDevice, sb: &Superblock) -> Replay {
     let mut out = Replay {
-        tail_lsn: sb.log_head,
+        tail_lsn: Lsn::new(sb.log_head),
         next_seq: sb.log_generation,
         ..Default::default()
     };
@@ -374,7 +378,7 @@ pub fn read_log(device: &dyn BlockDevice, sb: &Superblock) -> Replay {
         out.batches += 1;
         read_total += len;
         lsn = at + len;
-        out.tail_lsn = lsn;
+        out.tail_lsn = Lsn::new(lsn);
         out.next_seq += 1;
     }
 }
@@ -457,15 +461,15 @@ mod tests {
         let fs = Filesystem::open_device(dev.clone(), Default::default())?;
         let mut sb = fs.engine().superblock();
         sb.log_bytes = 8 * BLOCK_SIZE;
-        let log = FsyncLog::new(&sb, sb.log_head, 1);
+        let log = FsyncLog::new(&sb, Lsn::new(sb.log_head), 1);
         let counters = fs.engine().counters();
         let refused = log.enqueue(vec![record(5, 5 * BLOCK_SIZE as usize)]);
         assert_eq!(log.wait(&*dev, counters, refused)?, LogOutcome::Full);
         let later = log.enqueue(vec![record(6, 10)]);
         assert_eq!(log.wait(&*dev, counters, later)?, LogOutcome::Full);
         // A durable commit of generation 6 covers the refused records.
-        log.retire(6);
-        log.set_reusable(sb.log_head);
+        log.retire(Generation::new(6));
+        log.set_reusable(Lsn::new(sb.log_head));
         let after = log.enqueue(vec![record(7, 10)]);
         assert_eq!(log.wait(&*dev, counters, after)?, LogOutcome::Logged);
         Ok(())

@@ -20,10 +20,12 @@ use birch_format::items::{
 use birch_format::superblock::{
     BackupRoot, RootPtr, Superblock, INCOMPAT_XATTR_CHUNKS, SUPER_OFFSETS,
 };
-use birch_format::{ItemType, Key, BLOCK_SIZE, INLINE_MAX_BYTES, ORPHAN_OBJECTID, ROOT_OBJECTID};
+use birch_format::{
+    BlockAddr, BlockCount, InodeNo, ItemType, Key, BLOCK_SIZE, INLINE_MAX_BYTES, ORPHAN_OBJECTID,
+    ROOT_OBJECTID,
+};
 
 use birch_format::node::NodeBody;
-use birch_format::superblock::RESERVED_HEAD_BYTES;
 use birch_format::{FS_TREE_ID, NODE_BLOCKS, NODE_SIZE};
 
 use crate::alloc::Allocator;
@@ -221,7 +223,7 @@ fn fall_back(
         .copied()
         .filter(|b| b.generation < chosen.generation)
         .collect();
-    next.log_head = replay.tail_lsn;
+    next.log_head = replay.tail_lsn.get();
     next.log_generation = replay.next_seq;
     device
         .write_at(&next.encode(), SUPER_OFFSETS[next.slot()])
@@ -376,15 +378,18 @@ fn gather(engine: &Engine) -> Result<Facts> {
 /// and the inode ref. Returns the ref.
 fn put_link(txn: &WriteTxn<'_>, dir: u64, ino: u64, entry: &DirEntry) -> InodeRef {
     let encoded = items::encode_dir_entries(std::slice::from_ref(entry));
-    txn.put(dir_item_key(dir, &entry.name), encoded.clone());
-    txn.put(dir_index_key(dir, entry.dir_index), encoded);
+    txn.put(
+        dir_item_key(InodeNo::new(dir), &entry.name),
+        encoded.clone(),
+    );
+    txn.put(dir_index_key(InodeNo::new(dir), entry.dir_index), encoded);
     let r = InodeRef {
         parent: dir,
         dir_index: entry.dir_index,
         name: entry.name.clone(),
     };
     txn.put(
-        inode_ref_key(ino, dir, &entry.name),
+        inode_ref_key(InodeNo::new(ino), InodeNo::new(dir), &entry.name),
         items::encode_inode_refs(std::slice::from_ref(&r)),
     );
     r
@@ -474,7 +479,7 @@ fn fix_items(
                 .push(format!("object {object} has items but no inode"));
             continue;
         }
-        let (lo, hi) = inode_key_range(object);
+        let (lo, hi) = inode_key_range(InodeNo::new(object));
         for (key, _) in engine.range(&lo, &hi, usize::MAX)? {
             txn.delete(key);
         }
@@ -496,7 +501,7 @@ fn fix_items(
         // the other): a commit rewrites it, even one that changes nothing else.
         if !changed {
             if let Some(root) = facts.inodes.get(&ROOT_OBJECTID) {
-                txn.put(inode_key(ROOT_OBJECTID), root.encode());
+                txn.put(inode_key(InodeNo::new(ROOT_OBJECTID)), root.encode());
                 changed = true;
             }
         }
@@ -900,7 +905,7 @@ fn fix_xattrs(
             let mut keys = Vec::new();
             let mut whole = true;
             for index in 0..spill.chunks() {
-                let at = xattr_chunk_key(ino, &x.name, index);
+                let at = xattr_chunk_key(InodeNo::new(ino), &x.name, index);
                 match facts.chunks.get(&at) {
                     Some(c) if c.name == x.name && c.index == index => {
                         value.extend_from_slice(&c.data);
@@ -1021,7 +1026,7 @@ fn fix_names(
     let mut dir_item_lists: BTreeMap<Key, Vec<DirEntry>> = BTreeMap::new();
     let mut touched_lists: BTreeSet<Key> = BTreeSet::new();
     for ((dir, name), entry) in &names {
-        let key = dir_item_key(*dir, name);
+        let key = dir_item_key(InodeNo::new(*dir), name);
         dir_item_lists.entry(key).or_default();
         let dangling = !facts.inodes.contains_key(&entry.child) || !facts.inodes.contains_key(dir);
         let show = format!(
@@ -1041,7 +1046,7 @@ fn fix_names(
                 continue;
             }
             touched_lists.insert(key);
-            txn.delete(dir_index_key(*dir, entry.dir_index));
+            txn.delete(dir_index_key(InodeNo::new(*dir), entry.dir_index));
             facts.entries.remove(&(*dir, name.clone()));
             changed = true;
             let what = format!(
@@ -1067,7 +1072,7 @@ fn fix_names(
         }
         if !has_index {
             txn.put(
-                dir_index_key(*dir, entry.dir_index),
+                dir_index_key(InodeNo::new(*dir), entry.dir_index),
                 items::encode_dir_entries(std::slice::from_ref(entry)),
             );
             changed = true;
@@ -1083,7 +1088,7 @@ fn fix_names(
             };
             refs.push(r.clone());
             txn.put(
-                inode_ref_key(entry.child, *dir, name),
+                inode_ref_key(InodeNo::new(entry.child), InodeNo::new(*dir), name),
                 items::encode_inode_refs(&[r]),
             );
             changed = true;
@@ -1122,7 +1127,11 @@ fn fix_names(
                 kept.push(r);
                 continue;
             }
-            txn.delete(inode_ref_key(ino, r.parent, &r.name));
+            txn.delete(inode_ref_key(
+                InodeNo::new(ino),
+                InodeNo::new(r.parent),
+                &r.name,
+            ));
             changed = true;
             out.actions.push(format!("{show}: removed (no such entry)"));
         }
@@ -1148,7 +1157,7 @@ fn fix_orphans(
         .filter(|ino| !facts.inodes.contains_key(ino))
         .collect();
     for ino in stale {
-        txn.delete(orphan_key(ino));
+        txn.delete(orphan_key(InodeNo::new(ino)));
         facts.orphans.remove(&ino);
         changed = true;
         out.actions.push(format!(
@@ -1220,7 +1229,7 @@ fn lost_and_found(
             "repair: /lost+found exists and is not a directory; rename it and run again".into(),
         ));
     }
-    let ino = engine.allocate_objectid_alone();
+    let ino = engine.allocate_objectid_alone().get();
     let Some(root) = facts.inodes.get_mut(&ROOT_OBJECTID) else {
         return Err(Error::Invalid(
             "repair: the root directory is missing; cannot make /lost+found".into(),
@@ -1228,8 +1237,8 @@ fn lost_and_found(
     };
     let index = root.next_dir_index.max(2);
     root.next_dir_index = index + 1;
-    let inode = new_dir_inode(ino, txn.generation(), 0o700, 2);
-    txn.put(inode_key(ino), inode.encode());
+    let inode = new_dir_inode(ino, txn.generation().get(), 0o700, 2);
+    txn.put(inode_key(InodeNo::new(ino)), inode.encode());
     facts.inodes.insert(ino, inode);
     let entry = DirEntry {
         child: ino,
@@ -1292,7 +1301,7 @@ fn fix_counts(txn: &WriteTxn<'_>, facts: &Facts, out: &mut RepairReport) -> bool
             }
         }
         if stored != Some(&fixed) {
-            txn.put(inode_key(*ino), fixed.encode());
+            txn.put(inode_key(InodeNo::new(*ino)), fixed.encode());
             changed = true;
         }
     }
@@ -1506,13 +1515,12 @@ fn salvage(device: &Arc<dyn BlockDevice>, out: &mut RepairReport) -> Result<bool
         ));
     }
     let alloc = Allocator::new(sb.total_bytes);
-    alloc.mark_used(0, RESERVED_HEAD_BYTES / BLOCK_SIZE);
-    alloc.mark_used(sb.log_start, sb.log_bytes / BLOCK_SIZE);
+    crate::txn::mark_reserved_areas(&alloc, sb.log_start, sb.log_bytes);
     for addr in &h.nodes {
-        alloc.mark_used(*addr, NODE_BLOCKS);
+        alloc.mark_used(BlockAddr::new(*addr), BlockCount::new(NODE_BLOCKS));
     }
     for (addr, blocks) in &h.extents {
-        alloc.mark_used(*addr, *blocks);
+        alloc.mark_used(BlockAddr::new(*addr), BlockCount::new(*blocks));
     }
     let counters = Counters::default();
     let cache = NodeCache::new(1024);
@@ -1541,7 +1549,7 @@ fn salvage(device: &Arc<dyn BlockDevice>, out: &mut RepairReport) -> Result<bool
     next.generation = generation;
     next.fs_root = root;
     next.backup_roots.clear();
-    next.log_head = replay.tail_lsn;
+    next.log_head = replay.tail_lsn.get();
     next.log_generation = replay.next_seq;
     device
         .write_at(&next.encode(), SUPER_OFFSETS[next.slot()])

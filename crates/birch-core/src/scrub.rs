@@ -21,7 +21,7 @@ use birch_format::items::{self, ExtentKind, FileExtent};
 use birch_format::key::ItemType;
 use birch_format::node::{Expect, Node, NodeBody};
 use birch_format::superblock::RootPtr;
-use birch_format::{Key, BLOCK_SIZE, FS_TREE_ID, NODE_SIZE, ROOT_OBJECTID};
+use birch_format::{InodeNo, Key, BLOCK_SIZE, FS_TREE_ID, NODE_SIZE, ROOT_OBJECTID};
 
 use crate::device::BlockDevice;
 use crate::error::{Error, Result};
@@ -136,7 +136,7 @@ impl ViewSource for EngineViews {
         let committed = self.engine.committed_root();
         Ok(View {
             root: committed.root,
-            generation: committed.generation,
+            generation: committed.generation.get(),
             _pin: Some(committed),
         })
     }
@@ -928,8 +928,7 @@ impl PathResolver<'_> {
         if let Some(names) = self.names.get(&inode) {
             return names.clone();
         }
-        let lo = Key::new(inode, ItemType::InodeRef, 0);
-        let hi = Key::new(inode, ItemType::Xattr, 0);
+        let (lo, hi) = crate::items::inode_refs_range(InodeNo::new(inode));
         let mut items_out = Vec::new();
         let names = match collect_range(self.device, self.fsid, self.root, &lo, &hi, &mut items_out)
         {

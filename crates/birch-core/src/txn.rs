@@ -23,8 +23,8 @@ use birch_format::superblock::{
     SUPER_BYTES, SUPER_OFFSETS,
 };
 use birch_format::{
-    FormatError, ItemType, Key, FIRST_FREE_OBJECTID, FORMAT_VERSION, FS_TREE_ID, NODE_BLOCKS,
-    NODE_SIZE,
+    BlockAddr, BlockCount, FormatError, Generation, InodeNo, ItemType, Key, Lsn,
+    FIRST_FREE_OBJECTID, FORMAT_VERSION, FS_TREE_ID, NODE_BLOCKS, NODE_SIZE,
 };
 use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
 
@@ -147,7 +147,7 @@ struct ReleaseOnDrop {
     alloc: Arc<Allocator>,
     /// The commit that freed `ranges` (the one after this list's committed root).
     freed_by: AtomicU64,
-    ranges: Mutex<Vec<(u64, u64)>>,
+    ranges: Mutex<Vec<(BlockAddr, BlockCount)>>,
     next: Mutex<Option<Arc<ReleaseOnDrop>>>,
 }
 
@@ -166,8 +166,8 @@ impl Drop for ReleaseOnDrop {
     fn drop(&mut self) {
         let ranges = std::mem::take(&mut *self.ranges.lock());
         if !ranges.is_empty() {
-            self.alloc
-                .defer(self.freed_by.load(Ordering::SeqCst), &ranges);
+            let freed_by = Generation::new(self.freed_by.load(Ordering::SeqCst));
+            self.alloc.defer(freed_by, &ranges);
         }
     }
 }
@@ -180,7 +180,7 @@ pub struct CommittedRoot {
     pub root: RootPtr,
     /// Generation (commit number) that wrote this tree. While the committed root is held,
     /// space freed by later commits stays pinned.
-    pub generation: u64,
+    pub generation: Generation,
     release: Arc<ReleaseOnDrop>,
 }
 
@@ -454,8 +454,7 @@ impl Engine {
         }
         let fsid = random_fsid();
         let alloc = Arc::new(Allocator::new(total_bytes));
-        alloc.mark_used(0, RESERVED_HEAD_BYTES / birch_format::BLOCK_SIZE);
-        alloc.mark_used(log_start, log_bytes / birch_format::BLOCK_SIZE);
+        mark_reserved_areas(&alloc, log_start, log_bytes);
         let (sec, nsec) = now();
         let superblock = Superblock {
             version: FORMAT_VERSION,
@@ -529,11 +528,15 @@ impl Engine {
         let generation = superblock.generation;
         let log = match &replay {
             Some(r) => FsyncLog::new(&superblock, r.tail_lsn, r.next_seq),
-            None => FsyncLog::new(&superblock, superblock.log_head, superblock.log_generation),
+            None => FsyncLog::new(
+                &superblock,
+                Lsn::new(superblock.log_head),
+                superblock.log_generation,
+            ),
         };
         let committed = Arc::new(CommittedRoot {
             root,
-            generation,
+            generation: Generation::new(generation),
             release: ReleaseOnDrop::new(alloc.clone()),
         });
         let fence = Arc::new(Fence::new(device));
@@ -588,7 +591,7 @@ impl Engine {
         self.running_generation.store(3, Ordering::SeqCst);
         let committed = Arc::new(CommittedRoot {
             root,
-            generation: 2,
+            generation: Generation::new(2),
             release: ReleaseOnDrop::new(self.alloc.clone()),
         });
         self.state
@@ -707,11 +710,7 @@ impl Engine {
             log::warn!("{note}");
         }
         let alloc = Arc::new(Allocator::new(superblock.total_bytes));
-        alloc.mark_used(0, RESERVED_HEAD_BYTES / birch_format::BLOCK_SIZE);
-        alloc.mark_used(
-            superblock.log_start,
-            superblock.log_bytes / birch_format::BLOCK_SIZE,
-        );
+        mark_reserved_areas(&alloc, superblock.log_start, superblock.log_bytes);
         let fsid = superblock.fsid;
         let root = superblock.fs_root;
         let replay = read_log(&*device, &superblock);
@@ -741,8 +740,9 @@ impl Engine {
         for backup in older_roots(&*self.device, &current, true) {
             match self.backup_tree_ranges(&backup, seen) {
                 Ok(ranges) => {
+                    let freed_by = Generation::new(backup.generation).next();
                     for (addr, blocks) in ranges {
-                        self.alloc.defer_unused(backup.generation + 1, addr, blocks);
+                        self.alloc.defer_unused(freed_by, addr, blocks);
                     }
                     whole.push(backup.generation);
                 }
@@ -765,8 +765,8 @@ impl Engine {
         &self,
         backup: &BackupRoot,
         seen: &mut HashMap<u64, u64>,
-    ) -> Result<Vec<(u64, u64)>> {
-        let total = self.alloc.total_blocks() * birch_format::BLOCK_SIZE;
+    ) -> Result<Vec<(BlockAddr, BlockCount)>> {
+        let total = self.alloc.total_blocks().bytes();
         let mut nodes = Vec::new();
         let mut extents = Vec::new();
         let mut visited = Vec::new();
@@ -784,7 +784,7 @@ impl Engine {
                 )),
                 None => {
                     visited.push((addr, generation));
-                    nodes.push((addr, NODE_BLOCKS));
+                    nodes.push((BlockAddr::new(addr), BlockCount::new(NODE_BLOCKS)));
                     Ok(true)
                 }
             },
@@ -803,7 +803,7 @@ impl Engine {
                             ),
                         ));
                     }
-                    extents.push((disk, blocks));
+                    extents.push((BlockAddr::new(disk), BlockCount::new(blocks)));
                 }
                 Ok(())
             },
@@ -825,7 +825,10 @@ impl Engine {
             root,
             |addr, generation| {
                 seen.insert(addr, generation);
-                if !self.alloc.mark_used(addr, NODE_BLOCKS) {
+                if !self
+                    .alloc
+                    .mark_used(BlockAddr::new(addr), BlockCount::new(NODE_BLOCKS))
+                {
                     return Err(Error::corrupt(
                         format!("open: node {addr:#x} (generation {generation})"),
                         FormatError::invalid(
@@ -852,8 +855,10 @@ impl Engine {
                 };
                 if let Some((disk, blocks)) = extent.disk_range() {
                     if disk.saturating_add(blocks * birch_format::BLOCK_SIZE)
-                        > self.alloc.total_blocks() * birch_format::BLOCK_SIZE
-                        || !self.alloc.mark_used(disk, blocks)
+                        > self.alloc.total_blocks().bytes()
+                        || !self
+                            .alloc
+                            .mark_used(BlockAddr::new(disk), BlockCount::new(blocks))
                     {
                         if let Some(bad) = bad_extents.as_deref_mut() {
                             bad.push(key);
@@ -912,12 +917,12 @@ impl Engine {
     }
 
     /// The running transaction's generation.
-    pub fn running_generation(&self) -> u64 {
-        self.running_generation.load(Ordering::SeqCst)
+    pub fn running_generation(&self) -> Generation {
+        Generation::new(self.running_generation.load(Ordering::SeqCst))
     }
 
     /// The generation of the last durable commit.
-    pub fn committed_generation(&self) -> u64 {
+    pub fn committed_generation(&self) -> Generation {
         self.state.read().committed.generation
     }
 
@@ -1159,19 +1164,11 @@ impl Engine {
             .is_some_and(|r| !r.records.is_empty())
     }
 
-    /// The items of object `objectid` changed since the last durable commit (running delta
-    /// over frozen delta), with the running generation they will commit in.
-    pub fn changed_items(&self, objectid: u64) -> (u64, Vec<(Key, DeltaValue)>) {
-        let lo = Key {
-            objectid,
-            item_type: 0,
-            offset: 0,
-        };
-        let hi = Key {
-            objectid: objectid.saturating_add(1),
-            item_type: 0,
-            offset: 0,
-        };
+    /// The items of inode `ino` changed since the last durable commit (running delta over
+    /// frozen delta), with the running generation they will commit in.
+    pub fn changed_items(&self, ino: InodeNo) -> (Generation, Vec<(Key, DeltaValue)>) {
+        // The range `items::inode_key_range` names too (the engine sits below `items`).
+        let (lo, hi) = Key::object_range(ino.get());
         let _gate = self.gate.read();
         let generation = self.running_generation.load(Ordering::SeqCst);
         let active = self.active.range(&lo, &hi);
@@ -1184,7 +1181,7 @@ impl Engine {
             .into_iter()
             .collect();
         merged.extend(active);
-        (generation, merged.into_iter().collect())
+        (Generation::new(generation), merged.into_iter().collect())
     }
 
     /// The newest durable commit's tree. While the returned root is held, every block
@@ -1231,7 +1228,7 @@ impl Engine {
     /// still being written) take: each changed item may copy its own leaf and that leaf's
     /// parent, new bytes fill leaves at least half, and the levels above take at most
     /// [`COMMIT_TOP_NODES`]. Loads only, no lock.
-    pub fn commit_estimate_blocks(&self) -> u64 {
+    pub fn commit_estimate_blocks(&self) -> BlockCount {
         let nodes = |items: usize, bytes: usize| -> u64 {
             2 * items as u64 + 2 * bytes.div_ceil(NODE_SIZE) as u64 + COMMIT_TOP_NODES
         };
@@ -1239,14 +1236,14 @@ impl Engine {
         if let Some(frozen) = self.state.read().frozen.clone() {
             total += nodes(frozen.len(), frozen.bytes());
         }
-        total * NODE_BLOCKS
+        BlockCount::new(total * NODE_BLOCKS)
     }
 
     /// Whether the metadata of the changes so far fits in the space left, keeping `keep`
     /// blocks besides (blocks reserved for buffered data are not there to take). A commit
     /// that ran out of space would turn the filesystem read-only; an operation asks this
     /// first and gets ENOSPC instead (`Filesystem::admit`, DESIGN §10.7).
-    pub fn metadata_fits(&self, keep: u64) -> bool {
+    pub fn metadata_fits(&self, keep: BlockCount) -> bool {
         let room = self
             .alloc
             .free_blocks()
@@ -1279,15 +1276,15 @@ impl Engine {
         self.objectid_lock.lock()
     }
 
-    /// A new object id, never used before in this filesystem.
-    pub fn allocate_objectid(&self) -> u64 {
+    /// A new inode number (object id), never used before in this filesystem.
+    pub fn allocate_objectid(&self) -> InodeNo {
         if self.bench_global_objectid_lock.load(Ordering::Relaxed) {
             let _guard = self.objectid_locked();
             let id = self.next_objectid.load(Ordering::Relaxed);
             self.next_objectid.store(id + 1, Ordering::Relaxed);
-            return id;
+            return InodeNo::new(id);
         }
-        OBJECTID_RANGES.with(|ranges| {
+        let id = OBJECTID_RANGES.with(|ranges| {
             let mut ranges = ranges.borrow_mut();
             let range = ranges.entry(self.instance).or_insert((0, 0));
             if range.0 == range.1 {
@@ -1299,39 +1296,51 @@ impl Engine {
             let id = range.0;
             range.0 += 1;
             id
-        })
+        });
+        InodeNo::new(id)
     }
 
     /// A new object id that shares its batch of 64 with no other object (a directory: its
     /// entries then get a delta shard and inode-table shard of their own, see
     /// `delta::batch_shard`). The rest of the batch is never used.
-    pub fn allocate_objectid_alone(&self) -> u64 {
+    pub fn allocate_objectid_alone(&self) -> InodeNo {
         if self.bench_global_objectid_lock.load(Ordering::Relaxed) {
             // Ids taken one at a time leave the counter anywhere inside a batch.
             let _guard = self.objectid_locked();
             let id = batch_aligned(self.next_objectid.load(Ordering::Relaxed));
             self.next_objectid
                 .store(id + OBJECTID_BATCH, Ordering::Relaxed);
-            return id;
+            return InodeNo::new(id);
         }
-        self.next_objectid
-            .fetch_add(OBJECTID_BATCH, Ordering::Relaxed)
+        InodeNo::new(
+            self.next_objectid
+                .fetch_add(OBJECTID_BATCH, Ordering::Relaxed),
+        )
     }
 
     /// Allocates data blocks: a run of `min..=max` blocks.
-    pub fn allocate_data(&self, min: u64, max: u64) -> Result<(u64, u64)> {
+    pub fn allocate_data(
+        &self,
+        min: BlockCount,
+        max: BlockCount,
+    ) -> Result<(BlockAddr, BlockCount)> {
         self.alloc.allocate(min, max, Purpose::Data)
     }
 
     /// Data space starting at `goal` if it is free there, anywhere otherwise.
-    pub fn allocate_data_near(&self, goal: u64, min: u64, max: u64) -> Result<(u64, u64)> {
+    pub fn allocate_data_near(
+        &self,
+        goal: BlockAddr,
+        min: BlockCount,
+        max: BlockCount,
+    ) -> Result<(BlockAddr, BlockCount)> {
         self.alloc.allocate_near(goal, min, max, Purpose::Data)
     }
 
     /// Commits the running transaction; returns the new durable generation (or the current one
     /// when nothing changed). Concurrent callers queue; mutations go on during the commit.
     /// Does device I/O with no engine lock held except the commit lock itself.
-    pub fn commit(&self) -> Result<u64> {
+    pub fn commit(&self) -> Result<Generation> {
         self.commit_then(|| {})
     }
 
@@ -1339,7 +1348,7 @@ impl Engine {
     /// is frozen (mutations go on into the next one), or when the commit returns without
     /// freezing (nothing to commit, read-only). The filesystem's buffered data path uses it
     /// to write data through only between its drain and the freeze.
-    pub fn commit_then(&self, after_freeze: impl FnOnce()) -> Result<u64> {
+    pub fn commit_then(&self, after_freeze: impl FnOnce()) -> Result<Generation> {
         let after_freeze = OnDrop(Some(after_freeze));
         let _commit = self.lock_commit();
         self.check_up()?;
@@ -1355,7 +1364,7 @@ impl Engine {
             let _gate = self.gate.write();
             let generation = self.running_generation.load(Ordering::SeqCst);
             let idle = self.active.is_empty()
-                && self.alloc.pinned_blocks() == 0
+                && self.alloc.pinned_blocks() == BlockCount::new(0)
                 && self.next_objectid.load(Ordering::Relaxed)
                     == self.superblock.lock().next_objectid;
             if idle {
@@ -1373,7 +1382,7 @@ impl Engine {
         let result = match self.write_commit(&frozen, generation, &committed) {
             Ok(()) => {
                 self.commit_latency.record(started.elapsed());
-                Ok(generation)
+                Ok(Generation::new(generation))
             }
             Err(_) if self.is_shut_down() => Err(Error::Shutdown),
             Err(e) => {
@@ -1524,17 +1533,16 @@ impl Engine {
         let mut sb = self.superblock.lock().clone();
         let (sec, nsec) = now();
         sb.incompat |= self.incompat_wanted.load(Ordering::SeqCst);
-        sb.backup_roots = backups_after(&sb, self.alloc.backup_floor());
+        sb.backup_roots = backups_after(&sb, self.alloc.backup_floor().get());
         sb.compat |= COMPAT_BACKUP_ROOTS;
         sb.generation = generation;
         sb.fs_root = root;
         sb.next_objectid = self.next_objectid.load(Ordering::Relaxed);
-        sb.bytes_used =
-            (self.alloc.total_blocks() - self.alloc.free_blocks()) * birch_format::BLOCK_SIZE;
+        sb.bytes_used = (self.alloc.total_blocks() - self.alloc.free_blocks()).bytes();
         sb.commit_time_sec = sec;
         sb.commit_time_nsec = nsec;
-        let (log_head, log_seq) = self.log.retire(generation);
-        sb.log_head = log_head;
+        let (log_head, log_seq) = self.log.retire(Generation::new(generation));
+        sb.log_head = log_head.get();
         sb.log_generation = log_seq;
         self.write_superblock(&sb)?;
         self.device
@@ -1550,7 +1558,7 @@ impl Engine {
         let new_release = ReleaseOnDrop::new(self.alloc.clone());
         let new_root = Arc::new(CommittedRoot {
             root,
-            generation,
+            generation: Generation::new(generation),
             release: new_release.clone(),
         });
         let old = {
@@ -1562,15 +1570,27 @@ impl Engine {
             });
             old
         };
-        let freed = self.alloc.take_pinned(generation);
+        let freed = self.alloc.take_pinned(Generation::new(generation));
         self.alloc.unpin_count(freed.iter().map(|(_, b)| b).sum());
         old.release.freed_by.store(generation, Ordering::SeqCst);
         old.release.ranges.lock().extend(freed);
-        self.alloc.commit_durable(generation);
+        self.alloc.commit_durable(Generation::new(generation));
         *old.release.next.lock() = Some(new_release);
         self.counters.add(|c| &c.commits, 1);
         Ok(())
     }
+}
+
+/// Marks the areas no tree references as used: the head (superblocks) and the log area.
+pub(crate) fn mark_reserved_areas(alloc: &Allocator, log_start: u64, log_bytes: u64) {
+    alloc.mark_used(
+        BlockAddr::new(0),
+        BlockCount::new(RESERVED_HEAD_BYTES / birch_format::BLOCK_SIZE),
+    );
+    alloc.mark_used(
+        BlockAddr::new(log_start),
+        BlockCount::new(log_bytes / birch_format::BLOCK_SIZE),
+    );
 }
 
 /// The other slot's superblock, when it decodes, sits in its own slot, shares the fsid, is
@@ -1693,8 +1713,8 @@ impl WriteTxn<'_> {
     }
 
     /// The generation these changes will commit in.
-    pub fn generation(&self) -> u64 {
-        self.engine.running_generation.load(Ordering::SeqCst)
+    pub fn generation(&self) -> Generation {
+        self.engine.running_generation()
     }
 }
 
@@ -1751,8 +1771,11 @@ mod tests {
     /// Whether no node of the tree at `root` is free in the allocator (so no commit may
     /// write there).
     fn tree_held(engine: &Engine, root: RootPtr) -> bool {
-        raw_tree(&**engine.device(), engine.fsid(), root)
-            .is_some_and(|(_, nodes)| nodes.iter().all(|a| engine.allocator().is_used(*a)))
+        raw_tree(&**engine.device(), engine.fsid(), root).is_some_and(|(_, nodes)| {
+            nodes
+                .iter()
+                .all(|a| engine.allocator().is_used(BlockAddr::new(*a)))
+        })
     }
 
     /// Rewrites every one of `count` items with values of `round`, then commits.
@@ -1762,7 +1785,7 @@ mod tests {
             txn.put(Key::new(1000 + i, ItemType::Xattr, 0), vec![round; 300]);
         }
         drop(txn);
-        engine.commit().expect("commit")
+        engine.commit().expect("commit").get()
     }
 
     /// DESIGN §13.2: the K commits after generation N rewrite every item of the tree, and
@@ -1804,7 +1827,7 @@ mod tests {
         drop(engine);
         let engine = Engine::open(dev.clone()).expect("reopen");
         assert!(
-            engine.allocator().deferred_blocks() > 0,
+            engine.allocator().deferred_blocks() > BlockCount::new(0),
             "the open walk defers backup-only blocks"
         );
         let sb = engine.superblock();
@@ -1874,13 +1897,13 @@ mod tests {
         let engine = Engine::open(dev).expect("open");
         let other_thread = |engine: &Arc<Engine>| {
             let engine = engine.clone();
-            std::thread::spawn(move || engine.allocate_objectid())
+            std::thread::spawn(move || engine.allocate_objectid().get())
                 .join()
                 .expect("thread")
         };
 
         // Off: each thread has a batch of its own; the mutex is never asked for.
-        let a = engine.allocate_objectid();
+        let a = engine.allocate_objectid().get();
         let b = other_thread(&engine);
         assert!(b.abs_diff(a) >= OBJECTID_BATCH, "{a} and {b} share a batch");
         let held = engine.objectid_lock.lock();
@@ -1891,18 +1914,18 @@ mod tests {
 
         // On: one id at a time, the next thread's id right after.
         engine.set_bench_global_objectid_lock(true);
-        let d = engine.allocate_objectid();
+        let d = engine.allocate_objectid().get();
         let e = other_thread(&engine);
         assert_eq!(e, d + 1);
-        let dir = engine.allocate_objectid_alone();
+        let dir = engine.allocate_objectid_alone().get();
         assert_eq!(dir % OBJECTID_BATCH, 0, "a directory still starts a batch");
-        assert!(engine.allocate_objectid() >= dir + OBJECTID_BATCH);
+        assert!(engine.allocate_objectid().get() >= dir + OBJECTID_BATCH);
 
         // A create that finds the mutex held waits until it is released, and says so.
         let held = engine.objectid_lock.lock();
         let waiter = {
             let engine = engine.clone();
-            std::thread::spawn(move || engine.allocate_objectid())
+            std::thread::spawn(move || engine.allocate_objectid().get())
         };
         while engine.counters().values().objectid_lock_waits == 0 {
             assert!(!waiter.is_finished(), "allocated past a held lock");

@@ -21,7 +21,7 @@ use birch_core::counters::Counters;
 use birch_core::device::{BlockDevice, MemDevice};
 use birch_format::node::{Node, NodeBody};
 use birch_format::superblock::RootPtr;
-use birch_format::{Key, NODE_BLOCKS};
+use birch_format::{BlockAddr, BlockCount, Generation, Key, NODE_BLOCKS};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -55,7 +55,7 @@ impl Harness {
     fn new() -> Harness {
         let device = Arc::new(MemDevice::new(256 << 20));
         let alloc = Allocator::new(256 << 20);
-        alloc.mark_used(0, 32);
+        alloc.mark_used(BlockAddr::new(0), BlockCount::new(32));
         let cache = NodeCache::new(1 << 16);
         let counters = Counters::default();
         let root = {
@@ -246,7 +246,7 @@ fn run_case(seed: u64, ops: u64) {
         };
         h.device.flush().expect("flush");
         // The old generation's space comes back only now that the new one is durable.
-        let pinned = h.alloc.take_pinned(generation);
+        let pinned = h.alloc.take_pinned(Generation::new(generation));
         h.alloc.release(&pinned);
         h.root = new_root;
         h.generation = generation;
@@ -297,7 +297,7 @@ fn run_case(seed: u64, ops: u64) {
     }
     // Every allocated block is a reachable node, or reserved.
     let nodes = count_nodes(&h);
-    let used = h.alloc.total_blocks() - h.alloc.free_blocks();
+    let used = (h.alloc.total_blocks() - h.alloc.free_blocks()).get();
     assert_eq!(
         used,
         32 + nodes * NODE_BLOCKS,
@@ -461,7 +461,7 @@ fn finish_round(
     model: &mut BTreeMap<Key, Vec<u8>>,
 ) {
     h.device.flush().expect("flush");
-    let pinned = h.alloc.take_pinned(generation);
+    let pinned = h.alloc.take_pinned(Generation::new(generation));
     h.alloc.release(&pinned);
     h.root = root;
     h.generation = generation;
@@ -555,7 +555,7 @@ fn run_parallel_case(seed: u64, rounds: u64) -> u64 {
             }
         }
         let nodes = count_nodes(&h);
-        let used = h.alloc.total_blocks() - h.alloc.free_blocks();
+        let used = (h.alloc.total_blocks() - h.alloc.free_blocks()).get();
         assert_eq!(
             used,
             32 + nodes * NODE_BLOCKS,
@@ -618,7 +618,7 @@ fn parallel_apply_shrinks_a_deep_tree() {
             walk(&h) == expected,
             "tree differs from model (keep {keep})"
         );
-        let used = h.alloc.total_blocks() - h.alloc.free_blocks();
+        let used = (h.alloc.total_blocks() - h.alloc.free_blocks()).get();
         assert_eq!(
             used,
             32 + count_nodes(&h) * NODE_BLOCKS,

@@ -17,7 +17,7 @@ use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::items::{ExtentKind, FileExtent, InodeItem};
 use birch_format::node::{Expect, Node, NodeBody};
 use birch_format::superblock::RootPtr;
-use birch_format::{name_hash, ItemType, Key};
+use birch_format::{name_hash, BlockCount, InodeNo, ItemType, Key};
 
 const BIG: usize = 40_000;
 
@@ -507,14 +507,16 @@ fn an_extent_at_a_garbage_offset_is_dropped() {
 fn overlapping_extents_keep_the_newer_data() {
     let (dev, _, big_ino) = image();
     damage(&dev, |engine| {
-        let (addr, blocks) = engine.allocate_data(2, 2).expect("allocate");
-        assert_eq!(blocks, 2);
+        let two = BlockCount::new(2);
+        let (addr, blocks) = engine.allocate_data(two, two).expect("allocate");
+        assert_eq!(blocks, two);
+        let addr = addr.get();
         let block = vec![7u8; BS as usize];
         engine.device().write_at(&block, addr).expect("write");
         engine.device().write_at(&block, addr + BS).expect("write");
         let csum = birch_format::checksum(&block);
         let extent = FileExtent {
-            generation: engine.running_generation(),
+            generation: engine.running_generation().get(),
             kind: ExtentKind::Regular {
                 disk_addr: addr,
                 csums: vec![csum, csum],
@@ -581,7 +583,11 @@ fn an_xattr_with_a_missing_chunk_is_removed_and_reported() {
     assert_clean(&dev, "with the xattrs");
     damage(&dev, |engine| {
         let txn = engine.begin().expect("begin");
-        txn.delete(birch_core::items::xattr_chunk_key(small, b"user.big", 1));
+        txn.delete(birch_core::items::xattr_chunk_key(
+            InodeNo::new(small),
+            b"user.big",
+            1,
+        ));
     });
     let found = kinds(&dev);
     assert!(

@@ -106,6 +106,19 @@ impl Key {
         }
     }
 
+    /// The key range `[lo, hi)` that holds every key of object `objectid` (for an inode: its
+    /// inode item, refs, xattrs, extents, and a directory's entries) and no key of another.
+    pub fn object_range(objectid: u64) -> (Key, Key) {
+        let at = |objectid| Key {
+            objectid,
+            item_type: 0,
+            offset: 0,
+        };
+        // Object ids stop well below u64::MAX (the orphan list's id is the highest in use), so
+        // the next id exists for every object.
+        (at(objectid), at(objectid.saturating_add(1)))
+    }
+
     /// The key's type, if it is a known one.
     pub fn kind(&self) -> Option<ItemType> {
         ItemType::from_u8(self.item_type)

@@ -16,8 +16,10 @@ pub mod key;
 pub mod log;
 pub mod node;
 pub mod superblock;
+pub mod units;
 
 pub use key::{ItemType, Key};
+pub use units::{BlockAddr, BlockCount, Generation, InodeNo, Lsn};
 
 /// Size of a data block and the unit of allocation. 4 KiB matches the host page size, so
 /// O_DIRECT I/O and FUSE page-sized writes line up with it.

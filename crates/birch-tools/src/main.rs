@@ -906,7 +906,7 @@ fn inspect(image: &Path, what: &[String], ceph: &CephArgs) -> ExitCode {
                 Ok(fs) => fs,
                 Err(e) => return fail(e),
             };
-            let (lo, hi) = birch_core::items::inode_key_range(ino);
+            let (lo, hi) = birch_core::items::inode_key_range(birch_format::InodeNo::new(ino));
             match fs.engine().range(&lo, &hi, usize::MAX) {
                 Ok(items) if items.is_empty() => return fail(format!("inode {ino}: no items")),
                 Ok(items) => {

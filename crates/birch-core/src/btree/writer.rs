@@ -7,11 +7,16 @@ use birch_format::node::{
     leaf_item_bytes, ChildPtr, Node, NodeBody, NodeHeader, LEAF_SPACE, MAX_PTRS,
 };
 use birch_format::superblock::RootPtr;
-use birch_format::{Key, MAX_ITEM_BYTES, NODE_BLOCKS, NODE_SIZE};
+use birch_format::{
+    BlockAddr, BlockCount, Generation, Key, MAX_ITEM_BYTES, NODE_BLOCKS, NODE_SIZE,
+};
 
 use super::{child_slot, lookup, scan, NodeSource, TreeCtx};
 use crate::alloc::{Allocator, Purpose};
 use crate::error::{Error, Result};
+
+/// One node's run of blocks, as the allocator counts it.
+const NODE_RUN: BlockCount = BlockCount::new(NODE_BLOCKS);
 
 /// Under this many bytes a leaf (or under a quarter of the pointers an internal node) tries
 /// to merge with a sibling.
@@ -145,9 +150,8 @@ impl<'a> TreeWriter<'a> {
     }
 
     fn new_node(&mut self, level: u8, body: NodeBody) -> Result<u64> {
-        let (addr, _) = self
-            .alloc
-            .allocate(NODE_BLOCKS, NODE_BLOCKS, Purpose::Metadata)?;
+        let (addr, _) = self.alloc.allocate(NODE_RUN, NODE_RUN, Purpose::Metadata)?;
+        let addr = addr.get();
         let header = NodeHeader {
             fsid: self.ctx.fsid,
             addr,
@@ -163,7 +167,7 @@ impl<'a> TreeWriter<'a> {
     /// state has seen it, so its space is free at once.
     fn drop_dirty(&mut self, addr: u64) {
         if self.dirty.remove(&addr).is_some() {
-            self.alloc.free_now(addr, NODE_BLOCKS);
+            self.alloc.free_now(BlockAddr::new(addr), NODE_RUN);
         }
     }
 
@@ -174,14 +178,17 @@ impl<'a> TreeWriter<'a> {
             return Ok(addr);
         }
         let old = self.ctx.read(addr, generation, level)?;
-        let (new_addr, _) = self
-            .alloc
-            .allocate(NODE_BLOCKS, NODE_BLOCKS, Purpose::Metadata)?;
+        let (new_addr, _) = self.alloc.allocate(NODE_RUN, NODE_RUN, Purpose::Metadata)?;
+        let new_addr = new_addr.get();
         let mut node = (*old).clone();
         node.header.addr = new_addr;
         node.header.generation = self.generation;
         self.dirty.insert(new_addr, Arc::new(node));
-        self.alloc.free_pinned(self.generation, addr, NODE_BLOCKS);
+        self.alloc.free_pinned(
+            Generation::new(self.generation),
+            BlockAddr::new(addr),
+            NODE_RUN,
+        );
         self.ctx.counters.add(|c| &c.btree_cows, 1);
         Ok(new_addr)
     }
@@ -709,7 +716,7 @@ impl<'a> TreeWriter<'a> {
     /// Frees a node made in this generation by another writer (a job of a parallel apply) that
     /// nothing will reference: no committed state has seen it.
     pub(crate) fn free_new(&mut self, addr: u64) {
-        self.alloc.free_now(addr, NODE_BLOCKS);
+        self.alloc.free_now(BlockAddr::new(addr), NODE_RUN);
     }
 
     /// New internal nodes at `level` over `children` (in key order), as few as hold them and
@@ -741,7 +748,11 @@ impl<'a> TreeWriter<'a> {
     /// the commit is durable).
     pub(crate) fn retire(&mut self, addr: u64, generation: u64) {
         debug_assert!(generation < self.generation, "retire of a dirty node");
-        self.alloc.free_pinned(self.generation, addr, NODE_BLOCKS);
+        self.alloc.free_pinned(
+            Generation::new(self.generation),
+            BlockAddr::new(addr),
+            NODE_RUN,
+        );
     }
 
     /// Makes `root` the tree's root (assembly of a parallel apply); `None` makes it one new

@@ -34,7 +34,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use birch_format::items::ExtentKind;
-use birch_format::{BLOCK_SIZE, MAX_FILE_BYTES};
+use birch_format::{Generation, BLOCK_SIZE, MAX_FILE_BYTES};
 use parking_lot::Mutex;
 
 use super::{Filesystem, InodeData, InodeState};
@@ -426,7 +426,7 @@ impl Filesystem {
 
     /// Commits, first flushing every buffered write (the drain, see the module doc). Every
     /// commit of the filesystem goes through here. Call with no inode lock held.
-    pub(crate) fn commit_now(&self) -> Result<u64> {
+    pub(crate) fn commit_now(&self) -> Result<Generation> {
         self.inner.engine.check_up()?;
         let b = &self.inner.buffers;
         if !b.enabled {

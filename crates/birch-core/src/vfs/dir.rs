@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use birch_format::items::{DirEntry, InodeItem, Timespec};
-use birch_format::{LINK_MAX, ROOT_OBJECTID};
+use birch_format::{InodeNo, LINK_MAX, ROOT_OBJECTID};
 use parking_lot::RwLockWriteGuard;
 
 use super::{attr_of, check_name, now, Attr, Caller, FileKind, Filesystem, InodeData, InodeState};
@@ -40,7 +40,7 @@ fn is_dir(item: &InodeItem) -> bool {
 impl Filesystem {
     /// Finds `name` in `dir`.
     pub(crate) fn find_entry(&self, dir: u64, name: &[u8]) -> Result<Option<DirEntry>> {
-        items::find_entry(&*self.inner.engine, dir, name)
+        items::find_entry(&*self.inner.engine, InodeNo::new(dir), name)
     }
 
     /// A plan of item changes over the live state.
@@ -105,7 +105,8 @@ impl Filesystem {
         if dir == ROOT_OBJECTID {
             return Ok(ROOT_OBJECTID);
         }
-        items::first_parent(&*self.inner.engine, dir)?
+        items::first_parent(&*self.inner.engine, InodeNo::new(dir))?
+            .map(InodeNo::get)
             .ok_or_else(|| Error::NotFound(format!("parent of dir {dir}")))
     }
 
@@ -137,22 +138,22 @@ impl Filesystem {
             return Err(Error::TooManyLinks(format!("dir {parent}")));
         }
         let mut changes = self.changes();
-        if items::find_entry(&changes, parent, name)?.is_some() {
+        if items::find_entry(&changes, InodeNo::new(parent), name)?.is_some() {
             return Err(Error::Exists(format!(
                 "{:?} in dir {parent}",
                 String::from_utf8_lossy(name)
             )));
         }
-        items::check_dir_room(&changes, parent, name, "create")?;
+        items::check_dir_room(&changes, InodeNo::new(parent), name, "create")?;
         let nlink = if kind == FileKind::Dir { 2 } else { 1 };
         let (ino, mut item, inherited) =
             self.new_inode_item(caller, parent, &d, mode, nlink, symlink.is_some())?;
         item.rdev = rdev;
         let index = d.item.next_dir_index;
         let link = Link {
-            parent,
+            parent: InodeNo::new(parent),
             name,
-            child: ino,
+            child: InodeNo::new(ino),
             file_type: kind.dtype(),
             dir_index: index,
         };
@@ -177,10 +178,10 @@ impl Filesystem {
         d.item.ctime = t;
         {
             let mut txn = self.inner.engine.begin()?;
-            c.item.transid = txn.generation();
-            d.item.transid = txn.generation();
-            items::put_inode(&mut txn, ino, &c.item);
-            items::put_inode(&mut txn, parent, &d.item);
+            c.item.transid = txn.generation().get();
+            d.item.transid = txn.generation().get();
+            items::put_inode(&mut txn, InodeNo::new(ino), &c.item);
+            items::put_inode(&mut txn, InodeNo::new(parent), &d.item);
             put_inherited_acls(&mut txn, ino, inherited);
             changes.record(&txn);
         }
@@ -226,7 +227,8 @@ impl Filesystem {
             self.inner.engine.allocate_objectid_alone()
         } else {
             self.inner.engine.allocate_objectid()
-        };
+        }
+        .get();
         let t = now();
         let mut gid = caller.gid;
         let mut mode = inherited.mode;
@@ -291,9 +293,9 @@ impl Filesystem {
         {
             let _op = self.inner.engine.hold()?;
             let mut txn = self.inner.engine.begin()?;
-            c.item.transid = txn.generation();
-            items::put_inode(&mut txn, ino, &c.item);
-            items::put_orphan(&mut txn, ino);
+            c.item.transid = txn.generation().get();
+            items::put_inode(&mut txn, InodeNo::new(ino), &c.item);
+            items::put_orphan(&mut txn, InodeNo::new(ino));
             put_inherited_acls(&mut txn, ino, inherited);
         }
         self.remember(&state);
@@ -412,9 +414,9 @@ impl Filesystem {
         items::add_link(
             &mut changes,
             &Link {
-                parent: newparent,
+                parent: InodeNo::new(newparent),
                 name: newname,
-                child: ino,
+                child: InodeNo::new(ino),
                 file_type: FileKind::from_mode(c.item.mode).dtype(),
                 dir_index: index,
             },
@@ -429,15 +431,15 @@ impl Filesystem {
         c.item.ctime = t;
         {
             let mut txn = self.inner.engine.begin()?;
-            c.item.transid = txn.generation();
-            d.item.transid = txn.generation();
-            items::put_inode(&mut txn, ino, &c.item);
-            items::put_inode(&mut txn, newparent, &d.item);
+            c.item.transid = txn.generation().get();
+            d.item.transid = txn.generation().get();
+            items::put_inode(&mut txn, InodeNo::new(ino), &c.item);
+            items::put_inode(&mut txn, InodeNo::new(newparent), &d.item);
             self.unmark_log_clean(ino);
             if c.item.nlink == 1 {
                 // A tmpfile getting its first name leaves the orphan list, and may not be
                 // linked again once its names are gone.
-                items::delete_orphan(&mut txn, ino);
+                items::delete_orphan(&mut txn, InodeNo::new(ino));
                 c.linkable = false;
             }
             changes.record(&txn);
@@ -493,7 +495,7 @@ impl Filesystem {
             .ok_or_else(|| Error::Invalid("remove of a directory from itself".into()))?;
         // Re-check under the locks: the entry may have changed.
         let mut changes = self.changes();
-        let Some(entry) = items::find_entry(&changes, parent, name)? else {
+        let Some(entry) = items::find_entry(&changes, InodeNo::new(parent), name)? else {
             return Err(Error::NotFound(format!(
                 "{:?} in dir {parent}",
                 String::from_utf8_lossy(name)
@@ -515,7 +517,7 @@ impl Filesystem {
         if child_is_dir && c.item.size > 0 {
             return Err(Error::NotEmpty(format!("dir {child_ino}")));
         }
-        items::remove_link(&mut changes, parent, &entry)?;
+        items::remove_link(&mut changes, InodeNo::new(parent), &entry)?;
         self.unlink_locked(parent, &mut d, child_ino, c, changes, now())?;
         drop(d);
         Ok(())
@@ -545,13 +547,13 @@ impl Filesystem {
         }
         c.item.ctime = t;
         let mut txn = self.inner.engine.begin()?;
-        d.item.transid = txn.generation();
-        c.item.transid = txn.generation();
-        items::put_inode(&mut txn, parent, &d.item);
-        items::put_inode(&mut txn, child_ino, &c.item);
+        d.item.transid = txn.generation().get();
+        c.item.transid = txn.generation().get();
+        items::put_inode(&mut txn, InodeNo::new(parent), &d.item);
+        items::put_inode(&mut txn, InodeNo::new(child_ino), &c.item);
         self.unmark_log_clean(child_ino);
         if c.item.nlink == 0 {
-            items::put_orphan(&mut txn, child_ino);
+            items::put_orphan(&mut txn, InodeNo::new(child_ino));
         }
         changes.record(&txn);
         Ok(())
@@ -707,8 +709,14 @@ impl Filesystem {
             plan_exchange(&rename, dst, &mut plan, &mut guards)?;
         } else {
             // The new name must fit before anything is planned.
-            items::check_dir_room(&plan, newparent, newname, "rename")?;
-            items::check_ref_room(&plan, rename.src.child, newparent, newname, "rename")?;
+            items::check_dir_room(&plan, InodeNo::new(newparent), newname, "rename")?;
+            items::check_ref_room(
+                &plan,
+                InodeNo::new(rename.src.child),
+                InodeNo::new(newparent),
+                newname,
+                "rename",
+            )?;
             plan_move(&rename, dst.as_ref(), &mut plan, &mut guards)?;
             if flags & RENAME_WHITEOUT != 0 {
                 whiteout = Some(self.plan_whiteout(caller, &rename, &mut plan, &mut guards)?);
@@ -716,12 +724,12 @@ impl Filesystem {
         }
         let mut txn = self.inner.engine.begin()?;
         if let Some((ino, mut item)) = whiteout {
-            item.transid = txn.generation();
-            items::put_inode(&mut txn, ino, &item);
+            item.transid = txn.generation().get();
+            items::put_inode(&mut txn, InodeNo::new(ino), &item);
         }
         for (ino, g) in guards.iter_mut() {
-            g.item.transid = txn.generation();
-            items::put_inode(&mut txn, *ino, &g.item);
+            g.item.transid = txn.generation().get();
+            items::put_inode(&mut txn, InodeNo::new(*ino), &g.item);
             self.unmark_log_clean(*ino);
         }
         plan.record(&txn);
@@ -752,7 +760,7 @@ impl Filesystem {
         guards: &mut [(u64, RwLockWriteGuard<'_, InodeData>)],
     ) -> Result<(u64, InodeItem)> {
         let (parent, t) = (rename.parent, rename.t);
-        let ino = self.inner.engine.allocate_objectid();
+        let ino = self.inner.engine.allocate_objectid().get();
         let p = guard(guards, parent)?;
         let index = p.item.next_dir_index;
         // The move planned the source name's dir item without the source: the whiteout joins
@@ -761,9 +769,9 @@ impl Filesystem {
         items::add_first_link(
             plan,
             &Link {
-                parent,
+                parent: InodeNo::new(parent),
                 name: rename.name,
-                child: ino,
+                child: InodeNo::new(ino),
                 file_type: libc::DT_CHR,
                 dir_index: index,
             },
@@ -848,7 +856,7 @@ impl Filesystem {
         }
         let listed = items::listing(
             &*self.inner.engine,
-            dir,
+            InodeNo::new(dir),
             lo_index,
             hi_index,
             limit - out.len(),
@@ -974,17 +982,17 @@ fn plan_move(
     let src = &rename.src;
     let src_is_dir = src.file_type == libc::DT_DIR;
     // Remove the source name and any target: other names under their hashes stay.
-    items::remove_link(plan, parent, src)?;
+    items::remove_link(plan, InodeNo::new(parent), src)?;
     if let Some(dst) = dst {
-        items::remove_link(plan, newparent, dst)?;
+        items::remove_link(plan, InodeNo::new(newparent), dst)?;
     }
     let index = guard(guards, newparent)?.item.next_dir_index;
     items::add_link(
         plan,
         &Link {
-            parent: newparent,
+            parent: InodeNo::new(newparent),
             name: newname,
-            child: src.child,
+            child: InodeNo::new(src.child),
             file_type: src.file_type,
             dir_index: index,
         },
@@ -1000,7 +1008,7 @@ fn plan_move(
         }
         g.item.ctime = t;
         if g.item.nlink == 0 {
-            items::put_orphan(plan, dst.child);
+            items::put_orphan(plan, InodeNo::new(dst.child));
         }
         let np = guard(guards, newparent)?;
         np.item.size = np.item.size.saturating_sub(1);
@@ -1051,23 +1059,23 @@ fn plan_exchange(
     let src = &rename.src;
     // The source's name now names dst, at the source's position; and the other way round.
     let at_src = Link {
-        parent,
+        parent: InodeNo::new(parent),
         name,
-        child: dst.child,
+        child: InodeNo::new(dst.child),
         file_type: dst.file_type,
         dir_index: src.dir_index,
     };
     let at_dst = Link {
-        parent: newparent,
+        parent: InodeNo::new(newparent),
         name: newname,
-        child: src.child,
+        child: InodeNo::new(src.child),
         file_type: src.file_type,
         dir_index: dst.dir_index,
     };
     items::retarget_link(plan, &at_src)?;
     items::retarget_link(plan, &at_dst)?;
-    items::move_ref(plan, parent, name, &at_dst, "rename")?;
-    items::move_ref(plan, newparent, newname, &at_src, "rename")?;
+    items::move_ref(plan, InodeNo::new(parent), name, &at_dst, "rename")?;
+    items::move_ref(plan, InodeNo::new(newparent), newname, &at_src, "rename")?;
     let src_is_dir = src.file_type == libc::DT_DIR;
     let dst_is_dir = dst.file_type == libc::DT_DIR;
     if parent != newparent && src_is_dir != dst_is_dir {
@@ -1114,7 +1122,7 @@ fn put_inherited_acls(w: &mut impl items::ItemWrite, ino: u64, inherited: super:
     ] {
         if let Some(acl) = acl {
             // An ACL is at most XATTR_VALUE_MAX bytes (setxattr refuses more): inline.
-            items::put_new_xattr(w, ino, acl_name, acl);
+            items::put_new_xattr(w, InodeNo::new(ino), acl_name, acl);
         }
     }
 }

@@ -51,7 +51,7 @@ use std::collections::{BTreeSet, HashMap};
 
 use birch_format::items::{decode_dir_entries, decode_inode_refs, InodeItem};
 use birch_format::log::LogRecord;
-use birch_format::{ItemType, Key, ORPHAN_OBJECTID};
+use birch_format::{InodeNo, ItemType, Key, ORPHAN_OBJECTID};
 
 use super::{log_clean_key, Filesystem, InodeState, Logged};
 use crate::counters::Counters;
@@ -139,7 +139,7 @@ impl Filesystem {
                         // A queued record only counts while replay would still apply it: once a
                         // commit covers its generation, replay skips it, and the committed value
                         // may differ (changed and changed back), so it is logged again.
-                        let committed = engine.committed_generation();
+                        let committed = engine.committed_generation().get();
                         let mut logged = state.logged.lock();
                         let mut fresh: Vec<LogRecord> = records
                             .into_iter()
@@ -154,7 +154,7 @@ impl Filesystem {
                         if datasync {
                             // fdatasync: an inode item whose only change is its timestamps is
                             // not needed to read the data back (size, blocks and mode are).
-                            let key = inode_key(ino);
+                            let key = inode_key(InodeNo::new(ino));
                             let before = fresh.len();
                             let reference = match logged.values.get(&key) {
                                 Some((v, g)) if *g > committed => v.clone(),
@@ -173,8 +173,8 @@ impl Filesystem {
                         // inode item's times after an fdatasync that left those out): mark the
                         // inode log-clean as of its current inode item.
                         let mark = |logged: &mut Logged| -> Result<()> {
-                            let current = engine.get(&inode_key(ino))?;
-                            let generation = engine.running_generation();
+                            let current = engine.get(&inode_key(InodeNo::new(ino)))?;
+                            let generation = engine.running_generation().get();
                             logged
                                 .values
                                 .insert(log_clean_key(ino, false), (current.clone(), generation));
@@ -279,10 +279,10 @@ impl Filesystem {
         if state.logged.lock().ticket == 0 {
             return Ok(None);
         }
-        let Some(current) = engine.get(&inode_key(ino))? else {
+        let Some(current) = engine.get(&inode_key(InodeNo::new(ino)))? else {
             return Ok(None);
         };
-        let committed = engine.committed_generation();
+        let committed = engine.committed_generation().get();
         let logged = state.logged.lock();
         if logged.ticket == 0 {
             return Ok(None);
@@ -308,7 +308,7 @@ impl Filesystem {
         items: Vec<(Key, Option<Vec<u8>>)>,
     ) {
         let engine = &self.inner.engine;
-        let committed = engine.committed_generation();
+        let committed = engine.committed_generation().get();
         let records: Vec<LogRecord> = items
             .into_iter()
             .map(|(key, value)| LogRecord {
@@ -350,7 +350,8 @@ impl Filesystem {
         nlink: u32,
     ) -> std::result::Result<Option<Vec<LogRecord>>, Result<Fallback>> {
         let engine = &self.inner.engine;
-        let (generation, changed) = engine.changed_items(ino);
+        let (generation, changed) = engine.changed_items(InodeNo::new(ino));
+        let generation = generation.get();
         if changed.is_empty() || self.only_atime_changed(ino, &changed) {
             // An atime-only change (relatime on read) never costs a log write.
             return Ok(None);
@@ -389,13 +390,13 @@ impl Filesystem {
                 }
                 for r in refs {
                     if engine
-                        .committed_get(&inode_key(r.parent))
+                        .committed_get(&inode_key(InodeNo::new(r.parent)))
                         .map_err(Err)?
                         .is_none()
                     {
                         return Err(Ok(Fallback::NewParent));
                     }
-                    let item_key = dir_item_key(r.parent, &r.name);
+                    let item_key = dir_item_key(InodeNo::new(r.parent), &r.name);
                     let item = engine.get(&item_key).map_err(Err)?;
                     let entries = match &item {
                         Some(bytes) => decode_dir_entries(bytes)
@@ -419,7 +420,10 @@ impl Filesystem {
                         // Gone: its deletion. Still there, renamed away: its move (the seeds'
                         // dbench saves a file under a temporary name and writes a new one
                         // under the old name, then fsyncs the new one).
-                        let exists = engine.get(&inode_key(other)).map_err(Err)?.is_some();
+                        let exists = engine
+                            .get(&inode_key(InodeNo::new(other)))
+                            .map_err(Err)?
+                            .is_some();
                         let found = if exists {
                             self.moved_records(other, &item_key, generation)
                         } else {
@@ -431,7 +435,7 @@ impl Filesystem {
                             Err(e) => return Err(Err(e)),
                         }
                     }
-                    let index_key = dir_index_key(r.parent, r.dir_index);
+                    let index_key = dir_index_key(InodeNo::new(r.parent), r.dir_index);
                     let index = engine.get(&index_key).map_err(Err)?;
                     records.push(LogRecord {
                         generation,
@@ -458,7 +462,7 @@ impl Filesystem {
             // A tmpfile committed without a name and linked since: its orphan item is gone
             // from the running state, and replay must remove it too, or the next mount's
             // orphan reclaim would see a named inode listed as an orphan.
-            let orphan = orphan_key(ino);
+            let orphan = orphan_key(InodeNo::new(ino));
             if engine.get(&orphan).map_err(Err)?.is_none()
                 && engine.committed_get(&orphan).map_err(Err)?.is_some()
             {
@@ -486,15 +490,16 @@ impl Filesystem {
         state: &InodeState,
     ) -> std::result::Result<Option<Vec<LogRecord>>, Result<Fallback>> {
         let engine = &self.inner.engine;
-        let (generation, changed) = engine.changed_items(dir);
+        let (generation, changed) = engine.changed_items(InodeNo::new(dir));
+        let generation = generation.get();
         if changed.is_empty() || self.only_atime_changed(dir, &changed) {
             return Ok(None);
         }
-        let key = inode_key(dir);
+        let key = inode_key(InodeNo::new(dir));
         if engine.committed_get(&key).map_err(Err)?.is_none() {
             return Err(Ok(Fallback::Directory));
         }
-        let committed = engine.committed_generation();
+        let committed = engine.committed_generation().get();
         {
             let logged = state.logged.lock();
             for (k, value) in &changed {
@@ -566,7 +571,7 @@ impl Filesystem {
     /// it, else the committed one.
     fn replay_base(&self, state: &super::InodeState, key: &Key) -> Result<Option<Vec<u8>>> {
         let engine = &self.inner.engine;
-        let committed = engine.committed_generation();
+        let committed = engine.committed_generation().get();
         if let Some((value, generation)) = state.logged.lock().values.get(key) {
             if *generation > committed {
                 return Ok(value.clone());
@@ -590,7 +595,7 @@ impl Filesystem {
             }
             others.extend(entries.iter().map(|e| e.child).filter(|c| *c != ino));
         }
-        let committed = engine.committed_generation();
+        let committed = engine.committed_generation().get();
         let mut logged = self.inner.logged_names.lock();
         logged.retain(|_, (_, g)| *g > committed);
         if let Some((child, _)) = logged.get(key) {
@@ -621,21 +626,22 @@ impl Filesystem {
         generation: u64,
     ) -> Result<Option<Vec<LogRecord>>> {
         let engine = &self.inner.engine;
-        let orphan = orphan_key(other);
+        let orphan = orphan_key(InodeNo::new(other));
         // `free_inode` deletes every item of the inode, then its orphan item: both gone means
         // the free is complete.
-        if engine.get(&inode_key(other))?.is_some() || engine.get(&orphan)?.is_some() {
+        if engine.get(&inode_key(InodeNo::new(other)))?.is_some() || engine.get(&orphan)?.is_some()
+        {
             return Ok(None);
         }
-        let (lo, hi) = crate::items::inode_key_range(other);
+        let (lo, hi) = crate::items::inode_key_range(InodeNo::new(other));
         if !engine.range(&lo, &hi, 1)?.is_empty() {
             return Ok(None);
         }
-        let (_, changed) = engine.changed_items(other);
+        let (_, changed) = engine.changed_items(InodeNo::new(other));
         if changed.iter().any(|(_, v)| v.is_some()) {
             return Ok(None);
         }
-        let committed = engine.committed_generation();
+        let committed = engine.committed_generation().get();
         let parent = key.objectid;
         let mut indexes = Vec::new();
         for (ref_key, _) in changed
@@ -648,7 +654,7 @@ impl Filesystem {
                     Some((index, g)) if *g > committed => {
                         // The ref queued named one entry, in `parent` (its dir index was
                         // queued for this inode too), or the inode falls back.
-                        let index_key = dir_index_key(parent, *index);
+                        let index_key = dir_index_key(InodeNo::new(parent), *index);
                         let ours = *index != SEVERAL_NAMES
                             && names
                                 .get(&index_key)
@@ -669,7 +675,7 @@ impl Filesystem {
                             Error::corrupt(format!("committed inode ref {ref_key}"), e)
                         })?;
                         for r in refs {
-                            if dir_item_key(r.parent, &r.name) != *key {
+                            if dir_item_key(InodeNo::new(r.parent), &r.name) != *key {
                                 return Ok(None);
                             }
                             indexes.push(r.dir_index);
@@ -681,7 +687,7 @@ impl Filesystem {
         let [index] = indexes[..] else {
             return Ok(None);
         };
-        let index_key = dir_index_key(parent, index);
+        let index_key = dir_index_key(InodeNo::new(parent), index);
         if engine.get(&index_key)?.is_some() {
             return Ok(None);
         }
@@ -758,8 +764,8 @@ impl Filesystem {
         generation: u64,
     ) -> Result<Option<Vec<LogRecord>>> {
         let engine = &self.inner.engine;
-        let committed = engine.committed_generation();
-        let (_, changed) = engine.changed_items(other);
+        let committed = engine.committed_generation().get();
+        let (_, changed) = engine.changed_items(InodeNo::new(other));
         let state = self.shard(other).lock().get(&other).cloned();
         let mut inode_item = None;
         let mut ref_changes = Vec::new();
@@ -775,7 +781,7 @@ impl Filesystem {
                 continue;
             }
             match k.kind() {
-                Some(ItemType::InodeItem) if *k == inode_key(other) => {
+                Some(ItemType::InodeItem) if *k == inode_key(InodeNo::new(other)) => {
                     let (Some(current), Some(base)) = (value, base) else {
                         return Ok(None);
                     };
@@ -808,7 +814,7 @@ impl Filesystem {
         let inode_item = match inode_item {
             Some(item) => item,
             // The rename moved ctime; an equal inode item would mean the kernel restored it.
-            None => match engine.get(&inode_key(other))? {
+            None => match engine.get(&inode_key(InodeNo::new(other)))? {
                 Some(item) => item.to_vec(),
                 None => return Ok(None),
             },
@@ -817,16 +823,16 @@ impl Filesystem {
         let [(parent, name, index)] = lost[..] else {
             return Ok(None);
         };
-        if dir_item_key(*parent, name) != *key {
+        if dir_item_key(InodeNo::new(*parent), name) != *key {
             return Ok(None);
         }
-        let old_index = dir_index_key(*parent, *index);
+        let old_index = dir_index_key(InodeNo::new(*parent), *index);
         if engine.get(&old_index)?.is_some() {
             return Ok(None);
         }
         let mut records = vec![LogRecord {
             generation,
-            key: inode_key(other),
+            key: inode_key(InodeNo::new(other)),
             value: Some(inode_item),
         }];
         for (k, value) in ref_changes {
@@ -837,10 +843,13 @@ impl Filesystem {
             });
         }
         for (parent, name, index) in now.iter().filter(|n| !before.contains(n)) {
-            if engine.committed_get(&inode_key(*parent))?.is_none() {
+            if engine
+                .committed_get(&inode_key(InodeNo::new(*parent)))?
+                .is_none()
+            {
                 return Ok(None);
             }
-            let item_key = dir_item_key(*parent, name);
+            let item_key = dir_item_key(InodeNo::new(*parent), name);
             let Some(item) = engine.get(&item_key)? else {
                 return Ok(None);
             };
@@ -853,7 +862,7 @@ impl Filesystem {
                 Some(holders) if holders.is_empty() => {}
                 _ => return Ok(None),
             }
-            let index_key = dir_index_key(*parent, *index);
+            let index_key = dir_index_key(InodeNo::new(*parent), *index);
             let Some(index_item) = engine.get(&index_key)? else {
                 return Ok(None);
             };
@@ -885,7 +894,7 @@ impl Filesystem {
         let [(key, Some(now))] = changed else {
             return false;
         };
-        if *key != inode_key(ino) {
+        if *key != inode_key(InodeNo::new(ino)) {
             return false;
         }
         let Ok(Some(committed)) = self.inner.engine.committed_get(key) else {
@@ -901,7 +910,7 @@ impl Filesystem {
         let Some(replay) = engine.take_replay() else {
             return Ok(false);
         };
-        let committed = engine.committed_generation();
+        let committed = engine.committed_generation().get();
         let live: Vec<LogRecord> = replay
             .records
             .into_iter()
@@ -966,19 +975,19 @@ impl Filesystem {
     /// Recomputes a non-directory's link count from its refs.
     fn fix_nlink(&self, ino: u64) -> Result<()> {
         let engine = &*self.inner.engine;
-        let Some(mut item) = items::get_inode(engine, ino)? else {
+        let Some(mut item) = items::get_inode(engine, InodeNo::new(ino))? else {
             return Ok(());
         };
         if item.mode & libc::S_IFMT == libc::S_IFDIR {
             return Ok(());
         }
-        let names = items::count_names(engine, ino)?;
+        let names = items::count_names(engine, InodeNo::new(ino))?;
         if item.nlink != names {
             item.nlink = names;
             let mut txn = engine.begin()?;
-            items::put_inode(&mut txn, ino, &item);
+            items::put_inode(&mut txn, InodeNo::new(ino), &item);
             if names == 0 {
-                items::put_orphan(&mut txn, ino);
+                items::put_orphan(&mut txn, InodeNo::new(ino));
             }
         }
         Ok(())
@@ -987,13 +996,13 @@ impl Filesystem {
     /// Recomputes a directory's size, link count and next index from its entries.
     fn fix_dir(&self, dir: u64) -> Result<()> {
         let engine = &*self.inner.engine;
-        let Some(mut item) = items::get_inode(engine, dir)? else {
+        let Some(mut item) = items::get_inode(engine, InodeNo::new(dir))? else {
             return Ok(());
         };
         let mut entries = 0u64;
         let mut subdirs = 0u32;
         let mut next_index = item.next_dir_index;
-        for (index, entry) in items::listing(engine, dir, 0, u64::MAX, usize::MAX)? {
+        for (index, entry) in items::listing(engine, InodeNo::new(dir), 0, u64::MAX, usize::MAX)? {
             entries += 1;
             if entry.file_type == libc::DT_DIR {
                 subdirs += 1;
@@ -1004,7 +1013,7 @@ impl Filesystem {
             item.size = entries;
             item.nlink = 2 + subdirs;
             item.next_dir_index = next_index;
-            items::put_inode(&mut engine.begin()?, dir, &item);
+            items::put_inode(&mut engine.begin()?, InodeNo::new(dir), &item);
         }
         Ok(())
     }
@@ -1056,7 +1065,7 @@ fn is_inode_record(r: &LogRecord) -> bool {
 /// Scans only when the committed generation moved since the last sweep (remembered under a
 /// key of its own), so a synchronous write does not walk every extent logged since the commit.
 fn forget_committed(logged: &mut Logged, ino: u64, committed: u64) {
-    let mut swept = inode_key(ino);
+    let mut swept = inode_key(InodeNo::new(ino));
     swept.offset = u64::MAX - 2;
     if logged
         .values

@@ -9,7 +9,7 @@
 use std::sync::atomic::Ordering;
 
 use birch_format::items::ExtentKind;
-use birch_format::{BLOCK_SIZE, INLINE_MAX_BYTES, MAX_FILE_BYTES};
+use birch_format::{InodeNo, BLOCK_SIZE, INLINE_MAX_BYTES, MAX_FILE_BYTES};
 
 use super::{attr_of, now, Attr, Filesystem, FsyncMode, InodeData, SetAttr, SetTime};
 use crate::data::{BlockDelta, DataLayer, ItemChange, WrittenRun};
@@ -408,8 +408,11 @@ impl Filesystem {
         };
         match own_items {
             Some(mut items) if !dropped => {
-                items.push((super::inode_key(ino), Some(data.item.encode())));
-                self.log_write(ino, &state, _op.generation(), items);
+                items.push((
+                    super::inode_key(InodeNo::new(ino)),
+                    Some(data.item.encode()),
+                ));
+                self.log_write(ino, &state, _op.generation().get(), items);
             }
             // Dropped privileges changed an xattr item too: the next fsync collects.
             _ => {}
@@ -543,7 +546,7 @@ impl Filesystem {
         loop {
             match op() {
                 Err(Error::NoSpace(why)) => {
-                    let pinned = self.inner.engine.allocator().pinned_blocks();
+                    let pinned = self.inner.engine.allocator().pinned_blocks().get();
                     if commits == Self::FULL_RETRIES || (commits > 0 && pinned == 0) {
                         return Err(Error::NoSpace(why));
                     }
@@ -675,7 +678,7 @@ impl Filesystem {
                     spill: None,
                 }];
                 self.inner.engine.begin()?.put(
-                    super::xattr::xattr_key(ino, super::acl::ACL_ACCESS),
+                    super::xattr::xattr_key(InodeNo::new(ino), super::acl::ACL_ACCESS),
                     birch_format::items::encode_xattrs(&xattrs),
                 );
                 *data.xattrs_absent.get_mut() = 0;
@@ -705,8 +708,11 @@ impl Filesystem {
         data.item.ctime = set.ctime.unwrap_or(t);
         self.store_inode(ino, &mut data)?;
         if log_own {
-            let item = (super::inode_key(ino), Some(data.item.encode()));
-            self.log_write(ino, &state, _op.generation(), vec![item]);
+            let item = (
+                super::inode_key(InodeNo::new(ino)),
+                Some(data.item.encode()),
+            );
+            self.log_write(ino, &state, _op.generation().get(), vec![item]);
         }
         Ok(attr_of(ino, &data.item))
     }

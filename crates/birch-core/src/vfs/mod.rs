@@ -26,7 +26,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use birch_format::items::{InodeItem, Timespec};
-use birch_format::{ItemType, Key, BLOCK_SIZE, ROOT_OBJECTID};
+use birch_format::{BlockCount, InodeNo, ItemType, Key, BLOCK_SIZE, ROOT_OBJECTID};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::counters::CachePadded;
@@ -294,7 +294,7 @@ impl InodeState {
 /// of the mark): `all` for everything queued, else all but times an fdatasync left out. Past
 /// every real item key of the inode.
 pub(crate) fn log_clean_key(ino: u64, all: bool) -> Key {
-    let mut key = inode_key(ino);
+    let mut key = inode_key(InodeNo::new(ino));
     key.offset = if all { u64::MAX } else { u64::MAX - 1 };
     key
 }
@@ -422,7 +422,7 @@ impl Filesystem {
         Engine::create(
             device,
             options,
-            vec![(inode_key(ROOT_OBJECTID), root.encode())],
+            vec![(inode_key(InodeNo::new(ROOT_OBJECTID)), root.encode())],
         )?;
         Ok(())
     }
@@ -850,13 +850,14 @@ impl Filesystem {
         let engine = &self.inner.engine;
         let alloc = engine.allocator();
         let keep = if grows {
-            alloc.metadata_reserve_blocks() / 2
+            BlockCount::new(alloc.metadata_reserve_blocks().get() / 2)
         } else {
-            0
+            BlockCount::new(0)
         };
         if engine.metadata_fits(keep) {
             let room = alloc.free_blocks().saturating_sub(alloc.reserved_blocks());
-            if engine.commit_estimate_blocks().saturating_mul(2) + keep > room {
+            let twice = BlockCount::new(engine.commit_estimate_blocks().get().saturating_mul(2));
+            if twice + keep > room {
                 self.wake_committer();
             }
             return Ok(());
@@ -890,7 +891,7 @@ impl Filesystem {
         if let Some(state) = self.shard(ino).lock().get(&ino) {
             return Ok(state.clone());
         }
-        let item = items::get_inode(&*self.inner.engine, ino)?
+        let item = items::get_inode(&*self.inner.engine, InodeNo::new(ino))?
             .ok_or_else(|| Error::NotFound(format!("inode {ino}")))?;
         let state = InodeState::new(item);
         let mut shard = self.shard(ino).lock();
@@ -982,8 +983,8 @@ impl Filesystem {
     /// ([`Filesystem::unmark_log_clean`]); a write that logs its own change marks it again.
     pub(crate) fn store_inode(&self, ino: u64, data: &mut InodeData) -> Result<()> {
         let mut txn = self.inner.engine.begin()?;
-        data.item.transid = txn.generation();
-        items::put_inode(&mut txn, ino, &data.item);
+        data.item.transid = txn.generation().get();
+        items::put_inode(&mut txn, InodeNo::new(ino), &data.item);
         self.unmark_log_clean(ino);
         Ok(())
     }
@@ -1008,7 +1009,7 @@ impl Filesystem {
 
     /// Deletes every item of an inode and frees its data. The inode has no names.
     pub(crate) fn free_inode(&self, ino: u64, data: &mut InodeData) -> Result<()> {
-        let (lo, hi) = items::inode_key_range(ino);
+        let (lo, hi) = items::inode_key_range(InodeNo::new(ino));
         let mut found = Vec::new();
         loop {
             let from = found
@@ -1030,7 +1031,7 @@ impl Filesystem {
             }
             txn.delete(*key);
         }
-        items::delete_orphan(&mut txn, ino);
+        items::delete_orphan(&mut txn, InodeNo::new(ino));
         drop(txn);
         data.freed = true;
         self.drop_buffered_from(data, 0);
@@ -1039,7 +1040,10 @@ impl Filesystem {
 
     /// Frees every orphan that nothing in memory holds.
     fn reclaim_orphans(&self) -> Result<()> {
-        for ino in items::orphans(&*self.inner.engine)? {
+        for ino in items::orphans(&*self.inner.engine)?
+            .into_iter()
+            .map(InodeNo::get)
+        {
             let in_use = self
                 .shard(ino)
                 .lock()
@@ -1051,7 +1055,7 @@ impl Filesystem {
             let state = match self.inode(ino) {
                 Ok(state) => state,
                 Err(Error::NotFound(_)) => {
-                    items::delete_orphan(&mut self.inner.engine.begin()?, ino);
+                    items::delete_orphan(&mut self.inner.engine.begin()?, InodeNo::new(ino));
                     continue;
                 }
                 Err(e) => return Err(e),
@@ -1062,7 +1066,7 @@ impl Filesystem {
             } else if data.item.nlink > 0 {
                 // Named again (a linked tmpfile whose orphan item outlived its link): not an
                 // orphan.
-                items::delete_orphan(&mut self.inner.engine.begin()?, ino);
+                items::delete_orphan(&mut self.inner.engine.begin()?, InodeNo::new(ino));
             }
             drop(data);
             self.shard(ino).lock().remove(&ino);
@@ -1087,9 +1091,11 @@ impl Filesystem {
         // and retries (DESIGN §10.7), so a writer gets it. `df` after `rm` shows it at once.
         let pinned = alloc.pinned_blocks();
         StatFs {
-            blocks: alloc.total_blocks(),
-            bfree: (alloc.free_blocks() + pinned).saturating_sub(alloc.reserved_blocks()),
-            bavail: alloc.available_blocks() + pinned,
+            blocks: alloc.total_blocks().get(),
+            bfree: (alloc.free_blocks() + pinned)
+                .saturating_sub(alloc.reserved_blocks())
+                .get(),
+            bavail: (alloc.available_blocks() + pinned).get(),
             files,
             ffree: files.saturating_sub(used_ids),
             bsize: BLOCK_SIZE as u32,

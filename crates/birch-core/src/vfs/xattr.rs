@@ -8,7 +8,7 @@
 use std::sync::atomic::Ordering;
 
 use birch_format::superblock::INCOMPAT_XATTR_CHUNKS;
-use birch_format::{XATTR_SIZE_MAX, XATTR_VALUE_MAX};
+use birch_format::{InodeNo, XATTR_SIZE_MAX, XATTR_VALUE_MAX};
 
 use super::{now, Filesystem, InodeData};
 use crate::error::{Error, Result};
@@ -67,7 +67,7 @@ impl Filesystem {
                 return Ok(None);
             }
         }
-        let value = items::get_xattr(&*self.inner.engine, ino, name)?;
+        let value = items::get_xattr(&*self.inner.engine, InodeNo::new(ino), name)?;
         if let (None, Some(bit)) = (&value, bit) {
             data.xattrs_absent.fetch_or(bit, Ordering::Relaxed);
         }
@@ -121,7 +121,7 @@ impl Filesystem {
         let state = self.inode(ino)?;
         let mut data = state.data.write();
         let mut changes = Changes::new(&*self.inner.engine);
-        let exists = items::xattr_list(&changes, ino, name)?
+        let exists = items::xattr_list(&changes, InodeNo::new(ino), name)?
             .iter()
             .any(|x| x.name == name);
         if flags & XATTR_CREATE != 0 && exists {
@@ -143,7 +143,12 @@ impl Filesystem {
             store = !equivalent;
         }
         // An ACL the mode says all of is not stored: one stored before is removed.
-        let stored = items::set_xattr(&mut changes, ino, name, store.then_some(value))?;
+        let stored = items::set_xattr(
+            &mut changes,
+            InodeNo::new(ino),
+            name,
+            store.then_some(value),
+        )?;
         let _op = self.inner.engine.hold()?;
         if stored == XattrStored::Chunks {
             // Before the chunks are recorded: the commit that holds them sets the flag.
@@ -180,7 +185,7 @@ impl Filesystem {
         let state = self.inode(ino)?;
         let _data = state.data.read();
         let mut out = Vec::new();
-        for name in items::xattr_names(&*self.inner.engine, ino)? {
+        for name in items::xattr_names(&*self.inner.engine, InodeNo::new(ino))? {
             out.extend_from_slice(&name);
             out.push(0);
         }
@@ -213,7 +218,7 @@ impl Filesystem {
         if data.xattrs_absent.load(Ordering::Relaxed) & ABSENT_CAPABILITY == 0 {
             // One search: the list under the name's hash, without the capability if it is there.
             let mut changes = Changes::new(&*self.inner.engine);
-            if items::remove_xattr(&mut changes, ino, cap)? {
+            if items::remove_xattr(&mut changes, InodeNo::new(ino), cap)? {
                 changes.record(&self.inner.engine.begin()?);
                 dropped = true;
             }
@@ -254,7 +259,7 @@ impl Filesystem {
         let state = self.inode(ino)?;
         let mut data = state.data.write();
         let mut changes = Changes::new(&*self.inner.engine);
-        if !items::remove_xattr(&mut changes, ino, name)? {
+        if !items::remove_xattr(&mut changes, InodeNo::new(ino), name)? {
             return Err(Error::NoData(format!("xattr of inode {ino}")));
         }
         data.item.ctime = now();
