@@ -246,8 +246,10 @@ impl CephArgs {
                 id: self.ceph_id.clone(),
                 conf: self.ceph_conf.clone(),
                 keyring: self.keyring.clone(),
+                ..CephOptions::default()
             },
             holder: holder.to_string(),
+            events: None,
         }
     }
 }
