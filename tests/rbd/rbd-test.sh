@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# birchfs on a Ceph RBD image (issue 21, first step): mkfs, mount, fsync, remount, fsck, the
-# second writer refused, and log replay after kill -9 of the daemon, on a throw-away
+# birchfs on a Ceph RBD image (issue 21): mkfs, mount, fsync, remount, fsck, the second writer
+# refused, log replay after kill -9 of the daemon, and (tests/rbd/rbd-faults.sh) takeover,
+# fencing, the quiesce watch, an OSD restart and the watchdog, on a throw-away
 # single-node cluster (tests/rbd/single-node.sh: one monitor, one manager, one OSD with
 # BlueStore on a sparse file, cephx off, one copy per pool; about 1.7 GB of memory).
 #

@@ -1167,9 +1167,7 @@ fn in_use(spec: &RbdSpec, owner: &str, record: Option<&HolderRecord>) -> io::Err
     io::Error::new(
         io::ErrorKind::ResourceBusy,
         format!(
-            "{spec}: image is in use by {who}. Unmount it there first. If that holder is dead, its lock is broken only by a takeover: `-o takeover` is not implemented yet (issue 21); by hand: `rbd lock ls {pool}/{image}`, then `rbd lock rm {pool}/{image} ID LOCKER` (this blocklists the old client)",
-            pool = spec.pool,
-            image = image_path(spec)
+            "{spec}: image is in use by {who}. Unmount it there first. If that holder is dead or hangs, mount with -o takeover (waits until it no longer answers, then blocklists it and breaks its lock) or -o takeover=force (at once, even if it still answers)"
         ),
     )
 }
