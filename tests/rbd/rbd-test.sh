@@ -27,7 +27,7 @@
 #      batch pending in the snapshot);
 #   8. the OSD killed and restarted in the middle of a fsync workload: I/O stalls and resumes,
 #      every acknowledged file is intact;
-#   9. the cluster unreachable (the OSD stopped with SIGSTOP) on a mount with rbd_timeout=8: the
+#   9. the cluster unreachable (the OSD stopped with SIGSTOP) on a mount with rbd_timeout=5: the
 #      fsync in flight fails and every request answers EIO within the timeout plus a few
 #      seconds, the daemon's log names the cluster, and unmount takes under 10 s;
 #  10. `-o takeover` after kill -9 of the holder: the fsync'd data is there;

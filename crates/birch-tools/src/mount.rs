@@ -446,10 +446,18 @@ pub fn mount_main(image: &Path, mountpoint: &Path, raw: &[String], foreground: b
     if foreground {
         return serve(image, mountpoint, &config);
     }
-    spawn_daemon(image, mountpoint, raw)
+    // A takeover may wait for the holder's watch to expire before the mount comes up.
+    let takeover = match config.ceph.takeover {
+        birch_core::device::Takeover::No => Duration::ZERO,
+        _ => config
+            .ceph
+            .takeover_wait
+            .unwrap_or(birch_core::device::DEFAULT_TAKEOVER_WAIT),
+    };
+    spawn_daemon(image, mountpoint, raw, Duration::from_secs(120) + takeover)
 }
 
-fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String]) -> ExitCode {
+fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String], limit: Duration) -> ExitCode {
     use std::os::unix::process::CommandExt;
     let exe = match std::env::current_exe() {
         Ok(e) => e,
@@ -492,10 +500,11 @@ fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String]) -> ExitCode {
                 "mount daemon exited ({status}) before the mount was live"
             ));
         }
-        if started.elapsed() > Duration::from_secs(120) {
+        if started.elapsed() > limit {
             return fail(format!(
-                "mount of {} did not come up in 120 s; daemon log: {}",
+                "mount of {} did not come up in {} s; daemon log: {}",
                 image.display(),
+                limit.as_secs(),
                 log_path.display()
             ));
         }

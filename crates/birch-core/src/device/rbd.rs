@@ -1296,8 +1296,19 @@ impl Drop for RbdDevice {
         drop(self.monitor_stop.take());
         let lost = self.shared.state().is_lost();
         if let Some(done) = self.monitor_done.take() {
-            if !lost && done.recv_timeout(self.timeout).is_ok() {
-                // A monitor stuck past the timeout means the cluster is gone: handled below.
+            // The monitor never sends: its end drops the sender (Disconnected). Still in a
+            // librbd call past the watchdog's time: the cluster is gone, and the image must not
+            // be closed under that call (the device is given up and leaks it, below).
+            if !lost
+                && matches!(
+                    done.recv_timeout(self.timeout),
+                    Err(mpsc::RecvTimeoutError::Timeout)
+                )
+            {
+                self.shared.lose(format!(
+                    "the Ceph cluster did not answer the lock check within {} s (rbd_timeout) at close",
+                    self.timeout.as_secs()
+                ));
             }
         }
         if let Some(ctx) = &self.quiesce {
