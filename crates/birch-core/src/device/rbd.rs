@@ -53,6 +53,9 @@ const CLIENT_TIMEOUTS: [(&str, &str, &str); 2] = [
     ("rados_mon_op_timeout", "0", "30"),
 ];
 
+/// How often a request waiting for the cluster looks whether the device was given up.
+const LOST_POLL: Duration = Duration::from_millis(100);
+
 /// How often a device holding the lock asks the OSD whether it still does.
 const LOCK_CHECK_EVERY: Duration = Duration::from_secs(2);
 
@@ -769,9 +772,19 @@ impl RbdDevice {
                     format!("{}: {why}", self.spec),
                 ));
             }
+            // Given up meanwhile (another request timed out, the lock was lost): this one
+            // stops waiting too, so a shutdown or an unmount does not wait out its timeout.
+            if self.shared.state().is_lost() {
+                drop(result);
+                return Err(self
+                    .shared
+                    .check()
+                    .err()
+                    .unwrap_or_else(|| io::Error::other(format!("{}: lost", self.spec))));
+            }
             result = op
                 .done
-                .wait_timeout(result, deadline - now)
+                .wait_timeout(result, (deadline - now).min(LOST_POLL))
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         };
