@@ -1279,16 +1279,23 @@ enum Silence {
 /// librados entity addresses (`IP:PORT/NONCE`, maybe with a `v1:`/`v2:` prefix); the nonce
 /// tells sessions of one host apart.
 fn same_address(watcher: &str, owner: &str) -> bool {
-    let bare = |a: &str| {
-        let a = a.trim().trim_start_matches('[').trim_end_matches(']');
-        let a = a
-            .strip_prefix("v2:")
-            .or_else(|| a.strip_prefix("v1:"))
-            .unwrap_or(a);
-        a.split(',').next().unwrap_or(a).trim().to_string()
+    let bare = |a: &str| -> Vec<String> {
+        a.trim()
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .split(',')
+            .map(|one| {
+                let one = one.trim();
+                one.strip_prefix("v2:")
+                    .or_else(|| one.strip_prefix("v1:"))
+                    .unwrap_or(one)
+                    .to_string()
+            })
+            .filter(|one| !one.is_empty())
+            .collect()
     };
-    let (w, o) = (bare(watcher), bare(owner));
-    !w.is_empty() && (w == o || watcher.contains(&o) || owner.contains(&w))
+    let owners = bare(owner);
+    bare(watcher).iter().any(|w| owners.contains(w))
 }
 
 fn hostname() -> String {
@@ -1478,6 +1485,9 @@ mod tests {
             "10.0.0.5:0/77"
         ));
         assert!(!same_address("127.0.0.1:0/1", "127.0.0.1:0/2"));
+        // One nonce a prefix of another is another session.
+        assert!(!same_address("127.0.0.1:0/123", "127.0.0.1:0/12"));
+        assert!(!same_address("127.0.0.1:0/12", "127.0.0.1:0/123"));
         assert!(!same_address("", "127.0.0.1:0/2"));
     }
 
