@@ -328,6 +328,14 @@ impl Shared {
     /// Gives the device up for good (once): logs why and tells the user.
     fn lose(&self, why: String) {
         if !self.state().lose(&why) {
+            // Lost already (the lock monitor, or another request, was first): this failing
+            // request too is answered as lost once the user's shutdown has taken effect.
+            if let Some(events) = &self.events {
+                let until = Instant::now() + Duration::from_millis(500);
+                while !events.lost_in_effect() && Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
             return;
         }
         log::error!(
