@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# birchfs on a Ceph RBD image (issue 21, first step): mkfs, mount, fsync, remount, fsck, the
-# second writer refused, and log replay after kill -9 of the daemon, on a throw-away
+# birchfs on a Ceph RBD image (issue 21): mkfs, mount, fsync, remount, fsck, the second writer
+# refused, log replay after kill -9 of the daemon, and (tests/rbd/rbd-faults.sh) takeover,
+# fencing, the quiesce watch, an OSD restart and the watchdog, on a throw-away
 # single-node cluster (tests/rbd/single-node.sh: one monitor, one manager, one OSD with
 # BlueStore on a sparse file, cephx off, one copy per pool; about 1.7 GB of memory).
 #
@@ -13,9 +14,27 @@
 #   3. while that mount is live, a second mount and an fsck of the image are refused within
 #      10 s, and the refusal names the holder: its mount point and its pid;
 #   4. `kill -9` of the daemon right after an fsync, then a new mount: the data is there (the
-#      fsync log replayed from RBD). The dead daemon's lock is broken by librbd only after its
-#      watch times out (about 30 s): the mount waits that long, and this script says so;
-#   5. fsck clean at the end; the cluster is stopped by PID (also on failure).
+#      fsync log replayed from RBD). The dead daemon's lock is broken only after its watch
+#      times out (osd_client_watch_timeout): the mount waits that long, and this script says so;
+#   5. takeover=force of a live holder: a plain `-o takeover` is refused (the holder answers),
+#      `-o takeover=force` fences it (blocklisted) and mounts; every request on the old mount
+#      answers EIO; the old daemon never takes the lock back, even with its blocklist entry
+#      removed after the new holder unmounted;
+#   6. fencing under SIGSTOP: the holder stopped while a writer fsyncs; `-o takeover` mounts
+#      once its watch expired; after SIGCONT the writer's next fsync fails, every request on the
+#      old mount answers EIO, and every acknowledged file is intact on the new mount;
+#   7. the quiesce watch: `rbd snap create` of the mounted image holds a committed state (no log
+#      batch pending in the snapshot);
+#   8. the OSD killed and restarted in the middle of a fsync workload: I/O stalls and resumes,
+#      every acknowledged file is intact;
+#   9. the cluster unreachable (the OSD stopped with SIGSTOP) on a mount with rbd_timeout=5: the
+#      fsync in flight fails and every request answers EIO within the timeout plus a few
+#      seconds, the daemon's log names the cluster, and unmount takes under 10 s;
+#  10. `-o takeover` after kill -9 of the holder: the fsync'd data is there;
+#  11. fsck clean at the end; the cluster is stopped by PID (also on failure).
+#
+# The cluster's osd_client_watch_timeout is set to 15 s (default 30 s) to keep the tier short:
+# every wait for a dead or stopped holder's watch takes about that long.
 #
 # Exit 0 when every check passes, 1 on a failure, 77 (skip) without root or /dev/fuse, when the
 # Ceph packages cannot be installed, or when another cluster holds the monitor ports.
@@ -68,13 +87,16 @@ fi
 [[ -x $BIRCH ]] || { echo "rbd-test: $BIRCH not built"; exit 1; }
 
 DAEMONS=()
+OSD_STOPPED=
 cleanup() {
   local pid
+  [[ -n $OSD_STOPPED ]] && kill -CONT "$OSD_STOPPED" 2>/dev/null
+  touch "$DIR/stop-writer" 2>/dev/null
   for m in "$MNT2" "$MNT"; do
     mountpoint -q "$m" 2>/dev/null && umount -l "$m"
   done
   for pid in "${DAEMONS[@]}"; do
-    kill -0 "$pid" 2>/dev/null && kill -9 "$pid" 2>/dev/null
+    kill -0 "$pid" 2>/dev/null && { kill -CONT "$pid"; kill -9 "$pid"; } 2>/dev/null
   done
   say "stopping the cluster"
   bash "$CLUSTER" stop >"$DIR/cluster-stop.log" 2>&1
@@ -89,6 +111,8 @@ say "bringing up the cluster (tests/rbd/single-node.sh up, BASE=$BASE)"
 t=$SECONDS
 bash "$CLUSTER" up >"$DIR/cluster-up.log" 2>&1 || { tail -n 30 "$DIR/cluster-up.log"; echo "rbd-test: the cluster did not come up"; exit 1; }
 say "cluster healthy in $((SECONDS - t)) s"
+# A stopped or dead holder's watch expires after this (default 30 s): shorter, for a short tier.
+ceph config set osd osd_client_watch_timeout 15 || fail "setting osd_client_watch_timeout"
 mkdir -p "$MNT" "$MNT2"
 
 # --- 1. mkfs ---
@@ -177,7 +201,7 @@ if [[ -n $pending ]]; then
 else
   say "note: no log batch pending (a background commit came first): replay not exercised this run"
 fi
-say "remounting: the dead daemon's lock is broken only after its watch times out (about 30 s), so this mount waits that long"
+say "remounting: the dead daemon's lock is broken only after its watch times out (15 s here), so this mount waits that long"
 t=$SECONDS
 "$BIRCH" mount "$SPEC" "$MNT" || { fail "mount after kill -9"; exit 1; }
 say "mount after kill -9 took $((SECONDS - t)) s"
@@ -188,7 +212,9 @@ t=$SECONDS
 "$BIRCH" umount "$MNT" || fail "umount"
 say "umount took $((SECONDS - t)) s"
 
-# --- 5. fsck ---
+source "$ROOT/tests/rbd/rbd-faults.sh"
+
+# --- 11. fsck ---
 t=$SECONDS
 if "$BIRCH" fsck "$SPEC"; then say "ok: fsck clean ($((SECONDS - t)) s)"; else fail "fsck"; fi
 

@@ -254,8 +254,10 @@ impl CephArgs {
                 id: self.ceph_id.clone(),
                 conf: self.ceph_conf.clone(),
                 keyring: self.keyring.clone(),
+                ..CephOptions::default()
             },
             holder: holder.to_string(),
+            events: None,
         }
     }
 }

@@ -3,14 +3,14 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use birch_core::device::{
-    is_rbd_path, open_image, CephOptions, FileDevice, ImageOptions, LocalLock, OpenMode, RbdSpec,
-    RBD_SUPPORTED,
+    is_rbd_path, open_image, CephOptions, DeviceEvents, FileDevice, ImageOptions, LocalLock,
+    OpenMode, RbdSpec, RBD_SUPPORTED,
 };
-use birch_core::vfs::{AtimeMode, FsyncMode};
+use birch_core::vfs::{AtimeMode, FsyncMode, ShutdownMode};
 use birch_core::{Filesystem, OpenOptions};
 use birch_fuse::{BirchFuse, FuseOptions};
 use fuser::{Config, SessionACL};
@@ -81,6 +81,9 @@ pub(crate) const MOUNT_OPTIONS: &[(&str, &str)] = &[
     ("ceph_id=ID", "rbd: images: the Ceph client id to connect as, without client. (as rbd --id; default admin, or --id in CEPH_ARGS)."),
     ("ceph_conf=PATH", "rbd: images: the ceph.conf to read (default: CEPH_CONF, then /etc/ceph/ceph.conf)."),
     ("keyring=PATH", "rbd: images: the keyring holding the client's key (default: as ceph.conf says)."),
+    ("takeover", "rbd: images: take the image from a holder that no longer answers: wait (takeover_wait=) until its watch on the image expires, then blocklist it and break its lock; a holder still answering is refused. takeover=force fences the holder at once, alive or not; takeover=off is the default."),
+    ("takeover_wait=SECS", "rbd: images: how long takeover waits for the holder to stop answering (default 60, 1 to 86400)."),
+    ("rbd_timeout=SECS", "rbd: images: the watchdog: a request the cluster has not answered in SECS seconds (default 60, 1 to 86400) gives the image up: every request on the mount then answers EIO."),
     ("defaults", "Accepted and ignored, as are auto, noauto, user, nouser, users, nofail, _netdev, async and default_permissions: mount(8) and fstab handle them."),
 ];
 
@@ -443,10 +446,18 @@ pub fn mount_main(image: &Path, mountpoint: &Path, raw: &[String], foreground: b
     if foreground {
         return serve(image, mountpoint, &config);
     }
-    spawn_daemon(image, mountpoint, raw)
+    // A takeover may wait for the holder's watch to expire before the mount comes up.
+    let takeover = match config.ceph.takeover {
+        birch_core::device::Takeover::No => Duration::ZERO,
+        _ => config
+            .ceph
+            .takeover_wait
+            .unwrap_or(birch_core::device::DEFAULT_TAKEOVER_WAIT),
+    };
+    spawn_daemon(image, mountpoint, raw, Duration::from_secs(120) + takeover)
 }
 
-fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String]) -> ExitCode {
+fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String], limit: Duration) -> ExitCode {
     use std::os::unix::process::CommandExt;
     let exe = match std::env::current_exe() {
         Ok(e) => e,
@@ -489,10 +500,11 @@ fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String]) -> ExitCode {
                 "mount daemon exited ({status}) before the mount was live"
             ));
         }
-        if started.elapsed() > Duration::from_secs(120) {
+        if started.elapsed() > limit {
             return fail(format!(
-                "mount of {} did not come up in 120 s; daemon log: {}",
+                "mount of {} did not come up in {} s; daemon log: {}",
                 image.display(),
+                limit.as_secs(),
                 log_path.display()
             ));
         }
@@ -525,9 +537,15 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
     } else {
         OpenMode::ReadWriteWait
     };
+    let events = Arc::new(MountEvents {
+        fs: OnceLock::new(),
+        lost: AtomicBool::new(false),
+        mountpoint: canonical(mountpoint),
+    });
     let image_options = ImageOptions {
         ceph: config.ceph.clone(),
         holder: format!("mount at {}", canonical(mountpoint).display()),
+        events: Some(events.clone()),
     };
     // The device's errors name the image already (path or rbd: spec).
     let device = match open_image(image, mode, &image_options) {
@@ -538,6 +556,7 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
         Ok(fs) => Arc::new(fs),
         Err(e) => return fail(format!("{}: {e}", image.display())),
     };
+    events.attach(&fs);
     fs.set_atime_mode(config.atime.unwrap_or_default());
     let mut fuse_config = Config::default();
     fuse_config.acl = if config.allow_other {
@@ -598,6 +617,54 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
         return fail(format!("final commit failed: {e}"));
     }
     ExitCode::SUCCESS
+}
+
+/// What a mount does when its device reports (an `rbd:` image, DESIGN §14.3): a lost device
+/// (lock taken over, client fenced, the cluster not answering within `rbd_timeout=`) shuts the
+/// filesystem down, so every request answers EIO, reads included; a snapshot's quiesce commits.
+struct MountEvents {
+    fs: OnceLock<Weak<Filesystem>>,
+    /// The device was lost, maybe before the filesystem was attached.
+    lost: AtomicBool,
+    mountpoint: PathBuf,
+}
+
+impl MountEvents {
+    fn attach(&self, fs: &Arc<Filesystem>) {
+        let _ = self.fs.set(Arc::downgrade(fs));
+        if self.lost.load(Ordering::SeqCst) {
+            let _ = fs.shutdown(ShutdownMode::Now);
+        }
+    }
+}
+
+impl DeviceEvents for MountEvents {
+    fn device_lost(&self, why: &str) {
+        self.lost.store(true, Ordering::SeqCst);
+        log::error!(
+            "{}: the image is lost ({why}); shutting the filesystem down: every request answers EIO until it is unmounted",
+            self.mountpoint.display()
+        );
+        if let Some(fs) = self.fs.get().and_then(Weak::upgrade) {
+            if let Err(e) = fs.shutdown(ShutdownMode::Now) {
+                log::warn!("{}: shutdown: {e}", self.mountpoint.display());
+            }
+        }
+    }
+
+    fn lost_in_effect(&self) -> bool {
+        self.fs
+            .get()
+            .and_then(Weak::upgrade)
+            .is_none_or(|fs| fs.is_shut_down())
+    }
+
+    fn quiesce(&self) -> std::io::Result<()> {
+        match self.fs.get().and_then(Weak::upgrade) {
+            Some(fs) => fs.sync().map_err(|e| std::io::Error::other(e.to_string())),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Ring entries per io_uring queue: requests handed to a waiter (fsync, write-through WRITEs)

@@ -26,7 +26,10 @@ pub use mem::{MemDevice, Recorded};
 pub use overlay::OverlayDevice;
 #[cfg(feature = "rbd")]
 pub use rbd::{RbdDevice, RbdOpenOptions, HOLDER_KEY};
-pub use rbd_spec::{check_rbd_layout, is_rbd_path, CephOptions, LocalLock, RbdSpec, RBD_PREFIX};
+pub use rbd_spec::{
+    check_rbd_layout, is_rbd_path, CephOptions, LocalLock, LockState, RbdSpec, Takeover,
+    DEFAULT_RBD_TIMEOUT, DEFAULT_TAKEOVER_WAIT, RBD_PREFIX,
+};
 
 use std::io;
 use std::path::Path;
@@ -57,12 +60,42 @@ pub const RBD_SUPPORTED: bool = cfg!(feature = "rbd");
 /// What opening an image needs besides its name and mode: cluster access for an RBD image,
 /// and what the opener is, recorded on the image while it holds it ("mount at /mnt/x").
 /// Ignored for image files and block devices.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct ImageOptions {
     /// How to reach the Ceph cluster.
     pub ceph: CephOptions,
     /// What holds the image (shown to a refused second user).
     pub holder: String,
+    /// Who hears of the device's events (an RBD image: the lock lost, a snapshot wanting a
+    /// committed state).
+    pub events: Option<Arc<dyn DeviceEvents>>,
+}
+
+impl std::fmt::Debug for ImageOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImageOptions")
+            .field("ceph", &self.ceph)
+            .field("holder", &self.holder)
+            .field("events", &self.events.is_some())
+            .finish()
+    }
+}
+
+/// What a device tells its user outside of I/O (an RBD image, DESIGN §14.3). Each call comes
+/// on a thread of its own, which may do I/O through the filesystem.
+pub trait DeviceEvents: Send + Sync {
+    /// The device is given up for good (its lock lost or taken over, the client fenced, the
+    /// cluster not answering): every later I/O fails. Called once.
+    fn device_lost(&self, why: &str);
+    /// Whether what `device_lost` does has taken effect (the filesystem refuses requests), so
+    /// that the failing request itself is answered as lost (EIO). The device waits for it a
+    /// moment (the call runs on another thread, since it waits for I/O in flight).
+    fn lost_in_effect(&self) -> bool {
+        true
+    }
+    /// A snapshot of the image is about to be taken: make what is on the device a committed
+    /// state. The snapshot waits for the answer.
+    fn quiesce(&self) -> io::Result<()>;
 }
 
 /// Opens an image argument: `rbd:POOL[/NAMESPACE]/IMAGE[@SNAP]` as an RBD image, anything
@@ -88,6 +121,7 @@ fn open_rbd(
     let options = RbdOpenOptions {
         ceph: options.ceph.clone(),
         holder: options.holder.clone(),
+        events: options.events.clone(),
     };
     Ok(Arc::new(RbdDevice::open(spec, mode, &options)?))
 }

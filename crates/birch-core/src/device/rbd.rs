@@ -13,15 +13,29 @@
 //!
 //! librados starts threads at connect, and they do not survive `fork()`: nothing here forks,
 //! and the mount daemon connects only in the re-executed child (`birch mount -f`).
+//!
+//! Takeover, fencing and the watchdog (DESIGN §14.3): `takeover` waits for a holder's watch to
+//! expire, `takeover=force` does not; both blocklist the holder before breaking its lock. Each
+//! request is an `rbd_aio_*` call waited for with the `rbd_timeout=` watchdog. A device whose
+//! lock is lost, whose client is fenced, whose I/O fails or times out is given up for good
+//! ([`LockState::Lost`]): nothing more passes, the lock is never taken back, and its user hears
+//! of it ([`DeviceEvents::device_lost`]).
 
 use std::ffi::{CStr, CString};
 use std::io;
+use std::mem::ManuallyDrop;
 use std::os::raw::{c_char, c_int};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::rbd_ffi as ffi;
-use super::rbd_spec::{check_rbd_layout, CephOptions, LocalLock, RbdSpec};
-use super::{check_range, BlockDevice, OpenMode};
+use super::rbd_spec::{
+    check_rbd_layout, CephOptions, LocalLock, LockState, RbdSpec, Takeover, DEFAULT_RBD_TIMEOUT,
+    DEFAULT_TAKEOVER_WAIT,
+};
+use super::{check_range, BlockDevice, DeviceEvents, OpenMode};
 use crate::counters::Counters;
 
 /// Image metadata key naming the process that holds the image lock.
@@ -29,17 +43,21 @@ pub const HOLDER_KEY: &str = "birch.holder";
 
 /// Client timeouts set when neither `ceph.conf` nor `CEPH_ARGS` sets them, as (option,
 /// librados default, ours). A dead cluster must give an error, not a hang: librados waits 300 s
-/// for the monitors by default and forever for a monitor or OSD operation.
-const CLIENT_TIMEOUTS: [(&str, &str, &str); 3] = [
+/// for the monitors by default and forever for a monitor or OSD operation. The OSD operation
+/// timeout (every lock check, metadata call and lock break) is the watchdog's
+/// ([`CephOptions::io_timeout`]), set in `configure`.
+const CLIENT_TIMEOUTS: [(&str, &str, &str); 2] = [
     // Connecting: the monitors must answer within this.
     ("client_mount_timeout", "300", "20"),
-    // Monitor commands (pool lookups).
+    // Monitor commands (pool lookups, blocklisting).
     ("rados_mon_op_timeout", "0", "30"),
-    // OSD operations, including every read, write and flush of the image: long enough for an
-    // OSD restart, short enough that a dead cluster fails the mount (the watchdog of issue 21
-    // item 4 replaces this).
-    ("rados_osd_op_timeout", "0", "60"),
 ];
+
+/// How often a request waiting for the cluster looks whether the device was given up.
+const LOST_POLL: Duration = Duration::from_millis(100);
+
+/// How often a device holding the lock asks the OSD whether it still does.
+const LOCK_CHECK_EVERY: Duration = Duration::from_secs(2);
 
 /// How long a locked open waits for the lock of a holder that is gone from this host: its
 /// watch on the image header expires after `osd_client_watch_timeout` (30 s by default), and
@@ -47,13 +65,15 @@ const CLIENT_TIMEOUTS: [(&str, &str, &str); 3] = [
 const DEAD_HOLDER_WAIT: Duration = Duration::from_secs(90);
 
 /// What an open of an RBD image needs beyond the spec and mode.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct RbdOpenOptions {
     /// How to reach the cluster.
     pub ceph: CephOptions,
     /// What holds the image, recorded in its metadata for a refused second user ("mount at
     /// /mnt/x", "fsck").
     pub holder: String,
+    /// Who hears that the device is lost, and answers quiesce requests.
+    pub events: Option<Arc<dyn DeviceEvents>>,
 }
 
 /// A librados cluster connection with an I/O context on the image's pool and namespace.
@@ -195,6 +215,16 @@ impl Cluster {
                 self.conf_set(option, ours)?;
             }
         }
+        if self.conf_get("rados_osd_op_timeout").as_deref() == Some("0") {
+            // A little longer than the watchdog, which then speaks first (naming the cluster
+            // and the timeout); it still bounds every call the watchdog does not cover.
+            let secs = ceph.io_timeout.unwrap_or(DEFAULT_RBD_TIMEOUT).as_secs() + 5;
+            self.conf_set("rados_osd_op_timeout", &secs.to_string())?;
+        }
+        // A broken lock fences its holder, whatever the cluster's default says (birch also
+        // blocklists explicitly before it breaks a lock, so an image's own config cannot
+        // turn this off either).
+        self.conf_set("rbd_blocklist_on_break_lock", "true")?;
         Ok(())
     }
 
@@ -279,19 +309,213 @@ pub fn create_image(spec: &RbdSpec, size_bytes: u64, ceph: &CephOptions) -> io::
     }
 }
 
+/// What the device, its lock monitor and its quiesce watch share.
+struct Shared {
+    spec: RbdSpec,
+    state: Mutex<LockState>,
+    events: Option<Arc<dyn DeviceEvents>>,
+    /// This host's lock on the image. Missing after a takeover from a holder on this host
+    /// (stopped, still holding it): the lock monitor takes it once that process is gone, so
+    /// that `birch umount` here waits for this daemon's final commit.
+    local: Mutex<Option<LocalLock>>,
+}
+
+impl Shared {
+    fn state(&self) -> MutexGuard<'_, LockState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Gives the device up for good (once): logs why and tells the user.
+    fn lose(&self, why: String) {
+        if !self.state().lose(&why) {
+            // Lost already (the lock monitor, or another request, was first): this failing
+            // request too is answered as lost once the user's shutdown has taken effect.
+            if let Some(events) = &self.events {
+                let until = Instant::now() + Duration::from_millis(500);
+                while !events.lost_in_effect() && Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+            return;
+        }
+        log::error!(
+            "{}: {why}; this client does no more I/O on the image and never takes its lock back: every request now fails with EIO",
+            self.spec
+        );
+        if let Some(events) = self.events.clone() {
+            // A thread of its own: the user may shut the filesystem down, which waits for I/O
+            // in flight, this very request included. Its first step (refusing requests) is
+            // waited for a moment, so this request is answered as lost too.
+            let user = events.clone();
+            let _ = std::thread::Builder::new()
+                .name("birch-rbd-lost".into())
+                .spawn(move || user.device_lost(&why));
+            let until = Instant::now() + Duration::from_millis(500);
+            while !events.lost_in_effect() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+
+    /// Takes this host's lock if this device lacks it (after a takeover from a holder here)
+    /// and its holder is gone.
+    fn take_local_lock(&self) -> bool {
+        let mut local = self.local.lock().unwrap_or_else(|e| e.into_inner());
+        if local.is_none() {
+            *local = LocalLock::acquire(&self.spec, false).ok();
+        }
+        local.is_some()
+    }
+
+    /// Ok unless the device is lost (or closed): then EIO with the reason.
+    fn check(&self) -> io::Result<()> {
+        self.state()
+            .may_do_io()
+            .map_err(|why| io::Error::other(format!("{}: {why}", self.spec)))
+    }
+}
+
+/// One asynchronous request: its buffer (owned here, not by the caller: librbd aio cannot be
+/// cancelled, so a request the watchdog gave up on may still fill or read it later) and its
+/// result. The completion callback holds one reference until librbd calls it.
+struct AioOp {
+    buf: *mut u8,
+    len: usize,
+    result: Mutex<Option<isize>>,
+    done: Condvar,
+}
+
+// SAFETY: the buffer is only touched by librbd (between submit and completion) and by the
+// waiter after completion; the result is under its mutex.
+unsafe impl Send for AioOp {}
+// SAFETY: as above.
+unsafe impl Sync for AioOp {}
+
+impl AioOp {
+    fn new(len: usize, data: Option<&[u8]>) -> AioOp {
+        let mut buf = vec![0u8; len].into_boxed_slice();
+        if let Some(data) = data {
+            buf.copy_from_slice(data);
+        }
+        AioOp {
+            buf: Box::into_raw(buf).cast::<u8>(),
+            len,
+            result: Mutex::new(None),
+            done: Condvar::new(),
+        }
+    }
+}
+
+impl Drop for AioOp {
+    fn drop(&mut self) {
+        // SAFETY: the buffer came from Box::into_raw of a boxed slice of `len` bytes; the last
+        // reference (after completion) frees it once.
+        unsafe {
+            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                self.buf, self.len,
+            )))
+        };
+    }
+}
+
+/// librbd's completion callback: records the result and drops the callback's reference.
+unsafe extern "C" fn aio_done(c: ffi::rbd_completion_t, arg: *mut libc::c_void) {
+    // SAFETY: `arg` is the reference `submit` gave up with Arc::into_raw, taken back once here.
+    let op = unsafe { Arc::from_raw(arg.cast::<AioOp>().cast_const()) };
+    // SAFETY: a completed completion, released once.
+    let rc = unsafe {
+        let rc = ffi::rbd_aio_get_return_value(c);
+        ffi::rbd_aio_release(c);
+        rc
+    };
+    *op.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(rc);
+    op.done.notify_all();
+}
+
+#[derive(Clone, Copy, Debug)]
+enum AioKind {
+    Read,
+    Write,
+    Flush,
+}
+
+/// The quiesce watch's context: lives until the watch is gone (leaked when the device is
+/// lost, like the image).
+struct QuiesceCtx {
+    image: usize,
+    handle: AtomicU64,
+    shared: Arc<Shared>,
+    /// Held while answering librbd; false once the device is closing.
+    open: Mutex<bool>,
+}
+
+unsafe extern "C" fn on_quiesce(arg: *mut libc::c_void) {
+    // SAFETY: `arg` is the Arc<QuiesceCtx> the device keeps for the life of the watch; one
+    // more reference for the thread below.
+    let ctx = unsafe {
+        Arc::increment_strong_count(arg.cast::<QuiesceCtx>().cast_const());
+        Arc::from_raw(arg.cast::<QuiesceCtx>().cast_const())
+    };
+    // A librbd callback must not call librbd synchronously (a commit writes): answer from a
+    // thread of our own.
+    let _ = std::thread::Builder::new()
+        .name("birch-rbd-quiesce".into())
+        .spawn(move || {
+            let result = match (&ctx.shared.events, ctx.shared.check()) {
+                (_, Err(e)) => Err(e),
+                (Some(events), Ok(())) => events.quiesce(),
+                (None, Ok(())) => Ok(()),
+            };
+            let rc = match &result {
+                Ok(()) => 0,
+                Err(e) => {
+                    log::warn!(
+                        "{}: quiesce for a snapshot: commit failed: {e}",
+                        ctx.shared.spec
+                    );
+                    -e.raw_os_error().unwrap_or(libc::EIO)
+                }
+            };
+            let open = ctx.open.lock().unwrap_or_else(|e| e.into_inner());
+            if *open {
+                log::info!(
+                    "{}: quiesced for a snapshot (committed first)",
+                    ctx.shared.spec
+                );
+                // SAFETY: the image stays open while `open` is true (the device clears it,
+                // under this mutex, before unwatching and closing).
+                unsafe {
+                    ffi::rbd_quiesce_complete(
+                        ctx.image as ffi::rbd_image_t,
+                        ctx.handle.load(Ordering::SeqCst),
+                        rc,
+                    )
+                };
+            }
+        });
+}
+
+unsafe extern "C" fn on_unquiesce(_arg: *mut libc::c_void) {}
+
 /// An RBD image opened as a [`BlockDevice`]. Closing (drop) removes the holder record,
-/// releases the image lock, closes the image and disconnects, in that order.
+/// releases the image lock, closes the image and disconnects, in that order; a lost device
+/// (DESIGN §14.3) does none of that, since the cluster may not answer and the record is the
+/// new holder's: it leaks its handles, for a process that is about to exit.
 pub struct RbdDevice {
     image: ffi::rbd_image_t,
     spec: RbdSpec,
     size: u64,
     writable: bool,
-    /// Whether this value took the image's exclusive lock (and wrote `birch.holder`).
-    locked: bool,
+    /// The watchdog: how long one request may take.
+    timeout: Duration,
+    shared: Arc<Shared>,
+    /// Dropping it stops the lock monitor; the monitor drops its sender when it ends.
+    monitor_stop: Option<mpsc::Sender<()>>,
+    monitor_done: Option<mpsc::Receiver<()>>,
+    quiesce: Option<Arc<QuiesceCtx>>,
     counters: Counters,
-    /// Dropped after the image is closed (field order is drop order after `Drop::drop`).
-    _cluster: Cluster,
-    _local: Option<LocalLock>,
+    /// Dropped after the image is closed, unless the device is lost.
+    _cluster: ManuallyDrop<Cluster>,
 }
 
 // SAFETY: librbd's image handle serves concurrent calls from any thread (the image context
@@ -301,22 +525,12 @@ unsafe impl Send for RbdDevice {}
 unsafe impl Sync for RbdDevice {}
 
 impl RbdDevice {
-    /// The error of an `rbd_read`/`rbd_write` that returned `n` (a negative errno, or 0:
-    /// nothing moved) for `len` bytes at `at`.
-    fn short_io(&self, n: isize, what: &str, at: u64, len: usize) -> io::Error {
-        let rc = if n == 0 {
-            -i64::from(libc::EIO)
-        } else {
-            n as i64
-        };
-        rc_error(rc, format!("{}: {what} at {at:#x} length {len}", self.spec))
-    }
-
     /// Opens `spec`. Read-write and locked read-only modes take this host's lock and the
     /// image's exclusive lock before returning (so before the caller reads the superblock),
-    /// refusing a live holder within a few seconds; `ReadOnlyUnlocked` opens read-only with no
-    /// lock (and is the only mode a snapshot opens in). May do network I/O and block for the
-    /// client timeouts.
+    /// refusing a live holder within a few seconds unless told to take over
+    /// ([`CephOptions::takeover`]); `ReadOnlyUnlocked` opens read-only with no lock (and is
+    /// the only mode a snapshot opens in). May do network I/O and block for the client
+    /// timeouts, and for `takeover_wait`.
     pub fn open(spec: &RbdSpec, mode: OpenMode, options: &RbdOpenOptions) -> io::Result<RbdDevice> {
         let writable = matches!(mode, OpenMode::ReadWrite | OpenMode::ReadWriteWait);
         let locking = mode != OpenMode::ReadOnlyUnlocked;
@@ -328,10 +542,18 @@ impl RbdDevice {
             ));
         }
         // This host first: a daemon here finishing its final commit is waited for (mount after
-        // umount), before its cluster lock could refuse us.
+        // umount), before its cluster lock could refuse us. A takeover goes on to the image
+        // lock: the holder here may be stopped, holding this host's lock too (then the lock
+        // file is taken over with the image).
         let local = if locking {
             match LocalLock::acquire(spec, wait) {
                 Ok(lock) => Some(lock),
+                Err(e)
+                    if e.kind() == io::ErrorKind::ResourceBusy
+                        && options.ceph.takeover != Takeover::No =>
+                {
+                    None
+                }
                 // Held by a live process here: name it as the image metadata has it.
                 Err(e) if e.kind() == io::ErrorKind::ResourceBusy => {
                     return Err(name_holder(spec, &options.ceph).unwrap_or(e))
@@ -343,15 +565,24 @@ impl RbdDevice {
         };
         let cluster = Cluster::connect(spec, &options.ceph)?;
         let image = open_image(&cluster, spec, locking)?;
+        let shared = Arc::new(Shared {
+            spec: spec.clone(),
+            state: Mutex::new(LockState::Unlocked),
+            events: options.events.clone(),
+            local: Mutex::new(local),
+        });
         let mut device = RbdDevice {
             image,
             spec: spec.clone(),
             size: 0,
             writable,
-            locked: false,
+            timeout: options.ceph.io_timeout.unwrap_or(DEFAULT_RBD_TIMEOUT),
+            shared,
+            monitor_stop: None,
+            monitor_done: None,
+            quiesce: None,
             counters: Counters::default(),
-            _cluster: cluster,
-            _local: local,
+            _cluster: ManuallyDrop::new(cluster),
         };
         device.size = device.query_u64("rbd_get_size", ffi::rbd_get_size)?;
         device.size -= device.size % birch_format::BLOCK_SIZE;
@@ -378,13 +609,215 @@ impl RbdDevice {
             log::warn!("{spec}: no exclusive-lock feature: reading without the image lock");
             return Ok(device);
         }
-        device.take_lock(&options.holder)?;
+        let takeover_wait = options.ceph.takeover_wait.unwrap_or(DEFAULT_TAKEOVER_WAIT);
+        device.take_lock(&options.holder, options.ceph.takeover, takeover_wait)?;
+        // Taken over from a holder on this host: its lock file follows the image lock once
+        // that process is gone (the lock monitor tries again).
+        let _ = device.shared.take_local_lock();
+        device.start_monitor();
+        if writable {
+            device.watch_quiesce();
+        }
         Ok(device)
     }
 
     /// The spec this device was opened from.
     pub fn spec(&self) -> &RbdSpec {
         &self.spec
+    }
+
+    /// Starts the thread that asks the OSD every [`LOCK_CHECK_EVERY`] whether this client
+    /// still holds the lock, and gives the device up when it does not (taken over, fenced) or
+    /// when the cluster does not say within the OSD operation timeout.
+    fn start_monitor(&mut self) {
+        let (stop_tx, stop_rx) = mpsc::channel::<()>();
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        let shared = self.shared.clone();
+        let image = self.image as usize;
+        let spawned = std::thread::Builder::new()
+            .name("birch-rbd-lock".into())
+            .spawn(move || {
+                let _done = done_tx;
+                let mut last_check = Instant::now();
+                loop {
+                    // Waiting for this host's lock after a takeover: poll it often, so that an
+                    // unmount here right after the old holder exits still waits for us.
+                    let has_local = shared.take_local_lock();
+                    let tick = if has_local {
+                        LOCK_CHECK_EVERY.saturating_sub(last_check.elapsed())
+                    } else {
+                        Duration::from_millis(20)
+                    };
+                    if let Err(mpsc::RecvTimeoutError::Disconnected) = stop_rx.recv_timeout(tick) {
+                        return;
+                    }
+                    if shared.state().is_lost() {
+                        return;
+                    }
+                    if last_check.elapsed() < LOCK_CHECK_EVERY {
+                        continue;
+                    }
+                    last_check = Instant::now();
+                    let mut owner: c_int = 0;
+                    // SAFETY: the image is open until the device stops this thread (or, lost,
+                    // never closes it).
+                    let rc = unsafe {
+                        ffi::rbd_is_exclusive_lock_owner(image as ffi::rbd_image_t, &mut owner)
+                    };
+                    if rc < 0 {
+                        shared.lose(format!(
+                            "checking the image lock with the cluster failed: {}",
+                            io::Error::from_raw_os_error(-rc)
+                        ));
+                        return;
+                    }
+                    if owner == 0 {
+                        shared.lose("the image lock is no longer ours (taken over by another client, or this client was fenced)".into());
+                        return;
+                    }
+                }
+            });
+        if spawned.is_ok() {
+            self.monitor_stop = Some(stop_tx);
+            self.monitor_done = Some(done_rx);
+        } else {
+            log::warn!("{}: cannot start the lock monitor thread", self.spec);
+        }
+    }
+
+    /// Registers the quiesce watch (`rbd snap create` of the mounted image gets a committed
+    /// state); a failure is only logged.
+    fn watch_quiesce(&mut self) {
+        let ctx = Arc::new(QuiesceCtx {
+            image: self.image as usize,
+            handle: AtomicU64::new(0),
+            shared: self.shared.clone(),
+            open: Mutex::new(true),
+        });
+        let mut handle = 0u64;
+        // SAFETY: an open image; `ctx` outlives the watch (kept in the device, unwatched in
+        // Drop, or leaked with a lost device).
+        let rc = unsafe {
+            ffi::rbd_quiesce_watch(
+                self.image,
+                Some(on_quiesce),
+                Some(on_unquiesce),
+                Arc::as_ptr(&ctx).cast_mut().cast(),
+                &mut handle,
+            )
+        };
+        if rc < 0 {
+            log::warn!(
+                "{}: rbd_quiesce_watch: {} (snapshots of the mounted image get a crash-consistent state, not a committed one)",
+                self.spec,
+                io::Error::from_raw_os_error(-rc)
+            );
+            return;
+        }
+        ctx.handle.store(handle, Ordering::SeqCst);
+        self.quiesce = Some(ctx);
+    }
+
+    /// One request: submitted with `rbd_aio_*`, waited for with the watchdog. Any failure
+    /// gives the device up. Returns the request's buffer and librbd's result.
+    fn submit(
+        &self,
+        kind: AioKind,
+        offset: u64,
+        len: usize,
+        data: Option<&[u8]>,
+    ) -> io::Result<Arc<AioOp>> {
+        self.shared.check()?;
+        let what = match kind {
+            AioKind::Read => format!("read at {offset:#x} length {len}"),
+            AioKind::Write => format!("write at {offset:#x} length {len}"),
+            AioKind::Flush => "flush".to_string(),
+        };
+        let op = Arc::new(AioOp::new(len, data));
+        let arg = Arc::into_raw(op.clone()).cast_mut().cast::<libc::c_void>();
+        let mut c: ffi::rbd_completion_t = std::ptr::null_mut();
+        // SAFETY: `arg` is one reference to `op`, given to the callback (or taken back below
+        // if nothing was submitted); the buffer lives as long as `op`.
+        let rc = unsafe {
+            let rc = ffi::rbd_aio_create_completion(arg, Some(aio_done), &mut c);
+            if rc < 0 {
+                drop(Arc::from_raw(arg.cast::<AioOp>().cast_const()));
+                rc
+            } else {
+                let rc = match kind {
+                    AioKind::Read => ffi::rbd_aio_read(self.image, offset, len, op.buf.cast(), c),
+                    AioKind::Write => {
+                        ffi::rbd_aio_write(self.image, offset, len, op.buf.cast_const().cast(), c)
+                    }
+                    AioKind::Flush => ffi::rbd_aio_flush(self.image, c),
+                };
+                if rc < 0 {
+                    ffi::rbd_aio_release(c);
+                    drop(Arc::from_raw(arg.cast::<AioOp>().cast_const()));
+                }
+                rc
+            }
+        };
+        if rc < 0 {
+            return Err(self.failed(rc.into(), &what));
+        }
+        let deadline = Instant::now() + self.timeout;
+        let mut result = op.result.lock().unwrap_or_else(|e| e.into_inner());
+        let rc = loop {
+            if let Some(rc) = *result {
+                break rc;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                drop(result);
+                let why = format!(
+                    "the Ceph cluster did not answer a {what} within {} s (rbd_timeout); it may still land",
+                    self.timeout.as_secs()
+                );
+                self.shared.lose(why.clone());
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("{}: {why}", self.spec),
+                ));
+            }
+            // Given up meanwhile (another request timed out, the lock was lost): this one
+            // stops waiting too, so a shutdown or an unmount does not wait out its timeout.
+            if self.shared.state().is_lost() {
+                drop(result);
+                return Err(self
+                    .shared
+                    .check()
+                    .err()
+                    .unwrap_or_else(|| io::Error::other(format!("{}: lost", self.spec))));
+            }
+            result = op
+                .done
+                .wait_timeout(result, (deadline - now).min(LOST_POLL))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        };
+        drop(result);
+        if rc < 0 {
+            return Err(self.failed(rc as i64, &what));
+        }
+        if matches!(kind, AioKind::Read) && rc as usize != len {
+            return Err(self.failed(-i64::from(libc::EIO), &format!("{what} (short: {rc})")));
+        }
+        Ok(op)
+    }
+
+    /// The error of a failed request, after giving the device up: a failed write or flush may
+    /// have lost acknowledged data, and a fenced client (-EBLOCKLISTED) must not serve reads.
+    fn failed(&self, rc: i64, what: &str) -> io::Error {
+        let err = rc_error(rc, format!("{}: {what}", self.spec));
+        self.shared.lose(if rc == -i64::from(libc::ESHUTDOWN) {
+            format!("{what}: this client is blocklisted (fenced by a takeover): {err}")
+        } else if rc == -i64::from(libc::ETIMEDOUT) {
+            format!("the Ceph cluster did not answer a {what} (rados_osd_op_timeout): {err}")
+        } else {
+            format!("{what} failed: {err}")
+        });
+        err
     }
 
     fn query_u64(
@@ -424,27 +857,59 @@ impl RbdDevice {
         check_rbd_layout(info.obj_size, unit, count)
     }
 
-    /// Lists the lock owners, refuses a live one, then takes the exclusive lock and records
-    /// who holds it.
-    fn take_lock(&mut self, holder: &str) -> io::Result<()> {
+    /// Lists the lock owners; refuses a live one unless told to take over (DESIGN §14.3);
+    /// takes the exclusive lock and records who holds it.
+    fn take_lock(&mut self, holder: &str, takeover: Takeover, wait: Duration) -> io::Result<()> {
         let spec = self.spec.clone();
         let owners = self.lock_owners()?;
-        let mut deadline = Instant::now() + Duration::from_secs(10);
         if let Some(owner) = owners.first() {
             let record = self.metadata_get(HOLDER_KEY).ok().flatten();
             let record = record.as_deref().map(HolderRecord::parse);
-            match record.filter(|r| r.is_owner(owner)) {
-                Some(r) if r.is_gone_from_this_host() => {
-                    eprintln!(
-                        "{spec}: the previous holder ({}) is gone; waiting for its watch to expire (about 30 s) before taking the lock",
-                        r.describe()
-                    );
-                    deadline = Instant::now() + DEAD_HOLDER_WAIT;
+            let record = record.filter(|r| r.is_owner(owner));
+            let who = match &record {
+                Some(r) => format!("{owner}: {}", r.describe()),
+                None => format!("{owner} (no {HOLDER_KEY} record)"),
+            };
+            let (mode, wait) = match takeover {
+                Takeover::No => match &record {
+                    Some(r) if r.is_gone_from_this_host() => {
+                        eprintln!(
+                            "{spec}: the previous holder ({}) is gone; waiting for its watch to expire (about 30 s) before taking the lock",
+                            r.describe()
+                        );
+                        (Takeover::Wait, DEAD_HOLDER_WAIT)
+                    }
+                    _ => return Err(in_use(&spec, owner, record.as_ref())),
+                },
+                mode => (mode, wait),
+            };
+            if mode == Takeover::Wait {
+                eprintln!(
+                    "{spec}: takeover: waiting up to {} s for the holder {who} to stop answering (its watch on the image expires osd_client_watch_timeout, 30 s by default, after its last ping)",
+                    wait.as_secs()
+                );
+                match self.wait_for_silence(owner, wait)? {
+                    Silence::Released => {}
+                    Silence::Gone => self.fence(owner, &who)?,
+                    Silence::Answering => {
+                        return Err(io::Error::new(
+                            io::ErrorKind::ResourceBusy,
+                            format!(
+                                "{spec}: the holder {who} still answers after {} s: it is alive. Unmount it there; if it must stop writing now, mount with -o takeover=force (this blocklists it: it can never write to the cluster again)",
+                                wait.as_secs()
+                            ),
+                        ))
+                    }
+                    Silence::Other(new_owner) => {
+                        return Err(in_use(&spec, &new_owner, None));
+                    }
                 }
-                Some(r) => return Err(in_use(&spec, owner, Some(&r))),
-                None => return Err(in_use(&spec, owner, None)),
+            } else {
+                eprintln!("{spec}: takeover=force: fencing the holder {who} without waiting");
+                self.fence(owner, &who)?;
             }
         }
+        let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             // SAFETY: an open image.
             let rc = unsafe { ffi::rbd_lock_acquire(self.image, ffi::RBD_LOCK_MODE_EXCLUSIVE) };
@@ -467,7 +932,10 @@ impl RbdDevice {
             }
             std::thread::sleep(Duration::from_millis(500));
         }
-        self.locked = true;
+        self.shared
+            .state()
+            .acquired()
+            .map_err(|e| io::Error::other(format!("{spec}: {e}")))?;
         let record = HolderRecord {
             client: self._cluster.client.clone(),
             address: self._cluster.address.clone(),
@@ -479,6 +947,96 @@ impl RbdDevice {
             holder: holder.to_string(),
         };
         self.metadata_set(HOLDER_KEY, &record.to_string())
+    }
+
+    /// Waits, for at most `wait`, until the lock owner `owner` stops answering: its watch on
+    /// the image header is gone (the OSDs drop a watch that has not pinged for
+    /// `osd_client_watch_timeout`). Also ends when the lock is released or changes hands.
+    fn wait_for_silence(&self, owner: &str, wait: Duration) -> io::Result<Silence> {
+        let deadline = Instant::now() + wait;
+        loop {
+            match self.lock_owners()?.into_iter().next() {
+                None => return Ok(Silence::Released),
+                Some(o) if o != owner => return Ok(Silence::Other(o)),
+                Some(_) => {}
+            }
+            let watchers = self.watchers()?;
+            if !watchers.iter().any(|w| same_address(w, owner)) {
+                return Ok(Silence::Gone);
+            }
+            if Instant::now() >= deadline {
+                return Ok(Silence::Answering);
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    /// Fences the lock owner `owner` and breaks its lock: blocklists its address first (the
+    /// OSDs then refuse its every operation, so it can never write again, whatever its librbd
+    /// believes), then `rbd_lock_break`.
+    fn fence(&self, owner: &str, who: &str) -> io::Result<()> {
+        let spec = &self.spec;
+        let mut address = cstring(owner, "lock owner address")?.into_bytes_with_nul();
+        // SAFETY: a connected cluster handle; the address is NUL-terminated and outlives the
+        // call (librados takes it as char * but does not keep it).
+        let rc = unsafe {
+            ffi::rados_blocklist_add(self._cluster.handle, address.as_mut_ptr().cast(), 0)
+        };
+        if rc < 0 {
+            return Err(rc_error(
+                rc.into(),
+                format!("{spec}: takeover: blocklisting the holder {who} (needs the mon capability `osd blocklist`, part of `profile rbd`)"),
+            ));
+        }
+        let owner_c = cstring(owner, "lock owner address")?;
+        // SAFETY: an open image; the owner string outlives the call.
+        let rc = unsafe {
+            ffi::rbd_lock_break(self.image, ffi::RBD_LOCK_MODE_EXCLUSIVE, owner_c.as_ptr())
+        };
+        if rc < 0 && rc != -libc::ENOENT {
+            return Err(rc_error(
+                rc.into(),
+                format!("{spec}: takeover: breaking the lock of {who}"),
+            ));
+        }
+        eprintln!(
+            "{spec}: takeover: blocklisted {owner} (it can no longer write to the cluster) and broke its lock"
+        );
+        log::warn!("{spec}: took the image over from {who}: blocklisted and lock broken");
+        Ok(())
+    }
+
+    /// The addresses watching the image header (every client with the image open).
+    fn watchers(&self) -> io::Result<Vec<String>> {
+        const MAX_WATCHERS: usize = 64;
+        // SAFETY: rbd_image_watcher_t is plain data; all-zero is a valid value.
+        let mut list: Vec<ffi::rbd_image_watcher_t> = (0..MAX_WATCHERS)
+            .map(|_| unsafe { std::mem::zeroed() })
+            .collect();
+        let mut count: libc::size_t = MAX_WATCHERS;
+        // SAFETY: an open image; the array has room for `count` entries, given back through
+        // rbd_watchers_list_cleanup.
+        let rc = unsafe { ffi::rbd_watchers_list(self.image, list.as_mut_ptr(), &mut count) };
+        if rc < 0 {
+            return Err(rc_error(
+                rc.into(),
+                format!("{}: rbd_watchers_list", self.spec),
+            ));
+        }
+        let count = count.min(MAX_WATCHERS);
+        let addrs = list[..count]
+            .iter()
+            .filter(|w| !w.addr.is_null())
+            // SAFETY: librbd filled NUL-terminated strings in the first `count` entries.
+            .map(|w| {
+                unsafe { CStr::from_ptr(w.addr) }
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect();
+        // SAFETY: the entries librbd filled, given back once.
+        unsafe { ffi::rbd_watchers_list_cleanup(list.as_mut_ptr(), count) };
+        Ok(addrs)
     }
 
     fn lock_owners(&self) -> io::Result<Vec<String>> {
@@ -566,10 +1124,18 @@ fn name_holder(spec: &RbdSpec, ceph: &CephOptions) -> Option<io::Error> {
         spec: spec.clone(),
         size: 0,
         writable: false,
-        locked: false,
+        timeout: DEFAULT_RBD_TIMEOUT,
+        shared: Arc::new(Shared {
+            spec: spec.clone(),
+            state: Mutex::new(LockState::Unlocked),
+            events: None,
+            local: Mutex::new(None),
+        }),
+        monitor_stop: None,
+        monitor_done: None,
+        quiesce: None,
         counters: Counters::default(),
-        _cluster: cluster,
-        _local: None,
+        _cluster: ManuallyDrop::new(cluster),
     };
     let owner = device.lock_owners().ok()?.into_iter().next()?;
     let record = device.metadata_get(HOLDER_KEY).ok().flatten();
@@ -622,9 +1188,7 @@ fn in_use(spec: &RbdSpec, owner: &str, record: Option<&HolderRecord>) -> io::Err
     io::Error::new(
         io::ErrorKind::ResourceBusy,
         format!(
-            "{spec}: image is in use by {who}. Unmount it there first. If that holder is dead, its lock is broken only by a takeover: `-o takeover` is not implemented yet (issue 21); by hand: `rbd lock ls {pool}/{image}`, then `rbd lock rm {pool}/{image} ID LOCKER` (this blocklists the old client)",
-            pool = spec.pool,
-            image = image_path(spec)
+            "{spec}: image is in use by {who}. Unmount it there first. If that holder is dead or hangs, mount with -o takeover (waits until it no longer answers, then blocklists it and breaks its lock) or -o takeover=force (at once, even if it still answers)"
         ),
     )
 }
@@ -706,6 +1270,42 @@ impl HolderRecord {
     }
 }
 
+/// How a wait for a lock owner to stop answering ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Silence {
+    /// Its watch is gone: it answers no more (stopped, dead, or cut off).
+    Gone,
+    /// It released the lock.
+    Released,
+    /// Another client holds the lock now.
+    Other(String),
+    /// It still watches the image: alive.
+    Answering,
+}
+
+/// Whether a watcher's address and a lock owner's address name one client session. Both are
+/// librados entity addresses (`IP:PORT/NONCE`, maybe with a `v1:`/`v2:` prefix); the nonce
+/// tells sessions of one host apart.
+fn same_address(watcher: &str, owner: &str) -> bool {
+    let bare = |a: &str| -> Vec<String> {
+        a.trim()
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .split(',')
+            .map(|one| {
+                let one = one.trim();
+                one.strip_prefix("v2:")
+                    .or_else(|| one.strip_prefix("v1:"))
+                    .unwrap_or(one)
+                    .to_string()
+            })
+            .filter(|one| !one.is_empty())
+            .collect()
+    };
+    let owners = bare(owner);
+    bare(watcher).iter().any(|w| owners.contains(w))
+}
+
 fn hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: gethostname writes at most buf.len() bytes into buf.
@@ -719,9 +1319,64 @@ fn hostname() -> String {
 
 impl Drop for RbdDevice {
     fn drop(&mut self) {
-        // SAFETY: the image is open until rbd_close here; nothing uses it after.
+        // Stop the lock monitor first (it uses the image); a lost device does not wait for
+        // it, nor for anything else that may need the cluster.
+        drop(self.monitor_stop.take());
+        let lost = self.shared.state().is_lost();
+        if let Some(done) = self.monitor_done.take() {
+            // The monitor never sends: its end drops the sender (Disconnected). Still in a
+            // librbd call past the watchdog's time: the cluster is gone, and the image must not
+            // be closed under that call (the device is given up and leaks it, below).
+            if !lost
+                && matches!(
+                    done.recv_timeout(self.timeout),
+                    Err(mpsc::RecvTimeoutError::Timeout)
+                )
+            {
+                self.shared.lose(format!(
+                    "the Ceph cluster did not answer the lock check within {} s (rbd_timeout) at close",
+                    self.timeout.as_secs()
+                ));
+            }
+        }
+        if let Some(ctx) = &self.quiesce {
+            *ctx.open.lock().unwrap_or_else(|e| e.into_inner()) = false;
+        }
+        let state = self.shared.state().clone();
+        if let LockState::Lost(why) = state {
+            // The record is the new holder's (or the cluster does not answer), rbd_close and
+            // rados_shutdown could block: leak the handles (and the quiesce context) for a
+            // process that is about to exit. This host's lock is released (below, by drop).
+            log::warn!(
+                "{}: closing without touching the cluster (the device was given up: {why})",
+                self.spec
+            );
+            if let Some(ctx) = self.quiesce.take() {
+                std::mem::forget(ctx);
+            }
+            drop(
+                self.shared
+                    .local
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take(),
+            );
+            return;
+        }
+        // SAFETY: the image is open until rbd_close here; nothing uses it after (the monitor
+        // ended or was never started; the quiesce watch is removed first).
         unsafe {
-            if self.locked {
+            if let Some(ctx) = &self.quiesce {
+                let rc = ffi::rbd_quiesce_unwatch(self.image, ctx.handle.load(Ordering::SeqCst));
+                if rc < 0 {
+                    log::warn!(
+                        "{}: rbd_quiesce_unwatch: {}",
+                        self.spec,
+                        io::Error::from_raw_os_error(-rc)
+                    );
+                }
+            }
+            if state == LockState::Held {
                 if let Ok(key) = CString::new(HOLDER_KEY) {
                     ffi::rbd_metadata_remove(self.image, key.as_ptr());
                 }
@@ -733,6 +1388,7 @@ impl Drop for RbdDevice {
                         io::Error::from_raw_os_error(-rc)
                     );
                 }
+                self.shared.state().released();
             }
             let rc = ffi::rbd_close(self.image);
             if rc < 0 {
@@ -742,7 +1398,16 @@ impl Drop for RbdDevice {
                     io::Error::from_raw_os_error(-rc)
                 );
             }
+            // The image is closed: disconnect.
+            ManuallyDrop::drop(&mut self._cluster);
         }
+        drop(
+            self.shared
+                .local
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(),
+        );
     }
 }
 
@@ -750,23 +1415,10 @@ impl BlockDevice for RbdDevice {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         check_range(offset, buf.len(), self.size)?;
         self.counters.add(|c| &c.device_reads, 1);
-        let mut done = 0usize;
-        while done < buf.len() {
-            let rest = &mut buf[done..];
-            // SAFETY: an open image; librbd writes at most rest.len() bytes into rest.
-            let n = unsafe {
-                ffi::rbd_read(
-                    self.image,
-                    offset + done as u64,
-                    rest.len(),
-                    rest.as_mut_ptr().cast(),
-                )
-            };
-            if n <= 0 {
-                return Err(self.short_io(n, "read", offset + done as u64, rest.len()));
-            }
-            done += n as usize;
-        }
+        let op = self.submit(AioKind::Read, offset, buf.len(), None)?;
+        // SAFETY: the request completed, so librbd no longer touches the buffer, which holds
+        // `buf.len()` bytes.
+        buf.copy_from_slice(unsafe { std::slice::from_raw_parts(op.buf, op.len) });
         Ok(())
     }
 
@@ -783,33 +1435,13 @@ impl BlockDevice for RbdDevice {
         }
         self.counters.add(|c| &c.device_writes, 1);
         self.counters.add(|c| &c.bytes_written, buf.len() as u64);
-        let mut done = 0usize;
-        while done < buf.len() {
-            let rest = &buf[done..];
-            // SAFETY: an open image; librbd reads rest.len() bytes from rest.
-            let n = unsafe {
-                ffi::rbd_write(
-                    self.image,
-                    offset + done as u64,
-                    rest.len(),
-                    rest.as_ptr().cast(),
-                )
-            };
-            if n <= 0 {
-                return Err(self.short_io(n, "write", offset + done as u64, rest.len()));
-            }
-            done += n as usize;
-        }
+        self.submit(AioKind::Write, offset, buf.len(), Some(buf))?;
         Ok(())
     }
 
     fn flush(&self) -> io::Result<()> {
         self.counters.add(|c| &c.flushes, 1);
-        // SAFETY: an open image.
-        let rc = unsafe { ffi::rbd_flush(self.image) };
-        if rc < 0 {
-            return Err(rc_error(rc.into(), format!("{}: flush", self.spec)));
-        }
+        self.submit(AioKind::Flush, 0, 0, None)?;
         Ok(())
     }
 
@@ -844,6 +1476,27 @@ mod tests {
         );
         assert!(r.is_owner("127.0.0.1:0/2392921740"));
         assert!(!r.is_owner("127.0.0.1:0/1"));
+    }
+
+    #[test]
+    fn watcher_and_owner_addresses_match_by_session() {
+        assert!(same_address(
+            "127.0.0.1:0/3215528417",
+            "127.0.0.1:0/3215528417"
+        ));
+        assert!(same_address(
+            "v2:127.0.0.1:0/3215528417",
+            "127.0.0.1:0/3215528417"
+        ));
+        assert!(same_address(
+            "[v2:10.0.0.5:0/77,v1:10.0.0.5:0/77]",
+            "10.0.0.5:0/77"
+        ));
+        assert!(!same_address("127.0.0.1:0/1", "127.0.0.1:0/2"));
+        // One nonce a prefix of another is another session.
+        assert!(!same_address("127.0.0.1:0/123", "127.0.0.1:0/12"));
+        assert!(!same_address("127.0.0.1:0/12", "127.0.0.1:0/123"));
+        assert!(!same_address("", "127.0.0.1:0/2"));
     }
 
     #[test]

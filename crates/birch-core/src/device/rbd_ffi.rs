@@ -23,6 +23,23 @@ pub type rbd_image_t = *mut libc::c_void;
 /// `rbd_image_options_t`: options for `rbd_create4`.
 pub type rbd_image_options_t = *mut libc::c_void;
 
+/// `rbd_completion_t`: an asynchronous request's completion.
+pub type rbd_completion_t = *mut libc::c_void;
+/// `rbd_callback_t`: called once when an asynchronous request completes (on a librbd thread,
+/// which must not call librbd synchronously).
+pub type rbd_callback_t =
+    Option<unsafe extern "C" fn(cb: rbd_completion_t, arg: *mut libc::c_void)>;
+/// `rbd_update_callback_t`: the quiesce and unquiesce callbacks.
+pub type rbd_update_callback_t = Option<unsafe extern "C" fn(arg: *mut libc::c_void)>;
+
+/// `rbd_image_watcher_t`, filled by `rbd_watchers_list`.
+#[repr(C)]
+pub struct rbd_image_watcher_t {
+    pub addr: *mut c_char,
+    pub id: i64,
+    pub cookie: u64,
+}
+
 /// `rbd_lock_mode_t`: `RBD_LOCK_MODE_EXCLUSIVE`.
 pub const RBD_LOCK_MODE_EXCLUSIVE: c_int = 0;
 /// `RBD_IMAGE_OPTION_FEATURES` of `rbd_image_option_t`.
@@ -73,6 +90,13 @@ extern "C" {
         ioctx: *mut rados_ioctx_t,
     ) -> c_int;
     pub fn rados_ioctx_destroy(io: rados_ioctx_t);
+    /// Blocklists a client address for `expire_seconds` (0: the cluster's default, 1 h): the
+    /// OSDs refuse its operations from then on.
+    pub fn rados_blocklist_add(
+        cluster: rados_t,
+        client_address: *mut c_char,
+        expire_seconds: u32,
+    ) -> c_int;
     pub fn rados_ioctx_set_namespace(io: rados_ioctx_t, nspace: *const c_char);
 }
 
@@ -113,19 +137,6 @@ extern "C" {
     pub fn rbd_get_features(image: rbd_image_t, features: *mut u64) -> c_int;
     pub fn rbd_get_stripe_unit(image: rbd_image_t, stripe_unit: *mut u64) -> c_int;
     pub fn rbd_get_stripe_count(image: rbd_image_t, stripe_count: *mut u64) -> c_int;
-    pub fn rbd_read(
-        image: rbd_image_t,
-        ofs: u64,
-        len: libc::size_t,
-        buf: *mut c_char,
-    ) -> libc::ssize_t;
-    pub fn rbd_write(
-        image: rbd_image_t,
-        ofs: u64,
-        len: libc::size_t,
-        buf: *const c_char,
-    ) -> libc::ssize_t;
-    pub fn rbd_flush(image: rbd_image_t) -> c_int;
     pub fn rbd_lock_acquire(image: rbd_image_t, lock_mode: c_int) -> c_int;
     pub fn rbd_lock_release(image: rbd_image_t) -> c_int;
     pub fn rbd_lock_get_owners(
@@ -146,4 +157,48 @@ extern "C" {
     ) -> c_int;
     pub fn rbd_metadata_set(image: rbd_image_t, key: *const c_char, value: *const c_char) -> c_int;
     pub fn rbd_metadata_remove(image: rbd_image_t, key: *const c_char) -> c_int;
+    /// Asks the OSD whether this client still holds the lock (`assert_header_locked`).
+    pub fn rbd_is_exclusive_lock_owner(image: rbd_image_t, is_owner: *mut c_int) -> c_int;
+    pub fn rbd_lock_break(image: rbd_image_t, lock_mode: c_int, lock_owner: *const c_char)
+        -> c_int;
+    pub fn rbd_watchers_list(
+        image: rbd_image_t,
+        watchers: *mut rbd_image_watcher_t,
+        max_watchers: *mut libc::size_t,
+    ) -> c_int;
+    pub fn rbd_watchers_list_cleanup(
+        watchers: *mut rbd_image_watcher_t,
+        num_watchers: libc::size_t,
+    );
+    pub fn rbd_aio_create_completion(
+        cb_arg: *mut libc::c_void,
+        complete_cb: rbd_callback_t,
+        c: *mut rbd_completion_t,
+    ) -> c_int;
+    pub fn rbd_aio_write(
+        image: rbd_image_t,
+        off: u64,
+        len: libc::size_t,
+        buf: *const c_char,
+        c: rbd_completion_t,
+    ) -> c_int;
+    pub fn rbd_aio_read(
+        image: rbd_image_t,
+        off: u64,
+        len: libc::size_t,
+        buf: *mut c_char,
+        c: rbd_completion_t,
+    ) -> c_int;
+    pub fn rbd_aio_flush(image: rbd_image_t, c: rbd_completion_t) -> c_int;
+    pub fn rbd_aio_get_return_value(c: rbd_completion_t) -> libc::ssize_t;
+    pub fn rbd_aio_release(c: rbd_completion_t);
+    pub fn rbd_quiesce_watch(
+        image: rbd_image_t,
+        quiesce_cb: rbd_update_callback_t,
+        unquiesce_cb: rbd_update_callback_t,
+        arg: *mut libc::c_void,
+        handle: *mut u64,
+    ) -> c_int;
+    pub fn rbd_quiesce_complete(image: rbd_image_t, handle: u64, r: c_int);
+    pub fn rbd_quiesce_unwatch(image: rbd_image_t, handle: u64) -> c_int;
 }

@@ -132,12 +132,77 @@ pub struct CephOptions {
     pub conf: Option<PathBuf>,
     /// Path of the keyring.
     pub keyring: Option<PathBuf>,
+    /// Whether and how a mount takes the image from a holder that still has its lock
+    /// (`takeover`, `takeover=force`; DESIGN §14.3).
+    pub takeover: Takeover,
+    /// How long `takeover` waits for the holder's watch to expire (`takeover_wait=SECS`);
+    /// [`DEFAULT_TAKEOVER_WAIT`] when unset.
+    pub takeover_wait: Option<Duration>,
+    /// The watchdog: how long one device request may wait for the cluster before the device
+    /// is given up (`rbd_timeout=SECS`); [`DEFAULT_RBD_TIMEOUT`] when unset.
+    pub io_timeout: Option<Duration>,
+}
+
+/// How long `-o takeover` waits for a holder's watch to expire by default: the OSDs drop a
+/// watch 30 s (`osd_client_watch_timeout`) after its last ping, plus a margin.
+pub const DEFAULT_TAKEOVER_WAIT: Duration = Duration::from_secs(60);
+
+/// The watchdog's default (`rbd_timeout=`): longer than an OSD restart here, short enough that
+/// an unreachable cluster gives EIO rather than a hang.
+pub const DEFAULT_RBD_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Taking an image from a holder that still has its lock (DESIGN §14.3).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Takeover {
+    /// Refuse a holder (but one gone from this host, whose watch is waited out).
+    #[default]
+    No,
+    /// `takeover`: wait until the holder's watch expires (it answers no more), then blocklist
+    /// it and break its lock; a holder still watching at the deadline is refused.
+    Wait,
+    /// `takeover=force`: blocklist the holder and break its lock at once.
+    Force,
 }
 
 impl CephOptions {
     /// Takes one mount option if it is a Ceph one (`ceph_id=`, `ceph_conf=`, `keyring=`):
     /// `Ok(true)` when taken, `Ok(false)` when the key is not ours, an error for an empty value.
     pub fn take_mount_option(&mut self, key: &str, value: Option<&str>) -> Result<bool, String> {
+        let seconds = |v: Option<&str>| -> Result<Duration, String> {
+            v.and_then(|v| v.parse::<u64>().ok())
+                .filter(|n| (1..=86_400).contains(n))
+                .map(Duration::from_secs)
+                .ok_or_else(|| {
+                    format!(
+                        "option {key}={}: needs a whole number of seconds from 1 to 86400",
+                        v.unwrap_or("")
+                    )
+                })
+        };
+        match key {
+            "takeover" => {
+                self.takeover = match value {
+                    None | Some("wait") | Some("on") => Takeover::Wait,
+                    Some("force") => Takeover::Force,
+                    Some("off") => Takeover::No,
+                    Some(v) => {
+                        return Err(format!(
+                            "option takeover={v}: expected takeover (wait for the holder's watch to expire), takeover=force (fence it at once) or takeover=off"
+                        ))
+                    }
+                };
+                return Ok(true);
+            }
+            "takeover_wait" => {
+                self.takeover_wait = Some(seconds(value)?);
+                return Ok(true);
+            }
+            "rbd_timeout" => {
+                self.io_timeout = Some(seconds(value)?);
+                return Ok(true);
+            }
+            _ => {}
+        }
         let slot = match key {
             "ceph_id" | "ceph_conf" | "keyring" => value
                 .filter(|v| !v.is_empty())
@@ -303,6 +368,65 @@ impl LocalLock {
     }
 }
 
+/// The image lock as an open device sees it (DESIGN §14.3). `Lost` is terminal: a device
+/// that lost the lock (taken over, fenced, or given up by the watchdog) never does I/O again
+/// and never takes the lock back, whatever librbd does underneath.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LockState {
+    /// No lock taken (yet, or an unlocked read-only open).
+    Unlocked,
+    /// This device holds the exclusive lock.
+    Held,
+    /// Released by a clean close.
+    Released,
+    /// Lost, with the reason; nothing more passes.
+    Lost(String),
+}
+
+impl LockState {
+    /// The lock was taken. Only from `Unlocked`: a lost or released lock is never taken back.
+    pub fn acquired(&mut self) -> Result<(), String> {
+        match self {
+            LockState::Unlocked => {
+                *self = LockState::Held;
+                Ok(())
+            }
+            other => Err(format!("the image lock cannot be taken again ({other:?})")),
+        }
+    }
+
+    /// The lock is gone (or the device is given up): returns whether this call made it so
+    /// (false: it was lost already, and the first reason stays).
+    pub fn lose(&mut self, why: &str) -> bool {
+        if matches!(self, LockState::Lost(_)) {
+            return false;
+        }
+        *self = LockState::Lost(why.to_string());
+        true
+    }
+
+    /// A clean close released it (a lost lock stays lost: it is not ours to release).
+    pub fn released(&mut self) {
+        if *self == LockState::Held {
+            *self = LockState::Released;
+        }
+    }
+
+    /// Whether I/O may pass: unless lost or released.
+    pub fn may_do_io(&self) -> Result<(), String> {
+        match self {
+            LockState::Lost(why) => Err(why.clone()),
+            LockState::Released => Err("the image is closed".into()),
+            LockState::Unlocked | LockState::Held => Ok(()),
+        }
+    }
+
+    /// Whether the device is lost.
+    pub fn is_lost(&self) -> bool {
+        matches!(self, LockState::Lost(_))
+    }
+}
+
 /// Whether a FUSE mount on this host has `spec` as its source (`/proc/self/mountinfo`).
 fn is_mounted_here(spec: &RbdSpec) -> bool {
     let want = spec.to_string();
@@ -398,6 +522,72 @@ mod tests {
         assert_eq!(c.id.as_deref(), Some("birch"));
         assert_eq!(c.conf.as_deref(), Some(Path::new("/etc/ceph/x.conf")));
         assert_eq!(c.keyring.as_deref(), Some(Path::new("/k")));
+    }
+
+    #[test]
+    fn takeover_and_timeout_options_parse_and_bad_values_are_refused() {
+        let mut c = CephOptions::default();
+        assert_eq!(c.takeover, Takeover::No);
+        assert_eq!(c.take_mount_option("takeover", None), Ok(true));
+        assert_eq!(c.takeover, Takeover::Wait);
+        assert_eq!(c.take_mount_option("takeover", Some("force")), Ok(true));
+        assert_eq!(c.takeover, Takeover::Force);
+        assert_eq!(c.take_mount_option("takeover", Some("off")), Ok(true));
+        assert_eq!(c.takeover, Takeover::No);
+        assert_eq!(c.take_mount_option("takeover", Some("wait")), Ok(true));
+        assert_eq!(c.takeover, Takeover::Wait);
+        let err = c.take_mount_option("takeover", Some("now")).err();
+        assert!(err.is_some_and(|e| e.contains("takeover=force")));
+        assert_eq!(c.take_mount_option("rbd_timeout", Some("15")), Ok(true));
+        assert_eq!(c.io_timeout, Some(Duration::from_secs(15)));
+        assert_eq!(c.take_mount_option("takeover_wait", Some("90")), Ok(true));
+        assert_eq!(c.takeover_wait, Some(Duration::from_secs(90)));
+        for (key, bad) in [
+            ("rbd_timeout", None),
+            ("rbd_timeout", Some("0")),
+            ("rbd_timeout", Some("-3")),
+            ("rbd_timeout", Some("1.5")),
+            ("rbd_timeout", Some("ten")),
+            ("takeover_wait", Some("")),
+            ("takeover_wait", Some("100000")),
+        ] {
+            let err = c.take_mount_option(key, bad).err();
+            assert!(
+                err.as_deref()
+                    .is_some_and(|e| e.contains("whole number of seconds")),
+                "{key}={bad:?}: {err:?}"
+            );
+        }
+        // Unchanged by the refused values.
+        assert_eq!(c.io_timeout, Some(Duration::from_secs(15)));
+    }
+
+    #[test]
+    fn a_lost_lock_is_never_taken_back() {
+        let mut s = LockState::Unlocked;
+        assert!(s.may_do_io().is_ok());
+        assert!(s.acquired().is_ok());
+        assert_eq!(s, LockState::Held);
+        assert!(s.acquired().is_err(), "held already");
+        assert!(s.lose("blocklisted"));
+        assert!(!s.lose("watchdog"), "the first reason stays");
+        assert_eq!(s.may_do_io(), Err("blocklisted".to_string()));
+        assert!(s.acquired().is_err(), "a lost lock is never re-acquired");
+        s.released();
+        assert!(s.is_lost(), "a lost lock is not released by a close");
+        let mut s = LockState::Unlocked;
+        assert!(s.acquired().is_ok());
+        s.released();
+        assert_eq!(s, LockState::Released);
+        assert!(s.may_do_io().is_err());
+        assert!(
+            s.acquired().is_err(),
+            "nor is a released one, by the same device"
+        );
+        // An unlocked (read-only) device can be given up too.
+        let mut s = LockState::Unlocked;
+        assert!(s.lose("the cluster did not answer"));
+        assert!(s.may_do_io().is_err());
     }
 
     #[test]
