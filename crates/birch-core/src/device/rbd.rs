@@ -895,7 +895,7 @@ impl RbdDevice {
                         return Err(io::Error::new(
                             io::ErrorKind::ResourceBusy,
                             format!(
-                                "{spec}: the holder {who} still answers after {} s: it is alive. Unmount it there; if it must stop writing now, mount with -o takeover=force (this blocklists it: it can never write to the cluster again)",
+                                "{spec}: the holder {who} still answers after {} s: it is alive. Unmount it there; if it must stop writing now, mount with -o takeover=force (this blocklists it: the cluster refuses its writes)",
                                 wait.as_secs()
                             ),
                         ))
@@ -972,8 +972,8 @@ impl RbdDevice {
     }
 
     /// Fences the lock owner `owner` and breaks its lock: blocklists its address first (the
-    /// OSDs then refuse its every operation, so it can never write again, whatever its librbd
-    /// believes), then `rbd_lock_break`.
+    /// OSDs then refuse its every operation for Ceph's default blocklist time, one hour,
+    /// whatever its librbd believes), then `rbd_lock_break`.
     fn fence(&self, owner: &str, who: &str) -> io::Result<()> {
         let spec = &self.spec;
         let mut address = cstring(owner, "lock owner address")?.into_bytes_with_nul();
