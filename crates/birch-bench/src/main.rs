@@ -20,6 +20,13 @@
 //!    4 KiB appends/s to one file; 4 KiB random overwrites/s inside a 64 MiB file (written and
 //!    committed before the clock starts). The MemDevice's pages are mapped before the clock,
 //!    and it writes in place (`MemDevice::for_benchmarks`).
+//! 4. **Open walk with snapshots** (`--only open`, never in the default run; DESIGN §15.5): an
+//!    image of `--open-files` files of one 4 KiB block (1,000,000 by default); `Engine::open`
+//!    and the union walk (`txn::union_walk`) of the newest tree, then of the newest tree and
+//!    `--open-snapshots` kept older roots (each kept before 1% of the files are overwritten at
+//!    random), against the trees walked one by one; the COW-path costs of the candidates of
+//!    DESIGN §15.3 (an extra item per freed extent in a random leaf and appended; look-ups in
+//!    an in-memory reference-count map).
 //!
 //! Every row also gives the engine counters per operation (per commit in part 2):
 //! `btree_descents`, `btree_cows`, `nodes_written`, and the device's `flushes` and

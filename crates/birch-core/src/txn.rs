@@ -1663,7 +1663,7 @@ fn walk_tree(
     Ok(())
 }
 
-/// What [`union_walk`] found (DESIGN §15.4).
+/// What [`union_walk`] found (DESIGN §15.6).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct UnionWalk {
     /// Distinct nodes read (and verified), each once.
@@ -1682,7 +1682,7 @@ pub struct UnionWalk {
     pub counted_blocks: u64,
 }
 
-/// The open walk over the union of several trees (DESIGN §15.4), as snapshots will need it:
+/// The open walk over the union of several trees (DESIGN §15.6), as snapshots will need it (rule 3):
 /// each distinct node is read once (a pointer to a node already reached at the same
 /// generation is shared, its subtree skipped; at another generation the image is corrupt),
 /// every node and extent is marked in a fresh allocator, and with `count_refs` every data
@@ -2090,7 +2090,7 @@ mod tests {
         assert_eq!(value.map(|(_, v)| v.to_vec()), Some(vec![20]));
     }
 
-    /// DESIGN §15.4: the union walk over trees that share subtrees reads each distinct node
+    /// DESIGN §15.6: the union walk over trees that share subtrees reads each distinct node
     /// once (a device read per node, counted), skips a shared subtree at its top, and marks
     /// the data blocks an extent of a changed leaf reaches again only once.
     #[test]
