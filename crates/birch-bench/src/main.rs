@@ -92,7 +92,8 @@ struct Args {
     /// `open` runs only when named (it builds a large image).
     #[arg(long, value_parser = ["btree", "commit", "create", "append", "overwrite", "open"])]
     only: Vec<String>,
-    /// Part `open`: files in the image (each one 4 KiB block, 1,000 to a directory).
+    /// Part `open`: files in the image (each one 4 KiB block, 1,000 to a directory; at most
+    /// 20,000 with `--quick`).
     #[arg(long, default_value_t = 1_000_000)]
     open_files: usize,
     /// Part `open`: older roots kept as simulated snapshots (each after ~1% of the files
@@ -863,7 +864,12 @@ fn walk_row(name: String, secs: f64, walk: &UnionWalk, roots: usize, files: usiz
 /// [`Engine::open`] of the image (the newest tree and its backup roots) before the rounds.
 fn bench_open(target: &Target, args: &Args, rows: &mut Vec<Row>) -> Res<()> {
     let c = Caller::default();
-    let files = args.open_files.max(1000) / 1000 * 1000;
+    let files = if args.quick {
+        args.open_files.min(20_000)
+    } else {
+        args.open_files
+    };
+    let files = files.max(1000) / 1000 * 1000;
     let snapshots = args.open_snapshots;
     let change = (files / 100).max(1);
     let data = (files + snapshots * change) as u64 * BLOCK_SIZE;
