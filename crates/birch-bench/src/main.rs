@@ -20,6 +20,13 @@
 //!    4 KiB appends/s to one file; 4 KiB random overwrites/s inside a 64 MiB file (written and
 //!    committed before the clock starts). The MemDevice's pages are mapped before the clock,
 //!    and it writes in place (`MemDevice::for_benchmarks`).
+//! 4. **Open walk with snapshots** (`--only open`, never in the default run; DESIGN §15.5): an
+//!    image of `--open-files` files of one 4 KiB block (1,000,000 by default); `Engine::open`
+//!    and the union walk (`txn::union_walk`) of the newest tree, then of the newest tree and
+//!    `--open-snapshots` kept older roots (each kept before 1% of the files are overwritten at
+//!    random), against the trees walked one by one; the COW-path costs of the candidates of
+//!    DESIGN §15.3 (an extra item per freed extent in a random leaf and appended; look-ups in
+//!    an in-memory reference-count map).
 //!
 //! Every row also gives the engine counters per operation (per commit in part 2):
 //! `btree_descents`, `btree_cows`, `nodes_written`, and the device's `flushes` and
@@ -54,6 +61,7 @@ use birch_core::btree::{TreeCtx, TreeReader, TreeWriter};
 use birch_core::cache::NodeCache;
 use birch_core::counters::{CounterValues, Counters};
 use birch_core::device::{BlockDevice, FileDevice, MemDevice, OpenMode};
+use birch_core::txn::{union_walk, UnionWalk};
 use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::superblock::RootPtr;
@@ -80,9 +88,18 @@ struct Args {
     /// Print JSON on stdout (the table goes to stderr).
     #[arg(long)]
     json: bool,
-    /// Run only these parts (repeatable): btree, commit, create, append, overwrite.
-    #[arg(long, value_parser = ["btree", "commit", "create", "append", "overwrite"])]
+    /// Run only these parts (repeatable): btree, commit, create, append, overwrite, open.
+    /// `open` runs only when named (it builds a large image).
+    #[arg(long, value_parser = ["btree", "commit", "create", "append", "overwrite", "open"])]
     only: Vec<String>,
+    /// Part `open`: files in the image (each one 4 KiB block, 1,000 to a directory; at most
+    /// 20,000 with `--quick`).
+    #[arg(long, default_value_t = 1_000_000)]
+    open_files: usize,
+    /// Part `open`: older roots kept as simulated snapshots (each after ~1% of the files
+    /// were overwritten).
+    #[arg(long, default_value_t = 10)]
+    open_snapshots: usize,
     /// Seed 002's "before", benchmark only: one mutex on the object id counter for every
     /// create, no batch of ids per thread (`OpenOptions::bench_global_objectid_lock`).
     #[arg(long)]
@@ -98,7 +115,7 @@ static SWITCHES: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
 
 impl Args {
     fn wants(&self, part: &str) -> bool {
-        self.only.is_empty() || self.only.iter().any(|p| p == part)
+        (self.only.is_empty() && part != "open") || self.only.iter().any(|p| p == part)
     }
 }
 
@@ -264,6 +281,10 @@ fn run(args: &Args) -> Res<()> {
         bench_commits(&target, &sizes, &mut rows)?;
     }
     bench_fs(&target, &sizes, args, &mut rows)?;
+    if args.wants("open") {
+        bench_open(&target, args, &mut rows)?;
+        bench_refcount_map(&mut rows);
+    }
     let total = started.elapsed().as_secs_f64();
     let table = table(&rows, &target, args.quick, total);
     if args.json {
@@ -793,6 +814,290 @@ fn bench_fs(target: &Target, sizes: &Sizes, args: &Args, rows: &mut Vec<Row>) ->
         fs.release(attr.ino, fh)?;
     }
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Open walk with retained older roots (DESIGN §15.5)
+
+/// Times `f` `OPEN_REPEATS` times and returns the median seconds and the last result.
+fn timed<T>(mut f: impl FnMut() -> Res<T>) -> Res<(f64, T)> {
+    const OPEN_REPEATS: usize = 3;
+    let mut secs = Vec::new();
+    let mut last = None;
+    for _ in 0..OPEN_REPEATS {
+        let start = Instant::now();
+        last = Some(f()?);
+        secs.push(start.elapsed().as_secs_f64());
+    }
+    let last = last.ok_or("no repeat ran")?;
+    Ok((median(secs), last))
+}
+
+fn walk_row(name: String, secs: f64, walk: &UnionWalk, roots: usize, files: usize) -> Row {
+    Row {
+        section: "open",
+        name,
+        ops: walk.nodes_read,
+        secs,
+        unit: "nodes/s",
+        delta: Snap::default(),
+        extra: vec![
+            ("files", files as f64),
+            ("roots", roots as f64),
+            ("ms", secs * 1e3),
+            ("nodes_read", walk.nodes_read as f64),
+            ("nodes_shared", walk.nodes_shared as f64),
+            ("extents", walk.extents as f64),
+            ("data_blocks", walk.data_blocks as f64),
+            ("data_blocks_again", walk.data_blocks_again as f64),
+            ("counted_blocks", walk.counted_blocks as f64),
+        ],
+    }
+}
+
+/// An image of `--open-files` files of one 4 KiB block each (1,000 to a directory); the
+/// open walk's time with the newest tree alone, then after `--open-snapshots` rounds of
+/// "keep the committed root (its reader pins every block later commits free), overwrite 1%
+/// of the files at random, commit": the union of the kept roots and the newest tree walked
+/// once per distinct node ([`union_walk`]), against the sum of the trees walked one by one.
+/// Every walk is cold (a fresh node cache; on `--image`, O_DIRECT reads). Also the real
+/// [`Engine::open`] of the image (the newest tree and its backup roots) before the rounds.
+fn bench_open(target: &Target, args: &Args, rows: &mut Vec<Row>) -> Res<()> {
+    let c = Caller::default();
+    let files = if args.quick {
+        args.open_files.min(20_000)
+    } else {
+        args.open_files
+    };
+    let files = files.max(1000) / 1000 * 1000;
+    let snapshots = args.open_snapshots;
+    let change = (files / 100).max(1);
+    let data = (files + snapshots * change) as u64 * BLOCK_SIZE;
+    // Metadata: a tree takes about 800 bytes of nodes per file, the union of 11 trees about
+    // 2,300 (measured with 20,000 files); room for the commits' copies on top.
+    let meta = files as u64 * (1200 + 200 * snapshots as u64);
+    let size = (data + meta + (1 << 30)) / BLOCK_SIZE * BLOCK_SIZE;
+    eprintln!(
+        "open: building {files} files of 4 KiB on a {} MiB device ...",
+        size >> 20
+    );
+    let fs = new_fs(target, size)?;
+    let block = vec![0x5au8; BLOCK_SIZE as usize];
+    let start = Instant::now();
+    let mut inos = Vec::with_capacity(files);
+    for d in 0..files / 1000 {
+        let dir = fs.mkdir(c, 1, format!("d{d:05}").as_bytes(), 0o755)?.ino;
+        for i in 0..1000 {
+            let (attr, fh) = fs.create(c, dir, format!("f{i:04}").as_bytes(), 0o644, 0)?;
+            fs.write(attr.ino, 0, &block, false)?;
+            fs.release(attr.ino, fh)?;
+            inos.push(attr.ino);
+        }
+        if (d + 1) % 100 == 0 {
+            fs.sync()?;
+        }
+    }
+    fs.sync()?;
+    let build = start.elapsed().as_secs_f64();
+    eprintln!("open: built in {build:.1} s");
+    let engine = fs.engine().clone();
+    let dev = engine.base_device().clone();
+    let fsid = engine.fsid();
+    let total = dev.size_bytes();
+
+    let (secs, opened) = timed(|| Ok(Engine::open(dev.clone())?.counters().values()))?;
+    rows.push(Row {
+        section: "open",
+        name: "Engine::open, newest tree + backups".to_string(),
+        ops: opened.cache_misses,
+        secs,
+        unit: "nodes/s",
+        delta: Snap::default(),
+        extra: vec![
+            ("files", files as f64),
+            ("ms", secs * 1e3),
+            ("build_s", build),
+        ],
+    });
+    let live = engine.committed_root().root;
+    for count in [false, true] {
+        let (secs, walk) = timed(|| Ok(union_walk(&*dev, fsid, total, &[live], count)?))?;
+        let name = format!(
+            "union walk, 0 snapshots{}",
+            if count { ", all refs counted" } else { "" }
+        );
+        rows.push(walk_row(name, secs, &walk, 1, files));
+    }
+
+    let mut rng = SmallRng::seed_from_u64(SEED ^ 15);
+    let mut kept = Vec::new();
+    let (mut in_writes, mut in_sync) = (0.0, 0.0);
+    for round in 0..snapshots {
+        kept.push(engine.committed_root());
+        let t = Instant::now();
+        for ino in inos.choose_multiple(&mut rng, change) {
+            fs.write(*ino, 0, &block, false)?;
+        }
+        let mid = Instant::now();
+        fs.sync()?;
+        in_writes += (mid - t).as_secs_f64();
+        in_sync += mid.elapsed().as_secs_f64();
+        eprintln!("open: round {}/{snapshots} done", round + 1);
+    }
+    let overwrites = (snapshots * change).max(1) as f64;
+    let mut roots = vec![engine.committed_root().root];
+    roots.extend(kept.iter().rev().map(|k| k.root));
+    for count in [false, true] {
+        let (secs, walk) = timed(|| Ok(union_walk(&*dev, fsid, total, &roots, count)?))?;
+        let name = format!(
+            "union walk, {snapshots} snapshots{}",
+            if count { ", all refs counted" } else { "" }
+        );
+        let mut row = walk_row(name, secs, &walk, roots.len(), files);
+        if !count {
+            row.extra
+                .push(("overwrite_us_excl_commit", in_writes / overwrites * 1e6));
+            row.extra.push((
+                "overwrite_us_incl_commit",
+                (in_writes + in_sync) / overwrites * 1e6,
+            ));
+        }
+        rows.push(row);
+    }
+    // Without the dedupe: every tree walked on its own.
+    let start = Instant::now();
+    let mut sum = UnionWalk::default();
+    for root in &roots {
+        let walk = union_walk(&*dev, fsid, total, &[*root], false)?;
+        sum.nodes_read += walk.nodes_read;
+        sum.extents += walk.extents;
+        sum.data_blocks += walk.data_blocks;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    rows.push(walk_row(
+        format!("{} trees walked one by one", roots.len()),
+        secs,
+        &sum,
+        roots.len(),
+        files,
+    ));
+
+    // Candidate A's COW-path cost, approximated: one more item per freed extent (a back
+    // reference) in the delta and in the commit, in a random leaf of a tree as large as the
+    // file tree (an extent tree holds an item per extent): here an item beside a random
+    // file's items, deleted again afterwards.
+    let refs = change;
+    let keys: Vec<Key> = inos
+        .choose_multiple(&mut rng, refs)
+        .map(|ino| Key::new(*ino, ItemType::Xattr, 0x15))
+        .collect();
+    let start = Instant::now();
+    {
+        let txn = engine.begin()?;
+        for key in &keys {
+            txn.put(*key, vec![0u8; 40]);
+        }
+    }
+    engine.commit()?;
+    let secs = start.elapsed().as_secs_f64();
+    {
+        let txn = engine.begin()?;
+        for key in &keys {
+            txn.delete(*key);
+        }
+    }
+    engine.commit()?;
+    rows.push(Row {
+        section: "open",
+        name: "one extra item per freed extent, random leaf".to_string(),
+        ops: refs as u64,
+        secs,
+        unit: "items/s",
+        delta: Snap::default(),
+        extra: vec![("us_per_item_incl_commit", secs / refs as f64 * 1e6)],
+    });
+    // The same number of items appended in key order past every file (a dead list: one
+    // entry per freed extent a snapshot keeps, keyed by the freeing generation and address),
+    // deleted again afterwards.
+    let keys: Vec<Key> = (0..refs as u64)
+        .map(|i| Key::new(1 << 40, ItemType::Xattr, i))
+        .collect();
+    let start = Instant::now();
+    {
+        let txn = engine.begin()?;
+        for key in &keys {
+            txn.put(*key, vec![0u8; 40]);
+        }
+    }
+    engine.commit()?;
+    let secs = start.elapsed().as_secs_f64();
+    {
+        let txn = engine.begin()?;
+        for key in &keys {
+            txn.delete(*key);
+        }
+    }
+    engine.commit()?;
+    rows.push(Row {
+        section: "open",
+        name: "one extra item per freed extent, appended".to_string(),
+        ops: refs as u64,
+        secs,
+        unit: "items/s",
+        delta: Snap::default(),
+        extra: vec![("us_per_item_incl_commit", secs / refs as f64 * 1e6)],
+    });
+    drop(kept);
+    fs.close()?;
+    Ok(())
+}
+
+/// The COW-path cost of an in-memory reference-count map (DESIGN §15.3): a look-up per freed
+/// extent in a `HashMap<u64, u32>` of 1,000 and of 1,000,000 counted blocks, for absent keys
+/// (the common case: the block is not shared) and for present ones (a decrement).
+fn bench_refcount_map(rows: &mut Vec<Row>) {
+    use std::collections::HashMap;
+    const LOOKUPS: usize = 2_000_000;
+    let mut rng = SmallRng::seed_from_u64(SEED ^ 16);
+    for entries in [1_000usize, 1_000_000] {
+        let mut map: HashMap<u64, u32> = HashMap::with_capacity(entries);
+        let keys: Vec<u64> = (0..entries).map(|_| rng.gen::<u64>() >> 12).collect();
+        for k in &keys {
+            map.insert(*k, 2);
+        }
+        let probes: Vec<u64> = (0..LOOKUPS).map(|_| rng.gen::<u64>() >> 12).collect();
+        let start = Instant::now();
+        let mut found = 0u64;
+        for p in &probes {
+            if let Some(n) = map.get_mut(p) {
+                *n -= 1;
+                found += 1;
+            }
+        }
+        black_box(found);
+        let miss = start.elapsed().as_secs_f64();
+        let hits: Vec<u64> = (0..LOOKUPS).map(|i| keys[i % entries]).collect();
+        let start = Instant::now();
+        for p in &hits {
+            if let Some(n) = map.get_mut(p) {
+                *n = n.wrapping_add(1);
+            }
+        }
+        black_box(&map);
+        let hit = start.elapsed().as_secs_f64();
+        rows.push(Row {
+            section: "open",
+            name: format!("refcount map look-up, {entries} entries"),
+            ops: LOOKUPS as u64,
+            secs: miss,
+            unit: "lookups/s",
+            delta: Snap::default(),
+            extra: vec![
+                ("ns_absent", miss / LOOKUPS as f64 * 1e9),
+                ("ns_present", hit / LOOKUPS as f64 * 1e9),
+            ],
+        });
+    }
 }
 
 /// Number of extent items of `ino` (and their total bytes), read through the engine.
