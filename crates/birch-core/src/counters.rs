@@ -120,6 +120,7 @@ counters! {
     fsync_log: "fsyncs made durable through the log.",
     fsync_nothing: "fsyncs that found nothing to make durable.",
     fsync_clean: "fsyncs through the log that found the inode log-clean (everything queued by its writes and SETATTRs): no scan, only a wait for the batch.",
+    fsync_deferred: "log-clean fsyncs that did not park a thread: the FUSE adapter deferred them and the batch's leader answered them.",
     fsync_fallback_mode: "fsync commits because the mount uses fsync=commit.",
     fsync_fallback_log_full: "fsync commits because the log area had no room.",
     fsync_fallback_names: "fsync commits because a name of the inode was removed or renamed.",
@@ -133,6 +134,10 @@ counters! {
     log_bytes: "Bytes written to the log.",
     replayed_batches: "Log batches replayed at mount.",
     replayed_records: "Log records applied at mount.",
+    replayed_data_bytes: "Bytes of data records the last replay wrote in place.",
+    log_data_records: "Data records queued in the fsync log (the bytes of a small synchronous write, written in place by the next commit).",
+    log_data_bytes: "Bytes of data records queued in the fsync log.",
+    log_placed_written: "Placed blocks an fsync wrote in place because it logged their extent without their data.",
 }
 
 impl Counters {

@@ -42,6 +42,7 @@ use parking_lot::Mutex;
 
 use crate::alloc::Purpose;
 use crate::error::{Error, Result};
+use crate::pending::PendingData;
 use crate::txn::{Engine, WriteTxn};
 
 /// The longest extent in bytes: extent look-ups look back this far for one that reaches in.
@@ -568,6 +569,26 @@ impl<'e> DataLayer<'e> {
     /// to record. Needs no inode lock: the blocks are new and referenced by nothing until
     /// recorded. On failure gives back what it allocated. Does device I/O.
     pub(crate) fn write_new(&self, ino: u64, offset: u64, buf: &[u8]) -> Result<Vec<WrittenRun>> {
+        self.new_blocks(ino, offset, buf, false)
+    }
+
+    /// [`DataLayer::write_new`] without the device write: the blocks are allocated and their
+    /// bytes *placed* ([`crate::pending::PendingData`]), read from memory until the next
+    /// commit writes them in place. Only for a write whose bytes go to the fsync log in data
+    /// records before any log record or superblock names the blocks. Blocks no data record
+    /// carries stay placed until a commit writes them, or an fsync that logs their extent
+    /// without their bytes writes them first (`Filesystem::settle_placed`).
+    pub(crate) fn place_new(&self, ino: u64, offset: u64, buf: &[u8]) -> Result<Vec<WrittenRun>> {
+        self.new_blocks(ino, offset, buf, true)
+    }
+
+    fn new_blocks(
+        &self,
+        ino: u64,
+        offset: u64,
+        buf: &[u8],
+        place: bool,
+    ) -> Result<Vec<WrittenRun>> {
         debug_assert!(offset % BLOCK_SIZE == 0 && buf.len() as u64 % BLOCK_SIZE == 0);
         let total_blocks = buf.len() as u64 / BLOCK_SIZE;
         let birth = self.engine.running_generation().get();
@@ -586,7 +607,9 @@ impl<'e> DataLayer<'e> {
             let slice =
                 &buf[(done * BLOCK_SIZE) as usize..((done + run.blocks) * BLOCK_SIZE) as usize];
             let file_offset = offset + done * BLOCK_SIZE;
-            if let Err(e) = self.engine.device().write_at(slice, run.addr) {
+            if place {
+                self.engine.pending().place(run.addr, slice);
+            } else if let Err(e) = self.engine.device().write_at(slice, run.addr) {
                 self.free(run, birth, Seen::Unrecorded);
                 self.give_back(&written);
                 return Err(Error::io(
@@ -726,10 +749,14 @@ impl<'e> DataLayer<'e> {
         let nblocks = last_block - first_block + 1;
         let at = disk_addr + first_block * BLOCK_SIZE;
         let mut buf = Scratch::take((nblocks * BLOCK_SIZE) as usize);
+        // Blocks whose bytes only the log holds yet: taken before the device read (a block
+        // not placed now was written in place before it left).
+        let placed = self.engine.pending().overlay(at, nblocks * BLOCK_SIZE);
         self.engine
             .device()
             .read_at(&mut buf.0, at)
             .map_err(|e| Error::io(format!("read inode {ino} offset {from} block {at:#x}"), e))?;
+        PendingData::lay_over(at, &mut buf.0, &placed);
         for (n, block) in buf.0.chunks(BLOCK_SIZE as usize).enumerate() {
             let index = first_block + n as u64;
             let want = csums.get(index as usize).copied();
@@ -759,6 +786,10 @@ impl<'e> DataLayer<'e> {
     /// freeing commit is durable, [`Seen::Unrecorded`] frees them at once.
     pub(crate) fn free(&self, run: BlockRun, birth: u64, seen: Seen<'_, '_>) {
         let alloc = self.engine.allocator();
+        // Placed bytes of freed blocks are never written: the blocks hold nothing now.
+        self.engine
+            .pending()
+            .forget(run.disk_addr().get(), run.block_count().get() * BLOCK_SIZE);
         match seen {
             Seen::Recorded(txn) => {
                 let generation = txn.generation();

@@ -25,6 +25,7 @@ pub mod error;
 mod ids;
 pub mod items;
 pub mod log;
+mod pending;
 pub mod readonly;
 pub mod repair;
 pub mod scrub;

@@ -77,6 +77,52 @@ struct LogState {
     /// fsync whose earlier records went into that batch (queued by a write, not waited for)
     /// must not return on a later batch alone.
     refused_generation: Generation,
+    /// Waits deferred by [`FsyncLog::defer`]: their tickets and what to call once each is
+    /// answered. Non-empty only while a leader is active or about to be started by the thread
+    /// that deferred (the leader leads on while any is left).
+    deferred: Vec<(u64, Deferred)>,
+    /// A [`FsyncLog::lead`] is arranged (by `hand_off`) and has not started yet.
+    lead_scheduled: bool,
+    /// See [`FsyncLog::set_hand_off`].
+    hand_off: Option<HandOff>,
+}
+
+/// Arranges a call of [`FsyncLog::lead`] elsewhere ([`FsyncLog::set_hand_off`]).
+pub type HandOff = std::sync::Arc<dyn Fn() + Send + Sync>;
+
+/// What a deferred wait calls with its outcome ([`FsyncLog::defer`]).
+pub type Deferred = Box<dyn FnOnce(Result<LogOutcome>) + Send>;
+
+/// The outcome of a wait for `ticket` if the log's state decides it already.
+fn outcome_of(st: &LogState, ticket: u64) -> Option<Result<LogOutcome>> {
+    if let Some(reason) = &st.failed {
+        return Some(Err(Error::ReadOnly(ReadOnlyCause::LogWriteFailed {
+            error: reason.clone(),
+        })));
+    }
+    if (st.full_ticket >= ticket && st.durable_ticket < ticket)
+        || st.refused_generation > st.durable_generation
+    {
+        return Some(Ok(LogOutcome::Full));
+    }
+    (st.durable_ticket >= ticket).then_some(Ok(LogOutcome::Logged))
+}
+
+/// Takes the deferred waits whose outcome is decided, with their outcomes.
+fn take_answered(st: &mut LogState) -> Vec<(Result<LogOutcome>, Deferred)> {
+    if st.deferred.is_empty() {
+        return Vec::new();
+    }
+    let mut answered = Vec::new();
+    let mut left = Vec::new();
+    for (ticket, done) in std::mem::take(&mut st.deferred) {
+        match outcome_of(st, ticket) {
+            Some(outcome) => answered.push((outcome, done)),
+            None => left.push((ticket, done)),
+        }
+    }
+    st.deferred = left;
+    answered
 }
 
 /// What became of an fsync's records.
@@ -120,6 +166,9 @@ impl FsyncLog {
                 retired_generation: Generation::default(),
                 durable_generation: Generation::default(),
                 refused_generation: Generation::default(),
+                deferred: Vec::new(),
+                lead_scheduled: false,
+                hand_off: None,
             }),
             wake: [Condvar::new(), Condvar::new()],
             start: sb.log_start,
@@ -176,31 +225,58 @@ impl FsyncLog {
     }
 
     /// Waits until the batch of `ticket` is durable, leading the write if no one else is.
+    /// A leader also answers the deferred waits ([`FsyncLog::defer`]) its batches decide.
     pub fn wait(
         &self,
         device: &dyn BlockDevice,
         counters: &Counters,
         ticket: u64,
     ) -> Result<LogOutcome> {
+        self.run(device, counters, ticket, false)
+    }
+
+    /// [`FsyncLog::wait`], or with `dedicated` the loop of [`FsyncLog::lead`].
+    fn run(
+        &self,
+        device: &dyn BlockDevice,
+        counters: &Counters,
+        ticket: u64,
+        dedicated: bool,
+    ) -> Result<LogOutcome> {
         if self.bytes == 0 {
             return Ok(LogOutcome::Full);
         }
         let mut st = self.state.lock();
+        if dedicated {
+            st.lead_scheduled = false;
+        }
         loop {
-            if let Some(reason) = &st.failed {
-                return Err(Error::ReadOnly(ReadOnlyCause::LogWriteFailed {
-                    error: reason.clone(),
-                }));
+            let answered = take_answered(&mut st);
+            if !answered.is_empty() {
+                drop(st);
+                for (outcome, done) in answered {
+                    done(outcome);
+                }
+                st = self.state.lock();
+                continue;
             }
-            if (st.full_ticket >= ticket && st.durable_ticket < ticket)
-                || st.refused_generation > st.durable_generation
-            {
-                return Ok(LogOutcome::Full);
-            }
-            if st.durable_ticket >= ticket {
-                return Ok(LogOutcome::Logged);
-            }
-            if st.leader {
+            if let Some(outcome) = outcome_of(&st, ticket) {
+                if st.leader || st.deferred.is_empty() || st.lead_scheduled {
+                    return outcome;
+                }
+                // Deferred waits are left and no one leads: the thread that deferred them
+                // counted on a leader to come. A dedicated leader leads on; a caller whose
+                // own wait is answered hands the leading over when it can (so it is never
+                // kept from returning by others' fsyncs), else leads on.
+                if !dedicated {
+                    if let Some(hand_off) = st.hand_off.clone() {
+                        st.lead_scheduled = true;
+                        drop(st);
+                        hand_off();
+                        return outcome;
+                    }
+                }
+            } else if st.leader {
                 self.wake[(ticket & 1) as usize].wait(&mut st);
                 continue;
             }
@@ -271,6 +347,49 @@ impl FsyncLog {
             self.wake[(batch_ticket & 1) as usize].notify_all();
             self.wake[((batch_ticket + 1) & 1) as usize].notify_one();
         }
+    }
+
+    /// Waits for `ticket` without blocking the caller: `done` is called with the outcome
+    /// [`FsyncLog::wait`] would return, by whichever thread learns it (this one, if it is
+    /// known now; else the leader that writes the batch, after the batch's flush, with no lock
+    /// held). Returns true when no leader is active: the caller must then make sure one comes
+    /// ([`FsyncLog::lead`], on a thread that may block), or `done` is never called.
+    ///
+    /// Why (DESIGN §11.4): an fsync whose records are queued already (a log-clean inode) only
+    /// waits; a thread parked per such fsync costs two context switches and a thread of the
+    /// request pool, where the leader can answer every fsync of its batch itself.
+    pub fn defer(&self, ticket: u64, done: Deferred) -> bool {
+        if self.bytes == 0 {
+            done(Ok(LogOutcome::Full));
+            return false;
+        }
+        let mut st = self.state.lock();
+        if let Some(outcome) = outcome_of(&st, ticket) {
+            drop(st);
+            done(outcome);
+            return false;
+        }
+        st.deferred.push((ticket, done));
+        !st.leader && !st.lead_scheduled
+    }
+
+    /// Leads batches until no deferred wait is left unanswered (or another leader took over),
+    /// answering them. What a [`FsyncLog::defer`] that returned true asks for.
+    pub fn lead(&self, device: &dyn BlockDevice, counters: &Counters) -> Result<LogOutcome> {
+        // Ticket 0 is answered from the start: this call only leads for the deferred waits.
+        self.run(device, counters, 0, true)
+    }
+
+    /// Sets how a waiter whose own wait is answered hands the leading of deferred waits over
+    /// (it must arrange a call of [`FsyncLog::lead`] on a thread that may block, such as a
+    /// worker of the FUSE adapter's pool). Without it such a waiter leads on itself.
+    pub fn set_hand_off(&self, hand_off: HandOff) {
+        self.state.lock().hand_off = Some(hand_off);
+    }
+
+    /// Why the log failed (a batch's write or flush), if it did: every wait answers an error.
+    pub fn failure(&self) -> Option<String> {
+        self.state.lock().failed.clone()
     }
 
     fn wake_all(&self) {
@@ -346,6 +465,7 @@ pub fn read_log(device: &dyn BlockDevice, sb: &Superblock) -> Replay {
     }
     let mut lsn = sb.log_head;
     let mut read_total = 0u64;
+    let mut placed: HashMap<u64, u32> = HashMap::new();
     loop {
         if read_total >= sb.log_bytes {
             out.stop = "read a whole lap".into();
@@ -365,11 +485,23 @@ pub fn read_log(device: &dyn BlockDevice, sb: &Superblock) -> Replay {
             return out;
         };
         // Only records replay will apply need their data: older ones are covered by the commit
-        // and their blocks may have been reused since.
+        // and their blocks may have been reused since. A block a data record of this batch or
+        // an earlier one carries is checked against those bytes (replay writes them there).
+        for r in records
+            .iter()
+            .filter(|r| r.generation > sb.generation && r.is_data())
+        {
+            if let Some(bytes) = &r.value {
+                for (n, block) in bytes.chunks(BLOCK_SIZE as usize).enumerate() {
+                    let at = r.key.offset + n as u64 * BLOCK_SIZE;
+                    placed.insert(at, birch_format::checksum(block));
+                }
+            }
+        }
         if let Some(bad) = records
             .iter()
             .filter(|r| r.generation > sb.generation)
-            .find_map(|r| bad_data(device, r))
+            .find_map(|r| bad_data(device, r, &placed))
         {
             out.stop = format!("batch {} references {bad}", out.next_seq);
             return out;
@@ -410,8 +542,14 @@ fn read_batch(
     Some((lsn, (len, records)))
 }
 
-/// A description of the first data block of a record's extent whose checksum fails.
-fn bad_data(device: &dyn BlockDevice, record: &LogRecord) -> Option<String> {
+/// A description of the first data block of a record's extent whose checksum fails; a block
+/// in `placed` (address → checksum of the bytes a data record carries for it) is checked
+/// against those.
+fn bad_data(
+    device: &dyn BlockDevice,
+    record: &LogRecord,
+    placed: &HashMap<u64, u32>,
+) -> Option<String> {
     if record.key.kind() != Some(ItemType::ExtentData) {
         return None;
     }
@@ -423,7 +561,14 @@ fn bad_data(device: &dyn BlockDevice, record: &LogRecord) -> Option<String> {
     let mut block = vec![0u8; BLOCK_SIZE as usize];
     for (n, want) in csums.iter().enumerate() {
         let at = disk_addr + n as u64 * BLOCK_SIZE;
-        if device.read_at(&mut block, at).is_err() || birch_format::checksum(&block) != *want {
+        let sum = match placed.get(&at) {
+            Some(sum) => Some(*sum),
+            None => device
+                .read_at(&mut block, at)
+                .ok()
+                .map(|()| birch_format::checksum(&block)),
+        };
+        if sum != Some(*want) {
             return Some(format!(
                 "data block {at:#x} of {} that fails its checksum",
                 record.key

@@ -28,6 +28,7 @@ use birch_format::{
 };
 use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
 
+use crate::pending::PendingData;
 use crate::striped::Striped;
 
 use crate::alloc::{Allocator, Purpose};
@@ -247,6 +248,8 @@ pub struct Engine {
     instance: u64,
     log: FsyncLog,
     replay: Mutex<Option<Replay>>,
+    /// Data blocks whose bytes are only in the log (and here) until a commit writes them.
+    pending: PendingData,
 }
 
 /// Seed 003's "before" (`bench_apply_per_item`): each changed extent item costs a delete (a
@@ -393,6 +396,16 @@ impl Engine {
         self.log_wait(self.log.enqueue(Vec::new()))
     }
 
+    /// Data blocks placed by the log and not yet written in place ([`PendingData`]).
+    pub(crate) fn pending(&self) -> &PendingData {
+        &self.pending
+    }
+
+    /// Whether every incompat flag of `bits` is in the last durable superblock.
+    pub fn incompat_durable(&self, bits: u64) -> bool {
+        self.superblock.lock().incompat & bits == bits
+    }
+
     /// The allocator.
     pub fn allocator(&self) -> &Allocator {
         &self.alloc
@@ -412,9 +425,11 @@ impl Engine {
 
     /// Whether an incompat flag is wanted that no durable commit has set yet: an fsync must
     /// then commit (a log record needing the flag must not be replayable on an image without
-    /// it).
+    /// it). Not `INCOMPAT_LOG_DATA`: the records that need it (data records) are logged only
+    /// once it is durable ([`Engine::incompat_durable`]), and other records do not need it.
     pub fn incompat_pending(&self) -> bool {
-        let wanted = self.incompat_wanted.load(Ordering::SeqCst);
+        let wanted = self.incompat_wanted.load(Ordering::SeqCst)
+            & !birch_format::superblock::INCOMPAT_LOG_DATA;
         wanted != 0 && wanted & !self.superblock.lock().incompat != 0
     }
 
@@ -571,6 +586,7 @@ impl Engine {
             instance: INSTANCES.fetch_add(1, Ordering::Relaxed),
             log,
             replay: Mutex::new(replay),
+            pending: PendingData::default(),
         })
     }
 
@@ -1120,6 +1136,46 @@ impl Engine {
         self.log.enqueue(records)
     }
 
+    /// [`Engine::log_wait`] without blocking: `done` gets the outcome (errors mapped as
+    /// `log_wait` maps them) from whichever thread learns it ([`FsyncLog::defer`]). Returns
+    /// true when the caller must arrange a leader: a call of [`Engine::log_wait`] for `ticket`
+    /// (or of [`Engine::log_lead`]) on a thread that may block.
+    pub fn log_defer(&self, ticket: u64, done: crate::log::Deferred) -> bool {
+        if let Err(e) = self.check_up() {
+            done(Err(e));
+            return false;
+        }
+        let fence = self.fence.clone();
+        self.log.defer(
+            ticket,
+            Box::new(move |result| {
+                done(match result {
+                    Err(_) if fence.is_down() => Err(Error::Shutdown),
+                    other => other,
+                })
+            }),
+        )
+    }
+
+    /// Leads log batches until every deferred wait is answered ([`FsyncLog::lead`]); what the
+    /// hand-off of [`Engine::set_log_hand_off`] must arrange.
+    pub fn log_lead(&self) {
+        if self.check_up().is_err() {
+            return;
+        }
+        let _ = self.log.lead(&*self.device, &self.counters);
+        // The leader's own outcome is no error (it waited for nothing): a failure it met
+        // turns the engine read-only here, as `log_wait` would.
+        if let Some(error) = self.log.failure() {
+            self.set_read_only(ReadOnlyCause::LogWriteFailed { error });
+        }
+    }
+
+    /// How a waiter hands the leading of deferred waits over ([`FsyncLog::set_hand_off`]).
+    pub fn set_log_hand_off(&self, hand_off: crate::log::HandOff) {
+        self.log.set_hand_off(hand_off);
+    }
+
     /// Waits for queued records to be durable (group commit). A failed log write turns the
     /// engine read-only. Does device I/O with no engine lock held.
     pub fn log_wait(&self, ticket: u64) -> Result<LogOutcome> {
@@ -1502,6 +1558,14 @@ impl Engine {
         generation: u64,
         committed: &CommittedRoot,
     ) -> Result<()> {
+        // Blocks whose bytes only the log holds go in place first: the flush below makes
+        // them durable before any superblock names them.
+        self.pending.write_out(&*self.device).map_err(|e| {
+            Error::io(
+                format!("commit {generation}: write data blocks placed by the log"),
+                e,
+            )
+        })?;
         let ctx = self.ctx();
         let mut writer = TreeWriter::new(ctx, &self.alloc, generation, committed.root);
         let mut nodes = self.apply(&mut writer, frozen, generation)?;

@@ -653,3 +653,135 @@ fn setattr_of_times_keeps_a_log_clean_file_clean() {
     }
     common::close_and_check_clean(fs, &crashed, "setattr of times on a log-clean file");
 }
+
+/// A log-clean file whose commit has not happened yet (so its mark holds): create, write,
+/// commit (which also sets `INCOMPAT_LOG_DATA` once a write asked for it), then a write and
+/// an fsync that marks it log-clean again.
+fn log_clean_file(fs: &Filesystem, name: &[u8]) -> u64 {
+    let (f, _) = fs
+        .create(Caller::default(), 1, name, 0o644, 0)
+        .expect("create");
+    fs.write(f.ino, 0, &[1u8; 16384], false).expect("write");
+    fs.fsync(f.ino, false).expect("fsync");
+    // A small write to the log-clean file asks for the flag; the commit sets it.
+    fs.write(f.ino, 0, &[1u8; 4096], false).expect("write");
+    fs.sync().expect("commit");
+    assert!(fs
+        .engine()
+        .incompat_durable(birch_format::superblock::INCOMPAT_LOG_DATA));
+    fs.write(f.ino, 4096, &[1u8; 4096], false).expect("write");
+    fs.fsync(f.ino, false).expect("fsync: log-clean again");
+    f.ino
+}
+
+/// A small append to a log-clean file puts its bytes in the log (a data record) instead of
+/// writing them in place: write + fsync is one device write (the batch) and one flush. The
+/// bytes read back before any commit (from memory), after a power cut (replay writes them
+/// in place), and after a commit (written in place by it); fsck is clean each time. An
+/// overwrite inside the file is written in place as before.
+#[test]
+fn a_small_synchronous_append_logs_its_bytes_and_survives_a_crash() {
+    for commit_before_cut in [false, true] {
+        let dev = fresh();
+        let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+        let ino = log_clean_file(&fs, b"db");
+        let dev_before = dev.counters().values();
+        let eng_before = fs.engine().counters().values();
+        fs.write(ino, 16384, &[7u8; 8192], false).expect("append");
+        fs.fsync(ino, false).expect("fsync");
+        let dev_after = dev.counters().values().since(&dev_before);
+        let eng_after = fs.engine().counters().values().since(&eng_before);
+        assert_eq!(
+            (eng_after.log_data_records, eng_after.log_data_bytes),
+            (1, 8192),
+            "{eng_after}"
+        );
+        assert_eq!(
+            (dev_after.device_writes, dev_after.flushes),
+            (1, 1),
+            "one batch write and one flush: {dev_after}"
+        );
+        assert_eq!(eng_after.fsync_clean, 1, "{eng_after}");
+        let got = fs.read(ino, 16384, 8192).expect("read before the commit");
+        assert!(got.iter().all(|&b| b == 7));
+        // An overwrite is written in place: no data record.
+        let before = fs.engine().counters().values();
+        fs.write(ino, 0, &[6u8; 4096], false).expect("overwrite");
+        fs.fsync(ino, false).expect("fsync");
+        let after = fs.engine().counters().values().since(&before);
+        assert_eq!(after.log_data_records, 0, "{after}");
+        if commit_before_cut {
+            fs.sync().expect("commit writes the placed blocks");
+        }
+        let (crashed, fs) = common::crash_and_reopen(fs, &dev);
+        let got = fs.read(ino, 0, 24576).expect("read after the crash");
+        assert!(got[..4096].iter().all(|&b| b == 6), "{commit_before_cut}");
+        assert!(
+            got[4096..16384].iter().all(|&b| b == 1),
+            "{commit_before_cut}"
+        );
+        assert!(got[16384..].iter().all(|&b| b == 7), "{commit_before_cut}");
+        common::close_and_check_clean(fs, &crashed, &format!("commit {commit_before_cut}"));
+    }
+}
+
+/// Appends of 4 KiB, each fsync'd, each merging with the extent before it: every batch
+/// names the blocks of earlier appends too, carried by earlier batches' data records, so
+/// no append writes in place; a crash after the last fsync keeps them all.
+#[test]
+fn appends_logged_with_their_bytes_replay_whole() {
+    let dev = fresh();
+    let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+    let ino = log_clean_file(&fs, b"wal");
+    let before = dev.counters().values();
+    for n in 0..20u8 {
+        fs.write(ino, 16384 + u64::from(n) * 4096, &[n + 10; 4096], false)
+            .expect("append");
+        fs.fsync(ino, true).expect("fdatasync");
+    }
+    let after = dev.counters().values().since(&before);
+    assert_eq!(after.device_writes, 20, "one batch per append: {after}");
+    let placed = fs.engine().counters().values().log_placed_written;
+    assert_eq!(placed, 0, "no placed block written in place");
+    let (crashed, fs) = common::crash_and_reopen(fs, &dev);
+    for n in 0..20u8 {
+        let got = fs
+            .read(ino, 16384 + u64::from(n) * 4096, 4096)
+            .expect("read");
+        assert!(got.iter().all(|&b| b == n + 10), "append {n}");
+    }
+    common::close_and_check_clean(fs, &crashed, "appends");
+}
+
+/// Placed blocks whose bytes no data record carries (a write that also dropped the file's
+/// setuid bit queues no records of its own) are written in place by the fsync that logs
+/// their extent, before its batch: replay then finds them.
+#[test]
+fn placed_blocks_an_fsync_logs_without_their_bytes_are_written_first() {
+    let dev = fresh();
+    let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+    let ino = log_clean_file(&fs, b"suid");
+    fs.setattr(
+        ino,
+        &birch_core::vfs::SetAttr {
+            mode: Some(0o4755),
+            ..Default::default()
+        },
+    )
+    .expect("chmod u+s");
+    fs.write(ino, 0, &[1u8; 4096], false).expect("write");
+    fs.fsync(ino, false)
+        .expect("fsync: log-clean with the mode");
+    let before = fs.engine().counters().values();
+    fs.write_mode(ino, 16384, &[9u8; 4096], false, Some(&[]), false)
+        .expect("append that kills suid");
+    fs.fsync(ino, false).expect("fsync");
+    let after = fs.engine().counters().values().since(&before);
+    assert_eq!(after.log_placed_written, 1, "{after}");
+    assert_eq!(after.log_data_records, 0, "{after}");
+    let (crashed, fs) = common::crash_and_reopen(fs, &dev);
+    let got = fs.read(ino, 16384, 4096).expect("read");
+    assert!(got.iter().all(|&b| b == 9));
+    assert_eq!(fs.getattr(ino).expect("getattr").perm & 0o7777, 0o755);
+    common::close_and_check_clean(fs, &crashed, "suid");
+}

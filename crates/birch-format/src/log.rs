@@ -17,7 +17,15 @@ pub const LOG_MAGIC: [u8; 4] = *b"BLOG";
 /// Batch header size in bytes; records start at this offset.
 pub const LOG_HEADER_BYTES: usize = 64;
 
-/// One record: an item change of the running transaction `generation`.
+/// The key type of a data record (never an item type in a tree): `(ino, LOG_DATA_TYPE,
+/// disk byte address)`, its value the bytes of whole blocks written at that address (kind 2
+/// on disk). Replay writes them there before it applies the batch's items.
+pub const LOG_DATA_TYPE: u8 = 0xF0;
+/// The largest data record, in bytes.
+pub const LOG_DATA_MAX: usize = 1 << 20;
+
+/// One record: an item change of the running transaction `generation`, or (a key of type
+/// [`LOG_DATA_TYPE`]) the bytes of data blocks that change placed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogRecord {
     /// Delta generation the change belongs to; replay skips records the superblock's
@@ -25,8 +33,28 @@ pub struct LogRecord {
     pub generation: u64,
     /// Key of the item the record sets or deletes (17 bytes at record offset 8).
     pub key: Key,
-    /// New value, or `None` for a deletion.
+    /// New value, or `None` for a deletion; for a data record, the blocks' bytes.
     pub value: Option<Vec<u8>>,
+}
+
+impl LogRecord {
+    /// A data record: `bytes` (whole blocks) written at disk byte `addr` for inode `ino`.
+    pub fn data(generation: u64, ino: u64, addr: u64, bytes: Vec<u8>) -> LogRecord {
+        LogRecord {
+            generation,
+            key: Key {
+                objectid: ino,
+                item_type: LOG_DATA_TYPE,
+                offset: addr,
+            },
+            value: Some(bytes),
+        }
+    }
+
+    /// Whether this is a data record; its key's offset is then the disk byte address.
+    pub fn is_data(&self) -> bool {
+        self.key.item_type == LOG_DATA_TYPE
+    }
 }
 
 /// A decoded batch header.
@@ -51,6 +79,11 @@ pub fn encode_batch(fsid: [u8; 16], seq: u64, lsn: u64, records: &[LogRecord]) -
         body.u64(r.generation);
         r.key.encode(&mut body);
         match &r.value {
+            Some(v) if r.is_data() => {
+                body.u8(2);
+                body.u32(v.len() as u32);
+                body.put(v);
+            }
             Some(v) => {
                 body.u8(1);
                 body.u32(v.len() as u32);
@@ -138,7 +171,8 @@ pub fn decode_batch(bytes: &[u8]) -> Result<(BatchHeader, Vec<LogRecord>), Forma
     for _ in 0..header.records {
         let generation = r.u64()?;
         let key = Key::decode(&mut r)?;
-        let value = match r.u8()? {
+        let kind = r.u8()?;
+        let value = match kind {
             0 => None,
             1 => {
                 let len = r.u32()? as usize;
@@ -151,8 +185,31 @@ pub fn decode_batch(bytes: &[u8]) -> Result<(BatchHeader, Vec<LogRecord>), Forma
                 }
                 Some(r.take(len)?.to_vec())
             }
-            other => return Err(FormatError::invalid("log record kind", other, "0 or 1")),
+            2 => {
+                let len = r.u32()? as usize;
+                if len == 0 || len > LOG_DATA_MAX || len % BLOCK_SIZE as usize != 0 {
+                    return Err(FormatError::invalid(
+                        "log data record length",
+                        len,
+                        format!("whole blocks, at most {LOG_DATA_MAX} bytes"),
+                    ));
+                }
+                Some(r.take(len)?.to_vec())
+            }
+            other => return Err(FormatError::invalid("log record kind", other, "0, 1 or 2")),
         };
+        // A data record's kind and its key's type go together.
+        if (key.item_type == LOG_DATA_TYPE) != (kind == 2) {
+            return Err(FormatError::invalid(
+                "log record kind for its key type",
+                kind,
+                if key.item_type == LOG_DATA_TYPE {
+                    "2"
+                } else {
+                    "0 or 1"
+                },
+            ));
+        }
         records.push(LogRecord {
             generation,
             key,
@@ -190,6 +247,46 @@ mod tests {
             torn[at] ^= 1;
             assert!(decode_batch(&torn).is_err(), "flip at {at}");
         }
+    }
+
+    /// A data record (kind 2) round-trips; its kind and key type must agree, and its length
+    /// must be whole blocks.
+    #[test]
+    fn data_records_round_trip_and_are_checked() {
+        let records = vec![
+            LogRecord::data(9, 300, 0x40_0000, vec![5; 2 * BLOCK_SIZE as usize]),
+            LogRecord {
+                generation: 9,
+                key: Key::new(300, ItemType::ExtentData, 0),
+                value: Some(vec![2; 40]),
+            },
+        ];
+        let bytes = encode_batch([3; 16], 2, 0, &records);
+        let (_, back) = decode_batch(&bytes).expect("valid batch");
+        assert!(back[0].is_data() && !back[1].is_data());
+        assert_eq!(back, records);
+        // Re-seal a batch after changing one byte, so only the record checks can refuse it.
+        let reseal = |at: usize, to: u8| {
+            let mut b = bytes.clone();
+            b[at] = to;
+            let sum = checksum(&b[8..]);
+            b[4..8].copy_from_slice(&sum.to_le_bytes());
+            b
+        };
+        // The first record's kind byte sits after its generation (8) and key (17).
+        let kind_at = LOG_HEADER_BYTES + 25;
+        assert!(
+            decode_batch(&reseal(kind_at, 1)).is_err(),
+            "data key, kind 1"
+        );
+        // The second record's kind byte: after the first record (26 + 4 + 8192 bytes).
+        let second = LOG_HEADER_BYTES + 30 + 2 * BLOCK_SIZE as usize;
+        assert!(
+            decode_batch(&reseal(second + 25, 2)).is_err(),
+            "item key, kind 2"
+        );
+        // A data length that is not whole blocks (the length's low byte).
+        assert!(decode_batch(&reseal(kind_at + 1, 1)).is_err(), "cut data");
     }
 
     #[test]

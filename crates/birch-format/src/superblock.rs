@@ -18,11 +18,17 @@ pub const RESERVED_HEAD_BYTES: u64 = 128 * 1024;
 
 /// Feature flags this build understands. An image with an unknown incompat flag is refused;
 /// unknown compat flags are ignored; unknown ro_compat flags allow read-only use.
-pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_XATTR_CHUNKS;
+pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_XATTR_CHUNKS | INCOMPAT_LOG_DATA;
 /// Incompat bit 0: xattr values over `XATTR_VALUE_MAX` bytes are stored out of line, in
 /// `XattrChunk` items, and an xattr list entry may say so (value length `0xFFFF`). Set by the
 /// first commit that holds such a value; an image without one keeps the bit clear.
 pub const INCOMPAT_XATTR_CHUNKS: u64 = 1;
+/// Incompat bit 1: the fsync log may hold data records (kind 2, FORMAT.md §8.2): file blocks
+/// written only in the log until the next commit writes them in place. A build without the
+/// bit would stop its replay at the first such record and lose what was fsync'd after it.
+/// Set by the first commit after a write asks for it; an fsync logs no data record before the
+/// bit is in a durable superblock. Never cleared.
+pub const INCOMPAT_LOG_DATA: u64 = 2;
 /// Compatible feature flags this build understands. Unknown bits are ignored.
 pub const COMPAT_SUPPORTED: u64 = COMPAT_BACKUP_ROOTS;
 /// Compat bit 0: the superblock carries [`BACKUP_ROOTS`] backup roots (bytes 240 .. 336) and

@@ -25,7 +25,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use birch_core::vfs::{Attr, Caller, FileKind, SetAttr, SetTime, ShutdownMode};
+use birch_core::log::LogOutcome;
+use birch_core::vfs::{Attr, Caller, FileKind, FsyncDone, SetAttr, SetTime, ShutdownMode};
 use birch_core::{Error, Filesystem};
 use birch_format::items::Timespec;
 use fuser::{
@@ -400,6 +401,16 @@ impl BirchFuse {
     /// [`BirchFuse::notifier_slot`]). Starts the invalidation thread; does no I/O.
     pub fn new(fs: Arc<Filesystem>, options: FuseOptions) -> BirchFuse {
         let waiters = waiters::Waiters::new(options.waiters, options.loops);
+        // A thread whose own fsync is answered hands the leading of deferred fsyncs (see
+        // `fsync`) to a worker. The log keeps this closure as long as the filesystem lives,
+        // so it holds the filesystem weakly.
+        let weak = Arc::downgrade(&fs);
+        let pool = waiters.clone();
+        fs.set_fsync_hand_off(Arc::new(move || {
+            if let Some(fs) = weak.upgrade() {
+                pool.run(move || fs.fsync_lead_deferred());
+            }
+        }));
         let notifier = Arc::new(OnceLock::new());
         let sync_writes = Arc::new(sync_writes::SyncWriteGate::new(
             options.bench_serialize_sync_writes,
@@ -1187,12 +1198,37 @@ impl fuser::Filesystem for BirchFuse {
         reply: ReplyEmpty,
     ) {
         refuse_if_down!(self, reply);
+        // An fsync of a log-clean file (its records queued by the writes and SETATTRs before
+        // it: 64 threads that write and fsync) parks no thread: the leader of its log batch
+        // answers it after the batch's flush (DESIGN §11.4). Any other fsync waits on a thread
+        // of its own, as a request that waits for the device does.
         let fs = self.fs.clone();
-        let job = move || match fs.fsync(ino.0, datasync) {
-            Ok(()) => reply.ok(),
+        let pool = self.waiters.clone();
+        let done: FsyncDone = Box::new(move |outcome| match outcome {
+            Ok(LogOutcome::Logged) => reply.ok(),
+            // The log had no room: a commit, which blocks, on a worker.
+            Ok(LogOutcome::Full) => pool.run(move || match fs.fsync_after_full() {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno("fsync", &e)),
+            }),
             Err(e) => reply.error(errno("fsync", &e)),
-        };
-        self.serve_waiting(job);
+        });
+        match self.fs.fsync_defer(ino.0, datasync, done) {
+            Ok(None) => {}
+            Ok(Some(ticket)) => {
+                // No batch is being written: lead one (here when a loop stays free to read,
+                // so a lone fsync pays no hand-off).
+                let fs = self.fs.clone();
+                self.serve_waiting(move || fs.fsync_lead(ticket));
+            }
+            Err(done) => {
+                let fs = self.fs.clone();
+                self.serve_waiting(move || match fs.fsync(ino.0, datasync) {
+                    Ok(()) => done(Ok(LogOutcome::Logged)),
+                    Err(e) => done(Err(e)),
+                });
+            }
+        }
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {

@@ -862,6 +862,12 @@ fn inspect(image: &Path, what: &[String], ceph: &CephArgs) -> ExitCode {
             );
             for r in &replay.records {
                 let shown = match (&r.value, r.key.kind()) {
+                    (Some(v), _) if r.is_data() => format!(
+                        "data of inode {}: {} bytes for block {:#x}",
+                        r.key.objectid,
+                        v.len(),
+                        r.key.offset
+                    ),
                     (Some(v), Some(kind)) => birch_format::items::Item::decode(kind, v)
                         .map_or_else(|e| format!("undecodable: {e}"), |i| i.to_string()),
                     (Some(v), None) => format!("{} bytes", v.len()),

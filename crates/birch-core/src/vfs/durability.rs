@@ -49,15 +49,26 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use birch_format::items::{decode_dir_entries, decode_inode_refs, InodeItem};
+use birch_format::items::{
+    decode_dir_entries, decode_inode_refs, ExtentKind, FileExtent, InodeItem,
+};
 use birch_format::log::LogRecord;
-use birch_format::{InodeNo, ItemType, Key, ORPHAN_OBJECTID};
+use birch_format::superblock::INCOMPAT_LOG_DATA;
+use birch_format::{InodeNo, ItemType, Key, BLOCK_SIZE, ORPHAN_OBJECTID};
 
 use super::{log_clean_key, Filesystem, InodeState, Logged};
 use crate::counters::Counters;
 use crate::error::{Error, Result};
 use crate::items::{self, dir_index_key, dir_item_key, inode_key, orphan_key};
 use crate::log::LogOutcome;
+
+/// The largest write whose bytes go to the fsync log in data records (a write to a log-clean
+/// file, DESIGN §11.1): larger ones are written in place, as logging them would write their
+/// bytes twice for little saving (ZFS's `zfs_immediate_write_sz` is the same choice).
+pub(crate) const LOG_DATA_WRITE_MAX: usize = 32 * 1024;
+
+/// What a deferred fsync calls with its log outcome ([`Filesystem::fsync_defer`]).
+pub type FsyncDone = Box<dyn FnOnce(Result<LogOutcome>) + Send>;
 
 /// How fsync makes a file durable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -83,6 +94,95 @@ impl Filesystem {
     pub fn fsync(&self, ino: u64, datasync: bool) -> Result<()> {
         let started = std::time::Instant::now();
         let result = self.fsync_body(ino, datasync);
+        self.inner.engine.fsync_latency().record(started.elapsed());
+        result
+    }
+
+    /// [`Filesystem::fsync`] of a log-clean inode without blocking: when everything of
+    /// `ino` is queued in the fsync log already (and nothing is buffered, and no write
+    /// failed), defers the wait ([`crate::txn::Engine::log_defer`]) and returns
+    /// `Ok(lead)`: `done` then gets the outcome from whichever thread learns it, and with
+    /// `lead` set the caller must call [`Filesystem::fsync_lead`] with it on a thread that may
+    /// block. `done` hears `Full` when the log had no room: the caller must then call
+    /// [`Filesystem::fsync_after_full`] (a commit) before it answers. Otherwise, `Err(done)`:
+    /// the caller runs [`Filesystem::fsync`].
+    ///
+    /// Why (DESIGN §11.4): with 64 threads that write and fsync, most fsyncs find their records
+    /// queued by the write before them; parking a thread per such fsync costs two context
+    /// switches and a thread, where the batch's leader can answer them all.
+    pub fn fsync_defer(
+        &self,
+        ino: u64,
+        datasync: bool,
+        done: FsyncDone,
+    ) -> std::result::Result<Option<u64>, FsyncDone> {
+        if self.inner.fsync_mode != FsyncMode::Log {
+            return Err(done);
+        }
+        let Ok(state) = self.inode(ino) else {
+            return Err(done);
+        };
+        let ticket = {
+            let data = state.data.read();
+            if data.write_error || !data.dirty.is_empty() {
+                return Err(done);
+            }
+            match self.log_clean_ticket(ino, &state, datasync) {
+                Ok(Some(ticket)) => ticket,
+                _ => return Err(done),
+            }
+        };
+        let engine = &self.inner.engine;
+        let counters = engine.counters();
+        counters.add(|c| &c.fsyncs, 1);
+        counters.add(|c| &c.fsync_clean, 1);
+        counters.add(|c| &c.fsync_deferred, 1);
+        let started = std::time::Instant::now();
+        let inner = self.inner.clone();
+        let lead = engine.log_defer(
+            ticket,
+            Box::new(move |outcome| {
+                if !matches!(outcome, Ok(LogOutcome::Full)) {
+                    let engine = &inner.engine;
+                    if matches!(outcome, Ok(LogOutcome::Logged)) {
+                        engine.counters().add(|c| &c.fsync_log, 1);
+                    }
+                    engine.fsync_latency().record(started.elapsed());
+                }
+                done(outcome)
+            }),
+        );
+        Ok(lead.then_some(ticket))
+    }
+
+    /// Leads the log batch of a deferred fsync's `ticket` ([`Filesystem::fsync_defer`]
+    /// returned it): its outcome goes to the deferred fsyncs' callbacks.
+    pub fn fsync_lead(&self, ticket: u64) {
+        let _ = self.inner.engine.log_wait(ticket);
+    }
+
+    /// Leads log batches until no deferred fsync is left waiting: the hand-off a caller of
+    /// [`Filesystem::fsync_defer`] sets with [`Filesystem::set_fsync_hand_off`] runs this.
+    pub fn fsync_lead_deferred(&self) {
+        self.inner.engine.log_lead();
+    }
+
+    /// How a thread whose own fsync is answered hands the leading of deferred fsyncs over:
+    /// `hand_off` must arrange a call of [`Filesystem::fsync_lead_deferred`] on a thread that
+    /// may block. Without it that thread leads on itself. The log keeps `hand_off` as long as
+    /// the filesystem lives: it must not own the filesystem (hold a `Weak`).
+    pub fn set_fsync_hand_off(&self, hand_off: crate::log::HandOff) {
+        self.inner.engine.set_log_hand_off(hand_off);
+    }
+
+    /// The commit a deferred fsync makes when its outcome was `Full` (the log had no room).
+    pub fn fsync_after_full(&self) -> Result<()> {
+        let started = std::time::Instant::now();
+        self.inner
+            .engine
+            .counters()
+            .add(|c| &c.fsync_fallback_log_full, 1);
+        let result = self.fsync_commit();
         self.inner.engine.fsync_latency().record(started.elapsed());
         result
     }
@@ -213,6 +313,7 @@ impl Filesystem {
                                 .filter(|r| r.key.objectid != ino && is_inode_record(r))
                                 .cloned()
                                 .collect();
+                            self.settle_placed(ino, &fresh)?;
                             let ticket = engine.log_enqueue(fresh);
                             // After the enqueue: an fsync of the directory that finds these
                             // takes a ticket no earlier than theirs.
@@ -320,7 +421,7 @@ impl Filesystem {
         let inode = records.last().map(|r| r.value.clone());
         let mut logged = state.logged.lock();
         forget_committed(&mut logged, ino, committed);
-        for r in &records {
+        for r in records.iter().filter(|r| !r.is_data()) {
             logged.values.insert(r.key, (r.value.clone(), r.generation));
         }
         logged.ticket = engine.log_enqueue(records);
@@ -332,6 +433,81 @@ impl Filesystem {
                     .insert(log_clean_key(ino, all), (inode.clone(), generation));
             }
         }
+    }
+
+    /// Whether a write may log its bytes in data records: the image's durable superblock has
+    /// `INCOMPAT_LOG_DATA` (if not, asks the next commit to set it, so writes after that
+    /// commit may, and answers no), and the log is less than half full (past that, data
+    /// would fill it before the commit the committer was woken for frees it, and every
+    /// fsync would then commit: such writes go in place until the commit).
+    pub(super) fn log_data_allowed(&self) -> bool {
+        let engine = &self.inner.engine;
+        if !engine.incompat_durable(INCOMPAT_LOG_DATA) {
+            engine.want_incompat(INCOMPAT_LOG_DATA);
+            return false;
+        }
+        let (used, size) = engine.log_fill_bytes();
+        used < size / 2
+    }
+
+    /// After a write logged data records: wakes the committer once a quarter of the log is
+    /// used, so a commit writes the placed blocks and frees log space early.
+    pub(super) fn log_data_room(&self) {
+        let (used, size) = self.inner.engine.log_fill_bytes();
+        if used > size / 4 {
+            self.wake_committer();
+        }
+    }
+
+    /// Writes in place the placed blocks (bytes only in memory, meant for data records) that
+    /// the extent records among `records` name, before those records are queued: a batch
+    /// names a placed block only with its bytes in a data record of it or an earlier batch.
+    fn settle_placed(&self, ino: u64, records: &[LogRecord]) -> Result<()> {
+        self.settle_placed_in(ino, records.iter().map(|r| (&r.key, r.value.as_deref())))
+    }
+
+    /// [`Filesystem::settle_placed`] for a write's own items (before [`Filesystem::log_write`]).
+    pub(super) fn settle_placed_items(
+        &self,
+        ino: u64,
+        items: &[(Key, Option<Vec<u8>>)],
+    ) -> Result<()> {
+        self.settle_placed_in(ino, items.iter().map(|(k, v)| (k, v.as_deref())))
+    }
+
+    fn settle_placed_in<'a>(
+        &self,
+        ino: u64,
+        records: impl Iterator<Item = (&'a Key, Option<&'a [u8]>)>,
+    ) -> Result<()> {
+        let engine = &self.inner.engine;
+        if engine.pending().blocks() == 0 {
+            return Ok(());
+        }
+        for (key, value) in records {
+            let (Some(ItemType::ExtentData), Some(value)) = (key.kind(), value) else {
+                continue;
+            };
+            let Ok(extent) = FileExtent::decode(value) else {
+                continue;
+            };
+            if let ExtentKind::Regular { disk_addr, csums } = extent.kind {
+                let len = csums.len() as u64 * BLOCK_SIZE;
+                let written = engine
+                    .pending()
+                    .write_range(&**engine.device(), disk_addr, len)
+                    .map_err(|e| {
+                        Error::io(
+                            format!("fsync inode {ino}: write placed blocks {disk_addr:#x}+{len}"),
+                            e,
+                        )
+                    })?;
+                engine
+                    .counters()
+                    .add(|c| &c.log_placed_written, written / BLOCK_SIZE);
+            }
+        }
+        Ok(())
     }
 
     fn fsync_commit(&self) -> Result<()> {
@@ -931,9 +1107,27 @@ impl Filesystem {
         let mut dirs = BTreeSet::new();
         let mut inodes = BTreeSet::new();
         let mut max_objectid = 0;
+        // Data records first: their blocks go in place (the replay's commit flushes them
+        // before its superblock names them). The blocks were allocated by the running
+        // transaction the crash ended, from space no committed tree holds (DESIGN §10.2).
+        for r in live.iter().filter(|r| r.is_data()) {
+            if let Some(bytes) = &r.value {
+                let at = r.key.offset;
+                engine.device().write_at(bytes, at).map_err(|e| {
+                    Error::io(
+                        format!(
+                            "replay: write the logged data of inode {} at block {at:#x}",
+                            r.key.objectid
+                        ),
+                        e,
+                    )
+                })?;
+                counters.add(|c| &c.replayed_data_bytes, bytes.len() as u64);
+            }
+        }
         {
             let txn = engine.begin()?;
-            for r in &live {
+            for r in live.iter().filter(|r| !r.is_data()) {
                 match r.key.kind() {
                     Some(ItemType::DirItem | ItemType::DirIndex) => {
                         dirs.insert(r.key.objectid);

@@ -9,8 +9,10 @@
 use std::sync::atomic::Ordering;
 
 use birch_format::items::ExtentKind;
-use birch_format::{InodeNo, BLOCK_SIZE, INLINE_MAX_BYTES, MAX_FILE_BYTES};
+use birch_format::log::LOG_DATA_TYPE;
+use birch_format::{InodeNo, Key, BLOCK_SIZE, INLINE_MAX_BYTES, MAX_FILE_BYTES};
 
+use super::durability::LOG_DATA_WRITE_MAX;
 use super::{attr_of, now, Attr, Filesystem, FsyncMode, InodeData, SetAttr, SetTime};
 use crate::data::{BlockDelta, DataLayer, ItemChange, WrittenRun};
 use crate::error::{Error, Result};
@@ -284,11 +286,16 @@ impl Filesystem {
             && offset
                 .checked_add(bytes.len() as u64)
                 .is_some_and(|end| end <= MAX_FILE_BYTES);
-        let buffer = !through
-            && self.buffering()
-            && !(aligned
-                && self.inner.fsync_mode == FsyncMode::Log
-                && self.log_clean_ticket(ino, &state, true)?.is_some());
+        let clean_before = aligned
+            && self.inner.fsync_mode == FsyncMode::Log
+            && self.log_clean_ticket(ino, &state, true)?.is_some();
+        let buffer = !through && self.buffering() && !clean_before;
+        // A small append to a log-clean file (a WAL or journal record, then fsync) puts its
+        // bytes in the fsync log with its extent (a data record) instead of writing them in
+        // place now: its fsync is then one log write and one flush, and the next commit
+        // writes the blocks in place (DESIGN §11.1). Only once the image's superblock says
+        // its log may hold data records (older builds would stop replay at one).
+        let place = clean_before && bytes.len() <= LOG_DATA_WRITE_MAX && self.log_data_allowed();
         if !buffer {
             // Written through: what this file buffered goes first, so the buffer never
             // holds older bytes than the extents.
@@ -300,13 +307,28 @@ impl Filesystem {
         // recording the extents.
         // A file larger than the inline limit is, in practice, in blocks: a hint that costs no
         // tree search; the exact check below, under the lock, decides.
-        let likely_in_blocks = {
+        let (likely_in_blocks, size_hint) = {
             let data = state.data.read();
-            data.item.mode & libc::S_IFMT == libc::S_IFREG
-                && data.item.size > INLINE_MAX_BYTES as u64
+            (
+                data.item.mode & libc::S_IFMT == libc::S_IFREG
+                    && data.item.size > INLINE_MAX_BYTES as u64,
+                data.item.size,
+            )
         };
+        // Only a write at or past the end (a log or journal appended to and fsync'd, a
+        // database's WAL): its placed blocks follow the file's last ones, so the commit
+        // writes a run of appends in one write. Random overwrites placed would each cost a
+        // commit-time write of their own and the log bandwidth twice, and fill the log so
+        // that commits come several times as often (sysbench random 8 KiB writes with fsync:
+        // no faster, twice the bytes written; DESIGN §11.1).
+        let place = place && offset >= size_hint;
         let prewritten = if aligned && likely_in_blocks && !buffer {
-            match self.data().write_new(ino, offset, bytes) {
+            let written = if place {
+                self.data().place_new(ino, offset, bytes)
+            } else {
+                self.data().write_new(ino, offset, bytes)
+            };
+            match written {
                 Ok(extents) => Some(extents),
                 Err(e) => {
                     if matches!(e, Error::Io { .. }) {
@@ -338,6 +360,10 @@ impl Filesystem {
         // since the last commit is queued in the fsync log): the write then queues its own
         // items, so an fsync right after it (an O_SYNC write) only waits for the batch.
         let mut own_items: Option<Vec<ItemChange>> = None;
+        // The runs of placed blocks whose bytes this write logs (with `own_items`). Placed
+        // blocks it does not log stay placed: the next commit writes them, and an fsync that
+        // logs their extent first writes them in place (`settle_placed`).
+        let mut placed_runs: Option<Vec<WrittenRun>> = None;
         // Written blocks go back on every error until they are recorded.
         let in_blocks = match &prewritten {
             Some(runs) => match self.in_blocks(ino, &data) {
@@ -368,6 +394,9 @@ impl Filesystem {
                             return Err(e);
                         }
                     };
+                if place && clean {
+                    placed_runs = Some(extents.clone());
+                }
                 own_items = self
                     .record_new_blocks(ino, &mut data, offset, bytes.len() as u64, extents, clean)
                     .inspect_err(|_| self.unmark_log_clean(ino))?;
@@ -412,7 +441,43 @@ impl Filesystem {
                     super::inode_key(InodeNo::new(ino)),
                     Some(data.item.encode()),
                 ));
+                if let Some(runs) = placed_runs.as_deref() {
+                    // The bytes go first, as data records: a log batch never names a placed
+                    // block whose bytes are not in it or an earlier one.
+                    let mut records = Vec::with_capacity(runs.len() + items.len());
+                    let mut done = 0usize;
+                    for run in runs {
+                        let len = run.csums.len() * BLOCK_SIZE as usize;
+                        self.inner
+                            .engine
+                            .pending()
+                            .mark_logged(run.addr, len as u64);
+                        records.push((
+                            Key {
+                                objectid: ino,
+                                item_type: LOG_DATA_TYPE,
+                                offset: run.addr,
+                            },
+                            Some(bytes[done..done + len].to_vec()),
+                        ));
+                        done += len;
+                    }
+                    let counters = self.inner.engine.counters();
+                    counters.add(|c| &c.log_data_records, runs.len() as u64);
+                    counters.add(|c| &c.log_data_bytes, done as u64);
+                    records.append(&mut items);
+                    items = records;
+                }
+                // A merged extent may name older placed blocks no data record carries.
+                if let Err(e) = self.settle_placed_items(ino, &items) {
+                    self.unmark_log_clean(ino);
+                    data.write_error = true;
+                    return Err(e);
+                }
                 self.log_write(ino, &state, _op.generation().get(), items);
+                if placed_runs.is_some() {
+                    self.log_data_room();
+                }
             }
             // Dropped privileges changed an xattr item too: the next fsync collects.
             _ => {}
