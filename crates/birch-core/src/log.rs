@@ -39,6 +39,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::counters::Counters;
 use crate::device::BlockDevice;
 use crate::error::{Error, Result};
+use crate::pending::PendingData;
 use crate::readonly::ReadOnlyCause;
 
 /// A batch written and not yet retired by a commit.
@@ -144,6 +145,9 @@ pub struct FsyncLog {
     start: u64,
     bytes: u64,
     fsid: [u8; 16],
+    /// Data blocks allocated and not yet written in place ([`PendingData`]): a leader writes
+    /// those its batch's extent records name (and no data record carries) before the batch.
+    placed: PendingData,
 }
 
 impl FsyncLog {
@@ -174,6 +178,7 @@ impl FsyncLog {
             start: sb.log_start,
             bytes: sb.log_bytes,
             fsid: sb.fsid,
+            placed: PendingData::default(),
         }
     }
 
@@ -311,7 +316,23 @@ impl FsyncLog {
                 bytes = encode_batch(self.fsid, seq, lsn, &records);
             }
             let reusable_lsn = self.state.lock().reusable_lsn.get();
-            if lsn + len - reusable_lsn > self.bytes || len > self.bytes / 2 {
+            let fits = lsn + len - reusable_lsn <= self.bytes && len <= self.bytes / 2;
+            // The placed blocks the batch names go first, all in one submission: the batch
+            // then names only written blocks (or blocks its data records carry).
+            let settled = if fits {
+                self.placed.write_named(device, &records)
+            } else {
+                Ok(0)
+            };
+            if let Err(e) = settled {
+                st = self.state.lock();
+                st.leader = false;
+                st.failed = Some(format!("write of data blocks for batch {seq}: {e}"));
+                self.wake_all();
+                continue;
+            }
+            counters.add(|c| &c.log_placed_written, settled.unwrap_or(0) / BLOCK_SIZE);
+            if !fits {
                 st = self.state.lock();
                 st.full_ticket = batch_ticket;
                 st.refused_generation = st.refused_generation.max(max_generation);
@@ -385,6 +406,11 @@ impl FsyncLog {
     /// worker of the FUSE adapter's pool). Without it such a waiter leads on itself.
     pub fn set_hand_off(&self, hand_off: HandOff) {
         self.state.lock().hand_off = Some(hand_off);
+    }
+
+    /// The placed data blocks ([`PendingData`]).
+    pub(crate) fn placed(&self) -> &PendingData {
+        &self.placed
     }
 
     /// Why the log failed (a batch's write or flush), if it did: every wait answers an error.

@@ -17,6 +17,10 @@ use std::sync::Arc;
 use birch_format::BLOCK_SIZE;
 use parking_lot::Mutex;
 
+use birch_format::items::{ExtentKind, FileExtent};
+use birch_format::log::LogRecord;
+use birch_format::ItemType;
+
 use crate::device::BlockDevice;
 
 /// The placed blocks of one filesystem.
@@ -100,23 +104,21 @@ impl PendingData {
             .iter()
             .map(|(a, (b, _))| (*a, b.clone()))
             .collect();
-        let mut written = 0u64;
-        let mut run: Vec<u8> = Vec::new();
-        let mut run_start = 0u64;
-        for (n, (at, block)) in taken.iter().enumerate() {
-            if run.is_empty() {
-                run_start = *at;
-            }
-            run.extend_from_slice(block);
-            let next_follows = taken
-                .get(n + 1)
-                .is_some_and(|(next, _)| *next == at + BLOCK_SIZE);
-            if !next_follows || run.len() >= 1 << 20 {
-                device.write_at(&run, run_start)?;
-                written += run.len() as u64;
-                run.clear();
+        // Runs of consecutive blocks (at most 1 MiB each), all in one write_many.
+        let mut runs: Vec<(u64, Vec<u8>)> = Vec::new();
+        for (at, block) in &taken {
+            match runs.last_mut() {
+                Some((start, bytes))
+                    if *start + bytes.len() as u64 == *at && bytes.len() < 1 << 20 =>
+                {
+                    bytes.extend_from_slice(block)
+                }
+                _ => runs.push((*at, block.to_vec())),
             }
         }
+        let writes: Vec<(u64, &[u8])> = runs.iter().map(|(a, b)| (*a, b.as_slice())).collect();
+        device.write_many(&writes)?;
+        let written = taken.len() as u64 * BLOCK_SIZE;
         let mut blocks = self.blocks.lock();
         for (at, block) in &taken {
             // Only the bytes written: an address freed and placed again since (after a
@@ -129,31 +131,62 @@ impl PendingData {
         Ok(written)
     }
 
-    /// Writes in place now the placed blocks in `[addr, addr + len)` that no queued data
-    /// record carries, and forgets them; returns the bytes written. For a caller about to
-    /// log an extent of them without their bytes. Another writer of the same blocks (a
-    /// commit) writes the same bytes.
-    pub(crate) fn write_range(
+    /// Writes in place now, in one [`BlockDevice::write_many`], the placed blocks that the
+    /// regular extent records among `records` name and that no queued data record carries,
+    /// and forgets them; returns the bytes written. What the log's leader does before it
+    /// writes a batch of `records`. Another writer of the same blocks (a commit) writes the
+    /// same bytes.
+    pub(crate) fn write_named(
         &self,
         device: &dyn BlockDevice,
-        addr: u64,
-        len: u64,
+        records: &[LogRecord],
     ) -> io::Result<u64> {
         if self.count.load(Ordering::SeqCst) == 0 {
             return Ok(0);
         }
-        let taken: Vec<(u64, Arc<[u8]>)> = self
-            .blocks
-            .lock()
-            .range(addr..addr + len)
-            .filter(|(_, (_, logged))| !logged)
-            .map(|(a, (b, _))| (*a, b.clone()))
-            .collect();
-        let mut written = 0u64;
-        for (at, block) in &taken {
-            device.write_at(block, *at)?;
-            written += block.len() as u64;
+        let mut ranges: Vec<(u64, u64)> = Vec::new();
+        for r in records {
+            let (Some(ItemType::ExtentData), Some(value)) = (r.key.kind(), &r.value) else {
+                continue;
+            };
+            if let Ok(FileExtent {
+                kind: ExtentKind::Regular { disk_addr, csums },
+                ..
+            }) = FileExtent::decode(value)
+            {
+                ranges.push((disk_addr, csums.len() as u64 * BLOCK_SIZE));
+            }
         }
+        if ranges.is_empty() {
+            return Ok(0);
+        }
+        let mut taken: BTreeMap<u64, Arc<[u8]>> = BTreeMap::new();
+        {
+            let blocks = self.blocks.lock();
+            for (addr, len) in ranges {
+                for (at, (block, logged)) in blocks.range(addr..addr + len) {
+                    if !logged {
+                        taken.insert(*at, block.clone());
+                    }
+                }
+            }
+        }
+        if taken.is_empty() {
+            return Ok(0);
+        }
+        // Runs of consecutive blocks, one write each.
+        let mut runs: Vec<(u64, Vec<u8>)> = Vec::new();
+        for (at, block) in &taken {
+            match runs.last_mut() {
+                Some((start, bytes)) if *start + bytes.len() as u64 == *at => {
+                    bytes.extend_from_slice(block)
+                }
+                _ => runs.push((*at, block.to_vec())),
+            }
+        }
+        let writes: Vec<(u64, &[u8])> = runs.iter().map(|(a, b)| (*a, b.as_slice())).collect();
+        device.write_many(&writes)?;
+        let written = taken.len() as u64 * BLOCK_SIZE;
         let mut blocks = self.blocks.lock();
         for (at, block) in &taken {
             if blocks.get(at).is_some_and(|(b, _)| Arc::ptr_eq(b, block)) {

@@ -248,8 +248,6 @@ pub struct Engine {
     instance: u64,
     log: FsyncLog,
     replay: Mutex<Option<Replay>>,
-    /// Data blocks whose bytes are only in the log (and here) until a commit writes them.
-    pending: PendingData,
 }
 
 /// Seed 003's "before" (`bench_apply_per_item`): each changed extent item costs a delete (a
@@ -398,7 +396,7 @@ impl Engine {
 
     /// Data blocks placed by the log and not yet written in place ([`PendingData`]).
     pub(crate) fn pending(&self) -> &PendingData {
-        &self.pending
+        self.log.placed()
     }
 
     /// Whether every incompat flag of `bits` is in the last durable superblock.
@@ -586,7 +584,6 @@ impl Engine {
             instance: INSTANCES.fetch_add(1, Ordering::Relaxed),
             log,
             replay: Mutex::new(replay),
-            pending: PendingData::default(),
         })
     }
 
@@ -1560,7 +1557,7 @@ impl Engine {
     ) -> Result<()> {
         // Blocks whose bytes only the log holds go in place first: the flush below makes
         // them durable before any superblock names them.
-        self.pending.write_out(&*self.device).map_err(|e| {
+        self.pending().write_out(&*self.device).map_err(|e| {
             Error::io(
                 format!("commit {generation}: write data blocks placed by the log"),
                 e,

@@ -661,10 +661,10 @@ fn log_clean_file(fs: &Filesystem, name: &[u8]) -> u64 {
     let (f, _) = fs
         .create(Caller::default(), 1, name, 0o644, 0)
         .expect("create");
-    fs.write(f.ino, 0, &[1u8; 16384], false).expect("write");
+    fs.write(f.ino, 0, &[1u8; 12288], false).expect("write");
     fs.fsync(f.ino, false).expect("fsync");
-    // A small write to the log-clean file asks for the flag; the commit sets it.
-    fs.write(f.ino, 0, &[1u8; 4096], false).expect("write");
+    // A small append to the log-clean file asks for the flag; the commit sets it.
+    fs.write(f.ino, 12288, &[1u8; 4096], false).expect("append");
     fs.sync().expect("commit");
     assert!(fs
         .engine()
@@ -704,12 +704,14 @@ fn a_small_synchronous_append_logs_its_bytes_and_survives_a_crash() {
         assert_eq!(eng_after.fsync_clean, 1, "{eng_after}");
         let got = fs.read(ino, 16384, 8192).expect("read before the commit");
         assert!(got.iter().all(|&b| b == 7));
-        // An overwrite is written in place: no data record.
+        // An overwrite carries no data record: its placed block is written in place by the
+        // batch's leader, before the batch.
         let before = fs.engine().counters().values();
         fs.write(ino, 0, &[6u8; 4096], false).expect("overwrite");
         fs.fsync(ino, false).expect("fsync");
         let after = fs.engine().counters().values().since(&before);
         assert_eq!(after.log_data_records, 0, "{after}");
+        assert_eq!(after.log_placed_written, 1, "{after}");
         if commit_before_cut {
             fs.sync().expect("commit writes the placed blocks");
         }

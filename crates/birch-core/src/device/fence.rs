@@ -79,6 +79,10 @@ impl BlockDevice for Fence {
         self.pass(|d| d.write_at(buf, offset))
     }
 
+    fn write_many(&self, writes: &[(u64, &[u8])]) -> io::Result<()> {
+        self.pass(|d| d.write_many(writes))
+    }
+
     fn flush(&self) -> io::Result<()> {
         self.pass(|d| d.flush())
     }

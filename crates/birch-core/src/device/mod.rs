@@ -46,6 +46,16 @@ pub trait BlockDevice: Send + Sync {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
     /// Writes `buf` at `offset`. Not durable until [`BlockDevice::flush`] returns.
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
+    /// Writes each `(offset, bytes)` of `writes`, several in flight where the device can
+    /// (one submission for all of them), and returns once all completed; the first error
+    /// fails the call (some writes may have landed). Not durable until [`BlockDevice::flush`].
+    /// Default: one [`BlockDevice::write_at`] after the other.
+    fn write_many(&self, writes: &[(u64, &[u8])]) -> io::Result<()> {
+        for (offset, bytes) in writes {
+            self.write_at(bytes, *offset)?;
+        }
+        Ok(())
+    }
     /// Makes every completed write durable.
     fn flush(&self) -> io::Result<()>;
     /// Size in bytes.

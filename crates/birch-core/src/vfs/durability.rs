@@ -49,12 +49,10 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use birch_format::items::{
-    decode_dir_entries, decode_inode_refs, ExtentKind, FileExtent, InodeItem,
-};
+use birch_format::items::{decode_dir_entries, decode_inode_refs, InodeItem};
 use birch_format::log::LogRecord;
 use birch_format::superblock::INCOMPAT_LOG_DATA;
-use birch_format::{InodeNo, ItemType, Key, BLOCK_SIZE, ORPHAN_OBJECTID};
+use birch_format::{InodeNo, ItemType, Key, ORPHAN_OBJECTID};
 
 use super::{log_clean_key, Filesystem, InodeState, Logged};
 use crate::counters::Counters;
@@ -66,6 +64,10 @@ use crate::log::LogOutcome;
 /// file, DESIGN §11.1): larger ones are written in place, as logging them would write their
 /// bytes twice for little saving (ZFS's `zfs_immediate_write_sz` is the same choice).
 pub(crate) const LOG_DATA_WRITE_MAX: usize = 32 * 1024;
+
+/// Placed data blocks (allocated, bytes in memory, not yet written in place: DESIGN §11.1)
+/// beyond which small writes to log-clean files are written in place again: 64 MiB.
+pub(crate) const PLACED_MAX_BLOCKS: usize = 16384;
 
 /// What a deferred fsync calls with its log outcome ([`Filesystem::fsync_defer`]).
 pub type FsyncDone = Box<dyn FnOnce(Result<LogOutcome>) + Send>;
@@ -313,7 +315,6 @@ impl Filesystem {
                                 .filter(|r| r.key.objectid != ino && is_inode_record(r))
                                 .cloned()
                                 .collect();
-                            self.settle_placed(ino, &fresh)?;
                             let ticket = engine.log_enqueue(fresh);
                             // After the enqueue: an fsync of the directory that finds these
                             // takes a ticket no earlier than theirs.
@@ -457,57 +458,6 @@ impl Filesystem {
         if used > size / 4 {
             self.wake_committer();
         }
-    }
-
-    /// Writes in place the placed blocks (bytes only in memory, meant for data records) that
-    /// the extent records among `records` name, before those records are queued: a batch
-    /// names a placed block only with its bytes in a data record of it or an earlier batch.
-    fn settle_placed(&self, ino: u64, records: &[LogRecord]) -> Result<()> {
-        self.settle_placed_in(ino, records.iter().map(|r| (&r.key, r.value.as_deref())))
-    }
-
-    /// [`Filesystem::settle_placed`] for a write's own items (before [`Filesystem::log_write`]).
-    pub(super) fn settle_placed_items(
-        &self,
-        ino: u64,
-        items: &[(Key, Option<Vec<u8>>)],
-    ) -> Result<()> {
-        self.settle_placed_in(ino, items.iter().map(|(k, v)| (k, v.as_deref())))
-    }
-
-    fn settle_placed_in<'a>(
-        &self,
-        ino: u64,
-        records: impl Iterator<Item = (&'a Key, Option<&'a [u8]>)>,
-    ) -> Result<()> {
-        let engine = &self.inner.engine;
-        if engine.pending().blocks() == 0 {
-            return Ok(());
-        }
-        for (key, value) in records {
-            let (Some(ItemType::ExtentData), Some(value)) = (key.kind(), value) else {
-                continue;
-            };
-            let Ok(extent) = FileExtent::decode(value) else {
-                continue;
-            };
-            if let ExtentKind::Regular { disk_addr, csums } = extent.kind {
-                let len = csums.len() as u64 * BLOCK_SIZE;
-                let written = engine
-                    .pending()
-                    .write_range(&**engine.device(), disk_addr, len)
-                    .map_err(|e| {
-                        Error::io(
-                            format!("fsync inode {ino}: write placed blocks {disk_addr:#x}+{len}"),
-                            e,
-                        )
-                    })?;
-                engine
-                    .counters()
-                    .add(|c| &c.log_placed_written, written / BLOCK_SIZE);
-            }
-        }
-        Ok(())
     }
 
     fn fsync_commit(&self) -> Result<()> {

@@ -12,7 +12,7 @@ use birch_format::items::ExtentKind;
 use birch_format::log::LOG_DATA_TYPE;
 use birch_format::{InodeNo, Key, BLOCK_SIZE, INLINE_MAX_BYTES, MAX_FILE_BYTES};
 
-use super::durability::LOG_DATA_WRITE_MAX;
+use super::durability::{LOG_DATA_WRITE_MAX, PLACED_MAX_BLOCKS};
 use super::{attr_of, now, Attr, Filesystem, FsyncMode, InodeData, SetAttr, SetTime};
 use crate::data::{BlockDelta, DataLayer, ItemChange, WrittenRun};
 use crate::error::{Error, Result};
@@ -290,12 +290,18 @@ impl Filesystem {
             && self.inner.fsync_mode == FsyncMode::Log
             && self.log_clean_ticket(ino, &state, true)?.is_some();
         let buffer = !through && self.buffering() && !clean_before;
-        // A small append to a log-clean file (a WAL or journal record, then fsync) puts its
-        // bytes in the fsync log with its extent (a data record) instead of writing them in
-        // place now: its fsync is then one log write and one flush, and the next commit
-        // writes the blocks in place (DESIGN §11.1). Only once the image's superblock says
-        // its log may hold data records (older builds would stop replay at one).
-        let place = clean_before && bytes.len() <= LOG_DATA_WRITE_MAX && self.log_data_allowed();
+        // A small write to a log-clean file (a database page or WAL record, then fsync) is
+        // not written in place by this request: its blocks are allocated and their bytes
+        // *placed* in memory (DESIGN §11.1). The fsync log's leader writes the placed blocks
+        // its batch names, all batches' writes in one submission, before the batch; the
+        // commit writes the rest. A small append goes further: its bytes go into the log
+        // itself (a data record), so its fsync is one log write and one flush; only once the
+        // image's superblock says its log may hold data records (older builds would stop
+        // replay at one). Placed bytes are bounded (`PLACED_MAX_BLOCKS`): past that, writes
+        // go in place as before.
+        let place = clean_before
+            && bytes.len() <= LOG_DATA_WRITE_MAX
+            && self.inner.engine.pending().blocks() < PLACED_MAX_BLOCKS;
         if !buffer {
             // Written through: what this file buffered goes first, so the buffer never
             // holds older bytes than the extents.
@@ -315,13 +321,13 @@ impl Filesystem {
                 data.item.size,
             )
         };
-        // Only a write at or past the end (a log or journal appended to and fsync'd, a
-        // database's WAL): its placed blocks follow the file's last ones, so the commit
-        // writes a run of appends in one write. Random overwrites placed would each cost a
-        // commit-time write of their own and the log bandwidth twice, and fill the log so
-        // that commits come several times as often (sysbench random 8 KiB writes with fsync:
-        // no faster, twice the bytes written; DESIGN §11.1).
-        let place = place && offset >= size_hint;
+        // Bytes in the log only for a write at or past the end (a log or journal appended to
+        // and fsync'd, a database's WAL): its placed blocks follow the file's last ones, so
+        // the commit writes a run of appends in one write. Random overwrites in data records
+        // would each cost a commit-time write of their own and the log bandwidth twice, and
+        // fill the log so that commits come several times as often (sysbench random 8 KiB
+        // writes with fsync: no faster, twice the bytes written; DESIGN §11.1).
+        let log_bytes = place && offset >= size_hint && self.log_data_allowed();
         let prewritten = if aligned && likely_in_blocks && !buffer {
             let written = if place {
                 self.data().place_new(ino, offset, bytes)
@@ -394,7 +400,7 @@ impl Filesystem {
                             return Err(e);
                         }
                     };
-                if place && clean {
+                if log_bytes && clean {
                     placed_runs = Some(extents.clone());
                 }
                 own_items = self
@@ -467,12 +473,6 @@ impl Filesystem {
                     counters.add(|c| &c.log_data_bytes, done as u64);
                     records.append(&mut items);
                     items = records;
-                }
-                // A merged extent may name older placed blocks no data record carries.
-                if let Err(e) = self.settle_placed_items(ino, &items) {
-                    self.unmark_log_clean(ino);
-                    data.write_error = true;
-                    return Err(e);
                 }
                 self.log_write(ino, &state, _op.generation().get(), items);
                 if placed_runs.is_some() {
