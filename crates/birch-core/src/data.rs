@@ -786,10 +786,20 @@ impl<'e> DataLayer<'e> {
     /// freeing commit is durable, [`Seen::Unrecorded`] frees them at once.
     pub(crate) fn free(&self, run: BlockRun, birth: u64, seen: Seen<'_, '_>) {
         let alloc = self.engine.allocator();
-        // Placed bytes of freed blocks are never written: the blocks hold nothing now.
-        self.engine
-            .pending()
-            .forget(run.disk_addr().get(), run.block_count().get() * BLOCK_SIZE);
+        // Placed bytes of freed blocks are never written when no tree a commit will still
+        // write names the blocks: unrecorded ones, and ones born in the freeing transaction.
+        // A block an older generation recorded may be named by the frozen transaction whose
+        // commit has not written its placed blocks yet (the free runs after the freeze): its
+        // bytes stay placed, and a commit writes them (the blocks stay pinned until then).
+        let forget = match &seen {
+            Seen::Recorded(txn) => birth >= txn.generation().get(),
+            Seen::Unrecorded => true,
+        };
+        if forget {
+            self.engine
+                .pending()
+                .forget(run.disk_addr().get(), run.block_count().get() * BLOCK_SIZE);
+        }
         match seen {
             Seen::Recorded(txn) => {
                 let generation = txn.generation();

@@ -785,3 +785,42 @@ fn placed_blocks_an_fsync_logs_without_their_bytes_are_written_first() {
     assert_eq!(fs.getattr(ino).expect("getattr").perm & 0o7777, 0o755);
     common::close_and_check_clean(fs, &crashed, "suid");
 }
+
+/// A placed block recorded in generation G and freed by G+1 (a truncate) after G froze but
+/// before G's commit wrote its placed blocks: G's superblock still names the block (its
+/// extent is in G's tree), so the commit must write its bytes; forgetting them on the free
+/// leaves G's tree naming a block that holds nothing, and the log records that carried the
+/// bytes are retired by that very commit. After a crash the fsync'd append must read back.
+#[test]
+fn a_placed_block_freed_after_the_freeze_is_still_written_by_the_frozen_commit() {
+    let dev = fresh();
+    let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+    let ino = log_clean_file(&fs, b"wal");
+    fs.write(ino, 16384, &[7u8; 4096], false).expect("append");
+    fs.fsync(ino, false).expect("fsync");
+    assert_eq!(
+        fs.engine().counters().values().log_data_records,
+        1,
+        "the append is logged with its bytes"
+    );
+    // Commit G; once it froze (mutations go on in G+1), cut the file back before the append.
+    fs.engine()
+        .commit_then(|| {
+            fs.setattr(
+                ino,
+                &birch_core::vfs::SetAttr {
+                    size: Some(16384),
+                    ..Default::default()
+                },
+            )
+            .expect("truncate in G+1");
+        })
+        .expect("commit G");
+    // Power cut: G is durable, the truncate (G+1, never fsync'd) is not.
+    let (crashed, fs) = common::crash_and_reopen(fs, &dev);
+    let got = fs
+        .read(ino, 16384, 4096)
+        .expect("the fsync'd append reads back after commit G");
+    assert!(got.iter().all(|&b| b == 7));
+    common::close_and_check_clean(fs, &crashed, "placed block freed after the freeze");
+}
