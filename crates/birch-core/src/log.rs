@@ -387,6 +387,25 @@ impl FsyncLog {
         self.state.lock().hand_off = Some(hand_off);
     }
 
+    /// Answers every deferred wait: with its outcome if the log's state decides it, else with
+    /// `Error::Shutdown`; and forgets a scheduled lead. For an engine that shut down: no
+    /// leader may come any more, and a deferred wait left unanswered is a caller blocked for
+    /// good (its callback holds the FUSE reply). Calls them with no lock held.
+    pub fn abandon_deferred(&self) {
+        let taken = {
+            let mut st = self.state.lock();
+            st.lead_scheduled = false;
+            let taken = std::mem::take(&mut st.deferred);
+            taken
+                .into_iter()
+                .map(|(ticket, done)| (outcome_of(&st, ticket), done))
+                .collect::<Vec<_>>()
+        };
+        for (outcome, done) in taken {
+            done(outcome.unwrap_or(Err(Error::Shutdown)));
+        }
+    }
+
     /// Why the log failed (a batch's write or flush), if it did: every wait answers an error.
     pub fn failure(&self) -> Option<String> {
         self.state.lock().failed.clone()

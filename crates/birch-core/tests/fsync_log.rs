@@ -824,3 +824,41 @@ fn a_placed_block_freed_after_the_freeze_is_still_written_by_the_frozen_commit()
     assert!(got.iter().all(|&b| b == 7));
     common::close_and_check_clean(fs, &crashed, "placed block freed after the freeze");
 }
+
+/// A deferred fsync (FUSE's path for a log-clean file) whose leader comes only after a
+/// shutdown must still be answered: the FUSE reply lives in the callback, and an unanswered
+/// FSYNC leaves its caller blocked for good.
+#[test]
+fn a_deferred_fsync_is_answered_when_a_shutdown_comes_before_its_leader() {
+    for lead_deferred in [false, true] {
+        let dev = fresh();
+        let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+        let ino = log_clean_file(&fs, b"db");
+        // A synchronous write queues the file's records (no leader yet).
+        fs.write(ino, 0, &[3u8; 4096], false).expect("overwrite");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let lead = match fs.fsync_defer(
+            ino,
+            false,
+            Box::new(move |outcome| {
+                let _ = tx.send(outcome.map(|_| ()).map_err(|e| e.to_string()));
+            }),
+        ) {
+            Ok(lead) => lead,
+            Err(_) => panic!("a log-clean file's fsync is deferred"),
+        };
+        let ticket = lead.expect("no leader is active: the caller must lead");
+        fs.shutdown(birch_core::vfs::ShutdownMode::Now)
+            .expect("shutdown");
+        // What the FUSE adapter's job (or a hand-off) runs, after the shutdown.
+        if lead_deferred {
+            fs.fsync_lead_deferred();
+        } else {
+            fs.fsync_lead(ticket);
+        }
+        let answer = rx
+            .recv_timeout(std::time::Duration::from_secs(5))
+            .unwrap_or_else(|_| panic!("the deferred fsync was never answered ({lead_deferred})"));
+        assert!(answer.is_err(), "nothing was written after the shutdown");
+    }
+}
