@@ -133,7 +133,7 @@ fn run_workload(
             write_version(fs, h, path, content.clone())?;
             sync_path(fs, rec, h, path, false)?;
             let ino = fs.resolve(path)?;
-            let mut append = |fs: &Filesystem,
+            let append = |fs: &Filesystem,
                               rec: &mut Recorder<'_>,
                               h: &mut History,
                               content: &mut Vec<u8>,
