@@ -661,10 +661,10 @@ fn log_clean_file(fs: &Filesystem, name: &[u8]) -> u64 {
     let (f, _) = fs
         .create(Caller::default(), 1, name, 0o644, 0)
         .expect("create");
-    fs.write(f.ino, 0, &[1u8; 16384], false).expect("write");
+    fs.write(f.ino, 0, &[1u8; 12288], false).expect("write");
     fs.fsync(f.ino, false).expect("fsync");
-    // A small write to the log-clean file asks for the flag; the commit sets it.
-    fs.write(f.ino, 0, &[1u8; 4096], false).expect("write");
+    // A small append to the log-clean file asks for the flag; the commit sets it.
+    fs.write(f.ino, 12288, &[1u8; 4096], false).expect("append");
     fs.sync().expect("commit");
     assert!(fs
         .engine()
@@ -861,4 +861,28 @@ fn a_deferred_fsync_is_answered_when_a_shutdown_comes_before_its_leader() {
             .unwrap_or_else(|_| panic!("the deferred fsync was never answered ({lead_deferred})"));
         assert!(answer.is_err(), "nothing was written after the shutdown");
     }
+}
+
+/// Only a write that would log its bytes asks for `INCOMPAT_LOG_DATA` (which older builds
+/// refuse): small overwrites of a log-clean file never place their blocks, so an image only
+/// ever overwritten that way stays readable by builds from before the flag.
+#[test]
+fn overwrites_of_a_log_clean_file_leave_the_image_without_the_log_data_flag() {
+    let dev = fresh();
+    let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+    let (f, _) = fs
+        .create(Caller::default(), 1, b"db", 0o644, 0)
+        .expect("create");
+    fs.write(f.ino, 0, &[1u8; 16384], false).expect("write");
+    fs.fsync(f.ino, false).expect("fsync: log-clean");
+    for n in 0..4u64 {
+        fs.write(f.ino, n * 4096, &[2u8; 4096], false)
+            .expect("overwrite");
+        fs.fsync(f.ino, false).expect("fsync");
+    }
+    fs.sync().expect("commit");
+    assert!(!fs
+        .engine()
+        .incompat_durable(birch_format::superblock::INCOMPAT_LOG_DATA));
+    common::close_and_check_clean(fs, &dev, "overwrites only");
 }

@@ -134,11 +134,11 @@ fn run_workload(
             sync_path(fs, rec, h, path, false)?;
             let ino = fs.resolve(path)?;
             let append = |fs: &Filesystem,
-                              rec: &mut Recorder<'_>,
-                              h: &mut History,
-                              content: &mut Vec<u8>,
-                              n: u8,
-                              blocks: usize|
+                          rec: &mut Recorder<'_>,
+                          h: &mut History,
+                          content: &mut Vec<u8>,
+                          n: u8,
+                          blocks: usize|
              -> Result<()> {
                 let at = content.len() as u64;
                 let bytes = vec![n; blocks * 4096];

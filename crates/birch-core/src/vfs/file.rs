@@ -295,7 +295,7 @@ impl Filesystem {
         // place now: its fsync is then one log write and one flush, and the next commit
         // writes the blocks in place (DESIGN §11.1). Only once the image's superblock says
         // its log may hold data records (older builds would stop replay at one).
-        let place = clean_before && bytes.len() <= LOG_DATA_WRITE_MAX && self.log_data_allowed();
+        let place = clean_before && bytes.len() <= LOG_DATA_WRITE_MAX;
         if !buffer {
             // Written through: what this file buffered goes first, so the buffer never
             // holds older bytes than the extents.
@@ -321,7 +321,9 @@ impl Filesystem {
         // commit-time write of their own and the log bandwidth twice, and fill the log so
         // that commits come several times as often (sysbench random 8 KiB writes with fsync:
         // no faster, twice the bytes written; DESIGN §11.1).
-        let place = place && offset >= size_hint;
+        // Asked last: while the image lacks `INCOMPAT_LOG_DATA`, asking sets it at the next
+        // commit, and only a write that would place should (an overwrite never does).
+        let place = place && likely_in_blocks && offset >= size_hint && self.log_data_allowed();
         let prewritten = if aligned && likely_in_blocks && !buffer {
             let written = if place {
                 self.data().place_new(ino, offset, bytes)
