@@ -886,3 +886,48 @@ fn overwrites_of_a_log_clean_file_leave_the_image_without_the_log_data_flag() {
         .incompat_durable(birch_format::superblock::INCOMPAT_LOG_DATA));
     common::close_and_check_clean(fs, &dev, "overwrites only");
 }
+
+/// The deferred path FUSE takes for a log-clean file: the callback is not answered before a
+/// leader writes the batch; the leader of the ticket (or any fsync's wait that writes a batch
+/// covering it) answers it `Logged`, after which a power cut keeps the data.
+#[test]
+fn a_deferred_fsync_is_answered_by_the_batch_that_makes_it_durable() {
+    use birch_core::log::LogOutcome;
+    let dev = fresh();
+    let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+    let a = log_clean_file(&fs, b"a");
+    let b = log_clean_file(&fs, b"b");
+    // The commit inside `log_clean_file(b)` ended a's mark: log-clean again.
+    fs.write(a, 8192, &[1u8; 4096], false).expect("write a");
+    fs.fsync(a, false).expect("fsync a");
+    let defer = |ino: u64| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let lead = fs
+            .fsync_defer(
+                ino,
+                false,
+                Box::new(move |outcome| {
+                    let _ = tx.send(outcome.map_err(|e| e.to_string()));
+                }),
+            )
+            .unwrap_or_else(|_| panic!("inode {ino} is log-clean: deferred"));
+        (lead, rx)
+    };
+    // Led by the caller, as FUSE does when `fsync_defer` says no leader is active.
+    fs.write(a, 0, &[4u8; 4096], false).expect("write a");
+    let (lead, rx) = defer(a);
+    let ticket = lead.expect("no leader: the caller leads");
+    assert!(rx.try_recv().is_err(), "not answered before its batch");
+    fs.fsync_lead(ticket);
+    assert_eq!(rx.try_recv().expect("answered"), Ok(LogOutcome::Logged));
+    // Answered by another fsync's wait whose batch covers it.
+    fs.write(a, 4096, &[5u8; 4096], false).expect("write a");
+    let (_, rx) = defer(a);
+    fs.write(b, 0, &[6u8; 4096], false).expect("write b");
+    fs.fsync(b, false).expect("fsync b");
+    assert_eq!(rx.try_recv().expect("answered"), Ok(LogOutcome::Logged));
+    let (crashed, fs) = common::crash_and_reopen(fs, &dev);
+    let got = fs.read(a, 0, 8192).expect("read a");
+    assert!(got[..4096].iter().all(|&x| x == 4) && got[4096..].iter().all(|&x| x == 5));
+    common::close_and_check_clean(fs, &crashed, "deferred fsyncs");
+}
