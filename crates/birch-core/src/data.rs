@@ -786,11 +786,34 @@ impl<'e> DataLayer<'e> {
     /// freeing commit is durable, [`Seen::Unrecorded`] frees them at once.
     pub(crate) fn free(&self, run: BlockRun, birth: u64, seen: Seen<'_, '_>) {
         let alloc = self.engine.allocator();
-        // Placed bytes of freed blocks are never written: the blocks hold nothing now.
-        self.engine
-            .pending()
-            .forget(run.disk_addr().get(), run.block_count().get() * BLOCK_SIZE);
+        // Placed bytes of freed blocks are never written when no tree a commit will still
+        // write names the blocks: unrecorded ones, and ones born in the freeing transaction.
+        // A block an older generation recorded may be named by the frozen transaction whose
+        // commit has not written its placed blocks yet (the free runs after the freeze): its
+        // bytes stay placed, and a commit writes them (the blocks stay pinned until then).
+        let forget = match &seen {
+            Seen::Recorded(txn) => birth >= txn.generation().get(),
+            Seen::Unrecorded => true,
+        };
+        let was_placed = forget
+            && self
+                .engine
+                .pending()
+                .forget(run.disk_addr().get(), run.block_count().get() * BLOCK_SIZE)
+                > 0;
         match seen {
+            // A commit's `write_out` may have taken these placed bytes already and be about
+            // to write them: freed at once, the blocks could be taken and written by another
+            // file first, and then overwritten with the stale bytes. Pinned to the running
+            // transaction instead, they come back only after its commit, which starts after
+            // the commit writing them ended.
+            Seen::Unrecorded if was_placed => {
+                alloc.free_pinned(
+                    self.engine.running_generation(),
+                    run.disk_addr(),
+                    run.block_count(),
+                );
+            }
             Seen::Recorded(txn) => {
                 let generation = txn.generation();
                 // A block cannot be born after the transaction that frees it.

@@ -413,6 +413,25 @@ impl FsyncLog {
         &self.placed
     }
 
+    /// Answers every deferred wait: with its outcome if the log's state decides it, else with
+    /// `Error::Shutdown`; and forgets a scheduled lead. For an engine that shut down: no
+    /// leader may come any more, and a deferred wait left unanswered is a caller blocked for
+    /// good (its callback holds the FUSE reply). Calls them with no lock held.
+    pub fn abandon_deferred(&self) {
+        let taken = {
+            let mut st = self.state.lock();
+            st.lead_scheduled = false;
+            let taken = std::mem::take(&mut st.deferred);
+            taken
+                .into_iter()
+                .map(|(ticket, done)| (outcome_of(&st, ticket), done))
+                .collect::<Vec<_>>()
+        };
+        for (outcome, done) in taken {
+            done(outcome.unwrap_or(Err(Error::Shutdown)));
+        }
+    }
+
     /// Why the log failed (a batch's write or flush), if it did: every wait answers an error.
     pub fn failure(&self) -> Option<String> {
         self.state.lock().failed.clone()
@@ -510,6 +529,16 @@ pub fn read_log(device: &dyn BlockDevice, sb: &Superblock) -> Replay {
             out.stop = format!("no valid batch with sequence {} at lsn {lsn}", out.next_seq);
             return out;
         };
+        // Replay writes a data record's bytes at its address: one that is not in the data
+        // area (the superblocks, the log itself, past the end) makes the batch invalid.
+        if let Some(bad) = records
+            .iter()
+            .filter(|r| r.is_data())
+            .find_map(|r| bad_data_address(sb, r))
+        {
+            out.stop = format!("batch {} has {bad}", out.next_seq);
+            return out;
+        }
         // Only records replay will apply need their data: older ones are covered by the commit
         // and their blocks may have been reused since. A block a data record of this batch or
         // an earlier one carries is checked against those bytes (replay writes them there).
@@ -539,6 +568,24 @@ pub fn read_log(device: &dyn BlockDevice, sb: &Superblock) -> Replay {
         out.tail_lsn = Lsn::new(lsn);
         out.next_seq += 1;
     }
+}
+
+/// A description of a data record whose blocks are not all inside the data area: block
+/// aligned, past the reserved head, clear of the log area, inside the image.
+fn bad_data_address(sb: &Superblock, record: &LogRecord) -> Option<String> {
+    let at = record.key.offset;
+    let len = record.value.as_ref().map_or(0, |v| v.len() as u64);
+    let end = at.checked_add(len);
+    let log_end = sb.log_start.saturating_add(sb.log_bytes);
+    let inside = at % BLOCK_SIZE == 0
+        && at >= birch_format::superblock::RESERVED_HEAD_BYTES
+        && end.is_some_and(|end| end <= sb.total_bytes && (end <= sb.log_start || at >= log_end));
+    (!inside).then(|| {
+        format!(
+            "a data record of inode {} for {len} bytes at {at:#x}, outside the data area",
+            record.key.objectid
+        )
+    })
 }
 
 /// Reads and verifies the batch at `lsn`, which must carry sequence `seq`.
@@ -643,6 +690,36 @@ mod tests {
         log.set_reusable(Lsn::new(sb.log_head));
         let after = log.enqueue(vec![record(7, 10)]);
         assert_eq!(log.wait(&*dev, counters, after)?, LogOutcome::Logged);
+        Ok(())
+    }
+
+    /// Replay writes a data record's bytes at its address: a batch whose data record names
+    /// the superblocks, the log area or a place past the image is invalid, and replay stops
+    /// before it instead of overwriting them.
+    #[test]
+    fn a_data_record_outside_the_data_area_stops_the_replay() -> Result<()> {
+        let dev = Arc::new(MemDevice::new(64 << 20));
+        Filesystem::mkfs(dev.clone(), &MkfsOptions::default())?;
+        let (sb, _) = crate::txn::Engine::read_superblock(&*dev)?;
+        let block = vec![9u8; BLOCK_SIZE as usize];
+        for at in [
+            0,
+            sb.log_start,
+            sb.total_bytes,
+            u64::MAX - BLOCK_SIZE + 1,
+            birch_format::superblock::RESERVED_HEAD_BYTES + 1,
+        ] {
+            let records = vec![LogRecord::data(sb.generation + 1, 300, at, block.clone())];
+            let bytes = encode_batch(sb.fsid, sb.log_generation, sb.log_head, &records);
+            dev.write_at(&bytes, sb.log_start + sb.log_head % sb.log_bytes)
+                .map_err(|e| Error::io("write the batch", e))?;
+            let replay = read_log(&*dev, &sb);
+            assert!(
+                replay.records.is_empty() && replay.stop.contains("outside the data area"),
+                "{at:#x}: {}",
+                replay.stop
+            );
+        }
         Ok(())
     }
 }

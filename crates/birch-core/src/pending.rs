@@ -55,16 +55,18 @@ impl PendingData {
     }
 
     /// Forgets the placed blocks in `[addr, addr + len)` (freed, or written by their owner).
-    pub(crate) fn forget(&self, addr: u64, len: u64) {
+    /// Returns how many were placed.
+    pub(crate) fn forget(&self, addr: u64, len: u64) -> usize {
         if self.count.load(Ordering::SeqCst) == 0 {
-            return;
+            return 0;
         }
         let mut blocks = self.blocks.lock();
         let gone: Vec<u64> = blocks.range(addr..addr + len).map(|(a, _)| *a).collect();
-        for at in gone {
-            blocks.remove(&at);
+        for at in &gone {
+            blocks.remove(at);
             self.count.fetch_sub(1, Ordering::SeqCst);
         }
+        gone.len()
     }
 
     /// The placed blocks in `[addr, addr + len)`, to lay over a device read of that range

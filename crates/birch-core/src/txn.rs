@@ -366,6 +366,8 @@ impl Engine {
         let first = self.fence.shut_down();
         // Mutations take the slow path of `begin`, which finds the shutdown.
         self.read_only_set.store(true, Ordering::SeqCst);
+        // No leader comes for deferred waits any more (`log_wait` and `log_lead` refuse).
+        self.log.abandon_deferred();
         if first {
             log::warn!(
                 "birchfs is shut down: nothing more reaches the image (durable: commit {})",
@@ -1158,6 +1160,7 @@ impl Engine {
     /// hand-off of [`Engine::set_log_hand_off`] must arrange.
     pub fn log_lead(&self) {
         if self.check_up().is_err() {
+            self.log.abandon_deferred();
             return;
         }
         let _ = self.log.lead(&*self.device, &self.counters);
@@ -1176,7 +1179,11 @@ impl Engine {
     /// Waits for queued records to be durable (group commit). A failed log write turns the
     /// engine read-only. Does device I/O with no engine lock held.
     pub fn log_wait(&self, ticket: u64) -> Result<LogOutcome> {
-        self.check_up()?;
+        if let Err(e) = self.check_up() {
+            // It may have been asked to lead for deferred waits: they hear the shutdown.
+            self.log.abandon_deferred();
+            return Err(e);
+        }
         let result = self.log.wait(&*self.device, &self.counters, ticket);
         if self.is_shut_down() && result.is_err() {
             return Err(Error::Shutdown);

@@ -787,3 +787,149 @@ fn placed_blocks_an_fsync_logs_without_their_bytes_are_written_first() {
     assert_eq!(fs.getattr(ino).expect("getattr").perm & 0o7777, 0o755);
     common::close_and_check_clean(fs, &crashed, "suid");
 }
+
+/// A placed block recorded in generation G and freed by G+1 (a truncate) after G froze but
+/// before G's commit wrote its placed blocks: G's superblock still names the block (its
+/// extent is in G's tree), so the commit must write its bytes; forgetting them on the free
+/// leaves G's tree naming a block that holds nothing, and the log records that carried the
+/// bytes are retired by that very commit. After a crash the fsync'd append must read back.
+#[test]
+fn a_placed_block_freed_after_the_freeze_is_still_written_by_the_frozen_commit() {
+    let dev = fresh();
+    let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+    let ino = log_clean_file(&fs, b"wal");
+    fs.write(ino, 16384, &[7u8; 4096], false).expect("append");
+    fs.fsync(ino, false).expect("fsync");
+    assert_eq!(
+        fs.engine().counters().values().log_data_records,
+        1,
+        "the append is logged with its bytes"
+    );
+    // Commit G; once it froze (mutations go on in G+1), cut the file back before the append.
+    fs.engine()
+        .commit_then(|| {
+            fs.setattr(
+                ino,
+                &birch_core::vfs::SetAttr {
+                    size: Some(16384),
+                    ..Default::default()
+                },
+            )
+            .expect("truncate in G+1");
+        })
+        .expect("commit G");
+    // Power cut: G is durable, the truncate (G+1, never fsync'd) is not.
+    let (crashed, fs) = common::crash_and_reopen(fs, &dev);
+    let got = fs
+        .read(ino, 16384, 4096)
+        .expect("the fsync'd append reads back after commit G");
+    assert!(got.iter().all(|&b| b == 7));
+    common::close_and_check_clean(fs, &crashed, "placed block freed after the freeze");
+}
+
+/// A deferred fsync (FUSE's path for a log-clean file) whose leader comes only after a
+/// shutdown must still be answered: the FUSE reply lives in the callback, and an unanswered
+/// FSYNC leaves its caller blocked for good.
+#[test]
+fn a_deferred_fsync_is_answered_when_a_shutdown_comes_before_its_leader() {
+    for lead_deferred in [false, true] {
+        let dev = fresh();
+        let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+        let ino = log_clean_file(&fs, b"db");
+        // A synchronous write queues the file's records (no leader yet).
+        fs.write(ino, 0, &[3u8; 4096], false).expect("overwrite");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let lead = match fs.fsync_defer(
+            ino,
+            false,
+            Box::new(move |outcome| {
+                let _ = tx.send(outcome.map(|_| ()).map_err(|e| e.to_string()));
+            }),
+        ) {
+            Ok(lead) => lead,
+            Err(_) => panic!("a log-clean file's fsync is deferred"),
+        };
+        let ticket = lead.expect("no leader is active: the caller must lead");
+        fs.shutdown(birch_core::vfs::ShutdownMode::Now)
+            .expect("shutdown");
+        // What the FUSE adapter's job (or a hand-off) runs, after the shutdown.
+        if lead_deferred {
+            fs.fsync_lead_deferred();
+        } else {
+            fs.fsync_lead(ticket);
+        }
+        let answer = rx
+            .recv_timeout(std::time::Duration::from_secs(5))
+            .unwrap_or_else(|_| panic!("the deferred fsync was never answered ({lead_deferred})"));
+        assert!(answer.is_err(), "nothing was written after the shutdown");
+    }
+}
+
+/// Only a write that would log its bytes asks for `INCOMPAT_LOG_DATA` (which older builds
+/// refuse): small overwrites of a log-clean file never place their blocks, so an image only
+/// ever overwritten that way stays readable by builds from before the flag.
+#[test]
+fn overwrites_of_a_log_clean_file_leave_the_image_without_the_log_data_flag() {
+    let dev = fresh();
+    let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+    let (f, _) = fs
+        .create(Caller::default(), 1, b"db", 0o644, 0)
+        .expect("create");
+    fs.write(f.ino, 0, &[1u8; 16384], false).expect("write");
+    fs.fsync(f.ino, false).expect("fsync: log-clean");
+    for n in 0..4u64 {
+        fs.write(f.ino, n * 4096, &[2u8; 4096], false)
+            .expect("overwrite");
+        fs.fsync(f.ino, false).expect("fsync");
+    }
+    fs.sync().expect("commit");
+    assert!(!fs
+        .engine()
+        .incompat_durable(birch_format::superblock::INCOMPAT_LOG_DATA));
+    common::close_and_check_clean(fs, &dev, "overwrites only");
+}
+
+/// The deferred path FUSE takes for a log-clean file: the callback is not answered before a
+/// leader writes the batch; the leader of the ticket (or any fsync's wait that writes a batch
+/// covering it) answers it `Logged`, after which a power cut keeps the data.
+#[test]
+fn a_deferred_fsync_is_answered_by_the_batch_that_makes_it_durable() {
+    use birch_core::log::LogOutcome;
+    let dev = fresh();
+    let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+    let a = log_clean_file(&fs, b"a");
+    let b = log_clean_file(&fs, b"b");
+    // The commit inside `log_clean_file(b)` ended a's mark: log-clean again.
+    fs.write(a, 8192, &[1u8; 4096], false).expect("write a");
+    fs.fsync(a, false).expect("fsync a");
+    let defer = |ino: u64| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let lead = fs
+            .fsync_defer(
+                ino,
+                false,
+                Box::new(move |outcome| {
+                    let _ = tx.send(outcome.map_err(|e| e.to_string()));
+                }),
+            )
+            .unwrap_or_else(|_| panic!("inode {ino} is log-clean: deferred"));
+        (lead, rx)
+    };
+    // Led by the caller, as FUSE does when `fsync_defer` says no leader is active.
+    fs.write(a, 0, &[4u8; 4096], false).expect("write a");
+    let (lead, rx) = defer(a);
+    let ticket = lead.expect("no leader: the caller leads");
+    assert!(rx.try_recv().is_err(), "not answered before its batch");
+    fs.fsync_lead(ticket);
+    assert_eq!(rx.try_recv().expect("answered"), Ok(LogOutcome::Logged));
+    // Answered by another fsync's wait whose batch covers it.
+    fs.write(a, 4096, &[5u8; 4096], false).expect("write a");
+    let (_, rx) = defer(a);
+    fs.write(b, 0, &[6u8; 4096], false).expect("write b");
+    fs.fsync(b, false).expect("fsync b");
+    assert_eq!(rx.try_recv().expect("answered"), Ok(LogOutcome::Logged));
+    let (crashed, fs) = common::crash_and_reopen(fs, &dev);
+    let got = fs.read(a, 0, 8192).expect("read a");
+    assert!(got[..4096].iter().all(|&x| x == 4) && got[4096..].iter().all(|&x| x == 5));
+    common::close_and_check_clean(fs, &crashed, "deferred fsyncs");
+}

@@ -167,6 +167,14 @@ fn run_workload(
             for n in 13..16u8 {
                 append(fs, rec, h, &mut content, n, 2)?;
             }
+            // The workload is only worth its crash states while the appends do take the
+            // data-record path: say so loudly if a change stops them.
+            let data_records = fs.engine().counters().values().log_data_records;
+            if data_records < 8 {
+                return Err(Error::Invalid(format!(
+                    "wal workload: {data_records} data records logged, expected at least 8"
+                )));
+            }
         }
         Workload::LinkRename => {
             write_version(fs, h, "/A/foo", b"foo v1".to_vec())?;

@@ -327,7 +327,9 @@ impl Filesystem {
         // would each cost a commit-time write of their own and the log bandwidth twice, and
         // fill the log so that commits come several times as often (sysbench random 8 KiB
         // writes with fsync: no faster, twice the bytes written; DESIGN §11.1).
-        let log_bytes = place && offset >= size_hint && self.log_data_allowed();
+        // Asked last: while the image lacks `INCOMPAT_LOG_DATA`, asking sets it at the next
+        // commit, and only a write that would log its bytes should (an overwrite never does).
+        let log_bytes = place && likely_in_blocks && offset >= size_hint && self.log_data_allowed();
         let prewritten = if aligned && likely_in_blocks && !buffer {
             let written = if place {
                 self.data().place_new(ino, offset, bytes)
