@@ -79,6 +79,12 @@ impl BlockDevice for Fence {
         self.pass(|d| d.write_at(buf, offset))
     }
 
+    fn write_many(&self, writes: &[(u64, &[u8])]) -> io::Result<()> {
+        // One pass for the batch: the shutdown waits for all of it, and nothing of a batch
+        // begun after the shutdown reaches the device.
+        self.pass(|d| d.write_many(writes))
+    }
+
     fn flush(&self) -> io::Result<()> {
         self.pass(|d| d.flush())
     }
@@ -102,10 +108,14 @@ mod tests {
         let fence = Fence::new(Arc::new(MemDevice::new(1 << 20)));
         let block = vec![7u8; 4096];
         fence.write_at(&block, 0).expect("write before");
+        fence
+            .write_many(&[(8192, &block[..]), (16384, &block[..])])
+            .expect("batch before");
         fence.flush().expect("flush before");
         assert!(fence.shut_down());
         assert!(!fence.shut_down(), "the second call finds it down");
         assert!(fence.write_at(&block, 4096).is_err());
+        assert!(fence.write_many(&[(4096, &block[..])]).is_err());
         assert!(fence.flush().is_err());
         let mut back = vec![0u8; 4096];
         assert!(fence.read_at(&mut back, 0).is_err());
@@ -114,5 +124,11 @@ mod tests {
             .read_at(&mut back, 0)
             .expect("the base still reads");
         assert_eq!(back, block);
+        for offset in [8192, 16384] {
+            fence.base().read_at(&mut back, offset).expect("read batch");
+            assert_eq!(back, block, "batch write at {offset}");
+        }
+        fence.base().read_at(&mut back, 4096).expect("read after");
+        assert_eq!(back, vec![0u8; 4096], "nothing passed after the shutdown");
     }
 }

@@ -46,6 +46,18 @@ pub trait BlockDevice: Send + Sync {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
     /// Writes `buf` at `offset`. Not durable until [`BlockDevice::flush`] returns.
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
+    /// Writes each `(offset, bytes)` of `writes`, as [`BlockDevice::write_at`] does, and
+    /// returns once every one has completed (or the first failed: then some of the others may
+    /// have completed, some not). The writes may be in flight together, in any order: their
+    /// ranges must not overlap. Not durable until a later [`BlockDevice::flush`] returns. The
+    /// default writes them one after the other; a device whose requests have a round trip
+    /// (RBD) submits them all before it waits for any.
+    fn write_many(&self, writes: &[(u64, &[u8])]) -> io::Result<()> {
+        for (offset, bytes) in writes {
+            self.write_at(bytes, *offset)?;
+        }
+        Ok(())
+    }
     /// Makes every completed write durable.
     fn flush(&self) -> io::Result<()>;
     /// Size in bytes.
