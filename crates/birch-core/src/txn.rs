@@ -1580,11 +1580,39 @@ impl Engine {
         self.alloc.unpin_count(freed.iter().map(|(_, b)| b).sum());
         old.release.freed_by.store(generation, Ordering::SeqCst);
         old.release.ranges.lock().extend(freed);
-        self.alloc.commit_durable(Generation::new(generation));
+        // Space no committed root (backups included) references any more is discarded on the
+        // device before any search can hand it out (DESIGN §14.4); a failed discard leaves
+        // it deferred, and the commit stands.
+        let device = &self.device;
+        let discarded = self
+            .alloc
+            .commit_durable_with(Generation::new(generation), |ranges| {
+                device.discard(&discard_ranges(ranges))
+            });
+        if let Err(e) = discarded {
+            log::warn!("commit {generation}: discarding freed space: {e}");
+        }
         *old.release.next.lock() = Some(new_release);
         self.counters.add(|c| &c.commits, 1);
         Ok(())
     }
+}
+
+/// Byte ranges for the device's discard of freed block ranges: sorted, adjacent ones merged.
+fn discard_ranges(ranges: &[(BlockAddr, BlockCount)]) -> Vec<(u64, u64)> {
+    let mut sorted: Vec<(u64, u64)> = ranges
+        .iter()
+        .map(|(addr, blocks)| (addr.get(), blocks.bytes()))
+        .collect();
+    sorted.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(sorted.len());
+    for (start, len) in sorted {
+        match merged.last_mut() {
+            Some((s, l)) if *s + *l == start => *l += len,
+            _ => merged.push((start, len)),
+        }
+    }
+    merged
 }
 
 /// Marks the areas no tree references as used: the head (superblocks) and the log area.

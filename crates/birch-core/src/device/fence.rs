@@ -85,6 +85,10 @@ impl BlockDevice for Fence {
         self.pass(|d| d.write_many(writes))
     }
 
+    fn discard(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
+        self.pass(|d| d.discard(ranges))
+    }
+
     fn flush(&self) -> io::Result<()> {
         self.pass(|d| d.flush())
     }
@@ -116,6 +120,7 @@ mod tests {
         assert!(!fence.shut_down(), "the second call finds it down");
         assert!(fence.write_at(&block, 4096).is_err());
         assert!(fence.write_many(&[(4096, &block[..])]).is_err());
+        assert!(fence.discard(&[(0, 4096)]).is_err());
         assert!(fence.flush().is_err());
         let mut back = vec![0u8; 4096];
         assert!(fence.read_at(&mut back, 0).is_err());

@@ -58,6 +58,16 @@ pub trait BlockDevice: Send + Sync {
         }
         Ok(())
     }
+    /// Tells the device that each `(offset, length)` of `ranges` holds nothing anyone will
+    /// read (space no committed tree references any more), so it may free what backs it (RBD:
+    /// `rbd_aio_discard`). Returns once every one has completed. Afterwards a range reads back
+    /// as anything (zeros, its old bytes, or other bytes): nothing may rely on either. The
+    /// caller writes nothing to a range before its discard has returned. The default does
+    /// nothing.
+    fn discard(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
+        let _ = ranges;
+        Ok(())
+    }
     /// Makes every completed write durable.
     fn flush(&self) -> io::Result<()>;
     /// Size in bytes.

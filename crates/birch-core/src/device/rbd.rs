@@ -1,7 +1,7 @@
 //! A Ceph RBD image as a block device, through librbd (the `rbd` cargo feature).
 //!
 //! Every request is an `rbd_aio_*` call. A single request (`read_at`, `write_at`, `flush`)
-//! is waited for before it returns; a batch (`write_many`) is submitted whole, up to
+//! is waited for before it returns; a batch (`write_many`, `discard`) is submitted whole, up to
 //! [`MAX_IN_FLIGHT`] requests at a time, before anything waits, so a commit's node writes and
 //! a write-back's runs pay about one round trip, not one each (DESIGN §14.4). The engine's own
 //! ordering (nodes written, flush, superblock, flush) carries over unchanged: `write_many`
@@ -440,10 +440,11 @@ unsafe extern "C" fn aio_done(c: ffi::rbd_completion_t, arg: *mut libc::c_void) 
 enum AioKind {
     Read,
     Write,
+    Discard,
     Flush,
 }
 
-/// Most requests of one batch ([`BlockDevice::write_many`]) in
+/// Most requests of one batch ([`BlockDevice::write_many`], [`BlockDevice::discard`]) in
 /// flight at once: each holds a copy of its bytes until it completes.
 const MAX_IN_FLIGHT: usize = 64;
 /// Most bytes of one batch's writes in flight at once.
@@ -527,6 +528,8 @@ pub struct RbdDevice {
     writable: bool,
     /// The watchdog: how long one request may take.
     timeout: Duration,
+    /// Whether [`BlockDevice::discard`] reaches the image (`discard=off` turns it off).
+    discard: bool,
     shared: Arc<Shared>,
     /// Dropping it stops the lock monitor; the monitor drops its sender when it ends.
     monitor_stop: Option<mpsc::Sender<()>>,
@@ -596,6 +599,7 @@ impl RbdDevice {
             size: 0,
             writable,
             timeout: options.ceph.io_timeout.unwrap_or(DEFAULT_RBD_TIMEOUT),
+            discard: writable && options.ceph.discard.unwrap_or(true),
             shared,
             monitor_stop: None,
             monitor_done: None,
@@ -751,7 +755,8 @@ impl RbdDevice {
         Ok(request.op)
     }
 
-    /// Submits requests of `kind` (writes with their bytes) all before waiting for any, at most [`MAX_IN_FLIGHT`] requests and
+    /// Submits requests of `kind` (writes with their bytes, discards with `data` None and a
+    /// length) all before waiting for any, at most [`MAX_IN_FLIGHT`] requests and
     /// [`MAX_IN_FLIGHT_BYTES`] of writes at a time, each under the watchdog; returns once all
     /// completed. The first failure gives the device up (as one request's does) and is
     /// returned at once: the requests still in flight are never waited for, nor retried
@@ -792,6 +797,7 @@ impl RbdDevice {
         match kind {
             AioKind::Read => format!("read at {offset:#x} length {len}"),
             AioKind::Write => format!("write at {offset:#x} length {len}"),
+            AioKind::Discard => format!("discard at {offset:#x} length {len}"),
             AioKind::Flush => "flush".to_string(),
         }
     }
@@ -806,7 +812,13 @@ impl RbdDevice {
         data: Option<&[u8]>,
     ) -> io::Result<InFlight> {
         self.shared.check()?;
-        let op = Arc::new(AioOp::new(len, data));
+        // A discard carries no bytes: its buffer is empty.
+        let buf_len = if matches!(kind, AioKind::Discard) {
+            0
+        } else {
+            len
+        };
+        let op = Arc::new(AioOp::new(buf_len, data));
         let arg = Arc::into_raw(op.clone()).cast_mut().cast::<libc::c_void>();
         let mut c: ffi::rbd_completion_t = std::ptr::null_mut();
         // SAFETY: `arg` is one reference to `op`, given to the callback (or taken back below
@@ -822,6 +834,7 @@ impl RbdDevice {
                     AioKind::Write => {
                         ffi::rbd_aio_write(self.image, offset, len, op.buf.cast_const().cast(), c)
                     }
+                    AioKind::Discard => ffi::rbd_aio_discard(self.image, offset, len as u64, c),
                     AioKind::Flush => ffi::rbd_aio_flush(self.image, c),
                 };
                 if rc < 0 {
@@ -1221,6 +1234,7 @@ fn name_holder(spec: &RbdSpec, ceph: &CephOptions) -> Option<io::Error> {
         size: 0,
         writable: false,
         timeout: DEFAULT_RBD_TIMEOUT,
+        discard: false,
         shared: Arc::new(Shared {
             spec: spec.clone(),
             state: Mutex::new(LockState::Unlocked),
@@ -1553,6 +1567,20 @@ impl BlockDevice for RbdDevice {
             .map(|(offset, bytes)| (*offset, bytes.len(), Some(*bytes)))
             .collect();
         self.submit_many(AioKind::Write, &requests)
+    }
+
+    fn discard(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
+        if !self.discard {
+            return Ok(());
+        }
+        for (offset, len) in ranges {
+            check_range(*offset, *len as usize, self.size)?;
+        }
+        let requests: Vec<(u64, usize, Option<&[u8]>)> = ranges
+            .iter()
+            .map(|(offset, len)| (*offset, *len as usize, None))
+            .collect();
+        self.submit_many(AioKind::Discard, &requests)
     }
 
     fn flush(&self) -> io::Result<()> {
