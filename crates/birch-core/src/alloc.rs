@@ -123,6 +123,11 @@ pub struct Allocator {
     /// (freed_by, addr, blocks). Set in the bitmap, counted in `free_blocks`.
     deferred: Mutex<VecDeque<(Generation, BlockAddr, BlockCount)>>,
     deferred_blocks: AtomicU64,
+    /// Held while ranges taken from `deferred` are discarded on the device, before their bits
+    /// are cleared ([`Allocator::commit_durable_with`]): a reclaim or an undefer that finds the
+    /// list without them waits for it, and then finds them free. Lock order: this, then
+    /// `deferred`, then a group.
+    discarding: Mutex<()>,
     /// The newest commit whose frees a reclaim handed out early: trees older than it are no
     /// longer whole and may not be named as backups.
     backup_floor: AtomicU64,
@@ -163,6 +168,7 @@ impl Allocator {
             reserved: AtomicU64::new(0),
             deferred: Mutex::new(VecDeque::new()),
             deferred_blocks: AtomicU64::new(0),
+            discarding: Mutex::new(()),
             backup_floor: AtomicU64::new(0),
         }
     }
@@ -482,27 +488,58 @@ impl Allocator {
     /// Commit `generation` is durable: ranges deferred by commits up to
     /// `generation - DEFER_COMMITS` become free for searches.
     pub fn commit_durable(&self, generation: Generation) {
-        // Cleared with the list locked, as a reclaim does: an allocation that finds nothing
-        // and turns to the list waits for these ranges rather than missing them.
-        let mut deferred = self.deferred.lock();
+        let _ = self.commit_durable_with(generation, |_| Ok(()));
+    }
+
+    /// As [`Allocator::commit_durable`], but first hands the ranges that become free to
+    /// `discard` (the device's discard, DESIGN §14.4): no committed root, backups included,
+    /// references them any more, and no search can take them before `discard` has returned,
+    /// so no write to them can overtake it. `discard` runs with no allocator lock held but the
+    /// discard lock (a reclaim waits for it). When it fails, the ranges go back to the
+    /// deferred list (still free, kept out of searches until a later commit or a reclaim) and
+    /// its error is returned.
+    pub fn commit_durable_with(
+        &self,
+        generation: Generation,
+        discard: impl FnOnce(&[(BlockAddr, BlockCount)]) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        let _discarding = self.discarding.lock();
+        // Taken with the list locked, as a reclaim does; cleared after the discard, which the
+        // discard lock covers: an allocation that finds nothing and turns to the list waits
+        // for these ranges rather than missing them.
         let mut ready = Vec::new();
-        deferred.retain(|(freed_by, addr, blocks)| {
+        self.deferred.lock().retain(|(freed_by, addr, blocks)| {
             if freed_by.saturating_add(DEFER_COMMITS) <= generation {
-                ready.push((*addr, *blocks));
+                ready.push((*freed_by, *addr, *blocks));
                 false
             } else {
                 true
             }
         });
-        self.clear_deferred(&ready);
+        if ready.is_empty() {
+            return Ok(());
+        }
+        let ranges: Vec<(BlockAddr, BlockCount)> = ready.iter().map(|(_, a, b)| (*a, *b)).collect();
+        match discard(&ranges) {
+            Ok(()) => {
+                self.clear_deferred(&ranges);
+                Ok(())
+            }
+            Err(e) => {
+                self.deferred.lock().extend(ready);
+                Err(e)
+            }
+        }
     }
 
     /// Hands every deferred range to the searches now (the device is full otherwise), and
     /// raises the backup floor past the commits that freed them. Returns whether there was
     /// any.
     pub fn reclaim_deferred(&self) -> bool {
-        // The list stays locked until its ranges are clear (lock order: the list, then
-        // groups; nothing takes the list while holding a group).
+        // The list stays locked until its ranges are clear (lock order: the discard lock, the
+        // list, then groups; nothing takes the list while holding a group). Ranges being
+        // discarded are cleared once the discard lock is ours.
+        let _discarding = self.discarding.lock();
         let mut deferred = self.deferred.lock();
         let taken: Vec<(Generation, BlockAddr, BlockCount)> = deferred.drain(..).collect();
         if taken.is_empty() {
@@ -535,6 +572,8 @@ impl Allocator {
     fn undefer(&self, block: u64) -> bool {
         let addr = BlockAddr::from_block_index(block);
         let one = BlockCount::new(1);
+        // A range being discarded is not in the list: wait for it to be clear.
+        let _discarding = self.discarding.lock();
         let mut deferred = self.deferred.lock();
         let Some(index) = deferred
             .iter()
@@ -656,6 +695,77 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The discard of deferred space (DESIGN §14.4) comes when the space leaves the deferred
+    /// list and before any search can take it; a failed one leaves it deferred, and a later
+    /// commit discards it again; a reclaim waits for a discard in progress.
+    #[test]
+    fn deferred_space_is_discarded_before_it_is_searchable() {
+        let a = std::sync::Arc::new(Allocator::new(64 << 20));
+        let total = a.free_blocks();
+        let (addr, len) = a.allocate(b(8), b(8), Purpose::Metadata).expect("space");
+        let g = Generation::new;
+        a.defer(g(10), &[(addr, len)]);
+        let called = |gen: u64, fail: bool| {
+            let mut seen = Vec::new();
+            let r = a.commit_durable_with(g(gen), |ranges| {
+                assert!(a.is_used(addr), "not searchable while discarded");
+                seen.extend_from_slice(ranges);
+                if fail {
+                    Err(std::io::Error::other("discard failed"))
+                } else {
+                    Ok(())
+                }
+            });
+            (r.is_ok(), seen)
+        };
+        assert_eq!(
+            called(10 + DEFER_COMMITS - 1, false),
+            (true, vec![]),
+            "too early"
+        );
+        assert_eq!(called(10 + DEFER_COMMITS, true), (false, vec![(addr, len)]));
+        assert!(
+            a.is_used(addr),
+            "a failed discard leaves the range deferred"
+        );
+        assert_eq!((a.free_blocks(), a.deferred_blocks()), (total, b(8)));
+        assert_eq!(called(11 + DEFER_COMMITS, false), (true, vec![(addr, len)]));
+        assert!(!a.is_used(addr));
+        assert_eq!((a.free_blocks(), a.deferred_blocks()), (total, b(0)));
+        assert_eq!(called(12 + DEFER_COMMITS, false), (true, vec![]), "once");
+
+        // A reclaim (the device full) during a discard waits for it, then finds the space.
+        let mut held = Vec::new();
+        while let Ok(run) = a.allocate(b(1), b(64), Purpose::Metadata) {
+            held.push(run);
+        }
+        a.defer(g(20), &held);
+        let (entered, release) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
+        let discarding = {
+            let a = a.clone();
+            let entered = entered.0;
+            std::thread::spawn(move || {
+                a.commit_durable_with(g(20 + DEFER_COMMITS), |_| {
+                    entered.send(()).expect("send");
+                    release.1.recv().expect("recv");
+                    Ok(())
+                })
+            })
+        };
+        entered.1.recv().expect("the discard started");
+        let allocating = {
+            let a = a.clone();
+            std::thread::spawn(move || a.allocate(b(4), b(4), Purpose::Metadata).is_ok())
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        release.0.send(()).expect("release");
+        assert!(discarding.join().expect("discard thread").is_ok());
+        assert!(
+            allocating.join().expect("allocating thread"),
+            "the allocation waited for the discard and found its space"
+        );
     }
 
     /// Deferred space (DESIGN §13.2) is counted free but no search finds it until commit

@@ -52,6 +52,11 @@ const EXTENT_MAX_BYTES: u64 = EXTENT_MAX_BLOCKS * BLOCK_SIZE;
 /// written with one device write.
 const FLUSH_RUN_MAX_BLOCKS: u64 = EXTENT_MAX_BLOCKS * 16;
 
+/// Bytes of a buffered flush's runs written as one batch (in flight together where the device
+/// can: RBD, where a 16 MiB run is four 4 MiB objects written in parallel), at most about:
+/// two runs of the largest size.
+const FLUSH_BATCH_BYTES: u64 = 2 * FLUSH_RUN_MAX_BLOCKS * BLOCK_SIZE;
+
 /// The key of `ino`'s extent item at file byte `offset`.
 fn extent_key(ino: u64, offset: u64) -> Key {
     Key::new(ino, ItemType::ExtentData, offset)
@@ -637,9 +642,11 @@ impl<'e> DataLayer<'e> {
 
     /// Allocates space for a file's buffered `blocks` (file block index and its 4 KiB, in
     /// file order, not empty) from `reserved` (taking the reservation down as it allocates)
-    /// and writes them, one device write per allocated run; returns the runs to record, each
-    /// of consecutive file blocks on consecutive disk blocks and at most one extent long.
-    /// On failure frees what it took. Does device I/O; the caller holds the inode lock.
+    /// and writes them, one device write per allocated run, the writes of up to
+    /// [`FLUSH_BATCH_BYTES`] in flight together ([`crate::device::BlockDevice::write_many`]);
+    /// returns the runs to record, each of consecutive file blocks on consecutive disk blocks
+    /// and at most one extent long. On failure frees what it took. Does device I/O; the
+    /// caller holds the inode lock.
     pub(crate) fn write_reserved(
         &self,
         ino: u64,
@@ -655,6 +662,10 @@ impl<'e> DataLayer<'e> {
         let mut goal = self.continuation_goal(ino, first_index * BLOCK_SIZE)?;
         let mut taken: Vec<BlockRun> = Vec::new();
         let mut runs: Vec<WrittenRun> = Vec::new();
+        // Allocated and staged, not written yet: (disk address, first block in `blocks`,
+        // blocks, staged bytes).
+        let mut pending: Vec<(u64, u64, u64, Stage)> = Vec::new();
+        let mut pending_bytes = 0u64;
         let mut done = 0u64;
         let fail = |taken: &[BlockRun], e: Error| -> Error {
             for run in taken {
@@ -684,39 +695,57 @@ impl<'e> DataLayer<'e> {
             for (_, bytes) in part {
                 stage.push(bytes);
             }
-            if let Err(e) = self.engine.device().write_at(stage.bytes(), addr) {
-                let first = part.first().map_or(0, |(i, _)| i * BLOCK_SIZE);
+            pending.push((addr, done, got, stage));
+            pending_bytes += got * BLOCK_SIZE;
+            done += got;
+            goal = Some(addr + got * BLOCK_SIZE);
+            if pending_bytes < FLUSH_BATCH_BYTES && done < total {
+                continue;
+            }
+            let writes: Vec<(u64, &[u8])> = pending
+                .iter()
+                .map(|(addr, _, _, stage)| (*addr, stage.bytes()))
+                .collect();
+            if let Err(e) = self.engine.device().write_many(&writes) {
+                let (addr, start, _, _) = &pending[0];
+                let first = blocks[*start as usize].0 * BLOCK_SIZE;
                 return Err(fail(
                     &taken,
                     Error::io(
-                        format!("flush inode {ino} offset {first} to block {addr:#x}"),
+                        format!(
+                            "flush inode {ino} offset {first} to block {addr:#x} ({} runs)",
+                            pending.len()
+                        ),
                         e,
                     ),
                 ));
             }
-            drop(stage);
-            for (n, (index, bytes)) in part.iter().enumerate() {
-                let disk = addr + n as u64 * BLOCK_SIZE;
-                let file = index * BLOCK_SIZE;
-                let csum = birch_format::checksum(bytes);
-                match runs.last_mut() {
-                    Some(run)
-                        if run.file_offset + run.csums.len() as u64 * BLOCK_SIZE == file
-                            && run.addr + run.csums.len() as u64 * BLOCK_SIZE == disk
-                            && (run.csums.len() as u64) < EXTENT_MAX_BLOCKS =>
-                    {
-                        run.csums.push(csum)
+            drop(writes);
+            for (addr, start, got, stage) in pending.drain(..) {
+                drop(stage);
+                let part = &blocks[start as usize..(start + got) as usize];
+                for (n, (index, bytes)) in part.iter().enumerate() {
+                    let disk = addr + n as u64 * BLOCK_SIZE;
+                    let file = index * BLOCK_SIZE;
+                    let csum = birch_format::checksum(bytes);
+                    match runs.last_mut() {
+                        Some(run)
+                            if run.file_offset + run.csums.len() as u64 * BLOCK_SIZE == file
+                                && run.addr + run.csums.len() as u64 * BLOCK_SIZE == disk
+                                && (run.csums.len() as u64) < EXTENT_MAX_BLOCKS =>
+                        {
+                            run.csums.push(csum)
+                        }
+                        _ => runs.push(WrittenRun {
+                            file_offset: file,
+                            addr: disk,
+                            csums: vec![csum],
+                            birth,
+                        }),
                     }
-                    _ => runs.push(WrittenRun {
-                        file_offset: file,
-                        addr: disk,
-                        csums: vec![csum],
-                        birth,
-                    }),
                 }
             }
-            done += got;
-            goal = Some(addr + got * BLOCK_SIZE);
+            pending_bytes = 0;
         }
         Ok(runs)
     }
@@ -871,8 +900,9 @@ struct Stage {
 }
 
 impl Stage {
-    /// Most capacity the pool keeps, all buffers together: two runs of the largest size.
-    const POOL_BYTES: usize = 2 * (FLUSH_RUN_MAX_BLOCKS as usize + 1) * BLOCK_SIZE as usize;
+    /// Most capacity the pool keeps, all buffers together: two batches of two runs of the
+    /// largest size ([`FLUSH_BATCH_BYTES`]).
+    const POOL_BYTES: usize = 4 * (FLUSH_RUN_MAX_BLOCKS as usize + 1) * BLOCK_SIZE as usize;
 
     /// An empty stage with room for `len` bytes after a block-aligned start.
     fn take(len: usize) -> Stage {

@@ -451,22 +451,28 @@ impl Engine {
             )));
         }
         // Write the log area out once: a sparse image would make each first write into it a
-        // host-filesystem allocation (and journal commit) on the fsync path.
+        // host-filesystem allocation (and journal commit) on the fsync path. In batches of
+        // 1 MiB writes (in flight together on RBD).
         let zeros = vec![0u8; 1 << 20];
         let mut at = log_start;
         while at < log_start + log_bytes {
-            let len = (log_start + log_bytes - at).min(zeros.len() as u64) as usize;
+            let mut batch: Vec<(u64, &[u8])> = Vec::new();
+            let batch_start = at;
+            while at < log_start + log_bytes && batch.len() < 64 {
+                let len = (log_start + log_bytes - at).min(zeros.len() as u64) as usize;
+                batch.push((at, &zeros[..len]));
+                at += len as u64;
+            }
             device
-                .write_at(&zeros[..len], at)
-                .map_err(|e| Error::io(format!("mkfs: write log area at {at:#x}"), e))?;
-            at += len as u64;
+                .write_many(&batch)
+                .map_err(|e| Error::io(format!("mkfs: write log area at {batch_start:#x}"), e))?;
         }
         // Clear both superblock slots, so an older filesystem's copy cannot win.
-        for offset in SUPER_OFFSETS {
-            device
-                .write_at(&[0u8; SUPER_BYTES], offset)
-                .map_err(|e| Error::io("mkfs: clear superblock", e))?;
-        }
+        let clear = [0u8; SUPER_BYTES];
+        let clears: Vec<(u64, &[u8])> = SUPER_OFFSETS.iter().map(|o| (*o, &clear[..])).collect();
+        device
+            .write_many(&clears)
+            .map_err(|e| Error::io("mkfs: clear superblock", e))?;
         let fsid = random_fsid();
         let alloc = Arc::new(Allocator::new(total_bytes));
         mark_reserved_areas(&alloc, log_start, log_bytes);
@@ -1622,11 +1628,39 @@ impl Engine {
         self.alloc.unpin_count(freed.iter().map(|(_, b)| b).sum());
         old.release.freed_by.store(generation, Ordering::SeqCst);
         old.release.ranges.lock().extend(freed);
-        self.alloc.commit_durable(Generation::new(generation));
+        // Space no committed root (backups included) references any more is discarded on the
+        // device before any search can hand it out (DESIGN §14.4); a failed discard leaves
+        // it deferred, and the commit stands.
+        let device = &self.device;
+        let discarded = self
+            .alloc
+            .commit_durable_with(Generation::new(generation), |ranges| {
+                device.discard(&discard_ranges(ranges))
+            });
+        if let Err(e) = discarded {
+            log::warn!("commit {generation}: discarding freed space: {e}");
+        }
         *old.release.next.lock() = Some(new_release);
         self.counters.add(|c| &c.commits, 1);
         Ok(())
     }
+}
+
+/// Byte ranges for the device's discard of freed block ranges: sorted, adjacent ones merged.
+fn discard_ranges(ranges: &[(BlockAddr, BlockCount)]) -> Vec<(u64, u64)> {
+    let mut sorted: Vec<(u64, u64)> = ranges
+        .iter()
+        .map(|(addr, blocks)| (addr.get(), blocks.bytes()))
+        .collect();
+    sorted.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(sorted.len());
+    for (start, len) in sorted {
+        match merged.last_mut() {
+            Some((s, l)) if *s + *l == start => *l += len,
+            _ => merged.push((start, len)),
+        }
+    }
+    merged
 }
 
 /// Marks the areas no tree references as used: the head (superblocks) and the log area.

@@ -770,47 +770,68 @@ impl<'a> TreeWriter<'a> {
     }
 
     /// Encodes and writes every dirty node (no flush). Returns the written nodes so the
-    /// caller can put them in the cache once the commit is durable. May do device I/O.
+    /// caller can put them in the cache once the commit is durable. May do device I/O: the
+    /// writes go to the device in batches ([`crate::device::BlockDevice::write_many`]), so a
+    /// device with round trips (RBD) has them in flight together; every write has completed
+    /// when this returns.
     pub fn write_dirty(&mut self) -> Result<Vec<Arc<Node>>> {
         /// Adjacent nodes go out in one write of at most this many bytes.
         const WRITE_RUN_BYTES: usize = 1 << 20;
+        /// Encoded bytes handed to the device in one batch, at most (about).
+        const BATCH_BYTES: usize = 32 << 20;
         let mut written = Vec::with_capacity(self.dirty.len());
         let mut addrs: Vec<u64> = self.dirty.keys().copied().collect();
         addrs.sort_unstable();
-        let mut run: Vec<u8> = Vec::new();
-        let mut run_start = 0u64;
+        // Runs of adjacent nodes: (start, bytes).
+        let mut runs: Vec<(u64, Vec<u8>)> = Vec::new();
+        let mut batch_bytes = 0usize;
         for addr in addrs {
             let node = self.dirty[&addr].clone();
             let bytes = node
                 .encode()
                 .map_err(|e| Error::corrupt(format!("encode node {addr:#x} for commit"), e))?;
             debug_assert_eq!(bytes.len(), NODE_SIZE);
-            let contiguous = !run.is_empty()
-                && run_start + run.len() as u64 == addr
-                && run.len() + NODE_SIZE <= WRITE_RUN_BYTES;
-            if !contiguous && !run.is_empty() {
-                self.ctx
-                    .device
-                    .write_at(&run, run_start)
-                    .map_err(|e| Error::io(format!("write nodes at {run_start:#x}"), e))?;
-                run.clear();
+            let contiguous = runs.last().is_some_and(|(start, run)| {
+                start + run.len() as u64 == addr && run.len() + NODE_SIZE <= WRITE_RUN_BYTES
+            });
+            if !contiguous {
+                if batch_bytes >= BATCH_BYTES {
+                    self.write_runs(&runs)?;
+                    runs.clear();
+                    batch_bytes = 0;
+                }
+                runs.push((addr, Vec::with_capacity(NODE_SIZE)));
             }
-            if run.is_empty() {
-                run_start = addr;
+            if let Some((_, run)) = runs.last_mut() {
+                run.extend_from_slice(&bytes);
             }
-            run.extend_from_slice(&bytes);
+            batch_bytes += NODE_SIZE;
             written.push(node);
         }
-        if !run.is_empty() {
-            self.ctx
-                .device
-                .write_at(&run, run_start)
-                .map_err(|e| Error::io(format!("write nodes at {run_start:#x}"), e))?;
-        }
+        self.write_runs(&runs)?;
         self.ctx
             .counters
             .add(|c| &c.nodes_written, written.len() as u64);
         Ok(written)
+    }
+
+    /// Writes runs of encoded nodes as one batch (all in flight together where the device
+    /// can); returns once every one has completed.
+    fn write_runs(&self, runs: &[(u64, Vec<u8>)]) -> Result<()> {
+        if runs.is_empty() {
+            return Ok(());
+        }
+        let writes: Vec<(u64, &[u8])> = runs.iter().map(|(at, run)| (*at, &run[..])).collect();
+        self.ctx.device.write_many(&writes).map_err(|e| {
+            let (first, last) = (runs[0].0, runs[runs.len() - 1].0);
+            Error::io(
+                format!(
+                    "write nodes at {first:#x} ({} runs, the last at {last:#x})",
+                    runs.len()
+                ),
+                e,
+            )
+        })
     }
 
     /// Applies a sorted run of changes (`None` deletes), as many as fit in each leaf per

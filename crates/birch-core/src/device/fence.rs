@@ -80,7 +80,13 @@ impl BlockDevice for Fence {
     }
 
     fn write_many(&self, writes: &[(u64, &[u8])]) -> io::Result<()> {
+        // One pass for the batch: the shutdown waits for all of it, and nothing of a batch
+        // begun after the shutdown reaches the device.
         self.pass(|d| d.write_many(writes))
+    }
+
+    fn discard(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
+        self.pass(|d| d.discard(ranges))
     }
 
     fn flush(&self) -> io::Result<()> {
@@ -106,10 +112,15 @@ mod tests {
         let fence = Fence::new(Arc::new(MemDevice::new(1 << 20)));
         let block = vec![7u8; 4096];
         fence.write_at(&block, 0).expect("write before");
+        fence
+            .write_many(&[(8192, &block[..]), (16384, &block[..])])
+            .expect("batch before");
         fence.flush().expect("flush before");
         assert!(fence.shut_down());
         assert!(!fence.shut_down(), "the second call finds it down");
         assert!(fence.write_at(&block, 4096).is_err());
+        assert!(fence.write_many(&[(4096, &block[..])]).is_err());
+        assert!(fence.discard(&[(0, 4096)]).is_err());
         assert!(fence.flush().is_err());
         let mut back = vec![0u8; 4096];
         assert!(fence.read_at(&mut back, 0).is_err());
@@ -118,5 +129,11 @@ mod tests {
             .read_at(&mut back, 0)
             .expect("the base still reads");
         assert_eq!(back, block);
+        for offset in [8192, 16384] {
+            fence.base().read_at(&mut back, offset).expect("read batch");
+            assert_eq!(back, block, "batch write at {offset}");
+        }
+        fence.base().read_at(&mut back, 4096).expect("read after");
+        assert_eq!(back, vec![0u8; 4096], "nothing passed after the shutdown");
     }
 }

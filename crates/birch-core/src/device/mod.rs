@@ -46,14 +46,26 @@ pub trait BlockDevice: Send + Sync {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
     /// Writes `buf` at `offset`. Not durable until [`BlockDevice::flush`] returns.
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
-    /// Writes each `(offset, bytes)` of `writes`, several in flight where the device can
-    /// (one submission for all of them), and returns once all completed; the first error
-    /// fails the call (some writes may have landed). Not durable until [`BlockDevice::flush`].
-    /// Default: one [`BlockDevice::write_at`] after the other.
+    /// Writes each `(offset, bytes)` of `writes`, as [`BlockDevice::write_at`] does, and
+    /// returns once every one has completed (or the first failed: then some of the others may
+    /// have completed, some not). The writes may be in flight together, in any order: their
+    /// ranges must not overlap. Not durable until a later [`BlockDevice::flush`] returns. The
+    /// default writes them one after the other; a device whose requests have a round trip
+    /// (RBD) submits them all before it waits for any.
     fn write_many(&self, writes: &[(u64, &[u8])]) -> io::Result<()> {
         for (offset, bytes) in writes {
             self.write_at(bytes, *offset)?;
         }
+        Ok(())
+    }
+    /// Tells the device that each `(offset, length)` of `ranges` holds nothing anyone will
+    /// read (space no committed tree references any more), so it may free what backs it (RBD:
+    /// `rbd_aio_discard`). Returns once every one has completed. Afterwards a range reads back
+    /// as anything (zeros, its old bytes, or other bytes): nothing may rely on either. The
+    /// caller writes nothing to a range before its discard has returned. The default does
+    /// nothing.
+    fn discard(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
+        let _ = ranges;
         Ok(())
     }
     /// Makes every completed write durable.

@@ -189,6 +189,7 @@ extern "C" {
         buf: *mut c_char,
         c: rbd_completion_t,
     ) -> c_int;
+    pub fn rbd_aio_discard(image: rbd_image_t, off: u64, len: u64, c: rbd_completion_t) -> c_int;
     pub fn rbd_aio_flush(image: rbd_image_t, c: rbd_completion_t) -> c_int;
     pub fn rbd_aio_get_return_value(c: rbd_completion_t) -> libc::ssize_t;
     pub fn rbd_aio_release(c: rbd_completion_t);

@@ -141,6 +141,9 @@ pub struct CephOptions {
     /// The watchdog: how long one device request may wait for the cluster before the device
     /// is given up (`rbd_timeout=SECS`); [`DEFAULT_RBD_TIMEOUT`] when unset.
     pub io_timeout: Option<Duration>,
+    /// Whether space freed for good is discarded on the image (`discard=on|off`, `nodiscard`;
+    /// on when unset).
+    pub discard: Option<bool>,
 }
 
 /// How long `-o takeover` waits for a holder's watch to expire by default: the OSDs drop a
@@ -199,6 +202,19 @@ impl CephOptions {
             }
             "rbd_timeout" => {
                 self.io_timeout = Some(seconds(value)?);
+                return Ok(true);
+            }
+            "discard" | "nodiscard" => {
+                self.discard = Some(match (key, value) {
+                    ("nodiscard", None) | ("discard", Some("off")) => false,
+                    ("discard", None | Some("on")) => true,
+                    _ => {
+                        return Err(format!(
+                        "option {key}{}: expected discard, discard=on, discard=off or nodiscard",
+                        value.map(|v| format!("={v}")).unwrap_or_default()
+                    ))
+                    }
+                });
                 return Ok(true);
             }
             _ => {}
@@ -560,6 +576,21 @@ mod tests {
         }
         // Unchanged by the refused values.
         assert_eq!(c.io_timeout, Some(Duration::from_secs(15)));
+        assert_eq!(c.discard, None, "discard is on unless turned off");
+        assert_eq!(c.take_mount_option("discard", Some("off")), Ok(true));
+        assert_eq!(c.discard, Some(false));
+        assert_eq!(c.take_mount_option("discard", None), Ok(true));
+        assert_eq!(c.discard, Some(true));
+        assert_eq!(c.take_mount_option("nodiscard", None), Ok(true));
+        assert_eq!(c.discard, Some(false));
+        assert_eq!(c.take_mount_option("discard", Some("on")), Ok(true));
+        assert_eq!(c.discard, Some(true));
+        for bad in [Some("yes"), Some("")] {
+            let err = c.take_mount_option("discard", bad).err();
+            assert!(err.is_some_and(|e| e.contains("discard=off")), "{bad:?}");
+        }
+        assert!(c.take_mount_option("nodiscard", Some("x")).is_err());
+        assert_eq!(c.discard, Some(true));
     }
 
     #[test]
