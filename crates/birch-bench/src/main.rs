@@ -991,41 +991,34 @@ fn bench_open(target: &Target, args: &Args, rows: &mut Vec<Row>) -> Res<()> {
         .choose_multiple(&mut rng, refs)
         .map(|ino| Key::new(*ino, ItemType::Xattr, 0x15))
         .collect();
-    let start = Instant::now();
-    {
-        let txn = engine.begin()?;
-        for key in &keys {
-            txn.put(*key, vec![0u8; 40]);
-        }
-    }
-    engine.commit()?;
-    let secs = start.elapsed().as_secs_f64();
-    {
-        let txn = engine.begin()?;
-        for key in &keys {
-            txn.delete(*key);
-        }
-    }
-    engine.commit()?;
-    rows.push(Row {
-        section: "open",
-        name: "one extra item per freed extent, random leaf".to_string(),
-        ops: refs as u64,
-        secs,
-        unit: "items/s",
-        delta: Snap::default(),
-        extra: vec![("us_per_item_incl_commit", secs / refs as f64 * 1e6)],
-    });
+    rows.push(extra_items_row(
+        &engine,
+        &keys,
+        "one extra item per freed extent, random leaf",
+    )?);
     // The same number of items appended in key order past every file (a dead list: one
     // entry per freed extent a snapshot keeps, keyed by the freeing generation and address),
     // deleted again afterwards.
     let keys: Vec<Key> = (0..refs as u64)
         .map(|i| Key::new(1 << 40, ItemType::Xattr, i))
         .collect();
+    rows.push(extra_items_row(
+        &engine,
+        &keys,
+        "one extra item per freed extent, appended",
+    )?);
+    drop(kept);
+    fs.close()?;
+    Ok(())
+}
+
+/// One row of candidate A's or B's COW-path cost: `keys` put (40-byte values) and committed,
+/// timed, then deleted and committed again (untimed).
+fn extra_items_row(engine: &Engine, keys: &[Key], name: &str) -> Res<Row> {
     let start = Instant::now();
     {
         let txn = engine.begin()?;
-        for key in &keys {
+        for key in keys {
             txn.put(*key, vec![0u8; 40]);
         }
     }
@@ -1033,23 +1026,20 @@ fn bench_open(target: &Target, args: &Args, rows: &mut Vec<Row>) -> Res<()> {
     let secs = start.elapsed().as_secs_f64();
     {
         let txn = engine.begin()?;
-        for key in &keys {
+        for key in keys {
             txn.delete(*key);
         }
     }
     engine.commit()?;
-    rows.push(Row {
+    Ok(Row {
         section: "open",
-        name: "one extra item per freed extent, appended".to_string(),
-        ops: refs as u64,
+        name: name.to_string(),
+        ops: keys.len() as u64,
         secs,
         unit: "items/s",
         delta: Snap::default(),
-        extra: vec![("us_per_item_incl_commit", secs / refs as f64 * 1e6)],
-    });
-    drop(kept);
-    fs.close()?;
-    Ok(())
+        extra: vec![("us_per_item_incl_commit", secs / keys.len() as f64 * 1e6)],
+    })
 }
 
 /// The COW-path cost of an in-memory reference-count map (DESIGN §15.3): a look-up per freed

@@ -106,31 +106,7 @@ impl PendingData {
             .iter()
             .map(|(a, (b, _))| (*a, b.clone()))
             .collect();
-        // Runs of consecutive blocks (at most 1 MiB each), all in one write_many.
-        let mut runs: Vec<(u64, Vec<u8>)> = Vec::new();
-        for (at, block) in &taken {
-            match runs.last_mut() {
-                Some((start, bytes))
-                    if *start + bytes.len() as u64 == *at && bytes.len() < 1 << 20 =>
-                {
-                    bytes.extend_from_slice(block)
-                }
-                _ => runs.push((*at, block.to_vec())),
-            }
-        }
-        let writes: Vec<(u64, &[u8])> = runs.iter().map(|(a, b)| (*a, b.as_slice())).collect();
-        device.write_many(&writes)?;
-        let written = taken.len() as u64 * BLOCK_SIZE;
-        let mut blocks = self.blocks.lock();
-        for (at, block) in &taken {
-            // Only the bytes written: an address freed and placed again since (after a
-            // durable commit) keeps its new bytes.
-            if blocks.get(at).is_some_and(|(b, _)| Arc::ptr_eq(b, block)) {
-                blocks.remove(at);
-                self.count.fetch_sub(1, Ordering::SeqCst);
-            }
-        }
-        Ok(written)
+        self.write_taken(device, &taken)
     }
 
     /// Writes in place now, in one [`BlockDevice::write_many`], the placed blocks that the
@@ -176,11 +152,22 @@ impl PendingData {
         if taken.is_empty() {
             return Ok(0);
         }
-        // Runs of consecutive blocks, one write each.
+        let taken: Vec<(u64, Arc<[u8]>)> = taken.into_iter().collect();
+        self.write_taken(device, &taken)
+    }
+
+    /// Writes `taken` (placed blocks in address order, each with the bytes it had when
+    /// taken) in runs of consecutive blocks (at most 1 MiB each), all in one
+    /// [`BlockDevice::write_many`], then forgets each block that still holds those bytes: an
+    /// address freed and placed again since (after a durable commit) keeps its new bytes.
+    /// Returns the bytes written.
+    fn write_taken(&self, device: &dyn BlockDevice, taken: &[(u64, Arc<[u8]>)]) -> io::Result<u64> {
         let mut runs: Vec<(u64, Vec<u8>)> = Vec::new();
-        for (at, block) in &taken {
+        for (at, block) in taken {
             match runs.last_mut() {
-                Some((start, bytes)) if *start + bytes.len() as u64 == *at => {
+                Some((start, bytes))
+                    if *start + bytes.len() as u64 == *at && bytes.len() < 1 << 20 =>
+                {
                     bytes.extend_from_slice(block)
                 }
                 _ => runs.push((*at, block.to_vec())),
@@ -188,15 +175,14 @@ impl PendingData {
         }
         let writes: Vec<(u64, &[u8])> = runs.iter().map(|(a, b)| (*a, b.as_slice())).collect();
         device.write_many(&writes)?;
-        let written = taken.len() as u64 * BLOCK_SIZE;
         let mut blocks = self.blocks.lock();
-        for (at, block) in &taken {
+        for (at, block) in taken {
             if blocks.get(at).is_some_and(|(b, _)| Arc::ptr_eq(b, block)) {
                 blocks.remove(at);
                 self.count.fetch_sub(1, Ordering::SeqCst);
             }
         }
-        Ok(written)
+        Ok(taken.len() as u64 * BLOCK_SIZE)
     }
 
     /// Blocks placed now.

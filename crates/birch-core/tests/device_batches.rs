@@ -15,7 +15,6 @@ use std::sync::Arc;
 use birch_core::check::{check, CheckOptions};
 use birch_core::counters::Counters;
 use birch_core::device::{BlockDevice, MemDevice};
-use birch_core::vfs::OpenOptions;
 use birch_core::{Filesystem, MkfsOptions};
 use birch_format::superblock::SUPER_OFFSETS;
 use parking_lot::Mutex;
@@ -96,14 +95,7 @@ impl BlockDevice for Recording {
 }
 
 fn open(dev: &Arc<Recording>) -> Filesystem {
-    Filesystem::open_device(
-        dev.clone(),
-        OpenOptions {
-            commit_interval: None,
-            ..Default::default()
-        },
-    )
-    .expect("open")
+    common::open_quiet(dev)
 }
 
 fn fresh(bytes: u64) -> (Arc<MemDevice>, Arc<Recording>, Filesystem) {

@@ -6,14 +6,14 @@
 use std::sync::Arc;
 
 use birch_core::check::{check, CheckOptions};
-use birch_core::device::MemDevice;
+use birch_core::device::{BlockDevice, MemDevice};
 use birch_core::vfs::OpenOptions;
 use birch_core::{Filesystem, MkfsOptions};
 
 /// Opens the filesystem on `dev` with no background commits.
-pub fn open_quiet(dev: &Arc<MemDevice>) -> Filesystem {
+pub fn open_quiet<D: BlockDevice + 'static>(dev: &Arc<D>) -> Filesystem {
     Filesystem::open_device(
-        dev.clone(),
+        dev.clone() as Arc<dyn BlockDevice>,
         OpenOptions {
             commit_interval: None,
             ..Default::default()
