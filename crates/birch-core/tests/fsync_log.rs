@@ -933,3 +933,61 @@ fn a_deferred_fsync_is_answered_by_the_batch_that_makes_it_durable() {
     assert!(got[..4096].iter().all(|&x| x == 4) && got[4096..].iter().all(|&x| x == 5));
     common::close_and_check_clean(fs, &crashed, "deferred fsyncs");
 }
+
+/// A read-only open after a crash with fsyncs since the last commit shows what a writable
+/// open would (the log replayed into memory), writes nothing to the device, refuses to turn
+/// writable, and leaves the log for the next writable open, which replays it.
+#[test]
+fn a_read_only_open_replays_a_pending_log_in_memory_only() {
+    let dev = fresh();
+    {
+        let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+        let c = Caller::default();
+        fs.create(c, 1, b"committed", 0o644, 0).expect("create");
+        fs.sync().expect("commit");
+        let (f, _) = fs.create(c, 1, b"logged", 0o644, 0).expect("create");
+        fs.write(f.ino, 0, b"fsync'd bytes", false).expect("write");
+        fs.fsync(f.ino, false).expect("fsync");
+        fs.power_cut();
+    }
+    let crashed = Arc::new(dev.crash());
+    let before = {
+        let mut all = vec![0u8; crashed.size_bytes() as usize];
+        crashed.read_at(&mut all, 0).expect("read image");
+        all
+    };
+    let ro = Filesystem::open_device(
+        crashed.clone(),
+        OpenOptions {
+            read_only: true,
+            ..opts()
+        },
+    )
+    .expect("read-only open");
+    assert_eq!(
+        ro.read_file("/logged")
+            .expect("the fsync'd file, replayed in memory"),
+        b"fsync'd bytes"
+    );
+    assert!(ro.resolve("/committed").is_ok(), "the committed file");
+    let refused = ro
+        .control(b"rw")
+        .expect_err("no remount rw over a replay in memory");
+    assert!(
+        refused
+            .to_string()
+            .contains("replayed in memory, not on the image"),
+        "{refused}"
+    );
+    ro.close().expect("close read-only");
+    drop(ro);
+    let mut after = vec![0u8; crashed.size_bytes() as usize];
+    crashed.read_at(&mut after, 0).expect("read image");
+    assert!(before == after, "a read-only open wrote to the device");
+    let fs = Filesystem::open_device(crashed.clone(), opts()).expect("writable open replays");
+    assert_eq!(fs.read_file("/logged").expect("replayed"), b"fsync'd bytes");
+    fs.close().expect("close");
+    drop(fs);
+    let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
+    assert!(report.is_clean(), "{:#?}", report.findings);
+}

@@ -355,6 +355,11 @@ pub(crate) struct Inner {
     pub(crate) atime: AtomicU8,
     /// The last online scrub started by `scrub-start`, running or done.
     scrub: Mutex<Option<crate::scrub::ScrubJob>>,
+    /// Why this read-only open may never turn writable (`remount,rw` is refused with it), if
+    /// so: a pending log replayed into an in-memory overlay of the device
+    /// ([`Filesystem::open_device`]; what it serves is not on the device), or a device that
+    /// cannot be written ([`Filesystem::pin_read_only`]).
+    pinned_read_only: Mutex<Option<String>>,
 }
 
 /// A mounted-or-embedded birchfs filesystem.
@@ -471,10 +476,54 @@ impl Filesystem {
         Filesystem::open_device(device, options)
     }
 
-    /// Opens the filesystem on any device; reclaims orphans left by a crash.
+    /// Opens the filesystem on any device; reclaims orphans left by a crash. A read-only open
+    /// of a device whose fsync log still holds batches (a crash after fsyncs) shows what a
+    /// writable open would: the log is replayed and committed into an in-memory overlay of the
+    /// device, as `fsck` checks it ([`crate::check::check_replayed`]), and the device itself
+    /// is left untouched, its log waiting for the next writable open.
     pub fn open_device(device: Arc<dyn BlockDevice>, options: OpenOptions) -> Result<Filesystem> {
-        let device_bytes = device.size_bytes();
+        if options.read_only {
+            let engine = Engine::open(device.clone())?;
+            if engine.replay_pending() {
+                drop(engine);
+                let overlay: Arc<dyn BlockDevice> =
+                    Arc::new(crate::device::OverlayDevice::new(device));
+                let replay = Filesystem::open_device_once(
+                    overlay.clone(),
+                    OpenOptions {
+                        read_only: false,
+                        commit_interval: None,
+                        ..options.clone()
+                    },
+                    false,
+                )?;
+                replay.close()?;
+                drop(replay);
+                return Filesystem::open_device_once(overlay, options, true);
+            }
+            return Filesystem::with_engine(engine, options, false);
+        }
+        Filesystem::open_device_once(device, options, false)
+    }
+
+    /// [`Filesystem::open_device`] without the in-memory replay; `replayed_in_memory` says the
+    /// device is an overlay a replay was committed into.
+    fn open_device_once(
+        device: Arc<dyn BlockDevice>,
+        options: OpenOptions,
+        replayed_in_memory: bool,
+    ) -> Result<Filesystem> {
         let engine = Engine::open(device)?;
+        Filesystem::with_engine(engine, options, replayed_in_memory)
+    }
+
+    /// The rest of [`Filesystem::open_device`] over an opened engine.
+    fn with_engine(
+        engine: Arc<Engine>,
+        options: OpenOptions,
+        replayed_in_memory: bool,
+    ) -> Result<Filesystem> {
+        let device_bytes = engine.base_device().size_bytes();
         let unknown_ro =
             engine.superblock().ro_compat & !birch_format::superblock::RO_COMPAT_SUPPORTED;
         if unknown_ro != 0 && !options.read_only {
@@ -504,6 +553,9 @@ impl Filesystem {
             buffers: buffer::Buffers::new(options.buffered, device_bytes),
             atime: AtomicU8::new(AtimeMode::Relatime as u8),
             scrub: Mutex::new(None),
+            pinned_read_only: Mutex::new(replayed_in_memory.then(|| {
+                "its log was replayed in memory, not on the image (it was opened read-only): unmount and mount it read-write".to_string()
+            })),
         });
         let fs = Filesystem { inner, view: false };
         match fs.getattr(ROOT_OBJECTID) {
@@ -527,7 +579,7 @@ impl Filesystem {
                 let device = fs.inner.engine.base_device().clone();
                 fs.close()?;
                 drop(fs);
-                return Filesystem::open_device(device, options);
+                return Filesystem::open_device_once(device, options, replayed_in_memory);
             }
             fs.reclaim_orphans()?;
             if let Some(interval) = options.commit_interval {
@@ -535,6 +587,12 @@ impl Filesystem {
             }
         }
         Ok(fs)
+    }
+
+    /// Keeps this filesystem read-only for good: `remount,rw` is refused, saying `why` (for a
+    /// device that cannot be written, such as an RBD snapshot).
+    pub fn pin_read_only(&self, why: &str) {
+        *self.inner.pinned_read_only.lock() = Some(why.to_string());
     }
 
     fn start_committer(&self, interval: Duration) {
@@ -661,6 +719,9 @@ impl Filesystem {
             b"rw" => {
                 if self.inner.engine.replay_pending() {
                     return Err(Error::Invalid("the log of this image was not replayed (it was opened read-only): unmount and mount it read-write".into()));
+                }
+                if let Some(why) = self.inner.pinned_read_only.lock().clone() {
+                    return Err(Error::Invalid(format!("this mount stays read-only: {why}")));
                 }
                 self.inner.engine.clear_read_only()?;
                 // A mount that started read-only has no committer: start it with the mount's
