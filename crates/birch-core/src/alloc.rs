@@ -1,8 +1,8 @@
 //! The space allocator.
 //!
 //! Owns: the in-memory free-space map (one bit per block, split into groups of
-//! [`GROUP_BLOCKS`] each behind its own mutex), the metadata reserve, and pinning of space
-//! freed in a transaction.
+//! [`GROUP_BLOCKS`] each behind its own mutex), the metadata reserve, pinning of space
+//! freed in a transaction, and the deferred list with the discards in flight of its ranges.
 //!
 //! Must not touch: the device. Its state is derived at open from the committed trees (every
 //! node and every extent a file references is in use), so it reaches disk only through the
@@ -148,7 +148,7 @@ pub struct Allocator {
     /// Deferred ranges, and those whose discard is in flight. Lock order: this, then a group
     /// (nothing takes it while holding a group); never held across the discard.
     deferred: Mutex<Deferred>,
-    /// Counts the ranges of both lists of `deferred` (they are free, not yet searchable).
+    /// The blocks of both lists of `deferred` (free, not yet searchable).
     deferred_blocks: AtomicU64,
     /// Signalled (with `deferred`) when a discard batch has ended: its ranges are clear in the
     /// bitmap, or back in the deferred list after a failure.
