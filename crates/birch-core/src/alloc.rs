@@ -1,8 +1,8 @@
 //! The space allocator.
 //!
 //! Owns: the in-memory free-space map (one bit per block, split into groups of
-//! [`GROUP_BLOCKS`] each behind its own mutex), the metadata reserve, and pinning of space
-//! freed in a transaction.
+//! [`GROUP_BLOCKS`] each behind its own mutex), the metadata reserve, pinning of space
+//! freed in a transaction, and the deferred list with the discards in flight of its ranges.
 //!
 //! Must not touch: the device. Its state is derived at open from the committed trees (every
 //! node and every extent a file references is in use), so it reaches disk only through the
@@ -12,7 +12,10 @@
 //! *deferred* ([`Allocator::defer`]): still unused by any search until commit N + K + 1 is
 //! durable, so the K older trees the superblock names as backups stay whole (DESIGN §13.2).
 //! Deferred space counts as free; an allocation that finds nothing else reclaims it at once,
-//! giving up those backups ([`Allocator::backup_floor`]).
+//! giving up those backups ([`Allocator::backup_floor`]). Space leaving the deferred list is
+//! handed to the caller's discard first ([`Allocator::commit_durable_with`]) and stays set in
+//! the bitmap, out of every search and reclaim, until that discard has returned; no allocator
+//! lock is held while it runs.
 //!
 //! Concurrency (seed 002, ext4's `__ext4_new_inode`): each thread prefers its own group, so
 //! concurrent writers take space under different locks; a group lock is held only while bits
@@ -24,7 +27,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use birch_format::superblock::BACKUP_ROOTS;
 use birch_format::{BlockAddr, BlockCount, Generation, BLOCK_SIZE};
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::error::{Error, Result};
 
@@ -104,6 +107,29 @@ impl Group {
     }
 }
 
+/// The deferred list and the discards in flight, under one lock.
+#[derive(Default)]
+struct Deferred {
+    /// Ranges freed by a durable, unobserved commit, waiting for commit `freed_by + K + 1`:
+    /// (freed_by, addr, blocks). Set in the bitmap, counted in `free_blocks`.
+    waiting: VecDeque<(Generation, BlockAddr, BlockCount)>,
+    /// Ranges taken from `waiting` whose discard is in flight: (batch, freed_by, addr,
+    /// blocks). Still set in the bitmap (no search takes them) and counted in `free_blocks`;
+    /// a reclaim skips them, so their discard never races a write to them.
+    discarding: Vec<(u64, Generation, BlockAddr, BlockCount)>,
+    /// The number the next discard batch gets.
+    next_batch: u64,
+}
+
+impl Deferred {
+    /// Whether `addr` lies in a range whose discard is in flight.
+    fn is_discarding(&self, addr: BlockAddr) -> bool {
+        self.discarding
+            .iter()
+            .any(|(_, _, a, b)| *a <= addr && addr < *a + *b)
+    }
+}
+
 thread_local! {
     static PREFERRED_GROUP: Cell<usize> = const { Cell::new(usize::MAX) };
 }
@@ -119,15 +145,14 @@ pub struct Allocator {
     pinned_blocks: AtomicU64,
     /// Blocks promised to buffered data not yet allocated: other data may not take them.
     reserved: AtomicU64,
-    /// Ranges freed by a durable, unobserved commit, waiting for commit `freed_by + K + 1`:
-    /// (freed_by, addr, blocks). Set in the bitmap, counted in `free_blocks`.
-    deferred: Mutex<VecDeque<(Generation, BlockAddr, BlockCount)>>,
+    /// Deferred ranges, and those whose discard is in flight. Lock order: this, then a group
+    /// (nothing takes it while holding a group); never held across the discard.
+    deferred: Mutex<Deferred>,
+    /// The blocks of both lists of `deferred` (free, not yet searchable).
     deferred_blocks: AtomicU64,
-    /// Held while ranges taken from `deferred` are discarded on the device, before their bits
-    /// are cleared ([`Allocator::commit_durable_with`]): a reclaim or an undefer that finds the
-    /// list without them waits for it, and then finds them free. Lock order: this, then
-    /// `deferred`, then a group.
-    discarding: Mutex<()>,
+    /// Signalled (with `deferred`) when a discard batch has ended: its ranges are clear in the
+    /// bitmap, or back in the deferred list after a failure.
+    discard_ended: Condvar,
     /// The newest commit whose frees a reclaim handed out early: trees older than it are no
     /// longer whole and may not be named as backups.
     backup_floor: AtomicU64,
@@ -166,9 +191,9 @@ impl Allocator {
             pinned: Mutex::new(Vec::new()),
             pinned_blocks: AtomicU64::new(0),
             reserved: AtomicU64::new(0),
-            deferred: Mutex::new(VecDeque::new()),
+            deferred: Mutex::new(Deferred::default()),
             deferred_blocks: AtomicU64::new(0),
-            discarding: Mutex::new(()),
+            discard_ended: Condvar::new(),
             backup_floor: AtomicU64::new(0),
         }
     }
@@ -315,6 +340,16 @@ impl Allocator {
         if let Some(found) = self.search(min, max) {
             return Ok(found);
         }
+        // The last resort: space whose discard is in flight counts as free but neither a
+        // search nor a reclaim takes it. Wait for those discards to end (no lock is held
+        // meanwhile), take back what a failed one returned to the list, and search once more,
+        // rather than fail with space counted free.
+        if self.wait_for_discards() {
+            self.reclaim_deferred();
+            if let Some(found) = self.search(min, max) {
+                return Ok(found);
+            }
+        }
         Err(Error::NoSpace(format!(
             "allocate {min} contiguous {purpose:?} blocks"
         )))
@@ -447,7 +482,9 @@ impl Allocator {
     pub fn defer(&self, freed_by: Generation, ranges: &[(BlockAddr, BlockCount)]) {
         let blocks: u64 = ranges.iter().map(|(_, b)| b.get()).sum();
         let mut deferred = self.deferred.lock();
-        deferred.extend(ranges.iter().map(|(addr, b)| (freed_by, *addr, *b)));
+        deferred
+            .waiting
+            .extend(ranges.iter().map(|(addr, b)| (freed_by, *addr, *b)));
         self.deferred_blocks.fetch_add(blocks, Ordering::Relaxed);
         self.free_blocks.fetch_add(blocks, Ordering::Relaxed);
     }
@@ -493,55 +530,100 @@ impl Allocator {
 
     /// As [`Allocator::commit_durable`], but first hands the ranges that become free to
     /// `discard` (the device's discard, DESIGN §14.4): no committed root, backups included,
-    /// references them any more, and no search can take them before `discard` has returned,
-    /// so no write to them can overtake it. `discard` runs with no allocator lock held but the
-    /// discard lock (a reclaim waits for it). When it fails, the ranges go back to the
-    /// deferred list (still free, kept out of searches until a later commit or a reclaim) and
-    /// its error is returned.
+    /// references them any more. `discard` runs with no allocator lock held; meanwhile the
+    /// ranges are in neither the deferred list nor the searches (their bits stay set), so no
+    /// allocation can take them, and so no write to them can overtake the discard, while a
+    /// reclaim or an allocation elsewhere goes on without waiting for it. Only an allocation
+    /// that finds no other space waits for the discard to end. When `discard` fails, the
+    /// ranges go back to the deferred list (still free, kept out of searches until a later
+    /// commit or a reclaim) and its error is returned.
     pub fn commit_durable_with(
         &self,
         generation: Generation,
         discard: impl FnOnce(&[(BlockAddr, BlockCount)]) -> std::io::Result<()>,
     ) -> std::io::Result<()> {
-        let _discarding = self.discarding.lock();
-        // Taken with the list locked, as a reclaim does; cleared after the discard, which the
-        // discard lock covers: an allocation that finds nothing and turns to the list waits
-        // for these ranges rather than missing them.
-        let mut ready = Vec::new();
-        self.deferred.lock().retain(|(freed_by, addr, blocks)| {
-            if freed_by.saturating_add(DEFER_COMMITS) <= generation {
-                ready.push((*freed_by, *addr, *blocks));
+        let (batch, ranges) = {
+            let mut deferred = self.deferred.lock();
+            let mut ranges = Vec::new();
+            let mut taken = Vec::new();
+            deferred.waiting.retain(|(freed_by, addr, blocks)| {
+                if freed_by.saturating_add(DEFER_COMMITS) <= generation {
+                    taken.push((*freed_by, *addr, *blocks));
+                    ranges.push((*addr, *blocks));
+                    false
+                } else {
+                    true
+                }
+            });
+            if ranges.is_empty() {
+                return Ok(());
+            }
+            let batch = deferred.next_batch;
+            deferred.next_batch += 1;
+            deferred
+                .discarding
+                .extend(taken.into_iter().map(|(g, a, b)| (batch, g, a, b)));
+            (batch, ranges)
+        };
+        // A panic in `discard` must not leave the batch in flight for ever (an allocation
+        // would wait on it): the guard ends it as failed.
+        let mut in_flight = DiscardInFlight {
+            alloc: self,
+            batch,
+            ended: false,
+        };
+        let result = discard(&ranges);
+        in_flight.end(result.is_ok());
+        result
+    }
+
+    /// Ends discard batch `batch`: on success clears its ranges' bits (searchable from now
+    /// on), else puts them back in the deferred list; then wakes whoever waits for it.
+    fn end_discard(&self, batch: u64, discarded: bool) {
+        let mut deferred = self.deferred.lock();
+        let mut ended = Vec::new();
+        deferred.discarding.retain(|(b, freed_by, addr, blocks)| {
+            if *b == batch {
+                ended.push((*freed_by, *addr, *blocks));
                 false
             } else {
                 true
             }
         });
-        if ready.is_empty() {
-            return Ok(());
+        if discarded {
+            // Cleared with the list locked, as a reclaim clears: a waiter that wakes finds
+            // them searchable.
+            let ranges: Vec<(BlockAddr, BlockCount)> =
+                ended.iter().map(|(_, a, b)| (*a, *b)).collect();
+            self.clear_deferred(&ranges);
+        } else {
+            deferred.waiting.extend(ended);
         }
-        let ranges: Vec<(BlockAddr, BlockCount)> = ready.iter().map(|(_, a, b)| (*a, *b)).collect();
-        match discard(&ranges) {
-            Ok(()) => {
-                self.clear_deferred(&ranges);
-                Ok(())
-            }
-            Err(e) => {
-                self.deferred.lock().extend(ready);
-                Err(e)
-            }
+        drop(deferred);
+        self.discard_ended.notify_all();
+    }
+
+    /// Waits until the discard batches in flight now have ended; false when there was none.
+    fn wait_for_discards(&self) -> bool {
+        let mut deferred = self.deferred.lock();
+        let Some(newest) = deferred.discarding.iter().map(|(b, ..)| *b).max() else {
+            return false;
+        };
+        while deferred.discarding.iter().any(|(b, ..)| *b <= newest) {
+            self.discard_ended.wait(&mut deferred);
         }
+        true
     }
 
     /// Hands every deferred range to the searches now (the device is full otherwise), and
-    /// raises the backup floor past the commits that freed them. Returns whether there was
-    /// any.
+    /// raises the backup floor past the commits that freed them. Ranges whose discard is in
+    /// flight are not taken (nor waited for): they become searchable when it ends. Returns
+    /// whether there was any range to take.
     pub fn reclaim_deferred(&self) -> bool {
-        // The list stays locked until its ranges are clear (lock order: the discard lock, the
-        // list, then groups; nothing takes the list while holding a group). Ranges being
-        // discarded are cleared once the discard lock is ours.
-        let _discarding = self.discarding.lock();
+        // The list stays locked until its ranges are clear (lock order: the list, then
+        // groups; nothing takes the list while holding a group).
         let mut deferred = self.deferred.lock();
-        let taken: Vec<(Generation, BlockAddr, BlockCount)> = deferred.drain(..).collect();
+        let taken: Vec<(Generation, BlockAddr, BlockCount)> = deferred.waiting.drain(..).collect();
         if taken.is_empty() {
             return false;
         }
@@ -572,24 +654,31 @@ impl Allocator {
     fn undefer(&self, block: u64) -> bool {
         let addr = BlockAddr::from_block_index(block);
         let one = BlockCount::new(1);
-        // A range being discarded is not in the list: wait for it to be clear.
-        let _discarding = self.discarding.lock();
         let mut deferred = self.deferred.lock();
+        // A block being discarded is in neither list: wait for its discard to end (the
+        // block is then clear, or back in the list after a failure). Only an open's replay
+        // claims deferred blocks, before any commit discards.
+        while deferred.is_discarding(addr) {
+            self.discard_ended.wait(&mut deferred);
+        }
         let Some(index) = deferred
+            .waiting
             .iter()
             .position(|(_, a, b)| *a <= addr && addr < *a + *b)
         else {
             return false;
         };
-        let Some((freed_by, start, blocks)) = deferred.remove(index) else {
+        let Some((freed_by, start, blocks)) = deferred.waiting.remove(index) else {
             return false;
         };
         let before = BlockCount::new(block - start.block_index());
         if before > BlockCount::new(0) {
-            deferred.push_back((freed_by, start, before));
+            deferred.waiting.push_back((freed_by, start, before));
         }
         if blocks > before + one {
-            deferred.push_back((freed_by, addr + one, blocks - before - one));
+            deferred
+                .waiting
+                .push_back((freed_by, addr + one, blocks - before - one));
         }
         drop(deferred);
         self.backup_floor
@@ -615,6 +704,28 @@ impl Allocator {
     pub fn unpin_count(&self, blocks: BlockCount) {
         self.pinned_blocks
             .fetch_sub(blocks.get(), Ordering::Relaxed);
+    }
+}
+
+/// A discard batch in flight: ended as failed if the discard unwinds before it is ended.
+struct DiscardInFlight<'a> {
+    alloc: &'a Allocator,
+    batch: u64,
+    ended: bool,
+}
+
+impl DiscardInFlight<'_> {
+    fn end(&mut self, discarded: bool) {
+        self.ended = true;
+        self.alloc.end_discard(self.batch, discarded);
+    }
+}
+
+impl Drop for DiscardInFlight<'_> {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.alloc.end_discard(self.batch, false);
+        }
     }
 }
 
@@ -699,7 +810,8 @@ mod tests {
 
     /// The discard of deferred space (DESIGN §14.4) comes when the space leaves the deferred
     /// list and before any search can take it; a failed one leaves it deferred, and a later
-    /// commit discards it again; a reclaim waits for a discard in progress.
+    /// commit discards it again; an allocation that finds no other space waits for a discard
+    /// in progress, then takes its space.
     #[test]
     fn deferred_space_is_discarded_before_it_is_searchable() {
         let a = std::sync::Arc::new(Allocator::new(64 << 20));
@@ -736,7 +848,8 @@ mod tests {
         assert_eq!((a.free_blocks(), a.deferred_blocks()), (total, b(0)));
         assert_eq!(called(12 + DEFER_COMMITS, false), (true, vec![]), "once");
 
-        // A reclaim (the device full) during a discard waits for it, then finds the space.
+        // The device full and its only free space being discarded: an allocation waits for
+        // the discard (the last resort), then finds the space.
         let mut held = Vec::new();
         while let Ok(run) = a.allocate(b(1), b(64), Purpose::Metadata) {
             held.push(run);
@@ -760,12 +873,114 @@ mod tests {
             std::thread::spawn(move || a.allocate(b(4), b(4), Purpose::Metadata).is_ok())
         };
         std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!allocating.is_finished(), "no space but the discarded one");
         release.0.send(()).expect("release");
         assert!(discarding.join().expect("discard thread").is_ok());
         assert!(
             allocating.join().expect("allocating thread"),
             "the allocation waited for the discard and found its space"
         );
+    }
+
+    /// No allocator lock is held across a discard (DESIGN §14.4): while one is in flight, an
+    /// allocation on a full device reclaims the other deferred space and completes, and never
+    /// gets a block whose discard is in flight; when the discard returns, its space is free.
+    #[test]
+    fn an_allocation_completes_while_a_discard_is_in_flight() {
+        use std::sync::{mpsc, Arc};
+        use std::time::Duration;
+        let a = Arc::new(Allocator::new(16 << 20));
+        let g = Generation::new;
+        let mut held = Vec::new();
+        while let Ok(run) = a.allocate(b(1), b(64), Purpose::Metadata) {
+            held.push(run);
+        }
+        assert_eq!(a.free_blocks(), b(0));
+        // The first half freed by commit 10 (its discard will block), the rest by commit 20
+        // (deferred still when commit 10 + DEFER_COMMITS is durable).
+        let (first, rest) = held.split_at(held.len() / 2);
+        a.defer(g(10), first);
+        a.defer(g(20), rest);
+        let (entered_tx, entered_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel::<()>();
+        let discarding = {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                a.commit_durable_with(g(10 + DEFER_COMMITS), |ranges| {
+                    entered_tx.send(ranges.to_vec()).expect("send");
+                    // A slow device: the discard returns when the test says so.
+                    release_rx.recv().expect("recv");
+                    Ok(())
+                })
+            })
+        };
+        let in_flight = entered_rx.recv().expect("the discard started");
+        assert_eq!(in_flight, first.to_vec());
+        let overlaps = |(addr, len): (BlockAddr, BlockCount)| {
+            in_flight
+                .iter()
+                .any(|&(a, l)| addr < a + l && a < addr + len)
+        };
+        let (done_tx, done_rx) = mpsc::channel();
+        let allocating = {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                let got: Vec<_> = (0..8)
+                    .map(|_| a.allocate(b(1), b(4), Purpose::Metadata))
+                    .collect();
+                done_tx.send(()).expect("send");
+                got
+            })
+        };
+        // The allocation completes while the discard is still blocked.
+        done_rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the allocation completed with the discard in flight");
+        let got = allocating.join().expect("allocating thread");
+        for run in got {
+            let run = run.expect("space from the reclaimed deferred list");
+            assert!(!overlaps(run), "{run:?} is being discarded");
+        }
+        assert_eq!(
+            a.backup_floor(),
+            g(20),
+            "the reclaim took commit 20's space"
+        );
+        for &(addr, _) in &in_flight {
+            assert!(
+                a.is_used(addr),
+                "not searchable while its discard is in flight"
+            );
+        }
+        assert!(!discarding.is_finished());
+        release_tx.send(()).expect("release");
+        assert!(discarding.join().expect("discard thread").is_ok());
+        for &(addr, len) in &in_flight {
+            assert!(!a.is_used(addr) && !a.is_used(addr + (len - b(1))));
+        }
+        assert_eq!(a.deferred_blocks(), b(0));
+        let goal = in_flight[0].0;
+        let (addr, _) = a
+            .allocate_near(goal, b(1), b(1), Purpose::Metadata)
+            .expect("space");
+        assert_eq!(addr, goal, "the discarded space is free now");
+    }
+
+    /// A discard that panics ends its batch as failed: the ranges are deferred again, and
+    /// nothing waits on them for ever.
+    #[test]
+    fn a_panicking_discard_leaves_its_ranges_deferred() {
+        let a = Allocator::new(16 << 20);
+        let (addr, len) = a.allocate(b(8), b(8), Purpose::Metadata).expect("space");
+        a.defer(Generation::new(1), &[(addr, len)]);
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            a.commit_durable_with(Generation::new(1 + DEFER_COMMITS), |_| panic!("device"))
+        }));
+        assert!(unwound.is_err());
+        assert_eq!(a.deferred_blocks(), b(8));
+        assert!(a.is_used(addr));
+        assert!(a.reclaim_deferred());
+        assert!(!a.is_used(addr));
     }
 
     /// Deferred space (DESIGN §13.2) is counted free but no search finds it until commit

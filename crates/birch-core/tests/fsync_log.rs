@@ -894,7 +894,7 @@ fn overwrites_of_a_log_clean_file_leave_the_image_without_the_log_data_flag() {
 /// covering it) answers it `Logged`, after which a power cut keeps the data.
 #[test]
 fn a_deferred_fsync_is_answered_by_the_batch_that_makes_it_durable() {
-    use birch_core::log::LogOutcome;
+    use birch_core::vfs::DeferredOutcome;
     let dev = fresh();
     let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
     let a = log_clean_file(&fs, b"a");
@@ -921,13 +921,19 @@ fn a_deferred_fsync_is_answered_by_the_batch_that_makes_it_durable() {
     let ticket = lead.expect("no leader: the caller leads");
     assert!(rx.try_recv().is_err(), "not answered before its batch");
     fs.fsync_lead(ticket);
-    assert_eq!(rx.try_recv().expect("answered"), Ok(LogOutcome::Logged));
+    assert_eq!(
+        rx.try_recv().expect("answered"),
+        Ok(DeferredOutcome::Logged)
+    );
     // Answered by another fsync's wait whose batch covers it.
     fs.write(a, 4096, &[5u8; 4096], false).expect("write a");
     let (_, rx) = defer(a);
     fs.write(b, 0, &[6u8; 4096], false).expect("write b");
     fs.fsync(b, false).expect("fsync b");
-    assert_eq!(rx.try_recv().expect("answered"), Ok(LogOutcome::Logged));
+    assert_eq!(
+        rx.try_recv().expect("answered"),
+        Ok(DeferredOutcome::Logged)
+    );
     let (crashed, fs) = common::crash_and_reopen(fs, &dev);
     let got = fs.read(a, 0, 8192).expect("read a");
     assert!(got[..4096].iter().all(|&x| x == 4) && got[4096..].iter().all(|&x| x == 5));
@@ -990,4 +996,62 @@ fn a_read_only_open_replays_a_pending_log_in_memory_only() {
     drop(fs);
     let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
     assert!(report.is_clean(), "{:#?}", report.findings);
+
+/// A deferred fsync the log has no room for is answered after a commit
+/// (`fsync_after_full`), and its latency sample covers the whole fsync, from
+/// `fsync_defer` to the commit's end, not the commit alone.
+#[test]
+fn a_deferred_fsync_on_a_full_log_is_sampled_whole() {
+    use birch_core::vfs::DeferredOutcome;
+    use std::time::Duration;
+    let dev = fresh();
+    let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+    let ino = log_clean_file(&fs, b"db");
+    // Overwrites of a log-clean file logged with their bytes (data records, 32 KiB each):
+    // with no commit the log area (4 MiB here) fills up.
+    let mut full = None;
+    for round in 0..1024u64 {
+        fs.write(ino, (round % 64) * 32768, &[round as u8; 32768], false)
+            .expect("overwrite");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let deferred = fs.fsync_defer(
+            ino,
+            false,
+            Box::new(move |outcome| {
+                let _ = tx.send(outcome);
+            }),
+        );
+        match deferred {
+            Ok(Some(ticket)) => fs.fsync_lead(ticket),
+            Ok(None) => {}
+            Err(_) => {
+                fs.fsync(ino, false).expect("fsync");
+                continue;
+            }
+        }
+        match rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("answered")
+            .expect("no error")
+        {
+            DeferredOutcome::Logged => {}
+            DeferredOutcome::LogFull(f) => {
+                full = Some(f);
+                break;
+            }
+        }
+    }
+    let full = full.expect("the log filled up");
+    // The wait before the commit (a FUSE worker to run it) belongs to the fsync's latency.
+    std::thread::sleep(Duration::from_millis(40));
+    let before = fs.engine().fsync_latency().values();
+    fs.fsync_after_full(full).expect("commit");
+    let sample = fs.engine().fsync_latency().values().since(&before);
+    assert_eq!(sample.count(), 1);
+    assert!(
+        sample.percentile_micros(100.0).expect("one sample") >= 65_535,
+        "the sample covers the whole fsync: {sample:?}"
+    );
+    let (crashed, fs) = common::crash_and_reopen(fs, &dev);
+    common::close_and_check_clean(fs, &crashed, "deferred fsync on a full log");
 }

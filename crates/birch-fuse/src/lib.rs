@@ -25,8 +25,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use birch_core::log::LogOutcome;
-use birch_core::vfs::{Attr, Caller, FileKind, FsyncDone, SetAttr, SetTime, ShutdownMode};
+use birch_core::vfs::{
+    Attr, Caller, DeferredOutcome, FileKind, FsyncDone, SetAttr, SetTime, ShutdownMode,
+};
 use birch_core::{Error, Filesystem};
 use birch_format::items::Timespec;
 use fuser::{
@@ -1205,12 +1206,14 @@ impl fuser::Filesystem for BirchFuse {
         let fs = self.fs.clone();
         let pool = self.waiters.clone();
         let done: FsyncDone = Box::new(move |outcome| match outcome {
-            Ok(LogOutcome::Logged) => reply.ok(),
+            Ok(DeferredOutcome::Logged) => reply.ok(),
             // The log had no room: a commit, which blocks, on a worker.
-            Ok(LogOutcome::Full) => pool.run(move || match fs.fsync_after_full() {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(errno("fsync", &e)),
-            }),
+            Ok(DeferredOutcome::LogFull(full)) => {
+                pool.run(move || match fs.fsync_after_full(full) {
+                    Ok(()) => reply.ok(),
+                    Err(e) => reply.error(errno("fsync", &e)),
+                })
+            }
             Err(e) => reply.error(errno("fsync", &e)),
         });
         match self.fs.fsync_defer(ino.0, datasync, done) {
@@ -1224,7 +1227,7 @@ impl fuser::Filesystem for BirchFuse {
             Err(done) => {
                 let fs = self.fs.clone();
                 self.serve_waiting(move || match fs.fsync(ino.0, datasync) {
-                    Ok(()) => done(Ok(LogOutcome::Logged)),
+                    Ok(()) => done(Ok(DeferredOutcome::Logged)),
                     Err(e) => done(Err(e)),
                 });
             }

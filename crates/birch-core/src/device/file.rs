@@ -234,22 +234,64 @@ fn with_aligned<T>(len: usize, f: impl FnOnce(&mut [u8]) -> T) -> T {
     })
 }
 
-/// A zeroed heap buffer aligned for O_DIRECT.
+/// A heap buffer aligned for O_DIRECT holding a copy of some slices, one after the other.
+/// It is filled by the copy straight from the slices, never zeroed first.
 struct AlignedBuf {
-    bytes: Vec<u8>,
-    start: usize,
+    /// The allocation, `ALIGN`-aligned; dangling (nothing allocated) when `len` is 0.
+    ptr: std::ptr::NonNull<u8>,
     len: usize,
+    layout: std::alloc::Layout,
 }
 
 impl AlignedBuf {
-    fn new(len: usize) -> AlignedBuf {
-        let bytes = vec![0u8; len + ALIGN];
-        let start = bytes.as_ptr().align_offset(ALIGN);
-        AlignedBuf { bytes, start, len }
+    /// The bytes of `parts` back to back in fresh `ALIGN`-aligned memory.
+    fn copy_of(parts: &[&[u8]]) -> io::Result<AlignedBuf> {
+        let len = parts
+            .iter()
+            .try_fold(0usize, |sum, part| sum.checked_add(part.len()))
+            .ok_or_else(|| io::Error::other("aligned copy: length overflows"))?;
+        let layout = std::alloc::Layout::from_size_align(len, ALIGN)
+            .map_err(|e| io::Error::other(format!("aligned copy of {len} bytes: {e}")))?;
+        if len == 0 {
+            return Ok(AlignedBuf {
+                ptr: std::ptr::NonNull::dangling(),
+                len,
+                layout,
+            });
+        }
+        // SAFETY: `layout` has a non-zero size.
+        let raw = unsafe { std::alloc::alloc(layout) };
+        let Some(ptr) = std::ptr::NonNull::new(raw) else {
+            std::alloc::handle_alloc_error(layout);
+        };
+        let mut at = 0;
+        for part in parts {
+            // SAFETY: the parts' lengths sum to `len`, so `at + part.len() <= len`: the
+            // destination lies inside the allocation, which no slice overlaps (it is new).
+            unsafe {
+                std::ptr::copy_nonoverlapping(part.as_ptr(), ptr.as_ptr().add(at), part.len());
+            }
+            at += part.len();
+        }
+        // Every byte of the allocation is written now: only from here on may a slice of it
+        // exist (`as_slice`).
+        debug_assert_eq!(at, len);
+        Ok(AlignedBuf { ptr, len, layout })
     }
 
-    fn as_mut(&mut self) -> &mut [u8] {
-        &mut self.bytes[self.start..self.start + self.len]
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` is valid for `len` bytes (or dangling and aligned with `len` 0), all
+        // of them initialised by `copy_of`, and borrowed from `self` for as long as it lives.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: allocated by `copy_of` with this very layout.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+        }
     }
 }
 
@@ -319,7 +361,12 @@ impl BlockDevice for FileDevice {
         let aligned = writes
             .iter()
             .all(|(_, b)| b.as_ptr().align_offset(ALIGN) == 0);
-        let mut region = AlignedBuf::new(if aligned { 0 } else { total });
+        let region = if aligned {
+            AlignedBuf::copy_of(&[])?
+        } else {
+            let parts: Vec<&[u8]> = writes.iter().map(|(_, b)| *b).collect();
+            AlignedBuf::copy_of(&parts)?
+        };
         let mut at = 0usize;
         // (device offset, address of the bytes, length)
         let mut placed: Vec<(u64, *const u8, usize)> = Vec::with_capacity(writes.len());
@@ -327,9 +374,8 @@ impl BlockDevice for FileDevice {
             if aligned {
                 placed.push((*offset, bytes.as_ptr(), bytes.len()));
             } else {
-                let dst = &mut region.as_mut()[at..at + bytes.len()];
-                dst.copy_from_slice(bytes);
-                placed.push((*offset, dst.as_ptr(), bytes.len()));
+                let copy = &region.as_slice()[at..at + bytes.len()];
+                placed.push((*offset, copy.as_ptr(), bytes.len()));
                 at += bytes.len();
             }
         }
@@ -451,9 +497,8 @@ mod tests {
             assert_eq!(&back[..], *bytes, "offset {offset}");
         }
         // Aligned buffers are submitted as they are (no copy).
-        let mut aligned = AlignedBuf::new(3 * 4096);
-        aligned.as_mut().fill(0xA5);
-        let whole = aligned.as_mut();
+        let aligned = AlignedBuf::copy_of(&[&[0xA5; 3 * 4096]]).expect("aligned copy");
+        let whole = aligned.as_slice();
         let (a, b) = whole.split_at(4096);
         dev.write_many(&[(40 * 4096, a), (50 * 4096, &b[4096..])])
             .expect("aligned write_many");
@@ -466,5 +511,18 @@ mod tests {
         assert!(dev.write_many(&bad).is_err());
         drop(dev);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The aligned copy holds the parts back to back, at an aligned address, with no
+    /// zeroing first: every byte comes from a part.
+    #[test]
+    fn aligned_copy_holds_the_parts_back_to_back() {
+        let source: Vec<u8> = (0..3 * 4096 + 7).map(|i| (i % 251) as u8).collect();
+        let parts: [&[u8]; 4] = [&source[1..4097], &[], &source[5..8192], &source[9000..]];
+        let copy = AlignedBuf::copy_of(&parts).expect("aligned copy");
+        assert_eq!(copy.as_slice().as_ptr().align_offset(ALIGN), 0);
+        assert_eq!(copy.as_slice(), parts.concat().as_slice());
+        let empty = AlignedBuf::copy_of(&[&[], &[]]).expect("empty copy");
+        assert!(empty.as_slice().is_empty());
     }
 }

@@ -69,8 +69,26 @@ pub(crate) const LOG_DATA_WRITE_MAX: usize = 32 * 1024;
 /// beyond which small writes to log-clean files are written in place again: 64 MiB.
 pub(crate) const PLACED_MAX_BLOCKS: usize = 16384;
 
-/// What a deferred fsync calls with its log outcome ([`Filesystem::fsync_defer`]).
-pub type FsyncDone = Box<dyn FnOnce(Result<LogOutcome>) + Send>;
+/// What a deferred fsync calls with its outcome ([`Filesystem::fsync_defer`]).
+pub type FsyncDone = Box<dyn FnOnce(Result<DeferredOutcome>) + Send>;
+
+/// How a deferred fsync ended ([`Filesystem::fsync_defer`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum DeferredOutcome {
+    /// Durable through the log: answer it.
+    Logged,
+    /// The log had no room: hand this to [`Filesystem::fsync_after_full`] (a commit, which
+    /// blocks) and answer with its result.
+    LogFull(LogFull),
+}
+
+/// A deferred fsync the log had no room for. It carries the fsync's start, so the latency
+/// sample [`Filesystem::fsync_after_full`] takes covers the whole fsync (the wait for the log
+/// and the commit), as every other fsync's sample does.
+#[derive(Debug, PartialEq, Eq)]
+pub struct LogFull {
+    started: std::time::Instant,
+}
 
 /// How fsync makes a file durable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -105,9 +123,9 @@ impl Filesystem {
     /// failed), defers the wait ([`crate::txn::Engine::log_defer`]) and returns
     /// `Ok(lead)`: `done` then gets the outcome from whichever thread learns it, and with
     /// `lead` set the caller must call [`Filesystem::fsync_lead`] with it on a thread that may
-    /// block. `done` hears `Full` when the log had no room: the caller must then call
-    /// [`Filesystem::fsync_after_full`] (a commit) before it answers. Otherwise, `Err(done)`:
-    /// the caller runs [`Filesystem::fsync`].
+    /// block. `done` hears [`DeferredOutcome::LogFull`] when the log had no room: the caller
+    /// must then call [`Filesystem::fsync_after_full`] (a commit) with it before it answers.
+    /// Otherwise, `Err(done)`: the caller runs [`Filesystem::fsync`].
     ///
     /// Why (DESIGN §11.4): with 64 threads that write and fsync, most fsyncs find their records
     /// queued by the write before them; parking a thread per such fsync costs two context
@@ -144,13 +162,19 @@ impl Filesystem {
         let lead = engine.log_defer(
             ticket,
             Box::new(move |outcome| {
-                if !matches!(outcome, Ok(LogOutcome::Full)) {
-                    let engine = &inner.engine;
-                    if matches!(outcome, Ok(LogOutcome::Logged)) {
-                        engine.counters().add(|c| &c.fsync_log, 1);
+                let engine = &inner.engine;
+                let outcome = match outcome {
+                    // Sampled by `fsync_after_full` once its commit is done: the whole fsync.
+                    Ok(LogOutcome::Full) => {
+                        return done(Ok(DeferredOutcome::LogFull(LogFull { started })));
                     }
-                    engine.fsync_latency().record(started.elapsed());
-                }
+                    Ok(LogOutcome::Logged) => {
+                        engine.counters().add(|c| &c.fsync_log, 1);
+                        Ok(DeferredOutcome::Logged)
+                    }
+                    Err(e) => Err(e),
+                };
+                engine.fsync_latency().record(started.elapsed());
                 done(outcome)
             }),
         );
@@ -177,15 +201,18 @@ impl Filesystem {
         self.inner.engine.set_log_hand_off(hand_off);
     }
 
-    /// The commit a deferred fsync makes when its outcome was `Full` (the log had no room).
-    pub fn fsync_after_full(&self) -> Result<()> {
-        let started = std::time::Instant::now();
+    /// The commit a deferred fsync makes when the log had no room for it. Its latency sample
+    /// runs from the fsync's start ([`Filesystem::fsync_defer`]) to the commit's end.
+    pub fn fsync_after_full(&self, full: LogFull) -> Result<()> {
         self.inner
             .engine
             .counters()
             .add(|c| &c.fsync_fallback_log_full, 1);
         let result = self.fsync_commit();
-        self.inner.engine.fsync_latency().record(started.elapsed());
+        self.inner
+            .engine
+            .fsync_latency()
+            .record(full.started.elapsed());
         result
     }
 

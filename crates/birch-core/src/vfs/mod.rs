@@ -39,7 +39,7 @@ use crate::readonly::ReadOnlyCause;
 use crate::txn::{Engine, MkfsOptions};
 
 pub use dir::DirEntryOut;
-pub use durability::{FsyncDone, FsyncMode};
+pub use durability::{DeferredOutcome, FsyncDone, FsyncMode, LogFull};
 pub use file::AtimeMode;
 
 /// Changed items after which the background committer is woken early, bounding memory.
