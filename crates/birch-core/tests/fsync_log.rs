@@ -996,6 +996,7 @@ fn a_read_only_open_replays_a_pending_log_in_memory_only() {
     drop(fs);
     let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
     assert!(report.is_clean(), "{:#?}", report.findings);
+}
 
 /// A deferred fsync the log has no room for is answered after a commit
 /// (`fsync_after_full`), and its latency sample covers the whole fsync, from
