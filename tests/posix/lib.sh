@@ -14,6 +14,8 @@
 #   BIRCH             path of the birch binary   (default: target/release/birch)
 #   BIRCH_MOUNT_OPTS  -o options for birch mount (default: allow_other)
 #   IMG_SIZE          size of every test image   (default: 1G)
+#   BIRCH_DEVICE_PREFIX  birch target only: the device is PREFIX+NAME instead of an image file
+#                     (e.g. rbd:rbd/ gives rbd:rbd/pjd-main on a Ceph cluster; tests/rbd/)
 #   RESULTS_DIR       where logs go              (default: /tmp/birch-posix-results)
 #   WORK_DIR          where images and mount points go (default: a fresh mktemp -d)
 #   KEEP_WORK=1       keep images after the run (for post-mortem)
@@ -248,7 +250,8 @@ require_target() {
 }
 
 # ---------------------------------------------------------------------------
-# Targets. mount_target TARGET NAME: makes an image $WORK_DIR/NAME.img, mounts
+# Targets. mount_target TARGET NAME: makes an image $WORK_DIR/NAME.img (for birch with
+# BIRCH_DEVICE_PREFIX, the device PREFIX+NAME), mounts
 # it at $WORK_DIR/NAME and sets MOUNTED_AT to the mount point (not printed:
 # a $(...) subshell would lose the cleanup registration). unmount_target TARGET NAME:
 # synchronous unmount, then fsck of the image; returns non-zero if unclean.
@@ -270,6 +273,7 @@ mount_target() {
       log "mounted ext4 $img ($loop) at $mnt"
       ;;
     birch)
+      [[ -n ${BIRCH_DEVICE_PREFIX:-} ]] && img=$BIRCH_DEVICE_PREFIX$name
       timeout -k 5 120 "$BIRCH" mkfs --force --size "$IMG_SIZE" "$img" >&2 || die "$BIRCH mkfs --force --size $IMG_SIZE $img failed"
       local -a opts=()
       [[ -n $BIRCH_MOUNT_OPTS ]] && opts=(-o "$BIRCH_MOUNT_OPTS")
@@ -310,6 +314,7 @@ unmount_target() {
       fi
       ;;
     birch)
+      [[ -n ${BIRCH_DEVICE_PREFIX:-} ]] && img=$BIRCH_DEVICE_PREFIX$name
       timeout -k 5 300 "$BIRCH" umount "$mnt" || { log "$BIRCH umount $mnt failed"; return 1; }
       _is_mounted "$mnt" && { log "$BIRCH umount returned but $mnt is still mounted"; return 1; }
       _forget_mount "$mnt"

@@ -31,7 +31,16 @@
 #      fsync in flight fails and every request answers EIO within the timeout plus a few
 #      seconds, the daemon's log names the cluster, and unmount takes under 10 s;
 #  10. `-o takeover` after kill -9 of the holder: the fsync'd data is there;
-#  11. fsck clean at the end; the cluster is stopped by PID (also on failure).
+#  11. the mount tests (tests/mount/mount-tests.sh with BIRCH_SPEC=rbd:rbd/mount-tests) and
+#      pjdfstest (tests/posix/pjdfstest.sh with BIRCH_DEVICE_PREFIX=rbd:rbd/) on RBD-backed
+#      mounts;
+#  12. fsck clean at the end; the cluster is stopped by PID (also on failure).
+#
+# The cluster runs with cephx on (CEPHX=1), and every birch command runs as client.birch with
+# only `profile rbd` capabilities (mon 'profile rbd', osd 'profile rbd pool=rbd'), passed
+# through CEPH_ARGS by a wrapper; the script's own `ceph` and `rbd` commands run as
+# client.admin. So the takeovers above, blocklisting included, are shown to need no more
+# than `profile rbd`.
 #
 # The cluster's osd_client_watch_timeout is set to 15 s (default 30 s) to keep the tier short:
 # every wait for a dead or stopped holder's watch takes about that long.
@@ -85,6 +94,16 @@ else
   BIRCH=$ROOT/target/release/birch
 fi
 [[ -x $BIRCH ]] || { echo "rbd-test: $BIRCH not built"; exit 1; }
+BIRCH_BIN=$BIRCH
+# Every birch command as client.birch (made below, once the cluster is up): a wrapper named
+# birch, so that `pgrep -f "birch mount -f ..."` finds the daemons as before.
+mkdir -p "$DIR/bin"
+# exec -a keeps the name it was called by: a link named mount.fuse.birch (the mount tests make
+# one) must run birch as the mount helper.
+printf '#!/bin/bash\nCEPH_ARGS="--id birch --keyring %s/birch.keyring${CEPH_ARGS:+ $CEPH_ARGS}" exec -a "$0" "%s" "$@"\n' \
+  "$BASE" "$BIRCH_BIN" >"$DIR/bin/birch"
+chmod +x "$DIR/bin/birch"
+BIRCH=$DIR/bin/birch
 
 DAEMONS=()
 OSD_STOPPED=
@@ -109,10 +128,19 @@ daemon_pid() {  # the mount daemon serving $1 (started by this script)
 
 say "bringing up the cluster (tests/rbd/single-node.sh up, BASE=$BASE)"
 t=$SECONDS
-bash "$CLUSTER" up >"$DIR/cluster-up.log" 2>&1 || { tail -n 30 "$DIR/cluster-up.log"; echo "rbd-test: the cluster did not come up"; exit 1; }
+CEPHX=1 bash "$CLUSTER" up >"$DIR/cluster-up.log" 2>&1 || { tail -n 30 "$DIR/cluster-up.log"; echo "rbd-test: the cluster did not come up"; exit 1; }
 say "cluster healthy in $((SECONDS - t)) s"
 # A stopped or dead holder's watch expires after this (default 30 s): shorter, for a short tier.
 ceph config set osd osd_client_watch_timeout 15 || fail "setting osd_client_watch_timeout"
+ceph auth get-or-create client.birch mon 'profile rbd' osd 'profile rbd pool=rbd' \
+  -o "$BASE/birch.keyring" >/dev/null || { echo "rbd-test: cannot make client.birch"; exit 1; }
+as_birch=(env CEPH_ARGS="--id birch --keyring $BASE/birch.keyring")
+if "${as_birch[@]}" ceph osd pool ls >/dev/null 2>&1 \
+  && ! "${as_birch[@]}" ceph config set osd debug_osd 0/0 >/dev/null 2>&1; then
+  say "ok: cephx on; client.birch (profile rbd) reads the cluster map and may not change its configuration"
+else
+  fail "client.birch's capabilities are not profile rbd only"
+fi
 mkdir -p "$MNT" "$MNT2"
 
 # --- 1. mkfs ---
@@ -214,7 +242,28 @@ say "umount took $((SECONDS - t)) s"
 
 source "$ROOT/tests/rbd/rbd-faults.sh"
 
-# --- 11. fsck ---
+# --- 11. the mount tests and pjdfstest on RBD-backed mounts ---
+t=$SECONDS
+if BIRCH=$BIRCH BIRCH_SPEC=rbd:rbd/mount-tests bash "$ROOT/tests/mount/mount-tests.sh" >"$DIR/mount-tests.log" 2>&1; then
+  say "ok: mount tests on rbd:rbd/mount-tests: $(tail -n 1 "$DIR/mount-tests.log") ($((SECONDS - t)) s)"
+else
+  grep -E '^FAIL' "$DIR/mount-tests.log" | head -n 20
+  fail "mount tests on RBD: $(tail -n 1 "$DIR/mount-tests.log") (log $DIR/mount-tests.log)"
+fi
+t=$SECONDS
+if command -v pjdfstest >/dev/null; then
+  if BIRCH=$BIRCH BIRCH_DEVICE_PREFIX=rbd:rbd/ RESULTS_DIR=$DIR/pjdfstest \
+    bash "$ROOT/tests/posix/pjdfstest.sh" birch >"$DIR/pjdfstest.log" 2>&1; then
+    say "ok: pjdfstest on RBD: $(cat "$DIR/pjdfstest/pjdfstest-birch.summary" 2>/dev/null) ($((SECONDS - t)) s)"
+  else
+    tail -n 20 "$DIR/pjdfstest.log"
+    fail "pjdfstest on RBD (log $DIR/pjdfstest.log)"
+  fi
+else
+  say "note: pjdfstest is not installed (tests/posix/setup.sh installs it): skipped on RBD"
+fi
+
+# --- 12. fsck ---
 t=$SECONDS
 if "$BIRCH" fsck "$SPEC"; then say "ok: fsck clean ($((SECONDS - t)) s)"; else fail "fsck"; fi
 

@@ -4,7 +4,8 @@
 # /work/shared. Changes from the original: this header, and the monitor's free-space thresholds
 # taken from MON_DATA_AVAIL_WARN / MON_DATA_AVAIL_CRIT (defaults as before, 2 and 1 %): on a
 # shared, nearly full disk the warning alone kept the cluster from HEALTH_OK (used by
-# rbd-test.sh).
+# rbd-test.sh); and CEPHX=1, which turns cephx on (every daemon gets its own key in its data
+# directory, client.admin's key is in $BASE/keyring) for the tier's run with a `profile rbd` key.
 # Single-node Ceph (Debian 12 packages, ceph 16.2.x "pacific") on loopback,
 # no systemd, everything under $BASE (default /var/tmp/ceph1).
 #
@@ -72,7 +73,8 @@ start_daemon() {
 }
 
 write_conf() {
-    local fsid=$1
+    local fsid=$1 auth=none
+    [ "${CEPHX:-0}" = 1 ] && auth=cephx
     cat >"$CONF" <<EOF
 [global]
 fsid = $fsid
@@ -82,10 +84,10 @@ cluster_addr = 127.0.0.1
 ms_bind_ipv6 = false
 ms_bind_ipv4 = true
 
-# no cephx: simplest for a throw-away loopback cluster
-auth_cluster_required = none
-auth_service_required = none
-auth_client_required = none
+# no cephx unless CEPHX=1: simplest for a throw-away loopback cluster
+auth_cluster_required = $auth
+auth_service_required = $auth
+auth_client_required = $auth
 # pacific raises AUTH_INSECURE_GLOBAL_ID_RECLAIM_ALLOWED (HEALTH_WARN) even with auth=none
 auth_allow_insecure_global_id_reclaim = false
 mon_warn_on_insecure_global_id_reclaim_allowed = false
@@ -123,9 +125,11 @@ mon_cluster_log_file = $BASE/log/cluster.log
 
 [mgr]
 mgr_data = $BASE/mgr/\$cluster-\$id
+keyring = $BASE/mgr/\$cluster-\$id/keyring
 
 [osd]
 osd_data = $BASE/osd/\$cluster-\$id
+keyring = $BASE/osd/\$cluster-\$id/keyring
 osd_objectstore = bluestore
 bluestore_block_path = $BASE/osd/\$cluster-\$id/block.file
 bluestore_block_create = true
@@ -189,12 +193,18 @@ up() {
 
     # --- mgr ---
     mkdir -p "$BASE/mgr/ceph-x"
+    # the mgr's key (only checked with cephx; harmless without)
+    ceph auth get-or-create mgr.x mon 'allow profile mgr' osd 'allow *' mds 'allow *' \
+        -o "$BASE/mgr/ceph-x/keyring" >/dev/null
     start_daemon mgr.x ceph-mgr -i x
 
     # --- osd (BlueStore on a plain sparse file) ---
-    local uuid id; uuid=$(uuidgen 2>/dev/null || cat /proc/sys/kernel/random/uuid)
-    id=$(ceph osd new "$uuid")
+    local uuid id secret; uuid=$(uuidgen 2>/dev/null || cat /proc/sys/kernel/random/uuid)
+    secret=$(ceph-authtool --gen-print-key)
+    id=$(echo "{\"cephx_secret\": \"$secret\"}" | ceph osd new "$uuid" -i -)
     mkdir -p "$BASE/osd/ceph-$id"
+    ceph-authtool --create-keyring "$BASE/osd/ceph-$id/keyring" --name "osd.$id" \
+        --add-key "$secret" >/dev/null
     log "osd.$id mkfs (bluestore on $BASE/osd/ceph-$id/block.file)"
     ceph-osd -c "$CONF" -i "$id" --mkfs --osd-uuid "$uuid" \
         >"$BASE/log/osd.$id.mkfs.out" 2>&1 || { tail -20 "$BASE/log/osd.$id.mkfs.out"; die "osd mkfs failed"; }

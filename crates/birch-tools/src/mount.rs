@@ -533,7 +533,19 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
         bench_global_objectid_lock: config.bench_global_objectid_lock,
         bench_apply_per_item: config.bench_apply_per_item,
     };
-    let mode = if config.read_only {
+    // An RBD snapshot (`rbd:POOL/IMAGE@SNAP`) cannot be written: it mounts read-only, takes
+    // no lock (the image's holder keeps its own), and replays a pending log in memory.
+    let snapshot =
+        matches!(RbdSpec::from_path(image), Ok(Some(ref spec)) if spec.snapshot.is_some());
+    if snapshot && !config.read_only {
+        return fail(format!(
+            "{}: a snapshot cannot be written: mount it with -o ro",
+            image.display()
+        ));
+    }
+    let mode = if snapshot {
+        OpenMode::ReadOnlyUnlocked
+    } else if config.read_only {
         OpenMode::ReadOnlyWait
     } else {
         OpenMode::ReadWriteWait
@@ -558,6 +570,9 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
         Err(e) => return fail(format!("{}: {e}", image.display())),
     };
     events.attach(&fs);
+    if snapshot {
+        fs.pin_read_only("it serves an RBD snapshot, which cannot be written");
+    }
     fs.set_atime_mode(config.atime.unwrap_or_default());
     let mut fuse_config = Config::default();
     fuse_config.acl = if config.allow_other {
@@ -1048,6 +1063,11 @@ fn wait_for_release(image: &Path) -> ExitCode {
 /// [`LocalLock`], held until the image lock is released and the image closed); `birch umount`
 /// has no cluster credentials of its own.
 fn wait_for_rbd_release(spec: &RbdSpec) -> ExitCode {
+    if spec.snapshot.is_some() {
+        // A snapshot is served read-only and takes no lock: nothing to wait for (the image's
+        // own lock may be held by its live mount here).
+        return ExitCode::SUCCESS;
+    }
     match LocalLock::wait_released(spec, Duration::from_secs(3)) {
         Ok(true) => return ExitCode::SUCCESS,
         Ok(false) => {

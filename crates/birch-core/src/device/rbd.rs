@@ -36,8 +36,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::rbd_ffi as ffi;
 use super::rbd_spec::{
-    check_rbd_layout, CephOptions, LocalLock, LockState, RbdSpec, Takeover, DEFAULT_RBD_TIMEOUT,
-    DEFAULT_TAKEOVER_WAIT,
+    check_rbd_layout, CephOptions, FlushesInFlight, LocalLock, LockState, RbdSpec, Takeover,
+    DEFAULT_RBD_TIMEOUT, DEFAULT_TAKEOVER_WAIT,
 };
 use super::{check_range, BlockDevice, DeviceEvents, OpenMode};
 use crate::counters::Counters;
@@ -540,6 +540,8 @@ pub struct RbdDevice {
     monitor_done: Option<mpsc::Receiver<()>>,
     quiesce: Option<Arc<QuiesceCtx>>,
     counters: Counters,
+    /// The flushes in flight ([`FlushesInFlight`]).
+    flushes: FlushesInFlight,
     /// Dropped after the image is closed, unless the device is lost.
     _cluster: ManuallyDrop<Cluster>,
 }
@@ -564,7 +566,7 @@ impl RbdDevice {
         if locking && spec.snapshot.is_some() {
             return Err(io::Error::new(
                 io::ErrorKind::Unsupported,
-                format!("{spec}: a snapshot is read without the image lock; only inspect and fsck --force open snapshots so far"),
+                format!("{spec}: a snapshot is read without the image lock: inspect it, check it with fsck --force, or mount it with -o ro"),
             ));
         }
         // This host first: a daemon here finishing its final commit is waited for (mount after
@@ -609,6 +611,7 @@ impl RbdDevice {
             monitor_done: None,
             quiesce: None,
             counters: Counters::default(),
+            flushes: FlushesInFlight::default(),
             _cluster: ManuallyDrop::new(cluster),
         };
         device.size = device.query_u64("rbd_get_size", ffi::rbd_get_size)?;
@@ -1249,6 +1252,7 @@ fn name_holder(spec: &RbdSpec, ceph: &CephOptions) -> Option<io::Error> {
         monitor_done: None,
         quiesce: None,
         counters: Counters::default(),
+        flushes: FlushesInFlight::default(),
         _cluster: ManuallyDrop::new(cluster),
     };
     let owner = device.lock_owners().ok()?.into_iter().next()?;
@@ -1589,8 +1593,16 @@ impl BlockDevice for RbdDevice {
 
     fn flush(&self) -> io::Result<()> {
         self.counters.add(|c| &c.flushes, 1);
-        self.submit(AioKind::Flush, 0, 0, None)?;
-        Ok(())
+        let seq = self.flushes.begin();
+        let result = self.submit(AioKind::Flush, 0, 0, None);
+        let upto = self.flushes.end(seq);
+        result?;
+        // A flush beside this one may have taken the error of a write before this one
+        // (`FlushesInFlight`): wait for the earlier ones, then ask whether the device is
+        // still good.
+        self.flushes
+            .wait_before(upto, LOST_POLL, || self.shared.state().is_lost());
+        self.shared.check()
     }
 
     fn size_bytes(&self) -> u64 {
