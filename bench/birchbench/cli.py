@@ -29,11 +29,11 @@ import threading
 import time
 
 from . import common, mounts
-from .common import ALL_TARGETS, ENTRY, HERE, REPO, Log, fmt_num, int_list, log, parse_size, str_list
+from .common import ALL_TARGETS, OPTIONAL_TARGETS, ENTRY, HERE, REPO, Log, fmt_num, int_list, log, parse_size, str_list
 from .mounts import State, cleanup_from, kill_active, run
 from .report import (before_after, before_after_table, counter_delta, do_check, rerender, summarize,
                      write_charts, write_markdown)
-from .targets import Target
+from .targets import RbdCluster, Target
 from .workloads import WL_TITLES, build_cases, build_mdcr, mdcr_py, w5_child, w6_assets, w6_child
 
 # the first paragraph of bench/birchbench.py's docstring: --help's description
@@ -78,7 +78,8 @@ def make_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--quick", action="store_true",
                     help="tiny sizes, one repeat, ~2 s per run; then check every target produced numbers")
-    ap.add_argument("--targets", type=str_list, default=ALL_TARGETS, help="comma list of " + ",".join(ALL_TARGETS))
+    ap.add_argument("--targets", type=str_list, default=ALL_TARGETS,
+                    help="comma list of " + ",".join(ALL_TARGETS) + " (the default), and " + ",".join(OPTIONAL_TARGETS))
     ap.add_argument("--workloads", type=lambda s: [x.upper() for x in str_list(s)],
                     default=["W1", "W2", "W3", "W4", "W5", "W6"], help="comma list of W1..W6")
     ap.add_argument("--birch-opts", action="append", default=[], metavar="OPTS",
@@ -103,6 +104,14 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--report", metavar="DIR", default=None,
                     help="only rewrite DIR/summary.md and the charts from DIR/results.json")
     ap.add_argument("--check", action="store_true", help="check that every target produced numbers (implied by --quick)")
+    g = ap.add_argument_group("birchfs-rbd (birch on a Ceph RBD image)")
+    g.add_argument("--rbd-birch", metavar="PATH", default=None,
+                   help="birch built with --features rbd [--birch]")
+    g.add_argument("--rbd-conf", metavar="CEPH_CONF", default=None,
+                   help="ceph.conf of an existing cluster [bring up tests/rbd/single-node.sh under IMAGE_DIR/ceph]")
+    g.add_argument("--rbd-pool", default="rbd", help="pool for the image birchbench-birchfs-rbd [rbd]")
+    g.add_argument("--rbd-opts", metavar="OPTS", default=None,
+                   help="mount options for birchfs-rbd (ceph_id=, keyring=, ...)")
     g = ap.add_argument_group("W1 dbench")
     g.add_argument("--dbench-time", type=int, default=None, help="seconds [30; quick 2]")
     g.add_argument("--dbench-clients", type=int_list, default=None, help="[8,16; quick 4]")
@@ -190,9 +199,14 @@ def apply_defaults(cfg) -> None:
             rc, out, _ = run(["dpkg", "-L", "dbench"], timeout=20)
             hits = [l for l in out.splitlines() if l.endswith("client.txt")] if rc == 0 else []
             cfg.dbench_loadfile = hits[0] if hits else "client.txt"
-    bad = [t for t in cfg.targets if t not in ALL_TARGETS]
+    bad = [t for t in cfg.targets if t not in ALL_TARGETS + OPTIONAL_TARGETS]
     if bad:
-        raise SystemExit(f"unknown targets {bad}; choose from {ALL_TARGETS}")
+        raise SystemExit(f"unknown targets {bad}; choose from {ALL_TARGETS + OPTIONAL_TARGETS}")
+    if cfg.rbd_birch is not None:
+        rb = cfg.rbd_birch if os.path.isabs(cfg.rbd_birch) else os.path.abspath(cfg.rbd_birch)
+        if not (os.path.isfile(rb) and os.access(rb, os.X_OK)):
+            raise SystemExit(f"--rbd-birch: no executable birch binary at {rb}")
+        cfg.rbd_birch = rb
     badw = [w for w in cfg.workloads if w not in WL_TITLES]
     if badw:
         raise SystemExit(f"unknown workloads {badw}")
@@ -291,9 +305,12 @@ def main(argv=None) -> int:
                 targets.append(Target("birchfs-before", "birchfs", cfg, before=True))
             for o in cfg.birch_opts:
                 targets.append(Target(f"birchfs[{o}]", "birchfs", cfg, opts=o))
+        elif name == "birchfs-rbd":
+            targets.append(Target("birchfs-rbd", "birchfs", cfg, opts=cfg.rbd_opts, rbd=True))
         else:
             targets.append(Target(name, name, cfg))
     cases = build_cases(cfg)
+    cluster = None
     runs: list[dict] = []
     interrupted = False
     res = {}
@@ -302,8 +319,18 @@ def main(argv=None) -> int:
         cfg.mdcr = build_mdcr(cfg) if "W3" in cfg.workloads else None
         cfg.w6 = w6_assets(cfg) if "W6" in cfg.workloads else None
         meta_machine = machine_info(cfg.image_dir)
+        if any(t.rbd for t in targets):
+            cluster = RbdCluster(cfg)
+            why = cluster.start()
+            if why:
+                for t in targets:
+                    if t.rbd:
+                        t.fail(why, "skipped")
         for t in targets:
-            t.setup()
+            if t.status == "pending":
+                t.setup()
+                if t.rbd and t.status == "ok" and cluster is not None:
+                    t.meta.update(cluster.floor(t))
         plan = [(rep, c, t) for rep in range(1, cfg.repeats + 1) for c in cases for t in targets if t.supports(c)]
         log(f"{len(plan)} runs: {len(cases)} cases x {len(targets)} targets x {cfg.repeats} repeats "
             f"(targets: {', '.join(t.name + ('' if t.status == 'ok' else ' [' + t.status + ']') for t in targets)})")
@@ -391,6 +418,8 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001
                 log(f"teardown {t.name}: {e}")
         full_cleanup(cfg.birch)
+        if cluster is not None:
+            cluster.stop()
         if targets:
             res = {
                 "meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": command,

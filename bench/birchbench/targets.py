@@ -67,16 +67,23 @@ def ensure_image(path: str, size: int) -> str:
 # --------------------------------------------------------------------------- targets
 
 class Target:
-    def __init__(self, name: str, kind: str, cfg, opts: str | None = None, before: bool = False):
+    def __init__(self, name: str, kind: str, cfg, opts: str | None = None, before: bool = False,
+                 rbd: bool = False):
         self.name = name
         self.kind = kind
         self.cfg = cfg
         self.opts = opts
-        # the birch binary of a birchfs target: --birch, or --birch-before for birchfs-before
+        # the birch binary of a birchfs target: --birch, or --birch-before for birchfs-before,
+        # or --rbd-birch (a build with the rbd feature) for birchfs-rbd
         self.before = before and kind == "birchfs"
+        self.rbd = rbd and kind == "birchfs"
         self.birch = (cfg.birch_before if self.before else cfg.birch) if kind == "birchfs" else None
+        if self.rbd:
+            self.birch = getattr(cfg, "rbd_birch", None) or cfg.birch
         self.safe = safe_name(name)
         self.image = os.path.join(cfg.image_dir, "img", self.safe + ".img")
+        if self.rbd:  # an RBD image of that name in the pool, made by birch mkfs
+            self.image = f"rbd:{cfg.rbd_pool}/birchbench-{self.safe}"
         self.mnt = os.path.join(cfg.image_dir, "mnt", self.safe)
         self.src = self.mnt + ".src"  # bindfs: the kernel ext4 directory below it
         self.loop: str | None = None
@@ -150,8 +157,19 @@ class Target:
                 self.meta["version"] = f"libfuse {lib.group(1)}" if rc == 0 and lib else None
                 self.status = "ok"
                 return
-            os.makedirs(os.path.dirname(self.image), exist_ok=True)
             os.makedirs(self.mnt, exist_ok=True)
+            if self.rbd:  # birch mkfs makes the RBD image (--size) or reformats it (--force)
+                cmd = [self.birch, "mkfs", "--force", "--size", str(cfg.image_size), self.image]
+                rc, out, err = run(cmd, timeout=600)
+                if rc != 0:
+                    self.fail(f"`{' '.join(cmd)}` rc={rc}: {(err or out).strip()[-400:]}")
+                    return
+                rc, out, err = run([self.birch, "--version"], timeout=20)
+                self.meta["version"] = (out or err).strip()[:200] if rc == 0 else None
+                self.meta["image"] = self.image
+                self.status = "ok"
+                return
+            os.makedirs(os.path.dirname(self.image), exist_ok=True)
             t0 = time.time()
             how = ensure_image(self.image, cfg.image_size)
             self.meta["image"] = self.image
@@ -251,6 +269,8 @@ class Target:
         return "; ".join(errs) or None
 
     def allocated(self) -> float | None:
+        if self.rbd:
+            return None
         try:
             st = os.stat(self.image)
             return round(100.0 * st.st_blocks * 512 / st.st_size, 1) if st.st_size else None
@@ -303,6 +323,90 @@ class Target:
             return json.loads(out)
         except ValueError:
             return {"_unparsed": out[:2000]}
+
+
+# --------------------------------------------------------------------------- Ceph RBD
+
+class RbdCluster:
+    """The cluster of the birchfs-rbd target: --rbd-conf names an existing one, else the
+    throw-away single-node cluster of tests/rbd/single-node.sh (one monitor, one manager, one
+    OSD with BlueStore on a file under IMAGE_DIR/ceph, cephx off, about 1.7 GB of memory) is
+    brought up before the targets are set up and stopped by PID at the end of the run."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.script = os.path.join(REPO, "tests", "rbd", "single-node.sh")
+        self.base = os.path.join(cfg.image_dir, "ceph")
+        self.started = False
+
+    def start(self) -> str | None:
+        """Makes the cluster reachable (CEPH_CONF in this process's environment, which every
+        birch, rbd and ceph command inherits); returns why not, if it cannot."""
+        if self.cfg.rbd_conf:
+            os.environ["CEPH_CONF"] = os.path.abspath(self.cfg.rbd_conf)
+        else:
+            if not (shutil.which("ceph-mon") and shutil.which("rbd")):
+                return ("no Ceph packages (ceph-mon, ceph-common): `apt-get install ceph-mon ceph-mgr "
+                        "ceph-osd ceph-common librbd-dev librados-dev`, or --rbd-conf of a cluster")
+            env = dict(os.environ, BASE=self.base, IMAGE_SIZE="64M",
+                       MON_DATA_AVAIL_WARN="1", MON_DATA_AVAIL_CRIT="0")
+            log(f"birchfs-rbd: bringing up a single-node Ceph cluster under {self.base}")
+            t0 = time.time()
+            rc, out, err = run(["bash", self.script, "up"], timeout=400, env=env)
+            self.started = True  # stop what came up, even after a failure
+            if rc != 0:
+                return fail_text("tests/rbd/single-node.sh up", rc, out, err)
+            os.environ["CEPH_CONF"] = os.path.join(self.base, "ceph.conf")
+            log(f"birchfs-rbd: cluster healthy in {time.time() - t0:.0f}s")
+        rc, out, err = run(["ceph", "-s", "--connect-timeout", "20"], timeout=40)
+        if rc != 0:
+            return fail_text("ceph -s", rc, out, err)
+        return None
+
+    def floor(self, t: "Target") -> dict:
+        """librbd's own figures on this cluster, beside birch's (an image of their own, removed
+        after): a 4 KiB write with one in flight and the cache off (its latency is the floor of
+        W5's append + fsync, which adds a flush), and 64 KiB sequential writes with 16 in flight
+        (the floor of a sequential write to durable)."""
+        pool = self.cfg.rbd_pool
+        img = f"{pool}/birchbench-floor"
+        got: dict = {}
+        run(["rbd", "rm", img], timeout=120)
+        rc, out, err = run(["rbd", "create", "--size", "512M", img], timeout=120)
+        if rc != 0:
+            log(f"birchfs-rbd: rbd create {img}: {(err or out).strip()[-200:]}")
+            return got
+        bench = ["rbd", "bench", "--io-type", "write", "--rbd-cache=false"]
+        for key, args, parse in (
+                ("librbd_4k_write_us", ["--io-size", "4K", "--io-threads", "1", "--io-total", "8M",
+                                        "--io-pattern", "seq"], "us"),
+                ("rbd_bench_64k_seq_mibs", ["--io-size", "64K", "--io-threads", "16", "--io-total", "256M",
+                                            "--io-pattern", "seq"], "mibs")):
+            rc, out, err = run(bench + args + [img], timeout=300)
+            m = re.search(r"elapsed:\s*([\d.]+)\s+ops:\s*(\d+)\s+ops/sec:\s*([\d.]+)\s+bytes/sec:\s*([\d.]+)\s*(\w+)/s",
+                          out.replace(",", ""))
+            if rc != 0 or not m:
+                log(f"birchfs-rbd: `{' '.join(bench + args)}` rc={rc}: {(err or out).strip()[-200:]}")
+                continue
+            ops = float(m.group(3))
+            if parse == "us" and ops > 0:
+                got[key] = round(1e6 / ops, 1)
+            elif parse == "mibs":
+                val, unit = float(m.group(4)), m.group(5)
+                scale = {"B": 1 / (1 << 20), "KiB": 1 / 1024, "MiB": 1, "GiB": 1024}.get(unit)
+                if scale is not None:
+                    got[key] = round(val * scale, 1)
+        run(["rbd", "rm", img], timeout=120)
+        log(f"birchfs-rbd: librbd floor {got}")
+        return got
+
+    def stop(self) -> None:
+        if self.started:
+            env = dict(os.environ, BASE=self.base)
+            rc, out, err = run(["bash", self.script, "stop"], timeout=180, env=env)
+            if rc != 0:
+                log(f"birchfs-rbd: stopping the cluster: {(err or out).strip()[-300:]}")
+            self.started = False
 
 
 # --------------------------------------------------------------------------- memfs_ll

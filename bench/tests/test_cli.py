@@ -91,6 +91,20 @@ class Options(unittest.TestCase):
             finally:
                 sys.stderr = err
 
+    def test_the_rbd_target_is_optional(self):
+        self.assertNotIn("birchfs-rbd", parse().targets, "not run by default")
+        cfg = parse("--targets", "birchfs,birchfs-rbd", "--rbd-birch", "/bin/true", "--rbd-pool", "p")
+        self.assertEqual(cfg.targets, ["birchfs", "birchfs-rbd"])
+        self.assertEqual(cfg.rbd_birch, "/bin/true")
+        from birchbench.targets import Target
+        t = Target("birchfs-rbd", "birchfs", cfg, rbd=True)
+        self.assertTrue(t.rbd and t.is_birch and t.is_fuse)
+        self.assertEqual((t.image, t.birch), ("rbd:p/birchbench-birchfs-rbd", "/bin/true"))
+        self.assertIsNone(t.allocated(), "no image file to measure")
+        self.assertFalse(Target("birchfs", "birchfs", cfg).rbd)
+        with self.assertRaises(SystemExit):
+            parse("--targets", "birchfs-rbd", "--rbd-birch", "/nonexistent/birch")
+
     def test_relative_birch_is_from_the_repo(self):
         cfg = cli.make_parser().parse_args(["--dbench-loadfile", "x", "--birch", "target/release/birch"])
         cli.apply_defaults(cfg)
