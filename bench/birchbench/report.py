@@ -160,7 +160,8 @@ def write_markdown(res, cases, targets, out) -> str:
     L.append("|---|---|---|")
     for t in targets:
         det = t.error or ", ".join(f"{k}={v}" for k, v in t.meta.items() if k in ("loop", "loop_dio", "loop_discard", "image_allocated_pct", "image_allocated_pct_end", "version",
-                                                                               "image", "librbd_4k_write_us", "rbd_bench_64k_seq_mibs"))
+                                                                               "image", "librbd_4k_write_us", "librbd_4k_write_flush_p50_ms",
+                                                                               "rbd_bench_64k_seq_mibs"))
         if t.is_birch:
             det += f"; binary `{t.birch}`" + (f" sha256 {t.meta['birch_sha256'][:16]}…" if t.meta.get("birch_sha256") else "")
         L.append(f"| {t.name} | {t.status} | {det.replace('|', '/')} |")

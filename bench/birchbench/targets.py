@@ -365,9 +365,9 @@ class RbdCluster:
 
     def floor(self, t: "Target") -> dict:
         """librbd's own figures on this cluster, beside birch's (an image of their own, removed
-        after): a 4 KiB write with one in flight and the cache off (its latency is the floor of
-        W5's append + fsync, which adds a flush), and 64 KiB sequential writes with 16 in flight
-        (the floor of a sequential write to durable)."""
+        after): a 4 KiB write with one in flight and the cache off, a 4 KiB write + flush p50
+        (W5's floor: issue 21 aims at 1.2x of it), and 64 KiB sequential writes with 16 in
+        flight (the floor of a sequential write to durable)."""
         pool = self.cfg.rbd_pool
         img = f"{pool}/birchbench-floor"
         got: dict = {}
@@ -396,6 +396,24 @@ class RbdCluster:
                 scale = {"B": 1 / (1 << 20), "KiB": 1 / 1024, "MiB": 1, "GiB": 1024}.get(unit)
                 if scale is not None:
                     got[key] = round(val * scale, 1)
+        # W5's floor: a 4 KiB write and a flush, one after the other, through librbd itself with
+        # the cluster's own settings (the cache as birch gets it), p50 over 5 s (python3-rbd).
+        code = ("import rados, rbd, sys, time\n"
+                "c = rados.Rados(conffile=''); c.connect(timeout=30)\n"
+                "io = c.open_ioctx(sys.argv[1]); im = rbd.Image(io, sys.argv[2])\n"
+                "buf = b'x' * 4096; lat = []; off = 0; end = time.monotonic() + 5\n"
+                "while time.monotonic() < end:\n"
+                "    t = time.perf_counter(); im.write(buf, off); im.flush()\n"
+                "    lat.append(time.perf_counter() - t); off = (off + 4096) % (256 << 20)\n"
+                "im.close(); io.close(); c.shutdown(); lat.sort()\n"
+                "print('%.4f %d' % (lat[len(lat) // 2] * 1e3, len(lat)))\n")
+        rc, out, err = run(["/usr/bin/python3", "-c", code, pool, "birchbench-floor"], timeout=120)
+        try:
+            p50, n = out.split()
+            got["librbd_4k_write_flush_p50_ms"] = round(float(p50), 3)
+            got["librbd_4k_write_flush_n"] = int(n)
+        except ValueError:
+            log(f"birchfs-rbd: librbd write + flush (python3-rbd) rc={rc}: {(err or out).strip()[-200:]}")
         run(["rbd", "rm", img], timeout=120)
         log(f"birchfs-rbd: librbd floor {got}")
         return got
