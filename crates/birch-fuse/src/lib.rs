@@ -167,7 +167,7 @@ pub struct BirchFuse {
     invalidator: Invalidator,
     /// Inodes whose write-back the daemon refused for lack of space, not yet reported to a
     /// write(2) (see [`LostWrites`]).
-    lost_writes: LostWrites,
+    lost_writes: Arc<LostWrites>,
     /// Worker threads for requests that wait for the device.
     waiters: waiters::Waiters,
     /// Serializes synchronous and direct writes per inode under `bench_serialize_sync_writes`.
@@ -411,6 +411,8 @@ impl BirchFuse {
                 pool.run(move || fs.fsync_lead_deferred());
             }
         }));
+        // Only workers wait for releases at ENOSPC; a request loop hands the request to one.
+        fs.set_release_wait(Arc::new(waiters::on_worker));
         let notifier = Arc::new(OnceLock::new());
         let sync_writes = Arc::new(sync_writes::SyncWriteGate::new(
             options.bench_serialize_sync_writes,
@@ -424,7 +426,7 @@ impl BirchFuse {
             notifier,
             writeback: false,
             write_opens: WriteOpens::new(),
-            lost_writes: LostWrites::new(),
+            lost_writes: Arc::new(LostWrites::new()),
             waiters,
             sync_writes,
             handle_lookups: HandleLookups::default(),
@@ -475,8 +477,15 @@ impl BirchFuse {
 
     /// Whether free space is below the write-through headroom.
     fn low_on_space(&self) -> bool {
-        let s = self.fs.statfs();
-        s.bavail.saturating_mul(u64::from(s.bsize)) < self.options.write_through_below
+        low_on_space(&self.fs, self.options.write_through_below)
+    }
+
+    /// Whether a request that found no space (or, for a write-back, too little) should be
+    /// served again on a worker, where it may wait for releases: it runs on a request loop,
+    /// and an unlinked file the kernel still holds may be released soon (its RELEASE can
+    /// arrive after later requests over io_uring, DESIGN §12.5).
+    fn retry_on_worker(&self) -> bool {
+        !waiters::on_worker() && self.fs.release_may_free_space()
     }
 
     /// The handle and reply flags of an OPEN or CREATE with open flags `flags` that the
@@ -554,6 +563,50 @@ impl BirchFuse {
     pub fn notifier_slot(&self) -> Arc<OnceLock<fuser::Notifier>> {
         self.notifier.clone()
     }
+}
+
+/// How a WRITE served without the worker pool's write-through is answered.
+struct WriteVerdict<'a> {
+    fs: &'a Filesystem,
+    notifier: &'a OnceLock<fuser::Notifier>,
+    lost_writes: &'a LostWrites,
+    /// The write-through headroom ([`FuseOptions::write_through_below`]).
+    headroom: u64,
+    ino: u64,
+    /// A write-back of the kernel's cache (`FUSE_WRITE_CACHE`).
+    cached: bool,
+}
+
+impl WriteVerdict<'_> {
+    /// Replies with `result`, marking the inode's writer for ENOSPC (see [`LostWrites`])
+    /// when a write-back failed for lack of space or left less than the headroom.
+    fn reply(&self, result: birch_core::Result<u32>, reply: ReplyWrite) {
+        match result {
+            Ok(n) => {
+                // A write-back below the headroom: the writer, whose open was cached while
+                // space was plentiful, hears ENOSPC at its next write(2), while what the
+                // kernel still holds dirty (at most half the headroom) fits.
+                if self.cached && low_on_space(self.fs, self.headroom) {
+                    self.lost_writes.mark(self.ino);
+                    invalidate_attrs(self.notifier, self.ino);
+                }
+                reply.written(n)
+            }
+            Err(e) => {
+                if self.cached && matches!(e, Error::NoSpace(_)) {
+                    self.lost_writes.mark(self.ino);
+                    invalidate_attrs(self.notifier, self.ino);
+                }
+                reply.error(errno("write", &e))
+            }
+        }
+    }
+}
+
+/// Whether `fs` has less free space than `headroom` bytes.
+fn low_on_space(fs: &Filesystem, headroom: u64) -> bool {
+    let s = fs.statfs();
+    s.bavail.saturating_mul(u64::from(s.bsize)) < headroom
 }
 
 /// A WRITE's work: writes `data` at `offset` of `ino` (buffered unless `through`), tells the
@@ -1086,6 +1139,7 @@ impl fuser::Filesystem for BirchFuse {
         let sync = (fh.0 & DIRECT_FH != 0 && flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0)
             .then_some(flags.0 & libc::O_SYNC != libc::O_SYNC);
         let here = if through { self.serve_here() } else { None };
+        let cached = write_flags.contains(WriteFlags::FUSE_WRITE_CACHE);
         if !through || here.is_some() {
             let write = || {
                 write_now(
@@ -1105,26 +1159,71 @@ impl fuser::Filesystem for BirchFuse {
             } else {
                 write()
             };
-            let cached = write_flags.contains(WriteFlags::FUSE_WRITE_CACHE);
-            match result {
-                Ok(n) => {
-                    // A write-back below the headroom: the writer, whose open was cached
-                    // while space was plentiful, hears ENOSPC at its next write(2), while
-                    // what the kernel still holds dirty (at most half the headroom) fits.
-                    if cached && self.low_on_space() {
-                        self.lost_writes.mark(ino.0);
-                        self.invalidate_attrs(ino.0);
-                    }
-                    reply.written(n)
-                }
-                Err(e) => {
-                    if cached && matches!(e, Error::NoSpace(_)) {
-                        self.lost_writes.mark(ino.0);
-                        self.invalidate_attrs(ino.0);
-                    }
-                    reply.error(errno("write", &e))
-                }
+            let short = match &result {
+                Ok(_) => cached && self.low_on_space(),
+                Err(e) => matches!(e, Error::NoSpace(_)),
+            };
+            if !(short && self.retry_on_worker()) {
+                let verdict = WriteVerdict {
+                    fs: &self.fs,
+                    notifier: &self.notifier,
+                    lost_writes: &self.lost_writes,
+                    headroom: self.options.write_through_below,
+                    ino: ino.0,
+                    cached,
+                };
+                verdict.reply(result, reply);
+                return;
             }
+            // Short of space while the kernel may still release an unlinked file: on a
+            // worker, which waits for the release before it decides (a failed write is
+            // written again; a write-back that left too little waits for space to come back
+            // before its writer is told ENOSPC).
+            drop(here);
+            let fs = self.fs.clone();
+            let notifier = self.notifier.clone();
+            let lost_writes = self.lost_writes.clone();
+            let headroom = self.options.write_through_below;
+            let data = data.to_vec();
+            let gate = self.sync_writes.clone();
+            self.waiters.run(move || {
+                let result = match result {
+                    Ok(n) => {
+                        let seen = fs.releases_seen();
+                        fs.wait_for_releases(seen, || !low_on_space(&fs, headroom));
+                        Ok(n)
+                    }
+                    Err(_) => {
+                        let write = || {
+                            write_now(
+                                &fs,
+                                &notifier,
+                                ino.0,
+                                offset,
+                                &data,
+                                append,
+                                kill.as_deref(),
+                                false,
+                                sync,
+                            )
+                        };
+                        if through {
+                            gate.run(ino.0, write)
+                        } else {
+                            write()
+                        }
+                    }
+                };
+                let verdict = WriteVerdict {
+                    fs: &fs,
+                    notifier: &notifier,
+                    lost_writes: &lost_writes,
+                    headroom,
+                    ino: ino.0,
+                    cached,
+                };
+                verdict.reply(result, reply);
+            });
             return;
         }
         // A write-through waits for the device: off the request loop (see `waiters`).
@@ -1548,19 +1647,35 @@ impl fuser::Filesystem for BirchFuse {
         reply: ReplyEmpty,
     ) {
         refuse_if_down!(self, reply);
-        let result = self
-            .fs
-            .fallocate(ino.0, offset, length, mode)
-            .and_then(|()| self.kill_privs_of_modify(req, ino.0));
-        match result {
+        // What `file_modified` leaves to us (see `kill_privs_of_modify`): the caller's groups
+        // when it lacks CAP_FSETID.
+        let kill = (self.killpriv && req.uid() != 0).then(|| self.caller_groups(req, ino.0));
+        let fs = self.fs.clone();
+        let notifier = self.notifier.clone();
+        let work = move || -> birch_core::Result<()> {
+            fs.fallocate(ino.0, offset, length, mode)?;
+            if let Some(groups) = &kill {
+                fs.kill_privs(ino.0, groups)?;
+            }
+            Ok(())
+        };
+        let answer = move |result: birch_core::Result<()>, reply: ReplyEmpty| match result {
             Ok(()) => {
                 // Times and block counts changed, and maybe the mode: the kernel refreshes
                 // only size and times after a FALLOCATE.
-                self.invalidate_attrs(ino.0);
+                invalidate_attrs(&notifier, ino.0);
                 reply.ok()
             }
             Err(e) => reply.error(errno("fallocate", &e)),
+        };
+        let result = work();
+        if matches!(result, Err(Error::NoSpace(_))) && self.retry_on_worker() {
+            // An unlinked file the kernel still holds may be released soon: again on a
+            // worker, which waits for the release before it answers ENOSPC.
+            self.waiters.run(move || answer(work(), reply));
+            return;
         }
+        answer(result, reply);
     }
 
     fn copy_file_range(
