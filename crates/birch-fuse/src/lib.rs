@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -135,6 +135,12 @@ impl Default for FuseOptions {
 /// O_SYNC writers and 64 fsyncs of the seed workloads each get a thread.
 pub const DEFAULT_WAITERS: usize = 64;
 
+/// At most this many WRITEs wait for releases at once (see `BirchFuse::write`). Write-backs
+/// are background requests, and the kernel has at most `max_background` (64, set in `init`)
+/// of them in flight, RELEASE included: were all of them waiting for a RELEASE queued behind
+/// them, none would end before the wait runs out. Past this many, a WRITE is answered at once.
+const MAX_WRITE_WAITS: usize = 8;
+
 /// Default entry/attribute timeout (mount option `ttl=`).
 pub const DEFAULT_TTL_SECS: u64 = 60;
 
@@ -168,6 +174,10 @@ pub struct BirchFuse {
     /// Inodes whose write-back the daemon refused for lack of space, not yet reported to a
     /// write(2) (see [`LostWrites`]).
     lost_writes: Arc<LostWrites>,
+    /// WRITEs waiting on a worker for releases now (see [`MAX_WRITE_WAITS`]).
+    write_waits: Arc<AtomicUsize>,
+    /// Inodes whose low-space verdict a worker is deciding (see `decide_low_space_later`).
+    deciding: Arc<parking_lot::Mutex<std::collections::HashSet<u64>>>,
     /// Worker threads for requests that wait for the device.
     waiters: waiters::Waiters,
     /// Serializes synchronous and direct writes per inode under `bench_serialize_sync_writes`.
@@ -427,6 +437,8 @@ impl BirchFuse {
             writeback: false,
             write_opens: WriteOpens::new(),
             lost_writes: Arc::new(LostWrites::new()),
+            write_waits: Arc::new(AtomicUsize::new(0)),
+            deciding: Arc::default(),
             waiters,
             sync_writes,
             handle_lookups: HandleLookups::default(),
@@ -478,6 +490,36 @@ impl BirchFuse {
     /// Whether free space is below the write-through headroom.
     fn low_on_space(&self) -> bool {
         low_on_space(&self.fs, self.options.write_through_below)
+    }
+
+    /// After a write-back of `ino` left less than the headroom while an unlinked file the
+    /// kernel holds may be released: a worker waits for releases until free space is back
+    /// above the headroom, then marks the writer for ENOSPC (see [`LostWrites`]) only if it
+    /// is not. One decision per inode at a time: later write-backs meanwhile are covered by it.
+    fn decide_low_space_later(&self, ino: u64) {
+        if !self.deciding.lock().insert(ino) {
+            return;
+        }
+        let fs = self.fs.clone();
+        let notifier = self.notifier.clone();
+        let lost_writes = self.lost_writes.clone();
+        let deciding = self.deciding.clone();
+        let headroom = self.options.write_through_below;
+        self.waiters.run(move || {
+            // Each freed file may not be enough: wait again while space is still low.
+            loop {
+                let seen = fs.releases_seen();
+                let freed = fs.wait_for_releases(seen, || !low_on_space(&fs, headroom));
+                if !freed || !low_on_space(&fs, headroom) {
+                    break;
+                }
+            }
+            deciding.lock().remove(&ino);
+            if low_on_space(&fs, headroom) {
+                lost_writes.mark(ino);
+                invalidate_attrs(&notifier, ino);
+            }
+        });
     }
 
     /// Whether a request that found no space (or, for a write-back, too little) should be
@@ -562,6 +604,15 @@ impl BirchFuse {
     /// Where the mount puts the session's notifier once it exists.
     pub fn notifier_slot(&self) -> Arc<OnceLock<fuser::Notifier>> {
         self.notifier.clone()
+    }
+}
+
+/// One of the [`MAX_WRITE_WAITS`] slots, given back when dropped.
+struct WaitSlot(Arc<AtomicUsize>);
+
+impl Drop for WaitSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -1159,11 +1210,27 @@ impl fuser::Filesystem for BirchFuse {
             } else {
                 write()
             };
-            let short = match &result {
-                Ok(_) => cached && self.low_on_space(),
-                Err(e) => matches!(e, Error::NoSpace(_)),
-            };
-            if !(short && self.retry_on_worker()) {
+            if let Ok(n) = result {
+                if cached && self.low_on_space() && self.retry_on_worker() {
+                    // A write-back that left less than the headroom while the kernel may
+                    // still release an unlinked file: answered now (a write-back waiting here
+                    // would hold one of the kernel's background slots the RELEASE may need),
+                    // and a worker waits for the space to come back before it decides whether
+                    // the writer hears ENOSPC.
+                    reply.written(n);
+                    self.decide_low_space_later(ino.0);
+                    return;
+                }
+            }
+            let wait = matches!(result, Err(Error::NoSpace(_)))
+                && self.retry_on_worker()
+                && self
+                    .write_waits
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                        (n < MAX_WRITE_WAITS).then_some(n + 1)
+                    })
+                    .is_ok();
+            if !wait {
                 let verdict = WriteVerdict {
                     fs: &self.fs,
                     notifier: &self.notifier,
@@ -1175,10 +1242,8 @@ impl fuser::Filesystem for BirchFuse {
                 verdict.reply(result, reply);
                 return;
             }
-            // Short of space while the kernel may still release an unlinked file: on a
-            // worker, which waits for the release before it decides (a failed write is
-            // written again; a write-back that left too little waits for space to come back
-            // before its writer is told ENOSPC).
+            // No space while the kernel may still release an unlinked file: written again on
+            // a worker, which waits for the release first.
             drop(here);
             let fs = self.fs.clone();
             let notifier = self.notifier.clone();
@@ -1186,13 +1251,11 @@ impl fuser::Filesystem for BirchFuse {
             let headroom = self.options.write_through_below;
             let data = data.to_vec();
             let gate = self.sync_writes.clone();
+            let waits = self.write_waits.clone();
             self.waiters.run(move || {
+                let slot = WaitSlot(waits);
                 let result = match result {
-                    Ok(n) => {
-                        let seen = fs.releases_seen();
-                        fs.wait_for_releases(seen, || !low_on_space(&fs, headroom));
-                        Ok(n)
-                    }
+                    Ok(n) => Ok(n),
                     Err(_) => {
                         let write = || {
                             write_now(
@@ -1214,6 +1277,7 @@ impl fuser::Filesystem for BirchFuse {
                         }
                     }
                 };
+                drop(slot);
                 let verdict = WriteVerdict {
                     fs: &fs,
                     notifier: &notifier,
