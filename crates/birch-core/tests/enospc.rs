@@ -351,3 +351,68 @@ fn fsync_after_a_failed_buffered_flush_reports_eio_every_time() {
     );
     assert_eq!(fs.read(attr.ino, 0, 8192).expect("read"), vec![1u8; 8192]);
 }
+
+/// A file unlinked while open keeps its space until its last handle is released and the
+/// kernel forgets it. The FUSE kernel module sends RELEASE in the background, and over
+/// FUSE-over-io_uring on the queue of the CPU that closed the file, where it can wait behind
+/// that queue's write-back while the program's `rm` and its next requests arrive on another
+/// queue (xfstests generic/371, DESIGN §12.5). An operation that finds no space while such a
+/// file is held waits for its release instead of answering ENOSPC for space the program has
+/// already given back.
+#[test]
+fn enospc_waits_for_the_release_of_an_unlinked_file() {
+    let (dev, fs) = fresh(64 << 20);
+    let (a, fh) = fs
+        .create(Caller::default(), 1, b"a", 0o644, 0)
+        .expect("create a");
+    fs.fallocate(a.ino, 0, 36 << 20, 0).expect("fallocate a");
+    fs.unlink(1, b"a").expect("unlink a while open");
+    let (b, fh_b) = fs
+        .create(Caller::default(), 1, b"b", 0o644, 0)
+        .expect("create b");
+    std::thread::scope(|s| {
+        // The kernel's late RELEASE and FORGET of `a`.
+        s.spawn(|| {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            fs.release(a.ino, fh).expect("release a");
+            fs.forget(a.ino, 1);
+        });
+        fs.fallocate(b.ino, 0, 36 << 20, 0)
+            .expect("the space of the released file");
+    });
+    fs.release(b.ino, fh_b).expect("release b");
+    common::close_and_check_clean(fs, &dev, "after the late release");
+}
+
+/// A thread that may not wait for releases (a FUSE request loop: the adapter hands the
+/// operation to a worker instead) gets ENOSPC at once, and says so is worth a wait.
+#[test]
+fn enospc_without_waiting_where_release_waits_are_not_allowed() {
+    let (dev, fs) = fresh(64 << 20);
+    fs.set_release_wait(Arc::new(|| false));
+    let (a, fh) = fs
+        .create(Caller::default(), 1, b"a", 0o644, 0)
+        .expect("create a");
+    fs.fallocate(a.ino, 0, 36 << 20, 0).expect("fallocate a");
+    fs.unlink(1, b"a").expect("unlink a while open");
+    let (b, fh_b) = fs
+        .create(Caller::default(), 1, b"b", 0o644, 0)
+        .expect("create b");
+    let started = std::time::Instant::now();
+    let err = fs
+        .fallocate(b.ino, 0, 36 << 20, 0)
+        .expect_err("no room while a is held");
+    assert_eq!(err.errno(), libc::ENOSPC);
+    assert!(
+        started.elapsed() < birch_core::vfs::RELEASE_WAIT,
+        "no wait on a thread that may not wait"
+    );
+    assert!(fs.release_may_free_space(), "a's release may free space");
+    fs.release(a.ino, fh).expect("release a");
+    fs.forget(a.ino, 1);
+    assert!(!fs.release_may_free_space(), "nothing left to wait for");
+    fs.fallocate(b.ino, 0, 36 << 20, 0)
+        .expect("the space of the released file");
+    fs.release(b.ino, fh_b).expect("release b");
+    common::close_and_check_clean(fs, &dev, "after the release");
+}

@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -136,6 +136,12 @@ impl Default for FuseOptions {
 /// O_SYNC writers and 64 fsyncs of the seed workloads each get a thread.
 pub const DEFAULT_WAITERS: usize = 64;
 
+/// At most this many WRITEs wait for releases at once (see `BirchFuse::write`). Write-backs
+/// are background requests, and the kernel has at most `max_background` (64, set in `init`)
+/// of them in flight, RELEASE included: were all of them waiting for a RELEASE queued behind
+/// them, none would end before the wait runs out. Past this many, a WRITE is answered at once.
+const MAX_WRITE_WAITS: usize = 8;
+
 /// Default entry/attribute timeout (mount option `ttl=`).
 pub const DEFAULT_TTL_SECS: u64 = 60;
 
@@ -168,7 +174,11 @@ pub struct BirchFuse {
     invalidator: Invalidator,
     /// Inodes whose write-back the daemon refused for lack of space, not yet reported to a
     /// write(2) (see [`LostWrites`]).
-    lost_writes: LostWrites,
+    lost_writes: Arc<LostWrites>,
+    /// WRITEs waiting on a worker for releases now (see [`MAX_WRITE_WAITS`]).
+    write_waits: Arc<AtomicUsize>,
+    /// Inodes whose low-space verdict a worker is deciding (see `decide_low_space_later`).
+    deciding: Arc<parking_lot::Mutex<std::collections::HashSet<u64>>>,
     /// Worker threads for requests that wait for the device.
     waiters: waiters::Waiters,
     /// Serializes synchronous and direct writes per inode under `bench_serialize_sync_writes`.
@@ -412,6 +422,8 @@ impl BirchFuse {
                 pool.run(move || fs.fsync_lead_deferred());
             }
         }));
+        // Only workers wait for releases at ENOSPC; a request loop hands the request to one.
+        fs.set_release_wait(Arc::new(waiters::on_worker));
         let notifier = Arc::new(OnceLock::new());
         let sync_writes = Arc::new(sync_writes::SyncWriteGate::new(
             options.bench_serialize_sync_writes,
@@ -425,7 +437,9 @@ impl BirchFuse {
             notifier,
             writeback: false,
             write_opens: WriteOpens::new(),
-            lost_writes: LostWrites::new(),
+            lost_writes: Arc::new(LostWrites::new()),
+            write_waits: Arc::new(AtomicUsize::new(0)),
+            deciding: Arc::default(),
             waiters,
             sync_writes,
             handle_lookups: HandleLookups::default(),
@@ -476,8 +490,45 @@ impl BirchFuse {
 
     /// Whether free space is below the write-through headroom.
     fn low_on_space(&self) -> bool {
-        let s = self.fs.statfs();
-        s.bavail.saturating_mul(u64::from(s.bsize)) < self.options.write_through_below
+        low_on_space(&self.fs, self.options.write_through_below)
+    }
+
+    /// After a write-back of `ino` left less than the headroom while an unlinked file the
+    /// kernel holds may be released: a worker waits for releases until free space is back
+    /// above the headroom, then marks the writer for ENOSPC (see [`LostWrites`]) only if it
+    /// is not. One decision per inode at a time: later write-backs meanwhile are covered by it.
+    fn decide_low_space_later(&self, ino: u64) {
+        if !self.deciding.lock().insert(ino) {
+            return;
+        }
+        let fs = self.fs.clone();
+        let notifier = self.notifier.clone();
+        let lost_writes = self.lost_writes.clone();
+        let deciding = self.deciding.clone();
+        let headroom = self.options.write_through_below;
+        self.waiters.run(move || {
+            // Each freed file may not be enough: wait again while space is still low.
+            loop {
+                let seen = fs.releases_seen();
+                let freed = fs.wait_for_releases(seen, || !low_on_space(&fs, headroom));
+                if !freed || !low_on_space(&fs, headroom) {
+                    break;
+                }
+            }
+            deciding.lock().remove(&ino);
+            if low_on_space(&fs, headroom) {
+                lost_writes.mark(ino);
+                invalidate_attrs(&notifier, ino);
+            }
+        });
+    }
+
+    /// Whether a request that found no space (or, for a write-back, too little) should be
+    /// served again on a worker, where it may wait for releases: it runs on a request loop,
+    /// and an unlinked file the kernel still holds may be released soon (its RELEASE can
+    /// arrive after later requests over io_uring, DESIGN §12.5).
+    fn retry_on_worker(&self) -> bool {
+        !waiters::on_worker() && self.fs.release_may_free_space()
     }
 
     /// The handle and reply flags of an OPEN or CREATE with open flags `flags` that the
@@ -555,6 +606,59 @@ impl BirchFuse {
     pub fn notifier_slot(&self) -> Arc<OnceLock<fuser::Notifier>> {
         self.notifier.clone()
     }
+}
+
+/// One of the [`MAX_WRITE_WAITS`] slots, given back when dropped.
+struct WaitSlot(Arc<AtomicUsize>);
+
+impl Drop for WaitSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// How a WRITE served without the worker pool's write-through is answered.
+struct WriteVerdict<'a> {
+    fs: &'a Filesystem,
+    notifier: &'a OnceLock<fuser::Notifier>,
+    lost_writes: &'a LostWrites,
+    /// The write-through headroom ([`FuseOptions::write_through_below`]).
+    headroom: u64,
+    ino: u64,
+    /// A write-back of the kernel's cache (`FUSE_WRITE_CACHE`).
+    cached: bool,
+}
+
+impl WriteVerdict<'_> {
+    /// Replies with `result`, marking the inode's writer for ENOSPC (see [`LostWrites`])
+    /// when a write-back failed for lack of space or left less than the headroom.
+    fn reply(&self, result: birch_core::Result<u32>, reply: ReplyWrite) {
+        match result {
+            Ok(n) => {
+                // A write-back below the headroom: the writer, whose open was cached while
+                // space was plentiful, hears ENOSPC at its next write(2), while what the
+                // kernel still holds dirty (at most half the headroom) fits.
+                if self.cached && low_on_space(self.fs, self.headroom) {
+                    self.lost_writes.mark(self.ino);
+                    invalidate_attrs(self.notifier, self.ino);
+                }
+                reply.written(n)
+            }
+            Err(e) => {
+                if self.cached && matches!(e, Error::NoSpace(_)) {
+                    self.lost_writes.mark(self.ino);
+                    invalidate_attrs(self.notifier, self.ino);
+                }
+                reply.error(errno("write", &e))
+            }
+        }
+    }
+}
+
+/// Whether `fs` has less free space than `headroom` bytes.
+fn low_on_space(fs: &Filesystem, headroom: u64) -> bool {
+    let s = fs.statfs();
+    s.bavail.saturating_mul(u64::from(s.bsize)) < headroom
 }
 
 /// A WRITE's work: writes `data` at `offset` of `ino` (buffered unless `through`), tells the
@@ -1087,6 +1191,7 @@ impl fuser::Filesystem for BirchFuse {
         let sync = (fh.0 & DIRECT_FH != 0 && flags.0 & (libc::O_SYNC | libc::O_DSYNC) != 0)
             .then_some(flags.0 & libc::O_SYNC != libc::O_SYNC);
         let here = if through { self.serve_here() } else { None };
+        let cached = write_flags.contains(WriteFlags::FUSE_WRITE_CACHE);
         if !through || here.is_some() {
             let write = || {
                 write_now(
@@ -1106,26 +1211,84 @@ impl fuser::Filesystem for BirchFuse {
             } else {
                 write()
             };
-            let cached = write_flags.contains(WriteFlags::FUSE_WRITE_CACHE);
-            match result {
-                Ok(n) => {
-                    // A write-back below the headroom: the writer, whose open was cached
-                    // while space was plentiful, hears ENOSPC at its next write(2), while
-                    // what the kernel still holds dirty (at most half the headroom) fits.
-                    if cached && self.low_on_space() {
-                        self.lost_writes.mark(ino.0);
-                        self.invalidate_attrs(ino.0);
-                    }
-                    reply.written(n)
-                }
-                Err(e) => {
-                    if cached && matches!(e, Error::NoSpace(_)) {
-                        self.lost_writes.mark(ino.0);
-                        self.invalidate_attrs(ino.0);
-                    }
-                    reply.error(errno("write", &e))
+            if let Ok(n) = result {
+                if cached && self.low_on_space() && self.retry_on_worker() {
+                    // A write-back that left less than the headroom while the kernel may
+                    // still release an unlinked file: answered now (a write-back waiting here
+                    // would hold one of the kernel's background slots the RELEASE may need),
+                    // and a worker waits for the space to come back before it decides whether
+                    // the writer hears ENOSPC.
+                    reply.written(n);
+                    self.decide_low_space_later(ino.0);
+                    return;
                 }
             }
+            let wait = matches!(result, Err(Error::NoSpace(_)))
+                && self.retry_on_worker()
+                && self
+                    .write_waits
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                        (n < MAX_WRITE_WAITS).then_some(n + 1)
+                    })
+                    .is_ok();
+            if !wait {
+                let verdict = WriteVerdict {
+                    fs: &self.fs,
+                    notifier: &self.notifier,
+                    lost_writes: &self.lost_writes,
+                    headroom: self.options.write_through_below,
+                    ino: ino.0,
+                    cached,
+                };
+                verdict.reply(result, reply);
+                return;
+            }
+            // No space while the kernel may still release an unlinked file: written again on
+            // a worker, which waits for the release first.
+            drop(here);
+            let fs = self.fs.clone();
+            let notifier = self.notifier.clone();
+            let lost_writes = self.lost_writes.clone();
+            let headroom = self.options.write_through_below;
+            let data = data.to_vec();
+            let gate = self.sync_writes.clone();
+            let waits = self.write_waits.clone();
+            self.waiters.run(move || {
+                let slot = WaitSlot(waits);
+                let result = match result {
+                    Ok(n) => Ok(n),
+                    Err(_) => {
+                        let write = || {
+                            write_now(
+                                &fs,
+                                &notifier,
+                                ino.0,
+                                offset,
+                                &data,
+                                append,
+                                kill.as_deref(),
+                                false,
+                                sync,
+                            )
+                        };
+                        if through {
+                            gate.run(ino.0, write)
+                        } else {
+                            write()
+                        }
+                    }
+                };
+                drop(slot);
+                let verdict = WriteVerdict {
+                    fs: &fs,
+                    notifier: &notifier,
+                    lost_writes: &lost_writes,
+                    headroom,
+                    ino: ino.0,
+                    cached,
+                };
+                verdict.reply(result, reply);
+            });
             return;
         }
         // A write-through waits for the device: off the request loop (see `waiters`).
@@ -1551,19 +1714,35 @@ impl fuser::Filesystem for BirchFuse {
         reply: ReplyEmpty,
     ) {
         refuse_if_down!(self, reply);
-        let result = self
-            .fs
-            .fallocate(ino.0, offset, length, mode)
-            .and_then(|()| self.kill_privs_of_modify(req, ino.0));
-        match result {
+        // What `file_modified` leaves to us (see `kill_privs_of_modify`): the caller's groups
+        // when it lacks CAP_FSETID.
+        let kill = (self.killpriv && req.uid() != 0).then(|| self.caller_groups(req, ino.0));
+        let fs = self.fs.clone();
+        let notifier = self.notifier.clone();
+        let work = move || -> birch_core::Result<()> {
+            fs.fallocate(ino.0, offset, length, mode)?;
+            if let Some(groups) = &kill {
+                fs.kill_privs(ino.0, groups)?;
+            }
+            Ok(())
+        };
+        let answer = move |result: birch_core::Result<()>, reply: ReplyEmpty| match result {
             Ok(()) => {
                 // Times and block counts changed, and maybe the mode: the kernel refreshes
                 // only size and times after a FALLOCATE.
-                self.invalidate_attrs(ino.0);
+                invalidate_attrs(&notifier, ino.0);
                 reply.ok()
             }
             Err(e) => reply.error(errno("fallocate", &e)),
+        };
+        let result = work();
+        if matches!(result, Err(Error::NoSpace(_))) && self.retry_on_worker() {
+            // An unlinked file the kernel still holds may be released soon: again on a
+            // worker, which waits for the release before it answers ENOSPC.
+            self.waiters.run(move || answer(work(), reply));
+            return;
         }
+        answer(result, reply);
     }
 
     fn copy_file_range(

@@ -28,6 +28,18 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
+thread_local! {
+    /// Set on the pool's worker threads.
+    static ON_WORKER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the calling thread is one of a pool's workers: the only threads where a request
+/// may wait for another request (a RELEASE that frees space, see
+/// `birch_core::Filesystem::set_release_wait`); a request loop must not.
+pub(crate) fn on_worker() -> bool {
+    ON_WORKER.with(std::cell::Cell::get)
+}
+
 /// A job: a request's work and its reply, moved off the request loop.
 type Job = Box<dyn FnOnce() + Send + 'static>;
 
@@ -191,6 +203,7 @@ fn finished(shared: &Shared) {
 
 /// A worker: runs jobs until it has waited [`IDLE_EXIT`] for one, or the pool closes.
 fn worker(shared: &Arc<Shared>) {
+    ON_WORKER.with(|w| w.set(true));
     let mut state = shared.state.lock();
     loop {
         if let Some(job) = state.queue.pop_front() {

@@ -607,14 +607,22 @@ impl Filesystem {
     /// side on a 256 MiB filesystem), so one commit may not be enough. At most
     /// [`Self::FULL_RETRIES`] commits.
     /// `grows`: whether the operation may add items (see [`Filesystem::admit`]).
+    /// Then, before answering ENOSPC, it waits while unlinked files the kernel still holds
+    /// may be released ([`Filesystem::wait_for_releases`], on threads that may wait), and
+    /// starts over after each one freed.
     fn retry_on_full<T>(&self, grows: bool, mut op: impl FnMut() -> Result<T>) -> Result<T> {
         self.admit(grows)?;
         let mut commits = 0;
         loop {
+            let seen = self.releases_seen();
             match op() {
                 Err(Error::NoSpace(why)) => {
                     let pinned = self.inner.engine.allocator().pinned_blocks().get();
                     if commits == Self::FULL_RETRIES || (commits > 0 && pinned == 0) {
+                        if self.may_wait_for_releases() && self.wait_for_releases(seen, || false) {
+                            commits = 0;
+                            continue;
+                        }
                         return Err(Error::NoSpace(why));
                     }
                     self.commit_now()?;

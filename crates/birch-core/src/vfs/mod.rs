@@ -23,7 +23,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use birch_format::items::{InodeItem, Timespec};
 use birch_format::{BlockCount, InodeNo, ItemType, Key, BLOCK_SIZE, ROOT_OBJECTID};
@@ -360,7 +360,26 @@ pub(crate) struct Inner {
     /// ([`Filesystem::open_device`]; what it serves is not on the device), or a device that
     /// cannot be written ([`Filesystem::pin_read_only`]).
     pinned_read_only: Mutex<Option<String>>,
+    /// Unlinked inodes whose space was freed so far (bumped, and waiters woken, by
+    /// `free_inode`): what an operation at ENOSPC waits for while the kernel still holds
+    /// unlinked files ([`Filesystem::wait_for_releases`]).
+    released: (Mutex<u64>, Condvar),
+    /// The count of `released` when a wait for releases last ran out with none: no later
+    /// wait starts until another unlinked inode is freed (a file kept open on purpose must
+    /// not delay every ENOSPC).
+    fruitless: Mutex<Option<u64>>,
+    /// Whether the calling thread may wait for releases ([`Filesystem::set_release_wait`]);
+    /// any thread may when unset.
+    release_wait: RwLock<Option<ReleaseWaitGate>>,
 }
+
+/// Says whether the calling thread may wait for another request of the embedder (a FUSE
+/// RELEASE or FORGET) to free space: see [`Filesystem::set_release_wait`].
+pub type ReleaseWaitGate = Arc<dyn Fn() -> bool + Send + Sync>;
+
+/// How long an operation at ENOSPC waits for unlinked files the kernel still holds to be
+/// released and forgotten before it answers ENOSPC ([`Filesystem::wait_for_releases`]).
+pub const RELEASE_WAIT: Duration = Duration::from_secs(5);
 
 /// A mounted-or-embedded birchfs filesystem.
 pub struct Filesystem {
@@ -556,6 +575,9 @@ impl Filesystem {
             pinned_read_only: Mutex::new(replayed_in_memory.then(|| {
                 "its log was replayed in memory, not on the image (it was opened read-only): unmount and mount it read-write".to_string()
             })),
+            released: (Mutex::new(0), Condvar::new()),
+            fruitless: Mutex::new(None),
+            release_wait: RwLock::new(None),
         });
         let fs = Filesystem { inner, view: false };
         match fs.getattr(ROOT_OBJECTID) {
@@ -1096,7 +1118,93 @@ impl Filesystem {
         drop(txn);
         data.freed = true;
         self.drop_buffered_from(data, 0);
-        self.flush_locked(ino, data)
+        let flushed = self.flush_locked(ino, data);
+        let (count, freed) = &self.inner.released;
+        *count.lock() += 1;
+        freed.notify_all();
+        flushed
+    }
+
+    /// Sets who may wait for releases ([`Filesystem::wait_for_releases`]): `gate` answers
+    /// for the calling thread. The FUSE adapter lets only its worker threads wait: a request
+    /// loop (an io_uring queue thread above all, its queue's only loop) that waited for a
+    /// RELEASE the kernel queued behind it would wait for itself.
+    pub fn set_release_wait(&self, gate: ReleaseWaitGate) {
+        *self.inner.release_wait.write() = Some(gate);
+    }
+
+    /// Whether the calling thread may wait for releases (see [`Filesystem::set_release_wait`]).
+    pub fn may_wait_for_releases(&self) -> bool {
+        self.inner
+            .release_wait
+            .read()
+            .as_ref()
+            .is_none_or(|gate| gate())
+    }
+
+    /// Whether space may come back without any change by the caller: an unlinked inode still
+    /// holds blocks because the kernel holds it (an open handle whose RELEASE, or a lookup
+    /// whose FORGET, has not arrived), and the last wait for releases did not run out since
+    /// an unlinked inode was last freed. Scans the inode table: for the ENOSPC path only.
+    pub fn release_may_free_space(&self) -> bool {
+        let freed = *self.inner.released.0.lock();
+        if *self.inner.fruitless.lock() == Some(freed) {
+            return false;
+        }
+        self.inner.table.iter().any(|shard| {
+            let states: Vec<Arc<InodeState>> = shard.lock().values().cloned().collect();
+            states.iter().any(|state| {
+                let data = state.data.read();
+                data.item.nlink == 0
+                    && !data.freed
+                    && data.item.mode & libc::S_IFMT == libc::S_IFREG
+                    && (data.item.nbytes > 0 || !data.dirty.is_empty())
+            })
+        })
+    }
+
+    /// How many unlinked inodes were freed so far: read before an attempt that may fail for
+    /// lack of space, and given to [`Filesystem::wait_for_releases`] after it failed, so a
+    /// release in between is not missed.
+    pub fn releases_seen(&self) -> u64 {
+        *self.inner.released.0.lock()
+    }
+
+    /// Waits until `done` says so or an unlinked inode is freed (beyond the `seen` of
+    /// [`Filesystem::releases_seen`]), for at most [`RELEASE_WAIT`], while
+    /// [`Filesystem::release_may_free_space`]. Returns whether an unlinked inode was freed
+    /// (the caller commits, which makes its space reusable, and tries again).
+    ///
+    /// Why: the kernel sends RELEASE in the background, and over FUSE-over-io_uring on the
+    /// queue of the CPU that closed the file, where it can wait behind that queue's
+    /// write-back WRITEs while the `rm` after the close and the next requests of the same
+    /// program arrive on another CPU's queue at once (xfstests generic/371, DESIGN §12.5):
+    /// an operation must not answer ENOSPC for space the program already gave back.
+    /// A wait that runs out without any release is not repeated until an unlinked inode is
+    /// freed. Call with no lock held, on a thread [`Filesystem::may_wait_for_releases`]
+    /// allows.
+    pub fn wait_for_releases(&self, seen: u64, mut done: impl FnMut() -> bool) -> bool {
+        let (count, freed) = &self.inner.released;
+        let start = seen;
+        let until = Instant::now() + RELEASE_WAIT;
+        loop {
+            if done() || !self.release_may_free_space() {
+                return *count.lock() != start;
+            }
+            let mut now = count.lock();
+            if *now != start {
+                return true;
+            }
+            if freed.wait_until(&mut now, until).timed_out() && *now == start {
+                drop(now);
+                *self.inner.fruitless.lock() = Some(start);
+                log::info!(
+                    "space: no unlinked file held by the kernel was freed in {} s; answering ENOSPC",
+                    RELEASE_WAIT.as_secs()
+                );
+                return false;
+            }
+        }
     }
 
     /// Frees every orphan that nothing in memory holds.
