@@ -735,6 +735,13 @@ fn check_items(
             items::Item::Orphan => {
                 orphans.insert(key.offset);
             }
+            items::Item::Snapshot(_) => report.add(
+                FindingKind::ItemUndecodable,
+                None,
+                format!("item {key}"),
+                "a snapshot item in the fs tree",
+                "snapshot items only in the snapshot list",
+            ),
         }
     }
     check_xattr_chunks(sb, &spilled, &mut chunks, report);

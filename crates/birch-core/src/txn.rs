@@ -498,6 +498,8 @@ impl Engine {
             commit_time_sec: sec,
             commit_time_nsec: nsec,
             backup_roots: Vec::new(),
+            snapshots: RootPtr::default(),
+            next_snapshot_id: 0,
         };
         let counters = Counters::default();
         let cache = NodeCache::new(4096);
