@@ -18,12 +18,12 @@
 //! operation allocated and gives back, goes through [`DataLayer::free`], which is told the
 //! block's birth generation: for a block an extent referenced, the generation recorded in that
 //! extent item. A block's real birth is the generation of the transaction that first recorded
-//! it in an extent item (no older tree can reference it). Today the birth is only checked
-//! against the freeing transaction's generation, and the block is freed: pinned until the
-//! freeing commit is durable when an extent item referenced it ([`Seen::Recorded`]), at once
-//! when nothing ever did ([`Seen::Unrecorded`]). It is the hook that sharing (reflinks) and
-//! snapshots need: a block born after the newest snapshot is shared with none and may be
-//! freed, one born at or before it may be shared and must be kept.
+//! it in an extent item (no older tree can reference it). A block an extent item referenced
+//! ([`Seen::Recorded`]) goes to the allocator's sharing-aware free
+//! ([`crate::alloc::Allocator::free_recorded`]): a block born at or before a snapshot that
+//! the live tree frees after it is kept (the snapshot reads it); otherwise it is pinned until
+//! the freeing commit is durable. A block nothing ever recorded ([`Seen::Unrecorded`]) is
+//! shared with nothing and is freed at once.
 //! Contract: *a recorded birth generation may be older than the block's real birth, never
 //! newer.* That errs the safe way for the check above (an older birth keeps a block that could
 //! have gone); a newer one would free a block a snapshot still reads. New extents record the
@@ -811,8 +811,9 @@ impl<'e> DataLayer<'e> {
     /// punch or overwrite, a deleted file's extents) or goes back unrecorded (a failed write).
     /// `birth` is the blocks' birth generation, for a recorded block the generation of the
     /// extent item that referenced it; it may be older than the real birth, never newer (see
-    /// the module doc). Today it only frees: [`Seen::Recorded`] pins the blocks until the
-    /// freeing commit is durable, [`Seen::Unrecorded`] frees them at once.
+    /// the module doc). [`Seen::Recorded`] goes through the allocator's sharing-aware free (kept
+    /// while a snapshot holds the blocks, else pinned until the freeing commit is durable);
+    /// [`Seen::Unrecorded`] frees them at once.
     pub(crate) fn free(&self, run: BlockRun, birth: u64, seen: Seen<'_, '_>) {
         let alloc = self.engine.allocator();
         // Placed bytes of freed blocks are never written when no tree a commit will still
@@ -850,7 +851,8 @@ impl<'e> DataLayer<'e> {
                     birth <= generation.get(),
                     "birth {birth} after {generation}"
                 );
-                alloc.free_pinned(generation, run.disk_addr(), run.block_count());
+                // Kept, not freed, when a snapshot holds the blocks (DESIGN §15.6).
+                alloc.free_recorded(generation, birth, run.disk_addr(), run.block_count());
             }
             Seen::Unrecorded => alloc.free_now(run.disk_addr(), run.block_count()),
         }
