@@ -494,6 +494,12 @@ impl Allocator {
         self.newest_hold.store(newest, Ordering::Release);
     }
 
+    /// The newest snapshot generation the free knows (0: none). An extent born at or before
+    /// it is not merged with newer blocks (DESIGN §15.6 rule 1).
+    pub fn newest_snapshot_generation(&self) -> u64 {
+        self.newest_hold.load(Ordering::Acquire)
+    }
+
     /// The snapshots the free knows.
     pub fn holds(&self) -> Vec<SnapshotHold> {
         self.holds.read().clone()

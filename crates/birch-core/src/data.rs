@@ -502,6 +502,12 @@ impl<'e> DataLayer<'e> {
         {
             return Ok(());
         }
+        // Never across a snapshot (DESIGN §15.6 rule 1): the new blocks would take the earlier
+        // extent's birth, at or before the snapshot, and a free would keep them for it.
+        let newest = self.engine.allocator().newest_snapshot_generation();
+        if newest != 0 && prev.generation <= newest {
+            return Ok(());
+        }
         let mut joined = prev_csums;
         joined.extend(csums);
         // The first new extent is merged away: a key that never existed needs no deletion.
