@@ -1119,6 +1119,37 @@ mod tests {
     }
 
     #[test]
+    fn an_append_is_not_merged_across_a_snapshot() {
+        let (_mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        // As in merged_extent_keeps_the_older_birth, but a snapshot of the first block's
+        // commit stands between the two (DESIGN §15.6 rule 1).
+        let runs = data.write_new(INO, 0, &pattern(2, 1)).expect("write");
+        let run = &runs[0];
+        let first = WrittenRun {
+            csums: run.csums[..1].to_vec(),
+            ..run.clone()
+        };
+        let second = WrittenRun {
+            file_offset: BLOCK_SIZE,
+            addr: run.addr + BLOCK_SIZE,
+            csums: run.csums[1..].to_vec(),
+            birth: run.birth,
+        };
+        data.replace_range(INO, 0, BLOCK_SIZE, vec![first], false)
+            .expect("record");
+        let born = engine.running_generation().get();
+        engine.commit().expect("commit");
+        engine.allocator().add_hold(born);
+        data.replace_range(INO, BLOCK_SIZE, BLOCK_SIZE, vec![second], false)
+            .expect("record the append");
+        let extents = data.extents(INO, 0, 2 * BLOCK_SIZE).expect("extents");
+        assert_eq!(extents.len(), 2, "merged across the snapshot: {extents:?}");
+        assert_eq!(extents[0].1.generation, born);
+        assert!(extents[1].1.generation > born);
+    }
+
+    #[test]
     fn failed_write_gives_its_blocks_back() {
         let (mem, engine) = setup();
         let data = DataLayer::new(&engine);
