@@ -3,6 +3,7 @@
 //! takes snapshots at random points, keeps each snapshot's expected files, and after every step
 //! compares the live filesystem and every snapshot (read through a view of its root) with them.
 //!
+//! Odd seeds run every commit's apply as parallel jobs (the assembly's `retire` path).
 //! Seeds: `BIRCH_SEED=N` replays one model case; `BIRCH_SNAP_CASES` and `BIRCH_SNAP_OPS` scale
 //! the run (default 6 cases x 150 steps).
 
@@ -80,7 +81,8 @@ fn live_files(fs: &Filesystem) -> Files {
     files
 }
 
-/// The (name, inode) entries of the root directory, from a range reader.
+/// The (name, inode) entries of the root directory, from a range reader; `fill` (the model
+/// test's directory of filler files) left out.
 fn root_entries(range: &dyn Fn(&Key, &Key) -> Vec<(Key, Vec<u8>)>) -> Vec<(String, u64)> {
     let lo = Key::new(ROOT, ItemType::DirIndex, 0);
     let hi = Key::new(ROOT, ItemType::DirIndex, u64::MAX);
@@ -88,6 +90,7 @@ fn root_entries(range: &dyn Fn(&Key, &Key) -> Vec<(Key, Vec<u8>)>) -> Vec<(Strin
         .into_iter()
         .flat_map(|(_, v)| decode_dir_entries(&v).expect("dir index"))
         .map(|e| (String::from_utf8_lossy(&e.name).into_owned(), e.child))
+        .filter(|(name, _)| name != "fill")
         .collect()
 }
 
@@ -370,6 +373,32 @@ fn fsck_names_a_damaged_snapshot_tree() {
 fn model_case(seed: u64, steps: u64) {
     let mut rng = SmallRng::seed_from_u64(seed);
     let (mut dev, mut fs) = common::fresh(DEVICE_BYTES);
+    // Odd seeds cut every commit's apply into jobs, so the nodes the assembly replaces go
+    // through TreeWriter::retire (the parallel path's free) as well as cow.
+    let parallel = seed % 2 == 1;
+    let mut jobs = 0;
+    if parallel {
+        fs.engine().set_parallel_apply_min(1);
+        // A tree of many leaves (items outside the root directory the model compares), so
+        // the apply has subtrees to cut.
+        let fill = fs
+            .mkdir(Caller::default(), ROOT, b"fill", 0o755)
+            .expect("mkdir")
+            .ino;
+        for i in 0..400 {
+            let (attr, fh) = fs
+                .create(
+                    Caller::default(),
+                    fill,
+                    format!("f{i}").as_bytes(),
+                    0o644,
+                    0,
+                )
+                .expect("create");
+            fs.release(attr.ino, fh).expect("release");
+        }
+        fs.sync().expect("sync");
+    }
     let mut live = Files::new();
     let mut snaps: BTreeMap<String, (u64, Files)> = BTreeMap::new();
     let mut made = 0u64;
@@ -402,16 +431,24 @@ fn model_case(seed: u64, steps: u64) {
                 }
             }
             90..=94 => {
+                jobs += fs.engine().counters().values().commit_jobs;
                 common::close_and_check_clean(fs, &dev, &format!("seed {seed} step {step}"));
                 fs = common::open_quiet(&dev);
+                if parallel {
+                    fs.engine().set_parallel_apply_min(1);
+                }
             }
             _ => {
+                jobs += fs.engine().counters().values().commit_jobs;
                 let (crashed, reopened) = common::crash_and_reopen(fs, &dev);
                 fsck_clean(&crashed, &format!("seed {seed} step {step} crash"));
                 // Uncommitted changes are gone: the model follows what the image kept.
                 live = live_files(&reopened);
                 dev = crashed;
                 fs = reopened;
+                if parallel {
+                    fs.engine().set_parallel_apply_min(1);
+                }
                 let listed: Vec<String> = fs
                     .engine()
                     .snapshots()
@@ -430,6 +467,11 @@ fn model_case(seed: u64, steps: u64) {
             );
         }
     }
+    jobs += fs.engine().counters().values().commit_jobs;
+    assert!(
+        !parallel || jobs > 0,
+        "seed {seed}: no commit ran parallel jobs"
+    );
     common::close_and_check_clean(fs, &dev, &format!("seed {seed} end"));
 }
 
