@@ -17,6 +17,13 @@
 //! the bitmap, out of every search and reclaim, until that discard has returned; no allocator
 //! lock is held while it runs.
 //!
+//! **Sharing with snapshots** (DESIGN §15.4, §15.6 rule 2): every free of a block a committed
+//! tree referenced goes through [`Allocator::free_recorded`], told the block's birth
+//! generation. A snapshot of commit g holds every block born at or before g that is freed from
+//! the live tree after g: such a free is *kept* (the block stays used, nothing recorded), and
+//! the snapshot's deletion gives it back. The allocator knows the snapshots as
+//! [`SnapshotHold`]s; with none, `free_recorded` is [`Allocator::free_pinned`].
+//!
 //! Concurrency (seed 002, ext4's `__ext4_new_inode`): each thread prefers its own group, so
 //! concurrent writers take space under different locks; a group lock is held only while bits
 //! are scanned, never across anything that blocks.
@@ -27,7 +34,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use birch_format::superblock::BACKUP_ROOTS;
 use birch_format::{BlockAddr, BlockCount, Generation, BLOCK_SIZE};
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::error::{Error, Result};
 
@@ -135,6 +142,25 @@ thread_local! {
 }
 static NEXT_THREAD_GROUP: AtomicUsize = AtomicUsize::new(0);
 
+/// A snapshot as the sharing-aware free sees it: it holds the blocks born at or before
+/// `generation` that the live tree frees in a generation after `generation`, up to and
+/// including `dropped_in`, the commit that deletes it (whose deletion walk frees what only it
+/// held, DESIGN §15.4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SnapshotHold {
+    /// The commit whose tree the snapshot keeps.
+    pub generation: u64,
+    /// The commit that drops it from the list; `u64::MAX` while it is kept.
+    pub dropped_in: u64,
+}
+
+impl SnapshotHold {
+    /// Whether this snapshot holds a block born in `birth` that generation `freed_in` frees.
+    fn holds(&self, freed_in: u64, birth: u64) -> bool {
+        birth <= self.generation && self.generation < freed_in && freed_in <= self.dropped_in
+    }
+}
+
 /// The free-space map.
 pub struct Allocator {
     groups: Vec<Mutex<Group>>,
@@ -156,6 +182,14 @@ pub struct Allocator {
     /// The newest commit whose frees a reclaim handed out early: trees older than it are no
     /// longer whole and may not be named as backups.
     backup_floor: AtomicU64,
+    /// The snapshots, for [`Allocator::free_recorded`]; usually empty.
+    holds: RwLock<Vec<SnapshotHold>>,
+    /// The newest generation in `holds` (0 when empty): a birth after it is held by none, and
+    /// `free_recorded` decides without the lock.
+    newest_hold: AtomicU64,
+    /// Blocks `free_recorded` kept because a snapshot holds them (a count of frees, not of
+    /// distinct blocks; for tests and stats).
+    kept_blocks: AtomicU64,
 }
 
 /// Commits after the one that freed a range before the range may be reused: K + 1, because a
@@ -195,6 +229,9 @@ impl Allocator {
             deferred_blocks: AtomicU64::new(0),
             discard_ended: Condvar::new(),
             backup_floor: AtomicU64::new(0),
+            holds: RwLock::new(Vec::new()),
+            newest_hold: AtomicU64::new(0),
+            kept_blocks: AtomicU64::new(0),
         }
     }
 
@@ -425,6 +462,87 @@ impl Allocator {
         self.pinned.lock().push((generation, addr, blocks));
         self.pinned_blocks
             .fetch_add(blocks.get(), Ordering::Relaxed);
+    }
+
+    /// The one free of blocks a committed tree (or an fsync log batch) referenced: nodes the
+    /// B-tree writer copies or retires, data blocks an extent stops referencing (DESIGN §15.6
+    /// rule 2). `birth` is the blocks' birth generation (a node's generation, an extent's
+    /// recorded one, which may be older than the real birth, never newer). Held by a snapshot
+    /// ([`SnapshotHold`]), the blocks stay used and nothing is recorded; otherwise they are
+    /// pinned in `freed_in` as [`Allocator::free_pinned`] does. Returns whether they were freed.
+    /// With no snapshot this is exactly `free_pinned`.
+    pub fn free_recorded(
+        &self,
+        freed_in: Generation,
+        birth: u64,
+        addr: BlockAddr,
+        blocks: BlockCount,
+    ) -> bool {
+        if self.held(freed_in.get(), birth) {
+            self.kept_blocks.fetch_add(blocks.get(), Ordering::Relaxed);
+            return false;
+        }
+        self.free_pinned(freed_in, addr, blocks);
+        true
+    }
+
+    /// Whether a snapshot holds a block born in `birth` that generation `freed_in` frees.
+    pub fn held(&self, freed_in: u64, birth: u64) -> bool {
+        let newest = self.newest_hold.load(Ordering::Acquire);
+        if newest == 0 || birth > newest {
+            return false;
+        }
+        self.holds
+            .read()
+            .iter()
+            .any(|hold| hold.holds(freed_in, birth))
+    }
+
+    /// Adds a snapshot of commit `generation` (at open, or at the freeze of the commit that
+    /// makes it: frees of later generations see it).
+    pub fn add_hold(&self, generation: u64) {
+        let mut holds = self.holds.write();
+        holds.push(SnapshotHold {
+            generation,
+            dropped_in: u64::MAX,
+        });
+        self.newest_hold.fetch_max(generation, Ordering::AcqRel);
+    }
+
+    /// Marks the snapshot of commit `generation` as dropped by commit `dropped_in` (at its
+    /// freeze): it holds no block freed after that commit.
+    pub fn drop_hold(&self, generation: u64, dropped_in: u64) {
+        let mut holds = self.holds.write();
+        for hold in holds.iter_mut() {
+            if hold.generation == generation && hold.dropped_in == u64::MAX {
+                hold.dropped_in = dropped_in;
+            }
+        }
+    }
+
+    /// Forgets the snapshots dropped by commits up to `generation` (once that commit is
+    /// durable and its deletion walk has freed their blocks: no later free can ask).
+    pub fn forget_holds(&self, generation: u64) {
+        let mut holds = self.holds.write();
+        holds.retain(|hold| hold.dropped_in > generation);
+        let newest = holds.iter().map(|h| h.generation).max().unwrap_or(0);
+        self.newest_hold.store(newest, Ordering::Release);
+    }
+
+    /// The newest snapshot generation the free knows (0: none). An extent born at or before
+    /// it is not merged with newer blocks (DESIGN §15.6 rule 1).
+    pub fn newest_snapshot_generation(&self) -> u64 {
+        self.newest_hold.load(Ordering::Acquire)
+    }
+
+    /// The snapshots the free knows.
+    pub fn holds(&self) -> Vec<SnapshotHold> {
+        self.holds.read().clone()
+    }
+
+    /// Blocks kept because a snapshot held them, since the allocator was made.
+    pub fn kept_blocks(&self) -> BlockCount {
+        BlockCount::new(self.kept_blocks.load(Ordering::Relaxed))
     }
 
     /// Frees at once a range allocated in the running transaction that no committed state has
@@ -736,6 +854,36 @@ mod tests {
     /// `n` blocks.
     fn b(n: u64) -> BlockCount {
         BlockCount::new(n)
+    }
+
+    #[test]
+    fn a_snapshot_holds_what_it_saw_freed_after_it_until_its_deletion() {
+        let a = Allocator::new(64 * GROUP_BLOCKS * BLOCK_SIZE);
+        let (addr, _) = a.allocate(b(8), b(8), Purpose::Data).expect("space");
+        // No snapshot: every free is pinned.
+        assert!(a.free_recorded(Generation::new(5), 3, addr, b(1)));
+        a.add_hold(6);
+        // Born at or before 6, freed after it: kept.
+        assert!(!a.free_recorded(Generation::new(7), 6, addr + b(1), b(1)));
+        assert!(!a.free_recorded(Generation::new(7), 2, addr + b(2), b(1)));
+        // Born after the snapshot: freed.
+        assert!(a.free_recorded(Generation::new(7), 7, addr + b(3), b(1)));
+        // Freed by the commit the snapshot keeps (6 itself): not in its tree, freed.
+        assert!(a.free_recorded(Generation::new(6), 4, addr + b(4), b(1)));
+        assert_eq!(a.kept_blocks(), b(2));
+        // Dropped by commit 9: frees up to 9 are its deletion walk's, later ones are freed.
+        a.drop_hold(6, 9);
+        assert!(!a.free_recorded(Generation::new(9), 5, addr + b(5), b(1)));
+        assert!(a.free_recorded(Generation::new(10), 5, addr + b(6), b(1)));
+        a.forget_holds(9);
+        assert!(a.holds().is_empty());
+        assert!(a.free_recorded(Generation::new(10), 1, addr + b(7), b(1)));
+        let pinned: u64 = a
+            .take_pinned(Generation::new(10))
+            .iter()
+            .map(|(_, n)| n.get())
+            .sum();
+        assert_eq!(pinned, 5);
     }
 
     #[test]

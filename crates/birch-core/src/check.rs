@@ -15,11 +15,15 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 
+use birch_format::items::SnapshotItem;
 use birch_format::items::{self, ExtentKind, FileExtent, InodeItem};
 use birch_format::node::{Expect, Node, NodeBody};
-use birch_format::superblock::{Superblock, RESERVED_HEAD_BYTES, SUPER_BYTES, SUPER_OFFSETS};
+use birch_format::superblock::{
+    Superblock, INCOMPAT_SNAPSHOTS, RESERVED_HEAD_BYTES, SUPER_BYTES, SUPER_OFFSETS,
+};
 use birch_format::{
-    Key, BLOCK_SIZE, FS_TREE_ID, INLINE_MAX_BYTES, NODE_BLOCKS, NODE_SIZE, ROOT_OBJECTID,
+    ItemType, Key, BLOCK_SIZE, FS_TREE_ID, INLINE_MAX_BYTES, NODE_BLOCKS, NODE_SIZE, ROOT_OBJECTID,
+    SNAPSHOT_TREE_ID,
 };
 
 use crate::device::{BlockDevice, OverlayDevice};
@@ -89,11 +93,22 @@ pub enum FindingKind {
     /// misplaced or do not add up to its size and crc32c; a chunk no xattr entry claims; or
     /// chunks on an image without the `INCOMPAT_XATTR_CHUNKS` flag.
     XattrChunkMismatch = 26,
+    /// The snapshot list (FORMAT.md §3.2) cannot be read, or an item in it does not decode, or
+    /// its snapshots' ids, generations and names are not in order and unique.
+    SnapshotListUnreadable = 27,
+    /// A snapshot's tree cannot be read whole: its root or a node does not read or verify, is
+    /// newer than the snapshot, or is reached at another generation than another tree has it;
+    /// or an extent in it is newer than the snapshot.
+    SnapshotTreeDamaged = 28,
+    /// A snapshot's node lies on blocks another tree's node or extent holds (not the same,
+    /// shared node), or a snapshot's extent lies on a node's blocks, outside the device or in
+    /// a reserved area.
+    SnapshotBlockConflict = 29,
 }
 
 impl FindingKind {
     /// Every kind, in number order.
-    pub const ALL: [FindingKind; 26] = [
+    pub const ALL: [FindingKind; 29] = [
         FindingKind::SuperblockSlotBad,
         FindingKind::NodeUnreadable,
         FindingKind::NodeKeyOutOfRange,
@@ -120,6 +135,9 @@ impl FindingKind {
         FindingKind::DataUnreadable,
         FindingKind::RootDirMissing,
         FindingKind::XattrChunkMismatch,
+        FindingKind::SnapshotListUnreadable,
+        FindingKind::SnapshotTreeDamaged,
+        FindingKind::SnapshotBlockConflict,
     ];
 
     /// The kind's stable number (see [`FindingKind`]).
@@ -151,6 +169,8 @@ pub enum PassId {
     Data = 8,
     /// The fsync log waiting for replay.
     Log = 9,
+    /// The snapshot list and every snapshot's tree.
+    Snapshots = 10,
 }
 
 /// One fsck pass: what it checks and what it needs checked first. A pass is a set of checks
@@ -173,7 +193,7 @@ pub struct Pass {
 }
 
 /// The passes of [`check`], in the order they run.
-pub const PASSES: [Pass; 9] = [
+pub const PASSES: [Pass; 10] = [
     Pass {
         id: PassId::Superblocks,
         name: "superblocks",
@@ -260,6 +280,17 @@ pub const PASSES: [Pass; 9] = [
         depends_on: &[PassId::Superblocks],
         checks: "counts the log batches the next read-write mount replays (no findings; with batches, birch fsck also checks the log replayed in memory)",
         finds: &[],
+    },
+    Pass {
+        id: PassId::Snapshots,
+        name: "snapshots",
+        depends_on: &[PassId::Tree, PassId::Extents],
+        checks: "the snapshot list reads, its snapshots are in order with unique names; every snapshot's tree reads whole (nodes shared with newer trees at the same generation, nothing newer than the snapshot), and its own nodes and extents take blocks no other node or different extent holds",
+        finds: &[
+            FindingKind::SnapshotListUnreadable,
+            FindingKind::SnapshotTreeDamaged,
+            FindingKind::SnapshotBlockConflict,
+        ],
     },
 ];
 
@@ -418,11 +449,13 @@ pub fn check_with_root(
     check_superblock_pair(device, &sb, &mut report);
     let mut used: HashMap<u64, &'static str> = HashMap::new();
     let mut items: Vec<(Key, Vec<u8>)> = Vec::new();
-    walk_tree(device, &sb, &mut report, &mut used, &mut items);
+    let mut nodes: HashMap<u64, u64> = HashMap::new();
+    walk_tree(device, &sb, &mut report, &mut used, &mut items, &mut nodes);
     // The walk visits leaves depth-first from a stack; the item passes want key order.
     items.sort_by_key(|a| a.0);
     report.items = items.len() as u64;
     check_items(device, &sb, &items, &mut used, options, &mut report);
+    check_snapshots(device, &sb, &mut used, &mut nodes, &mut report);
     let replay = crate::log::read_log(device, &sb);
     report.log_batches = replay.batches;
     report.log_records = replay
@@ -459,6 +492,7 @@ fn walk_tree(
     report: &mut Report,
     used: &mut HashMap<u64, &'static str>,
     items: &mut Vec<(Key, Vec<u8>)>,
+    nodes: &mut HashMap<u64, u64>,
 ) {
     // (addr, generation, level, low bound, high bound, parent description)
     let root = sb.fs_root;
@@ -507,6 +541,7 @@ fn walk_tree(
             }
         };
         report.nodes += 1;
+        nodes.insert(addr, generation);
         let keys: Vec<Key> = match &node.body {
             NodeBody::Leaf(leaf) => leaf.iter().map(|(k, _)| *k).collect(),
             NodeBody::Internal(ptrs) => ptrs.iter().map(|p| p.key).collect(),
@@ -579,6 +614,272 @@ fn walk_tree(
                                 }
                             }
                         }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Reads and decodes the node at `addr` as its parent (or the superblock) promised it.
+fn read_node(
+    device: &dyn BlockDevice,
+    sb: &Superblock,
+    addr: u64,
+    generation: u64,
+    level: u8,
+    owner: u64,
+) -> std::result::Result<Node, String> {
+    let mut bytes = vec![0u8; NODE_SIZE];
+    device
+        .read_at(&mut bytes, addr)
+        .map_err(|e| e.to_string())?;
+    let expect = Expect {
+        fsid: sb.fsid,
+        addr,
+        generation,
+        owner,
+        level: Some(level),
+    };
+    Node::decode(&bytes, &expect).map_err(|e| e.to_string())
+}
+
+/// The snapshots pass (DESIGN §15.7): the list, then every snapshot's tree, newest first,
+/// each distinct node once. `used` holds the blocks the live tree took ("node", "data"),
+/// `nodes` its nodes (address → generation); both grow with what the snapshots add. A data
+/// block an earlier tree's extent took is accepted as shared when the snapshot's extent was
+/// born at or before the snapshot (the blocks' owners are not kept, so two different extents
+/// on one block across trees are not told apart here).
+fn check_snapshots(
+    device: &dyn BlockDevice,
+    sb: &Superblock,
+    used: &mut HashMap<u64, &'static str>,
+    nodes: &mut HashMap<u64, u64>,
+    report: &mut Report,
+) {
+    if sb.incompat & INCOMPAT_SNAPSHOTS == 0 || sb.snapshots.addr == 0 {
+        return;
+    }
+    let mut list: Vec<(u64, SnapshotItem)> = Vec::new();
+    let root = sb.snapshots;
+    let mut stack = vec![(root.addr, root.generation, root.level)];
+    while let Some((addr, generation, level)) = stack.pop() {
+        let location = format!("snapshot list node, generation {generation}");
+        if !claim(
+            sb,
+            used,
+            addr,
+            NODE_BLOCKS,
+            "snapshot list node",
+            &location,
+            report,
+        ) {
+            continue;
+        }
+        let node = match read_node(device, sb, addr, generation, level, SNAPSHOT_TREE_ID) {
+            Ok(node) => node,
+            Err(e) => {
+                report.add(
+                    FindingKind::SnapshotListUnreadable,
+                    Some(addr),
+                    location,
+                    e,
+                    "a valid snapshot list node",
+                );
+                continue;
+            }
+        };
+        match node.body {
+            NodeBody::Internal(ptrs) => {
+                stack.extend(ptrs.iter().map(|p| (p.addr, p.generation, level - 1)));
+            }
+            NodeBody::Leaf(leaf) => {
+                for (key, value) in leaf {
+                    let decoded = if key.kind() == Some(ItemType::Snapshot) && key.offset == 0 {
+                        SnapshotItem::decode(&value).map_err(|e| e.to_string())
+                    } else {
+                        Err(format!("item {key}"))
+                    };
+                    match decoded {
+                        Ok(item) => list.push((key.objectid, item)),
+                        Err(e) => report.add(
+                            FindingKind::SnapshotListUnreadable,
+                            Some(addr),
+                            format!("snapshot list item {key}"),
+                            e,
+                            "a snapshot item (id, snapshot, 0)",
+                        ),
+                    }
+                }
+            }
+        }
+    }
+    list.sort_by_key(|(id, _)| *id);
+    let mut names = HashSet::new();
+    let mut above = 0;
+    for (id, item) in &list {
+        let name = String::from_utf8_lossy(&item.name).into_owned();
+        if *id >= sb.next_snapshot_id
+            || item.generation <= above
+            || item.generation > sb.generation
+            || !names.insert(name.clone())
+        {
+            report.add(
+                FindingKind::SnapshotListUnreadable,
+                None,
+                format!("snapshot {name:?} (id {id})"),
+                format!("generation {} after {above}", item.generation),
+                format!(
+                    "an id below {}, generations ascending with ids up to {}, a unique name",
+                    sb.next_snapshot_id, sb.generation
+                ),
+            );
+        }
+        above = above.max(item.generation);
+    }
+    for (id, item) in list.iter().rev() {
+        check_snapshot_tree(device, sb, *id, item, used, nodes, report);
+    }
+}
+
+/// One snapshot's tree, for [`check_snapshots`].
+fn check_snapshot_tree(
+    device: &dyn BlockDevice,
+    sb: &Superblock,
+    id: u64,
+    item: &SnapshotItem,
+    used: &mut HashMap<u64, &'static str>,
+    nodes: &mut HashMap<u64, u64>,
+    report: &mut Report,
+) {
+    let name = format!(
+        "snapshot {:?} (id {id}, generation {})",
+        String::from_utf8_lossy(&item.name),
+        item.generation
+    );
+    let root = item.root;
+    let mut stack = vec![(root.addr, root.generation, root.level, "root".to_string())];
+    while let Some((addr, generation, level, from)) = stack.pop() {
+        let location = format!("{name}: node {addr:#x} from {from}, generation {generation}");
+        match nodes.get(&addr) {
+            Some(g) if *g == generation => continue,
+            Some(g) => {
+                report.add(
+                    FindingKind::SnapshotTreeDamaged,
+                    Some(addr),
+                    location,
+                    format!("generation {generation}"),
+                    format!("generation {g}, as another tree has the node"),
+                );
+                continue;
+            }
+            None => {}
+        }
+        if generation > item.generation {
+            report.add(
+                FindingKind::SnapshotTreeDamaged,
+                Some(addr),
+                location,
+                format!("generation {generation}"),
+                format!("a node born at or before generation {}", item.generation),
+            );
+            continue;
+        }
+        let node = match read_node(device, sb, addr, generation, level, FS_TREE_ID) {
+            Ok(node) => node,
+            Err(e) => {
+                report.add(
+                    FindingKind::SnapshotTreeDamaged,
+                    Some(addr),
+                    location,
+                    e,
+                    "a valid node",
+                );
+                continue;
+            }
+        };
+        nodes.insert(addr, generation);
+        report.nodes += 1;
+        if let Some(prev) = (0..NODE_BLOCKS)
+            .map(|b| addr + b * BLOCK_SIZE)
+            .find_map(|at| used.get(&at).copied())
+        {
+            report.add(
+                FindingKind::SnapshotBlockConflict,
+                Some(addr),
+                location,
+                format!("a node on a block a {prev} holds"),
+                "a node on blocks of its own",
+            );
+            continue;
+        }
+        for b in 0..NODE_BLOCKS {
+            used.insert(addr + b * BLOCK_SIZE, "snapshot node");
+        }
+        match node.body {
+            NodeBody::Internal(ptrs) => {
+                for (slot, p) in ptrs.iter().enumerate() {
+                    stack.push((
+                        p.addr,
+                        p.generation,
+                        level - 1,
+                        format!("node {addr:#x} slot {slot}"),
+                    ));
+                }
+            }
+            NodeBody::Leaf(leaf) => {
+                for (key, value) in leaf {
+                    if key.kind() != Some(ItemType::ExtentData) {
+                        continue;
+                    }
+                    let Ok(extent) = FileExtent::decode(&value) else {
+                        report.add(
+                            FindingKind::SnapshotTreeDamaged,
+                            Some(addr),
+                            format!("{name}: extent {key}"),
+                            "an extent that does not decode",
+                            "a valid extent",
+                        );
+                        continue;
+                    };
+                    if extent.generation > item.generation {
+                        report.add(
+                            FindingKind::SnapshotTreeDamaged,
+                            Some(addr),
+                            format!("{name}: extent {key}"),
+                            format!("generation {}", extent.generation),
+                            format!("born at or before {}", item.generation),
+                        );
+                    }
+                    let Some((disk, blocks)) = extent.disk_range() else {
+                        continue;
+                    };
+                    let end = disk.saturating_add(blocks.saturating_mul(BLOCK_SIZE));
+                    let log_end = sb.log_start + sb.log_bytes;
+                    let outside = disk % BLOCK_SIZE != 0
+                        || end > sb.total_bytes
+                        || disk < RESERVED_HEAD_BYTES
+                        || (disk < log_end && end > sb.log_start);
+                    let on_node = (0..blocks)
+                        .map(|b| disk + b * BLOCK_SIZE)
+                        .find_map(|at| used.get(&at).copied().filter(|w| w.contains("node")));
+                    if outside || on_node.is_some() {
+                        report.add(
+                            FindingKind::SnapshotBlockConflict,
+                            Some(disk),
+                            format!("{name}: extent {key}"),
+                            format!(
+                                "blocks {disk:#x} x {blocks} {}",
+                                on_node.map_or("outside the data area".to_string(), |w| format!(
+                                    "on a {w}"
+                                ))
+                            ),
+                            "data blocks of the data area, shared only with extents",
+                        );
+                        continue;
+                    }
+                    for b in 0..blocks {
+                        used.entry(disk + b * BLOCK_SIZE).or_insert("snapshot data");
                     }
                 }
             }
@@ -735,6 +1036,13 @@ fn check_items(
             items::Item::Orphan => {
                 orphans.insert(key.offset);
             }
+            items::Item::Snapshot(_) => report.add(
+                FindingKind::ItemUndecodable,
+                None,
+                format!("item {key}"),
+                "a snapshot item in the fs tree",
+                "snapshot items only in the snapshot list",
+            ),
         }
     }
     check_xattr_chunks(sb, &spilled, &mut chunks, report);

@@ -18,12 +18,12 @@
 //! operation allocated and gives back, goes through [`DataLayer::free`], which is told the
 //! block's birth generation: for a block an extent referenced, the generation recorded in that
 //! extent item. A block's real birth is the generation of the transaction that first recorded
-//! it in an extent item (no older tree can reference it). Today the birth is only checked
-//! against the freeing transaction's generation, and the block is freed: pinned until the
-//! freeing commit is durable when an extent item referenced it ([`Seen::Recorded`]), at once
-//! when nothing ever did ([`Seen::Unrecorded`]). It is the hook that sharing (reflinks) and
-//! snapshots need: a block born after the newest snapshot is shared with none and may be
-//! freed, one born at or before it may be shared and must be kept.
+//! it in an extent item (no older tree can reference it). A block an extent item referenced
+//! ([`Seen::Recorded`]) goes to the allocator's sharing-aware free
+//! ([`crate::alloc::Allocator::free_recorded`]): a block born at or before a snapshot that
+//! the live tree frees after it is kept (the snapshot reads it); otherwise it is pinned until
+//! the freeing commit is durable. A block nothing ever recorded ([`Seen::Unrecorded`]) is
+//! shared with nothing and is freed at once.
 //! Contract: *a recorded birth generation may be older than the block's real birth, never
 //! newer.* That errs the safe way for the check above (an older birth keeps a block that could
 //! have gone); a newer one would free a block a snapshot still reads. New extents record the
@@ -502,6 +502,12 @@ impl<'e> DataLayer<'e> {
         {
             return Ok(());
         }
+        // Never across a snapshot (DESIGN §15.6 rule 1): the new blocks would take the earlier
+        // extent's birth, at or before the snapshot, and a free would keep them for it.
+        let newest = self.engine.allocator().newest_snapshot_generation();
+        if newest != 0 && prev.generation <= newest {
+            return Ok(());
+        }
         let mut joined = prev_csums;
         joined.extend(csums);
         // The first new extent is merged away: a key that never existed needs no deletion.
@@ -811,8 +817,9 @@ impl<'e> DataLayer<'e> {
     /// punch or overwrite, a deleted file's extents) or goes back unrecorded (a failed write).
     /// `birth` is the blocks' birth generation, for a recorded block the generation of the
     /// extent item that referenced it; it may be older than the real birth, never newer (see
-    /// the module doc). Today it only frees: [`Seen::Recorded`] pins the blocks until the
-    /// freeing commit is durable, [`Seen::Unrecorded`] frees them at once.
+    /// the module doc). [`Seen::Recorded`] goes through the allocator's sharing-aware free (kept
+    /// while a snapshot holds the blocks, else pinned until the freeing commit is durable);
+    /// [`Seen::Unrecorded`] frees them at once.
     pub(crate) fn free(&self, run: BlockRun, birth: u64, seen: Seen<'_, '_>) {
         let alloc = self.engine.allocator();
         // Placed bytes of freed blocks are never written when no tree a commit will still
@@ -850,7 +857,8 @@ impl<'e> DataLayer<'e> {
                     birth <= generation.get(),
                     "birth {birth} after {generation}"
                 );
-                alloc.free_pinned(generation, run.disk_addr(), run.block_count());
+                // Kept, not freed, when a snapshot holds the blocks (DESIGN §15.6).
+                alloc.free_recorded(generation, birth, run.disk_addr(), run.block_count());
             }
             Seen::Unrecorded => alloc.free_now(run.disk_addr(), run.block_count()),
         }
@@ -1108,6 +1116,37 @@ mod tests {
         assert_eq!(extents.len(), 1, "append did not merge: {extents:?}");
         assert_eq!(extents[0].1.len_bytes(), 2 * BLOCK_SIZE);
         assert_eq!(extents[0].1.generation, born);
+    }
+
+    #[test]
+    fn an_append_is_not_merged_across_a_snapshot() {
+        let (_mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        // As in merged_extent_keeps_the_older_birth, but a snapshot of the first block's
+        // commit stands between the two (DESIGN §15.6 rule 1).
+        let runs = data.write_new(INO, 0, &pattern(2, 1)).expect("write");
+        let run = &runs[0];
+        let first = WrittenRun {
+            csums: run.csums[..1].to_vec(),
+            ..run.clone()
+        };
+        let second = WrittenRun {
+            file_offset: BLOCK_SIZE,
+            addr: run.addr + BLOCK_SIZE,
+            csums: run.csums[1..].to_vec(),
+            birth: run.birth,
+        };
+        data.replace_range(INO, 0, BLOCK_SIZE, vec![first], false)
+            .expect("record");
+        let born = engine.running_generation().get();
+        engine.commit().expect("commit");
+        engine.allocator().add_hold(born);
+        data.replace_range(INO, BLOCK_SIZE, BLOCK_SIZE, vec![second], false)
+            .expect("record the append");
+        let extents = data.extents(INO, 0, 2 * BLOCK_SIZE).expect("extents");
+        assert_eq!(extents.len(), 2, "merged across the snapshot: {extents:?}");
+        assert_eq!(extents[0].1.generation, born);
+        assert!(extents[1].1.generation > born);
     }
 
     #[test]

@@ -29,6 +29,7 @@ mod pending;
 pub mod readonly;
 pub mod repair;
 pub mod scrub;
+pub mod snapshot;
 mod striped;
 pub mod txn;
 pub mod vfs;

@@ -327,6 +327,12 @@ fn gather(engine: &Engine) -> Result<Facts> {
             continue;
         };
         let item = match Item::decode(kind, &value) {
+            Ok(Item::Snapshot(_)) => {
+                facts
+                    .undecodable
+                    .push((key, "a snapshot item outside the snapshot list".to_string()));
+                continue;
+            }
             Ok(item) => item,
             Err(e) => {
                 facts.undecodable.push((key, e.to_string()));
@@ -362,6 +368,7 @@ fn gather(engine: &Engine) -> Result<Facts> {
             Item::Orphan => {
                 facts.orphans.insert(key.offset);
             }
+            Item::Snapshot(_) => {}
             Item::Xattrs(list) => {
                 facts.xattrs.insert(key, list);
             }

@@ -19,8 +19,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use birch_format::node::{Node, NodeBody};
 use birch_format::superblock::{
-    BackupRoot, RootPtr, Superblock, BACKUP_ROOTS, COMPAT_BACKUP_ROOTS, RESERVED_HEAD_BYTES,
-    SUPER_BYTES, SUPER_OFFSETS,
+    BackupRoot, RootPtr, Superblock, BACKUP_ROOTS, COMPAT_BACKUP_ROOTS, INCOMPAT_SNAPSHOTS,
+    RESERVED_HEAD_BYTES, SUPER_BYTES, SUPER_OFFSETS,
 };
 use birch_format::{
     BlockAddr, BlockCount, FormatError, Generation, InodeNo, ItemType, Key, Lsn,
@@ -42,6 +42,7 @@ use crate::error::{Error, Result};
 use crate::ids::{batch_aligned, OBJECTID_BATCH};
 use crate::log::{read_log, FsyncLog, LogOutcome, Replay};
 use crate::readonly::ReadOnlyCause;
+use crate::snapshot::{self, Snapshot, SnapshotOp};
 use birch_format::log::LogRecord;
 
 /// Commits of at least this many changed items cut their apply into jobs (see [`Board`]).
@@ -248,6 +249,19 @@ pub struct Engine {
     instance: u64,
     log: FsyncLog,
     replay: Mutex<Option<Replay>>,
+    /// The snapshots as of the last durable commit, and the changes the next commit makes.
+    /// Taken only briefly (never across I/O); inside the gate at a freeze.
+    snapshots: Mutex<SnapshotState>,
+}
+
+/// [`Engine::snapshots`]' state.
+#[derive(Default)]
+struct SnapshotState {
+    /// Oldest first (ids and generations ascend together).
+    list: Vec<Snapshot>,
+    /// Queued by [`Engine::create_snapshot`] and [`Engine::delete_snapshot`] for the next
+    /// freeze.
+    pending: Vec<SnapshotOp>,
 }
 
 /// Seed 003's "before" (`bench_apply_per_item`): each changed extent item costs a delete (a
@@ -311,7 +325,7 @@ fn log_area(total_bytes: u64, requested: u64) -> (u64, u64) {
 }
 
 impl Engine {
-    fn ctx(&self) -> TreeCtx<'_> {
+    pub(crate) fn ctx(&self) -> TreeCtx<'_> {
         TreeCtx {
             device: &*self.device,
             cache: &self.cache,
@@ -498,6 +512,8 @@ impl Engine {
             commit_time_sec: sec,
             commit_time_nsec: nsec,
             backup_roots: Vec::new(),
+            snapshots: RootPtr::default(),
+            next_snapshot_id: 0,
         };
         let counters = Counters::default();
         let cache = NodeCache::new(4096);
@@ -592,6 +608,7 @@ impl Engine {
             instance: INSTANCES.fetch_add(1, Ordering::Relaxed),
             log,
             replay: Mutex::new(replay),
+            snapshots: Mutex::new(SnapshotState::default()),
         })
     }
 
@@ -747,8 +764,126 @@ impl Engine {
         );
         let mut seen = HashMap::new();
         engine.rebuild_allocator(&mut seen, bad_extents)?;
+        engine.keep_snapshot_trees(&mut seen)?;
         engine.keep_backup_trees(&mut seen);
         Ok(engine)
+    }
+
+    /// The snapshot list and every snapshot's tree (DESIGN §15.4): the list's nodes and each
+    /// snapshot's nodes and blocks that the live tree does not hold are marked used, and the
+    /// allocator learns each snapshot, so that frees of the blocks they hold keep them. A
+    /// list or a snapshot tree that does not read whole fails the open, naming it.
+    fn keep_snapshot_trees(&self, seen: &mut HashMap<u64, u64>) -> Result<()> {
+        let sb = self.superblock.lock().clone();
+        if sb.incompat & INCOMPAT_SNAPSHOTS == 0 || sb.snapshots.addr == 0 {
+            return Ok(());
+        }
+        let (list, nodes) = snapshot::read_list(self.ctx(), sb.snapshots)
+            .map_err(|e| Error::Invalid(format!("open: snapshot list: {e} (run fsck)")))?;
+        for addr in nodes {
+            if !self
+                .alloc
+                .mark_used(BlockAddr::new(addr), BlockCount::new(NODE_BLOCKS))
+            {
+                return Err(Error::corrupt(
+                    format!("open: snapshot list node {addr:#x}"),
+                    FormatError::invalid(
+                        format!("node {addr:#x}"),
+                        "on blocks another tree holds",
+                        "one reference to a free block",
+                    ),
+                ));
+            }
+        }
+        snapshot::mark_snapshot_trees(self.ctx(), &self.alloc, &list, seen)?;
+        for s in &list {
+            self.alloc.add_hold(s.generation);
+        }
+        self.snapshots.lock().list = list;
+        Ok(())
+    }
+
+    /// The snapshots, oldest first, as of the last durable commit.
+    pub fn snapshots(&self) -> Vec<Snapshot> {
+        self.snapshots.lock().list.clone()
+    }
+
+    /// Makes a snapshot named `name` of the filesystem as the commit this call runs leaves
+    /// it (atomic with that commit; on an idle filesystem that commit writes the list's leaf
+    /// and the superblock, whatever the size of the tree). Errors: a bad name
+    /// ([`snapshot::check_name`]), a name in use (`Exists`), a read-only engine, the commit's.
+    pub fn create_snapshot(&self, name: &str) -> Result<Snapshot> {
+        snapshot::check_name(name)?;
+        self.check_snapshot_writable()?;
+        {
+            let mut state = self.snapshots.lock();
+            let taken = state.list.iter().any(|s| s.name == name)
+                || state.pending.iter().any(
+                    |op| matches!(op, SnapshotOp::Create { name: n, .. } if n.as_str() == name),
+                );
+            if taken {
+                return Err(Error::Exists(format!("snapshot {name:?}")));
+            }
+            let (sec, nsec) = now();
+            state.pending.push(SnapshotOp::Create {
+                name: name.to_string(),
+                created: birch_format::items::Timespec { sec, nsec },
+            });
+        }
+        self.commit()?;
+        self.snapshots
+            .lock()
+            .list
+            .iter()
+            .find(|s| s.name == name)
+            .cloned()
+            .ok_or_else(|| Error::Invalid(format!("snapshot {name:?}: its commit did not make it")))
+    }
+
+    /// Deletes snapshot `name`: the commit this call runs drops it from the list and gives
+    /// back the blocks no other snapshot and not the live tree reference (DESIGN §15.4; free
+    /// once that commit is durable, as any freed space). Returns what was deleted. Errors: no
+    /// such snapshot (`NotFound`), a read-only engine, the commit's.
+    pub fn delete_snapshot(&self, name: &str) -> Result<Snapshot> {
+        self.check_snapshot_writable()?;
+        let victim = {
+            let mut state = self.snapshots.lock();
+            let Some(victim) = state.list.iter().find(|s| s.name == name).cloned() else {
+                return Err(Error::NotFound(format!("snapshot {name:?}")));
+            };
+            let queued = state
+                .pending
+                .contains(&SnapshotOp::Delete { id: victim.id });
+            if !queued {
+                state.pending.push(SnapshotOp::Delete { id: victim.id });
+            }
+            victim
+        };
+        self.commit()?;
+        Ok(victim)
+    }
+
+    /// A read view of snapshot `id`'s tree (items through the node cache; no delta).
+    pub fn snapshot_view(&self, id: u64) -> Result<CommittedView<'_>> {
+        let snapshot = self
+            .snapshots()
+            .into_iter()
+            .find(|s| s.id == id)
+            .ok_or_else(|| Error::NotFound(format!("snapshot id {id}")))?;
+        Ok(self.committed_view(Arc::new(CommittedRoot {
+            root: snapshot.root,
+            generation: Generation::new(snapshot.generation),
+            release: ReleaseOnDrop::new(self.alloc.clone()),
+        })))
+    }
+
+    /// Snapshots are changed only by a writable engine.
+    fn check_snapshot_writable(&self) -> Result<()> {
+        self.check_up()?;
+        match self.read_only_cause() {
+            Some(cause) => Err(Error::ReadOnly(cause)),
+            None => Ok(()),
+        }
     }
 
     /// The backup trees of both slots, newest first (DESIGN §13.3): each one's blocks that no
@@ -1406,26 +1541,42 @@ impl Engine {
                 return Err(Error::ReadOnly(cause));
             }
         }
-        let (frozen, generation, committed) = {
+        let (frozen, generation, committed, ops) = {
             let _gate = self.gate.write();
             let generation = self.running_generation.load(Ordering::SeqCst);
+            let mut snapshots = self.snapshots.lock();
             let idle = self.active.is_empty()
                 && self.alloc.pinned_blocks() == BlockCount::new(0)
                 && self.next_objectid.load(Ordering::Relaxed)
-                    == self.superblock.lock().next_objectid;
+                    == self.superblock.lock().next_objectid
+                && snapshots.pending.is_empty();
             if idle {
                 return Ok(self.committed_generation());
             }
+            // Snapshot changes take effect for every free after this commit's: a new one holds
+            // what later generations free, a deleted one nothing freed after this commit.
+            let ops = std::mem::take(&mut snapshots.pending);
+            for op in &ops {
+                match op {
+                    SnapshotOp::Create { .. } => self.alloc.add_hold(generation),
+                    SnapshotOp::Delete { id } => {
+                        if let Some(s) = snapshots.list.iter().find(|s| s.id == *id) {
+                            self.alloc.drop_hold(s.generation, generation);
+                        }
+                    }
+                }
+            }
+            drop(snapshots);
             let frozen = Arc::new(self.active.take());
             self.running_generation
                 .store(generation + 1, Ordering::SeqCst);
             let mut state = self.state.write();
             state.each(|s| s.frozen = Some(frozen.clone()));
-            (frozen, generation, state.first().committed.0.clone())
+            (frozen, generation, state.first().committed.0.clone(), ops)
         };
         drop(after_freeze);
         let started = std::time::Instant::now();
-        let result = match self.write_commit(&frozen, generation, &committed) {
+        let result = match self.write_commit(&frozen, generation, &committed, &ops) {
             Ok(()) => {
                 self.commit_latency.record(started.elapsed());
                 Ok(Generation::new(generation))
@@ -1567,6 +1718,7 @@ impl Engine {
         frozen: &Arc<FrozenDelta>,
         generation: u64,
         committed: &CommittedRoot,
+        ops: &[SnapshotOp],
     ) -> Result<()> {
         // Blocks whose bytes only the log holds go in place first: the flush below makes
         // them durable before any superblock names them.
@@ -1580,11 +1732,16 @@ impl Engine {
         let mut writer = TreeWriter::new(ctx, &self.alloc, generation, committed.root);
         let mut nodes = self.apply(&mut writer, frozen, generation)?;
         nodes.extend(writer.write_dirty()?);
+        let root = writer.root();
+        let mut sb = self.superblock.lock().clone();
+        let list_change = if ops.is_empty() {
+            None
+        } else {
+            Some(self.write_snapshot_list(ops, generation, root, &mut sb, &mut nodes)?)
+        };
         self.device
             .flush()
             .map_err(|e| Error::io(format!("commit {generation}: flush nodes"), e))?;
-        let root = writer.root();
-        let mut sb = self.superblock.lock().clone();
         let (sec, nsec) = now();
         sb.incompat |= self.incompat_wanted.load(Ordering::SeqCst);
         sb.backup_roots = backups_after(&sb, self.alloc.backup_floor().get());
@@ -1624,6 +1781,11 @@ impl Engine {
             });
             old
         };
+        if let Some((list, deleted, before)) = list_change {
+            self.give_back_deleted(generation, root, &before, &deleted);
+            self.alloc.forget_holds(generation);
+            self.snapshots.lock().list = list;
+        }
         let freed = self.alloc.take_pinned(Generation::new(generation));
         self.alloc.unpin_count(freed.iter().map(|(_, b)| b).sum());
         old.release.freed_by.store(generation, Ordering::SeqCst);
@@ -1643,6 +1805,118 @@ impl Engine {
         *old.release.next.lock() = Some(new_release);
         self.counters.add(|c| &c.commits, 1);
         Ok(())
+    }
+}
+
+impl Engine {
+    /// Applies `ops` to the snapshot list for commit `generation` (whose fs tree is
+    /// `fs_root`): writes the new list tree (its nodes join `nodes`), frees the old one's
+    /// nodes (never shared: pinned in this commit), and sets the superblock's list fields
+    /// and, with a first snapshot, `INCOMPAT_SNAPSHOTS`. Returns the new list, the deleted
+    /// snapshots and the list before.
+    #[allow(clippy::type_complexity)]
+    fn write_snapshot_list(
+        &self,
+        ops: &[SnapshotOp],
+        generation: u64,
+        fs_root: RootPtr,
+        sb: &mut Superblock,
+        nodes: &mut Vec<Arc<Node>>,
+    ) -> Result<(Vec<Snapshot>, Vec<Snapshot>, Vec<Snapshot>)> {
+        let before = self.snapshots.lock().list.clone();
+        let mut list = before.clone();
+        let mut deleted = Vec::new();
+        let mut next_id = sb.next_snapshot_id.max(1);
+        for op in ops {
+            match op {
+                SnapshotOp::Create { name, created } => {
+                    list.push(Snapshot {
+                        id: next_id,
+                        name: name.clone(),
+                        generation,
+                        root: fs_root,
+                        created: *created,
+                    });
+                    next_id += 1;
+                    sb.incompat |= INCOMPAT_SNAPSHOTS;
+                }
+                SnapshotOp::Delete { id } => {
+                    if let Some(at) = list.iter().position(|s| s.id == *id) {
+                        deleted.push(list.remove(at));
+                    }
+                }
+            }
+        }
+        if sb.snapshots.addr != 0 {
+            let (_, old_nodes) = snapshot::read_list(self.ctx(), sb.snapshots)?;
+            for addr in old_nodes {
+                self.alloc.free_pinned(
+                    Generation::new(generation),
+                    BlockAddr::new(addr),
+                    BlockCount::new(NODE_BLOCKS),
+                );
+            }
+        }
+        let (list_root, list_nodes) =
+            snapshot::write_list(self.ctx(), &self.alloc, generation, &list)?;
+        nodes.extend(list_nodes);
+        if sb.incompat & INCOMPAT_SNAPSHOTS != 0 {
+            sb.snapshots = list_root;
+            sb.next_snapshot_id = next_id;
+        }
+        Ok((list, deleted, before))
+    }
+
+    /// After commit `generation` (fs tree `fs_root`) dropped `deleted` from the list `before`
+    /// held: pins, in that commit, the blocks only they held (DESIGN §15.4), one after the
+    /// other, oldest first, each against the snapshots and tree still standing then. A walk
+    /// that fails leaves its blocks used until the next open derives the free space again (a
+    /// leak, never damage); it is logged.
+    fn give_back_deleted(
+        &self,
+        generation: u64,
+        fs_root: RootPtr,
+        before: &[Snapshot],
+        deleted: &[Snapshot],
+    ) {
+        let mut standing: Vec<Snapshot> = before.to_vec();
+        let mut victims = deleted.to_vec();
+        victims.sort_by_key(|s| s.generation);
+        for victim in victims {
+            standing.retain(|s| s.id != victim.id);
+            let older = standing
+                .iter()
+                .filter(|s| s.generation < victim.generation)
+                .map(|s| s.generation)
+                .max()
+                .unwrap_or(0);
+            let newer = standing
+                .iter()
+                .filter(|s| s.generation > victim.generation)
+                .min_by_key(|s| s.generation)
+                .map(|s| s.root)
+                .unwrap_or(fs_root);
+            match snapshot::deletion_frees(self.ctx(), &victim, older, newer) {
+                Ok(frees) => {
+                    let blocks: u64 = frees.iter().map(|(_, n)| n.get()).sum();
+                    for (addr, count) in frees {
+                        self.alloc
+                            .free_pinned(Generation::new(generation), addr, count);
+                    }
+                    log::debug!(
+                        "commit {generation}: snapshot {:?} (id {}) gave back {blocks} blocks",
+                        victim.name,
+                        victim.id
+                    );
+                }
+                Err(e) => log::warn!(
+                    "commit {generation}: deleting snapshot {:?} (id {}): its blocks stay used \
+                     until the next open: {e}",
+                    victim.name,
+                    victim.id
+                ),
+            }
+        }
     }
 }
 

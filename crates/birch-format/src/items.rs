@@ -1,4 +1,5 @@
-//! Item payloads: inode, inode ref, dir item, dir index, xattr, file extent, orphan.
+//! Item payloads: inode, inode ref, dir item, dir index, xattr, file extent, orphan, and the
+//! snapshot list's snapshot item.
 
 use std::fmt;
 
@@ -255,6 +256,94 @@ impl XattrChunk {
             name,
             index,
             data: r.take(len)?.to_vec(),
+        })
+    }
+}
+
+/// Encoded size of a snapshot item's fixed fields, before its name.
+pub const SNAPSHOT_ITEM_FIXED_BYTES: usize = 48;
+
+/// One snapshot, `(id, Snapshot, 0)` in the snapshot list tree (FORMAT.md §3.2): the fs tree
+/// of commit `generation`, kept read-only. Ids are never reused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotItem {
+    /// The commit whose fs tree the snapshot keeps; every block the tree references was born
+    /// at or before it.
+    pub generation: u64,
+    /// That commit's fs tree root.
+    pub root: crate::superblock::RootPtr,
+    /// When the snapshot was made (wall clock).
+    pub created: Timespec,
+    /// 1 ..= [`NAME_MAX`] bytes, no `/` and no NUL.
+    pub name: Vec<u8>,
+}
+
+impl SnapshotItem {
+    /// Encodes: generation, root (addr, generation, level, 7 zero bytes), creation time,
+    /// 4 zero bytes, then the name (u16 length and bytes).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.u64(self.generation);
+        w.u64(self.root.addr);
+        w.u64(self.root.generation);
+        w.u8(self.root.level);
+        w.zeros(7);
+        self.created.encode(&mut w);
+        w.u32(0);
+        encode_name(&mut w, &self.name);
+        w.into_bytes()
+    }
+
+    /// Decodes a snapshot payload. `Invalid` for a root generation above the snapshot's, a
+    /// level of [`crate::MAX_LEVEL`] or more, a root address that is not block aligned, a bad
+    /// name (length, `/`, NUL) or bytes after the name; `Truncated` for a cut payload.
+    pub fn decode(bytes: &[u8]) -> Result<SnapshotItem, FormatError> {
+        let mut r = Reader::new(bytes, "snapshot item");
+        let generation = r.u64()?;
+        let addr = r.u64()?;
+        let root_generation = r.u64()?;
+        let level = r.u8()?;
+        r.skip(7)?;
+        let created = Timespec::decode(&mut r)?;
+        r.skip(4)?;
+        let name = decode_name(&mut r)?;
+        if r.remaining() != 0 {
+            return Err(FormatError::invalid(
+                "snapshot item length",
+                bytes.len(),
+                SNAPSHOT_ITEM_FIXED_BYTES + 2 + name.len(),
+            ));
+        }
+        if root_generation > generation || level >= crate::MAX_LEVEL {
+            return Err(FormatError::invalid(
+                "snapshot root",
+                format!("generation {root_generation} level {level}"),
+                format!("generation <= {generation}, level < {}", crate::MAX_LEVEL),
+            ));
+        }
+        if addr == 0 || addr % BLOCK_SIZE != 0 {
+            return Err(FormatError::invalid(
+                "snapshot root address",
+                format!("{addr:#x}"),
+                "a non-zero block-aligned address",
+            ));
+        }
+        if name.iter().any(|b| *b == b'/' || *b == 0) {
+            return Err(FormatError::invalid(
+                "snapshot name",
+                show_name(&name),
+                "no '/' and no NUL",
+            ));
+        }
+        Ok(SnapshotItem {
+            generation,
+            root: crate::superblock::RootPtr {
+                addr,
+                generation: root_generation,
+                level,
+            },
+            created,
+            name,
         })
     }
 }
@@ -563,6 +652,8 @@ pub enum Item {
     Extent(FileExtent),
     /// An [`ItemType::Orphan`] item; its payload is empty.
     Orphan,
+    /// An [`ItemType::Snapshot`] payload (snapshot list tree only).
+    Snapshot(SnapshotItem),
 }
 
 impl Item {
@@ -589,6 +680,7 @@ impl Item {
                 }
                 Item::Orphan
             }
+            ItemType::Snapshot => Item::Snapshot(SnapshotItem::decode(bytes)?),
         })
     }
 }
@@ -643,6 +735,7 @@ impl fmt::Display for Item {
                 ExtentKind::Prealloc { disk_addr, blocks } => write!(f, "extent prealloc disk {:#x} blocks {} generation {}", disk_addr, blocks, e.generation),
             },
             Item::Orphan => f.write_str("orphan"),
+            Item::Snapshot(s) => write!(f, "snapshot {:?} generation {} root {:#x} generation {} level {} created {}.{:09}", show_name(&s.name), s.generation, s.root.addr, s.root.generation, s.root.level, s.created.sec, s.created.nsec),
         }
     }
 }
@@ -650,6 +743,51 @@ impl fmt::Display for Item {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn snapshot_item() -> SnapshotItem {
+        SnapshotItem {
+            generation: 9,
+            root: crate::superblock::RootPtr {
+                addr: 0x40000,
+                generation: 8,
+                level: 1,
+            },
+            created: Timespec { sec: 5, nsec: 6 },
+            name: b"daily".to_vec(),
+        }
+    }
+
+    #[test]
+    fn snapshot_item_round_trips_at_its_offsets() {
+        let item = snapshot_item();
+        let bytes = item.encode();
+        assert_eq!(bytes.len(), SNAPSHOT_ITEM_FIXED_BYTES + 2 + 5);
+        assert_eq!(bytes[0], 9);
+        assert_eq!(&bytes[8..16], &0x40000u64.to_le_bytes());
+        assert_eq!(bytes[24], 1);
+        assert_eq!(&bytes[48..50], &5u16.to_le_bytes());
+        assert_eq!(SnapshotItem::decode(&bytes), Ok(item));
+    }
+
+    #[test]
+    fn bad_snapshot_items_are_refused() {
+        let mut item = snapshot_item();
+        item.root.generation = 10;
+        assert!(SnapshotItem::decode(&item.encode()).is_err());
+        let mut item = snapshot_item();
+        item.name = b"a/b".to_vec();
+        assert!(SnapshotItem::decode(&item.encode()).is_err());
+        let mut item = snapshot_item();
+        item.root.addr = 0x40001;
+        assert!(SnapshotItem::decode(&item.encode()).is_err());
+        let mut bytes = snapshot_item().encode();
+        bytes.push(0);
+        assert!(SnapshotItem::decode(&bytes).is_err());
+        let bytes = snapshot_item().encode();
+        for cut in 0..bytes.len() {
+            assert!(SnapshotItem::decode(&bytes[..cut]).is_err());
+        }
+    }
 
     #[test]
     fn inode_round_trip() {

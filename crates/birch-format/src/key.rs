@@ -29,6 +29,9 @@ pub enum ItemType {
     DirIndex = 96,
     /// `(ino, ExtentData, file_offset)`: file data, inline or in blocks.
     ExtentData = 108,
+    /// `(snapshot_id, Snapshot, 0)`: one snapshot, in the snapshot list tree only
+    /// ([`crate::SNAPSHOT_TREE_ID`]; incompat flag `INCOMPAT_SNAPSHOTS`).
+    Snapshot = 132,
 }
 
 impl ItemType {
@@ -43,6 +46,7 @@ impl ItemType {
             84 => ItemType::DirItem,
             96 => ItemType::DirIndex,
             108 => ItemType::ExtentData,
+            132 => ItemType::Snapshot,
             _ => return None,
         })
     }
@@ -65,6 +69,7 @@ impl fmt::Display for ItemType {
             ItemType::DirItem => "dir_item",
             ItemType::DirIndex => "dir_index",
             ItemType::ExtentData => "extent",
+            ItemType::Snapshot => "snapshot",
         };
         f.write_str(name)
     }

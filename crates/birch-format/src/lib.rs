@@ -70,6 +70,8 @@ const _: () = assert!(EXTENT_MAX_BLOCKS as usize * 4 + 64 <= MAX_ITEM_BYTES);
 
 /// Tree ids, recorded as the owner of every node.
 pub const FS_TREE_ID: u64 = 5;
+/// Owner of the snapshot list tree's nodes (FORMAT.md §3.2): items `(id, Snapshot, 0)`.
+pub const SNAPSHOT_TREE_ID: u64 = 7;
 
 /// Object id of the root directory. FUSE requires node id 1 for the root.
 pub const ROOT_OBJECTID: u64 = 1;

@@ -18,7 +18,7 @@ pub const RESERVED_HEAD_BYTES: u64 = 128 * 1024;
 
 /// Feature flags this build understands. An image with an unknown incompat flag is refused;
 /// unknown compat flags are ignored; unknown ro_compat flags allow read-only use.
-pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_XATTR_CHUNKS | INCOMPAT_LOG_DATA;
+pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_XATTR_CHUNKS | INCOMPAT_LOG_DATA | INCOMPAT_SNAPSHOTS;
 /// Incompat bit 0: xattr values over `XATTR_VALUE_MAX` bytes are stored out of line, in
 /// `XattrChunk` items, and an xattr list entry may say so (value length `0xFFFF`). Set by the
 /// first commit that holds such a value; an image without one keeps the bit clear.
@@ -29,6 +29,14 @@ pub const INCOMPAT_XATTR_CHUNKS: u64 = 1;
 /// Set by the first commit after a write asks for it; an fsync logs no data record before the
 /// bit is in a durable superblock. Never cleared.
 pub const INCOMPAT_LOG_DATA: u64 = 2;
+/// Incompat bit 2: the image has (or had) snapshots: the superblock names a snapshot list
+/// tree (bytes 336 .. 368, FORMAT.md §3.2) whose snapshots' trees share blocks with the fs
+/// tree. A build without the bit would take the blocks only a snapshot holds for free space
+/// and overwrite them, so it must refuse the image. Set by the commit that makes the first
+/// snapshot; never cleared (the snapshot id counter lives beside the list).
+pub const INCOMPAT_SNAPSHOTS: u64 = 4;
+/// Byte offset of the snapshot list fields in the superblock (with [`INCOMPAT_SNAPSHOTS`]).
+pub const SNAPSHOTS_OFFSET: usize = 336;
 /// Compatible feature flags this build understands. Unknown bits are ignored.
 pub const COMPAT_SUPPORTED: u64 = COMPAT_BACKUP_ROOTS;
 /// Compat bit 0: the superblock carries [`BACKUP_ROOTS`] backup roots (bytes 240 .. 336) and
@@ -116,6 +124,12 @@ pub struct Superblock {
     /// Roots of older commits, newest first, at most [`BACKUP_ROOTS`]; stored only with
     /// [`COMPAT_BACKUP_ROOTS`] (empty otherwise). Each names a generation below `generation`.
     pub backup_roots: Vec<BackupRoot>,
+    /// Root of the snapshot list tree (owner [`crate::SNAPSHOT_TREE_ID`]); address 0 when no
+    /// snapshot exists. Stored only with [`INCOMPAT_SNAPSHOTS`] (zero otherwise).
+    pub snapshots: RootPtr,
+    /// The id the next snapshot gets; ids are never reused. Stored only with
+    /// [`INCOMPAT_SNAPSHOTS`] (0 otherwise; the first snapshot gets 1).
+    pub next_snapshot_id: u64,
 }
 
 const LABEL_BYTES: usize = 64;
@@ -171,6 +185,16 @@ impl Superblock {
         }
         let mut bytes = w.into_bytes();
         bytes.resize(SUPER_BYTES, 0);
+        if self.incompat & INCOMPAT_SNAPSHOTS != 0 {
+            let mut w = Writer::with_capacity(32);
+            w.u64(self.snapshots.addr);
+            w.u64(self.snapshots.generation);
+            w.u8(self.snapshots.level);
+            w.zeros(7);
+            w.u64(self.next_snapshot_id);
+            let fields = w.into_bytes();
+            bytes[SNAPSHOTS_OFFSET..SNAPSHOTS_OFFSET + fields.len()].copy_from_slice(&fields);
+        }
         let sum = checksum(&bytes[4..]);
         bytes[..4].copy_from_slice(&sum.to_le_bytes());
         bytes
@@ -254,7 +278,17 @@ impl Superblock {
             commit_time_sec: r.i64()?,
             commit_time_nsec: r.u32()?,
             backup_roots: Vec::new(),
+            snapshots: RootPtr::default(),
+            next_snapshot_id: 0,
         };
+        if sb.incompat & INCOMPAT_SNAPSHOTS != 0 {
+            let mut s = Reader::new(&bytes[SNAPSHOTS_OFFSET..], "superblock snapshot list");
+            sb.snapshots.addr = s.u64()?;
+            sb.snapshots.generation = s.u64()?;
+            sb.snapshots.level = s.u8()?;
+            s.skip(7)?;
+            sb.next_snapshot_id = s.u64()?;
+        }
         if sb.compat & COMPAT_BACKUP_ROOTS != 0 {
             r.skip(4)?;
             for _ in 0..BACKUP_ROOTS {
@@ -348,6 +382,7 @@ impl Superblock {
             self.validate_backup(what, i, backup, above)?;
             above = backup.generation;
         }
+        self.validate_snapshots(what)?;
         let log_end = self.log_start.checked_add(self.log_bytes);
         if self.log_bytes != 0
             && (self.log_start < RESERVED_HEAD_BYTES
@@ -364,6 +399,55 @@ impl Superblock {
 }
 
 impl Superblock {
+    /// The snapshot list fields (with [`INCOMPAT_SNAPSHOTS`]): no list (address 0, the rest
+    /// zero) or a root inside the device no newer than the superblock, a level below the
+    /// limit; an id counter of at least 1.
+    fn validate_snapshots(&self, what: &str) -> Result<(), FormatError> {
+        if self.incompat & INCOMPAT_SNAPSHOTS == 0 {
+            return Ok(());
+        }
+        let root = self.snapshots;
+        if self.next_snapshot_id == 0 {
+            return Err(FormatError::invalid(
+                format!("{what} next snapshot id"),
+                0,
+                ">= 1",
+            ));
+        }
+        if root.addr == 0 {
+            if root.generation != 0 || root.level != 0 {
+                return Err(FormatError::invalid(
+                    format!("{what} snapshot list root"),
+                    format!("generation {} level {}", root.generation, root.level),
+                    "zero with address 0",
+                ));
+            }
+            return Ok(());
+        }
+        if root.addr % BLOCK_SIZE != 0
+            || root.addr < RESERVED_HEAD_BYTES
+            || root.addr.saturating_add(NODE_SIZE as u64) > self.total_bytes
+        {
+            return Err(FormatError::invalid(
+                format!("{what} snapshot list address"),
+                format!("{:#x}", root.addr),
+                "a block-aligned address inside the device",
+            ));
+        }
+        if root.generation > self.generation || root.level >= crate::MAX_LEVEL {
+            return Err(FormatError::invalid(
+                format!("{what} snapshot list root"),
+                format!("generation {} level {}", root.generation, root.level),
+                format!(
+                    "generation <= {}, level < {}",
+                    self.generation,
+                    crate::MAX_LEVEL
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// One backup entry: a generation below the previous entry's (or the superblock's), a
     /// root inside the device no newer than that generation, a level below the limit.
     fn validate_backup(
@@ -452,6 +536,16 @@ impl fmt::Display for Superblock {
                 backup.fs_root.level
             )?;
         }
+        if self.incompat & INCOMPAT_SNAPSHOTS != 0 {
+            write!(
+                f,
+                "\n  snapshot list    addr {:#x} generation {} level {}, next id {}",
+                self.snapshots.addr,
+                self.snapshots.generation,
+                self.snapshots.level,
+                self.next_snapshot_id
+            )?;
+        }
         Ok(())
     }
 }
@@ -486,6 +580,8 @@ mod tests {
             commit_time_sec: 1_700_000_000,
             commit_time_nsec: 5,
             backup_roots: Vec::new(),
+            snapshots: RootPtr::default(),
+            next_snapshot_id: 0,
         }
     }
 
@@ -554,6 +650,70 @@ mod tests {
         let mut sb = with_backups();
         sb.backup_roots[1].fs_root.generation = 99;
         assert!(Superblock::decode(&sb.encode(), "slot 1").is_err());
+    }
+
+    fn with_snapshots() -> Superblock {
+        let mut sb = with_backups();
+        sb.incompat |= INCOMPAT_SNAPSHOTS;
+        sb.snapshots = RootPtr {
+            addr: 0x80000,
+            generation: sb.generation - 1,
+            level: 0,
+        };
+        sb.next_snapshot_id = 4;
+        sb
+    }
+
+    #[test]
+    fn snapshot_list_round_trips_at_its_offset() {
+        let sb = with_snapshots();
+        let bytes = sb.encode();
+        let at = SNAPSHOTS_OFFSET;
+        assert_eq!(&bytes[at..at + 8], &0x80000u64.to_le_bytes());
+        assert_eq!(&bytes[at + 8..at + 16], &(sb.generation - 1).to_le_bytes());
+        assert_eq!(bytes[at + 16], 0);
+        assert_eq!(&bytes[at + 24..at + 32], &4u64.to_le_bytes());
+        assert!(bytes[at + 32..].iter().all(|b| *b == 0));
+        assert_eq!(Superblock::decode(&bytes, "slot 1"), Ok(sb));
+        // Without the flag the bytes are neither written nor read.
+        let mut plain = with_snapshots();
+        plain.incompat &= !INCOMPAT_SNAPSHOTS;
+        assert!(plain.encode()[at..].iter().all(|b| *b == 0));
+        let decoded = Superblock::decode(&plain.encode(), "slot 1").map(|s| s.snapshots);
+        assert_eq!(decoded, Ok(RootPtr::default()));
+    }
+
+    #[test]
+    fn bad_snapshot_list_fields_are_refused() {
+        let mut sb = with_snapshots();
+        sb.next_snapshot_id = 0;
+        assert!(Superblock::decode(&sb.encode(), "slot 1").is_err());
+        let mut sb = with_snapshots();
+        sb.snapshots.addr = sb.total_bytes;
+        assert!(Superblock::decode(&sb.encode(), "slot 1").is_err());
+        let mut sb = with_snapshots();
+        sb.snapshots.generation = sb.generation + 1;
+        assert!(Superblock::decode(&sb.encode(), "slot 1").is_err());
+        let mut sb = with_snapshots();
+        sb.snapshots = RootPtr {
+            addr: 0,
+            generation: 3,
+            level: 0,
+        };
+        assert!(Superblock::decode(&sb.encode(), "slot 1").is_err());
+        let mut sb = with_snapshots();
+        sb.snapshots = RootPtr::default();
+        assert!(Superblock::decode(&sb.encode(), "slot 1").is_ok());
+    }
+
+    #[test]
+    fn a_build_without_the_snapshot_flag_refuses_the_image() {
+        // What an older build sees: its supported mask lacks bit 2.
+        let sb = with_snapshots();
+        let unknown = sb.incompat & !(INCOMPAT_XATTR_CHUNKS | INCOMPAT_LOG_DATA);
+        assert_eq!(unknown, INCOMPAT_SNAPSHOTS);
+        let message = FormatError::UnknownIncompat { flags: unknown }.to_string();
+        assert!(message.contains("0x4"), "{message}");
     }
 
     #[test]

@@ -184,8 +184,10 @@ impl<'a> TreeWriter<'a> {
         node.header.addr = new_addr;
         node.header.generation = self.generation;
         self.dirty.insert(new_addr, Arc::new(node));
-        self.alloc.free_pinned(
+        // Through the sharing-aware free: a snapshot may still hold the old copy.
+        self.alloc.free_recorded(
             Generation::new(self.generation),
+            generation,
             BlockAddr::new(addr),
             NODE_RUN,
         );
@@ -748,8 +750,9 @@ impl<'a> TreeWriter<'a> {
     /// the commit is durable).
     pub(crate) fn retire(&mut self, addr: u64, generation: u64) {
         debug_assert!(generation < self.generation, "retire of a dirty node");
-        self.alloc.free_pinned(
+        self.alloc.free_recorded(
             Generation::new(self.generation),
+            generation,
             BlockAddr::new(addr),
             NODE_RUN,
         );

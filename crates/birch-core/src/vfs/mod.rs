@@ -664,6 +664,20 @@ impl Filesystem {
         self.commit_now().map(|_| ())
     }
 
+    /// Makes snapshot `name` of the filesystem as it is now: buffered data is written and
+    /// committed first ([`Filesystem::sync`]), then the snapshot's own commit takes the tree
+    /// ([`Engine::create_snapshot`]; DESIGN §15, SEMANTICS §9).
+    pub fn create_snapshot(&self, name: &str) -> Result<crate::snapshot::Snapshot> {
+        crate::snapshot::check_name(name)?;
+        self.sync()?;
+        self.inner.engine.create_snapshot(name)
+    }
+
+    /// Deletes snapshot `name` ([`Engine::delete_snapshot`]).
+    pub fn delete_snapshot(&self, name: &str) -> Result<crate::snapshot::Snapshot> {
+        self.inner.engine.delete_snapshot(name)
+    }
+
     /// Every counter of the engine and the device, as one JSON object (the live-mount stats
     /// interface: `getfattr -n trusted.birch.stats MNT`, which `birch stats` reads), then the
     /// gauges: `dirty_bytes` (buffered, not yet written), `log_used_bytes` of

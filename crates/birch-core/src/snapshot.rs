@@ -1,0 +1,369 @@
+//! Snapshots of the whole filesystem (DESIGN §15): the list, its tree, and what a deletion
+//! gives back.
+//!
+//! Owns: the [`Snapshot`] type and its name rules ([`check_name`]), reading and writing the
+//! snapshot list tree (FORMAT §3.2: owner [`SNAPSHOT_TREE_ID`], one `Snapshot` item per
+//! snapshot, written whole by the commit that changes it), the open's walk of every snapshot's
+//! tree (their blocks are used space, each distinct node read once), and the deletion walk
+//! that finds the blocks only a deleted snapshot held ([`deletion_frees`]).
+//!
+//! Must not touch: when a snapshot is made or deleted (the engine's commit decides: `txn`
+//! queues the operations and applies them at a freeze), and the free of single blocks (the
+//! allocator's sharing-aware free, [`crate::alloc::Allocator::free_recorded`], decides what a
+//! snapshot holds). Every read here goes through the engine's tree context (checksummed,
+//! verified nodes); no lock is held across a read.
+
+use std::collections::{HashMap, HashSet};
+
+use birch_format::items::{FileExtent, SnapshotItem, Timespec};
+use birch_format::node::NodeBody;
+use birch_format::superblock::{RootPtr, RESERVED_HEAD_BYTES};
+use birch_format::{
+    BlockAddr, BlockCount, FormatError, ItemType, Key, BLOCK_SIZE, NAME_MAX, NODE_BLOCKS,
+    SNAPSHOT_TREE_ID,
+};
+
+use crate::alloc::Allocator;
+use crate::btree::{TreeCtx, TreeWriter};
+use crate::error::{Error, Result};
+
+/// One snapshot: the fs tree of commit `generation`, kept read-only.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Never reused, also after a deletion; ascends with age.
+    pub id: u64,
+    /// 1 ..= 255 bytes, no `/`, no NUL; unique among the snapshots.
+    pub name: String,
+    /// The commit whose tree the snapshot keeps.
+    pub generation: u64,
+    /// That commit's fs tree root.
+    pub root: RootPtr,
+    /// When it was made (wall clock).
+    pub created: Timespec,
+}
+
+impl Snapshot {
+    fn item(&self) -> SnapshotItem {
+        SnapshotItem {
+            generation: self.generation,
+            root: self.root,
+            created: self.created,
+            name: self.name.as_bytes().to_vec(),
+        }
+    }
+}
+
+/// A change to the list that the next commit makes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum SnapshotOp {
+    /// A snapshot of the commit's own tree.
+    Create { name: String, created: Timespec },
+    /// Drop snapshot `id`; the commit's deletion walk gives back what only it held.
+    Delete { id: u64 },
+}
+
+/// The key of snapshot `id` in the list tree.
+pub fn snapshot_key(id: u64) -> Key {
+    Key::new(id, ItemType::Snapshot, 0)
+}
+
+/// Checks a snapshot name: not empty, at most [`NAME_MAX`] bytes, no `/` and no NUL.
+pub fn check_name(name: &str) -> Result<()> {
+    if name.is_empty() {
+        return Err(Error::Invalid("snapshot name is empty".into()));
+    }
+    if name.len() > NAME_MAX {
+        return Err(Error::NameTooLong(format!(
+            "snapshot name of {} bytes (at most {NAME_MAX})",
+            name.len()
+        )));
+    }
+    if name.contains('/') || name.contains('\0') {
+        return Err(Error::Invalid(format!(
+            "snapshot name {name:?} contains '/' or NUL"
+        )));
+    }
+    Ok(())
+}
+
+/// The context for the list tree's nodes (owner [`SNAPSHOT_TREE_ID`]).
+fn list_ctx(ctx: TreeCtx<'_>) -> TreeCtx<'_> {
+    TreeCtx {
+        owner: SNAPSHOT_TREE_ID,
+        ..ctx
+    }
+}
+
+/// Reads the snapshot list at `root` (address 0: no list), oldest first, and the addresses of
+/// its nodes. Errors name the list node or item that failed.
+pub(crate) fn read_list(ctx: TreeCtx<'_>, root: RootPtr) -> Result<(Vec<Snapshot>, Vec<u64>)> {
+    let mut list = Vec::new();
+    let mut nodes = Vec::new();
+    if root.addr == 0 {
+        return Ok((list, nodes));
+    }
+    let ctx = list_ctx(ctx);
+    let mut stack = vec![(root.addr, root.generation, root.level)];
+    while let Some((addr, generation, level)) = stack.pop() {
+        nodes.push(addr);
+        let node = ctx.read(addr, generation, level)?;
+        match &node.body {
+            NodeBody::Internal(ptrs) => {
+                stack.extend(ptrs.iter().map(|p| (p.addr, p.generation, level - 1)));
+            }
+            NodeBody::Leaf(items) => {
+                for (key, value) in items {
+                    if key.kind() != Some(ItemType::Snapshot) || key.offset != 0 {
+                        return Err(Error::corrupt(
+                            format!("snapshot list node {addr:#x}"),
+                            FormatError::invalid(
+                                format!("item {key}"),
+                                "another item",
+                                "(id, snapshot, 0)",
+                            ),
+                        ));
+                    }
+                    let item = SnapshotItem::decode(value).map_err(|e| {
+                        Error::corrupt(format!("snapshot {} in node {addr:#x}", key.objectid), e)
+                    })?;
+                    list.push(Snapshot {
+                        id: key.objectid,
+                        name: String::from_utf8_lossy(&item.name).into_owned(),
+                        generation: item.generation,
+                        root: item.root,
+                        created: item.created,
+                    });
+                }
+            }
+        }
+    }
+    list.sort_by_key(|s| s.id);
+    Ok((list, nodes))
+}
+
+/// Writes `list` as a new list tree in `generation`; returns its root and its nodes (to cache
+/// once the commit is durable). An empty list has no tree (address 0).
+pub(crate) fn write_list(
+    ctx: TreeCtx<'_>,
+    alloc: &Allocator,
+    generation: u64,
+    list: &[Snapshot],
+) -> Result<(RootPtr, Vec<std::sync::Arc<birch_format::node::Node>>)> {
+    if list.is_empty() {
+        return Ok((RootPtr::default(), Vec::new()));
+    }
+    let mut writer = TreeWriter::create(list_ctx(ctx), alloc, generation)?;
+    for snapshot in list {
+        writer.insert(snapshot_key(snapshot.id), snapshot.item().encode())?;
+    }
+    let nodes = writer.write_dirty()?;
+    Ok((writer.root(), nodes))
+}
+
+/// The open's walk of the snapshots' trees, newest first (DESIGN §15.4, §15.6 rule 3): each
+/// node no tree walked before reached is marked used (a node reached at the same generation is
+/// shared, its subtree skipped; at another generation the image is damaged); an extent's
+/// blocks are marked, and a block already used is accepted when the extent was born at or
+/// before the snapshot and no node lies on it. `seen` holds the nodes walked so far
+/// (address → generation). Any other conflict fails the open with the snapshot's name.
+pub(crate) fn mark_snapshot_trees(
+    ctx: TreeCtx<'_>,
+    alloc: &Allocator,
+    list: &[Snapshot],
+    seen: &mut HashMap<u64, u64>,
+) -> Result<()> {
+    let total = alloc.total_blocks().bytes();
+    for snapshot in list.iter().rev() {
+        let what = format!(
+            "open: snapshot {:?} (id {}, generation {})",
+            snapshot.name, snapshot.id, snapshot.generation
+        );
+        let mut extents: Vec<(Key, u64, u64, u64)> = Vec::new();
+        walk(
+            ctx,
+            snapshot.root,
+            &mut |addr, generation| {
+                if let Some(g) = seen.get(&addr) {
+                    if *g == generation {
+                        return Ok(false);
+                    }
+                    return Err(Error::corrupt(
+                        what.clone(),
+                        FormatError::invalid(
+                            format!("node {addr:#x}"),
+                            format!("generation {generation}"),
+                            format!("generation {g} as another tree has it"),
+                        ),
+                    ));
+                }
+                if generation > snapshot.generation
+                    || !alloc.mark_used(BlockAddr::new(addr), BlockCount::new(NODE_BLOCKS))
+                {
+                    return Err(Error::corrupt(
+                        what.clone(),
+                        FormatError::invalid(
+                            format!("node {addr:#x} (generation {generation})"),
+                            "newer than the snapshot or on used blocks",
+                            "a node of the snapshot's tree on its own blocks",
+                        ),
+                    ));
+                }
+                seen.insert(addr, generation);
+                Ok(true)
+            },
+            &mut |key, extent, node| {
+                let extent = extent.map_err(|e| {
+                    Error::corrupt(format!("{what}: extent {key} in node {node:#x}"), e)
+                })?;
+                if let Some((disk, blocks)) = extent.disk_range() {
+                    extents.push((key, extent.generation, disk, blocks));
+                }
+                Ok(())
+            },
+        )?;
+        for (key, birth, disk, blocks) in extents {
+            let inside = disk >= RESERVED_HEAD_BYTES
+                && disk % BLOCK_SIZE == 0
+                && disk.saturating_add(blocks * BLOCK_SIZE) <= total;
+            let clean = inside && alloc.mark_used(BlockAddr::new(disk), BlockCount::new(blocks));
+            if clean {
+                continue;
+            }
+            let shared = inside && birth <= snapshot.generation && !on_a_node(seen, disk, blocks);
+            if !shared {
+                return Err(Error::corrupt(
+                    what.clone(),
+                    FormatError::invalid(
+                        format!("extent {key} at {disk:#x} x {blocks} blocks (generation {birth})"),
+                        "outside the device, on a node, or newer than the snapshot",
+                        "blocks of the data area born at or before the snapshot",
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether a node of `seen` lies on any of the `blocks` blocks at `disk`.
+fn on_a_node(seen: &HashMap<u64, u64>, disk: u64, blocks: u64) -> bool {
+    let node_bytes = NODE_BLOCKS * BLOCK_SIZE;
+    let first = disk.saturating_sub(node_bytes - BLOCK_SIZE);
+    let end = disk + blocks * BLOCK_SIZE;
+    (first / BLOCK_SIZE..end.div_ceil(BLOCK_SIZE)).any(|b| seen.contains_key(&(b * BLOCK_SIZE)))
+}
+
+type NodeVisit<'a> = dyn FnMut(u64, u64) -> Result<bool> + 'a;
+type ExtentVisit<'a> =
+    dyn FnMut(Key, std::result::Result<FileExtent, FormatError>, u64) -> Result<()> + 'a;
+
+/// Depth-first walk of an fs tree: `node(addr, generation)` before a node is read (`false`
+/// skips it and its subtree), `extent(key, extent, node addr)` for every extent item.
+fn walk(
+    ctx: TreeCtx<'_>,
+    root: RootPtr,
+    node: &mut NodeVisit<'_>,
+    extent: &mut ExtentVisit<'_>,
+) -> Result<()> {
+    let mut stack = vec![(root.addr, root.generation, root.level)];
+    while let Some((addr, generation, level)) = stack.pop() {
+        if !node(addr, generation)? {
+            continue;
+        }
+        let read = ctx.read(addr, generation, level)?;
+        match &read.body {
+            NodeBody::Internal(ptrs) => {
+                stack.extend(ptrs.iter().map(|p| (p.addr, p.generation, level - 1)))
+            }
+            NodeBody::Leaf(items) => {
+                for (key, value) in items {
+                    if key.kind() == Some(ItemType::ExtentData) {
+                        extent(*key, FileExtent::decode(value), addr)?;
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The blocks only the deleted snapshot `victim` held (DESIGN §15.4): its nodes and the blocks
+/// of its extents born after `older` (the generation of the nearest older snapshot that stays,
+/// 0 if none: what was born at or before it, that snapshot holds), that `newer` (the root of
+/// the nearest newer snapshot that stays, or of the live tree the deleting commit wrote) does
+/// not reference. `newer`'s nodes born after the victim are read; a pointer from them to a node
+/// born at or before the victim names a subtree both trees share (the trees are copy-on-write,
+/// so that node is in the victim's tree too), which the victim's walk skips. Its cost grows
+/// with the change between the two trees, not with the filesystem.
+pub(crate) fn deletion_frees(
+    ctx: TreeCtx<'_>,
+    victim: &Snapshot,
+    older: u64,
+    newer: RootPtr,
+) -> Result<Vec<(BlockAddr, BlockCount)>> {
+    let mut shared: HashSet<u64> = HashSet::new();
+    let mut newer_blocks: HashSet<u64> = HashSet::new();
+    walk(
+        ctx,
+        newer,
+        &mut |addr, generation| {
+            if generation <= victim.generation {
+                shared.insert(addr);
+                return Ok(false);
+            }
+            Ok(true)
+        },
+        &mut |key, extent, node| {
+            let extent =
+                extent.map_err(|e| Error::corrupt(format!("extent {key} in node {node:#x}"), e))?;
+            if let Some((disk, blocks)) = extent.disk_range() {
+                let first = disk / BLOCK_SIZE;
+                newer_blocks.extend(first..first + blocks);
+            }
+            Ok(())
+        },
+    )?;
+    let mut frees: Vec<(BlockAddr, BlockCount)> = Vec::new();
+    let mut node_frees: Vec<(BlockAddr, BlockCount)> = Vec::new();
+    walk(
+        ctx,
+        victim.root,
+        &mut |addr, generation| {
+            if generation <= older || shared.contains(&addr) {
+                return Ok(false);
+            }
+            node_frees.push((BlockAddr::new(addr), BlockCount::new(NODE_BLOCKS)));
+            Ok(true)
+        },
+        &mut |key, extent, node| {
+            let extent =
+                extent.map_err(|e| Error::corrupt(format!("extent {key} in node {node:#x}"), e))?;
+            let Some((disk, blocks)) = extent.disk_range() else {
+                return Ok(());
+            };
+            if extent.generation <= older {
+                return Ok(());
+            }
+            let first = disk / BLOCK_SIZE;
+            let mut run: Option<(u64, u64)> = None;
+            for block in first..first + blocks {
+                if newer_blocks.contains(&block) {
+                    if let Some((start, len)) = run.take() {
+                        frees.push((BlockAddr::new(start * BLOCK_SIZE), BlockCount::new(len)));
+                    }
+                    continue;
+                }
+                run = match run {
+                    Some((start, len)) => Some((start, len + 1)),
+                    None => Some((block, 1)),
+                };
+            }
+            if let Some((start, len)) = run {
+                frees.push((BlockAddr::new(start * BLOCK_SIZE), BlockCount::new(len)));
+            }
+            Ok(())
+        },
+    )?;
+    frees.extend(node_frees);
+    Ok(frees)
+}
