@@ -159,15 +159,8 @@ class Target:
                 return
             os.makedirs(self.mnt, exist_ok=True)
             if self.rbd:  # birch mkfs makes the RBD image (--size) or reformats it (--force)
-                cmd = [self.birch, "mkfs", "--force", "--size", str(cfg.image_size), self.image]
-                rc, out, err = run(cmd, timeout=600)
-                if rc != 0:
-                    self.fail(f"`{' '.join(cmd)}` rc={rc}: {(err or out).strip()[-400:]}")
-                    return
-                rc, out, err = run([self.birch, "--version"], timeout=20)
-                self.meta["version"] = (out or err).strip()[:200] if rc == 0 else None
                 self.meta["image"] = self.image
-                self.status = "ok"
+                self.mkfs_birch()
                 return
             os.makedirs(os.path.dirname(self.image), exist_ok=True)
             t0 = time.time()
@@ -177,15 +170,8 @@ class Target:
             log(f"target {self.name}: image {self.image} {human(cfg.image_size)} {how}"
                 f" ({time.time() - t0:.1f}s)")
             if self.is_birch:
-                cmd = [self.birch, "mkfs", "--force", "--size", str(cfg.image_size), self.image]
-                rc, out, err = run(cmd, timeout=600)
-                if rc != 0:
-                    self.fail(f"`{' '.join(cmd)}` rc={rc}: {(err or out).strip()[-400:]}")
-                    return
-                rc, out, err = run([self.birch, "--version"], timeout=20)
-                self.meta["version"] = (out or err).strip()[:200] if rc == 0 else None
-                self.meta["image_allocated_pct"] = self.allocated()
-                self.status = "ok"
+                if self.mkfs_birch():
+                    self.meta["image_allocated_pct"] = self.allocated()
                 return
             dev = self.attach()
             if self.kind in ("ext4", "fuse2fs", "bindfs-mt"):
@@ -207,6 +193,19 @@ class Target:
             self.status = "ok"
         except Exception as e:  # noqa: BLE001 - a failing target is reported, not fatal
             self.fail(f"setup: {e}")
+
+    def mkfs_birch(self) -> bool:
+        """`birch mkfs --force --size SIZE IMAGE` and the binary's version; the target is ok
+        after it, or failed with the command's output."""
+        cmd = [self.birch, "mkfs", "--force", "--size", str(self.cfg.image_size), self.image]
+        rc, out, err = run(cmd, timeout=600)
+        if rc != 0:
+            self.fail(f"`{' '.join(cmd)}` rc={rc}: {(err or out).strip()[-400:]}")
+            return False
+        rc, out, err = run([self.birch, "--version"], timeout=20)
+        self.meta["version"] = (out or err).strip()[:200] if rc == 0 else None
+        self.status = "ok"
+        return True
 
     def _mount_item(self, path: str, fuse: bool) -> dict:
         # "birch": the binary that mounted it (cleanup unmounts with that one), else False

@@ -258,33 +258,15 @@ type ExtentVisit<'a> =
     dyn FnMut(Key, std::result::Result<FileExtent, FormatError>, u64) -> Result<()> + 'a;
 
 /// Depth-first walk of an fs tree: `node(addr, generation)` before a node is read (`false`
-/// skips it and its subtree), `extent(key, extent, node addr)` for every extent item.
+/// skips it and its subtree), `extent(key, extent, node addr)` for every extent item; the
+/// open's walk ([`crate::txn::walk_tree`]) over these visitors.
 fn walk(
     ctx: TreeCtx<'_>,
     root: RootPtr,
     node: &mut NodeVisit<'_>,
     extent: &mut ExtentVisit<'_>,
 ) -> Result<()> {
-    let mut stack = vec![(root.addr, root.generation, root.level)];
-    while let Some((addr, generation, level)) = stack.pop() {
-        if !node(addr, generation)? {
-            continue;
-        }
-        let read = ctx.read(addr, generation, level)?;
-        match &read.body {
-            NodeBody::Internal(ptrs) => {
-                stack.extend(ptrs.iter().map(|p| (p.addr, p.generation, level - 1)))
-            }
-            NodeBody::Leaf(items) => {
-                for (key, value) in items {
-                    if key.kind() == Some(ItemType::ExtentData) {
-                        extent(*key, FileExtent::decode(value), addr)?;
-                    }
-                }
-            }
-        }
-    }
-    Ok(())
+    crate::txn::walk_tree(ctx, root, node, extent)
 }
 
 /// The blocks only the deleted snapshot `victim` held (DESIGN §15.4): its nodes and the blocks

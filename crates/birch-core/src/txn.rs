@@ -2006,8 +2006,9 @@ pub(crate) fn backups_after(previous: &Superblock, floor: u64) -> Vec<BackupRoot
         .collect()
 }
 
-/// [`Engine::walk_tree`] over any tree context (the open's walk, and [`union_walk`]).
-fn walk_tree(
+/// [`Engine::walk_tree`] over any tree context (the open's walk, [`union_walk`], and the
+/// snapshot walks of `snapshot.rs`).
+pub(crate) fn walk_tree(
     ctx: TreeCtx<'_>,
     root: RootPtr,
     mut node: impl FnMut(u64, u64) -> Result<bool>,
