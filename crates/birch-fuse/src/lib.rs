@@ -1383,9 +1383,15 @@ impl fuser::Filesystem for BirchFuse {
             Ok(None) => {}
             Ok(Some(ticket)) => {
                 // No batch is being written: lead one (here when a loop stays free to read,
-                // so a lone fsync pays no hand-off).
+                // so a lone fsync pays no hand-off). On an io_uring queue thread with nothing
+                // else fetched (a lone fsync), here too: one batch's write and flush hold up
+                // only requests that arrive meanwhile, as the hop to a worker would.
                 let fs = self.fs.clone();
-                self.serve_waiting(move || fs.fsync_lead(ticket));
+                if fuser::ring_queue_idle() {
+                    fs.fsync_lead(ticket);
+                } else {
+                    self.serve_waiting(move || fs.fsync_lead(ticket));
+                }
             }
             Err(done) => {
                 let fs = self.fs.clone();

@@ -80,7 +80,7 @@ pub use crate::session::Session;
 pub use crate::session::SessionACL;
 pub use crate::session::SessionUnmounter;
 pub use crate::uring::UringOptions;
-pub use crate::uring::on_ring_queue;
+pub use crate::uring::{on_ring_queue, ring_queue_idle};
 pub use crate::uring::{opcode_counts, transport_counts};
 
 mod access_flags;

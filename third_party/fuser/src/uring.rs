@@ -252,6 +252,18 @@ impl fmt::Debug for QueueShared {
 thread_local! {
     /// The queue this thread serves (its `QueueShared` address), 0 for other threads.
     static ON_QUEUE: Cell<usize> = const { Cell::new(0) };
+    /// On a queue thread, while it serves a request: whether anything else waits for it
+    /// (requests fetched and not served yet, or replies to commit). See [`ring_queue_idle`].
+    static QUEUE_BACKLOG: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Whether the calling thread is an io_uring queue thread with nothing but the request it
+/// serves now to do: no other request of its queue fetched and waiting, no reply waiting to be
+/// committed. A request that waits for the device may then be served here, holding up only
+/// requests that arrive while it waits, rather than pay the hand-off to a worker and back
+/// (birchfs leads a lone fsync's log batch here). False on any other thread.
+pub fn ring_queue_idle() -> bool {
+    on_ring_queue() && !QUEUE_BACKLOG.with(Cell::get)
 }
 
 /// Whether the calling thread is an io_uring queue thread: its queue's only request loop, so a
@@ -632,7 +644,7 @@ pub(crate) fn queue_loop<FS: Filesystem>(
         }
         completions.clear();
         completions.extend(q.ring.completion().map(|c| (c.user_data(), c.result())));
-        for &(tag, res) in &completions {
+        for (k, &(tag, res)) in completions.iter().enumerate() {
             if tag == WAKE_TAG {
                 let e = wake_read(&mut wake_buf);
                 // SAFETY: as above.
@@ -655,7 +667,15 @@ pub(crate) fn queue_loop<FS: Filesystem>(
                 continue;
             }
             served_any = true;
+            // Anything else to do: completions after this one (requests, or the eventfd that
+            // says replies wait to be committed), completions the kernel posted since, or
+            // replies already waiting.
+            let backlog = k + 1 < completions.len()
+                || !q.ring.completion().is_empty()
+                || !shared.done.lock().is_empty();
+            QUEUE_BACKLOG.with(|b| b.set(backlog));
             serve_entry(&shared, idx, &mut buf, &dev, &se);
+            QUEUE_BACKLOG.with(|b| b.set(true));
         }
     }
     debug!("uring: queue {qid} ended");
