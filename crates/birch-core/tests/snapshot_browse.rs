@@ -486,3 +486,20 @@ fn one_snapshot_is_served_alone_as_the_root_of_a_read_only_open() {
     assert_eq!(errno(fs.setattr(ROOT, &chmod)), libc::EROFS);
     fs.close().expect("close");
 }
+
+#[test]
+fn object_ids_stop_below_the_subvolume_bits() {
+    let (dev, fs) = common::fresh(32 * MIB);
+    fs.engine()
+        .raise_objectid(birch_format::OBJECTID_LIMIT - 64);
+    let last = fs
+        .mkdir(Caller::default(), ROOT, b"last", 0o755)
+        .expect("the last batch below 2^48");
+    assert!(last.ino < birch_format::OBJECTID_LIMIT);
+    let refused = fs
+        .mkdir(Caller::default(), ROOT, b"past", 0o755)
+        .expect_err("an id at 2^48");
+    assert_eq!(refused.errno(), libc::ENOSPC, "{refused}");
+    assert_eq!(errno(fs.lookup(ROOT, b"past")), libc::ENOENT);
+    common::close_and_check_clean(fs, &dev, "ids used up");
+}
