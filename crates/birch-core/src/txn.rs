@@ -824,7 +824,19 @@ impl Engine {
     /// it (atomic with that commit; on an idle filesystem that commit writes the list's leaf
     /// and the superblock, whatever the size of the tree). Errors: a bad name
     /// ([`snapshot::check_name`]), a name in use (`Exists`), a read-only engine, the commit's.
+    ///
+    /// On a [`crate::Filesystem`] use its `create_snapshot`: this commit alone would record
+    /// the sizes of buffered writes without their data, which only the filesystem's commit
+    /// writes first.
     pub fn create_snapshot(&self, name: &str) -> Result<Snapshot> {
+        self.queue_snapshot_create(name)?;
+        self.commit()?;
+        self.made_snapshot(name)
+    }
+
+    /// Queues snapshot `name` for the next commit (which makes it; see
+    /// [`Engine::create_snapshot`] for the errors).
+    pub fn queue_snapshot_create(&self, name: &str) -> Result<()> {
         snapshot::check_name(name)?;
         self.check_snapshot_writable()?;
         {
@@ -857,7 +869,11 @@ impl Engine {
                 created: birch_format::items::Timespec { sec, nsec },
             });
         }
-        self.commit()?;
+        Ok(())
+    }
+
+    /// Snapshot `name` once the commit that took its queued creation is done.
+    pub fn made_snapshot(&self, name: &str) -> Result<Snapshot> {
         self.snapshots
             .lock()
             .list
@@ -871,7 +887,17 @@ impl Engine {
     /// back the blocks no other snapshot and not the live tree reference (DESIGN §15.4; free
     /// once that commit is durable, as any freed space). Returns what was deleted. Errors: no
     /// such snapshot (`NotFound`), a read-only engine, the commit's.
+    ///
+    /// On a [`crate::Filesystem`] use its `delete_snapshot`, for the reason
+    /// [`Engine::create_snapshot`] gives.
     pub fn delete_snapshot(&self, name: &str) -> Result<Snapshot> {
+        let victim = self.queue_snapshot_delete(name)?;
+        self.commit()?;
+        Ok(victim)
+    }
+
+    /// Queues the deletion of snapshot `name` for the next commit; returns the snapshot.
+    pub fn queue_snapshot_delete(&self, name: &str) -> Result<Snapshot> {
         self.check_snapshot_writable()?;
         let victim = {
             let mut state = self.snapshots.lock();
@@ -886,7 +912,6 @@ impl Engine {
             }
             victim
         };
-        self.commit()?;
         Ok(victim)
     }
 

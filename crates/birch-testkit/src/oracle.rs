@@ -41,6 +41,22 @@ pub struct History {
     moved: Vec<(usize, String)>,
     /// Steps so far, to order fsyncs and moves that no device event separates.
     steps: usize,
+    /// Snapshots made, in order: each is atomic with one commit, so after a crash it either
+    /// does not exist or holds exactly `files`.
+    snapshots: Vec<SnapshotMade>,
+    /// Snapshot deletions: (name, events when it was asked for, events when it returned).
+    deletions: Vec<(String, usize, usize)>,
+}
+
+/// A snapshot a workload made: its name (never reused in one run), the device events when it
+/// was asked for and when it returned (its commit durable), and every file of the filesystem
+/// at that moment (path to content).
+#[derive(Clone)]
+struct SnapshotMade {
+    name: String,
+    asked: usize,
+    returned: usize,
+    files: std::collections::BTreeMap<String, Vec<u8>>,
 }
 
 impl History {
@@ -115,6 +131,28 @@ impl History {
                 }
             }
         }
+    }
+
+    /// Snapshot `name` was asked for once `asked` device events were recorded and returned at
+    /// `returned`, holding exactly `files` (every regular file of the filesystem by path).
+    pub fn snapshot_made(
+        &mut self,
+        name: &str,
+        asked: usize,
+        returned: usize,
+        files: std::collections::BTreeMap<String, Vec<u8>>,
+    ) {
+        self.snapshots.push(SnapshotMade {
+            name: name.to_string(),
+            asked,
+            returned,
+            files,
+        });
+    }
+
+    /// The deletion of snapshot `name` was asked for at `asked` and returned at `returned`.
+    pub fn snapshot_deleted(&mut self, name: &str, asked: usize, returned: usize) {
+        self.deletions.push((name.to_string(), asked, returned));
     }
 
     /// `path` was unlinked.
@@ -249,10 +287,22 @@ fn check_state(
                     .iter()
                     .any(|v| v.starts_with(&got) || got.starts_with(v)))
             {
-                return Err(format!("{path} holds content never written"));
+                let mut runs: Vec<(u8, usize)> = Vec::new();
+                for b in &got {
+                    match runs.last_mut() {
+                        Some((v, n)) if v == b => *n += 1,
+                        _ => runs.push((*b, 1)),
+                    }
+                }
+                runs.truncate(6);
+                return Err(format!(
+                    "{path} holds content never written: {} bytes, runs (byte, count) {runs:?}",
+                    got.len()
+                ));
             }
         }
     }
+    check_snapshots(&fs, history, cut, durable_upto)?;
     fs.mkdir(Caller::default(), 1, b"new-after-crash", 0o755)
         .map_err(|e| format!("create after recovery: {e}"))?;
     fs.close().map_err(|e| format!("close: {e}"))?;
@@ -270,6 +320,148 @@ fn check_state(
         ));
     }
     Ok(())
+}
+
+/// Judges the snapshots of a crash state cut at event `cut`, durable up to `durable_upto`: a
+/// snapshot whose creation returned before the last flush exists unless its deletion was asked
+/// for before the cut; one asked for after the cut does not exist, nor one whose deletion
+/// returned before the last flush; and any snapshot that exists holds exactly the files it was
+/// made with (its creation is atomic with one commit, and nothing changes it afterwards).
+fn check_snapshots(
+    fs: &Filesystem,
+    history: &History,
+    cut: usize,
+    durable_upto: usize,
+) -> std::result::Result<(), String> {
+    if history.snapshots.is_empty() {
+        return Ok(());
+    }
+    let standing = fs.engine().snapshots();
+    for made in &history.snapshots {
+        let deletion = history.deletions.iter().find(|(n, _, _)| *n == made.name);
+        let found = standing.iter().find(|s| s.name == made.name);
+        let must_exist =
+            made.returned <= durable_upto && deletion.is_none_or(|(_, asked, _)| cut <= *asked);
+        let must_not =
+            cut <= made.asked || deletion.is_some_and(|(_, _, returned)| *returned <= durable_upto);
+        match found {
+            None if must_exist => {
+                return Err(format!(
+                    "snapshot {:?}, made durable before the cut, is missing",
+                    made.name
+                ))
+            }
+            None => {}
+            Some(_) if must_not => {
+                return Err(format!(
+                    "snapshot {:?} exists, though {}",
+                    made.name,
+                    if cut <= made.asked {
+                        "it was asked for after the cut"
+                    } else {
+                        "its deletion was durable"
+                    }
+                ))
+            }
+            Some(s) => {
+                let got = snapshot_files(fs, s.id)
+                    .map_err(|e| format!("snapshot {:?} does not read: {e}", made.name))?;
+                if got != made.files {
+                    let differ: Vec<&String> = made
+                        .files
+                        .keys()
+                        .chain(got.keys())
+                        .filter(|p| made.files.get(*p) != got.get(*p))
+                        .collect();
+                    return Err(format!(
+                        "snapshot {:?} differs from the files it was made with at {differ:?}",
+                        made.name
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every regular file of snapshot `id` by path (`/A/foo`), read from the snapshot's tree
+/// through a committed view: names from the directory index, sizes from the inode items,
+/// bytes from the extents, each data block checked against its recorded crc32c.
+fn snapshot_files(
+    fs: &Filesystem,
+    id: u64,
+) -> std::result::Result<std::collections::BTreeMap<String, Vec<u8>>, String> {
+    use birch_format::items::{decode_dir_entries, ExtentKind, FileExtent, InodeItem};
+    use birch_format::{ItemType, Key, BLOCK_SIZE};
+
+    let view = fs
+        .engine()
+        .snapshot_view(id)
+        .map_err(|e| format!("view: {e}"))?;
+    let device = fs.engine().device();
+    let mut files = std::collections::BTreeMap::new();
+    let mut dirs = vec![(String::new(), 1u64)];
+    while let Some((path, dir)) = dirs.pop() {
+        let lo = Key::new(dir, ItemType::DirIndex, 0);
+        let hi = Key::new(dir, ItemType::DirIndex, u64::MAX);
+        let items = view
+            .range(&lo, &hi, usize::MAX)
+            .map_err(|e| format!("dir {path}/: {e}"))?;
+        for (_, value) in items {
+            for entry in decode_dir_entries(&value).map_err(|e| format!("dir {path}/: {e}"))? {
+                let child = format!("{path}/{}", String::from_utf8_lossy(&entry.name));
+                let inode = view
+                    .get(&Key::new(entry.child, ItemType::InodeItem, 0))
+                    .map_err(|e| format!("{child}: {e}"))?
+                    .ok_or_else(|| format!("{child}: no inode item"))?;
+                let inode = InodeItem::decode(&inode).map_err(|e| format!("{child}: {e}"))?;
+                match inode.mode & libc::S_IFMT {
+                    libc::S_IFDIR => dirs.push((child, entry.child)),
+                    libc::S_IFREG => {
+                        let mut data = vec![0u8; inode.size as usize];
+                        let lo = Key::new(entry.child, ItemType::ExtentData, 0);
+                        let hi = Key::new(entry.child, ItemType::ExtentData, u64::MAX);
+                        let extents = view
+                            .range(&lo, &hi, usize::MAX)
+                            .map_err(|e| format!("{child}: {e}"))?;
+                        for (key, value) in extents {
+                            let extent =
+                                FileExtent::decode(&value).map_err(|e| format!("{child}: {e}"))?;
+                            let bytes = match extent.kind {
+                                ExtentKind::Inline(bytes) => bytes,
+                                ExtentKind::Regular { disk_addr, csums } => {
+                                    let mut buf = vec![0u8; csums.len() * BLOCK_SIZE as usize];
+                                    device
+                                        .read_at(&mut buf, disk_addr)
+                                        .map_err(|e| format!("{child}: {e}"))?;
+                                    for (n, (block, crc)) in
+                                        buf.chunks(BLOCK_SIZE as usize).zip(&csums).enumerate()
+                                    {
+                                        if birch_format::checksum(block) != *crc {
+                                            return Err(format!(
+                                                "{child}: block {n} of the extent at {} fails its checksum",
+                                                key.offset
+                                            ));
+                                        }
+                                    }
+                                    buf
+                                }
+                                ExtentKind::Prealloc { .. } => continue,
+                            };
+                            let at = key.offset as usize;
+                            let end = (at + bytes.len()).min(data.len());
+                            if at < end {
+                                data[at..end].copy_from_slice(&bytes[..end - at]);
+                            }
+                        }
+                        files.insert(child, data);
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    Ok(files)
 }
 
 #[cfg(test)]

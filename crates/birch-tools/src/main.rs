@@ -230,7 +230,7 @@ enum Command {
     Crashtest {
         /// Workloads: append+fsync, link/rename+fsync, punch/fallocate/truncate+fsync,
         /// many files+symlink+xattr, big tree+commits, ace, shutdown (three runs: commit,
-        /// log, now) (default: all).
+        /// log, now), snapshots+fsync (four seeded runs) (default: all).
         #[arg(long)]
         workload: Vec<String>,
         /// Seed (printed; the same seed replays the same states).
@@ -1219,6 +1219,8 @@ fn crashtest(
                 Workload::Ace => ace_runs.max(1),
                 // One run per variant (commit, log, now: the seed modulo 3).
                 Workload::Shutdown => 3,
+                // Four seeds: the steps are the seed's choice.
+                Workload::Snapshots => 4,
                 _ => 1,
             };
             (0..n).map(move |i| (*w, seed.wrapping_add(i)))

@@ -32,6 +32,7 @@ use std::os::fd::OwnedFd;
 use std::os::fd::RawFd;
 use std::path::Path;
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering;
@@ -240,6 +241,9 @@ pub(crate) struct QueueShared {
     entries: Vec<RingEntry>,
     /// Entries whose reply is written, to be committed by the queue thread: (index, commit_id).
     done: Mutex<Vec<(u16, u64)>>,
+    /// Whether `done` holds entries: set and cleared under its lock, read without it by the
+    /// queue thread's backlog check (one load per request instead of a lock).
+    done_waiting: AtomicBool,
     wake: OwnedFd,
 }
 
@@ -326,7 +330,11 @@ impl RingReply {
             hdr[ENT_IN_OUT + 16..ENT_IN_OUT + 20]
                 .copy_from_slice(&(payload_sz as u32).to_ne_bytes());
         }
-        self.queue.done.lock().push((self.idx, self.commit_id));
+        {
+            let mut done = self.queue.done.lock();
+            done.push((self.idx, self.commit_id));
+            self.queue.done_waiting.store(true, Ordering::Release);
+        }
         let here = Arc::as_ptr(&self.queue) as usize;
         if ON_QUEUE.with(Cell::get) != here {
             // SAFETY: eventfd_write on our eventfd.
@@ -413,6 +421,7 @@ pub(crate) fn setup(opts: &UringOptions, payload: usize) -> io::Result<Rings> {
                 qid: qid as u16,
                 entries,
                 done: Mutex::new(Vec::with_capacity(depth)),
+                done_waiting: AtomicBool::new(false),
                 // SAFETY: a descriptor we just opened and own.
                 wake: unsafe { OwnedFd::from_raw_fd(efd) },
             }),
@@ -614,7 +623,13 @@ pub(crate) fn queue_loop<FS: Filesystem>(
     let mut completions: Vec<(u64, i32)> = Vec::with_capacity(2 * live + 2);
     let mut served_any = false;
     while live > 0 {
-        let done = std::mem::take(&mut *shared.done.lock());
+        let done = if shared.done_waiting.load(Ordering::Acquire) {
+            let mut waiting = shared.done.lock();
+            shared.done_waiting.store(false, Ordering::Release);
+            std::mem::take(&mut *waiting)
+        } else {
+            Vec::new()
+        };
         if !done.is_empty() {
             let mut sq = q.ring.submission();
             for (idx, commit_id) in done {
@@ -672,7 +687,7 @@ pub(crate) fn queue_loop<FS: Filesystem>(
             // replies already waiting.
             let backlog = k + 1 < completions.len()
                 || !q.ring.completion().is_empty()
-                || !shared.done.lock().is_empty();
+                || shared.done_waiting.load(Ordering::Acquire);
             QUEUE_BACKLOG.with(|b| b.set(backlog));
             serve_entry(&shared, idx, &mut buf, &dev, &se);
             QUEUE_BACKLOG.with(|b| b.set(true));

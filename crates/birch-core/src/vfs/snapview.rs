@@ -554,7 +554,13 @@ impl Filesystem {
             }
             opens.deleting.insert(snapshot.id);
         }
-        let deleted = self.inner.engine.delete_snapshot(name);
+        // Queued, then the filesystem's commit (never the engine's alone: it would record
+        // buffered writes' sizes without their data).
+        let deleted = self
+            .inner
+            .engine
+            .queue_snapshot_delete(name)
+            .and_then(|victim| self.commit_now().map(|_| victim));
         self.inner.snaps.opens.lock().deleting.remove(&snapshot.id);
         deleted
     }
