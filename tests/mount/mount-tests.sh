@@ -11,7 +11,9 @@
 # fsck checking the pending log replayed in memory); atime under strictatime and after remounts
 # with noatime, relatime and strictatime; shutdown through the FS_IOC_SHUTDOWN ioctl and
 # `birch shutdown` (EPERM without CAP_SYS_ADMIN, EIO after, umount works, the next mount finds
-# what each variant keeps); fsck clean at the end.
+# what each variant keeps); snapshots made, listed and deleted through the mount, browsed
+# read-only at MNT/.snapshot/NAME, and one mounted alone with -o ro,snapshot=NAME; fsck clean
+# at the end.
 #
 # Skips (exit 77) with a printed reason where /dev/fuse is absent or not root.
 set -uo pipefail
@@ -449,6 +451,50 @@ os.system('$BIRCH shutdown $MNT')
 check "umount after birch shutdown" "$BIRCH" umount "$MNT"
 "$BIRCH" mount "$IMG" "$MNT"
 check "birch shutdown commits pages the kernel held dirty for an open file" test "$(cat "$MNT/sd-open" 2>&1)" = "$(python3 -c "print('still open' * 1000, end='')")"
+"$BIRCH" umount "$MNT"
+# --- Snapshots through the mount (DESIGN §15.8, SEMANTICS §9): made, listed and deleted by
+# `birch snapshot ... MNT`, browsed read-only at MNT/.snapshot/NAME (hidden from the root's
+# listing, inode numbers carrying the snapshot id in bits 48..63), EBUSY for a deletion while a
+# file is open in it, one mounted alone with -o ro,snapshot=NAME. ---
+"$BIRCH" mount "${EXTRA_OPTS[@]}" "$IMG" "$MNT"
+mkdir -p "$MNT/snapdir"
+printf 'before' > "$MNT/snapdir/f" # in the kernel's writeback cache: create must syncfs first
+ln -s f "$MNT/snapdir/l"
+check "birch snapshot create MNT" "$BIRCH" snapshot create "$MNT" s1
+printf 'after!' > "$MNT/snapdir/f"
+check "ls MNT/.snapshot lists the snapshot" test "$(ls "$MNT/.snapshot" 2>&1)" = s1
+check "ls MNT/.snapshot/s1 shows the tree" test "$(ls "$MNT/.snapshot/s1/snapdir" 2>&1 | tr '\n' ' ')" = "f l "
+check "cat of a file in a snapshot" test "$(cat "$MNT/.snapshot/s1/snapdir/f" 2>&1)" = before
+check "readlink in a snapshot" test "$(readlink "$MNT/.snapshot/s1/snapdir/l" 2>&1)" = f
+check "the live file moved on" test "$(cat "$MNT/snapdir/f")" = 'after!'
+check "a write in a snapshot is EROFS" test "$(py_errno "open('$MNT/.snapshot/s1/snapdir/f','w')")" = EROFS
+check "a create in a snapshot is EROFS" test "$(py_errno "open('$MNT/.snapshot/s1/new','w')")" = EROFS
+check "a rename out of a snapshot is EROFS" test "$(py_errno "os.rename('$MNT/.snapshot/s1/snapdir/f', '$MNT/stolen')")" = EROFS
+check "mkdir in .snapshot is EROFS" test "$(py_errno "os.mkdir('$MNT/.snapshot/x')")" = EROFS
+check "mkdir .snapshot in the root is EEXIST" test "$(py_errno "os.mkdir('$MNT/.snapshot')")" = EEXIST
+check ".snapshot is not listed by ls -a" test -z "$(ls -a "$MNT" | grep -x .snapshot)"
+check "a snapshot's inode numbers carry its id" test $(( $(stat -c %i "$MNT/.snapshot/s1/snapdir/f") >> 48 )) -eq 1
+check "birch snapshot list MNT" test -n "$("$BIRCH" snapshot list "$MNT" | grep ' s1$')"
+check "birch snapshot delete MNT is EBUSY while a file is open in the snapshot" python3 -c "
+import subprocess, sys
+f = open('$MNT/.snapshot/s1/snapdir/f', 'rb')
+p = subprocess.run(['$BIRCH', 'snapshot', 'delete', '$MNT', 's1'], capture_output=True, text=True)
+sys.exit(0 if p.returncode != 0 and 'open' in p.stderr and f.read() == b'before' else 1)"
+check "birch snapshot delete MNT" "$BIRCH" snapshot delete "$MNT" s1
+check "a deleted snapshot leaves the listing" test -z "$(ls "$MNT/.snapshot")"
+check "a deleted snapshot's path is ENOENT" test "$(py_errno "os.stat('$MNT/.snapshot/s1')")" = ENOENT
+"$BIRCH" snapshot create "$MNT" s2 >/dev/null
+printf 'later' > "$MNT/snapdir/f"
+expect_fail "-o ro,snapshot= while the live filesystem is mounted says where it is" ".snapshot/s2" "$BIRCH" mount -o ro,snapshot=s2 "$IMG" "$WORK/mnt2"
+"$BIRCH" umount "$MNT"
+expect_fail "-o snapshot= without ro is refused" "-o ro,snapshot=s2" "$BIRCH" mount -o snapshot=s2 "$IMG" "$MNT"
+check "birch mount -o ro,snapshot=NAME" "$BIRCH" mount -o ro,snapshot=s2 "$IMG" "$MNT"
+check "the snapshot is the mount's root" test "$(cat "$MNT/snapdir/f" 2>&1)" = 'after!'
+check "no .snapshot in a snapshot mounted alone" test "$(py_errno "os.stat('$MNT/.snapshot')")" = ENOENT
+check "a change to a snapshot mounted alone is EROFS" test "$(py_errno "open('$MNT/x','w')")" = EROFS
+"$BIRCH" umount "$MNT"
+"$BIRCH" mount "${EXTRA_OPTS[@]}" "$IMG" "$MNT"
+check "the live filesystem after the snapshot mount" test "$(cat "$MNT/snapdir/f" 2>&1)" = later
 "$BIRCH" umount "$MNT"
 check "fsck clean at the end" "$BIRCH" fsck "$IMG"
 

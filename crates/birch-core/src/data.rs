@@ -62,6 +62,27 @@ fn extent_key(ino: u64, offset: u64) -> Key {
     Key::new(ino, ItemType::ExtentData, offset)
 }
 
+/// Extents of `ino` that overlap `[from, to)` in a read view (a snapshot's committed tree),
+/// in order, each with its file offset: [`DataLayer::extents`] over any view. Extents never
+/// overlap and none is longer than `EXTENT_MAX_BYTES`, so the range starts that far back.
+pub(crate) fn extents_in<V: crate::items::ReadView + ?Sized>(
+    view: &V,
+    ino: u64,
+    from: u64,
+    to: u64,
+) -> Result<Vec<(u64, FileExtent)>> {
+    let lo = extent_key(ino, from.saturating_sub(EXTENT_MAX_BYTES - 1));
+    let mut out = Vec::new();
+    for (key, bytes) in view.range(&lo, &extent_key(ino, to), usize::MAX)? {
+        let extent = FileExtent::decode(&bytes)
+            .map_err(|e| Error::corrupt(format!("inode {ino} extent {key}"), e))?;
+        if key.offset + extent.len_bytes() > from {
+            out.push((key.offset, extent));
+        }
+    }
+    Ok(out)
+}
+
 /// A run of consecutive data blocks on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct BlockRun {

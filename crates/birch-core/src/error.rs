@@ -129,6 +129,10 @@ pub enum Error {
     /// fallocate on a special file. Maps to `ENODEV`.
     #[error("{0}: no such device")]
     NoDevice(String),
+    /// A change asked of a snapshot (under `/.snapshot`, or a snapshot mounted alone):
+    /// snapshots are read-only. Maps to `EROFS`.
+    #[error("{0}: a snapshot is read-only")]
+    SnapshotReadOnly(String),
     /// An invariant of the core's own state does not hold (a job of the parallel apply
     /// panicked, a node the writer made does not fit, an inode a rename locked is not in its
     /// lock set): a bug in birchfs, not damage on disk and not a bad request. Made with
@@ -148,7 +152,7 @@ impl Error {
             | Error::Shutdown
             | Error::Bug(_) => libc::EIO,
             Error::NoSpace(_) => libc::ENOSPC,
-            Error::ReadOnly(_) => libc::EROFS,
+            Error::ReadOnly(_) | Error::SnapshotReadOnly(_) => libc::EROFS,
             Error::NotFound(_) => libc::ENOENT,
             Error::Exists(_) => libc::EEXIST,
             Error::NotEmpty(_) => libc::ENOTEMPTY,
@@ -187,6 +191,7 @@ impl Error {
             | Error::NotDir(_)
             | Error::IsDir(_)
             | Error::Range(_)
+            | Error::SnapshotReadOnly(_)
             | Error::NoSuchAddress(_) => log::Level::Debug,
             Error::Corrupt { .. } | Error::DataChecksum(_) | Error::Bug(_) => log::Level::Error,
             _ => log::Level::Warn,

@@ -1236,7 +1236,7 @@ fn lost_and_found(
             "repair: /lost+found exists and is not a directory; rename it and run again".into(),
         ));
     }
-    let ino = engine.allocate_objectid_alone().get();
+    let ino = engine.allocate_objectid_alone()?.get();
     let Some(root) = facts.inodes.get_mut(&ROOT_OBJECTID) else {
         return Err(Error::Invalid(
             "repair: the root directory is missing; cannot make /lost+found".into(),

@@ -24,7 +24,8 @@ use birch_format::superblock::{
 };
 use birch_format::{
     BlockAddr, BlockCount, FormatError, Generation, InodeNo, ItemType, Key, Lsn,
-    FIRST_FREE_OBJECTID, FORMAT_VERSION, FS_TREE_ID, NODE_BLOCKS, NODE_SIZE,
+    FIRST_FREE_OBJECTID, FORMAT_VERSION, FS_TREE_ID, NODE_BLOCKS, NODE_SIZE, OBJECTID_LIMIT,
+    SNAPSHOT_ID_LIMIT, SUBVOLUME_SHIFT,
 };
 use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
 
@@ -285,6 +286,17 @@ static INSTANCES: AtomicU64 = AtomicU64::new(1);
 
 thread_local! {
     static OBJECTID_RANGES: RefCell<HashMap<u64, (u64, u64)>> = RefCell::new(HashMap::new());
+}
+
+/// Refuses an object id at or past [`OBJECTID_LIMIT`] (DESIGN §7: the bits above name a
+/// subvolume). The counter may run past the limit; no id past it is ever handed out.
+fn check_objectid(id: u64) -> Result<()> {
+    if id >= OBJECTID_LIMIT {
+        return Err(Error::NoSpace(format!(
+            "new inode: every object id below 2^{SUBVOLUME_SHIFT} is used"
+        )));
+    }
+    Ok(())
 }
 
 fn now() -> (i64, u32) {
@@ -836,6 +848,21 @@ impl Engine {
             if taken {
                 return Err(Error::Exists(format!("snapshot {name:?}")));
             }
+            // Ids are never reused, and a snapshot's id is the subvolume of its inode
+            // numbers (DESIGN §7): 16 bits.
+            let queued = state
+                .pending
+                .iter()
+                .filter(|op| matches!(op, SnapshotOp::Create { .. }))
+                .count() as u64;
+            let next_id = self.superblock.lock().next_snapshot_id.max(1);
+            if next_id + queued >= SNAPSHOT_ID_LIMIT {
+                return Err(Error::NoSpace(format!(
+                    "snapshot {name:?}: every snapshot id below 2^{} was used (ids are never \
+                     reused)",
+                    64 - SUBVOLUME_SHIFT
+                )));
+            }
             let (sec, nsec) = now();
             state.pending.push(SnapshotOp::Create {
                 name: name.to_string(),
@@ -889,17 +916,40 @@ impl Engine {
     }
 
     /// A read view of snapshot `id`'s tree (items through the node cache; no delta).
+    ///
+    /// While the view is held its blocks stay allocated, also when the snapshot is deleted
+    /// meanwhile: the view holds the release list of the committed root current when it was
+    /// made, as any reader of a committed root does (DESIGN §5 pinning, §13.2). A deletion's
+    /// frees go on the list of the root before the deleting commit D, and the list of
+    /// snapshots is updated before root D is published, so a view that still found the
+    /// snapshot holds a root older than D, whose list keeps D's. `NotFound` for a deleted
+    /// (or never made) snapshot: never a view of freed blocks.
     pub fn snapshot_view(&self, id: u64) -> Result<CommittedView<'_>> {
+        // The pin first, then the look-up (see above for why this order is safe).
+        let pin = self.committed_root();
         let snapshot = self
-            .snapshots()
-            .into_iter()
+            .snapshots
+            .lock()
+            .list
+            .iter()
             .find(|s| s.id == id)
-            .ok_or_else(|| Error::NotFound(format!("snapshot id {id}")))?;
+            .cloned()
+            .ok_or_else(|| Error::NotFound(format!("snapshot id {id} (deleted)")))?;
         Ok(self.committed_view(Arc::new(CommittedRoot {
             root: snapshot.root,
             generation: Generation::new(snapshot.generation),
-            release: ReleaseOnDrop::new(self.alloc.clone()),
+            release: pin.release.clone(),
         })))
+    }
+
+    /// Snapshot `id` as of the last durable commit, if it stands.
+    pub fn snapshot(&self, id: u64) -> Option<Snapshot> {
+        self.snapshots
+            .lock()
+            .list
+            .iter()
+            .find(|s| s.id == id)
+            .cloned()
     }
 
     /// Snapshots are changed only by a writable engine.
@@ -1482,13 +1532,16 @@ impl Engine {
         self.objectid_lock.lock()
     }
 
-    /// A new inode number (object id), never used before in this filesystem.
-    pub fn allocate_objectid(&self) -> InodeNo {
+    /// A new inode number (object id), never used before in this filesystem. `NoSpace` once
+    /// the ids reach [`OBJECTID_LIMIT`] (2^48: bits 48..63 of an inode number name its
+    /// subvolume, DESIGN §7).
+    pub fn allocate_objectid(&self) -> Result<InodeNo> {
         if self.bench_global_objectid_lock.load(Ordering::Relaxed) {
             let _guard = self.objectid_locked();
             let id = self.next_objectid.load(Ordering::Relaxed);
+            check_objectid(id)?;
             self.next_objectid.store(id + 1, Ordering::Relaxed);
-            return InodeNo::new(id);
+            return Ok(InodeNo::new(id));
         }
         let id = OBJECTID_RANGES.with(|ranges| {
             let mut ranges = ranges.borrow_mut();
@@ -1503,25 +1556,29 @@ impl Engine {
             range.0 += 1;
             id
         });
-        InodeNo::new(id)
+        check_objectid(id)?;
+        Ok(InodeNo::new(id))
     }
 
     /// A new object id that shares its batch of 64 with no other object (a directory: its
     /// entries then get a delta shard and inode-table shard of their own, see
     /// `delta::batch_shard`). The rest of the batch is never used.
-    pub fn allocate_objectid_alone(&self) -> InodeNo {
+    /// `NoSpace` as [`Engine::allocate_objectid`].
+    pub fn allocate_objectid_alone(&self) -> Result<InodeNo> {
         if self.bench_global_objectid_lock.load(Ordering::Relaxed) {
             // Ids taken one at a time leave the counter anywhere inside a batch.
             let _guard = self.objectid_locked();
             let id = batch_aligned(self.next_objectid.load(Ordering::Relaxed));
+            check_objectid(id)?;
             self.next_objectid
                 .store(id + OBJECTID_BATCH, Ordering::Relaxed);
-            return InodeNo::new(id);
+            return Ok(InodeNo::new(id));
         }
-        InodeNo::new(
-            self.next_objectid
-                .fetch_add(OBJECTID_BATCH, Ordering::Relaxed),
-        )
+        let id = self
+            .next_objectid
+            .fetch_add(OBJECTID_BATCH, Ordering::Relaxed);
+        check_objectid(id)?;
+        Ok(InodeNo::new(id))
     }
 
     /// Allocates data blocks: a run of `min..=max` blocks.
@@ -1797,6 +1854,13 @@ impl Engine {
             generation: Generation::new(generation),
             release: new_release.clone(),
         });
+        // The new list before the new root: a snapshot view that still finds a deleted
+        // snapshot then holds a root older than this one, whose release list keeps what the
+        // deletion frees (`Engine::snapshot_view`).
+        let list_change = list_change.map(|(list, deleted, before)| {
+            self.snapshots.lock().list = list;
+            (deleted, before)
+        });
         let old = {
             let mut state = self.state.write();
             let old = state.first().committed.0.clone();
@@ -1806,10 +1870,9 @@ impl Engine {
             });
             old
         };
-        if let Some((list, deleted, before)) = list_change {
+        if let Some((deleted, before)) = list_change {
             self.give_back_deleted(generation, root, &before, &deleted);
             self.alloc.forget_holds(generation);
-            self.snapshots.lock().list = list;
         }
         let freed = self.alloc.take_pinned(Generation::new(generation));
         self.alloc.unpin_count(freed.iter().map(|(_, b)| b).sum());
@@ -2418,13 +2481,13 @@ mod tests {
         let engine = Engine::open(dev).expect("open");
         let other_thread = |engine: &Arc<Engine>| {
             let engine = engine.clone();
-            std::thread::spawn(move || engine.allocate_objectid().get())
+            std::thread::spawn(move || engine.allocate_objectid().expect("id").get())
                 .join()
                 .expect("thread")
         };
 
         // Off: each thread has a batch of its own; the mutex is never asked for.
-        let a = engine.allocate_objectid().get();
+        let a = engine.allocate_objectid().expect("id").get();
         let b = other_thread(&engine);
         assert!(b.abs_diff(a) >= OBJECTID_BATCH, "{a} and {b} share a batch");
         let held = engine.objectid_lock.lock();
@@ -2435,18 +2498,18 @@ mod tests {
 
         // On: one id at a time, the next thread's id right after.
         engine.set_bench_global_objectid_lock(true);
-        let d = engine.allocate_objectid().get();
+        let d = engine.allocate_objectid().expect("id").get();
         let e = other_thread(&engine);
         assert_eq!(e, d + 1);
-        let dir = engine.allocate_objectid_alone().get();
+        let dir = engine.allocate_objectid_alone().expect("id").get();
         assert_eq!(dir % OBJECTID_BATCH, 0, "a directory still starts a batch");
-        assert!(engine.allocate_objectid().get() >= dir + OBJECTID_BATCH);
+        assert!(engine.allocate_objectid().expect("id").get() >= dir + OBJECTID_BATCH);
 
         // A create that finds the mutex held waits until it is released, and says so.
         let held = engine.objectid_lock.lock();
         let waiter = {
             let engine = engine.clone();
-            std::thread::spawn(move || engine.allocate_objectid().get())
+            std::thread::spawn(move || engine.allocate_objectid().expect("id").get())
         };
         while engine.counters().values().objectid_lock_waits == 0 {
             assert!(!waiter.is_finished(), "allocated past a held lock");

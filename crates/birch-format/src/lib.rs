@@ -77,6 +77,17 @@ pub const SNAPSHOT_TREE_ID: u64 = 7;
 pub const ROOT_OBJECTID: u64 = 1;
 /// The first object id handed to new inodes.
 pub const FIRST_FREE_OBJECTID: u64 = 256;
+/// Bits 48..63 of an inode number (FUSE node id, `st_ino`, `d_ino`) are a subvolume id: 0 is
+/// the live tree, a snapshot's id is its subvolume (DESIGN §7). Object ids stay below
+/// [`OBJECTID_LIMIT`], snapshot ids below [`SNAPSHOT_ID_LIMIT`].
+pub const SUBVOLUME_SHIFT: u32 = 48;
+/// Object ids are below 2^48: the allocator refuses to hand out more (DESIGN §7).
+pub const OBJECTID_LIMIT: u64 = 1 << SUBVOLUME_SHIFT;
+/// Snapshot ids are below 2^16, so that every snapshot's inode numbers fit (DESIGN §7).
+pub const SNAPSHOT_ID_LIMIT: u64 = 1 << (64 - SUBVOLUME_SHIFT);
+/// Reserved object id of the hidden snapshot directory `/.snapshot` (node id 2 of the live
+/// subvolume; never an inode in any tree).
+pub const SNAPSHOT_DIR_OBJECTID: u64 = 2;
 /// Object id under which orphan items are keyed: (ORPHAN_OBJECTID, Orphan, inode).
 pub const ORPHAN_OBJECTID: u64 = u64::MAX - 5;
 

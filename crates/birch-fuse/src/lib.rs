@@ -86,6 +86,10 @@ pub const STATS_XATTR: &[u8] = b"trusted.birch.stats";
 /// (`Filesystem::scrub_status`); `scrub-start` and `scrub-cancel` on [`CONTROL_XATTR`] drive it.
 pub const SCRUB_XATTR: &[u8] = b"trusted.birch.scrub";
 
+/// The root xattr that lists the snapshots, a line each (`Filesystem::snapshots_text`);
+/// `snapshot-create NAME` and `snapshot-delete NAME` on [`CONTROL_XATTR`] change them.
+pub const SNAPSHOTS_XATTR: &[u8] = b"trusted.birch.snapshots";
+
 /// Adapter settings.
 #[derive(Debug, Clone)]
 pub struct FuseOptions {
@@ -359,21 +363,44 @@ fn writes(flags: i32) -> bool {
 /// loops serve, and an entry invalidation locks the parent directory, which a request being
 /// served may hold. Neither may run inside a request handler.
 struct Invalidator {
-    queue: mpsc::Sender<(u64, mpsc::Sender<()>)>,
+    queue: mpsc::Sender<(Inval, mpsc::Sender<()>)>,
+}
+
+/// What [`Invalidator`]'s thread tells the kernel to drop.
+enum Inval {
+    /// Every page of an inode (a directory's: its cached listing), dirty ones written back.
+    Pages(u64),
+    /// The dentry of a name in a directory.
+    Entry(u64, Vec<u8>),
 }
 
 impl Invalidator {
     /// Starts the thread; it ends when the adapter is dropped.
     fn start(notifier: Arc<OnceLock<fuser::Notifier>>) -> Invalidator {
-        let (tx, rx) = mpsc::channel::<(u64, mpsc::Sender<()>)>();
+        let (tx, rx) = mpsc::channel::<(Inval, mpsc::Sender<()>)>();
         let spawned = std::thread::Builder::new()
             .name("birch-inval".into())
             .spawn(move || {
-                for (ino, done) in rx {
+                for (job, done) in rx {
                     if let Some(n) = notifier.get() {
-                        // Offset 0, length 0: every page; dirty ones are written back first.
-                        if let Err(e) = n.inval_inode(INodeNo(ino), 0, 0) {
-                            log::debug!("invalidate pages of inode {ino}: {e}");
+                        match job {
+                            // Offset 0, length 0: every page; dirty ones are written back
+                            // first.
+                            Inval::Pages(ino) => {
+                                if let Err(e) = n.inval_inode(INodeNo(ino), 0, 0) {
+                                    log::debug!("invalidate pages of inode {ino}: {e}");
+                                }
+                            }
+                            Inval::Entry(parent, name) => {
+                                if let Err(e) =
+                                    n.inval_entry(INodeNo(parent), OsStr::from_bytes(&name))
+                                {
+                                    log::debug!(
+                                        "invalidate entry {:?} of inode {parent}: {e}",
+                                        String::from_utf8_lossy(&name)
+                                    );
+                                }
+                            }
                         }
                     }
                     let _ = done.send(());
@@ -389,10 +416,22 @@ impl Invalidator {
     /// until it has. Returns whether it finished in time.
     fn write_back(&self, ino: u64, limit: Duration) -> bool {
         let (done, wait) = mpsc::channel();
-        if self.queue.send((ino, done)).is_err() {
+        if self.queue.send((Inval::Pages(ino), done)).is_err() {
             return false;
         }
         wait.recv_timeout(limit).is_ok()
+    }
+
+    /// Has the kernel drop its cached listing of `/.snapshot` and its entry `name` there
+    /// (a snapshot made or deleted through the control xattr, which the kernel cannot see),
+    /// without waiting: the entry's invalidation locks `/.snapshot`, which a request being
+    /// served may hold.
+    fn snapshot_changed(&self, name: &[u8]) {
+        let dir = birch_format::SNAPSHOT_DIR_OBJECTID;
+        for job in [Inval::Entry(dir, name.to_vec()), Inval::Pages(dir)] {
+            let (done, _) = mpsc::channel();
+            let _ = self.queue.send((job, done));
+        }
     }
 }
 
@@ -1576,7 +1615,16 @@ impl fuser::Filesystem for BirchFuse {
         refuse_if_down!(self, reply);
         if ino.0 == 1 && name.as_bytes() == CONTROL_XATTR {
             match self.fs.control(value) {
-                Ok(()) => reply.ok(),
+                Ok(()) => {
+                    let snapshot = value
+                        .strip_prefix(b"snapshot-create ")
+                        .or_else(|| value.strip_prefix(b"snapshot-delete "));
+                    if let Some(name) = snapshot {
+                        self.invalidator.snapshot_changed(name);
+                        self.invalidate_attrs(birch_format::SNAPSHOT_DIR_OBJECTID);
+                    }
+                    reply.ok()
+                }
                 Err(e) => reply.error(errno("control", &e)),
             }
             return;
@@ -1614,6 +1662,10 @@ impl fuser::Filesystem for BirchFuse {
         }
         if ino.0 == 1 && name.as_bytes() == SCRUB_XATTR {
             xattr_reply(reply, size, self.fs.scrub_status().as_bytes());
+            return;
+        }
+        if ino.0 == 1 && name.as_bytes() == SNAPSHOTS_XATTR {
+            xattr_reply(reply, size, self.fs.snapshots_text().as_bytes());
             return;
         }
         match self.fs.getxattr(ino.0, name.as_bytes()) {

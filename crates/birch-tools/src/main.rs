@@ -248,8 +248,9 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         fuse_runs: u64,
     },
-    /// Snapshots of an unmounted image (read-only copies of the whole filesystem at a
-    /// commit): create, list, delete.
+    /// Snapshots (read-only copies of the whole filesystem at a commit) of a mounted
+    /// filesystem (MNT, its mount point: through the daemon) or of an unmounted image:
+    /// create, list, delete. Each is browsable read-only at MNT/.snapshot/NAME.
     Snapshot {
         #[command(subcommand)]
         action: SnapshotAction,
@@ -266,9 +267,12 @@ enum Command {
 
 #[derive(Subcommand)]
 enum SnapshotAction {
-    /// Make snapshot NAME of the image as it is now (atomic with one commit). The first
-    /// snapshot sets an incompat flag: older builds then refuse the image.
+    /// Make snapshot NAME of the filesystem as it is now (atomic with one commit; through a
+    /// mount, the kernel's dirty pages are written first). The first snapshot sets an
+    /// incompat flag: older builds then refuse the image.
     Create {
+        /// The image, or the mount point of a mounted birchfs.
+        #[arg(value_name = "IMAGE|MNT")]
         image: PathBuf,
         name: String,
         #[command(flatten)]
@@ -276,12 +280,17 @@ enum SnapshotAction {
     },
     /// List the snapshots: id, generation, creation time (UTC seconds), name.
     List {
+        /// The image, or the mount point of a mounted birchfs.
+        #[arg(value_name = "IMAGE|MNT")]
         image: PathBuf,
         #[command(flatten)]
         ceph: CephArgs,
     },
     /// Delete snapshot NAME; the blocks only it held are free once its commit is durable.
+    /// Through a mount, refused (EBUSY) while a file is open under MNT/.snapshot/NAME.
     Delete {
+        /// The image, or the mount point of a mounted birchfs.
+        #[arg(value_name = "IMAGE|MNT")]
         image: PathBuf,
         name: String,
         #[command(flatten)]
@@ -857,6 +866,9 @@ fn snapshot(action: SnapshotAction) -> ExitCode {
         SnapshotAction::List { image, ceph } => (image, ceph, false),
     };
     let show = image.display();
+    if image.is_dir() {
+        return snapshot_through_mount(&action, image);
+    }
     let mode = if writable {
         OpenMode::ReadWrite
     } else {
@@ -913,6 +925,104 @@ fn snapshot(action: SnapshotAction) -> ExitCode {
     }
     if let Err(e) = closed {
         return fail(format!("{show}: {verb}: close: {e}"));
+    }
+    ExitCode::SUCCESS
+}
+
+/// `birch snapshot create|list|delete MNT [NAME]`: through the daemon serving the mount at
+/// `mnt` (the root's control xattr for create and delete, `trusted.birch.snapshots` for the
+/// list; root only, as every control command).
+fn snapshot_through_mount(action: &SnapshotAction, mnt: &Path) -> ExitCode {
+    let show = mnt.display();
+    if let Err(e) = stats::getxattr(mnt, "trusted.birch.stats") {
+        return fail(match e.raw_os_error() {
+            Some(libc::ENODATA) | Some(libc::ENOTSUP) => format!(
+                "{show}: a directory that is not the root of a birchfs mount (snapshot takes an \
+                 image or a mount point)"
+            ),
+            Some(libc::EPERM) => format!("{show}: snapshots through a mount need root"),
+            _ => format!("{show}: reading trusted.birch.stats: {e}"),
+        });
+    }
+    let list = || -> Result<Vec<Vec<String>>, String> {
+        let bytes = stats::getxattr(mnt, "trusted.birch.snapshots").map_err(|e| {
+            match e.raw_os_error() {
+                Some(libc::ENODATA) => {
+                    format!("{show}: the daemon serving it lists no snapshots (an older build?)")
+                }
+                _ => format!("{show}: reading trusted.birch.snapshots: {e}"),
+            }
+        })?;
+        Ok(String::from_utf8_lossy(&bytes)
+            .lines()
+            .map(|line| line.splitn(4, '\t').map(str::to_string).collect())
+            .collect())
+    };
+    let explain = |verb: &str, name: &str, e: std::io::Error| -> String {
+        let why = match e.raw_os_error() {
+            Some(libc::EBUSY) => format!(
+                "files are open in {show}/.snapshot/{name} (or it is mounted alone); close them first"
+            ),
+            Some(libc::EEXIST) if verb == "create" => format!(
+                "a snapshot of that name exists, or the root has an entry .snapshot of its own \
+                 (rename it): {e}"
+            ),
+            Some(libc::ENOENT) => "no such snapshot".to_string(),
+            Some(libc::EROFS) => format!("the mount is read-only: {e}"),
+            Some(libc::EPERM) => "needs root (the control xattr is trusted.*)".to_string(),
+            _ => e.to_string(),
+        };
+        format!("{show}: snapshot {verb} {name:?}: {why}")
+    };
+    let found = |name: &str| -> Option<Vec<String>> {
+        list()
+            .ok()?
+            .into_iter()
+            .find(|f| f.get(3).map(String::as_str) == Some(name))
+    };
+    match action {
+        SnapshotAction::Create { name, .. } => {
+            // The kernel's dirty pages (writeback cache) never reach the daemon by themselves.
+            if let Err(e) = mount::syncfs(mnt) {
+                return fail(format!("{show}: snapshot create {name:?}: syncfs: {e}"));
+            }
+            if let Err(e) = mount::control(mnt, &format!("snapshot-create {name}")) {
+                return fail(explain("create", name, e));
+            }
+            match found(name) {
+                Some(f) => println!(
+                    "{show}: snapshot {name:?} created: id {}, generation {}; browse it at \
+                     {show}/.snapshot/{name}",
+                    f[0], f[1]
+                ),
+                None => println!("{show}: snapshot {name:?} created"),
+            }
+        }
+        SnapshotAction::Delete { name, .. } => {
+            let before = found(name);
+            if let Err(e) = mount::control(mnt, &format!("snapshot-delete {name}")) {
+                return fail(explain("delete", name, e));
+            }
+            match before {
+                Some(f) => println!(
+                    "{show}: snapshot {name:?} (id {}, generation {}) deleted",
+                    f[0], f[1]
+                ),
+                None => println!("{show}: snapshot {name:?} deleted"),
+            }
+        }
+        SnapshotAction::List { .. } => {
+            let rows = match list() {
+                Ok(rows) => rows,
+                Err(e) => return fail(e),
+            };
+            println!("{:>6} {:>12} {:>20}  name", "id", "generation", "created");
+            for f in rows {
+                if let [id, generation, created, name] = f.as_slice() {
+                    println!("{id:>6} {generation:>12} {created:>20}  {name}");
+                }
+            }
+        }
     }
     ExitCode::SUCCESS
 }

@@ -47,6 +47,8 @@ struct MountConfig {
     bench_apply_per_item: bool,
     /// Cluster access for an `rbd:` image (`ceph_id=`, `ceph_conf=`, `keyring=`).
     ceph: CephOptions,
+    /// `snapshot=NAME`: serve that snapshot alone as the mount's root (read-only).
+    snapshot: Option<String>,
 }
 
 /// Default number of FUSE request loops (`threads=`): one per CPU, at least 2, at most 8.
@@ -58,6 +60,7 @@ struct MountConfig {
 /// option the parser refuses.
 pub(crate) const MOUNT_OPTIONS: &[(&str, &str)] = &[
     ("ro", "Mount read-only: the daemon never writes the image, and a log left by fsync is not replayed (a later read-write mount replays it)."),
+    ("snapshot=NAME", "With ro: serve snapshot NAME alone as the mount's root, read-only (every change is EROFS). Only while the live filesystem is not mounted: its daemon holds the image lock, and the snapshot is then at MNT/.snapshot/NAME of that mount."),
     ("rw", "Mount read-write (the default)."),
     ("allow_other", "Let users other than the one who mounted use the mount (FUSE's allow_other)."),
     ("commit=SECS", "Commit in the background every SECS seconds (default 5; 0 turns background commits off)."),
@@ -112,6 +115,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         bench_global_objectid_lock: false,
         bench_apply_per_item: false,
         ceph: CephOptions::default(),
+        snapshot: None,
     };
     for opt in raw
         .iter()
@@ -133,6 +137,10 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         match key {
             "ro" => c.read_only = true,
             "rw" => c.read_only = false,
+            "snapshot" => match value {
+                Some(name) if !name.is_empty() => c.snapshot = Some(name.to_string()),
+                _ => return Err(format!("option {opt}: expected snapshot=NAME")),
+            },
             "allow_other" => c.allow_other = true,
             "commit" => c.commit_secs = number(value)? as u64,
             "threads" => c.threads = (number(value)? as usize).clamp(1, 64),
@@ -439,9 +447,36 @@ pub fn mount_main(image: &Path, mountpoint: &Path, raw: &[String], foreground: b
         Ok(c) => c,
         Err(e) => return fail(e),
     };
+    if let Some(name) = &config.snapshot {
+        if !config.read_only {
+            return fail(format!(
+                "snapshot={name}: a snapshot is read-only: mount it with -o ro,snapshot={name}"
+            ));
+        }
+    }
     match preflight(image, mountpoint) {
         Err(e) => return fail(e),
-        Ok(Some(at)) => return bind_mount(&at, mountpoint, &config),
+        Ok(Some(at)) => {
+            if let Some(name) = &config.snapshot {
+                return fail(format!(
+                    "{}: the image is in use: mounted at {at}, whose daemon holds the image \
+                     lock; snapshot {name:?} is browsable there at {at}/.snapshot/{name}",
+                    image.display()
+                ));
+            }
+            // A mount that serves one snapshot alone is no mount of the live filesystem: its
+            // root has no /.snapshot.
+            if std::fs::metadata(Path::new(&at).join(".snapshot"))
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
+            {
+                return fail(format!(
+                    "{}: the image is in use: mounted at {at}, which serves a snapshot alone \
+                     (-o ro,snapshot=); unmount it first",
+                    image.display()
+                ));
+            }
+            return bind_mount(&at, mountpoint, &config);
+        }
         Ok(None) => {}
     }
     if foreground {
@@ -545,6 +580,9 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
     }
     let mode = if snapshot {
         OpenMode::ReadOnlyUnlocked
+    } else if config.snapshot.is_some() {
+        // Not waiting: the lock's holder is most likely the live mount's daemon.
+        OpenMode::ReadOnly
     } else if config.read_only {
         OpenMode::ReadOnlyWait
     } else {
@@ -563,7 +601,16 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
     // The device's errors name the image already (path or rbd: spec).
     let device = match open_image(image, mode, &image_options) {
         Ok(d) => d,
-        Err(e) => return fail(e),
+        Err(e) => {
+            return fail(match &config.snapshot {
+                Some(name) => format!(
+                    "{e}: the image is in use (the daemon of its live mount, or another birch \
+                     command, holds its lock); while the filesystem is mounted, snapshot \
+                     {name:?} is browsable at MNT/.snapshot/{name} of that mount"
+                ),
+                None => e.to_string(),
+            })
+        }
     };
     let fs = match Filesystem::open_device(device, options) {
         Ok(fs) => Arc::new(fs),
@@ -572,6 +619,12 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
     events.attach(&fs);
     if snapshot {
         fs.pin_read_only("it serves an RBD snapshot, which cannot be written");
+    }
+    if let Some(name) = &config.snapshot {
+        if let Err(e) = fs.serve_snapshot_alone(name) {
+            return fail(format!("{}: -o snapshot={name}: {e}", image.display()));
+        }
+        fs.pin_read_only(&format!("it serves snapshot {name:?} alone"));
     }
     fs.set_atime_mode(config.atime.unwrap_or_default());
     let mut fuse_config = Config::default();
@@ -1275,6 +1328,7 @@ impl InProcessMount {
             bench_global_objectid_lock: false,
             bench_apply_per_item: false,
             ceph: CephOptions::default(),
+            snapshot: None,
         };
         let mut fuse_config = Config::default();
         fuse_config.acl = SessionACL::Owner;

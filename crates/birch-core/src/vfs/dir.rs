@@ -59,6 +59,9 @@ impl Filesystem {
     /// Looks up `name` in `parent`; counts a lookup.
     pub fn lookup(&self, parent: u64, name: &[u8]) -> Result<Attr> {
         check_name_or_dots(name)?;
+        if let Some(node) = self.snap_node(parent) {
+            return self.snap_lookup(node, name);
+        }
         if name == b"." {
             // "." names any inode, not only a directory: the kernel resolves a file handle
             // whose inode it no longer caches (open_by_handle_at, an NFS export) with
@@ -84,14 +87,21 @@ impl Filesystem {
             b".." => self.parent_of(parent)?,
             _ => {
                 let _d = dir.data.read();
-                self.find_entry(parent, name)?
-                    .ok_or_else(|| {
-                        Error::NotFound(format!(
+                match self.find_entry(parent, name)? {
+                    Some(entry) => entry.child,
+                    // The hidden snapshot directory, when no real entry has its name (an
+                    // image made before the name was reserved keeps its own).
+                    None if self.is_snapshot_dir_name(parent, name) => {
+                        drop(_d);
+                        return self.getattr(birch_format::SNAPSHOT_DIR_OBJECTID);
+                    }
+                    None => {
+                        return Err(Error::NotFound(format!(
                             "{:?} in dir {parent}",
                             String::from_utf8_lossy(name)
-                        ))
-                    })?
-                    .child
+                        )))
+                    }
+                }
             }
         };
         let state = self.inode(ino)?;
@@ -102,6 +112,9 @@ impl Filesystem {
 
     /// The parent of a directory (its one inode ref), or itself for the root.
     pub fn parent_of(&self, dir: u64) -> Result<u64> {
+        if let Some(node) = self.snap_node(dir) {
+            return self.snap_parent_of(node);
+        }
         if dir == ROOT_OBJECTID {
             return Ok(ROOT_OBJECTID);
         }
@@ -121,6 +134,8 @@ impl Filesystem {
         symlink: Option<&[u8]>,
     ) -> Result<Attr> {
         check_name_or_dots(name)?;
+        self.refuse_snapshot_change("create", &[parent])?;
+        self.refuse_reserved_name(parent, name)?;
         self.admit(true)?;
         let dir = self.dir_state(parent)?;
         let mut d = dir.data.write();
@@ -224,9 +239,9 @@ impl Filesystem {
             )?
         };
         let ino = if kind == FileKind::Dir {
-            self.inner.engine.allocate_objectid_alone()
+            self.inner.engine.allocate_objectid_alone()?
         } else {
-            self.inner.engine.allocate_objectid()
+            self.inner.engine.allocate_objectid()?
         }
         .get();
         let t = now();
@@ -271,6 +286,7 @@ impl Filesystem {
         mode: u32,
         flags: i32,
     ) -> Result<(Attr, u64)> {
+        self.refuse_snapshot_change("tmpfile", &[parent])?;
         self.admit(true)?;
         let dir = self.dir_state(parent)?;
         let d = dir.data.read();
@@ -360,6 +376,9 @@ impl Filesystem {
 
     /// readlink.
     pub fn readlink(&self, ino: u64) -> Result<Vec<u8>> {
+        if let Some(node) = self.snap_node(ino) {
+            return self.snap_readlink(node);
+        }
         let state = self.inode(ino)?;
         let data = state.data.read();
         if data.item.mode & libc::S_IFMT != libc::S_IFLNK {
@@ -371,6 +390,8 @@ impl Filesystem {
     /// link: a new name for `ino`.
     pub fn link(&self, ino: u64, newparent: u64, newname: &[u8]) -> Result<Attr> {
         check_name_or_dots(newname)?;
+        self.refuse_snapshot_change("link", &[ino, newparent])?;
+        self.refuse_reserved_name(newparent, newname)?;
         self.admit(true)?;
         let target = self.inode(ino)?;
         let dir = self.dir_state(newparent)?;
@@ -450,6 +471,8 @@ impl Filesystem {
 
     /// unlink a non-directory.
     pub fn unlink(&self, parent: u64, name: &[u8]) -> Result<()> {
+        self.refuse_snapshot_change("unlink", &[parent])?;
+        self.refuse_snapshot_dir_change("unlink", parent, name)?;
         self.admit(false)?;
         self.remove_entry(parent, name, false)
     }
@@ -457,6 +480,8 @@ impl Filesystem {
     /// rmdir an empty directory.
     pub fn rmdir(&self, parent: u64, name: &[u8]) -> Result<()> {
         check_name_or_dots(name)?;
+        self.refuse_snapshot_change("rmdir", &[parent])?;
+        self.refuse_snapshot_dir_change("rmdir", parent, name)?;
         self.dir_state(parent)?;
         if name == b"." {
             return Err(Error::Invalid("rmdir of \".\"".into()));
@@ -594,6 +619,9 @@ impl Filesystem {
         }
         check_name_or_dots(name)?;
         check_name_or_dots(newname)?;
+        self.refuse_snapshot_change("rename", &[parent, newparent])?;
+        self.refuse_snapshot_dir_change("rename", parent, name)?;
+        self.refuse_reserved_name(newparent, newname)?;
         self.admit(true)?;
         let _rename = self.inner.rename_lock.lock();
         let src_dir = self.dir_state(parent)?;
@@ -760,7 +788,7 @@ impl Filesystem {
         guards: &mut [(u64, RwLockWriteGuard<'_, InodeData>)],
     ) -> Result<(u64, InodeItem)> {
         let (parent, t) = (rename.parent, rename.t);
-        let ino = self.inner.engine.allocate_objectid().get();
+        let ino = self.inner.engine.allocate_objectid()?.get();
         let p = guard(guards, parent)?;
         let index = p.item.next_dir_index;
         // The move planned the source name's dir item without the source: the whiteout joins
@@ -813,6 +841,9 @@ impl Filesystem {
     /// The end of `dir`'s listing as it is now, for [`Filesystem::readdir_until`]: the
     /// position the next name made in it (created, or renamed into it or within it) will take.
     pub fn readdir_end(&self, dir: u64) -> Result<u64> {
+        if let Some(node) = self.snap_node(dir) {
+            return self.snap_readdir_end(node);
+        }
         let state = self.dir_state(dir)?;
         let end = state.data.read().item.next_dir_index;
         Ok(end)
@@ -830,6 +861,9 @@ impl Filesystem {
         limit: usize,
         end: Option<u64>,
     ) -> Result<Vec<DirEntryOut>> {
+        if let Some(node) = self.snap_node(dir) {
+            return self.snap_readdir(node, offset, limit, end);
+        }
         let state = self.dir_state(dir)?;
         let _d = state.data.read();
         let mut out = Vec::new();
@@ -876,6 +910,9 @@ impl Filesystem {
     /// moves it (Linux: `MNT_NOATIME`, which the kernel cannot apply for a FUSE filesystem:
     /// its inodes are `S_NOATIME` and atime is the filesystem's).
     pub fn read_without_atime(&self, ino: u64, offset: u64, size: usize) -> Result<Vec<u8>> {
+        if let Some(node) = self.snap_node(ino) {
+            return self.snap_read(node, offset, size);
+        }
         let state = self.inode(ino)?;
         let data = state.data.read();
         if data.item.mode & libc::S_IFMT == libc::S_IFDIR {
@@ -889,15 +926,24 @@ impl Filesystem {
     pub fn resolve(&self, path: &str) -> Result<u64> {
         let mut ino = ROOT_OBJECTID;
         for part in path.split('/').filter(|p| !p.is_empty()) {
+            if let Some(node) = self.snap_node(ino) {
+                ino = self.snap_lookup(node, part.as_bytes())?.ino;
+                continue;
+            }
             let entry = match part.as_bytes() {
                 b"." => continue,
                 b".." => {
                     ino = self.parent_of(ino)?;
                     continue;
                 }
-                name => self
-                    .find_entry(ino, name)?
-                    .ok_or_else(|| Error::NotFound(path.to_string()))?,
+                name => match self.find_entry(ino, name)? {
+                    Some(entry) => entry,
+                    None if self.is_snapshot_dir_name(ino, name) => {
+                        ino = birch_format::SNAPSHOT_DIR_OBJECTID;
+                        continue;
+                    }
+                    None => return Err(Error::NotFound(path.to_string())),
+                },
             };
             ino = entry.child;
         }

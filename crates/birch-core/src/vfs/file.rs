@@ -79,8 +79,12 @@ impl Filesystem {
             && (!data.dirty.is_empty() || self.data().has_extents(ino)?))
     }
 
-    /// Opens `ino`; returns a handle number.
-    pub fn open_file(&self, ino: u64, _flags: i32) -> Result<u64> {
+    /// Opens `ino`; returns a handle number. A file of a snapshot opens for reading only
+    /// (`EROFS` otherwise) and counts as open in it until its release.
+    pub fn open_file(&self, ino: u64, flags: i32) -> Result<u64> {
+        if let Some(node) = self.snap_node(ino) {
+            return self.snap_open(node, flags);
+        }
         let state = self.inode(ino)?;
         state.opens.fetch_add(1, Ordering::SeqCst);
         Ok(self.new_fh())
@@ -88,6 +92,10 @@ impl Filesystem {
 
     /// Closes a handle; the inode is freed here if this was its last use and it has no names.
     pub fn release(&self, ino: u64, _fh: u64) -> Result<()> {
+        if let Some(node) = self.snap_node(ino) {
+            self.snap_release(node);
+            return Ok(());
+        }
         let state = self.inode(ino)?;
         let _ = state
             .opens
@@ -113,6 +121,10 @@ impl Filesystem {
     /// [`Filesystem::read`], and whether it moved atime (a cache in front of the filesystem,
     /// such as the kernel's attributes, then holds a stale one).
     pub fn read_noting_atime(&self, ino: u64, offset: u64, size: usize) -> Result<(Vec<u8>, bool)> {
+        if let Some(node) = self.snap_node(ino) {
+            // A snapshot never changes: no atime.
+            return Ok((self.snap_read(node, offset, size)?, false));
+        }
         let state = self.inode(ino)?;
         let out = {
             let data = state.data.read();
@@ -128,6 +140,9 @@ impl Filesystem {
     /// Applies relatime as a read would, for an open for reading whose reads a page cache
     /// in front of the filesystem may serve without asking it. Returns whether atime moved.
     pub fn atime_at_open(&self, ino: u64) -> Result<bool> {
+        if self.snap_node(ino).is_some() {
+            return Ok(false);
+        }
         let state = self.inode(ino)?;
         if state.data.read().item.mode & libc::S_IFMT != libc::S_IFREG {
             return Ok(false);
@@ -256,6 +271,7 @@ impl Filesystem {
         kill_privs: Option<&[u32]>,
         through: bool,
     ) -> Result<(u32, bool)> {
+        self.refuse_snapshot_change("write", &[ino])?;
         self.retry_on_full(true, || {
             self.write_once(ino, offset, bytes, append, kill_privs, through)
         })
@@ -708,6 +724,7 @@ impl Filesystem {
 
     /// setattr: mode, owner, size, times. ctime moves on every change.
     pub fn setattr(&self, ino: u64, set: &SetAttr) -> Result<Attr> {
+        self.refuse_snapshot_change("setattr", &[ino])?;
         self.retry_on_full(false, || self.setattr_once(ino, set))
     }
 
@@ -795,6 +812,7 @@ impl Filesystem {
     /// fallocate with Linux modes: default, KEEP_SIZE, PUNCH_HOLE (with KEEP_SIZE) and
     /// ZERO_RANGE. Preallocated blocks read as zeros.
     pub fn fallocate(&self, ino: u64, offset: u64, len: u64, mode: i32) -> Result<()> {
+        self.refuse_snapshot_change("fallocate", &[ino])?;
         // Punching a hole frees space: allowed on a full filesystem, as unlink is.
         let grows = mode & libc::FALLOC_FL_PUNCH_HOLE == 0;
         self.retry_on_full(grows, || self.fallocate_once(ino, offset, len, mode))
@@ -902,6 +920,9 @@ impl Filesystem {
 
     /// SEEK_DATA (3) and SEEK_HOLE (4).
     pub fn lseek(&self, ino: u64, offset: u64, whence: i32) -> Result<u64> {
+        if let Some(node) = self.snap_node(ino) {
+            return self.snap_lseek(node, offset, whence);
+        }
         let state = self.inode(ino)?;
         // Buffered ranges are data: on disk first, so the extents say where data is.
         self.flush_inode(ino, &state)?;
@@ -948,6 +969,8 @@ impl Filesystem {
         offset_out: u64,
         len: u64,
     ) -> Result<u64> {
+        // A snapshot may be the source (its reads are routed), never the destination.
+        self.refuse_snapshot_change("copy_file_range", &[ino_out])?;
         const STEP: u64 = 1 << 20;
         let mut done = 0u64;
         while done < len {

@@ -16,6 +16,7 @@ mod buffer;
 mod dir;
 mod durability;
 mod file;
+mod snapview;
 pub(crate) mod xattr;
 
 use std::collections::HashMap;
@@ -41,6 +42,7 @@ use crate::txn::{Engine, MkfsOptions};
 pub use dir::DirEntryOut;
 pub use durability::{DeferredOutcome, FsyncDone, FsyncMode, LogFull};
 pub use file::AtimeMode;
+pub use snapview::{snapshot_ino, SNAPSHOT_DIR_NAME};
 
 /// Changed items after which the background committer is woken early, bounding memory.
 const DELTA_ITEMS_COMMIT: usize = 200_000;
@@ -371,6 +373,8 @@ pub(crate) struct Inner {
     /// Whether the calling thread may wait for releases ([`Filesystem::set_release_wait`]);
     /// any thread may when unset.
     release_wait: RwLock<Option<ReleaseWaitGate>>,
+    /// The snapshot namespace: `/.snapshot`, open files per snapshot (snapview.rs).
+    pub(crate) snaps: snapview::SnapState,
 }
 
 /// Says whether the calling thread may wait for another request of the embedder (a FUSE
@@ -578,6 +582,7 @@ impl Filesystem {
             released: (Mutex::new(0), Condvar::new()),
             fruitless: Mutex::new(None),
             release_wait: RwLock::new(None),
+            snaps: snapview::SnapState::default(),
         });
         let fs = Filesystem { inner, view: false };
         match fs.getattr(ROOT_OBJECTID) {
@@ -668,18 +673,21 @@ impl Filesystem {
     /// filesystem's commit writes buffered data and takes the snapshot with its tree
     /// (DESIGN §15, SEMANTICS §9). Never the engine's commit alone: it would record buffered
     /// writes' sizes without their data (found by the crash matrix's snapshot workload).
+    /// Refused (`Exists`) while the root has a real entry `.snapshot`, the name the
+    /// snapshots are shown under (an image made by an older build), and on a read-only
+    /// filesystem (as while a snapshot is served alone).
     pub fn create_snapshot(&self, name: &str) -> Result<crate::snapshot::Snapshot> {
+        self.check_snapshot_dir_free()?;
         self.inner.engine.queue_snapshot_create(name)?;
         self.commit_now()?;
         self.inner.engine.made_snapshot(name)
     }
 
     /// Deletes snapshot `name`: queued, then the filesystem's commit (as for
-    /// [`Filesystem::create_snapshot`]) drops it and gives back what only it held.
+    /// [`Filesystem::create_snapshot`]) drops it and gives back what only it held. `Busy`
+    /// (`EBUSY`) while a file is open in it (under `/.snapshot/NAME`) or it is served alone.
     pub fn delete_snapshot(&self, name: &str) -> Result<crate::snapshot::Snapshot> {
-        let victim = self.inner.engine.queue_snapshot_delete(name)?;
-        self.commit_now()?;
-        Ok(victim)
+        self.delete_snapshot_unless_busy(name)
     }
 
     /// Every counter of the engine and the device, as one JSON object (the live-mount stats
@@ -742,7 +750,9 @@ impl Filesystem {
     /// `scrub-start [rate=BYTES_PER_SEC]` starts an online scrub in a thread of its own
     /// (`EBUSY` while one runs; rate 0 is unlimited, none is
     /// [`crate::scrub::ONLINE_RATE_DEFAULT_BYTES_PER_SEC`]), `scrub-cancel` stops it; its
-    /// progress and report are [`Filesystem::scrub_status`].
+    /// progress and report are [`Filesystem::scrub_status`]. `snapshot-create NAME` and
+    /// `snapshot-delete NAME` make and delete a snapshot ([`Filesystem::create_snapshot`],
+    /// [`Filesystem::delete_snapshot`]); [`Filesystem::snapshots_text`] lists them.
     pub fn control(&self, command: &[u8]) -> Result<()> {
         self.inner.engine.check_up()?;
         match command {
@@ -781,6 +791,12 @@ impl Filesystem {
                 Ok(())
             }
             other if other.starts_with(b"scrub-start") => self.scrub_start(other),
+            other if other.starts_with(b"snapshot-create ") => self
+                .create_snapshot(&control_name(&other[16..])?)
+                .map(|_| ()),
+            other if other.starts_with(b"snapshot-delete ") => self
+                .delete_snapshot(&control_name(&other[16..])?)
+                .map(|_| ()),
             other if other.starts_with(b"atime=") => {
                 let mode = std::str::from_utf8(&other[6..])
                     .ok()
@@ -1057,7 +1073,8 @@ impl Filesystem {
         Ok(())
     }
 
-    /// The kernel forgets `n` lookups of `ino`.
+    /// The kernel forgets `n` lookups of `ino` (nothing to do for a snapshot's nodes: none
+    /// is in the inode table).
     pub fn forget(&self, ino: u64, n: u64) {
         let Some(state) = self.shard(ino).lock().get(&ino).cloned() else {
             return;
@@ -1263,6 +1280,9 @@ impl Filesystem {
 
     /// Attributes of `ino`.
     pub fn getattr(&self, ino: u64) -> Result<Attr> {
+        if let Some(node) = self.snap_node(ino) {
+            return self.snap_getattr(node);
+        }
         let state = self.inode(ino)?;
         let data = state.data.read();
         Ok(attr_of(ino, &data.item))
@@ -1335,6 +1355,14 @@ pub(crate) fn attr_of(ino: u64, item: &InodeItem) -> Attr {
         blksize: BLOCK_SIZE as u32,
         generation: item.generation,
     }
+}
+
+/// The snapshot name of a `snapshot-create NAME` or `snapshot-delete NAME` control command.
+fn control_name(bytes: &[u8]) -> Result<String> {
+    let name = std::str::from_utf8(bytes)
+        .map_err(|_| Error::Invalid("snapshot name: not UTF-8".into()))?;
+    crate::snapshot::check_name(name)?;
+    Ok(name.to_string())
 }
 
 /// Checks a name before any tree is touched.

@@ -97,6 +97,7 @@ impl Filesystem {
         caller_groups: Option<&[u32]>,
     ) -> Result<()> {
         check_xattr_name(name)?;
+        self.refuse_snapshot_change("setxattr", &[ino])?;
         if value.len() > XATTR_SIZE_MAX {
             return Err(Error::TooLong(format!(
                 "xattr value of {} bytes (limit {XATTR_SIZE_MAX})",
@@ -168,6 +169,9 @@ impl Filesystem {
     /// The value of an xattr.
     pub fn getxattr(&self, ino: u64, name: &[u8]) -> Result<Vec<u8>> {
         check_xattr_name(name)?;
+        if let Some(node) = self.snap_node(ino) {
+            return self.snap_getxattr(node, name);
+        }
         let state = self.inode(ino)?;
         let data = state.data.read();
         // security.capability is asked before every write by a kernel without KILLPRIV_V2:
@@ -182,6 +186,9 @@ impl Filesystem {
 
     /// Every xattr name, each followed by a NUL byte.
     pub fn listxattr(&self, ino: u64) -> Result<Vec<u8>> {
+        if let Some(node) = self.snap_node(ino) {
+            return self.snap_listxattr(node);
+        }
         let state = self.inode(ino)?;
         let _data = state.data.read();
         let mut out = Vec::new();
@@ -234,6 +241,7 @@ impl Filesystem {
     /// Linux's `file_modified` treats as a write. Sets ctime when something was dropped.
     /// Returns whether anything was dropped (a mode the kernel cached is stale then).
     pub fn kill_privs(&self, ino: u64, caller_groups: &[u32]) -> Result<bool> {
+        self.refuse_snapshot_change("write", &[ino])?;
         let state = self.inode(ino)?;
         let mut data = state.data.write();
         let mode = data.item.mode;
@@ -255,6 +263,7 @@ impl Filesystem {
     /// Removes an xattr.
     pub fn removexattr(&self, ino: u64, name: &[u8]) -> Result<()> {
         check_xattr_name(name)?;
+        self.refuse_snapshot_change("removexattr", &[ino])?;
         self.admit(false)?;
         let state = self.inode(ino)?;
         let mut data = state.data.write();
