@@ -29,8 +29,8 @@
 //! are scanned, never across anything that blocks.
 
 use std::cell::Cell;
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use birch_format::superblock::BACKUP_ROOTS;
 use birch_format::{BlockAddr, BlockCount, Generation, BLOCK_SIZE};
@@ -190,6 +190,12 @@ pub struct Allocator {
     /// Blocks `free_recorded` kept because a snapshot holds them (a count of frees, not of
     /// distinct blocks; for tests and stats).
     kept_blocks: AtomicU64,
+    /// Shared (cloned) data blocks: block index → references from flagged extent items of
+    /// the live tree (DESIGN §15.8). Empty until the first clone; only flagged extents'
+    /// blocks are in it.
+    shared: Mutex<HashMap<u64, u32>>,
+    /// Whether `shared` may hold anything: the common path asks nothing else.
+    any_shared: AtomicBool,
 }
 
 /// Commits after the one that freed a range before the range may be reused: K + 1, because a
@@ -232,6 +238,8 @@ impl Allocator {
             holds: RwLock::new(Vec::new()),
             newest_hold: AtomicU64::new(0),
             kept_blocks: AtomicU64::new(0),
+            shared: Mutex::new(HashMap::new()),
+            any_shared: AtomicBool::new(false),
         }
     }
 
@@ -484,6 +492,117 @@ impl Allocator {
         }
         self.free_pinned(freed_in, addr, blocks);
         true
+    }
+
+    /// The open walk met a flagged (shared) extent of the live tree on `blocks` at `addr`:
+    /// one more reference to each block. A block not counted yet must be free and is marked
+    /// used; one counted already is another flagged extent's (fine). False when a block is
+    /// outside the device or used by something that is not a flagged extent (damage).
+    pub fn mark_shared(&self, addr: BlockAddr, blocks: BlockCount) -> bool {
+        self.any_shared.store(true, Ordering::Release);
+        let mut shared = self.shared.lock();
+        let first = addr.block_index();
+        let mut clean = true;
+        for block in first..first.saturating_add(blocks.get()) {
+            match shared.get_mut(&block) {
+                Some(n) => *n = n.saturating_add(1),
+                None => {
+                    if !self.mark_used(BlockAddr::from_block_index(block), BlockCount::new(1)) {
+                        clean = false;
+                        continue;
+                    }
+                    shared.insert(block, 1);
+                }
+            }
+        }
+        clean
+    }
+
+    /// A clone (DESIGN §15.8): the source extent on `source` becomes flagged (each of its
+    /// blocks not counted yet gets its one reference, the source's own), then each block of
+    /// `cloned` (inside `source`) gets one more, the clone's. Called before the clone's items
+    /// are recorded: an increment is never late (a late one could let a drop free a block
+    /// the clone names); one whose items then fail to record only keeps blocks until the
+    /// next open counts again.
+    pub fn add_shared(&self, source: (BlockAddr, BlockCount), cloned: (BlockAddr, BlockCount)) {
+        self.any_shared.store(true, Ordering::Release);
+        let mut shared = self.shared.lock();
+        let first = source.0.block_index();
+        for block in first..first + source.1.get() {
+            shared.entry(block).or_insert(1);
+        }
+        let first = cloned.0.block_index();
+        for block in first..first + cloned.1.get() {
+            let n = shared.entry(block).or_insert(1);
+            *n = n.saturating_add(1);
+        }
+    }
+
+    /// A flagged extent's blocks leave the live tree: one reference less for each. Returns
+    /// the runs whose last reference this was, which the caller frees through
+    /// [`Allocator::free_recorded`]. A block without a count (never expected: every flagged
+    /// block is counted at open or by its clone) is kept and logged: a leak until the next
+    /// open, never a free of a block something may still name.
+    pub fn drop_shared(&self, addr: BlockAddr, blocks: BlockCount) -> Vec<(BlockAddr, BlockCount)> {
+        let mut out: Vec<(BlockAddr, BlockCount)> = Vec::new();
+        let mut missing = 0u64;
+        {
+            let mut shared = self.shared.lock();
+            let first = addr.block_index();
+            for block in first..first + blocks.get() {
+                let last = match shared.get_mut(&block) {
+                    Some(n) if *n > 1 => {
+                        *n -= 1;
+                        false
+                    }
+                    Some(_) => {
+                        shared.remove(&block);
+                        true
+                    }
+                    None => {
+                        missing += 1;
+                        false
+                    }
+                };
+                if last {
+                    let at = BlockAddr::from_block_index(block);
+                    match out.last_mut() {
+                        Some((start, len)) if *start + *len == at => *len += BlockCount::new(1),
+                        _ => out.push((at, BlockCount::new(1))),
+                    }
+                }
+            }
+        }
+        if missing > 0 {
+            log::warn!(
+                "shared extent at {:#x} x {}: {missing} blocks without a reference count are kept until the next open",
+                addr.get(),
+                blocks.get()
+            );
+        }
+        out
+    }
+
+    /// References the live tree holds to shared block `addr` (0: not shared).
+    pub fn shared_references(&self, addr: BlockAddr) -> u32 {
+        if !self.any_shared.load(Ordering::Acquire) {
+            return 0;
+        }
+        self.shared
+            .lock()
+            .get(&addr.block_index())
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Blocks the live tree names more than once (through flagged extents), each counted
+    /// once: the space sharing saves is this many blocks times their references less one.
+    /// A scan of the counts (for stats and tests).
+    pub fn shared_blocks(&self) -> BlockCount {
+        if !self.any_shared.load(Ordering::Acquire) {
+            return BlockCount::new(0);
+        }
+        BlockCount::new(self.shared.lock().values().filter(|n| **n > 1).count() as u64)
     }
 
     /// Whether a snapshot holds a block born in `birth` that generation `freed_in` frees.

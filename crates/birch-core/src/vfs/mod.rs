@@ -270,6 +270,10 @@ pub(crate) struct InodeState {
     /// What this inode's fsyncs already put in the log, so the next fsync writes only what
     /// changed since (btrfs logs only new items too).
     pub(crate) logged: Mutex<Logged>,
+    /// The running generation of the last copy_file_range that shared blocks from or into
+    /// this inode (0: none): until a commit covers it, an fsync commits instead of logging
+    /// (DESIGN §15.8), so no log batch names a shared extent before its flag is durable.
+    pub(crate) cloned_in: AtomicU64,
 }
 
 impl InodeState {
@@ -286,6 +290,7 @@ impl InodeState {
             lookups: AtomicU64::new(0),
             opens: AtomicU64::new(0),
             logged: Mutex::new(Logged::default()),
+            cloned_in: AtomicU64::new(0),
         })
     }
 }
