@@ -975,6 +975,41 @@ mod tests {
         BlockCount::new(n)
     }
 
+    /// Shared counts: a clone counts the source's blocks once and the cloned ones once more;
+    /// drops free only the blocks left with no reference; the open walk's marking refuses a
+    /// shared extent on a block something unshared holds.
+    #[test]
+    fn shared_counts_free_at_the_last_reference() {
+        let a = Allocator::new(64 * GROUP_BLOCKS * BLOCK_SIZE);
+        let (addr, _) = a.allocate(b(8), b(8), Purpose::Data).expect("space");
+        assert_eq!(a.shared_blocks(), b(0));
+        // Blocks 2..4 of the 8-block source are cloned.
+        let cloned = addr + b(2);
+        a.add_shared((addr, b(8)), (cloned, b(2)));
+        assert_eq!(a.shared_references(addr), 1);
+        assert_eq!(a.shared_references(cloned), 2);
+        assert_eq!(a.shared_blocks(), b(2));
+        // The source's whole extent goes: only the blocks the clone does not name come back.
+        let freed = a.drop_shared(addr, b(8));
+        assert_eq!(freed, vec![(addr, b(2)), (addr + b(4), b(4))]);
+        assert_eq!(a.shared_references(cloned), 1);
+        // The clone goes: its blocks come back.
+        assert_eq!(a.drop_shared(cloned, b(2)), vec![(cloned, b(2))]);
+        // A block without a count is kept (a leak until the next open), never freed.
+        assert!(a.drop_shared(cloned, b(1)).is_empty());
+        // The open walk: a shared extent first on a free block marks it; a second shared
+        // extent on it counts; a shared extent on a block marked otherwise is refused.
+        let b2 = Allocator::new(64 * GROUP_BLOCKS * BLOCK_SIZE);
+        let at = BlockAddr::from_block_index(100);
+        assert!(b2.mark_shared(at, b(2)));
+        assert!(b2.mark_shared(at, b(2)));
+        assert_eq!(b2.shared_references(at), 2);
+        let other = BlockAddr::from_block_index(200);
+        assert!(b2.mark_used(other, b(1)));
+        assert!(!b2.mark_shared(other, b(1)));
+        assert!(!b2.mark_used(at, b(1)), "a shared block is used");
+    }
+
     #[test]
     fn a_snapshot_holds_what_it_saw_freed_after_it_until_its_deletion() {
         let a = Allocator::new(64 * GROUP_BLOCKS * BLOCK_SIZE);
