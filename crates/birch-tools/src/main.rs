@@ -230,7 +230,7 @@ enum Command {
     Crashtest {
         /// Workloads: append+fsync, link/rename+fsync, punch/fallocate/truncate+fsync,
         /// many files+symlink+xattr, big tree+commits, ace, shutdown (three runs: commit,
-        /// log, now) (default: all).
+        /// log, now), clone+fsync (default: all).
         #[arg(long)]
         workload: Vec<String>,
         /// Seed (printed; the same seed replays the same states).
