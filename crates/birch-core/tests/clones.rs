@@ -139,6 +139,11 @@ fn a_clone_shares_the_blocks_and_reads_the_same() {
     );
     // 256 shared blocks of the source, plus none of the tail.
     assert_eq!(shared_blocks(&fs), 256);
+    assert!(
+        fs.stats_json().contains("\"shared_bytes\": 1048576"),
+        "{}",
+        fs.stats_json()
+    );
     // The clone's attributes: size, and its own count of blocks (as btrfs: each file counts
     // the blocks it names).
     let attr = fs.getattr(b).expect("getattr");

@@ -686,7 +686,8 @@ impl Filesystem {
     /// Every counter of the engine and the device, as one JSON object (the live-mount stats
     /// interface: `getfattr -n trusted.birch.stats MNT`, which `birch stats` reads), then the
     /// gauges: `dirty_bytes` (buffered, not yet written), `log_used_bytes` of
-    /// `log_size_bytes`, `free_bytes` (what statfs calls available) of `size_bytes`, and the
+    /// `log_size_bytes`, `free_bytes` (what statfs calls available) of `size_bytes`,
+    /// `shared_bytes` (blocks that more than one extent names, by clones, each once), and the
     /// commit and fsync latency histograms as arrays of [`LATENCY_BUCKETS`] counts
     /// (`commit_latency_us_log2`, `fsync_latency_us_log2`; bucket i counts 2^i to
     /// 2^(i+1) - 1 µs).
@@ -719,6 +720,15 @@ impl Filesystem {
             ("log_size_bytes", log_size),
             ("free_bytes", statfs.bavail.saturating_mul(block)),
             ("size_bytes", statfs.blocks.saturating_mul(block)),
+            // Blocks more than one extent names (clones), each once: statfs counts them once.
+            (
+                "shared_bytes",
+                engine
+                    .allocator()
+                    .shared_blocks()
+                    .get()
+                    .saturating_mul(block),
+            ),
         ];
         parts.extend(gauges.iter().map(|(n, v)| format!("\"{n}\": {v}")));
         for (name, histogram) in [
