@@ -536,3 +536,29 @@ fn fsck_names_a_shared_extent_on_an_unshared_block() {
     )
     .is_err());
 }
+
+#[test]
+fn fsck_repair_leaves_clones_alone() {
+    use birch_core::repair::{repair, RepairMode};
+    let (dev, fs) = common::fresh(DEVICE_BYTES);
+    let data = pattern(40 * 4096, 15);
+    let a = put(&fs, "a", &data);
+    let b = put(&fs, "b", b"");
+    fs.copy_file_range(a, 0, b, 0, data.len() as u64)
+        .expect("clone");
+    fs.write(b, 4096, &[3u8; 4096], false).expect("write");
+    common::close_and_check_clean(fs, &dev, "before the repair");
+    let image = dev.snapshot();
+    let report = repair(
+        dev.clone() as std::sync::Arc<dyn BlockDevice>,
+        RepairMode::Full,
+        CheckOptions { data: true },
+    )
+    .expect("repair");
+    assert_eq!(report.exit_code(), 0, "{:?}", report.actions);
+    assert!(report.actions.is_empty(), "{:?}", report.actions);
+    assert!(dev.snapshot() == image, "a clean image is left as it is");
+    let fs = common::open_quiet(&dev);
+    assert_eq!(read_all(&fs, "a"), data);
+    common::close_and_check_clean(fs, &dev, "after the repair");
+}
