@@ -29,8 +29,8 @@
 //! are scanned, never across anything that blocks.
 
 use std::cell::Cell;
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use birch_format::superblock::BACKUP_ROOTS;
 use birch_format::{BlockAddr, BlockCount, Generation, BLOCK_SIZE};
@@ -190,6 +190,12 @@ pub struct Allocator {
     /// Blocks `free_recorded` kept because a snapshot holds them (a count of frees, not of
     /// distinct blocks; for tests and stats).
     kept_blocks: AtomicU64,
+    /// Shared (cloned) data blocks: block index → references from flagged extent items of
+    /// the live tree (DESIGN §15.8). Empty until the first clone; only flagged extents'
+    /// blocks are in it.
+    shared: Mutex<HashMap<u64, u32>>,
+    /// Whether `shared` may hold anything: the common path asks nothing else.
+    any_shared: AtomicBool,
 }
 
 /// Commits after the one that freed a range before the range may be reused: K + 1, because a
@@ -232,6 +238,8 @@ impl Allocator {
             holds: RwLock::new(Vec::new()),
             newest_hold: AtomicU64::new(0),
             kept_blocks: AtomicU64::new(0),
+            shared: Mutex::new(HashMap::new()),
+            any_shared: AtomicBool::new(false),
         }
     }
 
@@ -484,6 +492,117 @@ impl Allocator {
         }
         self.free_pinned(freed_in, addr, blocks);
         true
+    }
+
+    /// The open walk met a flagged (shared) extent of the live tree on `blocks` at `addr`:
+    /// one more reference to each block. A block not counted yet must be free and is marked
+    /// used; one counted already is another flagged extent's (fine). False when a block is
+    /// outside the device or used by something that is not a flagged extent (damage).
+    pub fn mark_shared(&self, addr: BlockAddr, blocks: BlockCount) -> bool {
+        self.any_shared.store(true, Ordering::Release);
+        let mut shared = self.shared.lock();
+        let first = addr.block_index();
+        let mut clean = true;
+        for block in first..first.saturating_add(blocks.get()) {
+            match shared.get_mut(&block) {
+                Some(n) => *n = n.saturating_add(1),
+                None => {
+                    if !self.mark_used(BlockAddr::from_block_index(block), BlockCount::new(1)) {
+                        clean = false;
+                        continue;
+                    }
+                    shared.insert(block, 1);
+                }
+            }
+        }
+        clean
+    }
+
+    /// A clone (DESIGN §15.8): the source extent on `source` becomes flagged (each of its
+    /// blocks not counted yet gets its one reference, the source's own), then each block of
+    /// `cloned` (inside `source`) gets one more, the clone's. Called before the clone's items
+    /// are recorded: an increment is never late (a late one could let a drop free a block
+    /// the clone names); one whose items then fail to record only keeps blocks until the
+    /// next open counts again.
+    pub fn add_shared(&self, source: (BlockAddr, BlockCount), cloned: (BlockAddr, BlockCount)) {
+        self.any_shared.store(true, Ordering::Release);
+        let mut shared = self.shared.lock();
+        let first = source.0.block_index();
+        for block in first..first + source.1.get() {
+            shared.entry(block).or_insert(1);
+        }
+        let first = cloned.0.block_index();
+        for block in first..first + cloned.1.get() {
+            let n = shared.entry(block).or_insert(1);
+            *n = n.saturating_add(1);
+        }
+    }
+
+    /// A flagged extent's blocks leave the live tree: one reference less for each. Returns
+    /// the runs whose last reference this was, which the caller frees through
+    /// [`Allocator::free_recorded`]. A block without a count (never expected: every flagged
+    /// block is counted at open or by its clone) is kept and logged: a leak until the next
+    /// open, never a free of a block something may still name.
+    pub fn drop_shared(&self, addr: BlockAddr, blocks: BlockCount) -> Vec<(BlockAddr, BlockCount)> {
+        let mut out: Vec<(BlockAddr, BlockCount)> = Vec::new();
+        let mut missing = 0u64;
+        {
+            let mut shared = self.shared.lock();
+            let first = addr.block_index();
+            for block in first..first + blocks.get() {
+                let last = match shared.get_mut(&block) {
+                    Some(n) if *n > 1 => {
+                        *n -= 1;
+                        false
+                    }
+                    Some(_) => {
+                        shared.remove(&block);
+                        true
+                    }
+                    None => {
+                        missing += 1;
+                        false
+                    }
+                };
+                if last {
+                    let at = BlockAddr::from_block_index(block);
+                    match out.last_mut() {
+                        Some((start, len)) if *start + *len == at => *len += BlockCount::new(1),
+                        _ => out.push((at, BlockCount::new(1))),
+                    }
+                }
+            }
+        }
+        if missing > 0 {
+            log::warn!(
+                "shared extent at {:#x} x {}: {missing} blocks without a reference count are kept until the next open",
+                addr.get(),
+                blocks.get()
+            );
+        }
+        out
+    }
+
+    /// References the live tree holds to shared block `addr` (0: not shared).
+    pub fn shared_references(&self, addr: BlockAddr) -> u32 {
+        if !self.any_shared.load(Ordering::Acquire) {
+            return 0;
+        }
+        self.shared
+            .lock()
+            .get(&addr.block_index())
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Blocks the live tree names more than once (through flagged extents), each counted
+    /// once: the space sharing saves is this many blocks times their references less one.
+    /// A scan of the counts (for stats and tests).
+    pub fn shared_blocks(&self) -> BlockCount {
+        if !self.any_shared.load(Ordering::Acquire) {
+            return BlockCount::new(0);
+        }
+        BlockCount::new(self.shared.lock().values().filter(|n| **n > 1).count() as u64)
     }
 
     /// Whether a snapshot holds a block born in `birth` that generation `freed_in` frees.
@@ -854,6 +973,41 @@ mod tests {
     /// `n` blocks.
     fn b(n: u64) -> BlockCount {
         BlockCount::new(n)
+    }
+
+    /// Shared counts: a clone counts the source's blocks once and the cloned ones once more;
+    /// drops free only the blocks left with no reference; the open walk's marking refuses a
+    /// shared extent on a block something unshared holds.
+    #[test]
+    fn shared_counts_free_at_the_last_reference() {
+        let a = Allocator::new(64 * GROUP_BLOCKS * BLOCK_SIZE);
+        let (addr, _) = a.allocate(b(8), b(8), Purpose::Data).expect("space");
+        assert_eq!(a.shared_blocks(), b(0));
+        // Blocks 2..4 of the 8-block source are cloned.
+        let cloned = addr + b(2);
+        a.add_shared((addr, b(8)), (cloned, b(2)));
+        assert_eq!(a.shared_references(addr), 1);
+        assert_eq!(a.shared_references(cloned), 2);
+        assert_eq!(a.shared_blocks(), b(2));
+        // The source's whole extent goes: only the blocks the clone does not name come back.
+        let freed = a.drop_shared(addr, b(8));
+        assert_eq!(freed, vec![(addr, b(2)), (addr + b(4), b(4))]);
+        assert_eq!(a.shared_references(cloned), 1);
+        // The clone goes: its blocks come back.
+        assert_eq!(a.drop_shared(cloned, b(2)), vec![(cloned, b(2))]);
+        // A block without a count is kept (a leak until the next open), never freed.
+        assert!(a.drop_shared(cloned, b(1)).is_empty());
+        // The open walk: a shared extent first on a free block marks it; a second shared
+        // extent on it counts; a shared extent on a block marked otherwise is refused.
+        let b2 = Allocator::new(64 * GROUP_BLOCKS * BLOCK_SIZE);
+        let at = BlockAddr::from_block_index(100);
+        assert!(b2.mark_shared(at, b(2)));
+        assert!(b2.mark_shared(at, b(2)));
+        assert_eq!(b2.shared_references(at), 2);
+        let other = BlockAddr::from_block_index(200);
+        assert!(b2.mark_used(other, b(1)));
+        assert!(!b2.mark_shared(other, b(1)));
+        assert!(!b2.mark_used(at, b(1)), "a shared block is used");
     }
 
     #[test]

@@ -19,7 +19,8 @@ use birch_format::items::SnapshotItem;
 use birch_format::items::{self, ExtentKind, FileExtent, InodeItem};
 use birch_format::node::{Expect, Node, NodeBody};
 use birch_format::superblock::{
-    Superblock, INCOMPAT_SNAPSHOTS, RESERVED_HEAD_BYTES, SUPER_BYTES, SUPER_OFFSETS,
+    Superblock, INCOMPAT_SHARED_EXTENTS, INCOMPAT_SNAPSHOTS, RESERVED_HEAD_BYTES, SUPER_BYTES,
+    SUPER_OFFSETS,
 };
 use birch_format::{
     ItemType, Key, BLOCK_SIZE, FS_TREE_ID, INLINE_MAX_BYTES, NODE_BLOCKS, NODE_SIZE, ROOT_OBJECTID,
@@ -104,11 +105,14 @@ pub enum FindingKind {
     /// shared node), or a snapshot's extent lies on a node's blocks, outside the device or in
     /// a reserved area.
     SnapshotBlockConflict = 29,
+    /// A shared (flagged, kind 3) extent on blocks an unshared extent or a node also holds,
+    /// or a shared extent on an image without the `INCOMPAT_SHARED_EXTENTS` flag.
+    SharedExtentConflict = 30,
 }
 
 impl FindingKind {
     /// Every kind, in number order.
-    pub const ALL: [FindingKind; 29] = [
+    pub const ALL: [FindingKind; 30] = [
         FindingKind::SuperblockSlotBad,
         FindingKind::NodeUnreadable,
         FindingKind::NodeKeyOutOfRange,
@@ -138,6 +142,7 @@ impl FindingKind {
         FindingKind::SnapshotListUnreadable,
         FindingKind::SnapshotTreeDamaged,
         FindingKind::SnapshotBlockConflict,
+        FindingKind::SharedExtentConflict,
     ];
 
     /// The kind's stable number (see [`FindingKind`]).
@@ -256,7 +261,7 @@ pub const PASSES: [Pass; 10] = [
         id: PassId::Extents,
         name: "extents",
         depends_on: &[PassId::Tree, PassId::Items],
-        checks: "each file's extents are block-aligned, ordered without overlap and within its size (an inline one alone at offset 0 and small); their blocks are in bounds, outside the reserved areas and referenced once",
+        checks: "each file's extents are block-aligned, ordered without overlap and within its size (an inline one alone at offset 0 and small); their blocks are in bounds, outside the reserved areas and referenced once, or only by shared (flagged) extents",
         finds: &[
             FindingKind::ExtentMisaligned,
             FindingKind::ExtentOverlap,
@@ -265,6 +270,7 @@ pub const PASSES: [Pass; 10] = [
             FindingKind::BlockReferencedTwice,
             FindingKind::BlockOutOfBounds,
             FindingKind::BlockInReservedArea,
+            FindingKind::SharedExtentConflict,
         ],
     },
     Pass {
@@ -887,7 +893,11 @@ fn check_snapshot_tree(
     }
 }
 
+/// What [`claim`] records for the blocks of a shared (flagged) extent.
+const SHARED_DATA: &str = "shared data";
+
 /// Records that `blocks` at `addr` are referenced; reports overlaps and bad addresses.
+/// Blocks claimed as [`SHARED_DATA`] may be claimed so again.
 fn claim(
     sb: &Superblock,
     used: &mut HashMap<u64, &'static str>,
@@ -923,6 +933,23 @@ fn claim(
     for block in 0..blocks {
         let at = addr + block * BLOCK_SIZE;
         if let Some(prev) = used.insert(at, what) {
+            // Shared extents may name a block any number of times; a shared and anything
+            // else on one block is the sharing gone wrong.
+            if what == SHARED_DATA && prev == SHARED_DATA {
+                continue;
+            }
+            if what == SHARED_DATA || prev == SHARED_DATA {
+                used.insert(at, prev);
+                report.add(
+                    FindingKind::SharedExtentConflict,
+                    Some(at),
+                    location,
+                    format!("{what} on a block already used by a {prev}"),
+                    "a shared block named by shared extents only",
+                );
+                clean = false;
+                break;
+            }
             report.add(
                 FindingKind::BlockReferencedTwice,
                 Some(at),
@@ -1268,16 +1295,29 @@ fn check_extents(
                         format!("< size {}", inode.size),
                     );
                 }
+                if extent.shared && sb.incompat & INCOMPAT_SHARED_EXTENTS == 0 {
+                    report.add(
+                        FindingKind::SharedExtentConflict,
+                        Some(*disk_addr),
+                        &location,
+                        "a shared extent",
+                        "the INCOMPAT_SHARED_EXTENTS flag in the superblock",
+                    );
+                }
+                // A shared block counts once, whatever names it.
+                let fresh = (0..csums.len() as u64)
+                    .filter(|b| !used.contains_key(&(disk_addr + b * BLOCK_SIZE)))
+                    .count() as u64;
                 if claim(
                     sb,
                     used,
                     *disk_addr,
                     csums.len() as u64,
-                    "data",
+                    if extent.shared { SHARED_DATA } else { "data" },
                     &location,
                     report,
                 ) {
-                    report.data_blocks += csums.len() as u64;
+                    report.data_blocks += fresh;
                     if options.data {
                         for (n, csum) in csums.iter().enumerate() {
                             let at = disk_addr + n as u64 * BLOCK_SIZE;

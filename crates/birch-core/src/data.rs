@@ -173,8 +173,9 @@ pub(crate) type ItemChange = (Key, Option<Vec<u8>>);
 #[derive(Default)]
 struct ExtentChanges {
     items: Vec<ItemChange>,
-    /// Blocks no longer referenced, each with its recorded birth generation.
-    frees: Vec<(BlockRun, u64)>,
+    /// Blocks no longer referenced, each with its recorded birth generation and whether its
+    /// extent was shared (flagged).
+    frees: Vec<(BlockRun, u64, bool)>,
     delta: BlockDelta,
     /// Keys that exist now (in the tree or the delta): only these need a deletion recorded.
     existed: HashSet<Key>,
@@ -271,6 +272,7 @@ impl<'e> DataLayer<'e> {
         let extent = FileExtent {
             generation: txn.generation().get(),
             kind: ExtentKind::Inline(content),
+            shared: false,
         };
         txn.put(extent_key(ino, 0), extent.encode());
         Ok(())
@@ -332,6 +334,7 @@ impl<'e> DataLayer<'e> {
                     disk_addr: run.addr,
                     csums: run.csums,
                 },
+                shared: false,
             };
             changes.set(extent_key(ino, run.file_offset), Some(extent.encode()));
         }
@@ -379,6 +382,7 @@ impl<'e> DataLayer<'e> {
                         disk_addr: run.addr,
                         blocks: run.blocks,
                     },
+                    shared: false,
                 };
                 changes.set(extent_key(ino, s), Some(extent.encode()));
                 changes.delta.added += run.blocks;
@@ -396,10 +400,132 @@ impl<'e> DataLayer<'e> {
             Ok(extent) => {
                 if let Some((addr, blocks)) = extent.disk_range() {
                     let run = BlockRun { addr, blocks };
-                    self.free(run, extent.generation, Seen::Recorded(txn));
+                    self.free_extent_blocks(run, extent.generation, extent.shared, txn);
                 }
             }
             Err(e) => log::warn!("freeing extent {key}: does not decode ({e}); blocks kept"),
+        }
+    }
+
+    /// Shares the blocks of `src`'s block-aligned range `[src_off, src_off + len)` into `dst`
+    /// at the block-aligned `dst_off` (a clone, DESIGN §15.8): `dst`'s range is dropped (its
+    /// blocks freed), and gets one extent item per regular extent piece of the source range,
+    /// naming the source's blocks with their crc32c and the source extent's generation, flagged
+    /// shared; every source extent it takes from becomes flagged (whole: its blocks are
+    /// counted). Holes and preallocated extents of the source leave holes in `dst`. Within one
+    /// file the ranges must not overlap. The caller holds both inodes' write locks, has
+    /// flushed their buffered data, and knows neither file is inline. Returns the destination's
+    /// block change and the blocks shared.
+    pub(crate) fn clone_range(
+        &self,
+        src: u64,
+        src_off: u64,
+        dst: u64,
+        dst_off: u64,
+        len: u64,
+    ) -> Result<(BlockDelta, u64)> {
+        debug_assert!(src_off % BLOCK_SIZE == 0 && dst_off % BLOCK_SIZE == 0);
+        debug_assert!(len % BLOCK_SIZE == 0);
+        debug_assert!(src != dst || src_off + len <= dst_off || dst_off + len <= src_off);
+        let src_end = src_off + len;
+        let mut flags: Vec<(Key, FileExtent)> = Vec::new();
+        let mut counts: Vec<((BlockAddr, BlockCount), (BlockAddr, BlockCount))> = Vec::new();
+        let mut pieces: Vec<(u64, FileExtent)> = Vec::new();
+        for (start, extent) in self.extents(src, src_off, src_end)? {
+            let ExtentKind::Regular { disk_addr, csums } = &extent.kind else {
+                if matches!(extent.kind, ExtentKind::Inline(_)) {
+                    return Err(Error::Invalid(format!(
+                        "clone of inode {src}: an inline extent at {start}"
+                    )));
+                }
+                // Preallocated: reads as zeros, and a hole in the clone does too.
+                continue;
+            };
+            let lo = start.max(src_off);
+            let hi = (start + extent.len_bytes()).min(src_end);
+            if lo >= hi {
+                continue;
+            }
+            let skip = (lo - start) / BLOCK_SIZE;
+            let blocks = (hi - lo) / BLOCK_SIZE;
+            let addr = disk_addr + skip * BLOCK_SIZE;
+            pieces.push((
+                dst_off + (lo - src_off),
+                FileExtent {
+                    generation: extent.generation,
+                    kind: ExtentKind::Regular {
+                        disk_addr: addr,
+                        csums: csums[skip as usize..(skip + blocks) as usize].to_vec(),
+                    },
+                    shared: true,
+                },
+            ));
+            counts.push((
+                (
+                    BlockAddr::new(*disk_addr),
+                    BlockCount::new(csums.len() as u64),
+                ),
+                (BlockAddr::new(addr), BlockCount::new(blocks)),
+            ));
+            if !extent.shared {
+                let mut flagged = extent.clone();
+                flagged.shared = true;
+                flags.push((extent_key(src, start), flagged));
+            }
+        }
+        if pieces.is_empty() {
+            // Nothing to share (holes and preallocated space): the range reads as zeros.
+            return Ok((self.drop_range(dst, dst_off, dst_off + len)?, 0));
+        }
+        // The first commit that records a shared extent sets the flag (FORMAT §9).
+        self.engine
+            .want_incompat(birch_format::superblock::INCOMPAT_SHARED_EXTENTS);
+        // The counts first: no drop below (of the destination's old blocks, which may be
+        // shared with the source) may see a count that does not have the clone in it yet.
+        let alloc = self.engine.allocator();
+        for (source, cloned) in &counts {
+            alloc.add_shared(*source, *cloned);
+        }
+        {
+            let txn = self.engine.begin()?;
+            for (key, extent) in &flags {
+                txn.put(*key, extent.encode());
+            }
+        }
+        // The destination's range goes (read after the flags: a source extent reaching into
+        // it within one file is cut as a flagged extent), and the clones come in.
+        let mut changes = self.plan_drop(dst, dst_off, dst_off + len)?;
+        let mut shared = 0;
+        for (offset, piece) in pieces {
+            let blocks = piece.len_bytes() / BLOCK_SIZE;
+            changes.delta.added += blocks;
+            shared += blocks;
+            changes.set(extent_key(dst, offset), Some(piece.encode()));
+        }
+        Ok((self.apply(changes)?, shared))
+    }
+
+    /// Frees the blocks of an extent item (or a piece of one) that `txn` drops from the live
+    /// tree. A shared extent's blocks lose one reference each and only those left with none
+    /// are freed ([`crate::alloc::Allocator::drop_shared`]); both then go through
+    /// [`DataLayer::free`] with [`Seen::Recorded`] (the allocator's sharing-aware
+    /// `free_recorded`, which keeps what a snapshot holds).
+    pub(crate) fn free_extent_blocks(
+        &self,
+        run: BlockRun,
+        birth: u64,
+        shared: bool,
+        txn: &WriteTxn<'_>,
+    ) {
+        if !shared {
+            return self.free(run, birth, Seen::Recorded(txn));
+        }
+        let unreferenced = self
+            .engine
+            .allocator()
+            .drop_shared(run.disk_addr(), run.block_count());
+        for (addr, blocks) in unreferenced {
+            self.free(BlockRun::new(addr, blocks), birth, Seen::Recorded(txn));
         }
     }
 
@@ -408,12 +534,23 @@ impl<'e> DataLayer<'e> {
     pub(crate) fn mark_replayed_extent(&self, value: &[u8]) {
         // Regular and preallocated extents alike hold blocks, as the open walk counts them
         // (`FileExtent::disk_range`): a replayed one left unmarked could be handed out again.
-        if let Some((disk_addr, blocks)) =
-            FileExtent::decode(value).ok().and_then(|e| e.disk_range())
-        {
-            self.engine
-                .allocator()
-                .mark_used(BlockAddr::new(disk_addr), BlockCount::new(blocks));
+        let Ok(extent) = FileExtent::decode(value) else {
+            return;
+        };
+        let Some((disk_addr, blocks)) = extent.disk_range() else {
+            return;
+        };
+        let (addr, count) = (BlockAddr::new(disk_addr), BlockCount::new(blocks));
+        if extent.shared {
+            // A shared extent (a piece of a clone an fsync logged after the clone's commit):
+            // blocks counted already are one more reference, as the open walk counts them.
+            if !self.engine.allocator().mark_shared(addr, count) {
+                log::warn!(
+                    "replay: shared extent at {disk_addr:#x} x {blocks} on blocks an unshared extent or node holds"
+                );
+            }
+        } else {
+            self.engine.allocator().mark_used(addr, count);
         }
     }
 
@@ -446,8 +583,10 @@ impl<'e> DataLayer<'e> {
                         blocks,
                     },
                 };
+                // A piece of a shared extent stays shared (its blocks stay counted).
                 FileExtent {
                     generation: extent.generation,
+                    shared: extent.shared && matches!(kind, ExtentKind::Regular { .. }),
                     kind,
                 }
             };
@@ -465,7 +604,7 @@ impl<'e> DataLayer<'e> {
                     addr: disk_addr + (cut_lo - start),
                     blocks,
                 };
-                changes.frees.push((run, extent.generation));
+                changes.frees.push((run, extent.generation, extent.shared));
                 changes.delta.freed += blocks;
             }
         }
@@ -493,6 +632,7 @@ impl<'e> DataLayer<'e> {
         };
         let Ok(FileExtent {
             kind: ExtentKind::Regular { disk_addr, csums },
+            shared: false,
             ..
         }) = FileExtent::decode(&first_bytes)
         else {
@@ -507,6 +647,10 @@ impl<'e> DataLayer<'e> {
             .iter()
             .any(|(k, v)| *k == extent_key(ino, prev_off) && v.is_none())
         {
+            return Ok(());
+        }
+        // Never joins a shared extent (DESIGN §15.6): its blocks' counts are per extent piece.
+        if prev.shared {
             return Ok(());
         }
         let ExtentKind::Regular {
@@ -546,6 +690,7 @@ impl<'e> DataLayer<'e> {
                 disk_addr: prev_addr,
                 csums: joined,
             },
+            shared: false,
         };
         changes.set(extent_key(ino, prev_off), Some(merged.encode()));
         Ok(())
@@ -561,8 +706,8 @@ impl<'e> DataLayer<'e> {
                 None => txn.delete(key),
             }
         }
-        for (run, birth) in changes.frees {
-            self.free(run, birth, Seen::Recorded(&txn));
+        for (run, birth, shared) in changes.frees {
+            self.free_extent_blocks(run, birth, shared, &txn);
         }
         Ok(changes.delta)
     }
@@ -1137,6 +1282,42 @@ mod tests {
         assert_eq!(extents.len(), 1, "append did not merge: {extents:?}");
         assert_eq!(extents[0].1.len_bytes(), 2 * BLOCK_SIZE);
         assert_eq!(extents[0].1.generation, born);
+    }
+
+    /// An append contiguous on disk with a shared extent is not merged into it (DESIGN §15.6:
+    /// a shared extent's blocks are counted; a merge would make new blocks look shared).
+    #[test]
+    fn an_append_is_not_merged_into_a_shared_extent() {
+        let (_mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        let runs = data.write_new(INO, 0, &pattern(2, 1)).expect("write");
+        let run = &runs[0];
+        let first = WrittenRun {
+            csums: run.csums[..1].to_vec(),
+            ..run.clone()
+        };
+        let second = WrittenRun {
+            file_offset: BLOCK_SIZE,
+            addr: run.addr + BLOCK_SIZE,
+            csums: run.csums[1..].to_vec(),
+            birth: run.birth,
+        };
+        data.replace_range(INO, 0, BLOCK_SIZE, vec![first], false)
+            .expect("record");
+        // Clone the first block into another inode: the source extent becomes shared.
+        let (delta, shared) = data
+            .clone_range(INO, 0, INO + 1, 0, BLOCK_SIZE)
+            .expect("clone");
+        assert_eq!((delta.added, shared), (1, 1));
+        data.replace_range(INO, BLOCK_SIZE, BLOCK_SIZE, vec![second], false)
+            .expect("record the append");
+        let extents = data.extents(INO, 0, 2 * BLOCK_SIZE).expect("extents");
+        assert_eq!(extents.len(), 2, "merged into a shared extent: {extents:?}");
+        assert!(extents[0].1.shared && !extents[1].1.shared);
+        let clone = data.extents(INO + 1, 0, BLOCK_SIZE).expect("clone extents");
+        assert_eq!(clone.len(), 1);
+        assert!(clone[0].1.shared);
+        assert_eq!(clone[0].1.kind, extents[0].1.kind);
     }
 
     #[test]

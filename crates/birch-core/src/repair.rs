@@ -672,6 +672,7 @@ fn fix_extents(
                                     disk_addr: run.addr,
                                     csums: run.csums,
                                 },
+                                shared: false,
                             },
                         ));
                     }
@@ -752,6 +753,7 @@ fn fix_extents(
                             offset.saturating_add(first * BLOCK_SIZE),
                             FileExtent {
                                 generation: extent.generation,
+                                shared: extent.shared && matches!(kind, ExtentKind::Regular { .. }),
                                 kind,
                             },
                         ));

@@ -326,6 +326,13 @@ pub(crate) fn deletion_frees(
             if extent.generation <= older {
                 return Ok(());
             }
+            // A shared (cloned) extent's blocks may be named from a subtree the victim
+            // shares with the newer tree (skipped above), or twice in the victim itself: the
+            // walk cannot tell, so they stay used until the next open derives the free space
+            // from the trees left (a leak, never a free of a named block; DESIGN §15.8).
+            if extent.shared {
+                return Ok(());
+            }
             let first = disk / BLOCK_SIZE;
             let mut run: Option<(u64, u64)> = None;
             for block in first..first + blocks {

@@ -1085,11 +1085,17 @@ impl Engine {
                     }
                 };
                 if let Some((disk, blocks)) = extent.disk_range() {
+                    // A shared (flagged) extent counts one reference per block and may lie
+                    // on blocks other flagged extents name; anything else on a used block is
+                    // damage (DESIGN §15.7).
+                    let (at, count) = (BlockAddr::new(disk), BlockCount::new(blocks));
                     if disk.saturating_add(blocks * birch_format::BLOCK_SIZE)
                         > self.alloc.total_blocks().bytes()
-                        || !self
-                            .alloc
-                            .mark_used(BlockAddr::new(disk), BlockCount::new(blocks))
+                        || !(if extent.shared {
+                            self.alloc.mark_shared(at, count)
+                        } else {
+                            self.alloc.mark_used(at, count)
+                        })
                     {
                         if let Some(bad) = bad_extents.as_deref_mut() {
                             bad.push(key);
@@ -2571,6 +2577,7 @@ mod tests {
                     disk_addr: (4096 + block) * birch_format::BLOCK_SIZE,
                     csums: vec![0],
                 },
+                shared: false,
             }
             .encode()
         };

@@ -521,6 +521,7 @@ fn overlapping_extents_keep_the_newer_data() {
                 disk_addr: addr,
                 csums: vec![csum, csum],
             },
+            shared: false,
         };
         let txn = engine.begin().expect("begin");
         txn.put(Key::new(big_ino, ItemType::ExtentData, BS), extent.encode());

@@ -378,6 +378,10 @@ pub struct FileExtent {
     pub generation: u64,
     /// Where the bytes are: inline, regular blocks or preallocated blocks.
     pub kind: ExtentKind,
+    /// Shared (regular extents only): its blocks may be named by other flagged extents too
+    /// (a clone made by `copy_file_range`), stored as kind 3 (FORMAT.md §6.6, incompat flag
+    /// `INCOMPAT_SHARED_EXTENTS`). A piece cut from a shared extent stays shared.
+    pub shared: bool,
 }
 
 impl FileExtent {
@@ -399,8 +403,17 @@ impl FileExtent {
         }
     }
 
-    /// Encodes the payload: 13 + len bytes inline, 21 + 4 x blocks regular, 25 prealloc.
+    /// Encodes the payload: 13 + len bytes inline, 21 + 4 x blocks regular (shared or not),
+    /// 25 prealloc.
     pub fn encode(&self) -> Vec<u8> {
+        debug_assert!(
+            !self.shared || matches!(self.kind, ExtentKind::Regular { .. }),
+            "only a regular extent is shared"
+        );
+        debug_assert!(
+            !self.shared || matches!(self.kind, ExtentKind::Regular { .. }),
+            "only a regular extent is shared"
+        );
         let mut w = Writer::default();
         w.u64(self.generation);
         match &self.kind {
@@ -410,7 +423,7 @@ impl FileExtent {
                 w.put(data);
             }
             ExtentKind::Regular { disk_addr, csums } => {
-                w.u8(1);
+                w.u8(if self.shared { 3 } else { 1 });
                 w.u64(*disk_addr);
                 w.u32(csums.len() as u32);
                 for c in csums {
@@ -432,7 +445,8 @@ impl FileExtent {
     pub fn decode(bytes: &[u8]) -> Result<FileExtent, FormatError> {
         let mut r = Reader::new(bytes, "file extent");
         let generation = r.u64()?;
-        let kind = match r.u8()? {
+        let kind_byte = r.u8()?;
+        let kind = match kind_byte {
             0 => {
                 let len = r.u32()? as usize;
                 if len > INLINE_MAX_BYTES {
@@ -444,7 +458,7 @@ impl FileExtent {
                 }
                 ExtentKind::Inline(r.take(len)?.to_vec())
             }
-            1 => {
+            1 | 3 => {
                 let disk_addr = r.u64()?;
                 let blocks = u64::from(r.u32()?);
                 if blocks == 0
@@ -480,7 +494,7 @@ impl FileExtent {
                 }
                 ExtentKind::Prealloc { disk_addr, blocks }
             }
-            other => return Err(FormatError::invalid("extent kind", other, "0, 1 or 2")),
+            other => return Err(FormatError::invalid("extent kind", other, "0, 1, 2 or 3")),
         };
         if r.remaining() != 0 {
             return Err(FormatError::invalid(
@@ -489,7 +503,11 @@ impl FileExtent {
                 0,
             ));
         }
-        Ok(FileExtent { generation, kind })
+        Ok(FileExtent {
+            generation,
+            kind,
+            shared: kind_byte == 3,
+        })
     }
 }
 
@@ -731,7 +749,7 @@ impl fmt::Display for Item {
             Item::XattrChunk(c) => write!(f, "xattr chunk {} of {:?} ({} bytes)", c.index, show_name(&c.name), c.data.len()),
             Item::Extent(e) => match &e.kind {
                 ExtentKind::Inline(data) => write!(f, "extent inline {} bytes generation {}", data.len(), e.generation),
-                ExtentKind::Regular { disk_addr, csums } => write!(f, "extent regular disk {:#x} blocks {} generation {}", disk_addr, csums.len(), e.generation),
+                ExtentKind::Regular { disk_addr, csums } => write!(f, "extent regular{} disk {:#x} blocks {} generation {}", if e.shared { " shared" } else { "" }, disk_addr, csums.len(), e.generation),
                 ExtentKind::Prealloc { disk_addr, blocks } => write!(f, "extent prealloc disk {:#x} blocks {} generation {}", disk_addr, blocks, e.generation),
             },
             Item::Orphan => f.write_str("orphan"),
@@ -821,9 +839,34 @@ mod tests {
             let e = FileExtent {
                 generation: 4,
                 kind,
+                shared: false,
             };
             assert_eq!(FileExtent::decode(&e.encode()), Ok(e));
         }
+    }
+
+    /// A shared regular extent is kind 3 with kind 1's layout, byte for byte.
+    #[test]
+    fn shared_extent_is_kind_3() {
+        let mut e = FileExtent {
+            generation: 7,
+            kind: ExtentKind::Regular {
+                disk_addr: 0x20000,
+                csums: vec![0xdead_beef, 2],
+            },
+            shared: false,
+        };
+        let plain = e.encode();
+        e.shared = true;
+        let shared = e.encode();
+        assert_eq!(plain[8], 1);
+        assert_eq!(shared[8], 3);
+        assert_eq!(plain[..8], shared[..8]);
+        assert_eq!(plain[9..], shared[9..]);
+        assert_eq!(FileExtent::decode(&shared), Ok(e));
+        let mut bad = shared.clone();
+        bad[8] = 4;
+        assert!(FileExtent::decode(&bad).is_err());
     }
 
     #[test]

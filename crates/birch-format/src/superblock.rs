@@ -18,7 +18,8 @@ pub const RESERVED_HEAD_BYTES: u64 = 128 * 1024;
 
 /// Feature flags this build understands. An image with an unknown incompat flag is refused;
 /// unknown compat flags are ignored; unknown ro_compat flags allow read-only use.
-pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_XATTR_CHUNKS | INCOMPAT_LOG_DATA | INCOMPAT_SNAPSHOTS;
+pub const INCOMPAT_SUPPORTED: u64 =
+    INCOMPAT_XATTR_CHUNKS | INCOMPAT_LOG_DATA | INCOMPAT_SNAPSHOTS | INCOMPAT_SHARED_EXTENTS;
 /// Incompat bit 0: xattr values over `XATTR_VALUE_MAX` bytes are stored out of line, in
 /// `XattrChunk` items, and an xattr list entry may say so (value length `0xFFFF`). Set by the
 /// first commit that holds such a value; an image without one keeps the bit clear.
@@ -35,6 +36,13 @@ pub const INCOMPAT_LOG_DATA: u64 = 2;
 /// and overwrite them, so it must refuse the image. Set by the commit that makes the first
 /// snapshot; never cleared (the snapshot id counter lives beside the list).
 pub const INCOMPAT_SNAPSHOTS: u64 = 4;
+/// Incompat bit 3: file extents may be *shared* (kind 3, FORMAT.md §6.6): several flagged
+/// extent items name the same data blocks (a clone made by `copy_file_range`). A build
+/// without the bit would refuse kind 3 item by item, or free a shared block while another
+/// extent still names it, so it must refuse the image. Set by the first commit that records
+/// a shared extent; never cleared. An image without it is byte for byte what earlier builds
+/// write.
+pub const INCOMPAT_SHARED_EXTENTS: u64 = 8;
 /// Byte offset of the snapshot list fields in the superblock (with [`INCOMPAT_SNAPSHOTS`]).
 pub const SNAPSHOTS_OFFSET: usize = 336;
 /// Compatible feature flags this build understands. Unknown bits are ignored.
@@ -714,6 +722,23 @@ mod tests {
         assert_eq!(unknown, INCOMPAT_SNAPSHOTS);
         let message = FormatError::UnknownIncompat { flags: unknown }.to_string();
         assert!(message.contains("0x4"), "{message}");
+    }
+
+    #[test]
+    fn a_build_without_the_shared_extents_flag_refuses_the_image() {
+        let mut sb = sample();
+        sb.incompat |= INCOMPAT_SHARED_EXTENTS;
+        let back = Superblock::decode(&sb.encode(), "slot 1").expect("decodes with bit 3");
+        assert_eq!(
+            back.incompat & INCOMPAT_SHARED_EXTENTS,
+            INCOMPAT_SHARED_EXTENTS
+        );
+        // What an older build sees: its supported mask lacks bit 3.
+        let older = INCOMPAT_XATTR_CHUNKS | INCOMPAT_LOG_DATA | INCOMPAT_SNAPSHOTS;
+        let unknown = sb.incompat & !older;
+        assert_eq!(unknown, INCOMPAT_SHARED_EXTENTS);
+        let message = FormatError::UnknownIncompat { flags: unknown }.to_string();
+        assert!(message.contains("0x8"), "{message}");
     }
 
     #[test]

@@ -44,11 +44,16 @@ pub enum Workload {
     /// copied), unlinks, fsyncs, commits, snapshot creations and deletions, chosen by the seed;
     /// every snapshot that exists after a crash must hold exactly what it was made with.
     Snapshots,
+    /// Shared extents (DESIGN §15.8): a file cloned by `copy_file_range` into another and
+    /// fsync'd (a commit), the source deleted and committed, the clone overwritten in part
+    /// and fsync'd (logged pieces of a shared extent), a clone within the file fsync'd, and a
+    /// clone of the clone over a committed file fsync'd.
+    Clone,
 }
 
 impl Workload {
     /// Every workload, in the order `birch crashtest` runs them.
-    pub const ALL: [Workload; 9] = [
+    pub const ALL: [Workload; 10] = [
         Workload::Append,
         Workload::Wal,
         Workload::LinkRename,
@@ -58,6 +63,7 @@ impl Workload {
         Workload::Ace,
         Workload::Shutdown,
         Workload::Snapshots,
+        Workload::Clone,
     ];
 
     /// The workload's display name, as reports and the command line use it.
@@ -72,6 +78,7 @@ impl Workload {
             Workload::Ace => "ace",
             Workload::Shutdown => "shutdown",
             Workload::Snapshots => "snapshots+fsync",
+            Workload::Clone => "clone+fsync",
         }
     }
 
@@ -207,6 +214,49 @@ fn run_workload(
             h.renamed("/A/foo", "/B/old");
             write_version(fs, h, "/A/foo", b"foo v4".to_vec())?;
             sync_path(fs, rec, h, "/A/foo", true)?;
+        }
+        Workload::Clone => {
+            let clone = |from: &str, at: u64, to: &str, to_at: u64, len: u64| -> Result<u64> {
+                fs.copy_file_range(fs.resolve(from)?, at, fs.resolve(to)?, to_at, len)
+            };
+            let src: Vec<u8> = (0..200_000u32).map(|i| (i / 3) as u8 ^ 0x5a).collect();
+            write_version(fs, h, "/A/src", src.clone())?;
+            sync_path(fs, rec, h, "/A/src", false)?;
+            write_version(fs, h, "/B/dst", Vec::new())?;
+            clone("/A/src", 0, "/B/dst", 0, src.len() as u64)?;
+            let mut dst = src.clone();
+            h.version("/B/dst", dst.clone());
+            sync_path(fs, rec, h, "/B/dst", false)?;
+            let a = fs.resolve("/A")?;
+            fs.unlink(a, b"src")?;
+            h.removed("/A/src");
+            fs.sync()?;
+            let ino = fs.resolve("/B/dst")?;
+            let page = vec![0xEEu8; 8192];
+            fs.write(ino, 4096, &page, false)?;
+            dst[4096..12288].copy_from_slice(&page);
+            h.version("/B/dst", dst.clone());
+            sync_path(fs, rec, h, "/B/dst", true)?;
+            // Within the file: blocks 2..6 to 60..64 (the file grows).
+            clone("/B/dst", 8192, "/B/dst", 60 * 4096, 4 * 4096)?;
+            dst.resize(64 * 4096, 0);
+            dst.copy_within(8192..8192 + 4 * 4096, 60 * 4096);
+            h.version("/B/dst", dst.clone());
+            sync_path(fs, rec, h, "/B/dst", false)?;
+            // Over a committed file, unaligned head and tail copied.
+            write_version(fs, h, "/A/other", vec![7u8; 30_000])?;
+            fs.sync()?;
+            clone("/B/dst", 100, "/A/other", 100, 20_000)?;
+            let mut other = vec![7u8; 30_000];
+            other[100..20_100].copy_from_slice(&dst[100..20_100]);
+            h.version("/A/other", other);
+            sync_path(fs, rec, h, "/A/other", false)?;
+            let clones = fs.engine().counters().values().clone_ranges;
+            if clones < 3 {
+                return Err(Error::Invalid(format!(
+                    "clone workload: {clones} clones shared blocks, expected 3"
+                )));
+            }
         }
         Workload::Holes => {
             let mut content = vec![5u8; 40_000];

@@ -230,7 +230,7 @@ enum Command {
     Crashtest {
         /// Workloads: append+fsync, link/rename+fsync, punch/fallocate/truncate+fsync,
         /// many files+symlink+xattr, big tree+commits, ace, shutdown (three runs: commit,
-        /// log, now), snapshots+fsync (four seeded runs) (default: all).
+        /// log, now), snapshots+fsync (four seeded runs), clone+fsync (default: all).
         #[arg(long)]
         workload: Vec<String>,
         /// Seed (printed; the same seed replays the same states).

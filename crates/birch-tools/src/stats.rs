@@ -264,12 +264,13 @@ pub(crate) struct Interval {
 }
 
 /// Gauges: values that are levels, not counts, so they have no rate.
-const GAUGES: [&str; 5] = [
+const GAUGES: [&str; 6] = [
     "dirty_bytes",
     "log_used_bytes",
     "log_size_bytes",
     "free_bytes",
     "size_bytes",
+    "shared_bytes",
 ];
 
 pub(crate) fn interval(start: &Sample, end: &Sample, secs: f64) -> Interval {

@@ -106,6 +106,7 @@ enum Fallback {
     NewParent,
     Directory,
     Other,
+    Clone,
 }
 
 impl Filesystem {
@@ -367,6 +368,7 @@ impl Filesystem {
                                 Fallback::NewParent => &c.fsync_fallback_new_parent,
                                 Fallback::Directory => &c.fsync_fallback_dir,
                                 Fallback::Other => &c.fsync_fallback_other,
+                                Fallback::Clone => &c.fsync_fallback_clone,
                             },
                             1,
                         );
@@ -515,6 +517,14 @@ impl Filesystem {
         }
         if is_dir {
             return Err(Ok(Fallback::Directory));
+        }
+        // Shared by a clone since the last commit (DESIGN §15.8): the commit makes the flags
+        // of source and clone durable together; a log batch could name a shared extent whose
+        // source the committed tree holds unflagged, which the next open would refuse.
+        if state.cloned_in.load(std::sync::atomic::Ordering::Acquire)
+            > engine.committed_generation().get()
+        {
+            return Err(Ok(Fallback::Clone));
         }
         if nlink == 0 || engine.incompat_pending() {
             // An incompat flag no durable commit has set yet (the first out-of-line xattr

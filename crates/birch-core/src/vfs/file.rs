@@ -959,8 +959,14 @@ impl Filesystem {
         }
     }
 
-    /// copy_file_range: copies through memory in 1 MiB steps (no reflink: format v1 has no
-    /// extent reference counts). Returns the bytes copied; short at the source's end.
+    /// copy_file_range. Returns the bytes copied; short at the source's end. When both
+    /// offsets lie at the same place within a block, the whole blocks of the range are
+    /// shared instead of copied (a clone, DESIGN §15.8: the destination's extents name the
+    /// source's blocks, both flagged shared; a later write to either copy takes new blocks for
+    /// what it touches); the unaligned head and tail, inline files and ranges whose offsets
+    /// differ within a block are copied as bytes. Within one file the ranges must not overlap
+    /// for sharing (the kernel refuses an overlapping copy before it reaches us; one that gets
+    /// here is copied).
     pub fn copy_file_range(
         &self,
         ino_in: u64,
@@ -971,6 +977,163 @@ impl Filesystem {
     ) -> Result<u64> {
         // A snapshot may be the source (its reads are routed), never the destination.
         self.refuse_snapshot_change("copy_file_range", &[ino_out])?;
+        let size_in = self.getattr(ino_in)?.size;
+        if len == 0 || offset_in >= size_in {
+            return Ok(0);
+        }
+        let n = len.min(size_in - offset_in);
+        let end_out = offset_out
+            .checked_add(n)
+            .filter(|e| *e <= MAX_FILE_BYTES)
+            .ok_or_else(|| {
+                Error::TooBig(format!(
+                    "copy_file_range to inode {ino_out} at {offset_out}"
+                ))
+            })?;
+        let overlap = ino_in == ino_out && offset_in < end_out && offset_out < offset_in + n;
+        let lo = round_up(offset_in);
+        let hi = (offset_in + n) / BLOCK_SIZE * BLOCK_SIZE;
+        // A snapshot's blocks are read, never shared: its extents cannot be flagged.
+        let from_snapshot = self.snap_node(ino_in).is_some();
+        if offset_in % BLOCK_SIZE == offset_out % BLOCK_SIZE && !overlap && hi > lo && !from_snapshot
+        {
+            let lo_out = offset_out + (lo - offset_in);
+            let shared = self.retry_on_full(true, || {
+                self.clone_once(ino_in, lo, ino_out, lo_out, hi - lo)
+            })?;
+            if shared {
+                // The head and the tail, as bytes, after the shared middle (which put the
+                // destination in blocks).
+                let head =
+                    self.copy_bytes(ino_in, offset_in, ino_out, offset_out, lo - offset_in)?;
+                let tail_out = lo_out + (hi - lo);
+                let tail = self.copy_bytes(ino_in, hi, ino_out, tail_out, offset_in + n - hi)?;
+                return Ok(head + (hi - lo) + tail);
+            }
+        }
+        self.copy_bytes(ino_in, offset_in, ino_out, offset_out, n)
+    }
+
+    /// Shares the block-aligned `[lo, lo + len)` of `ino_in` into `ino_out` at `lo_out`
+    /// (see [`Filesystem::copy_file_range`]). False (nothing done) when either file is
+    /// inline, the source has shrunk below the range meanwhile, or either is not a regular
+    /// file's blocks to share.
+    fn clone_once(
+        &self,
+        ino_in: u64,
+        lo: u64,
+        ino_out: u64,
+        lo_out: u64,
+        len: u64,
+    ) -> Result<bool> {
+        let state_in = self.inode(ino_in)?;
+        let state_out = self.inode(ino_out)?;
+        // Buffered data goes first: what is shared is what a read sees, and no buffered
+        // block of the destination lands on the clone later.
+        self.flush_inode(ino_in, &state_in)?;
+        if ino_out != ino_in {
+            self.flush_inode(ino_out, &state_out)?;
+        }
+        let shared = if ino_in == ino_out {
+            let mut data = state_in.data.write();
+            let _op = self.inner.engine.hold()?;
+            self.flush_locked(ino_in, &mut data)?;
+            self.clone_locked(ino_in, None, lo, ino_out, &mut data, lo_out, len)?
+        } else {
+            // Two inode locks: the lower number first, as every path that takes two.
+            let (mut data_in, mut data_out) = if ino_in < ino_out {
+                let a = state_in.data.write();
+                (a, state_out.data.write())
+            } else {
+                let b = state_out.data.write();
+                (state_in.data.write(), b)
+            };
+            let _op = self.inner.engine.hold()?;
+            self.flush_locked(ino_in, &mut data_in)?;
+            self.flush_locked(ino_out, &mut data_out)?;
+            self.clone_locked(
+                ino_in,
+                Some(&mut data_in),
+                lo,
+                ino_out,
+                &mut data_out,
+                lo_out,
+                len,
+            )?
+        };
+        Ok(shared)
+    }
+
+    /// [`Filesystem::clone_once`] with the locks held: `data_in` is `None` when the source is
+    /// the destination itself.
+    #[allow(clippy::too_many_arguments)]
+    fn clone_locked(
+        &self,
+        ino_in: u64,
+        data_in: Option<&mut InodeData>,
+        lo: u64,
+        ino_out: u64,
+        data_out: &mut InodeData,
+        lo_out: u64,
+        len: u64,
+    ) -> Result<bool> {
+        for (ino, mode) in [
+            (
+                ino_in,
+                data_in.as_ref().map_or(data_out.item.mode, |d| d.item.mode),
+            ),
+            (ino_out, data_out.item.mode),
+        ] {
+            match mode & libc::S_IFMT {
+                libc::S_IFREG => {}
+                libc::S_IFDIR => return Err(Error::IsDir(format!("copy_file_range of dir {ino}"))),
+                _ => {
+                    return Err(Error::Invalid(format!(
+                        "copy_file_range of special file {ino}"
+                    )))
+                }
+            }
+        }
+        let size_in = data_in.as_ref().map_or(data_out.item.size, |d| d.item.size);
+        if lo + len > size_in
+            || self.data().inline_data(ino_in)?.is_some()
+            || self.data().inline_data(ino_out)?.is_some()
+        {
+            return Ok(false);
+        }
+        // Marked before the items are recorded: an fsync that sees them commits (the
+        // generation is at least the one the items land in).
+        let generation = self.inner.engine.running_generation().get();
+        for ino in [ino_in, ino_out] {
+            if let Some(state) = self.shard(ino).lock().get(&ino).cloned() {
+                state.cloned_in.fetch_max(generation, Ordering::AcqRel);
+            }
+        }
+        let (delta, shared) = self.data().clone_range(ino_in, lo, ino_out, lo_out, len)?;
+        Self::account(data_out, delta);
+        data_out.item.size = data_out.item.size.max(lo_out + len);
+        let t = now();
+        data_out.item.mtime = t;
+        data_out.item.ctime = t;
+        self.store_inode(ino_out, data_out)?;
+        // The source's extent items changed (flagged), its inode item did not.
+        self.unmark_log_clean(ino_in);
+        let counters = self.inner.engine.counters();
+        counters.add(|c| &c.clone_ranges, 1);
+        counters.add(|c| &c.clone_blocks, shared);
+        Ok(true)
+    }
+
+    /// Copies `len` bytes through memory in 1 MiB steps. Returns the bytes copied; short at
+    /// the source's end.
+    fn copy_bytes(
+        &self,
+        ino_in: u64,
+        offset_in: u64,
+        ino_out: u64,
+        offset_out: u64,
+        len: u64,
+    ) -> Result<u64> {
         const STEP: u64 = 1 << 20;
         let mut done = 0u64;
         while done < len {
@@ -985,6 +1148,10 @@ impl Filesystem {
                 break;
             }
         }
+        self.inner
+            .engine
+            .counters()
+            .add(|c| &c.clone_copied_bytes, done);
         Ok(done)
     }
 

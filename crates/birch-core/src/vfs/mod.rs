@@ -272,6 +272,10 @@ pub(crate) struct InodeState {
     /// What this inode's fsyncs already put in the log, so the next fsync writes only what
     /// changed since (btrfs logs only new items too).
     pub(crate) logged: Mutex<Logged>,
+    /// The running generation of the last copy_file_range that shared blocks from or into
+    /// this inode (0: none): until a commit covers it, an fsync commits instead of logging
+    /// (DESIGN §15.8), so no log batch names a shared extent before its flag is durable.
+    pub(crate) cloned_in: AtomicU64,
 }
 
 impl InodeState {
@@ -288,6 +292,7 @@ impl InodeState {
             lookups: AtomicU64::new(0),
             opens: AtomicU64::new(0),
             logged: Mutex::new(Logged::default()),
+            cloned_in: AtomicU64::new(0),
         })
     }
 }
@@ -693,7 +698,8 @@ impl Filesystem {
     /// Every counter of the engine and the device, as one JSON object (the live-mount stats
     /// interface: `getfattr -n trusted.birch.stats MNT`, which `birch stats` reads), then the
     /// gauges: `dirty_bytes` (buffered, not yet written), `log_used_bytes` of
-    /// `log_size_bytes`, `free_bytes` (what statfs calls available) of `size_bytes`, and the
+    /// `log_size_bytes`, `free_bytes` (what statfs calls available) of `size_bytes`,
+    /// `shared_bytes` (blocks that more than one extent names, by clones, each once), and the
     /// commit and fsync latency histograms as arrays of [`LATENCY_BUCKETS`] counts
     /// (`commit_latency_us_log2`, `fsync_latency_us_log2`; bucket i counts 2^i to
     /// 2^(i+1) - 1 µs).
@@ -726,6 +732,15 @@ impl Filesystem {
             ("log_size_bytes", log_size),
             ("free_bytes", statfs.bavail.saturating_mul(block)),
             ("size_bytes", statfs.blocks.saturating_mul(block)),
+            // Blocks more than one extent names (clones), each once: statfs counts them once.
+            (
+                "shared_bytes",
+                engine
+                    .allocator()
+                    .shared_blocks()
+                    .get()
+                    .saturating_mul(block),
+            ),
         ];
         parts.extend(gauges.iter().map(|(n, v)| format!("\"{n}\": {v}")));
         for (name, histogram) in [
