@@ -254,6 +254,20 @@ enum Command {
         #[command(subcommand)]
         action: SnapshotAction,
     },
+    /// Roll an unmounted image back to snapshot NAME: one commit makes the snapshot's tree
+    /// the live one (the fsync log is replayed first); the snapshot stays, inode numbers are
+    /// never reused, and the space only the replaced state held is free again. Refused while
+    /// newer snapshots exist, unless -r destroys them in the same commit. A mounted image is
+    /// locked: unmount it first.
+    Rollback {
+        image: PathBuf,
+        name: String,
+        /// Delete the snapshots newer than NAME (ZFS's rollback -r).
+        #[arg(short = 'r', long)]
+        destroy_newer: bool,
+        #[command(flatten)]
+        ceph: CephArgs,
+    },
     /// Print on-disk structures: super, tree fs, node ADDR, inode N, log.
     Inspect {
         image: PathBuf,
@@ -274,7 +288,9 @@ enum SnapshotAction {
         #[command(flatten)]
         ceph: CephArgs,
     },
-    /// List the snapshots: id, generation, creation time (UTC seconds), name.
+    /// List the snapshots: id, generation, creation time (UTC seconds), the space only the
+    /// snapshot holds (what deleting it alone gives back: human-readable and exact bytes),
+    /// name.
     List {
         image: PathBuf,
         #[command(flatten)]
@@ -437,6 +453,12 @@ fn main() -> ExitCode {
         } => scrub::scrub_main(&target, rate, json, force),
         Command::Inspect { image, what, ceph } => inspect(&image, &what, &ceph),
         Command::Snapshot { action } => snapshot(action),
+        Command::Rollback {
+            image,
+            name,
+            destroy_newer,
+            ceph,
+        } => rollback(&image, &name, destroy_newer, &ceph),
         Command::Crashtest {
             workload,
             seed,
@@ -891,16 +913,24 @@ fn snapshot(action: SnapshotAction) -> ExitCode {
                 s.name, s.id, s.generation
             );
         }),
-        SnapshotAction::List { .. } => {
-            println!("{:>6} {:>12} {:>20}  name", "id", "generation", "created");
-            for s in fs.engine().snapshots() {
+        SnapshotAction::List { .. } => fs.engine().snapshot_space().map(|list| {
+            println!(
+                "{:>6} {:>12} {:>20} {:>10} {:>14}  name",
+                "id", "generation", "created", "only", "only_bytes"
+            );
+            for (s, only) in list {
                 println!(
-                    "{:>6} {:>12} {:>10}.{:09}  {}",
-                    s.id, s.generation, s.created.sec, s.created.nsec, s.name
+                    "{:>6} {:>12} {:>10}.{:09} {:>10} {:>14}  {}",
+                    s.id,
+                    s.generation,
+                    s.created.sec,
+                    s.created.nsec,
+                    human_bytes(only),
+                    only,
+                    s.name
                 );
             }
-            Ok(())
-        }
+        }),
     };
     let verb = match &action {
         SnapshotAction::Create { name, .. } => format!("snapshot create {name:?}"),
@@ -915,6 +945,70 @@ fn snapshot(action: SnapshotAction) -> ExitCode {
         return fail(format!("{show}: {verb}: close: {e}"));
     }
     ExitCode::SUCCESS
+}
+
+/// `1.5 MiB`-style sizes (binary units, one decimal).
+fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+/// `birch rollback IMAGE NAME [-r]` on an unmounted image (DESIGN §15.8, SEMANTICS §9): a
+/// read-write open through the filesystem replays the fsync log and commits, then an engine
+/// of its own makes the rollback's commit ([`Engine::rollback`]).
+fn rollback(image: &Path, name: &str, destroy_newer: bool, ceph: &CephArgs) -> ExitCode {
+    let show = image.display();
+    let device = match open_image(image, OpenMode::ReadWrite, &ceph.image_options("rollback")) {
+        Ok(d) => d,
+        Err(e) if e.kind() == std::io::ErrorKind::ResourceBusy => {
+            return fail(format!(
+                "{show}: {e}; rollback works on an unmounted image only (unmount it first)"
+            ))
+        }
+        Err(e) => return fail(format!("{show}: {e}")),
+    };
+    let replay = Filesystem::open_device(
+        device.clone(),
+        birch_core::OpenOptions {
+            commit_interval: None,
+            wait_for_lock: false,
+            ..Default::default()
+        },
+    )
+    .and_then(|fs| fs.close());
+    if let Err(e) = replay {
+        return fail(format!("{show}: rollback: replaying the fsync log: {e}"));
+    }
+    let engine = match Engine::open(device) {
+        Ok(engine) => engine,
+        Err(e) => return fail(format!("{show}: rollback: open: {e}")),
+    };
+    match engine.rollback(name, destroy_newer) {
+        Ok((snapshot, deleted)) => {
+            for gone in &deleted {
+                println!("{show}: snapshot {gone:?} deleted (newer than {name:?})");
+            }
+            println!(
+                "{show}: rolled back to snapshot {:?} (id {}, generation {}) by commit {}",
+                snapshot.name,
+                snapshot.id,
+                snapshot.generation,
+                engine.superblock().generation
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(format!("{show}: {e}")),
+    }
 }
 
 fn inspect(image: &Path, what: &[String], ceph: &CephArgs) -> ExitCode {
