@@ -518,59 +518,8 @@ fn snapshots_match_their_models() {
     }
 }
 
-/// What a user sees of one path: kind, permissions, size, link count, xattrs, bytes.
-type Seen = (String, u32, u64, u32, Vec<(Vec<u8>, Vec<u8>)>, Vec<u8>);
-
-/// Every path under the root (the root included) as the filesystem shows it.
-fn tree(fs: &Filesystem) -> BTreeMap<String, Seen> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![("/".to_string(), ROOT)];
-    while let Some((path, ino)) = stack.pop() {
-        let attr = fs.getattr(ino).expect("getattr");
-        let mut xattrs = Vec::new();
-        for name in fs.listxattr(ino).expect("listxattr").split(|b| *b == 0) {
-            if !name.is_empty() {
-                xattrs.push((name.to_vec(), fs.getxattr(ino, name).expect("getxattr")));
-            }
-        }
-        xattrs.sort();
-        let data = if attr.kind == birch_core::vfs::FileKind::File {
-            fs.read(ino, 0, attr.size as usize).expect("read")
-        } else {
-            Vec::new()
-        };
-        if attr.kind == birch_core::vfs::FileKind::Dir {
-            for entry in fs.readdir(ino, 0, usize::MAX).expect("readdir") {
-                if entry.name == b"." || entry.name == b".." {
-                    continue;
-                }
-                let name = String::from_utf8_lossy(&entry.name).into_owned();
-                let child = if path == "/" {
-                    format!("/{name}")
-                } else {
-                    format!("{path}/{name}")
-                };
-                stack.push((child, entry.ino));
-            }
-        }
-        let size = if attr.kind == birch_core::vfs::FileKind::Dir {
-            0
-        } else {
-            attr.size
-        };
-        out.insert(
-            path,
-            (
-                format!("{:?}", attr.kind),
-                attr.perm,
-                size,
-                attr.nlink,
-                xattrs,
-                data,
-            ),
-        );
-    }
-    out
+fn tree(fs: &Filesystem) -> BTreeMap<String, common::Seen> {
+    common::tree(fs, false)
 }
 
 fn mkfile(fs: &Filesystem, parent: u64, name: &str, data: &[u8]) -> u64 {
