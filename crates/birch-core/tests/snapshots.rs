@@ -588,7 +588,18 @@ fn rollback_restores_the_snapshot_exactly() {
         .expect("write");
     fs.unlink(ROOT, b"orphan").expect("unlink");
     let expected = tree(&fs);
-    fs.create_snapshot("s").expect("snapshot");
+    let snap = fs.create_snapshot("s").expect("snapshot");
+    let orphan_range = (
+        birch_format::Key::new(birch_format::ORPHAN_OBJECTID, ItemType::Orphan, 0),
+        birch_format::Key::new(birch_format::ORPHAN_OBJECTID, ItemType::Orphan, u64::MAX),
+    );
+    let in_snapshot = fs
+        .engine()
+        .snapshot_view(snap.id)
+        .expect("view")
+        .range(&orphan_range.0, &orphan_range.1, usize::MAX)
+        .expect("range");
+    assert_eq!(in_snapshot.len(), 1, "the snapshot keeps the orphan");
     fs.release(orphan.ino, fh).expect("release");
     // Change everything after it.
     put(&fs, "a", &[9u8; 40000]);
@@ -616,6 +627,25 @@ fn rollback_restores_the_snapshot_exactly() {
     fsck_clean(&dev, "after the rollback");
     let fs = common::open_quiet(&dev);
     assert_eq!(tree(&fs), expected, "the rolled-back tree");
+    // The open reclaimed the snapshot's orphan in the live tree: the sharing-aware free kept
+    // its blocks for the snapshot (a fresh open derives the same free space).
+    fs.sync().expect("sync");
+    let orphans = fs
+        .engine()
+        .range(&orphan_range.0, &orphan_range.1, usize::MAX)
+        .expect("orphans");
+    assert!(orphans.is_empty(), "orphan reclaimed at the open");
+    let counted = fs.engine().allocator().free_blocks() + fs.engine().allocator().pinned_blocks();
+    let fresh = birch_core::Engine::open(
+        Arc::new(MemDevice::from_bytes(dev.snapshot())) as Arc<dyn BlockDevice>
+    )
+    .expect("fresh open");
+    assert_eq!(
+        counted,
+        fresh.allocator().free_blocks(),
+        "orphan's blocks kept"
+    );
+    drop(fresh);
     assert!(
         fs.statfs().bfree > free_before_rollback + 30 * 4,
         "the new files' blocks came back"
