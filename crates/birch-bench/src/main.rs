@@ -27,6 +27,12 @@
 //!    random), against the trees walked one by one; the COW-path costs of the candidates of
 //!    DESIGN §15.3 (an extra item per freed extent in a random leaf and appended; look-ups in
 //!    an in-memory reference-count map).
+//! 5. **Diff of two snapshots** (`--only diff`, never in the default run; DESIGN §15.8): an
+//!    image of `--diff-files` files of 100 bytes (1,000 to a directory), snapshot `before`,
+//!    `--diff-changed` files overwritten at random, snapshot `after`; `Engine::diff` of the
+//!    two with a cold node cache (a fresh `Engine::open`, then the diff timed): nodes the walk
+//!    read, device reads of nodes in all (path look-ups included), and time; the same walk of
+//!    `after` against an empty tree (every node) for scale.
 //!
 //! Every row also gives the engine counters per operation (per commit in part 2):
 //! `btree_descents`, `btree_cows`, `nodes_written`, and the device's `flushes` and
@@ -88,10 +94,17 @@ struct Args {
     /// Print JSON on stdout (the table goes to stderr).
     #[arg(long)]
     json: bool,
-    /// Run only these parts (repeatable): btree, commit, create, append, overwrite, open.
-    /// `open` runs only when named (it builds a large image).
-    #[arg(long, value_parser = ["btree", "commit", "create", "append", "overwrite", "open"])]
+    /// Run only these parts (repeatable): btree, commit, create, append, overwrite, open,
+    /// diff. `open` and `diff` run only when named (they build a large image).
+    #[arg(long, value_parser = ["btree", "commit", "create", "append", "overwrite", "open", "diff"])]
     only: Vec<String>,
+    /// Part `diff`: files in the image (100 bytes each, 1,000 to a directory; at most 20,000
+    /// with `--quick`).
+    #[arg(long, default_value_t = 100_000)]
+    diff_files: usize,
+    /// Part `diff`: files overwritten between the two snapshots.
+    #[arg(long, default_value_t = 10)]
+    diff_changed: usize,
     /// Part `open`: files in the image (each one 4 KiB block, 1,000 to a directory; at most
     /// 20,000 with `--quick`).
     #[arg(long, default_value_t = 1_000_000)]
@@ -115,7 +128,8 @@ static SWITCHES: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
 
 impl Args {
     fn wants(&self, part: &str) -> bool {
-        (self.only.is_empty() && part != "open") || self.only.iter().any(|p| p == part)
+        (self.only.is_empty() && part != "open" && part != "diff")
+            || self.only.iter().any(|p| p == part)
     }
 }
 
@@ -284,6 +298,9 @@ fn run(args: &Args) -> Res<()> {
     if args.wants("open") {
         bench_open(&target, args, &mut rows)?;
         bench_refcount_map(&mut rows);
+    }
+    if args.wants("diff") {
+        bench_diff(&target, args, &mut rows)?;
     }
     let total = started.elapsed().as_secs_f64();
     let table = table(&rows, &target, args.quick, total);
@@ -817,6 +834,113 @@ fn bench_fs(target: &Target, sizes: &Sizes, args: &Args, rows: &mut Vec<Row>) ->
 }
 
 // ---------------------------------------------------------------------------------------------
+// 5. Diff of two snapshots (DESIGN §15.8)
+
+/// `--only diff`: see the module doc, part 5.
+fn bench_diff(target: &Target, args: &Args, rows: &mut Vec<Row>) -> Res<()> {
+    let c = Caller::default();
+    let files = if args.quick {
+        args.diff_files.min(20_000)
+    } else {
+        args.diff_files
+    };
+    let files = files.max(1000) / 1000 * 1000;
+    let size = ((files as u64 * 2048 + (1 << 30)) / BLOCK_SIZE) * BLOCK_SIZE;
+    eprintln!(
+        "diff: building {files} files on a {} MiB device ...",
+        size >> 20
+    );
+    let fs = new_fs(target, size)?;
+    let bytes = vec![0x5au8; 100];
+    let mut inos = Vec::with_capacity(files);
+    let start = Instant::now();
+    for d in 0..files / 1000 {
+        let dir = fs.mkdir(c, 1, format!("d{d:05}").as_bytes(), 0o755)?.ino;
+        for i in 0..1000 {
+            let (attr, fh) = fs.create(c, dir, format!("f{i:04}").as_bytes(), 0o644, 0)?;
+            fs.write(attr.ino, 0, &bytes, false)?;
+            fs.release(attr.ino, fh)?;
+            inos.push(attr.ino);
+        }
+        if (d + 1) % 100 == 0 {
+            fs.sync()?;
+        }
+    }
+    fs.create_snapshot("before")?;
+    let build = start.elapsed().as_secs_f64();
+    let mut rng = SmallRng::seed_from_u64(SEED ^ 0xd1ff);
+    let changed = args.diff_changed.min(files);
+    for ino in inos.choose_multiple(&mut rng, changed) {
+        fs.write(*ino, 0, b"changed", false)?;
+    }
+    fs.create_snapshot("after")?;
+    let dev = fs.engine().base_device().clone();
+    let after_root = fs
+        .engine()
+        .snapshots()
+        .into_iter()
+        .find(|s| s.name == "after")
+        .ok_or("no snapshot after")?
+        .root;
+    fs.close()?;
+    drop(fs);
+    eprintln!("diff: built in {build:.1} s");
+    for (name, whole) in [
+        (
+            format!("diff before..after, {changed} of {files} files changed"),
+            false,
+        ),
+        (
+            format!("diff of every node of {files} files (against an empty tree)"),
+            true,
+        ),
+    ] {
+        let mut secs = Vec::new();
+        let mut last = None;
+        for _ in 0..3 {
+            // A cold node cache: a fresh engine (its open walks the live tree and fills the
+            // cache with what it read; the walk below counts device reads from here).
+            let engine = Engine::open(dev.clone())?;
+            engine.clear_node_cache();
+            let before = engine.counters().values();
+            let t = Instant::now();
+            let (changes, stats) = if whole {
+                engine.diff_roots(RootPtr::default(), after_root)?
+            } else {
+                engine.diff("before", Some("after"))?
+            };
+            secs.push(t.elapsed().as_secs_f64());
+            let after = engine.counters().values();
+            last = Some((
+                changes.len(),
+                stats,
+                after.cache_misses - before.cache_misses,
+            ));
+        }
+        let (paths, stats, device_reads) = last.ok_or("no repeat ran")?;
+        let secs = median(secs);
+        rows.push(Row {
+            section: "diff",
+            name,
+            ops: stats.nodes_read,
+            secs,
+            unit: "nodes/s",
+            delta: Snap::default(),
+            extra: vec![
+                ("files", files as f64),
+                ("changed", changed as f64),
+                ("paths", paths as f64),
+                ("ms", secs * 1e3),
+                ("nodes_read_by_walk", stats.nodes_read as f64),
+                ("shared_skipped", stats.shared_skipped as f64),
+                ("node_device_reads", device_reads as f64),
+                ("build_s", build),
+            ],
+        });
+    }
+    Ok(())
+}
+
 // 4. Open walk with retained older roots (DESIGN §15.5)
 
 /// Times `f` `OPEN_REPEATS` times and returns the median seconds and the last result.

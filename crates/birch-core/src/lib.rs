@@ -21,6 +21,7 @@ pub mod counters;
 mod data;
 pub mod delta;
 pub mod device;
+pub mod diff;
 pub mod error;
 mod ids;
 pub mod items;

@@ -60,6 +60,11 @@ pub(crate) enum SnapshotOp {
     Create { name: String, created: Timespec },
     /// Drop snapshot `id`; the commit's deletion walk gives back what only it held.
     Delete { id: u64 },
+    /// Make snapshot `id`'s tree the live tree (`birch rollback`): the commit writes no fs
+    /// node, its root is the snapshot's, and the blocks only the replaced live tree held are
+    /// given back by the deletion walk. Queued alone (with the deletions of every newer
+    /// snapshot) on an engine whose delta is empty.
+    Rollback { id: u64 },
 }
 
 /// The key of snapshot `id` in the list tree.

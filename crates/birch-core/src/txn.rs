@@ -352,6 +352,11 @@ impl Engine {
         self.fsid
     }
 
+    /// Empties the node cache (benchmarks and tests measure cold walks with it).
+    pub fn clear_node_cache(&self) {
+        self.cache.clear();
+    }
+
     /// Engine counters (device counters are separate: [`Engine::device`]).
     pub fn counters(&self) -> &Counters {
         &self.counters
@@ -913,6 +918,93 @@ impl Engine {
             victim
         };
         Ok(victim)
+    }
+
+    /// Rolls the live filesystem back to snapshot `name` (`birch rollback`, DESIGN §15.8):
+    /// one commit, at a generation above every earlier one, whose fs tree root is the
+    /// snapshot's; the snapshot stays; `next_objectid` is kept (ids are never reused); the
+    /// blocks only the replaced live tree held are given back once that commit is durable
+    /// (the deletion walk against the snapshot, [`snapshot::deletion_frees`]). Snapshots newer
+    /// than `name` make it refuse (`Exists`, naming them) unless `destroy_newer`, which
+    /// deletes them in the same commit. Returns the snapshot and the names of the deleted
+    /// ones.
+    ///
+    /// For an engine with no filesystem above it (an unmounted image): the filesystem's
+    /// caches would still show the old tree. Refused while log records wait for replay (open
+    /// the image read-write through the filesystem first, which replays and commits them)
+    /// and when the running delta is not empty after a commit (a concurrent writer).
+    pub fn rollback(&self, name: &str, destroy_newer: bool) -> Result<(Snapshot, Vec<String>)> {
+        self.check_snapshot_writable()?;
+        if self.replay_pending() {
+            return Err(Error::Invalid(format!(
+                "rollback to {name:?}: the fsync log holds records not yet replayed; open the \
+                 image read-write once (e.g. birch fsck) to replay them first"
+            )));
+        }
+        // What the delta holds goes in first, so that the rollback's freeze finds it empty.
+        self.commit()?;
+        let (target, newer) = {
+            let mut state = self.snapshots.lock();
+            if !state.pending.is_empty() {
+                return Err(Error::Invalid(format!(
+                    "rollback to {name:?}: other snapshot changes wait for a commit"
+                )));
+            }
+            let Some(target) = state.list.iter().find(|s| s.name == name).cloned() else {
+                return Err(Error::NotFound(format!("snapshot {name:?}")));
+            };
+            let newer: Vec<Snapshot> = state
+                .list
+                .iter()
+                .filter(|s| s.id > target.id)
+                .cloned()
+                .collect();
+            if !newer.is_empty() && !destroy_newer {
+                let names: Vec<String> = newer.iter().map(|s| format!("{:?}", s.name)).collect();
+                return Err(Error::Exists(format!(
+                    "rollback to {name:?}: newer snapshots exist ({}); destroy them with -r",
+                    names.join(", ")
+                )));
+            }
+            for s in &newer {
+                state.pending.push(SnapshotOp::Delete { id: s.id });
+            }
+            state.pending.push(SnapshotOp::Rollback { id: target.id });
+            (target, newer)
+        };
+        self.commit()?;
+        let rolled = self.superblock.lock().fs_root == target.root;
+        if !rolled {
+            return Err(Error::Invalid(format!(
+                "rollback to {name:?}: its commit did not make it"
+            )));
+        }
+        Ok((target, newer.into_iter().map(|s| s.name).collect()))
+    }
+
+    /// The bytes only each snapshot holds, oldest first: what deleting it alone would give
+    /// back (`birch snapshot list`), found by the deletion walk ([`snapshot::deletion_frees`])
+    /// against its neighbours without freeing anything. Reads the changed part of each pair
+    /// of neighbouring trees; the committed root is held meanwhile.
+    pub fn snapshot_space(&self) -> Result<Vec<(Snapshot, u64)>> {
+        let committed = self.committed_root();
+        let list = self.snapshots();
+        let mut out = Vec::with_capacity(list.len());
+        for (i, victim) in list.iter().enumerate() {
+            let older = if i == 0 { 0 } else { list[i - 1].generation };
+            let newer = list.get(i + 1).map_or(committed.root, |s| s.root);
+            let frees =
+                snapshot::deletion_frees(self.ctx(), victim, older, newer).map_err(|e| {
+                    Error::Invalid(format!(
+                        "snapshot {:?} (id {}): the space only it holds: {e}",
+                        victim.name, victim.id
+                    ))
+                })?;
+            let blocks: u64 = frees.iter().map(|(_, n)| n.get()).sum();
+            out.push((victim.clone(), blocks * birch_format::BLOCK_SIZE));
+        }
+        drop(committed);
+        Ok(out)
     }
 
     /// A read view of snapshot `id`'s tree (items through the node cache; no delta).
@@ -1641,6 +1733,18 @@ impl Engine {
             if idle {
                 return Ok(self.committed_generation());
             }
+            let rollback = snapshots
+                .pending
+                .iter()
+                .any(|op| matches!(op, SnapshotOp::Rollback { .. }));
+            if rollback && !self.active.is_empty() {
+                // The rollback's tree is the snapshot's: a change made since its caller's
+                // commit would be lost. Its ops stay queued for the caller to withdraw.
+                snapshots.pending.clear();
+                return Err(Error::Invalid(
+                    "rollback: the filesystem changed while it waited for its commit".into(),
+                ));
+            }
             // Snapshot changes take effect for every free after this commit's: a new one holds
             // what later generations free, a deleted one nothing freed after this commit.
             let ops = std::mem::take(&mut snapshots.pending);
@@ -1652,6 +1756,9 @@ impl Engine {
                             self.alloc.drop_hold(s.generation, generation);
                         }
                     }
+                    // Frees nothing through the allocator's holds: the replaced tree's blocks
+                    // are given back by the deletion walk once the commit is durable.
+                    SnapshotOp::Rollback { .. } => {}
                 }
             }
             drop(snapshots);
@@ -1817,10 +1924,42 @@ impl Engine {
             )
         })?;
         let ctx = self.ctx();
-        let mut writer = TreeWriter::new(ctx, &self.alloc, generation, committed.root);
-        let mut nodes = self.apply(&mut writer, frozen, generation)?;
-        nodes.extend(writer.write_dirty()?);
-        let root = writer.root();
+        let rollback = ops.iter().find_map(|op| match op {
+            SnapshotOp::Rollback { id } => Some(*id),
+            _ => None,
+        });
+        let (root, mut nodes, replaced) = match rollback {
+            // The freeze made sure the delta is empty: no fs node is written.
+            Some(id) => {
+                let target = self
+                    .snapshots
+                    .lock()
+                    .list
+                    .iter()
+                    .find(|s| s.id == id)
+                    .cloned();
+                let target = target.ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "commit {generation}: rollback to snapshot id {id}: no such snapshot"
+                    ))
+                })?;
+                // The live tree the rollback replaces, as a snapshot the commit deletes.
+                let replaced = Snapshot {
+                    id: u64::MAX,
+                    name: "(the live tree before the rollback)".into(),
+                    generation: committed.generation.get(),
+                    root: committed.root,
+                    created: birch_format::items::Timespec { sec: 0, nsec: 0 },
+                };
+                (target.root, Vec::new(), Some(replaced))
+            }
+            None => {
+                let mut writer = TreeWriter::new(ctx, &self.alloc, generation, committed.root);
+                let mut nodes = self.apply(&mut writer, frozen, generation)?;
+                nodes.extend(writer.write_dirty()?);
+                (writer.root(), nodes, None)
+            }
+        };
         let mut sb = self.superblock.lock().clone();
         let list_change = if ops.is_empty() {
             None
@@ -1876,7 +2015,11 @@ impl Engine {
             });
             old
         };
-        if let Some((deleted, before)) = list_change {
+        if let Some((mut deleted, mut before)) = list_change {
+            if let Some(replaced) = replaced {
+                before.push(replaced.clone());
+                deleted.push(replaced);
+            }
             self.give_back_deleted(generation, root, &before, &deleted);
             self.alloc.forget_holds(generation);
         }
@@ -1939,6 +2082,8 @@ impl Engine {
                         deleted.push(list.remove(at));
                     }
                 }
+                // The snapshot stays; the commit's root is its root.
+                SnapshotOp::Rollback { .. } => {}
             }
         }
         if sb.snapshots.addr != 0 {
@@ -1973,21 +2118,24 @@ impl Engine {
         before: &[Snapshot],
         deleted: &[Snapshot],
     ) {
+        // Ordered by age: generation, then id (snapshots of one commit share a tree; a
+        // rollback's replaced live tree has the largest id).
+        let age = |s: &Snapshot| (s.generation, s.id);
         let mut standing: Vec<Snapshot> = before.to_vec();
         let mut victims = deleted.to_vec();
-        victims.sort_by_key(|s| s.generation);
+        victims.sort_by_key(age);
         for victim in victims {
             standing.retain(|s| s.id != victim.id);
             let older = standing
                 .iter()
-                .filter(|s| s.generation < victim.generation)
+                .filter(|s| age(s) < age(&victim))
                 .map(|s| s.generation)
                 .max()
                 .unwrap_or(0);
             let newer = standing
                 .iter()
-                .filter(|s| s.generation > victim.generation)
-                .min_by_key(|s| s.generation)
+                .filter(|s| age(s) > age(&victim))
+                .min_by_key(|s| age(s))
                 .map(|s| s.root)
                 .unwrap_or(fs_root);
             match snapshot::deletion_frees(self.ctx(), &victim, older, newer) {

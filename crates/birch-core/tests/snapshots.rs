@@ -465,6 +465,7 @@ fn model_case(seed: u64, steps: u64, clones: bool) {
     let mut live = Files::new();
     let mut snaps: BTreeMap<String, (u64, Files)> = BTreeMap::new();
     let mut made = 0u64;
+    let mut rollbacks = 0u64;
     for step in 0..steps {
         let what = rng.gen_range(0..100);
         let name = format!("{}", (b'a' + rng.gen_range(0..6u8)) as char);
@@ -498,9 +499,32 @@ fn model_case(seed: u64, steps: u64, clones: bool) {
                     snaps.remove(&victim);
                 }
             }
-            90..=94 => {
+            90..=93 => {
                 jobs += fs.engine().counters().values().commit_jobs;
                 common::close_and_check_clean(fs, &dev, &format!("seed {seed} step {step}"));
+                fs = common::open_quiet(&dev);
+                if parallel {
+                    fs.engine().set_parallel_apply_min(1);
+                }
+            }
+            94..=96 if !snaps.is_empty() => {
+                // birch rollback -r to a random snapshot on the closed image.
+                jobs += fs.engine().counters().values().commit_jobs;
+                let target = snaps
+                    .keys()
+                    .nth(rng.gen_range(0..snaps.len()))
+                    .cloned()
+                    .expect("a snapshot");
+                common::close_and_check_clean(fs, &dev, &format!("seed {seed} step {step}"));
+                rollback(&dev, &target, true).expect("rollback");
+                rollbacks += 1;
+                fsck_clean(
+                    &dev,
+                    &format!("seed {seed} step {step}: rollback to {target}"),
+                );
+                let (id, files) = snaps[&target].clone();
+                snaps.retain(|_, (other, _)| *other <= id);
+                live = files;
                 fs = common::open_quiet(&dev);
                 if parallel {
                     fs.engine().set_parallel_apply_min(1);
@@ -536,6 +560,7 @@ fn model_case(seed: u64, steps: u64, clones: bool) {
         }
     }
     jobs += fs.engine().counters().values().commit_jobs;
+    eprintln!("seed {seed}: {made} snapshots, {rollbacks} rollbacks");
     assert!(
         !parallel || jobs > 0,
         "seed {seed}: no commit ran parallel jobs"
@@ -581,4 +606,303 @@ fn snapshots_and_clones_match_their_models() {
         eprintln!("snapshot and clone model case seed {seed}");
         model_case(seed, steps, true);
     }
+}
+
+fn tree(fs: &Filesystem) -> BTreeMap<String, common::Seen> {
+    common::tree(fs, false)
+}
+
+fn mkfile(fs: &Filesystem, parent: u64, name: &str, data: &[u8]) -> u64 {
+    let (attr, fh) = fs
+        .create(Caller::default(), parent, name.as_bytes(), 0o644, 0)
+        .expect("create");
+    if !data.is_empty() {
+        fs.write(attr.ino, 0, data, false).expect("write");
+    }
+    fs.release(attr.ino, fh).expect("release");
+    attr.ino
+}
+
+/// `birch rollback` on the unmounted image on `dev`: an engine of its own, dropped after.
+fn rollback(
+    dev: &Arc<MemDevice>,
+    name: &str,
+    destroy_newer: bool,
+) -> birch_core::Result<Vec<String>> {
+    let engine = birch_core::Engine::open(dev.clone() as Arc<dyn BlockDevice>)?;
+    let result = engine
+        .rollback(name, destroy_newer)
+        .map(|(_, deleted)| deleted);
+    // The blocks the rollback gave back, as this engine counts them, against a fresh open's
+    // derivation of the same image: no leak, no double free.
+    if result.is_ok() {
+        engine.commit().expect("commit");
+        let counted = engine.allocator().free_blocks() + engine.allocator().pinned_blocks();
+        let fresh = birch_core::Engine::open(
+            Arc::new(MemDevice::from_bytes(dev.snapshot())) as Arc<dyn BlockDevice>
+        )
+        .expect("fresh open");
+        assert_eq!(
+            counted,
+            fresh.allocator().free_blocks(),
+            "free blocks after the rollback against a fresh open"
+        );
+    }
+    drop(engine);
+    result
+}
+
+#[test]
+fn rollback_restores_the_snapshot_exactly() {
+    let (dev, fs) = common::fresh(DEVICE_BYTES);
+    let d = fs
+        .mkdir(Caller::default(), ROOT, b"d", 0o755)
+        .expect("mkdir")
+        .ino;
+    let e = fs
+        .mkdir(Caller::default(), d, b"e", 0o700)
+        .expect("mkdir")
+        .ino;
+    let a = mkfile(&fs, ROOT, "a", &[1u8; 20000]);
+    mkfile(&fs, d, "b", &[2u8; 9000]);
+    mkfile(&fs, e, "c", b"small");
+    fs.link(a, d, b"a-link").expect("link");
+    fs.setxattr(a, b"user.one", b"first", 0).expect("setxattr");
+    fs.setxattr(d, b"user.dir", &[7u8; 300], 0)
+        .expect("setxattr");
+    // A file unlinked while open when the snapshot is made: an orphan in its tree.
+    let (orphan, fh) = fs
+        .create(Caller::default(), ROOT, b"orphan", 0o644, 0)
+        .expect("create");
+    fs.write(orphan.ino, 0, &[3u8; 12288], false)
+        .expect("write");
+    fs.unlink(ROOT, b"orphan").expect("unlink");
+    let expected = tree(&fs);
+    let snap = fs.create_snapshot("s").expect("snapshot");
+    let orphan_range = (
+        birch_format::Key::new(birch_format::ORPHAN_OBJECTID, ItemType::Orphan, 0),
+        birch_format::Key::new(birch_format::ORPHAN_OBJECTID, ItemType::Orphan, u64::MAX),
+    );
+    let in_snapshot = fs
+        .engine()
+        .snapshot_view(snap.id)
+        .expect("view")
+        .range(&orphan_range.0, &orphan_range.1, usize::MAX)
+        .expect("range");
+    assert_eq!(in_snapshot.len(), 1, "the snapshot keeps the orphan");
+    fs.release(orphan.ino, fh).expect("release");
+    // Change everything after it.
+    put(&fs, "a", &[9u8; 40000]);
+    fs.setxattr(a, b"user.one", b"second", 0).expect("setxattr");
+    fs.setxattr(a, b"user.two", b"new", 0).expect("setxattr");
+    fs.removexattr(d, b"user.dir").expect("removexattr");
+    fs.unlink(e, b"c").expect("unlink");
+    fs.rmdir(d, b"e").expect("rmdir");
+    fs.rename(d, b"b", ROOT, b"b-moved", 0).expect("rename");
+    let mut max_ino = a;
+    for i in 0..30 {
+        max_ino = max_ino.max(mkfile(&fs, ROOT, &format!("n{i}"), &[i as u8; 16384]));
+    }
+    common::close_and_check_clean(fs, &dev, "before the rollback");
+    let free_before_rollback = {
+        let fs = common::open_quiet(&dev);
+        let free = fs.statfs().bfree;
+        fs.close().expect("close");
+        free
+    };
+    assert_eq!(
+        rollback(&dev, "s", false).expect("rollback"),
+        Vec::<String>::new()
+    );
+    fsck_clean(&dev, "after the rollback");
+    let fs = common::open_quiet(&dev);
+    assert_eq!(tree(&fs), expected, "the rolled-back tree");
+    // The open reclaimed the snapshot's orphan in the live tree: the sharing-aware free kept
+    // its blocks for the snapshot (a fresh open derives the same free space).
+    fs.sync().expect("sync");
+    let orphans = fs
+        .engine()
+        .range(&orphan_range.0, &orphan_range.1, usize::MAX)
+        .expect("orphans");
+    assert!(orphans.is_empty(), "orphan reclaimed at the open");
+    let counted = fs.engine().allocator().free_blocks() + fs.engine().allocator().pinned_blocks();
+    let fresh = birch_core::Engine::open(
+        Arc::new(MemDevice::from_bytes(dev.snapshot())) as Arc<dyn BlockDevice>
+    )
+    .expect("fresh open");
+    assert_eq!(
+        counted,
+        fresh.allocator().free_blocks(),
+        "orphan's blocks kept"
+    );
+    drop(fresh);
+    assert!(
+        fs.statfs().bfree > free_before_rollback + 30 * 4,
+        "the new files' blocks came back"
+    );
+    assert_eq!(fs.engine().snapshots().len(), 1, "the snapshot stays");
+    // Ids are never reused.
+    let fresh = mkfile(&fs, ROOT, "after", &[5u8; 8192]);
+    assert!(
+        fresh > max_ino,
+        "ino {fresh} after the rollback, {max_ino} used before"
+    );
+    put(&fs, "a", &[6u8; 30000]);
+    fs.unlink(d, b"b").expect("unlink");
+    let mut after = tree(&fs);
+    common::close_and_check_clean(fs, &dev, "writes after the rollback");
+    let fs = common::open_quiet(&dev);
+    assert_eq!(tree(&fs), after, "reopened after writes");
+    // The snapshot is still whole, and a second rollback returns to it.
+    fs.close().expect("close");
+    drop(fs);
+    rollback(&dev, "s", false).expect("second rollback");
+    let fs = common::open_quiet(&dev);
+    assert_eq!(tree(&fs), expected, "the second rollback");
+    after.clear();
+    fs.delete_snapshot("s").expect("delete");
+    common::close_and_check_clean(fs, &dev, "snapshot deleted after the rollbacks");
+}
+
+#[test]
+fn rollback_refuses_newer_snapshots_unless_told_to_destroy_them() {
+    let (dev, fs) = common::fresh(DEVICE_BYTES);
+    put(&fs, "a", &[1u8; 9000]);
+    let first = tree(&fs);
+    fs.create_snapshot("s1").expect("snapshot");
+    put(&fs, "a", &[2u8; 20000]);
+    put(&fs, "b", &[3u8; 20000]);
+    fs.create_snapshot("s2").expect("snapshot");
+    fs.create_snapshot("s2b")
+        .expect("snapshot of the same tree");
+    put(&fs, "b", &[4u8; 30000]);
+    put(&fs, "c", &[5u8; 5000]);
+    fs.close().expect("close");
+    drop(fs);
+    match rollback(&dev, "s1", false) {
+        Err(Error::Exists(what)) => assert!(what.contains("s2"), "{what}"),
+        other => panic!("rollback with newer snapshots: {other:?}"),
+    }
+    assert!(matches!(
+        rollback(&dev, "none", false),
+        Err(Error::NotFound(_))
+    ));
+    fsck_clean(&dev, "after the refusals");
+    let deleted = rollback(&dev, "s1", true).expect("rollback -r");
+    assert_eq!(deleted, vec!["s2".to_string(), "s2b".to_string()]);
+    fsck_clean(&dev, "after rollback -r");
+    let fs = common::open_quiet(&dev);
+    assert_eq!(tree(&fs), first);
+    let names: Vec<String> = fs
+        .engine()
+        .snapshots()
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    assert_eq!(names, vec!["s1".to_string()]);
+    put(&fs, "z", &[8u8; 12000]);
+    common::close_and_check_clean(fs, &dev, "writes after rollback -r");
+}
+
+#[test]
+fn a_crash_during_or_right_after_the_rollback_leaves_one_state_or_the_other() {
+    let (dev, fs) = common::fresh(DEVICE_BYTES);
+    put(&fs, "a", &[1u8; 30000]);
+    let old_state = {
+        fs.create_snapshot("s").expect("snapshot");
+        tree(&fs)
+    };
+    put(&fs, "a", &[2u8; 30000]);
+    put(&fs, "b", &[3u8; 50000]);
+    let newer = tree(&fs);
+    fs.close().expect("close");
+    drop(fs);
+    let base = dev.snapshot();
+    dev.start_recording();
+    rollback(&dev, "s", false).expect("rollback");
+    let writes = dev.take_recording();
+    // Every prefix of what the rollback wrote, as the device may have kept it.
+    let mut states = 0;
+    for cut in 0..=writes.len() {
+        let image = MemDevice::from_bytes(base.clone());
+        for w in &writes[..cut] {
+            if let birch_core::device::Recorded::Write { offset, bytes } = w {
+                image.write_at(bytes, *offset).expect("write");
+            }
+        }
+        image.flush().expect("flush");
+        let image = Arc::new(image);
+        fsck_clean(&image, &format!("cut at {cut} of {}", writes.len()));
+        let fs = common::open_quiet(&image);
+        let seen = tree(&fs);
+        assert!(
+            seen == old_state || seen == newer,
+            "cut at {cut}: neither state"
+        );
+        common::close_and_check_clean(fs, &image, &format!("cut at {cut}: closed"));
+        states += 1;
+    }
+    assert!(states >= 2);
+    let crashed = Arc::new(dev.crash());
+    let fs = common::open_quiet(&crashed);
+    assert_eq!(tree(&fs), old_state, "crash right after the rollback");
+    common::close_and_check_clean(fs, &crashed, "crash after the rollback");
+}
+
+#[test]
+fn the_space_only_a_snapshot_holds_is_what_its_deletion_gives_back() {
+    let (dev, fs) = common::fresh(DEVICE_BYTES);
+    for i in 0..40 {
+        put(&fs, &format!("f{i}"), &[i as u8; 3 * 4096]);
+    }
+    fs.create_snapshot("s1").expect("snapshot");
+    for i in 0..10 {
+        put(&fs, &format!("f{i}"), &[100 + i as u8; 5 * 4096]);
+    }
+    put(&fs, "g", &[7u8; 40000]);
+    fs.create_snapshot("s2").expect("snapshot");
+    fs.create_snapshot("s3")
+        .expect("a snapshot of the same tree");
+    for i in 5..20 {
+        put(&fs, &format!("f{i}"), &[200 + i as u8; 2 * 4096]);
+    }
+    fs.unlink(ROOT, b"g").expect("unlink");
+    fs.sync().expect("sync");
+    let space = fs.engine().snapshot_space().expect("space");
+    let by_name: BTreeMap<String, u64> = space.into_iter().map(|(s, b)| (s.name, b)).collect();
+    // s2 and s3 share one tree: neither alone holds anything.
+    assert_eq!(by_name["s2"], 0, "{by_name:?}");
+    assert_eq!(by_name["s3"], 0, "{by_name:?}");
+    assert!(by_name["s1"] >= 10 * 3 * 4096, "{by_name:?}");
+    for name in ["s1", "s3", "s2"] {
+        let expect = fs
+            .engine()
+            .snapshot_space()
+            .expect("space")
+            .into_iter()
+            .find(|(s, _)| s.name == name)
+            .expect("listed")
+            .1;
+        if name == "s2" {
+            // Alone now: the blocks of f5..f9 and g that the live tree dropped.
+            assert!(expect >= (5 * 5 + 10) * 4096, "s2 alone: {expect}");
+        }
+        let before = fs.statfs().bfree;
+        fs.delete_snapshot(name).expect("delete");
+        fs.sync().expect("sync");
+        let after = fs.statfs().bfree;
+        // The list's leaf is rewritten (same size) while a snapshot remains; the last
+        // deletion frees the list's node too.
+        let list_node = if fs.engine().snapshots().is_empty() {
+            birch_format::NODE_BLOCKS
+        } else {
+            0
+        };
+        assert_eq!(
+            (after - before) * BLOCK_SIZE,
+            expect + list_node * BLOCK_SIZE,
+            "deleting {name}"
+        );
+    }
+    common::close_and_check_clean(fs, &dev, "after the deletions");
 }

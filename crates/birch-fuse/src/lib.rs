@@ -90,6 +90,40 @@ pub const SCRUB_XATTR: &[u8] = b"trusted.birch.scrub";
 /// `snapshot-create NAME` and `snapshot-delete NAME` on [`CONTROL_XATTR`] change them.
 pub const SNAPSHOTS_XATTR: &[u8] = b"trusted.birch.snapshots";
 
+/// The root xattrs `trusted.birch.diff/OFFSET/SNAP1[/SNAP2]` (`birch diff MNT`): the
+/// lines of [`birch_core::Engine::diff`] from SNAP1 to SNAP2 (absent: the live state, committed
+/// first), from byte OFFSET of the text, at most [`DIFF_CHUNK`] bytes: a shorter piece is the
+/// last.
+pub const DIFF_XATTR_PREFIX: &[u8] = b"trusted.birch.diff/";
+
+/// The most bytes one `trusted.birch.diff/...` read returns (under the kernel's 64 KiB).
+pub const DIFF_CHUNK: usize = 60_000;
+
+/// The piece of `birch diff` text a `trusted.birch.diff/OFFSET/SNAP1[/SNAP2]` name asks for.
+fn diff_piece(fs: &Filesystem, spec: &[u8]) -> birch_core::Result<Vec<u8>> {
+    let bad = || birch_core::Error::Invalid("diff xattr: OFFSET/SNAP1[/SNAP2] expected".into());
+    let spec = std::str::from_utf8(spec).map_err(|_| bad())?;
+    let mut parts = spec.split('/');
+    let offset: usize = parts.next().and_then(|o| o.parse().ok()).ok_or_else(bad)?;
+    let from = parts.next().filter(|s| !s.is_empty()).ok_or_else(bad)?;
+    let to = parts.next();
+    if parts.next().is_some() {
+        return Err(bad());
+    }
+    if to.is_none() {
+        fs.sync()?;
+    }
+    let (changes, _) = fs.engine().diff(from, to)?;
+    let mut text = Vec::new();
+    for change in changes {
+        text.extend_from_slice(change.to_string().as_bytes());
+        text.push(b'\n');
+    }
+    let start = offset.min(text.len());
+    let end = (start + DIFF_CHUNK).min(text.len());
+    Ok(text[start..end].to_vec())
+}
+
 /// Adapter settings.
 #[derive(Debug, Clone)]
 pub struct FuseOptions {
@@ -1666,6 +1700,13 @@ impl fuser::Filesystem for BirchFuse {
         }
         if ino.0 == 1 && name.as_bytes() == SNAPSHOTS_XATTR {
             xattr_reply(reply, size, self.fs.snapshots_text().as_bytes());
+            return;
+        }
+        if let (1, Some(spec)) = (ino.0, name.as_bytes().strip_prefix(DIFF_XATTR_PREFIX)) {
+            match diff_piece(&self.fs, spec) {
+                Ok(piece) => xattr_reply(reply, size, &piece),
+                Err(e) => reply.error(errno("getxattr diff", &e)),
+            }
             return;
         }
         match self.fs.getxattr(ino.0, name.as_bytes()) {

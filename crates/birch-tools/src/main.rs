@@ -255,6 +255,37 @@ enum Command {
         #[command(subcommand)]
         action: SnapshotAction,
     },
+    /// Roll an unmounted image back to snapshot NAME: one commit makes the snapshot's tree
+    /// the live one (the fsync log is replayed first); the snapshot stays, inode numbers are
+    /// never reused, and the space only the replaced state held is free again. Refused while
+    /// newer snapshots exist, unless -r destroys them in the same commit. A mounted image is
+    /// locked: unmount it first.
+    Rollback {
+        image: PathBuf,
+        name: String,
+        /// Delete the snapshots newer than NAME (ZFS's rollback -r).
+        #[arg(short = 'r', long)]
+        destroy_newer: bool,
+        #[command(flatten)]
+        ceph: CephArgs,
+    },
+    /// The paths that changed from snapshot SNAP1 to snapshot SNAP2 (absent: the live state
+    /// as last committed) of an unmounted image, or of a mounted one when IMAGE is its mount
+    /// point (the live state then committed first; needs root), one line each as `zfs diff` prints them:
+    /// `+ /path` created, `- /path` removed, `M /path` modified (contents, attributes other
+    /// than atime, xattrs; a directory whose entries changed), `R /old -> /new` renamed. Each
+    /// hard link is listed. The walk skips what both trees share: its cost grows with the
+    /// change, not with the filesystem.
+    Diff {
+        image: PathBuf,
+        snap1: String,
+        snap2: Option<String>,
+        /// Print the nodes the walk read and the shared subtrees it skipped (on stderr).
+        #[arg(long)]
+        stats: bool,
+        #[command(flatten)]
+        ceph: CephArgs,
+    },
     /// Print on-disk structures: super, tree fs, node ADDR, inode N, log.
     Inspect {
         image: PathBuf,
@@ -278,7 +309,9 @@ enum SnapshotAction {
         #[command(flatten)]
         ceph: CephArgs,
     },
-    /// List the snapshots: id, generation, creation time (UTC seconds), name.
+    /// List the snapshots: id, generation, creation time (UTC seconds), the space only the
+    /// snapshot holds (what deleting it alone gives back: human-readable and exact bytes),
+    /// name.
     List {
         /// The image, or the mount point of a mounted birchfs.
         #[arg(value_name = "IMAGE|MNT")]
@@ -446,6 +479,19 @@ fn main() -> ExitCode {
         } => scrub::scrub_main(&target, rate, json, force),
         Command::Inspect { image, what, ceph } => inspect(&image, &what, &ceph),
         Command::Snapshot { action } => snapshot(action),
+        Command::Diff {
+            image,
+            snap1,
+            snap2,
+            stats,
+            ceph,
+        } => diff(&image, &snap1, snap2.as_deref(), stats, &ceph),
+        Command::Rollback {
+            image,
+            name,
+            destroy_newer,
+            ceph,
+        } => rollback(&image, &name, destroy_newer, &ceph),
         Command::Crashtest {
             workload,
             seed,
@@ -903,16 +949,24 @@ fn snapshot(action: SnapshotAction) -> ExitCode {
                 s.name, s.id, s.generation
             );
         }),
-        SnapshotAction::List { .. } => {
-            println!("{:>6} {:>12} {:>20}  name", "id", "generation", "created");
-            for s in fs.engine().snapshots() {
+        SnapshotAction::List { .. } => fs.engine().snapshot_space().map(|list| {
+            println!(
+                "{:>6} {:>12} {:>20} {:>10} {:>14}  name",
+                "id", "generation", "created", "only", "only_bytes"
+            );
+            for (s, only) in list {
                 println!(
-                    "{:>6} {:>12} {:>10}.{:09}  {}",
-                    s.id, s.generation, s.created.sec, s.created.nsec, s.name
+                    "{:>6} {:>12} {:>10}.{:09} {:>10} {:>14}  {}",
+                    s.id,
+                    s.generation,
+                    s.created.sec,
+                    s.created.nsec,
+                    human_bytes(only),
+                    only,
+                    s.name
                 );
             }
-            Ok(())
-        }
+        }),
     };
     let verb = match &action {
         SnapshotAction::Create { name, .. } => format!("snapshot create {name:?}"),
@@ -1025,6 +1079,164 @@ fn snapshot_through_mount(action: &SnapshotAction, mnt: &Path) -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+/// `1.5 MiB`-style sizes (binary units, one decimal).
+fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+/// `birch diff IMAGE SNAP1 [SNAP2]` on an unmounted image, opened read-only (a pending
+/// fsync log is replayed in memory): [`Engine::diff`].
+fn diff(image: &Path, from: &str, to: Option<&str>, stats: bool, ceph: &CephArgs) -> ExitCode {
+    let show = image.display();
+    if image.is_dir() {
+        return diff_mounted(image, from, to);
+    }
+    let device = match open_image(image, OpenMode::ReadOnly, &ceph.image_options("diff")) {
+        Ok(d) => d,
+        Err(e) => return fail(format!("{show}: {e}")),
+    };
+    let fs = match Filesystem::open_device(
+        device,
+        birch_core::OpenOptions {
+            commit_interval: None,
+            read_only: true,
+            wait_for_lock: false,
+            ..Default::default()
+        },
+    ) {
+        Ok(fs) => fs,
+        Err(e) => return fail(format!("{show}: {e}")),
+    };
+    let started = std::time::Instant::now();
+    let result = fs.engine().diff(from, to);
+    let elapsed = started.elapsed();
+    let _ = fs.close();
+    match result {
+        Ok((changes, walked)) => {
+            use std::io::Write;
+            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+            for change in &changes {
+                if writeln!(out, "{change}").is_err() {
+                    return ExitCode::from(1);
+                }
+            }
+            if out.flush().is_err() {
+                return ExitCode::from(1);
+            }
+            if stats {
+                eprintln!(
+                    "birch diff: {} paths, {} nodes read, {} shared subtrees skipped, {:.3} ms",
+                    changes.len(),
+                    walked.nodes_read,
+                    walked.shared_skipped,
+                    elapsed.as_secs_f64() * 1000.0
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            let to = to.map_or("the live state".to_string(), |t| format!("{t:?}"));
+            fail(format!("{show}: diff {from:?} .. {to}: {e}"))
+        }
+    }
+}
+
+/// `birch diff MNT SNAP1 [SNAP2]` through a mount: the root's
+/// `trusted.birch.diff/OFFSET/SNAP1[/SNAP2]` xattrs (birch-fuse's `DIFF_XATTR_PREFIX`), read
+/// piece by piece until one is shorter than a full piece (`DIFF_CHUNK`, 60,000 bytes).
+fn diff_mounted(mountpoint: &Path, from: &str, to: Option<&str>) -> ExitCode {
+    use std::io::Write;
+    const DIFF_CHUNK: usize = 60_000;
+    let show = mountpoint.display();
+    let mut offset = 0usize;
+    let mut out = std::io::stdout().lock();
+    loop {
+        let name = match to {
+            Some(to) => format!("trusted.birch.diff/{offset}/{from}/{to}"),
+            None => format!("trusted.birch.diff/{offset}/{from}"),
+        };
+        let piece = match stats::getxattr(mountpoint, &name) {
+            Ok(piece) => piece,
+            Err(e) => {
+                return fail(format!(
+                    "{show}: diff {from:?} through the mount: {e} (is it a birchfs mount, \
+                     and are you root?)"
+                ))
+            }
+        };
+        if out.write_all(&piece).is_err() {
+            return ExitCode::from(1);
+        }
+        offset += piece.len();
+        if piece.len() < DIFF_CHUNK {
+            break;
+        }
+    }
+    if out.flush().is_err() {
+        return ExitCode::from(1);
+    }
+    ExitCode::SUCCESS
+}
+
+/// `birch rollback IMAGE NAME [-r]` on an unmounted image (DESIGN §15.8, SEMANTICS §9): a
+/// read-write open through the filesystem replays the fsync log and commits, then an engine
+/// of its own makes the rollback's commit ([`Engine::rollback`]).
+fn rollback(image: &Path, name: &str, destroy_newer: bool, ceph: &CephArgs) -> ExitCode {
+    let show = image.display();
+    let device = match open_image(image, OpenMode::ReadWrite, &ceph.image_options("rollback")) {
+        Ok(d) => d,
+        Err(e) if e.kind() == std::io::ErrorKind::ResourceBusy => {
+            return fail(format!(
+                "{show}: {e}; rollback works on an unmounted image only (unmount it first)"
+            ))
+        }
+        Err(e) => return fail(format!("{show}: {e}")),
+    };
+    let replay = Filesystem::open_device(
+        device.clone(),
+        birch_core::OpenOptions {
+            commit_interval: None,
+            wait_for_lock: false,
+            ..Default::default()
+        },
+    )
+    .and_then(|fs| fs.close());
+    if let Err(e) = replay {
+        return fail(format!("{show}: rollback: replaying the fsync log: {e}"));
+    }
+    let engine = match Engine::open(device) {
+        Ok(engine) => engine,
+        Err(e) => return fail(format!("{show}: rollback: open: {e}")),
+    };
+    match engine.rollback(name, destroy_newer) {
+        Ok((snapshot, deleted)) => {
+            for gone in &deleted {
+                println!("{show}: snapshot {gone:?} deleted (newer than {name:?})");
+            }
+            println!(
+                "{show}: rolled back to snapshot {:?} (id {}, generation {}) by commit {}",
+                snapshot.name,
+                snapshot.id,
+                snapshot.generation,
+                engine.superblock().generation
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(format!("{show}: {e}")),
+    }
 }
 
 fn inspect(image: &Path, what: &[String], ceph: &CephArgs) -> ExitCode {

@@ -995,7 +995,10 @@ impl Filesystem {
         let hi = (offset_in + n) / BLOCK_SIZE * BLOCK_SIZE;
         // A snapshot's blocks are read, never shared: its extents cannot be flagged.
         let from_snapshot = self.snap_node(ino_in).is_some();
-        if offset_in % BLOCK_SIZE == offset_out % BLOCK_SIZE && !overlap && hi > lo && !from_snapshot
+        if offset_in % BLOCK_SIZE == offset_out % BLOCK_SIZE
+            && !overlap
+            && hi > lo
+            && !from_snapshot
         {
             let lo_out = offset_out + (lo - offset_in);
             let shared = self.retry_on_full(true, || {

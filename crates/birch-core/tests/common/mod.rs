@@ -3,6 +3,7 @@
 
 #![allow(clippy::expect_used, dead_code)]
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use birch_core::check::{check, CheckOptions};
@@ -51,4 +52,80 @@ pub fn close_and_check_clean(fs: Filesystem, dev: &MemDevice, what: &str) {
     drop(fs);
     let report = check(dev, CheckOptions { data: true }).expect("fsck");
     assert!(report.is_clean(), "{what}: {:?}", report.findings);
+}
+
+/// What a user sees of one path: kind, permissions, size, link count, xattrs, bytes, and
+/// (when asked for) mtime and ctime.
+pub type Seen = (
+    String,
+    u32,
+    u64,
+    u32,
+    Vec<(Vec<u8>, Vec<u8>)>,
+    Vec<u8>,
+    Option<(birch_format::items::Timespec, birch_format::items::Timespec)>,
+);
+
+/// Every path under the root (the root included) as the filesystem shows it; `times` adds
+/// mtime and ctime (atime never: reads change it).
+pub fn tree(fs: &Filesystem, times: bool) -> BTreeMap<String, Seen> {
+    use birch_core::vfs::FileKind;
+    let mut out = BTreeMap::new();
+    let mut stack = vec![("/".to_string(), 1u64)];
+    while let Some((path, ino)) = stack.pop() {
+        let attr = fs.getattr(ino).expect("getattr");
+        let mut xattrs = Vec::new();
+        for name in fs.listxattr(ino).expect("listxattr").split(|b| *b == 0) {
+            if !name.is_empty() {
+                xattrs.push((name.to_vec(), fs.getxattr(ino, name).expect("getxattr")));
+            }
+        }
+        xattrs.sort();
+        let mut data = if attr.kind == FileKind::File {
+            fs.read(ino, 0, attr.size as usize).expect("read")
+        } else {
+            Vec::new()
+        };
+        if attr.kind == FileKind::Dir {
+            // A directory's bytes: its entries (name and inode), sorted.
+            let mut entries = Vec::new();
+            for entry in fs.readdir(ino, 0, usize::MAX).expect("readdir") {
+                if entry.name == b"." || entry.name == b".." {
+                    continue;
+                }
+                entries.push((entry.name.clone(), entry.ino));
+                let name = String::from_utf8_lossy(&entry.name).into_owned();
+                let child = if path == "/" {
+                    format!("/{name}")
+                } else {
+                    format!("{path}/{name}")
+                };
+                stack.push((child, entry.ino));
+            }
+            entries.sort();
+            for (name, ino) in entries {
+                data.extend_from_slice(&name);
+                data.extend_from_slice(format!("\0{ino}\n").as_bytes());
+            }
+        }
+        let size = if attr.kind == FileKind::Dir {
+            0
+        } else {
+            attr.size
+        };
+        let stamp = times.then_some((attr.mtime, attr.ctime));
+        out.insert(
+            path,
+            (
+                format!("{:?}", attr.kind),
+                attr.perm,
+                size,
+                attr.nlink,
+                xattrs,
+                data,
+                stamp,
+            ),
+        );
+    }
+    out
 }
