@@ -630,12 +630,15 @@ impl Allocator {
 
     /// Marks the snapshot of commit `generation` as dropped by commit `dropped_in` (at its
     /// freeze): it holds no block freed after that commit.
+    /// Two snapshots made by one commit have one hold each: only one is dropped, so the other
+    /// still keeps what the live tree frees later.
     pub fn drop_hold(&self, generation: u64, dropped_in: u64) {
         let mut holds = self.holds.write();
-        for hold in holds.iter_mut() {
-            if hold.generation == generation && hold.dropped_in == u64::MAX {
-                hold.dropped_in = dropped_in;
-            }
+        if let Some(hold) = holds
+            .iter_mut()
+            .find(|hold| hold.generation == generation && hold.dropped_in == u64::MAX)
+        {
+            hold.dropped_in = dropped_in;
         }
     }
 
@@ -1008,6 +1011,22 @@ mod tests {
         assert!(b2.mark_used(other, b(1)));
         assert!(!b2.mark_shared(other, b(1)));
         assert!(!b2.mark_used(at, b(1)), "a shared block is used");
+    }
+
+    /// Two snapshots of one commit: deleting one leaves the other's hold standing (review
+    /// finding: every hold of the generation used to be dropped).
+    #[test]
+    fn deleting_one_of_two_snapshots_of_a_commit_keeps_the_others_hold() {
+        let a = Allocator::new(64 * GROUP_BLOCKS * BLOCK_SIZE);
+        let (addr, _) = a.allocate(b(4), b(4), Purpose::Data).expect("space");
+        a.add_hold(6);
+        a.add_hold(6);
+        a.drop_hold(6, 8);
+        a.forget_holds(8);
+        assert_eq!(a.holds().len(), 1);
+        assert_eq!(a.newest_snapshot_generation(), 6);
+        // Born before the snapshots, freed after the deletion: the other one keeps it.
+        assert!(!a.free_recorded(Generation::new(9), 3, addr, b(1)));
     }
 
     #[test]

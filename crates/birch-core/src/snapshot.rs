@@ -72,7 +72,8 @@ pub fn snapshot_key(id: u64) -> Key {
     Key::new(id, ItemType::Snapshot, 0)
 }
 
-/// Checks a snapshot name: not empty, at most [`NAME_MAX`] bytes, no `/` and no NUL.
+/// Checks a snapshot name: not empty, at most [`NAME_MAX`] bytes, no `/` and no NUL, not `.`
+/// or `..`.
 pub fn check_name(name: &str) -> Result<()> {
     if name.is_empty() {
         return Err(Error::Invalid("snapshot name is empty".into()));
@@ -86,6 +87,12 @@ pub fn check_name(name: &str) -> Result<()> {
     if name.contains('/') || name.contains('\0') {
         return Err(Error::Invalid(format!(
             "snapshot name {name:?} contains '/' or NUL"
+        )));
+    }
+    // Each snapshot is a directory entry of /.snapshot, where these two are taken.
+    if name == "." || name == ".." {
+        return Err(Error::Invalid(format!(
+            "snapshot name {name:?} is reserved (a directory entry of /.snapshot)"
         )));
     }
     Ok(())

@@ -903,11 +903,25 @@ impl Engine {
 
     /// Queues the deletion of snapshot `name` for the next commit; returns the snapshot.
     pub fn queue_snapshot_delete(&self, name: &str) -> Result<Snapshot> {
+        self.queue_snapshot_delete_where(|s| s.name == name, || format!("snapshot {name:?}"))
+    }
+
+    /// Queues the deletion of snapshot `id` (a name may have been deleted and made again
+    /// since the caller looked it up; an id never names another snapshot).
+    pub fn queue_snapshot_delete_id(&self, id: u64) -> Result<Snapshot> {
+        self.queue_snapshot_delete_where(|s| s.id == id, || format!("snapshot id {id}"))
+    }
+
+    fn queue_snapshot_delete_where(
+        &self,
+        which: impl Fn(&Snapshot) -> bool,
+        what: impl Fn() -> String,
+    ) -> Result<Snapshot> {
         self.check_snapshot_writable()?;
         let victim = {
             let mut state = self.snapshots.lock();
-            let Some(victim) = state.list.iter().find(|s| s.name == name).cloned() else {
-                return Err(Error::NotFound(format!("snapshot {name:?}")));
+            let Some(victim) = state.list.iter().find(|s| which(s)).cloned() else {
+                return Err(Error::NotFound(what()));
             };
             let queued = state
                 .pending

@@ -358,6 +358,39 @@ fn clone_fsync_delete_the_source_crash() {
     common::close_and_check_clean(fs, &crashed, "after the crash");
 }
 
+/// Review finding: the per-inode mark that makes an fsync after a clone commit went with the
+/// inode's state when the kernel forgot it; an fsync of the clone after that logged its shared
+/// pieces while the committed source was unflagged, and the image no longer opened after a
+/// crash. An engine-wide mark now makes that fsync commit too.
+#[test]
+fn an_fsync_after_a_clone_commits_also_once_the_inode_was_evicted() {
+    let (dev, fs) = common::fresh(DEVICE_BYTES);
+    // An earlier clone, committed: the incompat flag is durable.
+    let first = pattern(64 * 1024, 3);
+    let x = put(&fs, "x", &first);
+    let y = put(&fs, "y", b"");
+    fs.copy_file_range(x, 0, y, 0, first.len() as u64)
+        .expect("first clone");
+    fs.sync().expect("sync");
+    let data = pattern(200 * 1024, 11);
+    let a = put(&fs, "a", &data);
+    fs.sync().expect("sync");
+    let b = put(&fs, "b", b"");
+    fs.copy_file_range(a, 0, b, 0, data.len() as u64)
+        .expect("clone");
+    // The kernel forgets b (no opens, no lookups): its state is evicted.
+    fs.forget(b, u64::MAX);
+    let b = ino(&fs, "b");
+    let before = fs.engine().counters().values();
+    fs.fsync(b, false).expect("fsync");
+    let c = fs.engine().counters().values().since(&before);
+    assert_eq!(c.fsync_fallback_clone, 1, "the fsync commits");
+    let (crashed, fs) = common::crash_and_reopen(fs, &dev);
+    assert_eq!(read_all(&fs, "b"), data);
+    assert_eq!(read_all(&fs, "a"), data);
+    common::close_and_check_clean(fs, &crashed, "after the crash");
+}
+
 #[test]
 fn a_crash_before_the_clone_commits_loses_only_the_clone() {
     let (dev, fs) = common::fresh(DEVICE_BYTES);

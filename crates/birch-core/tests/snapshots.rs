@@ -190,6 +190,8 @@ fn snapshot_names_are_checked() {
     let (dev, fs) = common::fresh(DEVICE_BYTES);
     assert!(matches!(fs.create_snapshot(""), Err(Error::Invalid(_))));
     assert!(matches!(fs.create_snapshot("a/b"), Err(Error::Invalid(_))));
+    assert!(matches!(fs.create_snapshot("."), Err(Error::Invalid(_))));
+    assert!(matches!(fs.create_snapshot(".."), Err(Error::Invalid(_))));
     assert!(matches!(fs.create_snapshot("a\0b"), Err(Error::Invalid(_))));
     let long = "x".repeat(256);
     assert!(matches!(
@@ -642,11 +644,24 @@ fn rollback(
             Arc::new(MemDevice::from_bytes(dev.snapshot())) as Arc<dyn BlockDevice>
         )
         .expect("fresh open");
-        assert_eq!(
-            counted,
-            fresh.allocator().free_blocks(),
-            "free blocks after the rollback against a fresh open"
-        );
+        let shared =
+            engine.superblock().incompat & birch_format::superblock::INCOMPAT_SHARED_EXTENTS != 0;
+        if shared {
+            // Blocks of shared (cloned) extents that only the replaced tree named come back
+            // at the next open, not at the rollback (DESIGN §15.8): a leak that heals, never
+            // more free than the trees allow.
+            assert!(
+                counted <= fresh.allocator().free_blocks(),
+                "free blocks after the rollback ({counted:?}) above a fresh open's ({:?})",
+                fresh.allocator().free_blocks()
+            );
+        } else {
+            assert_eq!(
+                counted,
+                fresh.allocator().free_blocks(),
+                "free blocks after the rollback against a fresh open"
+            );
+        }
     }
     drop(engine);
     result

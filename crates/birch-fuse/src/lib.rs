@@ -90,6 +90,10 @@ pub const SCRUB_XATTR: &[u8] = b"trusted.birch.scrub";
 /// `snapshot-create NAME` and `snapshot-delete NAME` on [`CONTROL_XATTR`] change them.
 pub const SNAPSHOTS_XATTR: &[u8] = b"trusted.birch.snapshots";
 
+/// The root xattr that names the snapshot a mount serves alone (`-o ro,snapshot=NAME`);
+/// `ENODATA` on a mount of the live filesystem (and from daemons older than it).
+pub const ALONE_XATTR: &[u8] = b"trusted.birch.alone";
+
 /// The root xattrs `trusted.birch.diff/OFFSET/SNAP1[/SNAP2]` (`birch diff MNT`): the
 /// lines of [`birch_core::Engine::diff`] from SNAP1 to SNAP2 (absent: the live state, committed
 /// first), from byte OFFSET of the text, at most [`DIFF_CHUNK`] bytes: a shorter piece is the
@@ -1700,6 +1704,13 @@ impl fuser::Filesystem for BirchFuse {
         }
         if ino.0 == 1 && name.as_bytes() == SNAPSHOTS_XATTR {
             xattr_reply(reply, size, self.fs.snapshots_text().as_bytes());
+            return;
+        }
+        if ino.0 == 1 && name.as_bytes() == ALONE_XATTR {
+            match self.fs.serving_alone() {
+                Some(name) => xattr_reply(reply, size, name.as_bytes()),
+                None => reply.error(Errno::from_i32(libc::ENODATA)),
+            }
             return;
         }
         if let (1, Some(spec)) = (ino.0, name.as_bytes().strip_prefix(DIFF_XATTR_PREFIX)) {

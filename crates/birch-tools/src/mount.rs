@@ -465,14 +465,14 @@ pub fn mount_main(image: &Path, mountpoint: &Path, raw: &[String], foreground: b
                 ));
             }
             // A mount that serves one snapshot alone is no mount of the live filesystem: its
-            // root has no /.snapshot.
-            if std::fs::metadata(Path::new(&at).join(".snapshot"))
-                .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
-            {
+            // daemon names the snapshot in the root's trusted.birch.alone (a live mount, and a
+            // daemon older than the xattr, answer ENODATA).
+            if let Ok(name) = crate::stats::getxattr(Path::new(&at), "trusted.birch.alone") {
                 return fail(format!(
-                    "{}: the image is in use: mounted at {at}, which serves a snapshot alone \
+                    "{}: the image is in use: mounted at {at}, which serves snapshot {:?} alone \
                      (-o ro,snapshot=); unmount it first",
-                    image.display()
+                    image.display(),
+                    String::from_utf8_lossy(&name)
                 ));
             }
             return bind_mount(&at, mountpoint, &config);

@@ -49,7 +49,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use birch_format::items::{decode_dir_entries, decode_inode_refs, InodeItem};
+use birch_format::items::{decode_dir_entries, decode_inode_refs, FileExtent, InodeItem};
 use birch_format::log::LogRecord;
 use birch_format::superblock::INCOMPAT_LOG_DATA;
 use birch_format::{InodeNo, ItemType, Key, ORPHAN_OBJECTID};
@@ -521,8 +521,23 @@ impl Filesystem {
         // Shared by a clone since the last commit (DESIGN §15.8): the commit makes the flags
         // of source and clone durable together; a log batch could name a shared extent whose
         // source the committed tree holds unflagged, which the next open would refuse.
-        if state.cloned_in.load(std::sync::atomic::Ordering::Acquire)
-            > engine.committed_generation().get()
+        let committed = engine.committed_generation().get();
+        if state.cloned_in.load(std::sync::atomic::Ordering::Acquire) > committed {
+            return Err(Ok(Fallback::Clone));
+        }
+        // The same when the inode's state was evicted since the clone (its mark went with
+        // it): any uncommitted clone, and a shared extent among the changes, commits.
+        if self
+            .inner
+            .last_clone
+            .load(std::sync::atomic::Ordering::Acquire)
+            > committed
+            && changed.iter().any(|(key, value)| {
+                key.kind() == Some(ItemType::ExtentData)
+                    && value
+                        .as_deref()
+                        .is_some_and(|v| FileExtent::decode(v).is_ok_and(|e| e.shared))
+            })
         {
             return Err(Ok(Fallback::Clone));
         }

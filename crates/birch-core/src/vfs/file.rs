@@ -964,9 +964,8 @@ impl Filesystem {
     /// shared instead of copied (a clone, DESIGN §15.8: the destination's extents name the
     /// source's blocks, both flagged shared; a later write to either copy takes new blocks for
     /// what it touches); the unaligned head and tail, inline files and ranges whose offsets
-    /// differ within a block are copied as bytes. Within one file the ranges must not overlap
-    /// for sharing (the kernel refuses an overlapping copy before it reaches us; one that gets
-    /// here is copied).
+    /// differ within a block are copied as bytes. Within one file the ranges must not overlap:
+    /// `Invalid` (`EINVAL`), as the kernel answers before such a call reaches a FUSE server.
     pub fn copy_file_range(
         &self,
         ino_in: u64,
@@ -991,6 +990,13 @@ impl Filesystem {
                 ))
             })?;
         let overlap = ino_in == ino_out && offset_in < end_out && offset_out < offset_in + n;
+        if overlap {
+            // As the kernel answers before such a call reaches a FUSE server: a forward copy
+            // of overlapping ranges would read bytes it already overwrote.
+            return Err(Error::Invalid(format!(
+                "copy_file_range within inode {ino_in}: [{offset_in}, +{n}) and [{offset_out}, +{n}) overlap"
+            )));
+        }
         let lo = round_up(offset_in);
         let hi = (offset_in + n) / BLOCK_SIZE * BLOCK_SIZE;
         // A snapshot's blocks are read, never shared: its extents cannot be flagged.
@@ -1107,6 +1113,9 @@ impl Filesystem {
         // Marked before the items are recorded: an fsync that sees them commits (the
         // generation is at least the one the items land in).
         let generation = self.inner.engine.running_generation().get();
+        self.inner
+            .last_clone
+            .fetch_max(generation, Ordering::AcqRel);
         for ino in [ino_in, ino_out] {
             if let Some(state) = self.shard(ino).lock().get(&ino).cloned() {
                 state.cloned_in.fetch_max(generation, Ordering::AcqRel);

@@ -340,6 +340,10 @@ pub(crate) struct Inner {
     pub(crate) engine: Arc<Engine>,
     table: Vec<CachePadded<Mutex<HashMap<u64, Arc<InodeState>>>>>,
     pub(crate) rename_lock: Mutex<()>,
+    /// The running generation of the newest clone (`copy_file_range` that shared blocks), 0
+    /// for none: while it is above the committed generation, an fsync whose changes hold a
+    /// shared extent commits (the per-inode mark goes with an evicted inode's state).
+    pub(crate) last_clone: AtomicU64,
     /// The background committer, while one runs, and its interval.
     committer: Mutex<Option<(JoinHandle<()>, Duration)>>,
     /// The mount's background commit interval (`commit=`, [`OpenOptions::commit_interval`]):
@@ -570,6 +574,7 @@ impl Filesystem {
                 .map(|_| CachePadded(Mutex::new(HashMap::new())))
                 .collect(),
             rename_lock: Mutex::new(()),
+            last_clone: AtomicU64::new(0),
             committer: Mutex::new(None),
             commit_interval: options.commit_interval,
             wake: (Mutex::new(false), Condvar::new()),

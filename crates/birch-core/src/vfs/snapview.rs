@@ -366,7 +366,9 @@ impl Filesystem {
                 "readlink of non-symlink {obj} of snapshot id {id}"
             )));
         }
-        self.snap_read_item(&view, obj, &item, 0, item.size as usize)
+        // The size comes from the tree: capped, so a damaged item cannot ask for a huge buffer.
+        let len = (item.size as usize).min(libc::PATH_MAX as usize);
+        self.snap_read_item(&view, obj, &item, 0, len)
     }
 
     /// Reads up to `size` bytes at `offset` of a file of a snapshot. No atime moves.
@@ -559,7 +561,7 @@ impl Filesystem {
         let deleted = self
             .inner
             .engine
-            .queue_snapshot_delete(name)
+            .queue_snapshot_delete_id(snapshot.id)
             .and_then(|victim| self.commit_now().map(|_| victim));
         self.inner.snaps.opens.lock().deleting.remove(&snapshot.id);
         deleted
@@ -615,6 +617,19 @@ impl Filesystem {
             0 => None,
             id => Some(id),
         }
+    }
+
+    /// The name of the snapshot this mount serves alone as its root (`-o ro,snapshot=`), or
+    /// `None` for a mount of the live filesystem (`trusted.birch.alone` on the root, which
+    /// `birch mount` asks before it shares an existing mount).
+    pub fn serving_alone(&self) -> Option<String> {
+        let id = self.alone()?;
+        self.inner
+            .engine
+            .snapshots()
+            .into_iter()
+            .find(|s| s.id == id)
+            .map(|s| s.name)
     }
 
     /// The snapshots as text, one line each: id, generation, creation time (seconds.nanos)
