@@ -41,7 +41,8 @@ pub enum Workload {
     /// and write nothing. What the shutdown's variant promises is judged like an fsync.
     Shutdown,
     /// Snapshots beside fsyncs: whole and partial overwrites (blocks a snapshot shares are
-    /// copied), unlinks, fsyncs, commits, snapshot creations and deletions, chosen by the seed;
+    /// copied), clones of one file into another (`copy_file_range`), unlinks, fsyncs,
+    /// commits, snapshot creations and deletions, chosen by the seed;
     /// every snapshot that exists after a crash must hold exactly what it was made with.
     Snapshots,
     /// Shared extents (DESIGN §15.8): a file cloned by `copy_file_range` into another and
@@ -487,7 +488,7 @@ fn run_workload(
     Ok(())
 }
 
-/// The snapshot workload: 14 steps over three paths, chosen by the seed, after a first file
+/// The snapshot workload: 14 steps over three paths (clones among them), chosen by the seed, after a first file
 /// and a first snapshot. `live` mirrors every file of the filesystem, so each snapshot's
 /// expected content is known whole.
 fn snapshot_steps(
@@ -507,7 +508,7 @@ fn snapshot_steps(
         let choice = match step {
             0 => 0,
             1 => 4,
-            _ => rng.below(8),
+            _ => rng.below(9),
         };
         let path = paths[rng.below(paths.len() as u64) as usize];
         match choice {
@@ -575,6 +576,44 @@ fn snapshot_steps(
                     fs.delete_snapshot(&name)?;
                     let returned = rec.mark();
                     h.snapshot_deleted(&name, asked, returned);
+                }
+            }
+            // A clone: the whole of another file shared into this one (copy_file_range of
+            // whole blocks; the tail copied), whose later partial overwrites unshare.
+            7 => {
+                let from = paths[rng.below(paths.len() as u64) as usize];
+                if from != path {
+                    if let Some(source) = live.get(from).cloned() {
+                        if trace {
+                            eprintln!("step {step}: clone {from} to {path}");
+                        }
+                        let mut content = live.get(path).cloned().unwrap_or_default();
+                        if content.is_empty() {
+                            write_version(fs, h, path, Vec::new())?;
+                        }
+                        let n = fs.copy_file_range(
+                            fs.resolve(from)?,
+                            0,
+                            fs.resolve(path)?,
+                            0,
+                            source.len() as u64,
+                        )?;
+                        if n != source.len() as u64 {
+                            return Err(Error::Invalid(format!(
+                                "snapshot workload: clone of {from} copied {n} of {} bytes",
+                                source.len()
+                            )));
+                        }
+                        if content.len() < source.len() {
+                            content.resize(source.len(), 0);
+                        }
+                        content[..source.len()].copy_from_slice(&source);
+                        h.version(path, content.clone());
+                        live.insert(path.to_string(), content);
+                        if rng.chance(50) {
+                            sync_path(fs, rec, h, path, false)?;
+                        }
+                    }
                 }
             }
             _ => {
