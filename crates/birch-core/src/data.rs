@@ -929,6 +929,46 @@ impl<'e> DataLayer<'e> {
         }
     }
 
+    /// Copies the bytes of `extents` (inode `ino`'s, as [`DataLayer::extents`] or
+    /// [`extents_in`] return them) that fall in `[offset, end)` into `out`, which covers that
+    /// range and is zeroed by the caller (holes and preallocated extents read as zeros); data
+    /// blocks are read and verified ([`DataLayer::read_verified`]). The one read of extents
+    /// for the live filesystem and for snapshots. Does device I/O.
+    pub(crate) fn read_extents_into(
+        &self,
+        ino: u64,
+        extents: &[(u64, FileExtent)],
+        offset: u64,
+        end: u64,
+        out: &mut [u8],
+    ) -> Result<()> {
+        for (start, extent) in extents {
+            let start = *start;
+            match &extent.kind {
+                ExtentKind::Inline(bytes) => {
+                    let from = offset.max(start);
+                    let to = end.min(start + bytes.len() as u64);
+                    if from < to {
+                        out[(from - offset) as usize..(to - offset) as usize].copy_from_slice(
+                            &bytes[(from - start) as usize..(to - start) as usize],
+                        );
+                    }
+                }
+                ExtentKind::Prealloc { .. } => {}
+                ExtentKind::Regular { disk_addr, csums } => {
+                    let ext_end = start + csums.len() as u64 * BLOCK_SIZE;
+                    let from = offset.max(start);
+                    let to = end.min(ext_end);
+                    if from < to {
+                        let part = &mut out[(from - offset) as usize..(to - offset) as usize];
+                        self.read_verified(ino, start, *disk_addr, csums, from, to, part)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Reads bytes `[from, to)` of the file from the regular extent at file offset `start`
     /// (`disk_addr`, `csums`) into `out` (exactly `to - from` bytes), verifying the checksum of
     /// every block it reads. A mismatch is [`Error::DataChecksum`] naming the inode, the file

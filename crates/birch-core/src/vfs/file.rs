@@ -209,30 +209,9 @@ impl Filesystem {
         }
         // Zeroed: holes and preallocated extents read as zeros.
         let mut out = vec![0u8; (end - offset) as usize];
-        for (start, extent) in self.data().extents(ino, offset, end)? {
-            match &extent.kind {
-                ExtentKind::Inline(bytes) => {
-                    let from = offset.max(start);
-                    let to = end.min(start + bytes.len() as u64);
-                    if from < to {
-                        out[(from - offset) as usize..(to - offset) as usize].copy_from_slice(
-                            &bytes[(from - start) as usize..(to - start) as usize],
-                        );
-                    }
-                }
-                ExtentKind::Prealloc { .. } => {}
-                ExtentKind::Regular { disk_addr, csums } => {
-                    let ext_end = start + csums.len() as u64 * BLOCK_SIZE;
-                    let from = offset.max(start);
-                    let to = end.min(ext_end);
-                    if from < to {
-                        let part = &mut out[(from - offset) as usize..(to - offset) as usize];
-                        self.data()
-                            .read_verified(ino, start, *disk_addr, csums, from, to, part)?;
-                    }
-                }
-            }
-        }
+        let data_layer = self.data();
+        let extents = data_layer.extents(ino, offset, end)?;
+        data_layer.read_extents_into(ino, &extents, offset, end, &mut out)?;
         data.dirty.overlay(offset, &mut out);
         Ok(out)
     }

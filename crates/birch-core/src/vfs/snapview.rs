@@ -18,7 +18,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use birch_format::items::{ExtentKind, InodeItem};
+use birch_format::items::InodeItem;
 use birch_format::{InodeNo, BLOCK_SIZE, ROOT_OBJECTID, SNAPSHOT_DIR_OBJECTID, SUBVOLUME_SHIFT};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -399,30 +399,9 @@ impl Filesystem {
         }
         let end = item.size.min(offset.saturating_add(size as u64));
         let mut out = vec![0u8; (end - offset) as usize];
-        for (start, extent) in crate::data::extents_in(view, obj, offset, end)? {
-            match &extent.kind {
-                ExtentKind::Inline(bytes) => {
-                    let from = offset.max(start);
-                    let to = end.min(start + bytes.len() as u64);
-                    if from < to {
-                        out[(from - offset) as usize..(to - offset) as usize].copy_from_slice(
-                            &bytes[(from - start) as usize..(to - start) as usize],
-                        );
-                    }
-                }
-                ExtentKind::Prealloc { .. } => {}
-                ExtentKind::Regular { disk_addr, csums } => {
-                    let ext_end = start + csums.len() as u64 * BLOCK_SIZE;
-                    let from = offset.max(start);
-                    let to = end.min(ext_end);
-                    if from < to {
-                        let part = &mut out[(from - offset) as usize..(to - offset) as usize];
-                        self.data()
-                            .read_verified(obj, start, *disk_addr, csums, from, to, part)?;
-                    }
-                }
-            }
-        }
+        let extents = crate::data::extents_in(view, obj, offset, end)?;
+        self.data()
+            .read_extents_into(obj, &extents, offset, end, &mut out)?;
         Ok(out)
     }
 
