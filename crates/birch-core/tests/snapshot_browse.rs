@@ -421,6 +421,12 @@ fn snapshots_are_made_listed_and_deleted_through_the_control_commands() {
         lines[1].starts_with("2\t") && lines[1].ends_with("\tsecond"),
         "{text}"
     );
+    // id, generation, time, the bytes only it holds, name: the first snapshot's leaf with
+    // the old /f is held by it alone.
+    let fields: Vec<&str> = lines[0].split('\t').collect();
+    assert_eq!(fields.len(), 5, "{text}");
+    let only: u64 = fields[3].parse().expect("bytes only it holds");
+    assert!(only > 0, "{text}");
     assert_eq!(
         fs.read_file("/.snapshot/first/f").expect("read_file"),
         b"one"

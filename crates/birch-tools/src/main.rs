@@ -1009,7 +1009,7 @@ fn snapshot_through_mount(action: &SnapshotAction, mnt: &Path) -> ExitCode {
         })?;
         Ok(String::from_utf8_lossy(&bytes)
             .lines()
-            .map(|line| line.splitn(4, '\t').map(str::to_string).collect())
+            .map(|line| line.splitn(5, '\t').map(str::to_string).collect())
             .collect())
     };
     let explain = |verb: &str, name: &str, e: std::io::Error| -> String {
@@ -1032,7 +1032,7 @@ fn snapshot_through_mount(action: &SnapshotAction, mnt: &Path) -> ExitCode {
         list()
             .ok()?
             .into_iter()
-            .find(|f| f.get(3).map(String::as_str) == Some(name))
+            .find(|f| f.get(4).map(String::as_str) == Some(name))
     };
     match action {
         SnapshotAction::Create { name, .. } => {
@@ -1070,10 +1070,16 @@ fn snapshot_through_mount(action: &SnapshotAction, mnt: &Path) -> ExitCode {
                 Ok(rows) => rows,
                 Err(e) => return fail(e),
             };
-            println!("{:>6} {:>12} {:>20}  name", "id", "generation", "created");
+            println!(
+                "{:>6} {:>12} {:>20} {:>10} {:>14}  name",
+                "id", "generation", "created", "only", "only_bytes"
+            );
             for f in rows {
-                if let [id, generation, created, name] = f.as_slice() {
-                    println!("{id:>6} {generation:>12} {created:>20}  {name}");
+                if let [id, generation, created, only, name] = f.as_slice() {
+                    let human = only.parse::<u64>().map_or_else(|_| "-".into(), human_bytes);
+                    println!(
+                        "{id:>6} {generation:>12} {created:>20} {human:>10} {only:>14}  {name}"
+                    );
                 }
             }
         }

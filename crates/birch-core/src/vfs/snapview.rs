@@ -611,21 +611,32 @@ impl Filesystem {
             .map(|s| s.name)
     }
 
-    /// The snapshots as text, one line each: id, generation, creation time (seconds.nanos)
-    /// and name, separated by tabs (`trusted.birch.snapshots` on the root of a mount, which
+    /// The snapshots as text, one line each: id, generation, creation time (seconds.nanos),
+    /// the bytes only it holds ([`crate::Engine::snapshot_space`]; `-` if that walk fails) and
+    /// name, separated by tabs (`trusted.birch.snapshots` on the root of a mount, which
     /// `birch snapshot list MNT` reads). A name with a tab or newline is escaped as Rust
     /// escapes a string's debug form.
     pub fn snapshots_text(&self) -> String {
         let mut out = String::new();
-        for s in self.inner.engine.snapshots() {
+        let (list, space): (Vec<_>, Vec<Option<u64>>) = match self.inner.engine.snapshot_space() {
+            Ok(spaces) => spaces.into_iter().map(|(s, n)| (s, Some(n))).unzip(),
+            Err(e) => {
+                log::warn!("snapshot list: the space only each holds: {e}");
+                let list = self.inner.engine.snapshots();
+                let none = vec![None; list.len()];
+                (list, none)
+            }
+        };
+        for (s, only) in list.into_iter().zip(space) {
             let name = if s.name.contains(['\t', '\n', '\\']) {
                 format!("{:?}", s.name)
             } else {
                 s.name.clone()
             };
+            let only = only.map_or_else(|| "-".to_string(), |n| n.to_string());
             out.push_str(&format!(
-                "{}\t{}\t{}.{:09}\t{}\n",
-                s.id, s.generation, s.created.sec, s.created.nsec, name
+                "{}\t{}\t{}.{:09}\t{}\t{}\n",
+                s.id, s.generation, s.created.sec, s.created.nsec, only, name
             ));
         }
         out
