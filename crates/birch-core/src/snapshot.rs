@@ -13,7 +13,7 @@
 //! snapshot holds). Every read here goes through the engine's tree context (checksummed,
 //! verified nodes); no lock is held across a read.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use birch_format::items::{FileExtent, SnapshotItem, Timespec};
 use birch_format::node::NodeBody;
@@ -288,7 +288,15 @@ fn walk(
 /// not reference. `newer`'s nodes born after the victim are read; a pointer from them to a node
 /// born at or before the victim names a subtree both trees share (the trees are copy-on-write,
 /// so that node is in the victim's tree too), which the victim's walk skips. Its cost grows
-/// with the change between the two trees, not with the filesystem.
+/// with the change between the two trees, not with the filesystem, except when the victim's own
+/// nodes hold blocks of shared (cloned) extents born after `older`: such a block may also be
+/// named from a subtree the two trees share, so then the whole of `newer` is read once for the
+/// shared extents it names, and only the blocks it does not name are freed (each once, though
+/// the victim may name one twice). Why that is enough: a cloned block keeps its source's birth
+/// b and the live tree names it without a break from b until its last live reference goes
+/// (every clone is made from a live extent), so a snapshot names it exactly when it is at least
+/// b and older than that drop: `older` names it if b ≤ `older`, and a tree newer than `newer`
+/// names it only if `newer` does.
 pub(crate) fn deletion_frees(
     ctx: TreeCtx<'_>,
     victim: &Snapshot,
@@ -319,6 +327,9 @@ pub(crate) fn deletion_frees(
     )?;
     let mut frees: Vec<(BlockAddr, BlockCount)> = Vec::new();
     let mut node_frees: Vec<(BlockAddr, BlockCount)> = Vec::new();
+    // Blocks of the victim's own shared extents born after `older`, not named by `newer`'s
+    // nodes born after the victim: decided after the walk (below).
+    let mut shared_candidates: BTreeSet<u64> = BTreeSet::new();
     walk(
         ctx,
         victim.root,
@@ -338,14 +349,14 @@ pub(crate) fn deletion_frees(
             if extent.generation <= older {
                 return Ok(());
             }
-            // A shared (cloned) extent's blocks may be named from a subtree the victim
-            // shares with the newer tree (skipped above), or twice in the victim itself: the
-            // walk cannot tell, so they stay used until the next open derives the free space
-            // from the trees left (a leak, never a free of a named block; DESIGN §15.8).
+            let first = disk / BLOCK_SIZE;
+            // A shared (cloned) extent's blocks may also be named from a subtree the victim
+            // shares with the newer tree (skipped above), or twice in the victim itself.
             if extent.shared {
+                shared_candidates
+                    .extend((first..first + blocks).filter(|b| !newer_blocks.contains(b)));
                 return Ok(());
             }
-            let first = disk / BLOCK_SIZE;
             let mut run: Option<(u64, u64)> = None;
             for block in first..first + blocks {
                 if newer_blocks.contains(&block) {
@@ -365,6 +376,35 @@ pub(crate) fn deletion_frees(
             Ok(())
         },
     )?;
+    if !shared_candidates.is_empty() {
+        // The whole newer tree, for the shared extents its subtrees common with the victim
+        // name (each node of one tree is met once).
+        walk(ctx, newer, &mut |_, _| Ok(true), &mut |key, extent, node| {
+            let extent =
+                extent.map_err(|e| Error::corrupt(format!("extent {key} in node {node:#x}"), e))?;
+            if let Some((disk, blocks)) = extent.disk_range() {
+                let first = disk / BLOCK_SIZE;
+                for block in first..first + blocks {
+                    shared_candidates.remove(&block);
+                }
+            }
+            Ok(())
+        })?;
+        let mut run: Option<(u64, u64)> = None;
+        for block in shared_candidates {
+            run = match run {
+                Some((start, len)) if start + len == block => Some((start, len + 1)),
+                Some((start, len)) => {
+                    frees.push((BlockAddr::new(start * BLOCK_SIZE), BlockCount::new(len)));
+                    Some((block, 1))
+                }
+                None => Some((block, 1)),
+            };
+        }
+        if let Some((start, len)) = run {
+            frees.push((BlockAddr::new(start * BLOCK_SIZE), BlockCount::new(len)));
+        }
+    }
     frees.extend(node_frees);
     Ok(frees)
 }

@@ -492,6 +492,74 @@ fn snapshot_and_clone() {
     common::close_and_check_clean(fs, &dev, "all gone");
 }
 
+/// Deleting the only snapshot that still names a clone's blocks gives them back at that
+/// commit, without a reopen (the deletion walk frees the victim's shared blocks no tree
+/// names; it left them to the next open before).
+#[test]
+fn deleting_a_snapshot_gives_back_cloned_blocks_at_once() {
+    let (dev, fs) = common::fresh(DEVICE_BYTES);
+    fs.sync().expect("sync");
+    let empty = fs.statfs().bfree;
+    let data = pattern(2 << 20, 21);
+    let a = put(&fs, "a", &data);
+    let b = put(&fs, "b", b"");
+    fs.copy_file_range(a, 0, b, 0, data.len() as u64)
+        .expect("clone");
+    fs.create_snapshot("s").expect("snapshot");
+    remove(&fs, "a");
+    remove(&fs, "b");
+    fs.sync().expect("sync");
+    let held = fs.statfs().bfree;
+    assert!(
+        held + 512 <= empty,
+        "the snapshot holds the 512 shared blocks: {held} vs {empty}"
+    );
+    fs.delete_snapshot("s").expect("delete snapshot");
+    fs.sync().expect("sync");
+    let back = fs.statfs().bfree;
+    assert!(
+        back + 32 >= empty,
+        "the shared blocks are free after the deletion: {back} vs {empty}"
+    );
+    churn(&fs);
+    common::close_and_check_clean(fs, &dev, "snapshot with a clone deleted");
+}
+
+/// A clone's block named by a leaf only the deleted snapshot has (the clone's, since removed)
+/// and by a leaf the snapshot shares with a newer one (the source's, untouched) stays used:
+/// the deletion reads the newer tree's shared subtrees for it. Many files between the source
+/// and the clone put their extent items in different leaves.
+#[test]
+fn a_cloned_block_a_newer_snapshot_still_names_stays_used() {
+    let (dev, fs) = common::fresh(DEVICE_BYTES);
+    let data = pattern(1 << 20, 22);
+    let a = put(&fs, "a", &data);
+    for i in 0..600 {
+        put(&fs, &format!("filler{i:04}"), &[i as u8; 300]);
+    }
+    let b = put(&fs, "b", b"");
+    fs.copy_file_range(a, 0, b, 0, data.len() as u64)
+        .expect("clone");
+    fs.create_snapshot("older").expect("snapshot older");
+    remove(&fs, "b");
+    fs.create_snapshot("newer").expect("snapshot newer");
+    fs.delete_snapshot("older").expect("delete older");
+    fs.sync().expect("sync");
+    churn(&fs);
+    assert_eq!(read_all(&fs, "a"), data, "a after the older snapshot went");
+    common::close_and_check_clean(fs, &dev, "older snapshot deleted");
+    let fs = common::open_quiet(&dev);
+    assert_eq!(read_all(&fs, "a"), data);
+    fs.delete_snapshot("newer").expect("delete newer");
+    fs.sync().expect("sync");
+    churn(&fs);
+    assert_eq!(read_all(&fs, "a"), data, "a after both snapshots went");
+    remove(&fs, "a");
+    fs.sync().expect("sync");
+    churn(&fs);
+    common::close_and_check_clean(fs, &dev, "both snapshots and the source gone");
+}
+
 #[test]
 fn a_clone_succeeds_where_a_byte_copy_finds_no_space() {
     let (dev, fs) = common::fresh(DEVICE_BYTES);
