@@ -527,17 +527,21 @@ fn deleting_a_snapshot_gives_back_cloned_blocks_at_once() {
 
 /// A clone's block named by a leaf only the deleted snapshot has (the clone's, since removed)
 /// and by a leaf the snapshot shares with a newer one (the source's, untouched) stays used:
-/// the deletion reads the newer tree's shared subtrees for it. Many files between the source
-/// and the clone put their extent items in different leaves.
+/// the deletion reads the newer tree's shared subtrees for it. Files made between the clone
+/// and the source and after the source put the source's items in a leaf of their own, which
+/// removing the clone (its inode and the root directory's entries, lower keys) leaves alone.
 #[test]
 fn a_cloned_block_a_newer_snapshot_still_names_stays_used() {
     let (dev, fs) = common::fresh(DEVICE_BYTES);
     let data = pattern(1 << 20, 22);
-    let a = put(&fs, "a", &data);
-    for i in 0..600 {
+    let b = put(&fs, "b", b"");
+    for i in 0..300 {
         put(&fs, &format!("filler{i:04}"), &[i as u8; 300]);
     }
-    let b = put(&fs, "b", b"");
+    let a = put(&fs, "a", &data);
+    for i in 300..600 {
+        put(&fs, &format!("filler{i:04}"), &[i as u8; 300]);
+    }
     fs.copy_file_range(a, 0, b, 0, data.len() as u64)
         .expect("clone");
     fs.create_snapshot("older").expect("snapshot older");

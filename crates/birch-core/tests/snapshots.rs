@@ -644,24 +644,13 @@ fn rollback(
             Arc::new(MemDevice::from_bytes(dev.snapshot())) as Arc<dyn BlockDevice>
         )
         .expect("fresh open");
-        let shared =
-            engine.superblock().incompat & birch_format::superblock::INCOMPAT_SHARED_EXTENTS != 0;
-        if shared {
-            // Blocks of shared (cloned) extents that only the replaced tree named come back
-            // at the next open, not at the rollback (DESIGN §15.8): a leak that heals, never
-            // more free than the trees allow.
-            assert!(
-                counted <= fresh.allocator().free_blocks(),
-                "free blocks after the rollback ({counted:?}) above a fresh open's ({:?})",
-                fresh.allocator().free_blocks()
-            );
-        } else {
-            assert_eq!(
-                counted,
-                fresh.allocator().free_blocks(),
-                "free blocks after the rollback against a fresh open"
-            );
-        }
+        // Blocks of shared (cloned) extents that only the replaced tree named come back at
+        // the rollback too (the deletion walk reads the new live tree for them).
+        assert_eq!(
+            counted,
+            fresh.allocator().free_blocks(),
+            "free blocks after the rollback against a fresh open"
+        );
     }
     drop(engine);
     result
