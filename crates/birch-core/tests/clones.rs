@@ -574,10 +574,16 @@ fn a_clone_succeeds_where_a_byte_copy_finds_no_space() {
     let a = put(&fs, "a", &data);
     fs.sync().expect("sync");
     let b = put(&fs, "b", b"");
-    // Offsets that differ within a block: a byte copy, which runs out of space.
-    let err = fs
+    // Offsets that differ within a block: a byte copy, which runs out of space part-way and
+    // answers the bytes it copied (a short count, as write(2)); the next call finds no space.
+    let n = fs
         .copy_file_range(a, 1, b, 0, data.len() as u64 - 1)
-        .expect_err("a byte copy does not fit");
+        .expect("a short byte copy");
+    assert!(n < data.len() as u64 - 1, "a byte copy does not fit: {n}");
+    assert_eq!(read_all(&fs, "b"), &data[1..1 + n as usize]);
+    let err = fs
+        .copy_file_range(a, 1 + n, b, n, data.len() as u64 - 1 - n)
+        .expect_err("no space left for the rest");
     assert!(matches!(err, Error::NoSpace(_)), "{err:?}");
     fs.setattr(
         b,
@@ -596,6 +602,54 @@ fn a_clone_succeeds_where_a_byte_copy_finds_no_space() {
     fs.sync().expect("sync");
     assert_eq!(read_all(&fs, "c"), data);
     common::close_and_check_clean(fs, &dev, "clone on a full filesystem");
+}
+
+/// On a full filesystem a copy whose middle can be shared but whose unaligned tail needs a
+/// data block answers the bytes up to the tail (a short count, the destination holding exactly
+/// that prefix); one whose unaligned head finds no block copies nothing and answers ENOSPC.
+/// The head is copied before the middle is shared, so no failure leaves shared blocks behind
+/// an uncopied head.
+#[test]
+fn a_copy_that_runs_out_of_space_after_sharing_answers_a_short_count() {
+    let (dev, fs) = common::fresh(DEVICE_BYTES);
+    let aligned = 256 * BLOCK_SIZE as usize;
+    let data = pattern(aligned + 100, 23);
+    put(&fs, "a", &data);
+    let a = ino(&fs, "a");
+    fs.sync().expect("sync");
+    // Fill the data space: large writes, then single blocks, until ENOSPC.
+    let fill = put(&fs, "fill", b"");
+    let mut at = 0u64;
+    for chunk in [64usize << 10, BLOCK_SIZE as usize] {
+        loop {
+            match fs.write(fill, at, &vec![0xEE; chunk], false) {
+                Ok(_) => at += chunk as u64,
+                Err(Error::NoSpace(_)) => break,
+                Err(e) => panic!("fill: {e}"),
+            }
+        }
+    }
+    fs.sync().expect("sync");
+    let c = put(&fs, "c", b"");
+    let n = fs
+        .copy_file_range(a, 0, c, 0, data.len() as u64)
+        .expect("a short count");
+    assert_eq!(n, aligned as u64, "the shared middle, not the tail");
+    assert_eq!(read_all(&fs, "c"), &data[..aligned]);
+    let d = put(&fs, "d", b"");
+    let err = fs
+        .copy_file_range(a, 100, d, 100, aligned as u64)
+        .expect_err("no block for the head");
+    assert!(matches!(err, Error::NoSpace(_)), "{err:?}");
+    assert_eq!(fs.getattr(d).expect("getattr d").size, 0, "nothing copied");
+    remove(&fs, "fill");
+    fs.sync().expect("sync");
+    let rest = fs
+        .copy_file_range(a, n, c, n, data.len() as u64 - n)
+        .expect("the tail");
+    assert_eq!(rest, 100);
+    assert_eq!(read_all(&fs, "c"), data);
+    common::close_and_check_clean(fs, &dev, "short copies on a full filesystem");
 }
 
 #[test]

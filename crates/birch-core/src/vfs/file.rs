@@ -986,18 +986,35 @@ impl Filesystem {
             && !from_snapshot
         {
             let lo_out = offset_out + (lo - offset_in);
-            let shared = self.retry_on_full(true, || {
-                self.clone_once(ino_in, lo, ino_out, lo_out, hi - lo)
-            })?;
-            if shared {
-                // The head and the tail, as bytes, after the shared middle (which put the
-                // destination in blocks).
-                let head =
-                    self.copy_bytes(ino_in, offset_in, ino_out, offset_out, lo - offset_in)?;
-                let tail_out = lo_out + (hi - lo);
-                let tail = self.copy_bytes(ino_in, hi, ino_out, tail_out, offset_in + n - hi)?;
-                return Ok(head + (hi - lo) + tail);
+            // In file order, so that a failure part-way (ENOSPC on the bytes of the head or
+            // the tail, or on the clone's items) leaves a prefix copied and is answered as a
+            // short count, as write(2) answers: the unaligned head as bytes (which also leaves
+            // the destination at least a block long, never inline), the middle shared, the
+            // tail as bytes.
+            let head_len = lo - offset_in;
+            let head = self.copy_bytes(ino_in, offset_in, ino_out, offset_out, head_len)?;
+            if head < head_len {
+                return Ok(head);
             }
+            let shared = match self.retry_on_full(true, || {
+                self.clone_once(ino_in, lo, ino_out, lo_out, hi - lo)
+            }) {
+                Ok(shared) => shared,
+                Err(e) => return short_count(head, e),
+            };
+            let rest = if shared {
+                let tail_out = lo_out + (hi - lo);
+                match self.copy_bytes(ino_in, hi, ino_out, tail_out, offset_in + n - hi) {
+                    Ok(tail) => hi - lo + tail,
+                    Err(e) => return short_count(head + (hi - lo), e),
+                }
+            } else {
+                match self.copy_bytes(ino_in, lo, ino_out, lo_out, offset_in + n - lo) {
+                    Ok(rest) => rest,
+                    Err(e) => return short_count(head, e),
+                }
+            };
+            return Ok(head + rest);
         }
         self.copy_bytes(ino_in, offset_in, ino_out, offset_out, n)
     }
@@ -1129,11 +1146,16 @@ impl Filesystem {
         let mut done = 0u64;
         while done < len {
             let step = (len - done).min(STEP);
-            let data = self.read(ino_in, offset_in + done, step as usize)?;
+            let data = match self.read(ino_in, offset_in + done, step as usize) {
+                Ok(data) => data,
+                Err(e) => return short_count(done, e),
+            };
             if data.is_empty() {
                 break;
             }
-            self.write(ino_out, offset_out + done, &data, false)?;
+            if let Err(e) = self.write(ino_out, offset_out + done, &data, false) {
+                return short_count(done, e);
+            }
             done += data.len() as u64;
             if (data.len() as u64) < step {
                 break;
@@ -1251,5 +1273,17 @@ impl Drop for MergeBuf {
             let v = std::mem::take(&mut self.0);
             Self::SPARE.with(|s| *s.borrow_mut() = v);
         }
+    }
+}
+
+/// What a copy that stopped on `e` after `done` bytes answers: the bytes it copied, as a
+/// short count (the caller's next call meets the error), or the error when nothing was copied
+/// (write(2)'s rule).
+fn short_count(done: u64, e: Error) -> Result<u64> {
+    if done > 0 {
+        log::debug!("copy_file_range stopped after {done} bytes: {e}");
+        Ok(done)
+    } else {
+        Err(e)
     }
 }
