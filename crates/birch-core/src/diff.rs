@@ -17,7 +17,7 @@
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use birch_format::items::{decode_inode_refs, InodeItem, Timespec};
+use birch_format::items::{decode_inode_refs, FileExtent, InodeItem, Timespec};
 use birch_format::node::NodeBody;
 use birch_format::superblock::RootPtr;
 use birch_format::{ItemType, Key, ROOT_OBJECTID};
@@ -345,6 +345,19 @@ fn inode_differs(old: &[u8], new: &[u8], ignore_ctime: bool) -> Result<bool> {
     Ok(a != b)
 }
 
+/// Whether two extent items name the same bytes and differ at most in the shared flag (a
+/// clone rewrites its source's extents flagged, DESIGN §15.8). An item that does not decode
+/// counts as changed.
+fn only_shared_flag_differs(old: &[u8], new: &[u8]) -> bool {
+    match (FileExtent::decode(old), FileExtent::decode(new)) {
+        (Ok(mut a), Ok(b)) => {
+            a.shared = b.shared;
+            a == b
+        }
+        _ => false,
+    }
+}
+
 /// The path changes between the fs trees at `old` and `new`, sorted by path, and what the
 /// walk read. Only the changed items are read beyond the walk, and the `InodeRef` chains of
 /// the inodes they belong to.
@@ -363,6 +376,13 @@ pub fn diff_trees(
                 inodes.entry(ino).or_default().item = Some((change.old, change.new));
             }
             Some(ItemType::InodeRef) => inodes.entry(ino).or_default().names = true,
+            // A clone flags its source's extents shared: the source's bytes did not change.
+            Some(ItemType::ExtentData)
+                if change
+                    .old
+                    .as_deref()
+                    .zip(change.new.as_deref())
+                    .is_some_and(|(old, new)| only_shared_flag_differs(old, new)) => {}
             Some(_) => inodes.entry(ino).or_default().contents = true,
         }
     }

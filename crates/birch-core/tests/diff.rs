@@ -451,3 +451,33 @@ fn the_in_step_walk_finds_every_changed_item() {
     }
     assert!(skipped > 1000, "shared subtrees skipped: {skipped}");
 }
+
+/// A clone flags its source's extents shared without changing its bytes: the diff lists the
+/// clone (and its directory), not its source (the source's extent items differ only in the
+/// flag).
+#[test]
+fn a_clone_source_is_not_listed_as_modified() {
+    let (dev, fs) = common::fresh(DEVICE_BYTES);
+    let make = |name: &str| {
+        let (attr, fh) = fs
+            .create(Caller::default(), ROOT, name.as_bytes(), 0o644, 0)
+            .expect("create");
+        fs.release(attr.ino, fh).expect("release");
+        attr.ino
+    };
+    let a = make("a");
+    fs.write(a, 0, &vec![0x5A; 64 << 10], false)
+        .expect("write a");
+    fs.create_snapshot("before").expect("snapshot");
+    let b = make("b");
+    assert_eq!(
+        fs.copy_file_range(a, 0, b, 0, 64 << 10).expect("clone"),
+        64 << 10
+    );
+    fs.create_snapshot("after").expect("snapshot");
+    fs.close().expect("close");
+    drop(fs);
+    let changes = diff(&dev, "before", Some("after"));
+    let lines: Vec<String> = changes.iter().map(ToString::to_string).collect();
+    assert_eq!(lines, ["M /", "+ /b"], "{changes:?}");
+}
