@@ -750,7 +750,10 @@ fn rollback_round(
     }
     let at = s.rng.below(s.standing.len() as u64) as usize;
     let (name, after) = s.standing[at].clone();
-    let newer: Vec<String> = s.standing[at + 1..].iter().map(|(n, _)| n.clone()).collect();
+    let newer: Vec<String> = s.standing[at + 1..]
+        .iter()
+        .map(|(n, _)| n.clone())
+        .collect();
     if after == s.live {
         // Something for the rollback to undo.
         s.step(&fs, rec, h, first - 2, 0)?;
@@ -814,7 +817,10 @@ fn rollback_round(
         }
     }
     let destroy = !newer.is_empty() || s.rng.chance(30);
-    let generation = engine.superblock().generation;
+    let (generation, next_objectid) = {
+        let sb = engine.superblock();
+        (sb.generation, sb.next_objectid)
+    };
     let asked = rec.mark();
     let (target, deleted) = engine.rollback(&name, destroy)?;
     let returned = rec.mark();
@@ -825,10 +831,12 @@ fn rollback_round(
             target.name
         )));
     }
-    if engine.superblock().generation <= generation {
+    let sb = engine.superblock();
+    if sb.generation <= generation || sb.next_objectid < next_objectid {
         return Err(Error::Invalid(format!(
-            "rollback workload: the rollback's commit has generation {}, not above {generation}",
-            engine.superblock().generation
+            "rollback workload: the rollback's commit has generation {} and next object id {}, \
+             not above {generation} and at least {next_objectid} (ids are never reused)",
+            sb.generation, sb.next_objectid
         )));
     }
     drop(engine);
@@ -853,6 +861,12 @@ fn rollback_round(
         before,
         after: after.clone(),
     });
+    // Durable since it returned: every file holds the snapshot's content or a later one in
+    // every later crash state (a commit after it must build on the rolled-back tree).
+    for (path, content) in &after {
+        h.version(path, content.clone());
+        h.synced(returned, path);
+    }
     s.standing.truncate(at + 1);
     s.live = after;
     Ok(fs)
