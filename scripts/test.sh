@@ -40,9 +40,10 @@ tier "build birch" cargo build --release --locked -p birch-tools
 if [[ ${BIRCH_PACKAGE_TEST:-1} == 1 ]]; then
   tier "package" bash tests/package/package-test.sh
 fi
-# The crash matrix at CLI level: 20 workload runs x 150 crash states (cargo test ran 600 more).
-# 12,250 crash states: 4 library workloads + 30 ACE runs + 15 FUSE-level runs (real system
-# calls on a mount of the recording device; skipped with a reason without root or /dev/fuse).
+# The crash matrix at CLI level, 250 crash states per run: 48 library runs (11 workloads:
+# shutdown 3 runs, snapshots+fsync and snapshots+rollback 4 each, 30 ACE runs) + 15 FUSE-level
+# runs (real system calls on a mount of the recording device; skipped with a reason without
+# root or /dev/fuse): 15,750 crash states.
 tier "crashtest" ./target/release/birch crashtest --states 250 --ace-runs 30 --fuse-runs 15
 # pjdfstest on birch beside the kernel ext4 baseline: no failure, and no skip that ext4 does
 # not also skip, except link::link_count_max: glibc's pathconf(_PC_LINK_MAX) answers 127

@@ -22,5 +22,5 @@ pub mod oracle;
 pub mod rng;
 
 pub use matrix::{run_matrix, Workload};
-pub use oracle::{check_recording, CrashReport, History};
+pub use oracle::{check_recording, CrashReport, History, RolledBack};
 pub use rng::Rng;

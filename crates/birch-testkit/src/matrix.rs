@@ -9,9 +9,9 @@ use std::sync::Arc;
 
 use birch_core::device::{MemDevice, Recorded};
 use birch_core::vfs::{Caller, OpenOptions, SetAttr, ShutdownMode};
-use birch_core::{Error, Filesystem, MkfsOptions, Result};
+use birch_core::{Engine, Error, Filesystem, MkfsOptions, Result};
 
-use crate::oracle::{check_recording, CrashReport, History};
+use crate::oracle::{check_recording, CrashReport, History, RolledBack};
 use crate::rng::Rng;
 
 /// The workloads.
@@ -50,11 +50,19 @@ pub enum Workload {
     /// and fsync'd (logged pieces of a shared extent), a clone within the file fsync'd, and a
     /// clone of the clone over a committed file fsync'd.
     Clone,
+    /// Rollbacks (DESIGN §15.8) among the snapshot steps: twice, the filesystem is closed
+    /// cleanly or left with a pending fsync log (one of each per run), the engine alone must
+    /// refuse while the log waits, the log is replayed by an open and close, then
+    /// `Engine::rollback` on the closed image rolls back to a snapshot the seed picks (refused
+    /// while newer snapshots exist, then with `-r`, which deletes them), and the reopened
+    /// filesystem goes on with more steps. A crash state shows the whole state before a
+    /// rollback or the whole rolled-back one, never a mix.
+    Rollback,
 }
 
 impl Workload {
     /// Every workload, in the order `birch crashtest` runs them.
-    pub const ALL: [Workload; 10] = [
+    pub const ALL: [Workload; 11] = [
         Workload::Append,
         Workload::Wal,
         Workload::LinkRename,
@@ -65,6 +73,7 @@ impl Workload {
         Workload::Shutdown,
         Workload::Snapshots,
         Workload::Clone,
+        Workload::Rollback,
     ];
 
     /// The workload's display name, as reports and the command line use it.
@@ -80,6 +89,7 @@ impl Workload {
             Workload::Shutdown => "shutdown",
             Workload::Snapshots => "snapshots+fsync",
             Workload::Clone => "clone+fsync",
+            Workload::Rollback => "snapshots+rollback",
         }
     }
 
@@ -411,6 +421,13 @@ fn run_workload(
             }
         }
         Workload::Snapshots => snapshot_steps(seed, fs, rec, h)?,
+        Workload::Rollback => {
+            return Err(Error::Invalid(
+                "the rollback workload closes and reopens its filesystem: run_matrix runs it \
+                 through rollback_steps"
+                    .into(),
+            ))
+        }
         Workload::Ace => {
             let mut rng = Rng::new(seed ^ 0xACE);
             let paths = ["/A/foo", "/A/bar", "/B/foo", "/B/bar", "/A/C/foo"];
@@ -488,29 +505,67 @@ fn run_workload(
     Ok(())
 }
 
-/// The snapshot workload: 14 steps over three paths (clones among them), chosen by the seed, after a first file
-/// and a first snapshot. `live` mirrors every file of the filesystem, so each snapshot's
-/// expected content is known whole.
-fn snapshot_steps(
-    seed: u64,
-    fs: &Filesystem,
-    rec: &mut Recorder<'_>,
-    h: &mut History,
-) -> Result<()> {
-    use std::collections::BTreeMap;
-    let trace = std::env::var_os("BIRCH_CRASH_TRACE").is_some();
-    let mut rng = Rng::new(seed);
-    let paths = ["/A/foo", "/A/bar", "/B/foo"];
-    let mut live: BTreeMap<String, Vec<u8>> = BTreeMap::new();
-    let mut standing: Vec<String> = Vec::new();
-    let mut made = 0u32;
-    for step in 0..16u8 {
-        let choice = match step {
-            0 => 0,
-            1 => 4,
-            _ => rng.below(9),
-        };
-        let path = paths[rng.below(paths.len() as u64) as usize];
+/// The state of the snapshot steps: the seeded generator, every file of the filesystem
+/// (`live`, so each snapshot's expected content is known whole), the snapshots standing
+/// (oldest first) with the files each was made with, and how many were made (names are never
+/// reused in one run).
+struct SnapSteps {
+    rng: Rng,
+    live: std::collections::BTreeMap<String, Vec<u8>>,
+    standing: Vec<(String, std::collections::BTreeMap<String, Vec<u8>>)>,
+    made: u32,
+    trace: bool,
+}
+
+/// The paths the snapshot steps write, clone and unlink.
+const SNAP_PATHS: [&str; 3] = ["/A/foo", "/A/bar", "/B/foo"];
+
+impl SnapSteps {
+    fn new(seed: u64) -> SnapSteps {
+        SnapSteps {
+            rng: Rng::new(seed),
+            live: std::collections::BTreeMap::new(),
+            standing: Vec::new(),
+            made: 0,
+            trace: std::env::var_os("BIRCH_CRASH_TRACE").is_some(),
+        }
+    }
+
+    /// Makes the next snapshot (`s0`, `s1`, ...) of `live`.
+    fn snapshot(
+        &mut self,
+        fs: &Filesystem,
+        rec: &mut Recorder<'_>,
+        h: &mut History,
+        step: u8,
+    ) -> Result<()> {
+        let name = format!("s{}", self.made);
+        self.made += 1;
+        if self.trace {
+            eprintln!("step {step}: snapshot create {name}");
+        }
+        let asked = rec.mark();
+        fs.create_snapshot(&name)?;
+        let returned = rec.mark();
+        h.snapshot_made(&name, asked, returned, self.live.clone());
+        self.standing.push((name, self.live.clone()));
+        Ok(())
+    }
+
+    /// One step (`choice`, 0..9) over a path the generator picks. `step` (below 150) tells
+    /// the bytes written apart.
+    fn step(
+        &mut self,
+        fs: &Filesystem,
+        rec: &mut Recorder<'_>,
+        h: &mut History,
+        step: u8,
+        choice: u64,
+    ) -> Result<()> {
+        let trace = self.trace;
+        let rng = &mut self.rng;
+        let live = &mut self.live;
+        let path = SNAP_PATHS[rng.below(SNAP_PATHS.len() as u64) as usize];
         match choice {
             // A whole new content (the file made if missing).
             0 | 1 => {
@@ -554,21 +609,12 @@ fn snapshot_steps(
                     h.removed(path);
                 }
             }
-            4 | 5 => {
-                let name = format!("s{made}");
-                made += 1;
-                if trace {
-                    eprintln!("step {step}: snapshot create {name}");
-                }
-                let asked = rec.mark();
-                fs.create_snapshot(&name)?;
-                let returned = rec.mark();
-                h.snapshot_made(&name, asked, returned, live.clone());
-                standing.push(name);
-            }
+            4 | 5 => self.snapshot(fs, rec, h, step)?,
             6 => {
-                if !standing.is_empty() {
-                    let name = standing.remove(rng.below(standing.len() as u64) as usize);
+                if !self.standing.is_empty() {
+                    let (name, _) = self
+                        .standing
+                        .remove(rng.below(self.standing.len() as u64) as usize);
                     if trace {
                         eprintln!("step {step}: snapshot delete {name}");
                     }
@@ -581,7 +627,7 @@ fn snapshot_steps(
             // A clone: the whole of another file shared into this one (copy_file_range of
             // whole blocks; the tail copied), whose later partial overwrites unshare.
             7 => {
-                let from = paths[rng.below(paths.len() as u64) as usize];
+                let from = SNAP_PATHS[rng.below(SNAP_PATHS.len() as u64) as usize];
                 if from != path {
                     if let Some(source) = live.get(from).cloned() {
                         if trace {
@@ -624,8 +670,215 @@ fn snapshot_steps(
                 rec.mark();
             }
         }
+        Ok(())
+    }
+}
+
+/// The snapshot workload: 16 steps over three paths (clones among them), chosen by the seed,
+/// after a first file and a first snapshot.
+fn snapshot_steps(
+    seed: u64,
+    fs: &Filesystem,
+    rec: &mut Recorder<'_>,
+    h: &mut History,
+) -> Result<()> {
+    let mut s = SnapSteps::new(seed);
+    for step in 0..16u8 {
+        let choice = match step {
+            0 => 0,
+            1 => 4,
+            _ => s.rng.below(9),
+        };
+        s.step(fs, rec, h, step, choice)?;
     }
     Ok(())
+}
+
+/// The rollback workload: 12 snapshot steps, then two rounds of a rollback of the closed
+/// image and 10 more steps on the reopened filesystem. Takes the filesystem and returns the
+/// one open at the end.
+fn rollback_steps(
+    seed: u64,
+    fs: Filesystem,
+    dev: &Arc<MemDevice>,
+    rec: &mut Recorder<'_>,
+    h: &mut History,
+) -> Result<Filesystem> {
+    let mut s = SnapSteps::new(seed ^ 0x0B0C_4B4C);
+    let mut fs = fs;
+    for step in 0..12u8 {
+        let choice = match step {
+            0 => 0,
+            1 => 4,
+            _ => s.rng.below(9),
+        };
+        s.step(&fs, rec, h, step, choice)?;
+    }
+    for round in 0..2u8 {
+        // One round of each kind per run: the filesystem closed cleanly, or left with
+        // records only the fsync log holds.
+        let clean = (seed + u64::from(round)) % 2 == 0;
+        fs = rollback_round(seed, round, clean, fs, dev, rec, h, &mut s)?;
+        let first = 20 + 20 * round;
+        for step in first..first + 10 {
+            let choice = s.rng.below(9);
+            s.step(&fs, rec, h, step, choice)?;
+        }
+    }
+    Ok(fs)
+}
+
+/// One rollback, as `birch rollback IMAGE NAME [-r]` makes it: the filesystem `fs` is closed
+/// (`clean`) or, after a commit and fsync'd writes, cut off with its log pending; the engine
+/// alone must refuse the rollback while the log waits; an open and close replays it; an
+/// engine of its own rolls back to a snapshot the seed picks (first without `-r`, which must
+/// be refused while newer snapshots exist, then with it). Returns the reopened filesystem.
+#[allow(clippy::too_many_arguments)]
+fn rollback_round(
+    seed: u64,
+    round: u8,
+    clean: bool,
+    fs: Filesystem,
+    dev: &Arc<MemDevice>,
+    rec: &mut Recorder<'_>,
+    h: &mut History,
+    s: &mut SnapSteps,
+) -> Result<Filesystem> {
+    let first = 20 + 20 * round;
+    if s.standing.is_empty() {
+        s.snapshot(&fs, rec, h, first - 1)?;
+    }
+    let at = s.rng.below(s.standing.len() as u64) as usize;
+    let (name, after) = s.standing[at].clone();
+    let newer: Vec<String> = s.standing[at + 1..]
+        .iter()
+        .map(|(n, _)| n.clone())
+        .collect();
+    if after == s.live {
+        // Something for the rollback to undo.
+        s.step(&fs, rec, h, first - 2, 0)?;
+    }
+    if s.trace {
+        eprintln!(
+            "round {round}: rollback to {name} ({}), newer {newer:?}",
+            if clean { "closed" } else { "log pending" }
+        );
+    }
+    if clean {
+        fs.close()?;
+        drop(fs);
+    } else {
+        // Everything committed, then whole new contents only the log holds.
+        fs.sync()?;
+        rec.mark();
+        for step in [first - 3, first - 4] {
+            let path = SNAP_PATHS[s.rng.below(SNAP_PATHS.len() as u64) as usize];
+            let content = vec![step + 1; 100 + s.rng.below(14_000) as usize];
+            if s.trace {
+                eprintln!("step {step}: write {path} ({} bytes), fsync", content.len());
+            }
+            write_version(&fs, h, path, content.clone())?;
+            s.live.insert(path.to_string(), content);
+            sync_path(&fs, rec, h, path, false)?;
+        }
+        fs.power_cut();
+    }
+    let settled = rec.mark();
+    let before = s.live.clone();
+    if !clean {
+        // `Engine::rollback` refuses while replay is pending (the CLI replays first).
+        let engine = Engine::open(dev.clone())?;
+        if !engine.replay_pending() {
+            return Err(Error::Invalid(
+                "rollback workload: no fsync log pending after the fsync'd writes".into(),
+            ));
+        }
+        if engine.rollback(&name, true).is_ok() {
+            return Err(Error::Invalid(format!(
+                "rollback workload: the rollback to {name:?} went ahead with the log pending"
+            )));
+        }
+        drop(engine);
+        let fs = Filesystem::open_device(dev.clone(), quiet_options())?;
+        fs.close()?;
+        drop(fs);
+    }
+    let engine = Engine::open(dev.clone())?;
+    if !newer.is_empty() {
+        match engine.rollback(&name, false) {
+            Err(Error::Exists(_)) => {}
+            Ok(_) => {
+                return Err(Error::Invalid(format!(
+                    "rollback workload: the rollback to {name:?} without -r went ahead though \
+                     {newer:?} are newer"
+                )))
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    let destroy = !newer.is_empty() || s.rng.chance(30);
+    let (generation, next_objectid) = {
+        let sb = engine.superblock();
+        (sb.generation, sb.next_objectid)
+    };
+    let asked = rec.mark();
+    let (target, deleted) = engine.rollback(&name, destroy)?;
+    let returned = rec.mark();
+    if deleted != newer || target.name != name {
+        return Err(Error::Invalid(format!(
+            "rollback workload: the rollback to {name:?} rolled back to {:?} and deleted \
+             {deleted:?}, not {newer:?}",
+            target.name
+        )));
+    }
+    let sb = engine.superblock();
+    if sb.generation <= generation || sb.next_objectid < next_objectid {
+        return Err(Error::Invalid(format!(
+            "rollback workload: the rollback's commit has generation {} and next object id {}, \
+             not above {generation} and at least {next_objectid} (ids are never reused)",
+            sb.generation, sb.next_objectid
+        )));
+    }
+    drop(engine);
+    let fs = Filesystem::open_device(dev.clone(), quiet_options())?;
+    if seed % 2 == 1 {
+        fs.engine().set_parallel_apply_min(16);
+    }
+    let resumed = rec.mark();
+    if s.trace {
+        eprintln!(
+            "round {round}: settled at event {settled}, asked {asked}, returned {returned}, \
+             resumed {resumed}; deleted {deleted:?}"
+        );
+    }
+    h.rolled_back(RolledBack {
+        name,
+        settled,
+        asked,
+        returned,
+        resumed,
+        deleted,
+        before,
+        after: after.clone(),
+    });
+    // Durable since it returned: every file holds the snapshot's content or a later one in
+    // every later crash state (a commit after it must build on the rolled-back tree).
+    for (path, content) in &after {
+        h.version(path, content.clone());
+        h.synced(returned, path);
+    }
+    s.standing.truncate(at + 1);
+    s.live = after;
+    Ok(fs)
+}
+
+/// Options for the matrix's filesystems: no background commits (the workload's own steps
+/// decide every commit).
+fn quiet_options() -> OpenOptions {
+    OpenOptions {
+        commit_interval: None,
+        ..Default::default()
+    }
 }
 
 /// Runs `workload` once on a recording device and checks `states` crash states (every flush
@@ -636,10 +889,7 @@ pub fn run_matrix(
     states: usize,
     progress: &mut dyn FnMut(),
 ) -> Result<CrashReport> {
-    let quiet = || OpenOptions {
-        commit_interval: None,
-        ..Default::default()
-    };
+    let quiet = quiet_options;
     let dev = Arc::new(MemDevice::new(96 << 20));
     Filesystem::mkfs(dev.clone(), &MkfsOptions::default())?;
     let base = {
@@ -662,7 +912,12 @@ pub fn run_matrix(
             dev: &dev,
             events: Vec::new(),
         };
-        run_workload(workload, seed, &fs, &mut rec, &mut history)?;
+        let fs = if workload == Workload::Rollback {
+            rollback_steps(seed, fs, &dev, &mut rec, &mut history)?
+        } else {
+            run_workload(workload, seed, &fs, &mut rec, &mut history)?;
+            fs
+        };
         rec.mark();
         if std::env::var_os("BIRCH_CRASH_TRACE").is_some() {
             eprintln!("counters: {}", fs.engine().counters().values());
@@ -714,6 +969,20 @@ mod tests {
                 run_matrix(Workload::Snapshots, seed, 40, &mut || {}).expect("workload runs");
             assert!(report.failures.is_empty(), "{:#?}", report.failures);
             assert_eq!(report.states, 40);
+        }
+    }
+
+    /// Two rollbacks per run (one after a clean close, one with the log pending), `-r` when
+    /// newer snapshots exist: every crash state the whole state before a rollback or the whole
+    /// rolled-back one.
+    #[test]
+    fn rollback_workloads_pass_the_oracle() {
+        for seed in 0..2 {
+            let report =
+                run_matrix(Workload::Rollback, seed, 40, &mut || {}).expect("workload runs");
+            assert!(report.failures.is_empty(), "{:#?}", report.failures);
+            // Every flush point is a state, also past the number asked for.
+            assert!(report.states >= 40, "{} states", report.states);
         }
     }
 

@@ -46,6 +46,33 @@ pub struct History {
     snapshots: Vec<SnapshotMade>,
     /// Snapshot deletions: (name, events when it was asked for, events when it returned).
     deletions: Vec<(String, usize, usize)>,
+    /// Rollbacks, in order: each is atomic with one commit, so a crash state shows the whole
+    /// state before it or the whole rolled-back one, never a mix.
+    rollbacks: Vec<RolledBack>,
+}
+
+/// A rollback a workload made (`Engine::rollback` on the closed image, as `birch rollback`
+/// makes it), with the device events that bound it and both whole states it may leave.
+#[derive(Clone, Debug)]
+pub struct RolledBack {
+    /// The snapshot rolled back to.
+    pub name: String,
+    /// Events once the state before the rollback was durable whole (the filesystem closed,
+    /// or every change it held fsync'd): from here on it is exactly `before`.
+    pub settled: usize,
+    /// Events when the rollback was asked for.
+    pub asked: usize,
+    /// Events when it returned (its commit durable).
+    pub returned: usize,
+    /// Events when the workload went on after it (the filesystem reopened): up to here the
+    /// state is exactly `after`.
+    pub resumed: usize,
+    /// The newer snapshots it deleted (`-r`), in the same commit.
+    pub deleted: Vec<String>,
+    /// Every regular file of the live filesystem before the rollback (path to content).
+    pub before: std::collections::BTreeMap<String, Vec<u8>>,
+    /// Every regular file of the snapshot rolled back to: the live files after it.
+    pub after: std::collections::BTreeMap<String, Vec<u8>>,
 }
 
 /// A snapshot a workload made: its name (never reused in one run), the device events when it
@@ -155,6 +182,21 @@ impl History {
         self.deletions.push((name.to_string(), asked, returned));
     }
 
+    /// A rollback was made (its newer snapshots deleted with it, if `-r`): a crash state
+    /// before it is exactly `before` once `settled` is durable; one cut while its commit is
+    /// under way shows the whole state before it (`before`, the deleted snapshots there) or the
+    /// whole rolled-back one (`after`, the deleted snapshots gone); from its return until
+    /// `resumed` exactly the rolled-back one; after it, the files fsync'd before it are no
+    /// longer judged by path. The snapshots it deleted are recorded as deletions asked and
+    /// returned with it.
+    pub fn rolled_back(&mut self, rollback: RolledBack) {
+        for name in &rollback.deleted {
+            self.deletions
+                .push((name.clone(), rollback.asked, rollback.returned));
+        }
+        self.rollbacks.push(rollback);
+    }
+
     /// `path` was unlinked.
     pub fn removed(&mut self, path: &str) {
         self.steps += 1;
@@ -258,8 +300,13 @@ fn check_state(
         },
     )
     .map_err(|e| format!("open failed: {e}"))?;
+    // Fsyncs before a rollback this state shows are replaced by it: not judged by path.
+    let rolled = check_rollbacks(&fs, history, cut, durable_upto)?;
     for (mark, path, version, step) in &history.synced {
-        if *mark > durable_upto || history.moved.iter().any(|(s, p)| p == path && s > step) {
+        if *mark > durable_upto
+            || *mark <= rolled
+            || history.moved.iter().any(|(s, p)| p == path && s > step)
+        {
             continue;
         }
         let got = fs
@@ -274,7 +321,10 @@ fn check_state(
         }
     }
     for (mark, path, step) in &history.named {
-        if *mark > durable_upto || history.moved.iter().any(|(s, p)| p == path && s > step) {
+        if *mark > durable_upto
+            || *mark <= rolled
+            || history.moved.iter().any(|(s, p)| p == path && s > step)
+        {
             continue;
         }
         fs.resolve(path)
@@ -320,6 +370,121 @@ fn check_state(
         ));
     }
     Ok(())
+}
+
+/// Judges the rollbacks of a crash state cut at event `cut`, durable up to `durable_upto`, as
+/// [`History::rolled_back`] says: the live files (read through the filesystem, every
+/// directory walked) and the snapshots a rollback deleted must make one whole state, the one
+/// before it or the rolled-back one. Returns the events when the latest rollback this state
+/// shows was asked for (0: none), before which fsyncs are not judged by path.
+fn check_rollbacks(
+    fs: &Filesystem,
+    history: &History,
+    cut: usize,
+    durable_upto: usize,
+) -> std::result::Result<usize, String> {
+    let mut rolled = 0;
+    if history.rollbacks.is_empty() {
+        return Ok(rolled);
+    }
+    let live = live_files(fs)?;
+    let standing: Vec<String> = fs
+        .engine()
+        .snapshots()
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    for r in &history.rollbacks {
+        if cut <= r.asked && durable_upto < r.settled {
+            continue;
+        }
+        let before = live == r.before && r.deleted.iter().all(|n| standing.contains(n));
+        let after = live == r.after && !r.deleted.iter().any(|n| standing.contains(n));
+        let mix = || {
+            let differ = |model: &std::collections::BTreeMap<String, Vec<u8>>| {
+                model
+                    .keys()
+                    .chain(live.keys())
+                    .filter(|p| model.get(*p) != live.get(*p))
+                    .cloned()
+                    .collect::<std::collections::BTreeSet<String>>()
+            };
+            let gone: Vec<&String> = r.deleted.iter().filter(|n| !standing.contains(n)).collect();
+            format!(
+                "files differing from the state before it at {:?}, from the rolled-back one at \
+                 {:?}; of the newer snapshots it deletes ({:?}) gone: {gone:?}",
+                differ(&r.before),
+                differ(&r.after),
+                r.deleted
+            )
+        };
+        if cut <= r.asked {
+            if !before {
+                return Err(format!(
+                    "before the rollback to {:?} was asked for, the state is not the one before \
+                     it: {}",
+                    r.name,
+                    mix()
+                ));
+            }
+        } else if cut < r.returned {
+            if !before && !after {
+                return Err(format!(
+                    "during the rollback to {:?}, neither the state before it nor the \
+                     rolled-back one: {}",
+                    r.name,
+                    mix()
+                ));
+            }
+            if after {
+                rolled = r.asked;
+            }
+        } else {
+            // Returned: durable.
+            if cut <= r.resumed && !after {
+                return Err(format!(
+                    "after the rollback to {:?} returned, the state is not the rolled-back \
+                     one: {}",
+                    r.name,
+                    mix()
+                ));
+            }
+            rolled = r.asked;
+        }
+    }
+    Ok(rolled)
+}
+
+/// Every regular file of the live filesystem by path (`/A/foo`), through `readdir` and
+/// `read_file` from the root down.
+fn live_files(
+    fs: &Filesystem,
+) -> std::result::Result<std::collections::BTreeMap<String, Vec<u8>>, String> {
+    use birch_core::vfs::FileKind;
+    let mut files = std::collections::BTreeMap::new();
+    let mut dirs = vec![(String::new(), 1u64)];
+    while let Some((path, dir)) = dirs.pop() {
+        let entries = fs
+            .readdir(dir, 0, usize::MAX)
+            .map_err(|e| format!("readdir {path}/: {e}"))?;
+        for entry in entries {
+            if entry.name == b"." || entry.name == b".." {
+                continue;
+            }
+            let child = format!("{path}/{}", String::from_utf8_lossy(&entry.name));
+            match entry.kind {
+                FileKind::Dir => dirs.push((child, entry.ino)),
+                FileKind::File => {
+                    let bytes = fs
+                        .read_file(&child)
+                        .map_err(|e| format!("{child} does not read: {e}"))?;
+                    files.insert(child, bytes);
+                }
+                other => return Err(format!("{child}: a {other:?}, not a file or directory")),
+            }
+        }
+    }
+    Ok(files)
 }
 
 /// Judges the snapshots of a crash state cut at event `cut`, durable up to `durable_upto`: a

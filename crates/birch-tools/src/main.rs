@@ -228,9 +228,12 @@ enum Command {
     /// state (each flush point, plus seeded subsets of unflushed writes, some torn) recovered,
     /// fsck'd and judged. Exit 0 when every state passes.
     Crashtest {
-        /// Workloads: append+fsync, link/rename+fsync, punch/fallocate/truncate+fsync,
-        /// many files+symlink+xattr, big tree+commits, ace, shutdown (three runs: commit,
-        /// log, now), snapshots+fsync (four seeded runs), clone+fsync (default: all).
+        /// Workloads: append+fsync, wal appends+fsync, link/rename+fsync,
+        /// punch/fallocate/truncate+fsync, many files+symlink+xattr, big tree+commits, ace,
+        /// shutdown (three runs: commit, log, now), snapshots+fsync (four seeded runs),
+        /// clone+fsync, snapshots+rollback (four seeded runs: snapshot steps, two rollbacks
+        /// of the closed image, one after a clean close and one with the fsync log pending,
+        /// then more steps) (default: all).
         #[arg(long)]
         workload: Vec<String>,
         /// Seed (printed; the same seed replays the same states).
@@ -1438,7 +1441,7 @@ fn crashtest(
                 // One run per variant (commit, log, now: the seed modulo 3).
                 Workload::Shutdown => 3,
                 // Four seeds: the steps are the seed's choice.
-                Workload::Snapshots => 4,
+                Workload::Snapshots | Workload::Rollback => 4,
                 _ => 1,
             };
             (0..n).map(move |i| (*w, seed.wrapping_add(i)))
