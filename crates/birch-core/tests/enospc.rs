@@ -416,3 +416,80 @@ fn enospc_without_waiting_where_release_waits_are_not_allowed() {
     fs.release(b.ino, fh_b).expect("release b");
     common::close_and_check_clean(fs, &dev, "after the release");
 }
+
+/// An inline (small) file that would grow past the inline limit on a full filesystem: the
+/// write, the truncate and the fallocate each answer ENOSPC and leave its bytes as they were
+/// (moving them to a block failed; the inline extent is put back), also after a reopen.
+#[test]
+fn an_inline_file_that_cannot_grow_keeps_its_bytes() {
+    let (dev, fs) = fresh(24 << 20);
+    let (small, _) = fs
+        .create(Caller::default(), 1, b"small", 0o644, 0)
+        .expect("create small");
+    let content: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8).collect();
+    fs.write(small.ino, 0, &content, false)
+        .expect("write small");
+    fs.sync().expect("sync");
+    let (fill, _) = fs
+        .create(Caller::default(), 1, b"fill", 0o644, 0)
+        .expect("create fill");
+    let mut at = 0u64;
+    for chunk in [256usize << 10, 4096] {
+        loop {
+            match fs.write(fill.ino, at, &vec![0xEE; chunk], false) {
+                Ok(_) => at += chunk as u64,
+                Err(e) => {
+                    assert_eq!(e.errno(), libc::ENOSPC, "fill: {e}");
+                    break;
+                }
+            }
+        }
+        fs.sync().expect("sync");
+    }
+    let check_small = |fs: &Filesystem, what: &str| {
+        assert_eq!(fs.getattr(small.ino).expect("getattr").size, 1000, "{what}");
+        let got = fs.read(small.ino, 0, 4096).expect("read small");
+        assert_eq!(got, content, "{what}: the inline bytes");
+    };
+    let err = fs
+        .write(small.ino, 3000, b"past the inline limit", false)
+        .expect_err("no block for the inline bytes");
+    assert_eq!(err.errno(), libc::ENOSPC, "{err}");
+    check_small(&fs, "after the write");
+    let err = fs
+        .fallocate(small.ino, 0, 8192, 0)
+        .expect_err("no block for the inline bytes");
+    assert_eq!(err.errno(), libc::ENOSPC, "{err}");
+    check_small(&fs, "after the fallocate");
+    // A truncate may take a block from the reserve that writes leave (deletes and truncates
+    // work on a full filesystem); either it fails and the bytes stay inline, or the file
+    // holds them in a block followed by zeros.
+    let grown = fs.setattr(
+        small.ino,
+        &SetAttr {
+            size: Some(10_000),
+            ..Default::default()
+        },
+    );
+    let mut expect = content.clone();
+    match grown {
+        Err(e) => {
+            assert_eq!(e.errno(), libc::ENOSPC, "{e}");
+            check_small(&fs, "after the truncate");
+        }
+        Ok(_) => {
+            expect.resize(10_000, 0);
+            assert_eq!(fs.read(small.ino, 0, 20_000).expect("read"), expect);
+        }
+    }
+    fs.sync().expect("sync");
+    fs.close().expect("close");
+    drop(fs);
+    let fs = common::open_quiet(&dev);
+    assert_eq!(
+        fs.read(small.ino, 0, 20_000).expect("read"),
+        expect,
+        "after a reopen"
+    );
+    common::close_and_check_clean(fs, &dev, "inline file on a full filesystem");
+}

@@ -523,10 +523,7 @@ impl Filesystem {
         }
         if let Some(inline) = inline {
             // Grows past the inline limit: move the inline bytes to a block first.
-            let mut block = inline;
-            block.resize(BLOCK_SIZE as usize, 0);
-            self.data().remove_inline(ino)?;
-            self.write_blocks(ino, data, 0, &block)?;
+            self.inline_to_block(ino, data, inline)?;
         }
         if let Some(state) = buffer {
             return self.buffer_write_locked(ino, state, data, offset, bytes);
@@ -665,12 +662,10 @@ impl Filesystem {
                 return Ok(());
             }
             // Growing past the inline limit: the bytes move to a block, the rest is a hole.
-            let len = inline.len();
-            self.data().remove_inline(ino)?;
-            let mut block = inline;
-            block.resize(BLOCK_SIZE as usize, 0);
-            if len > 0 {
-                self.write_blocks(ino, data, 0, &block)?;
+            if inline.is_empty() {
+                self.data().remove_inline(ino)?;
+            } else {
+                self.inline_to_block(ino, data, inline)?;
             }
             data.item.size = new_size;
             return Ok(());
@@ -884,13 +879,25 @@ impl Filesystem {
         Ok(())
     }
 
+    /// Moves an inline file's bytes to the file's first block (it grows past the inline limit
+    /// or gets preallocated space). If the block cannot be written (`ENOSPC`, say) the inline
+    /// extent is put back, so a failed write, truncate or fallocate leaves the file's bytes as
+    /// they were instead of a hole.
+    fn inline_to_block(&self, ino: u64, data: &mut InodeData, inline: Vec<u8>) -> Result<()> {
+        let mut block = inline.clone();
+        block.resize(BLOCK_SIZE as usize, 0);
+        self.data().remove_inline(ino)?;
+        if let Err(e) = self.write_blocks(ino, data, 0, &block) {
+            self.data().set_inline(ino, inline)?;
+            return Err(e);
+        }
+        Ok(())
+    }
+
     /// Allocates preallocated extents for every unmapped block in `[from, to)`.
     fn preallocate_locked(&self, ino: u64, data: &mut InodeData, from: u64, to: u64) -> Result<()> {
         if let Some(inline) = self.data().inline_data(ino)? {
-            self.data().remove_inline(ino)?;
-            let mut block = inline;
-            block.resize(BLOCK_SIZE as usize, 0);
-            self.write_blocks(ino, data, 0, &block)?;
+            self.inline_to_block(ino, data, inline)?;
         }
         let delta = self.data().preallocate(ino, from, to)?;
         Self::account(data, delta);
