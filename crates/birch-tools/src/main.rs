@@ -64,6 +64,7 @@ use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::node::{Expect, Node};
 use birch_format::{FS_TREE_ID, NODE_SIZE};
 use clap::{Parser, Subcommand};
+use stats::human_bytes;
 
 #[derive(Parser)]
 #[command(
@@ -1085,22 +1086,6 @@ fn snapshot_through_mount(action: &SnapshotAction, mnt: &Path) -> ExitCode {
         }
     }
     ExitCode::SUCCESS
-}
-
-/// `1.5 MiB`-style sizes (binary units, one decimal).
-fn human_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{value:.1} {}", UNITS[unit])
-    }
 }
 
 /// `birch diff IMAGE SNAP1 [SNAP2]` on an unmounted image, opened read-only (a pending
