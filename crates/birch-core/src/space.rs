@@ -74,7 +74,7 @@ pub struct SpaceReport {
 impl SpaceReport {
     /// Used blocks: the device less `free`.
     pub fn used(&self) -> u64 {
-        self.device - self.free
+        self.device.saturating_sub(self.free)
     }
 
     /// Blocks some tree or reserved area names: every used category but `unnamed`. Above
@@ -83,6 +83,14 @@ impl SpaceReport {
     pub fn named(&self) -> u64 {
         self.reserved + self.tree_nodes + self.list_nodes + self.data + self.snapshots_only
     }
+}
+
+/// The blocks of an extent at byte `disk` of `blocks` blocks as (first block, blocks), cut
+/// to a device of `device` blocks (an open refuses extents outside the device; this only
+/// keeps the arithmetic below from overflowing on one).
+fn inside(disk: u64, blocks: u64, device: u64) -> (u64, u64) {
+    let first = (disk / BLOCK_SIZE).min(device);
+    (first, blocks.min(device - first))
 }
 
 /// The number of blocks `ranges` (first block, blocks) cover at least once and at least
@@ -169,6 +177,7 @@ impl Engine {
     pub fn space_report(&self) -> Result<SpaceReport> {
         let committed = self.committed_root();
         let sb = self.superblock();
+        let device = self.allocator().total_blocks().get();
         let ctx = self.ctx();
         let mut seen: HashMap<u64, u64> = HashMap::new();
         let mut live: Vec<(u64, u64)> = Vec::new();
@@ -183,7 +192,7 @@ impl Engine {
                 let extent = extent
                     .map_err(|e| Error::corrupt(format!("extent {key} in node {node:#x}"), e))?;
                 if let Some((disk, blocks)) = extent.disk_range() {
-                    live.push((disk / BLOCK_SIZE, blocks));
+                    live.push(inside(disk, blocks, device));
                 }
                 Ok(())
             },
@@ -224,7 +233,7 @@ impl Engine {
                         )
                     })?;
                     if let Some((disk, blocks)) = extent.disk_range() {
-                        held.push((disk / BLOCK_SIZE, blocks));
+                        held.push(inside(disk, blocks, device));
                     }
                     Ok(())
                 },
@@ -242,7 +251,6 @@ impl Engine {
         drop(committed);
 
         let alloc = self.allocator();
-        let device = alloc.total_blocks().get();
         let reserved = RESERVED_HEAD_BYTES / BLOCK_SIZE + sb.log_bytes / BLOCK_SIZE;
         let free = alloc.statfs_free_blocks().get().min(device);
         let mut report = SpaceReport {
