@@ -267,6 +267,19 @@ impl Allocator {
             .saturating_sub(self.reserved_blocks())
     }
 
+    /// Free blocks as statfs counts them (`bfree`): free and pinned blocks (freed since the
+    /// last commit: reusable once the next commit is durable, and an allocation that finds
+    /// too little forces that commit, DESIGN §10.7), less the space reserved for buffered data.
+    pub fn statfs_free_blocks(&self) -> BlockCount {
+        (self.free_blocks() + self.pinned_blocks()).saturating_sub(self.reserved_blocks())
+    }
+
+    /// Blocks data may take as statfs counts them (`bavail`): [`Allocator::available_blocks`]
+    /// and the pinned blocks.
+    pub fn statfs_available_blocks(&self) -> BlockCount {
+        self.available_blocks() + self.pinned_blocks()
+    }
+
     /// Blocks data may never take (the metadata reserve, DESIGN §10.7).
     pub fn metadata_reserve_blocks(&self) -> BlockCount {
         BlockCount::new(self.reserve_blocks)

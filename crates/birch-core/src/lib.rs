@@ -5,7 +5,8 @@
 //! `data` (file data blocks and extent maps: allocation, writes, verified reads, reservations,
 //! the one free path) → `txn` (the engine: deltas, commit) → `delta` → `btree` → `cache` →
 //! `device`; `alloc` is reached through the engine (for data blocks, only by `data`); `check`
-//! reads through the engine and `btree` and never writes; `scrub` reads committed views (the
+//! reads through the engine and `btree` and never writes, and so does `space` (where the
+//! blocks go: `birch inspect IMAGE space`); `scrub` reads committed views (the
 //! engine's committed roots, or an image's superblock) straight from the device and never
 //! writes. `error`, `readonly` (why the engine is read-only) and `ids` (object-id batching) are
 //! leaves that every layer may use and that use no layer. The on-disk format lives in the
@@ -31,6 +32,7 @@ pub mod readonly;
 pub mod repair;
 pub mod scrub;
 pub mod snapshot;
+pub mod space;
 mod striped;
 pub mod txn;
 pub mod vfs;

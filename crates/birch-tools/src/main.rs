@@ -60,10 +60,12 @@ use birch_core::device::{
     create_rbd_image, open_image, BlockDevice, CephOptions, ImageOptions, OpenMode, RbdSpec,
 };
 use birch_core::repair::{repair, RepairMode};
+use birch_core::space::SpaceReport;
 use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::node::{Expect, Node};
 use birch_format::{FS_TREE_ID, NODE_SIZE};
 use clap::{Parser, Subcommand};
+use stats::human_bytes;
 
 #[derive(Parser)]
 #[command(
@@ -289,7 +291,18 @@ enum Command {
         #[command(flatten)]
         ceph: CephArgs,
     },
-    /// Print on-disk structures: super, tree fs, node ADDR, inode N, log.
+    /// Print on-disk structures: super, tree fs, node ADDR, inode N, log; or where the
+    /// space goes: space.
+    ///
+    /// `space` opens the image read-only (a pending fsync log is replayed in memory) and
+    /// prints one line per category, in bytes and blocks, with what it means: the device;
+    /// reserved (superblocks and the fsync log area); the live tree's nodes; the snapshot
+    /// list's nodes; the data the live tree names (each block once), of which shared (blocks
+    /// more than one extent names: clones); what only snapshots hold (blocks their trees name
+    /// and the live tree does not, in total, then per snapshot what deleting it alone gives
+    /// back); unnamed (used blocks no tree names: 0 on a healthy image); free as statfs counts
+    /// it, of which available to data. Used + free = device. A replayed log's data counts as
+    /// the live tree's.
     Inspect {
         image: PathBuf,
         #[arg(num_args = 1..=2)]
@@ -1090,22 +1103,6 @@ fn snapshot_through_mount(action: &SnapshotAction, mnt: &Path) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// `1.5 MiB`-style sizes (binary units, one decimal).
-fn human_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{value:.1} {}", UNITS[unit])
-    }
-}
-
 /// `birch diff IMAGE SNAP1 [SNAP2]` on an unmounted image, opened read-only (a pending
 /// fsync log is replayed in memory): [`Engine::diff`].
 fn diff(image: &Path, from: &str, to: Option<&str>, stats: bool, ceph: &CephArgs) -> ExitCode {
@@ -1392,13 +1389,112 @@ fn inspect(image: &Path, what: &[String], ceph: &CephArgs) -> ExitCode {
                 Err(e) => return fail(e),
             }
         }
+        ["space"] => {
+            let fs = match Filesystem::open_device(
+                device.clone(),
+                birch_core::OpenOptions {
+                    commit_interval: None,
+                    read_only: true,
+                    wait_for_lock: false,
+                    ..Default::default()
+                },
+            ) {
+                Ok(fs) => fs,
+                Err(e) => return fail(format!("{}: {e}", image.display())),
+            };
+            let report = fs.engine().space_report();
+            let closed = fs.close();
+            match report {
+                Ok(report) => print_space(&report),
+                Err(e) => return fail(format!("{}: inspect space: {e}", image.display())),
+            }
+            if let Err(e) = closed {
+                return fail(format!("{}: inspect space: close: {e}", image.display()));
+            }
+        }
         other => {
             return fail(format!(
-                "inspect {other:?}: expected super, tree fs, node ADDR, inode N or log"
+                "inspect {other:?}: expected super, tree fs, node ADDR, inode N, log or space"
             ))
         }
     }
     ExitCode::SUCCESS
+}
+
+/// `birch inspect IMAGE space`: one line per category of [`SpaceReport`] (label, bytes,
+/// blocks, human-readable size, what it means), then the sum.
+fn print_space(r: &SpaceReport) {
+    let bytes = |blocks: u64| blocks.saturating_mul(r.block_size);
+    let line = |label: &str, blocks: u64, meaning: &str| {
+        println!(
+            "{label:<15} {:>16} bytes {:>12} blocks {:>10}  {meaning}",
+            bytes(blocks),
+            blocks,
+            human_bytes(bytes(blocks))
+        );
+    };
+    line("device", r.device, "the whole image");
+    line("reserved", r.reserved, "superblocks and the fsync log area");
+    line("tree nodes", r.tree_nodes, "nodes of the live fs tree");
+    line(
+        "snapshot list",
+        r.list_nodes,
+        "nodes of the snapshot list tree",
+    );
+    line(
+        "data",
+        r.data,
+        "data blocks the live tree names, each counted once",
+    );
+    line(
+        "  shared",
+        r.shared,
+        "of data: blocks more than one extent names (clones)",
+    );
+    line(
+        "snapshots",
+        r.snapshots_only,
+        "held only by snapshots: their blocks the live tree does not name (free if all went)",
+    );
+    for s in &r.snapshots {
+        line(
+            "  snapshot",
+            s.only_blocks,
+            &format!(
+                "only this one holds (deleting it alone frees it): id {}, generation {}, {}",
+                s.snapshot.id, s.snapshot.generation, s.snapshot.name
+            ),
+        );
+    }
+    line(
+        "unnamed",
+        r.unnamed,
+        "used, named by no tree (0 on a healthy image)",
+    );
+    line(
+        "used",
+        r.used(),
+        "reserved + tree nodes + snapshot list + data + snapshots + unnamed",
+    );
+    line("free", r.free, "free as statfs counts it");
+    line(
+        "  available",
+        r.available,
+        "of free: what data may take (the rest is kept for metadata)",
+    );
+    println!(
+        "used {} + free {} = device {} blocks of {} bytes",
+        r.used(),
+        r.free,
+        r.device,
+        r.block_size
+    );
+    if r.named() > r.used() {
+        eprintln!(
+            "note: the trees name {} blocks more than are used: run birch fsck",
+            r.named() - r.used()
+        );
+    }
 }
 
 fn crashtest(

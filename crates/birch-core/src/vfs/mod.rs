@@ -1316,13 +1316,10 @@ impl Filesystem {
         // Space freed since the last commit (pinned) counts as free: it is reusable once the
         // next commit is durable, and an allocation that finds too little forces that commit
         // and retries (DESIGN §10.7), so a writer gets it. `df` after `rm` shows it at once.
-        let pinned = alloc.pinned_blocks();
         StatFs {
             blocks: alloc.total_blocks().get(),
-            bfree: (alloc.free_blocks() + pinned)
-                .saturating_sub(alloc.reserved_blocks())
-                .get(),
-            bavail: (alloc.available_blocks() + pinned).get(),
+            bfree: alloc.statfs_free_blocks().get(),
+            bavail: alloc.statfs_available_blocks().get(),
             files,
             ffree: files.saturating_sub(used_ids),
             bsize: BLOCK_SIZE as u32,
