@@ -412,34 +412,13 @@ impl Filesystem {
         };
         let view = self.snap_view(id)?;
         let size = Self::snap_inode(&view, id, obj)?.size;
-        if offset >= size {
-            return Err(Error::NoSuchAddress(format!(
-                "seek inode {obj} of snapshot id {id} to {offset} past size {size}"
-            )));
-        }
-        let extents = crate::data::extents_in(&view, obj, offset, size)?;
-        match whence {
-            libc::SEEK_DATA => extents
-                .iter()
-                .find(|(s, e)| s + e.len_bytes() > offset)
-                .map(|(s, _)| (*s).max(offset))
-                .ok_or_else(|| {
-                    Error::NoSuchAddress(format!(
-                        "no data in inode {obj} of snapshot id {id} after {offset}"
-                    ))
-                }),
-            libc::SEEK_HOLE => {
-                let mut cursor = offset;
-                for (s, e) in &extents {
-                    if *s > cursor {
-                        break;
-                    }
-                    cursor = cursor.max(s + e.len_bytes());
-                }
-                Ok(cursor.min(size))
-            }
-            _ => Err(Error::Invalid(format!("lseek whence {whence}"))),
-        }
+        crate::data::seek_data_or_hole(
+            format_args!("inode {obj} of snapshot id {id}"),
+            size,
+            offset,
+            whence,
+            |from, to| crate::data::extents_in(&view, obj, from, to),
+        )
     }
 
     pub(crate) fn snap_getxattr(&self, node: SnapNode, name: &[u8]) -> Result<Vec<u8>> {
