@@ -443,6 +443,133 @@ fn snapshots_are_made_listed_and_deleted_through_the_control_commands() {
     common::close_and_check_clean(fs, &dev, "control");
 }
 
+/// Nodes the engine looked up (node cache hits and misses): a tree walk reads nodes, a
+/// served copy reads none.
+fn node_reads(fs: &Filesystem) -> u64 {
+    let c = fs.engine().counters().values();
+    c.cache_hits + c.cache_misses
+}
+
+/// `trusted.birch.snapshots` (the kernel asks for it twice: the size, then the value) walks
+/// the trees once per committed state: a second read in the same state reads no node; a
+/// commit, a new snapshot and a deletion each make the next read walk again, with the new
+/// figures.
+#[test]
+fn the_snapshot_list_text_is_walked_once_per_committed_state() {
+    let (dev, fs) = common::fresh(32 * MIB);
+    let block = vec![7u8; 64 * 1024];
+    fs.write_file("/f", &block).expect("write");
+    fs.create_snapshot("one").expect("snapshot");
+    fs.write_file("/f", &vec![8u8; 64 * 1024])
+        .expect("overwrite");
+    fs.create_snapshot("two").expect("snapshot");
+
+    let before = node_reads(&fs);
+    let first = fs.snapshots_text();
+    assert!(node_reads(&fs) > before, "the first read walks: {first}");
+    let before = node_reads(&fs);
+    let second = fs.snapshots_text();
+    assert_eq!(node_reads(&fs), before, "a second read walked again");
+    assert_eq!(first, second);
+    let only = |text: &str, line: usize| -> u64 {
+        let fields: Vec<&str> = text.lines().nth(line).expect("line").split('\t').collect();
+        fields[3].parse().expect("bytes only it holds")
+    };
+    // `two` holds /f's blocks with the live tree: nothing alone.
+    assert_eq!(only(&first, 1), 0, "{first}");
+
+    // A commit that overwrites /f leaves `two` the only holder of its blocks.
+    fs.write_file("/f", &vec![9u8; 64 * 1024])
+        .expect("overwrite");
+    fs.sync().expect("sync");
+    let before = node_reads(&fs);
+    let third = fs.snapshots_text();
+    assert!(
+        node_reads(&fs) > before,
+        "a commit did not make the read walk"
+    );
+    assert!(only(&third, 1) >= 64 * 1024, "{third}");
+    let before = node_reads(&fs);
+    assert_eq!(fs.snapshots_text(), third);
+    assert_eq!(node_reads(&fs), before);
+
+    // A new snapshot and a deletion change the list.
+    fs.create_snapshot("three").expect("snapshot");
+    let fourth = fs.snapshots_text();
+    assert_eq!(fourth.lines().count(), 3, "{fourth}");
+    assert!(fourth.ends_with("\tthree\n"), "{fourth}");
+    fs.delete_snapshot("one").expect("delete");
+    let fifth = fs.snapshots_text();
+    assert_eq!(fifth.lines().count(), 2, "{fifth}");
+    assert!(!fifth.contains("\tone\n"), "{fifth}");
+    common::close_and_check_clean(fs, &dev, "list text");
+}
+
+/// `birch diff MNT` reads its text in pieces (`trusted.birch.diff/OFFSET/...`): the text is
+/// computed once per state and the later pieces are served from it. Between two snapshots the
+/// text stays across commits; to the live state a commit makes a new one; a name deleted and
+/// made again is another snapshot; only the last two texts are kept.
+#[test]
+fn a_diff_text_is_walked_once_and_served_again() {
+    let (dev, fs) = common::fresh(32 * MIB);
+    fs.write_file("/f", b"one").expect("write");
+    fs.create_snapshot("a").expect("snapshot");
+    fs.write_file("/g", b"new").expect("write");
+    fs.create_snapshot("b").expect("snapshot");
+
+    let before = node_reads(&fs);
+    let ab = fs.diff_text("a", Some("b")).expect("diff a b");
+    assert!(node_reads(&fs) > before);
+    assert_eq!(&ab[..], b"M /\n+ /g\n", "{}", String::from_utf8_lossy(&ab));
+    let before = node_reads(&fs);
+    assert_eq!(fs.diff_text("a", Some("b")).expect("again"), ab);
+    assert_eq!(node_reads(&fs), before, "a second piece walked again");
+
+    // To the live state: committed first; the same state serves the same text unwalked.
+    let before = node_reads(&fs);
+    let live = fs.diff_text("a", None).expect("diff a live");
+    assert!(node_reads(&fs) > before);
+    assert_eq!(&live[..], &ab[..]);
+    let before = node_reads(&fs);
+    assert_eq!(fs.diff_text("a", None).expect("again"), live);
+    assert_eq!(node_reads(&fs), before, "a second piece walked again");
+
+    // The text between the two snapshots stays cached across a commit; the next read to the
+    // live state sees the change (and commits one itself first).
+    fs.write_file("/h", b"later").expect("write");
+    fs.sync().expect("sync");
+    let before = node_reads(&fs);
+    assert_eq!(fs.diff_text("a", Some("b")).expect("again"), ab);
+    assert_eq!(
+        node_reads(&fs),
+        before,
+        "a..b was walked again after a commit"
+    );
+    fs.write_file("/i", b"uncommitted").expect("write");
+    let live2 = fs.diff_text("a", None).expect("diff a live");
+    assert_eq!(
+        &live2[..],
+        b"M /\n+ /g\n+ /h\n+ /i\n",
+        "{}",
+        String::from_utf8_lossy(&live2)
+    );
+
+    // `b` deleted and made again (now with /h and /i): another id, another text.
+    fs.delete_snapshot("b").expect("delete");
+    fs.create_snapshot("b").expect("snapshot");
+    let ab2 = fs.diff_text("a", Some("b")).expect("diff a new b");
+    assert_eq!(&ab2[..], &live2[..], "{}", String::from_utf8_lossy(&ab2));
+
+    // Bounded: after two other texts, the first is walked again.
+    fs.diff_text("b", Some("a")).expect("diff b a");
+    fs.diff_text("b", None).expect("diff b live");
+    let before = node_reads(&fs);
+    assert_eq!(fs.diff_text("a", Some("b")).expect("again"), ab2);
+    assert!(node_reads(&fs) > before, "more than two texts kept");
+    assert_eq!(errno(fs.diff_text("none", None)), libc::ENOENT);
+    common::close_and_check_clean(fs, &dev, "diff text");
+}
+
 #[test]
 fn one_snapshot_is_served_alone_as_the_root_of_a_read_only_open() {
     let (dev, fs, big) = with_snapshot();
