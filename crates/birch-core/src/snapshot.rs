@@ -379,17 +379,22 @@ pub(crate) fn deletion_frees(
     if !shared_candidates.is_empty() {
         // The whole newer tree, for the shared extents its subtrees common with the victim
         // name (each node of one tree is met once).
-        walk(ctx, newer, &mut |_, _| Ok(true), &mut |key, extent, node| {
-            let extent =
-                extent.map_err(|e| Error::corrupt(format!("extent {key} in node {node:#x}"), e))?;
-            if let Some((disk, blocks)) = extent.disk_range() {
-                let first = disk / BLOCK_SIZE;
-                for block in first..first + blocks {
-                    shared_candidates.remove(&block);
+        walk(
+            ctx,
+            newer,
+            &mut |_, _| Ok(true),
+            &mut |key, extent, node| {
+                let extent = extent
+                    .map_err(|e| Error::corrupt(format!("extent {key} in node {node:#x}"), e))?;
+                if let Some((disk, blocks)) = extent.disk_range() {
+                    let first = disk / BLOCK_SIZE;
+                    for block in first..first + blocks {
+                        shared_candidates.remove(&block);
+                    }
                 }
-            }
-            Ok(())
-        })?;
+                Ok(())
+            },
+        )?;
         let mut run: Option<(u64, u64)> = None;
         for block in shared_candidates {
             run = match run {
