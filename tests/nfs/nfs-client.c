@@ -19,6 +19,9 @@
  *   chmod EXPORT PATH OCTAL one operation over NFSv3 (as root)
  *   putfile EXPORT 3|4 PATH  write standard input to EXPORT/PATH (created or truncated)
  *   cat EXPORT 3|4 PATH      write EXPORT/PATH to standard output
+ *   tryput EXPORT 3|4 PATH TEXT
+ *                           create (or truncate) and write EXPORT/PATH: "OK" or "ERR <errno name>"
+ *   trycat EXPORT 3|4 PATH  read EXPORT/PATH (4 KiB at most): "OK <data>" or "ERR <errno name>"
  *   putas EXPORT UID PATH TEXT
  *                           create and write a file over NFSv3 as user and group UID:
  *                           "OK" or "ERR <errno name>"
@@ -168,6 +171,7 @@ static const char *nfsstat_name(int s)
 	case 20: return "NOTDIR";
 	case 21: return "ISDIR";
 	case 22: return "INVAL";
+	case 30: return "ROFS";
 	case 70: return "STALE";
 	case 10001: return "BADHANDLE";
 	case 10020: return "FHEXPIRED";
@@ -866,6 +870,45 @@ static int cmd_putas(const char *export, int uid, const char *path, const char *
 	return 0;
 }
 
+/* Create (or truncate) and write EXPORT/PATH over NFSv3 or NFSv4: "OK" or "ERR <errno name>". */
+static int cmd_tryput(const char *export, int version, const char *path, const char *text)
+{
+	struct nfs_context *nfs = nfs_connect(export, version);
+	struct nfsfh *f;
+	int err = nfs_open2(nfs, path, O_CREAT | O_WRONLY | O_TRUNC, 0644, &f);
+	if (err == 0) {
+		err = nfs_write(nfs, f, strlen(text), text);
+		int closed = nfs_close(nfs, f);
+		if (err >= 0 && closed < 0)
+			err = closed;
+	}
+	if (err < 0)
+		printf("ERR %s\n", strerrorname_np(-err) ? strerrorname_np(-err) : "?");
+	else
+		printf("OK\n");
+	nfs_destroy_context(nfs);
+	return 0;
+}
+
+/* Read EXPORT/PATH (its first 4 KiB) over NFSv3 or NFSv4: "OK <data>" or "ERR <errno name>". */
+static int cmd_trycat(const char *export, int version, const char *path)
+{
+	struct nfs_context *nfs = nfs_connect(export, version);
+	struct nfsfh *f;
+	char buf[4096];
+	int n = nfs_open(nfs, path, O_RDONLY, &f);
+	if (n == 0) {
+		n = nfs_read(nfs, f, sizeof(buf), buf);
+		nfs_close(nfs, f);
+	}
+	if (n < 0)
+		printf("ERR %s\n", strerrorname_np(-n) ? strerrorname_np(-n) : "?");
+	else
+		printf("OK %.*s\n", n, buf);
+	nfs_destroy_context(nfs);
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	if (argc < 4) {
@@ -883,6 +926,10 @@ int main(int argc, char **argv)
 		return cmd_putfile(argv[3], atoi(argv[4]), argv[5]);
 	if (!strcmp(cmd, "cat") && argc == 6)
 		return cmd_cat(argv[3], atoi(argv[4]), argv[5]);
+	if (!strcmp(cmd, "tryput") && argc == 7)
+		return cmd_tryput(argv[3], atoi(argv[4]), argv[5], argv[6]);
+	if (!strcmp(cmd, "trycat") && argc == 6)
+		return cmd_trycat(argv[3], atoi(argv[4]), argv[5]);
 	if (!strcmp(cmd, "putas") && argc == 7)
 		return cmd_putas(argv[3], atoi(argv[4]), argv[5], argv[6]);
 	if (!strcmp(cmd, "mkdir") || !strcmp(cmd, "put") || !strcmp(cmd, "rename") ||

@@ -25,7 +25,14 @@
 #   - an NFSv3 UNSTABLE WRITE then COMMIT, then a crash (kill -9 of the birch daemon; for ext4
 #     a copy of its image taken right after the COMMIT): the data is there after the remount;
 #   - another filesystem mounted at the export path that gets the old st_dev: the old handles
-#     are STALE there, never its files (which have the same inode numbers).
+#     are STALE there, never its files (which have the same inode numbers);
+#   - birch alone: a snapshot made through the mount is read through NFS at /.snapshot/NAME
+#     (v3 and v4, by path and by handle, also after a ganesha restart and a cache drop) with
+#     the bytes the file had then; writes there are refused (EROFS, NFS3ERR_ROFS); a
+#     directory's handle there is STALE after a cache drop until its path is looked up (the
+#     root's listing hides .snapshot, so the kernel cannot reconnect it: SEMANTICS §9); after
+#     the snapshot is deleted (EBUSY while ganesha holds a file of it open) and another made
+#     under its name with other bytes, its handles are STALE.
 # Prints a table of checks x (birch, ext4); exits 1 if birch fails a check that ext4 passes
 # (or that is birch's alone), 77 with a reason if ganesha cannot run here.
 #
@@ -361,6 +368,90 @@ for fs in "${FSES[@]}"; do
   expect "v4 PUTFH file handle, new client" $fs "$(client v4read "${F4[$fs]}")" "OK $DATA"
   expect "v4 PUTFH dir handle, new client" $fs "$(client v4ls "${D4[$fs]}")" "OK f"
   expect "v4 PUTFH removed file: NFS4ERR_STALE" $fs "$(client v4read "${X4[$fs]}")" "ERR STALE 70"
+done
+
+# --- 2b. snapshots through the export (birch only) ------------------------------------------
+# A snapshot made through the mount (`birch snapshot create MNT NAME`) is read through NFS at
+# /.snapshot/NAME/...: by path and by handle (also after a ganesha restart and a cache drop,
+# which resolves the handle through FUSE's export operations), with the bytes the live file had
+# when it was made; writes there are refused (EROFS / NFS3ERR_ROFS); after the snapshot is
+# deleted and another made under the same name with other bytes, the first one's handles
+# answer STALE (or NOENT), never the new snapshot's bytes. ext4 has no snapshots: n/a.
+echo "== a snapshot of birch through NFS (/.snapshot/NAME)"
+SNAP_OLD="the file when the snapshot was made"
+SNAP_LIVE="the live file, overwritten after the snapshot"
+SNAP_NEW="the second snapshot of that name: other bytes"
+snapdel() { "$BIRCH" snapshot delete "$DIR/birch" nfs1 >>"$LOGS/snapshot.log" 2>&1; }
+client mkdir /birch /snapdir
+client put /birch /snapdir/f "$SNAP_OLD"
+if "$BIRCH" snapshot create "$DIR/birch" nfs1 >>"$LOGS/snapshot.log" 2>&1; then
+  client put /birch /snapdir/f "$SNAP_LIVE"
+  S3=$(client v3fh /birch .snapshot/nfs1/snapdir/f)
+  S4=$(client v4fh /birch .snapshot/nfs1/snapdir/f)
+  SD3=$(client v3fh /birch .snapshot/nfs1/snapdir)
+  c="snapshot: read through NFS = bytes at the snapshot"
+  got="$(client trycat /birch 3 /.snapshot/nfs1/snapdir/f) | $(client trycat /birch 4 /.snapshot/nfs1/snapdir/f) | $(client v3read "$S3") | $(client v4read "$S4") | $(client v3ls "$SD3") | $(client trycat /birch 3 /snapdir/f)"
+  expect "$c" birch "$got" "OK $SNAP_OLD | OK $SNAP_OLD | OK $SNAP_OLD | OK $SNAP_OLD | OK f | OK $SNAP_LIVE" \
+    "v3 and v4 by path and by handle, the snapshot's dir listed; the live file overwritten"
+  c="snapshot: writes through NFS refused (EROFS)"
+  got="$(client tryput /birch 3 /.snapshot/nfs1/snapdir/f x) | $(client tryput /birch 4 /.snapshot/nfs1/snapdir/new x) | $(client v3write "$S3" x) | $(client trycat /birch 3 /.snapshot/nfs1/snapdir/f)"
+  expect "$c" birch "$got" "ERR EROFS | ERR EROFS | ERR ROFS 30 | OK $SNAP_OLD" \
+    "v3 overwrite, v4 create, v3 WRITE on the handle: NFS3ERR_ROFS / NFS4ERR_ROFS; the bytes unchanged"
+  restart_ganesha || abort "ganesha did not restart"
+  drop_caches
+  c="snapshot: file handles after restart+drop_caches"
+  got="$(client v3read "$S3") | $(client v4read "$S4")"
+  expect "$c" birch "$got" "OK $SNAP_OLD | OK $SNAP_OLD"
+  # A directory's handle is resolved only when the kernel can connect it to the root: it
+  # looks the parents up with LOOKUP "..", then each one's name in its parent's listing, and
+  # the root's listing does not show .snapshot (hidden). So after the caches were dropped a
+  # snapshot directory's handle is STALE until its path is looked up again (SEMANTICS §9).
+  c="snapshot: dir handle, cold: STALE until looked up"
+  cold=$(client v3ls "$SD3")
+  ls "$DIR/birch/.snapshot/nfs1/snapdir" >/dev/null
+  warm=$(client v3ls "$SD3")
+  if [[ ($cold == "ERR STALE 70" || $cold == "OK f") && $warm == "OK f" ]]; then
+    record "$c" birch PASS "cold: $cold; after ls of the path on the mount: $warm"
+  else
+    record "$c" birch FAIL "cold: $cold; after ls of the path on the mount: $warm"
+  fi
+  # Ganesha keeps files it read open (its fd cache), and a deletion is refused while a file
+  # is open in the snapshot (EBUSY, SEMANTICS §9): if so, ganesha is stopped for it.
+  client v3read "$S3" >/dev/null
+  how="deleted with ganesha running"
+  if ! snapdel; then
+    how="EBUSY while ganesha ran (a file of it open), deleted with ganesha stopped"
+    stop_ganesha
+  fi
+  if [[ -z $ganesha_pid ]] && ! snapdel; then how="failed"; fi
+  if [[ $how != failed ]]; then
+    printf %s "$SNAP_NEW" >"$DIR/birch/snapdir/f"
+    "$BIRCH" snapshot create "$DIR/birch" nfs1 >>"$LOGS/snapshot.log" 2>&1 || abort "second snapshot nfs1 not made"
+    restart_ganesha || abort "ganesha did not start again"
+    drop_caches
+    c="snapshot remade under its name: old handles STALE"
+    got="$(client v3read "$S3") | $(client v4read "$S4") | $(client v3ls "$SD3")"
+    new="$(client trycat /birch 3 /.snapshot/nfs1/snapdir/f)"
+    if [[ $new != "OK $SNAP_NEW" ]]; then
+      record "$c" birch FAIL "the new snapshot reads '$new' through NFS; old handles: $got"
+    elif [[ $got =~ ^(ERR\ (STALE\ 70|NOENT\ 2)\ \|\ ){2}ERR\ (STALE\ 70|NOENT\ 2)$ ]]; then
+      record "$c" birch PASS "$how; v3 file, v4 file, v3 dir: $got; the new snapshot reads its own bytes"
+    else
+      record "$c" birch FAIL "old handles: $got (the new snapshot holds '$SNAP_NEW')"
+    fi
+    "$BIRCH" snapshot delete "$DIR/birch" nfs1 >>"$LOGS/snapshot.log" 2>&1
+  else
+    record "snapshot remade under its name: old handles STALE" birch FAIL "the deletion failed: $(tail -1 "$LOGS/snapshot.log")"
+    [[ -n $ganesha_pid ]] || start_ganesha || abort "ganesha did not start again"
+  fi
+else
+  record "snapshot: read through NFS = bytes at the snapshot" birch FAIL "birch snapshot create failed: $(tail -1 "$LOGS/snapshot.log")"
+fi
+for c in "snapshot: read through NFS = bytes at the snapshot" "snapshot: writes through NFS refused (EROFS)" \
+  "snapshot: file handles after restart+drop_caches" \
+  "snapshot: dir handle, cold: STALE until looked up" \
+  "snapshot remade under its name: old handles STALE"; do
+  record "$c" ext4 n/a "no snapshots"
 done
 
 # --- 3. remounts ----------------------------------------------------------------------------

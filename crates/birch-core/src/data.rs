@@ -83,6 +83,46 @@ pub(crate) fn extents_in<V: crate::items::ReadView + ?Sized>(
     Ok(out)
 }
 
+/// `SEEK_DATA` or `SEEK_HOLE` (`whence`) from `offset` in a file of `size` bytes whose extents
+/// are the ones [`DataLayer::extents`] or [`extents_in`] return: `extents(from, to)` is asked
+/// for those overlapping `[offset, size)`, only once `offset` is known to lie inside the file.
+/// Every extent is data (inline, regular and preallocated alike); what no extent covers is a
+/// hole, and the end of the file is one. `NoSuchAddress` (`ENXIO`) for an offset at or past
+/// the end, or no data after it for `SEEK_DATA`; `Invalid` for another `whence`. `file` names
+/// the file in those messages. The one seek for the live filesystem and for snapshots.
+pub(crate) fn seek_data_or_hole(
+    file: impl std::fmt::Display,
+    size: u64,
+    offset: u64,
+    whence: i32,
+    extents: impl FnOnce(u64, u64) -> Result<Vec<(u64, FileExtent)>>,
+) -> Result<u64> {
+    if offset >= size {
+        return Err(Error::NoSuchAddress(format!(
+            "seek {file} to {offset} past size {size}"
+        )));
+    }
+    let extents = extents(offset, size)?;
+    match whence {
+        libc::SEEK_DATA => extents
+            .iter()
+            .find(|(s, e)| s + e.len_bytes() > offset)
+            .map(|(s, _)| (*s).max(offset))
+            .ok_or_else(|| Error::NoSuchAddress(format!("no data in {file} after {offset}"))),
+        libc::SEEK_HOLE => {
+            let mut cursor = offset;
+            for (s, e) in &extents {
+                if *s > cursor {
+                    break;
+                }
+                cursor = cursor.max(s + e.len_bytes());
+            }
+            Ok(cursor.min(size))
+        }
+        _ => Err(Error::Invalid(format!("lseek whence {whence}"))),
+    }
+}
+
 /// A run of consecutive data blocks on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct BlockRun {

@@ -1003,6 +1003,20 @@ impl Engine {
     pub fn snapshot_space(&self) -> Result<Vec<(Snapshot, u64)>> {
         let committed = self.committed_root();
         let list = self.snapshots();
+        let space = self.snapshot_space_in(&committed, &list)?;
+        drop(committed);
+        Ok(list.into_iter().zip(space).collect())
+    }
+
+    /// [`Engine::snapshot_space`] of the snapshots `list` (oldest first, as
+    /// [`Engine::snapshots`] gave it after `committed` was taken) with `committed` as the live
+    /// tree: the bytes only each holds, in `list`'s order. The caller holds `committed`, so
+    /// it can key a cached result by `committed.generation` and the list's ids.
+    pub(crate) fn snapshot_space_in(
+        &self,
+        committed: &CommittedRoot,
+        list: &[Snapshot],
+    ) -> Result<Vec<u64>> {
         let mut out = Vec::with_capacity(list.len());
         for (i, victim) in list.iter().enumerate() {
             let older = if i == 0 { 0 } else { list[i - 1].generation };
@@ -1015,9 +1029,8 @@ impl Engine {
                     ))
                 })?;
             let blocks: u64 = frees.iter().map(|(_, n)| n.get()).sum();
-            out.push((victim.clone(), blocks * birch_format::BLOCK_SIZE));
+            out.push(blocks * birch_format::BLOCK_SIZE);
         }
-        drop(committed);
         Ok(out)
     }
 

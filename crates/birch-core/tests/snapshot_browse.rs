@@ -443,6 +443,133 @@ fn snapshots_are_made_listed_and_deleted_through_the_control_commands() {
     common::close_and_check_clean(fs, &dev, "control");
 }
 
+/// Nodes the engine looked up (node cache hits and misses): a tree walk reads nodes, a
+/// served copy reads none.
+fn node_reads(fs: &Filesystem) -> u64 {
+    let c = fs.engine().counters().values();
+    c.cache_hits + c.cache_misses
+}
+
+/// `trusted.birch.snapshots` (the kernel asks for it twice: the size, then the value) walks
+/// the trees once per committed state: a second read in the same state reads no node; a
+/// commit, a new snapshot and a deletion each make the next read walk again, with the new
+/// figures.
+#[test]
+fn the_snapshot_list_text_is_walked_once_per_committed_state() {
+    let (dev, fs) = common::fresh(32 * MIB);
+    let block = vec![7u8; 64 * 1024];
+    fs.write_file("/f", &block).expect("write");
+    fs.create_snapshot("one").expect("snapshot");
+    fs.write_file("/f", &vec![8u8; 64 * 1024])
+        .expect("overwrite");
+    fs.create_snapshot("two").expect("snapshot");
+
+    let before = node_reads(&fs);
+    let first = fs.snapshots_text();
+    assert!(node_reads(&fs) > before, "the first read walks: {first}");
+    let before = node_reads(&fs);
+    let second = fs.snapshots_text();
+    assert_eq!(node_reads(&fs), before, "a second read walked again");
+    assert_eq!(first, second);
+    let only = |text: &str, line: usize| -> u64 {
+        let fields: Vec<&str> = text.lines().nth(line).expect("line").split('\t').collect();
+        fields[3].parse().expect("bytes only it holds")
+    };
+    // `two` holds /f's blocks with the live tree: nothing alone.
+    assert_eq!(only(&first, 1), 0, "{first}");
+
+    // A commit that overwrites /f leaves `two` the only holder of its blocks.
+    fs.write_file("/f", &vec![9u8; 64 * 1024])
+        .expect("overwrite");
+    fs.sync().expect("sync");
+    let before = node_reads(&fs);
+    let third = fs.snapshots_text();
+    assert!(
+        node_reads(&fs) > before,
+        "a commit did not make the read walk"
+    );
+    assert!(only(&third, 1) >= 64 * 1024, "{third}");
+    let before = node_reads(&fs);
+    assert_eq!(fs.snapshots_text(), third);
+    assert_eq!(node_reads(&fs), before);
+
+    // A new snapshot and a deletion change the list.
+    fs.create_snapshot("three").expect("snapshot");
+    let fourth = fs.snapshots_text();
+    assert_eq!(fourth.lines().count(), 3, "{fourth}");
+    assert!(fourth.ends_with("\tthree\n"), "{fourth}");
+    fs.delete_snapshot("one").expect("delete");
+    let fifth = fs.snapshots_text();
+    assert_eq!(fifth.lines().count(), 2, "{fifth}");
+    assert!(!fifth.contains("\tone\n"), "{fifth}");
+    common::close_and_check_clean(fs, &dev, "list text");
+}
+
+/// `birch diff MNT` reads its text in pieces (`trusted.birch.diff/OFFSET/...`): the text is
+/// computed once per state and the later pieces are served from it. Between two snapshots the
+/// text stays across commits; to the live state a commit makes a new one; a name deleted and
+/// made again is another snapshot; only the last two texts are kept.
+#[test]
+fn a_diff_text_is_walked_once_and_served_again() {
+    let (dev, fs) = common::fresh(32 * MIB);
+    fs.write_file("/f", b"one").expect("write");
+    fs.create_snapshot("a").expect("snapshot");
+    fs.write_file("/g", b"new").expect("write");
+    fs.create_snapshot("b").expect("snapshot");
+
+    let before = node_reads(&fs);
+    let ab = fs.diff_text("a", Some("b")).expect("diff a b");
+    assert!(node_reads(&fs) > before);
+    assert_eq!(&ab[..], b"M /\n+ /g\n", "{}", String::from_utf8_lossy(&ab));
+    let before = node_reads(&fs);
+    assert_eq!(fs.diff_text("a", Some("b")).expect("again"), ab);
+    assert_eq!(node_reads(&fs), before, "a second piece walked again");
+
+    // To the live state: committed first; the same state serves the same text unwalked.
+    let before = node_reads(&fs);
+    let live = fs.diff_text("a", None).expect("diff a live");
+    assert!(node_reads(&fs) > before);
+    assert_eq!(&live[..], &ab[..]);
+    let before = node_reads(&fs);
+    assert_eq!(fs.diff_text("a", None).expect("again"), live);
+    assert_eq!(node_reads(&fs), before, "a second piece walked again");
+
+    // The text between the two snapshots stays cached across a commit; the next read to the
+    // live state sees the change (and commits one itself first).
+    fs.write_file("/h", b"later").expect("write");
+    fs.sync().expect("sync");
+    let before = node_reads(&fs);
+    assert_eq!(fs.diff_text("a", Some("b")).expect("again"), ab);
+    assert_eq!(
+        node_reads(&fs),
+        before,
+        "a..b was walked again after a commit"
+    );
+    fs.write_file("/i", b"uncommitted").expect("write");
+    let live2 = fs.diff_text("a", None).expect("diff a live");
+    assert_eq!(
+        &live2[..],
+        b"M /\n+ /g\n+ /h\n+ /i\n",
+        "{}",
+        String::from_utf8_lossy(&live2)
+    );
+
+    // `b` deleted and made again (now with /h and /i): another id, another text.
+    fs.delete_snapshot("b").expect("delete");
+    fs.create_snapshot("b").expect("snapshot");
+    let ab2 = fs.diff_text("a", Some("b")).expect("diff a new b");
+    assert_eq!(&ab2[..], &live2[..], "{}", String::from_utf8_lossy(&ab2));
+
+    // Bounded: after two other texts, the first is walked again.
+    fs.diff_text("b", Some("a")).expect("diff b a");
+    fs.diff_text("b", None).expect("diff b live");
+    let before = node_reads(&fs);
+    assert_eq!(fs.diff_text("a", Some("b")).expect("again"), ab2);
+    assert!(node_reads(&fs) > before, "more than two texts kept");
+    assert_eq!(errno(fs.diff_text("none", None)), libc::ENOENT);
+    common::close_and_check_clean(fs, &dev, "diff text");
+}
+
 #[test]
 fn one_snapshot_is_served_alone_as_the_root_of_a_read_only_open() {
     let (dev, fs, big) = with_snapshot();
@@ -510,16 +637,165 @@ fn object_ids_stop_below_the_subvolume_bits() {
     common::close_and_check_clean(fs, &dev, "ids used up");
 }
 
-/// Reads of a snapshot's file racing the snapshot's deletion and writes that reuse the freed
-/// space: each read returns the snapshot's bytes or `ENOENT`, never other bytes and never a
-/// checksum failure. A smoke test of the race only: one read's window is too short for it to
-/// catch a missing pin by itself (checked by hand: it passes without the pin in
-/// `Engine::snapshot_view`); `a_deleted_snapshots_inodes_answer_an_error_not_data` does.
+/// A memory device that holds up the first read touching `gated` (byte ranges of data blocks)
+/// until the test opens the gate: the read has looked up its extents and waits to read the
+/// blocks, which is where a deletion that freed them and a write that took them would show.
+struct GateDevice {
+    inner: Arc<MemDevice>,
+    gate: std::sync::Mutex<Gate>,
+    changed: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct Gate {
+    /// Byte ranges whose first read is held up; cleared once that read goes on.
+    gated: Vec<(u64, u64)>,
+    /// A read waits at the gate.
+    waiting: bool,
+    /// The test let it go on.
+    open: bool,
+}
+
+impl GateDevice {
+    fn arm(&self, gated: Vec<(u64, u64)>) {
+        *self.gate.lock().expect("gate") = Gate {
+            gated,
+            ..Gate::default()
+        };
+    }
+
+    /// Waits until a read is held at the gate (a minute at most).
+    fn wait_for_reader(&self) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let mut gate = self.gate.lock().expect("gate");
+        while !gate.waiting {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            assert!(!left.is_zero(), "no read reached the gate");
+            gate = self.changed.wait_timeout(gate, left).expect("gate").0;
+        }
+    }
+
+    fn open(&self) {
+        self.gate.lock().expect("gate").open = true;
+        self.changed.notify_all();
+    }
+}
+
+/// Opens the gate when dropped: a test that fails while a read is held does not hang.
+struct OpenOnDrop<'a>(&'a GateDevice);
+
+impl Drop for OpenOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.open();
+    }
+}
+
+impl BlockDevice for GateDevice {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        let end = offset + buf.len() as u64;
+        let mut gate = self.gate.lock().expect("gate");
+        if gate
+            .gated
+            .iter()
+            .any(|&(from, to)| offset < to && from < end)
+        {
+            gate.gated.clear();
+            gate.waiting = true;
+            self.changed.notify_all();
+            while !gate.open {
+                gate = self.changed.wait(gate).expect("gate");
+            }
+        }
+        drop(gate);
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        self.inner.write_at(buf, offset)
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+    fn counters(&self) -> &birch_core::counters::Counters {
+        self.inner.counters()
+    }
+}
+
+/// The data blocks of snapshot object `obj` (byte ranges on the device), read through a view
+/// dropped before it returns.
+fn snapshot_file_blocks(fs: &Filesystem, id: u64, obj: u64) -> Vec<(u64, u64)> {
+    let view = fs.engine().snapshot_view(id).expect("view");
+    let lo = Key::new(obj, birch_format::ItemType::ExtentData, 0);
+    let hi = Key::new(obj, birch_format::ItemType::ExtentData, u64::MAX);
+    let mut out = Vec::new();
+    for (_, value) in view.range(&lo, &hi, usize::MAX).expect("range") {
+        let extent = birch_format::items::FileExtent::decode(&value).expect("extent");
+        if let birch_format::items::ExtentKind::Regular { disk_addr, csums } = extent.kind {
+            out.push((disk_addr, disk_addr + csums.len() as u64 * BLOCK));
+        }
+    }
+    out
+}
+
+/// Writes files of `byte` until the filesystem is full (files of 1 MiB, then halves down to a
+/// block once one does not fit), committing after each: every block free for data but the
+/// metadata reserve is taken, so most blocks a deletion gave back are written over. Returns
+/// their names.
+fn fill_up(fs: &Filesystem, prefix: &str, byte: u8) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut size = MIB;
+    let mut n = 0;
+    while size >= BLOCK {
+        let name = format!("{prefix}{n}");
+        n += 1;
+        let result = fs.write_file(&format!("/{name}"), &vec![byte; size as usize]);
+        // Made, partly written, or not made at all.
+        if fs.resolve(&format!("/{name}")).is_ok() {
+            names.push(name.clone());
+        }
+        match result {
+            Ok(()) => {}
+            Err(e) if e.errno() == libc::ENOSPC => size /= 2,
+            Err(e) => panic!("fill {name}: {e}"),
+        }
+        fs.sync().expect("sync");
+    }
+    names
+}
+
+/// Blocks of `runs` (byte ranges) the allocator has in use.
+fn used_blocks(fs: &Filesystem, runs: &[(u64, u64)]) -> u64 {
+    let alloc = fs.engine().allocator();
+    runs.iter()
+        .flat_map(|&(from, to)| (from..to).step_by(BLOCK as usize))
+        .filter(|&addr| alloc.is_used(birch_format::BlockAddr::new(addr)))
+        .count() as u64
+}
+
+/// A read of a snapshot's file racing the snapshot's deletion and writes that reuse the freed
+/// space, made certain: the read (of the whole file) is held up at the device after it found
+/// its extents (the snapshot stood then) and before it reads the blocks; meanwhile the
+/// snapshot is deleted and the filesystem filled up with another pattern, a commit after each
+/// file, until fewer blocks are free than half the file's. That read must return exactly the
+/// snapshot's bytes (its view keeps the blocks: the deletion gives them back only when it
+/// ends), and every later read `ENOENT`; never other bytes, never `EIO` (a checksum failure
+/// over reused blocks). Then, the reader gone, a second fill writes over at least half of the
+/// file's blocks, as the first would have without the reader's pin. Checked by breaking the
+/// pin (`give_back_deleted` freeing at once instead of pinning): the held read then fails with
+/// `EIO`.
 #[test]
 fn reads_racing_a_deletion_get_the_data_or_enoent() {
-    for round in 0..8u8 {
-        let (dev, fs) = common::fresh(24 * MIB);
-        let pattern: Vec<u8> = (0..2 * MIB as u32)
+    for round in 0..2u8 {
+        let mem = common::fresh_device(16 * MIB);
+        let dev = Arc::new(GateDevice {
+            inner: mem.clone(),
+            gate: std::sync::Mutex::new(Gate::default()),
+            changed: std::sync::Condvar::new(),
+        });
+        let fs = common::open_quiet(&dev);
+        let pattern: Vec<u8> = (0..4 * MIB as u32)
             .map(|i| (i % 253) as u8 ^ round)
             .collect();
         fs.write_file("/big", &pattern).expect("write");
@@ -532,39 +808,75 @@ fn reads_racing_a_deletion_get_the_data_or_enoent() {
         fs.setattr(live, &truncate).expect("truncate");
         fs.sync().expect("sync");
         let ino = fs.resolve("/.snapshot/s/big").expect("snapshot's big");
-        let stop = std::sync::atomic::AtomicBool::new(false);
-        std::thread::scope(|scope| {
+        let blocks = snapshot_file_blocks(&fs, ino >> 48, ino & ((1 << 48) - 1));
+        let held: u64 = blocks.iter().map(|(from, to)| (to - from) / BLOCK).sum();
+        assert_eq!(held, 4 * MIB / BLOCK);
+        dev.arm(blocks.clone());
+        let fill = 0xee ^ round;
+        let alloc = fs.engine().allocator();
+        let (results, free_after_fill, kept) = std::thread::scope(|scope| {
             let reader = scope.spawn(|| {
-                let mut reads = 0u64;
-                let mut at = 0usize;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    match fs.read(ino, at as u64, 256 * 1024) {
-                        Ok(data) => {
-                            assert_eq!(data, &pattern[at..at + data.len()], "read at {at}");
-                            reads += 1;
-                        }
-                        Err(e) => {
-                            assert_eq!(e.errno(), libc::ENOENT, "read at {at}: {e}");
-                            break;
-                        }
-                    }
-                    at = (at + 256 * 1024) % pattern.len();
+                // The held read, then the file again in pieces.
+                let mut results = vec![(0, fs.read(ino, 0, pattern.len()))];
+                for at in (0..pattern.len() as u64).step_by(256 * 1024) {
+                    results.push((at, fs.read(ino, at, 256 * 1024)));
                 }
-                reads
+                results
             });
+            let gate = OpenOnDrop(&dev);
+            dev.wait_for_reader();
             fs.delete_snapshot("s").expect("delete");
-            for n in 0..5 {
-                let fill = vec![0xee ^ round; 3 * MIB as usize];
-                match fs.write_file(&format!("/fill{n}"), &fill) {
-                    Ok(()) => {}
-                    Err(e) if e.errno() == libc::ENOSPC => {}
-                    Err(e) => panic!("fill: {e}"),
-                }
-                fs.sync().expect("sync");
+            let names = fill_up(&fs, "fill", fill);
+            let free = alloc.free_blocks().get();
+            let kept = used_blocks(&fs, &blocks);
+            drop(gate);
+            let results = reader.join().expect("reader");
+            for name in names {
+                fs.unlink(ROOT, name.as_bytes()).expect("unlink fill");
             }
-            stop.store(true, std::sync::atomic::Ordering::Relaxed);
-            reader.join().expect("reader")
+            fs.sync().expect("sync");
+            (results, free, kept)
         });
-        common::close_and_check_clean(fs, &dev, "after the race");
+        let (_, first) = &results[0];
+        match first {
+            Ok(data) => assert!(
+                data.as_slice() == pattern.as_slice(),
+                "round {round}: the held read returned other bytes"
+            ),
+            Err(e) => panic!("round {round}: the held read: {e}"),
+        }
+        // Every read after the deletion answers ENOENT.
+        for (at, result) in &results[1..] {
+            match result {
+                Ok(data) => panic!(
+                    "round {round}: read at {at} after the deletion returned {} bytes",
+                    data.len()
+                ),
+                Err(e) => assert_eq!(e.errno(), libc::ENOENT, "round {round}: read at {at}: {e}"),
+            }
+        }
+        // The reader's view kept every block of the snapshot's file through the fill.
+        assert_eq!(
+            kept, held,
+            "round {round}: blocks of the deleted snapshot's file given back under a reader"
+        );
+        // Without the pin the file's blocks would have been free too, and the fill would have
+        // stopped with as few free: most of them written over.
+        assert!(
+            free_after_fill < held / 2,
+            "round {round}: {free_after_fill} blocks free after the fill"
+        );
+        // The reader gone, its blocks are free: a fill takes them (here and in the first fill
+        // had they not been held).
+        let names = fill_up(&fs, "again", fill);
+        let reused = used_blocks(&fs, &blocks);
+        assert!(
+            reused >= held / 2,
+            "round {round}: {reused} of {held} blocks of the file taken by a fill"
+        );
+        for name in names {
+            fs.unlink(ROOT, name.as_bytes()).expect("unlink fill");
+        }
+        common::close_and_check_clean(fs, &mem, "after the race");
     }
 }

@@ -97,7 +97,7 @@ pub const ALONE_XATTR: &[u8] = b"trusted.birch.alone";
 /// The root xattrs `trusted.birch.diff/OFFSET/SNAP1[/SNAP2]` (`birch diff MNT`): the
 /// lines of [`birch_core::Engine::diff`] from SNAP1 to SNAP2 (absent: the live state, committed
 /// first), from byte OFFSET of the text, at most [`DIFF_CHUNK`] bytes: a shorter piece is the
-/// last.
+/// last. The text is computed once per state (`Filesystem::diff_text` keeps the last two).
 pub const DIFF_XATTR_PREFIX: &[u8] = b"trusted.birch.diff/";
 
 /// The most bytes one `trusted.birch.diff/...` read returns (under the kernel's 64 KiB).
@@ -114,15 +114,8 @@ fn diff_piece(fs: &Filesystem, spec: &[u8]) -> birch_core::Result<Vec<u8>> {
     if parts.next().is_some() {
         return Err(bad());
     }
-    if to.is_none() {
-        fs.sync()?;
-    }
-    let (changes, _) = fs.engine().diff(from, to)?;
-    let mut text = Vec::new();
-    for change in changes {
-        text.extend_from_slice(change.to_string().as_bytes());
-        text.push(b'\n');
-    }
+    // Committed first for the live state; computed once per state and kept for later pieces.
+    let text = fs.diff_text(from, to)?;
     let start = offset.min(text.len());
     let end = (start + DIFF_CHUNK).min(text.len());
     Ok(text[start..end].to_vec())

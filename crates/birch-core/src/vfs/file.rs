@@ -913,36 +913,13 @@ impl Filesystem {
         // Buffered ranges are data: on disk first, so the extents say where data is.
         self.flush_inode(ino, &state)?;
         let data = state.data.read();
-        let size = data.item.size;
-        if offset >= size {
-            return Err(Error::NoSuchAddress(format!(
-                "seek inode {ino} to {offset} past size {size}"
-            )));
-        }
-        let extents = self.data().extents(ino, offset, size)?;
-        match whence {
-            libc::SEEK_DATA => {
-                for (s, e) in &extents {
-                    if s + e.len_bytes() > offset {
-                        return Ok((*s).max(offset));
-                    }
-                }
-                Err(Error::NoSuchAddress(format!(
-                    "no data in inode {ino} after {offset}"
-                )))
-            }
-            libc::SEEK_HOLE => {
-                let mut cursor = offset;
-                for (s, e) in &extents {
-                    if *s > cursor {
-                        break;
-                    }
-                    cursor = cursor.max(s + e.len_bytes());
-                }
-                Ok(cursor.min(size))
-            }
-            _ => Err(Error::Invalid(format!("lseek whence {whence}"))),
-        }
+        crate::data::seek_data_or_hole(
+            format_args!("inode {ino}"),
+            data.item.size,
+            offset,
+            whence,
+            |from, to| self.data().extents(ino, from, to),
+        )
     }
 
     /// copy_file_range. Returns the bytes copied; short at the source's end. When both

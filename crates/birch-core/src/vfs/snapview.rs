@@ -16,10 +16,13 @@
 //! view is kept between operations: a view pins the blocks later commits free, so an open
 //! file in a snapshot holds a count here, never a view.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 
 use birch_format::items::InodeItem;
-use birch_format::{InodeNo, BLOCK_SIZE, ROOT_OBJECTID, SNAPSHOT_DIR_OBJECTID, SUBVOLUME_SHIFT};
+use birch_format::{
+    Generation, InodeNo, BLOCK_SIZE, ROOT_OBJECTID, SNAPSHOT_DIR_OBJECTID, SUBVOLUME_SHIFT,
+};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -56,6 +59,40 @@ pub(crate) struct SnapState {
     alone: AtomicU64,
     /// Open files per snapshot id, and the snapshots being deleted (no new open then).
     opens: Mutex<Opens>,
+    /// The root's text xattrs as last computed ([`Filesystem::snapshots_text`],
+    /// [`Filesystem::diff_text`]).
+    texts: Mutex<TextCache>,
+}
+
+/// Diff texts kept: `birch diff MNT` reads one text in pieces, and two clients may alternate.
+const DIFF_TEXTS_KEPT: usize = 2;
+
+/// Results of the root's text xattrs kept between reads. The kernel asks for an xattr's size,
+/// then for its value, and `birch diff MNT` reads its text in pieces of 60,000 bytes: each
+/// read would otherwise walk the trees again. A result is kept with the state it was computed
+/// from, and served only while that state stands; computing holds no lock here.
+#[derive(Default)]
+struct TextCache {
+    /// [`Filesystem::snapshots_text`], with the committed generation and the snapshot ids it
+    /// was computed for: any commit moves the generation (the space a snapshot alone holds
+    /// depends on the live tree), a creation or deletion also the ids.
+    list: Option<((Generation, Vec<u64>), Arc<str>)>,
+    /// The last [`DIFF_TEXTS_KEPT`] [`Filesystem::diff_text`] results, newest last.
+    diffs: VecDeque<(DiffKey, Arc<[u8]>)>,
+}
+
+/// What a diff text was computed from: snapshot ids (never reused, so a name deleted and made
+/// again is another key), and for the live state the committed generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct DiffKey {
+    from: u64,
+    to: DiffTo,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DiffTo {
+    Snapshot(u64),
+    Live(Generation),
 }
 
 #[derive(Default)]
@@ -412,34 +449,13 @@ impl Filesystem {
         };
         let view = self.snap_view(id)?;
         let size = Self::snap_inode(&view, id, obj)?.size;
-        if offset >= size {
-            return Err(Error::NoSuchAddress(format!(
-                "seek inode {obj} of snapshot id {id} to {offset} past size {size}"
-            )));
-        }
-        let extents = crate::data::extents_in(&view, obj, offset, size)?;
-        match whence {
-            libc::SEEK_DATA => extents
-                .iter()
-                .find(|(s, e)| s + e.len_bytes() > offset)
-                .map(|(s, _)| (*s).max(offset))
-                .ok_or_else(|| {
-                    Error::NoSuchAddress(format!(
-                        "no data in inode {obj} of snapshot id {id} after {offset}"
-                    ))
-                }),
-            libc::SEEK_HOLE => {
-                let mut cursor = offset;
-                for (s, e) in &extents {
-                    if *s > cursor {
-                        break;
-                    }
-                    cursor = cursor.max(s + e.len_bytes());
-                }
-                Ok(cursor.min(size))
-            }
-            _ => Err(Error::Invalid(format!("lseek whence {whence}"))),
-        }
+        crate::data::seek_data_or_hole(
+            format_args!("inode {obj} of snapshot id {id}"),
+            size,
+            offset,
+            whence,
+            |from, to| crate::data::extents_in(&view, obj, from, to),
+        )
     }
 
     pub(crate) fn snap_getxattr(&self, node: SnapNode, name: &[u8]) -> Result<Vec<u8>> {
@@ -615,30 +631,113 @@ impl Filesystem {
     /// the bytes only it holds ([`crate::Engine::snapshot_space`]; `-` if that walk fails) and
     /// name, separated by tabs (`trusted.birch.snapshots` on the root of a mount, which
     /// `birch snapshot list MNT` reads). A name with a tab or newline is escaped as Rust
-    /// escapes a string's debug form.
+    /// escapes a string's debug form. Kept until the next commit: a second read in the same
+    /// committed state (the kernel asks for the size, then the value) walks no tree.
     pub fn snapshots_text(&self) -> String {
-        let mut out = String::new();
-        let (list, space): (Vec<_>, Vec<Option<u64>>) = match self.inner.engine.snapshot_space() {
-            Ok(spaces) => spaces.into_iter().map(|(s, n)| (s, Some(n))).unzip(),
+        let engine = &self.inner.engine;
+        // The pin first, then the list (as `Engine::snapshot_space`): the list may already
+        // name a snapshot the next root makes, which the key's ids then tell apart.
+        let committed = engine.committed_root();
+        let list = engine.snapshots();
+        let key = (
+            committed.generation,
+            list.iter().map(|s| s.id).collect::<Vec<_>>(),
+        );
+        if let Some((at, text)) = &self.inner.snaps.texts.lock().list {
+            if *at == key {
+                return text.to_string();
+            }
+        }
+        let space = match engine.snapshot_space_in(&committed, &list) {
+            Ok(space) => Some(space),
             Err(e) => {
                 log::warn!("snapshot list: the space only each holds: {e}");
-                let list = self.inner.engine.snapshots();
-                let none = vec![None; list.len()];
-                (list, none)
+                None
             }
         };
-        for (s, only) in list.into_iter().zip(space) {
+        drop(committed);
+        let mut out = String::new();
+        for (i, s) in list.iter().enumerate() {
             let name = if s.name.contains(['\t', '\n', '\\']) {
                 format!("{:?}", s.name)
             } else {
                 s.name.clone()
             };
-            let only = only.map_or_else(|| "-".to_string(), |n| n.to_string());
+            let only = space
+                .as_ref()
+                .and_then(|v| v.get(i))
+                .map_or_else(|| "-".to_string(), |n| n.to_string());
             out.push_str(&format!(
                 "{}\t{}\t{}.{:09}\t{}\t{}\n",
                 s.id, s.generation, s.created.sec, s.created.nsec, only, name
             ));
         }
+        // A failed walk is not kept: the next read tries again.
+        if space.is_some() {
+            self.inner.snaps.texts.lock().list = Some((key, Arc::from(out.as_str())));
+        }
         out
+    }
+
+    /// `birch diff` through a mount (the root's `trusted.birch.diff/OFFSET/SNAP1[/SNAP2]`):
+    /// the changes from snapshot `from` to snapshot `to` ([`crate::Engine::diff`]; `None`:
+    /// the live state, committed first), a line each. The last [`DIFF_TEXTS_KEPT`] texts are
+    /// kept, by snapshot ids and, for the live state, the committed generation, so the
+    /// pieces of one text are cut from one walk. A change committed between two pieces of a
+    /// diff to the live state makes the later piece one of the new state's text (not
+    /// guarded, as before the cache).
+    pub fn diff_text(&self, from: &str, to: Option<&str>) -> Result<Arc<[u8]>> {
+        if to.is_none() {
+            self.sync()?;
+        }
+        let engine = &self.inner.engine;
+        // The pin first, then the list: the snapshots found keep their blocks while it is held
+        // (as `Engine::diff`).
+        let committed = engine.committed_root();
+        let list = engine.snapshots();
+        let find = |name: &str| {
+            list.iter()
+                .find(|s| s.name == name)
+                .ok_or_else(|| Error::NotFound(format!("snapshot {name:?}")))
+        };
+        let old = find(from)?;
+        let (new_root, to_key) = match to {
+            Some(name) => {
+                let s = find(name)?;
+                (s.root, DiffTo::Snapshot(s.id))
+            }
+            None => (committed.root, DiffTo::Live(committed.generation)),
+        };
+        let key = DiffKey {
+            from: old.id,
+            to: to_key,
+        };
+        if let Some((_, text)) = self
+            .inner
+            .snaps
+            .texts
+            .lock()
+            .diffs
+            .iter()
+            .find(|(k, _)| *k == key)
+        {
+            return Ok(text.clone());
+        }
+        let (changes, _) = engine.diff_roots(old.root, new_root)?;
+        drop(committed);
+        let mut text = Vec::new();
+        for change in changes {
+            text.extend_from_slice(change.to_string().as_bytes());
+            text.push(b'\n');
+        }
+        let text: Arc<[u8]> = Arc::from(text);
+        let mut texts = self.inner.snaps.texts.lock();
+        if !texts.diffs.iter().any(|(k, _)| *k == key) {
+            texts.diffs.push_back((key, text.clone()));
+            while texts.diffs.len() > DIFF_TEXTS_KEPT {
+                texts.diffs.pop_front();
+            }
+        }
+        Ok(text)
     }
 }
