@@ -551,6 +551,26 @@ impl Allocator {
         }
     }
 
+    /// Forgets any reference count of `blocks` at `addr`: blocks no tree names any more,
+    /// which a deleted snapshot's walk gives back (DESIGN §15.8). A count can be left there
+    /// only too high (a clone whose items failed to record, an engine that rolled back), and
+    /// once the blocks are free again it would keep a later clone of them counted high.
+    pub fn forget_shared(&self, addr: BlockAddr, blocks: BlockCount) {
+        if !self.any_shared.load(Ordering::Acquire) {
+            return;
+        }
+        let mut shared = self.shared.lock();
+        let first = addr.block_index();
+        let end = first.saturating_add(blocks.get());
+        if blocks.get() > shared.len() as u64 {
+            shared.retain(|block, _| !(first..end).contains(block));
+        } else {
+            for block in first..end {
+                shared.remove(&block);
+            }
+        }
+    }
+
     /// A flagged extent's blocks leave the live tree: one reference less for each. Returns
     /// the runs whose last reference this was, which the caller frees through
     /// [`Allocator::free_recorded`]. A block without a count (never expected: every flagged

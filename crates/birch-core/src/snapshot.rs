@@ -13,7 +13,7 @@
 //! snapshot holds). Every read here goes through the engine's tree context (checksummed,
 //! verified nodes); no lock is held across a read.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use birch_format::items::{FileExtent, SnapshotItem, Timespec};
 use birch_format::node::NodeBody;
@@ -328,8 +328,9 @@ pub(crate) fn deletion_frees(
     let mut frees: Vec<(BlockAddr, BlockCount)> = Vec::new();
     let mut node_frees: Vec<(BlockAddr, BlockCount)> = Vec::new();
     // Blocks of the victim's own shared extents born after `older`, not named by `newer`'s
-    // nodes born after the victim: decided after the walk (below).
-    let mut shared_candidates: BTreeSet<u64> = BTreeSet::new();
+    // nodes born after the victim: decided after the walk (below). Kept as ranges, so a
+    // large clone costs an entry per extent, not per block.
+    let mut shared_candidates = BlockRanges::default();
     walk(
         ctx,
         victim.root,
@@ -350,19 +351,12 @@ pub(crate) fn deletion_frees(
                 return Ok(());
             }
             let first = disk / BLOCK_SIZE;
-            // A shared (cloned) extent's blocks may also be named from a subtree the victim
-            // shares with the newer tree (skipped above), or twice in the victim itself.
-            if extent.shared {
-                shared_candidates
-                    .extend((first..first + blocks).filter(|b| !newer_blocks.contains(b)));
-                return Ok(());
-            }
+            // Runs of the extent's blocks the newer tree's new nodes do not name.
+            let mut runs: Vec<(u64, u64)> = Vec::new();
             let mut run: Option<(u64, u64)> = None;
             for block in first..first + blocks {
                 if newer_blocks.contains(&block) {
-                    if let Some((start, len)) = run.take() {
-                        frees.push((BlockAddr::new(start * BLOCK_SIZE), BlockCount::new(len)));
-                    }
+                    runs.extend(run.take());
                     continue;
                 }
                 run = match run {
@@ -370,46 +364,172 @@ pub(crate) fn deletion_frees(
                     None => Some((block, 1)),
                 };
             }
-            if let Some((start, len)) = run {
-                frees.push((BlockAddr::new(start * BLOCK_SIZE), BlockCount::new(len)));
+            runs.extend(run);
+            for (start, len) in runs {
+                // A shared (cloned) extent's blocks may also be named from a subtree the
+                // victim shares with the newer tree (skipped above), or twice in the victim
+                // itself: decided below.
+                if extent.shared {
+                    shared_candidates.insert(start, start + len);
+                } else {
+                    frees.push((BlockAddr::new(start * BLOCK_SIZE), BlockCount::new(len)));
+                }
             }
             Ok(())
         },
     )?;
     if !shared_candidates.is_empty() {
-        // The whole newer tree, for the shared extents its subtrees common with the victim
-        // name (each node of one tree is met once).
+        let candidates = std::cell::RefCell::new(shared_candidates);
+        // The newer tree, for the shared extents its subtrees common with the victim name
+        // (each node of one tree is met once). A node written at or before `older` holds only
+        // extents born then, none of them a candidate (their births are later), and so do
+        // its children: such subtrees are skipped, and the walk stops descending once no
+        // candidate is left.
         walk(
             ctx,
             newer,
-            &mut |_, _| Ok(true),
+            &mut |_, generation| Ok(generation > older && !candidates.borrow().is_empty()),
             &mut |key, extent, node| {
                 let extent = extent
                     .map_err(|e| Error::corrupt(format!("extent {key} in node {node:#x}"), e))?;
                 if let Some((disk, blocks)) = extent.disk_range() {
                     let first = disk / BLOCK_SIZE;
-                    for block in first..first + blocks {
-                        shared_candidates.remove(&block);
-                    }
+                    candidates.borrow_mut().remove(first, first + blocks);
                 }
                 Ok(())
             },
         )?;
-        let mut run: Option<(u64, u64)> = None;
-        for block in shared_candidates {
-            run = match run {
-                Some((start, len)) if start + len == block => Some((start, len + 1)),
-                Some((start, len)) => {
-                    frees.push((BlockAddr::new(start * BLOCK_SIZE), BlockCount::new(len)));
-                    Some((block, 1))
-                }
-                None => Some((block, 1)),
-            };
-        }
-        if let Some((start, len)) = run {
-            frees.push((BlockAddr::new(start * BLOCK_SIZE), BlockCount::new(len)));
-        }
+        frees.extend(candidates.into_inner().iter().map(|(start, end)| {
+            (
+                BlockAddr::new(start * BLOCK_SIZE),
+                BlockCount::new(end - start),
+            )
+        }));
     }
     frees.extend(node_frees);
     Ok(frees)
+}
+
+/// A set of block numbers kept as disjoint, non-adjacent half-open ranges `start → end`.
+#[derive(Debug, Default)]
+struct BlockRanges(BTreeMap<u64, u64>);
+
+impl BlockRanges {
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Adds `[start, end)`, merged with the ranges it overlaps or touches.
+    fn insert(&mut self, mut start: u64, mut end: u64) {
+        if start >= end {
+            return;
+        }
+        // The range starting at or before `start` that reaches it, then every range starting
+        // inside `[start, end]`.
+        if let Some((&s, &e)) = self.0.range(..=start).next_back() {
+            if e >= start {
+                start = s;
+                end = end.max(e);
+                self.0.remove(&s);
+            }
+        }
+        let inside: Vec<(u64, u64)> = self.0.range(start..=end).map(|(&s, &e)| (s, e)).collect();
+        for (s, e) in inside {
+            end = end.max(e);
+            self.0.remove(&s);
+        }
+        self.0.insert(start, end);
+    }
+
+    /// Takes `[start, end)` out (ranges it cuts keep their parts outside it).
+    fn remove(&mut self, start: u64, end: u64) {
+        if start >= end || self.0.is_empty() {
+            return;
+        }
+        let mut hit: Vec<(u64, u64)> = Vec::new();
+        if let Some((&s, &e)) = self.0.range(..start).next_back() {
+            if e > start {
+                hit.push((s, e));
+            }
+        }
+        hit.extend(self.0.range(start..end).map(|(&s, &e)| (s, e)));
+        for (s, e) in hit {
+            self.0.remove(&s);
+            if s < start {
+                self.0.insert(s, start);
+            }
+            if e > end {
+                self.0.insert(end, e);
+            }
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.0.iter().map(|(&s, &e)| (s, e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::BlockRanges;
+
+    fn ranges(r: &BlockRanges) -> Vec<(u64, u64)> {
+        r.iter().collect()
+    }
+
+    #[test]
+    fn block_ranges_merge_and_cut() {
+        let mut r = BlockRanges::default();
+        assert!(r.is_empty());
+        r.insert(10, 20);
+        r.insert(30, 40);
+        r.insert(20, 25); // touches: merged
+        assert_eq!(ranges(&r), [(10, 25), (30, 40)]);
+        r.insert(12, 14); // inside: nothing new
+        r.insert(24, 31); // bridges the two
+        assert_eq!(ranges(&r), [(10, 40)]);
+        r.insert(5, 5); // empty
+        r.remove(15, 18); // a hole in the middle
+        assert_eq!(ranges(&r), [(10, 15), (18, 40)]);
+        r.remove(0, 11); // the head
+        r.remove(39, 100); // the tail
+        assert_eq!(ranges(&r), [(11, 15), (18, 39)]);
+        r.remove(14, 19); // across the gap
+        assert_eq!(ranges(&r), [(11, 14), (19, 39)]);
+        r.remove(0, 1000);
+        assert!(r.is_empty());
+        // Against a set of blocks, at random.
+        let mut model = std::collections::BTreeSet::new();
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for _ in 0..2000 {
+            let start = next(200);
+            let end = start + next(20);
+            if next(3) == 0 {
+                r.remove(start, end);
+                for b in start..end {
+                    model.remove(&b);
+                }
+            } else {
+                r.insert(start, end);
+                model.extend(start..end);
+            }
+            let mut got = std::collections::BTreeSet::new();
+            let mut last_end = None;
+            for (s, e) in r.iter() {
+                assert!(s < e, "empty range {s}..{e}");
+                if let Some(le) = last_end {
+                    assert!(s > le, "ranges touch or overlap: {:?}", ranges(&r));
+                }
+                last_end = Some(e);
+                got.extend(s..e);
+            }
+            assert_eq!(got, model);
+        }
+    }
 }

@@ -2169,6 +2169,7 @@ impl Engine {
                 Ok(frees) => {
                     let blocks: u64 = frees.iter().map(|(_, n)| n.get()).sum();
                     for (addr, count) in frees {
+                        self.alloc.forget_shared(addr, count);
                         self.alloc
                             .free_pinned(Generation::new(generation), addr, count);
                     }
