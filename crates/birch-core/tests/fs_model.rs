@@ -9,7 +9,9 @@
 //! existing names, ENOTEMPTY, EEXIST, ENOENT, ENOTDIR and EISDIR come up all the time;
 //! over-long names, dot names, bad flags and stale inode numbers come up now and then. Data
 //! writes use offsets around the 2,048-byte inline limit, 4 KiB block boundaries and far
-//! sparse offsets; truncates go up and down; fallocate runs in every Linux mode.
+//! sparse offsets; truncates go up and down; fallocate runs in every Linux mode;
+//! copy_file_range between and within files (offsets mostly equal within a block, so whole
+//! blocks are shared as clones and the unaligned ends copied; overlapping ranges are EINVAL).
 //!
 //! Times: after each successful operation, the mtime/ctime it must set are checked to lie
 //! between the clocks read before and after it, and then remembered exactly; every other
@@ -230,6 +232,15 @@ enum Op {
     },
     Getattr {
         ino: u64,
+    },
+    /// copy_file_range between two regular files (or within one): shares whole blocks when
+    /// the offsets agree within a block (a clone), copies bytes otherwise.
+    CopyRange {
+        ino_in: u64,
+        off_in: u64,
+        ino_out: u64,
+        off_out: u64,
+        len: u64,
     },
     Lseek {
         ino: u64,
@@ -1046,7 +1057,43 @@ impl Runner {
             920..=949 => Op::Getattr {
                 ino: self.ino_arg(|_| true),
             },
-            950..=969 => {
+            960..=969 => {
+                // Regular files only (the kernel refuses other kinds before a FUSE server
+                // sees the call); offsets that agree within a block most of the time, so the
+                // clone path runs, and block-aligned ones often.
+                let files = self.model.inos_of(|n| n.kind == FileKind::File);
+                let (Some(ino_in), Some(ino_out)) = (self.pick(&files), self.pick(&files)) else {
+                    return Op::Sync;
+                };
+                let size_in = self
+                    .model
+                    .nodes
+                    .get(&ino_in)
+                    .map_or(0, |n| n.data.len() as u64);
+                let off_in = match self.rng.gen_range(0..4) {
+                    0 => 0,
+                    1 => self.rng.gen_range(0..4) * BLOCK,
+                    _ => self.offset(size_in),
+                };
+                let off_out = match self.rng.gen_range(0..6) {
+                    0 => self.rng.gen_range(0..3 * BLOCK),
+                    1 => off_in,
+                    _ => off_in % BLOCK + self.rng.gen_range(0..6) * BLOCK,
+                };
+                let len = match self.rng.gen_range(0..5) {
+                    0 => size_in.saturating_sub(off_in) + self.rng.gen_range(0..3),
+                    1 => self.rng.gen_range(1..4) * BLOCK,
+                    _ => self.length(),
+                };
+                Op::CopyRange {
+                    ino_in,
+                    off_in,
+                    ino_out,
+                    off_out,
+                    len,
+                }
+            }
+            950..=959 => {
                 let files = self.model.inos_of(|n| n.kind == FileKind::File);
                 let Some(ino) = self.pick(&files) else {
                     return Op::Sync;
@@ -1654,6 +1701,48 @@ impl Runner {
                 let got = en(fs.getattr(*ino));
                 if self.outcome(op, &want, &got) {
                     self.compare_attr("getattr", *ino, &got.expect("ok"), true);
+                }
+            }
+            Op::CopyRange {
+                ino_in,
+                off_in,
+                ino_out,
+                off_out,
+                len,
+            } => {
+                let want = (|| {
+                    let size_in = self.model.get(*ino_in)?.data.len() as u64;
+                    self.model.get(*ino_out)?;
+                    if *len == 0 || *off_in >= size_in {
+                        return Ok(0u64);
+                    }
+                    let n = (*len).min(size_in - off_in);
+                    if off_out.checked_add(n).is_none_or(|e| e > MAX_FILE_BYTES) {
+                        return Err(libc::EFBIG);
+                    }
+                    if ino_in == ino_out && *off_in < off_out + n && *off_out < off_in + n {
+                        return Err(libc::EINVAL);
+                    }
+                    Ok(n)
+                })();
+                let got = en(fs.copy_file_range(*ino_in, *off_in, *ino_out, *off_out, *len));
+                if self.outcome(op, &want, &got) {
+                    if want != got {
+                        self.fail(format!("{op:?}: copied {got:?}, expected {want:?}"));
+                    }
+                    let n = want.unwrap_or(0) as usize;
+                    if n > 0 {
+                        let bytes = self.model.nodes[ino_in].data
+                            [*off_in as usize..*off_in as usize + n]
+                            .to_vec();
+                        let m = self.model.node_mut(*ino_out);
+                        let at = *off_out as usize;
+                        if m.data.len() < at + n {
+                            m.data.resize(at + n, 0);
+                        }
+                        m.data[at..at + n].copy_from_slice(&bytes);
+                        self.touched(fs, op, t0, &[touch(*ino_out, true)]);
+                    }
                 }
             }
             Op::Lseek { ino, off, whence } => {
