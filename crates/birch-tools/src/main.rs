@@ -1283,6 +1283,18 @@ fn inspect(image: &Path, what: &[String], ceph: &CephArgs) -> ExitCode {
             )
             .map_err(|e| e.to_string())
         };
+    // The filesystem over the image, read-only (a pending fsync log replayed in memory).
+    let open_read_only = || {
+        Filesystem::open_device(
+            device.clone(),
+            birch_core::OpenOptions {
+                commit_interval: None,
+                read_only: true,
+                wait_for_lock: false,
+                ..Default::default()
+            },
+        )
+    };
     match what
         .iter()
         .map(String::as_str)
@@ -1360,15 +1372,7 @@ fn inspect(image: &Path, what: &[String], ceph: &CephArgs) -> ExitCode {
             let Ok(ino) = ino.parse::<u64>() else {
                 return fail(format!("inode {ino:?}: not a number"));
             };
-            let fs = match Filesystem::open_device(
-                device.clone(),
-                birch_core::OpenOptions {
-                    commit_interval: None,
-                    read_only: true,
-                    wait_for_lock: false,
-                    ..Default::default()
-                },
-            ) {
+            let fs = match open_read_only() {
                 Ok(fs) => fs,
                 Err(e) => return fail(e),
             };
@@ -1390,15 +1394,7 @@ fn inspect(image: &Path, what: &[String], ceph: &CephArgs) -> ExitCode {
             }
         }
         ["space"] => {
-            let fs = match Filesystem::open_device(
-                device.clone(),
-                birch_core::OpenOptions {
-                    commit_interval: None,
-                    read_only: true,
-                    wait_for_lock: false,
-                    ..Default::default()
-                },
-            ) {
+            let fs = match open_read_only() {
                 Ok(fs) => fs,
                 Err(e) => return fail(format!("{}: {e}", image.display())),
             };
