@@ -225,6 +225,29 @@ def full_cleanup(birch: str | None) -> None:
     state.save()
 
 
+def make_targets(cfg) -> list[Target]:
+    """The targets of a run, in --targets order: birchfs brings birchfs-before (--birch-before)
+    and one birchfs[OPTS] per --birch-opts beside it; memfs_ll-uring is memfs_ll over FUSE over
+    io_uring."""
+    targets: list[Target] = []
+    for name in cfg.targets:
+        if name == "birchfs":
+            if not cfg.no_birch_default:
+                targets.append(Target("birchfs", "birchfs", cfg))
+            if cfg.birch_before:
+                # right after birchfs, so the two alternate closely in the interleaved order
+                targets.append(Target("birchfs-before", "birchfs", cfg, before=True))
+            for o in cfg.birch_opts:
+                targets.append(Target(f"birchfs[{o}]", "birchfs", cfg, opts=o))
+        elif name == "memfs_ll-uring":
+            targets.append(Target(name, "memfs_ll", cfg, opts="io_uring"))
+        elif name == "birchfs-rbd":
+            targets.append(Target("birchfs-rbd", "birchfs", cfg, opts=cfg.rbd_opts, rbd=True))
+        else:
+            targets.append(Target(name, name, cfg))
+    return targets
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--_w5":
@@ -295,20 +318,7 @@ def main(argv=None) -> int:
     t_start = time.time()
     log(f"birchbench: {command}")
     log(f"output: {out}")
-    targets: list[Target] = []
-    for name in cfg.targets:
-        if name == "birchfs":
-            if not cfg.no_birch_default:
-                targets.append(Target("birchfs", "birchfs", cfg))
-            if cfg.birch_before:
-                # right after birchfs, so the two alternate closely in the interleaved order
-                targets.append(Target("birchfs-before", "birchfs", cfg, before=True))
-            for o in cfg.birch_opts:
-                targets.append(Target(f"birchfs[{o}]", "birchfs", cfg, opts=o))
-        elif name == "birchfs-rbd":
-            targets.append(Target("birchfs-rbd", "birchfs", cfg, opts=cfg.rbd_opts, rbd=True))
-        else:
-            targets.append(Target(name, name, cfg))
+    targets = make_targets(cfg)
     cases = build_cases(cfg)
     cluster = None
     runs: list[dict] = []

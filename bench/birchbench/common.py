@@ -21,7 +21,11 @@ import threading
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/
 REPO = os.path.dirname(HERE)
 ENTRY = os.path.join(HERE, "birchbench.py")  # the harness's script: children run it with --_w5 etc.
-ALL_TARGETS = ["ext4", "xfs", "btrfs", "fuse2fs", "bindfs-mt", "memfs_ll", "raw", "birchfs"]
+# memfs_ll-uring: libfuse's memfs_ll served over FUSE over io_uring (`-o io_uring`), the
+# transport-only floor for birchfs's default transport (birchfs serves over io_uring where the
+# kernel has it, DESIGN §12.5); memfs_ll is the same server over /dev/fuse.
+ALL_TARGETS = ["ext4", "xfs", "btrfs", "fuse2fs", "bindfs-mt", "memfs_ll", "memfs_ll-uring", "raw",
+               "birchfs"]
 # Valid in --targets but not run by default: birchfs on a Ceph RBD image (issue 21), which needs
 # a birch built with `--features rbd` (--rbd-birch) and a cluster (--rbd-conf, or the throw-away
 # single-node cluster of tests/rbd/single-node.sh, brought up and stopped by the run).

@@ -66,6 +66,9 @@ def ensure_image(path: str, size: int) -> str:
 
 # --------------------------------------------------------------------------- targets
 
+URING_PARAM = "/sys/module/fuse/parameters/enable_uring"
+
+
 class Target:
     def __init__(self, name: str, kind: str, cfg, opts: str | None = None, before: bool = False,
                  rbd: bool = False):
@@ -241,8 +244,17 @@ class Target:
             # daemonizes once mounted; multi-threaded (it always runs fuse_session_loop_mt)
             self._mount_rec(self.mnt, True)
             binp = self.meta["memfs_ll"]
-            rc, _, err = run([binp, "-o", "writeback_cache,no_timeout", self.mnt], timeout=120,
-                             env=memfs_env(binp))
+            opts = "writeback_cache,no_timeout"
+            if self.opts == "io_uring":
+                # the kernel offers FUSE over io_uring only with the fuse module's enable_uring
+                # (a birch mount sets it too); left on, as a birch mount leaves it
+                try:
+                    with open(URING_PARAM, "w") as f:
+                        f.write("Y")
+                except OSError as e:
+                    raise RuntimeError(f"cannot set {URING_PARAM}: {e}")
+                opts += ",io_uring"
+            rc, _, err = run([binp, "-o", opts, self.mnt], timeout=120, env=memfs_env(binp))
         else:
             raise RuntimeError(f"unknown kind {self.kind}")
         if rc != 0 or not is_mounted(self.mnt):

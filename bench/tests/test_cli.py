@@ -105,6 +105,17 @@ class Options(unittest.TestCase):
         with self.assertRaises(SystemExit):
             parse("--targets", "birchfs-rbd", "--rbd-birch", "/nonexistent/birch")
 
+    def test_memfs_ll_runs_over_both_transports(self):
+        self.assertIn("memfs_ll-uring", parse().targets, "run by default, beside memfs_ll")
+        cfg = parse("--targets", "memfs_ll,memfs_ll-uring,birchfs", "--birch-opts", "uring=off")
+        ts = cli.make_targets(cfg)
+        self.assertEqual([t.name for t in ts],
+                         ["memfs_ll", "memfs_ll-uring", "birchfs", "birchfs[uring=off]"])
+        self.assertEqual([(t.kind, t.opts) for t in ts[:2]],
+                         [("memfs_ll", None), ("memfs_ll", "io_uring")])
+        self.assertTrue(ts[1].is_fuse and not ts[1].is_birch)
+        self.assertEqual(ts[3].opts, "uring=off")
+
     def test_relative_birch_is_from_the_repo(self):
         cfg = cli.make_parser().parse_args(["--dbench-loadfile", "x", "--birch", "target/release/birch"])
         cli.apply_defaults(cfg)

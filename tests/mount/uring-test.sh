@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# FUSE over io_uring (mount option `uring`, DESIGN §12.5), two cases:
+# FUSE over io_uring (the default where the kernel has it; mount option `uring=on|off`,
+# DESIGN §12.5), three cases:
+#  0. no option (the default) with enable_uring N at the start: the mount sets it and serves
+#     over the ring; `-o uring=off`: the same work, every request over /dev/fuse.
 #  1. `-o uring`: create, write, fsync, read, rename, unlink, mkdir, readdir through the mount;
 #     the stats xattr must show requests served over the ring (fuse_uring_requests) and the
 #     daemon log must say so at unmount; then `birch fsck` is clean.
@@ -41,12 +44,13 @@ stat_of() { # counter name -> value from trusted.birch.stats
     python3 -c "import json,sys; print(json.load(sys.stdin).get('$1', -1))"
 }
 
-# One case: $1 name, $2 "ring" or "dev" (where requests must go), rest: env for the daemon.
+# One case: $1 name, $2 "ring" or "dev" (where requests must go), $3 mount options ("" for
+# none), rest: env for the daemon.
 run_case() {
-  local name=$1 want=$2; shift 2
+  local name=$1 want=$2 opts=$3; shift 3
   local img=$WORK/$name.img log=$WORK/$name.log
   "$BIRCH" mkfs --size 256M "$img" >/dev/null || { bad "$name: mkfs"; return; }
-  env "$@" RUST_LOG=info "$BIRCH" mount -f -o uring "$img" "$MNT" >"$log" 2>&1 &
+  env "$@" RUST_LOG=info "$BIRCH" mount -f ${opts:+-o "$opts"} "$img" "$MNT" >"$log" 2>&1 &
   DAEMON=$!
   for _ in $(seq 200); do mountpoint -q "$MNT" && break; sleep 0.05; done
   mountpoint -q "$MNT" || { bad "$name: mount did not come up"; cat "$log"; return; }
@@ -99,16 +103,18 @@ EOF
   wait "$DAEMON" || bad "$name: daemon exit status $?"
   DAEMON=
   if grep -q "FUSE requests served" "$log"; then ok "$name: $(grep -o 'FUSE requests served.*' "$log")"; else bad "$name: no count in the log"; fi
-  if [[ $want == dev ]]; then
+  if [[ $want == dev && $opts == uring ]]; then
     grep -q "not registered" "$log" && ok "$name: the log names the failed registration" || bad "$name: no registration failure in the log"
   fi
   if "$BIRCH" fsck "$img" >/dev/null; then ok "$name: fsck clean"; else bad "$name: fsck"; fi
 }
 
 echo N > "$PARAM"
-run_case uring ring
-run_case broken-register dev BIRCH_URING_BREAK_REGISTER=1
-if [[ $(cat "$PARAM") == Y ]]; then ok "the mount set enable_uring"; else bad "enable_uring not set"; fi
+run_case default ring ""
+if [[ $(cat "$PARAM") == Y ]]; then ok "the default mount set enable_uring"; else bad "enable_uring not set"; fi
+run_case uring-off dev uring=off
+run_case uring ring uring
+run_case broken-register dev uring BIRCH_URING_BREAK_REGISTER=1
 
 if (( FAIL )); then echo "uring-test: FAILED"; exit 1; fi
 echo "uring-test: all passed"

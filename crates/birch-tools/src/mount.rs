@@ -39,8 +39,10 @@ struct MountConfig {
     keep_cache: bool,
     /// The daemon's own write buffer (delayed allocation), `buffer=on|off`.
     buffer: bool,
-    /// FUSE over io_uring beside /dev/fuse (`uring`, `uring=on|off`, DESIGN §12.5).
-    uring: bool,
+    /// FUSE over io_uring beside /dev/fuse (`uring`, `uring=on|off`, DESIGN §12.5): `None`
+    /// (the default) uses it where the kernel has it and says nothing when it cannot;
+    /// `Some(true)` (asked for) warns when it cannot; `Some(false)` serves over /dev/fuse only.
+    uring: Option<bool>,
     /// Benchmark-only switches, each a seed's "before" (off by default; docs/BENCHMARKS.md).
     bench_serialize_sync_writes: bool,
     bench_global_objectid_lock: bool,
@@ -72,7 +74,7 @@ pub(crate) const MOUNT_OPTIONS: &[(&str, &str)] = &[
     ("writeback=on", "The kernel's writeback cache: writes are gathered in the page cache (default on; writeback=off sends each write to the daemon)."),
     ("keep_cache=on", "Keep a file's pages in the page cache across opens (default on)."),
     ("buffer=on", "The daemon buffers writes that are neither direct nor synchronous until the next commit or fsync (default on)."),
-    ("uring", "FUSE over io_uring beside /dev/fuse (uring=on|off, default off); sets the fuse module's enable_uring when run as root."),
+    ("uring=on", "FUSE over io_uring beside /dev/fuse, one ring per CPU (default on where the kernel has it: Linux 6.14 and later; run as root, the mount sets the fuse module's enable_uring to Y if it is N). uring=off serves every request over /dev/fuse; uring alone is uring=on."),
     ("noatime", "Reads never update atime. relatime (the default; also atime) and strictatime are the other choices; the last one given counts."),
     ("nodiratime", "Reads of directories never update atime (diratime undoes it)."),
     ("nodev", "Device files on the mount cannot be opened (dev undoes it)."),
@@ -110,7 +112,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         writeback: true,
         keep_cache: true,
         buffer: true,
-        uring: false,
+        uring: None,
         bench_serialize_sync_writes: false,
         bench_global_objectid_lock: false,
         bench_apply_per_item: false,
@@ -153,7 +155,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
             },
             "writeback" => c.writeback = on_off(opt, value)?,
             "buffer" => c.buffer = on_off(opt, value)?,
-            "uring" => c.uring = value.is_none() || on_off(opt, value)?,
+            "uring" => c.uring = Some(value.is_none() || on_off(opt, value)?),
             "keep_cache" => c.keep_cache = on_off(opt, value)?,
             "bench_serialize_sync_writes" => {
                 c.bench_serialize_sync_writes = value.is_none() || on_off(opt, value)?
@@ -635,9 +637,9 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
     };
     fuse_config.n_threads = Some(config.threads);
     fuse_config.clone_fd = true;
-    if config.uring {
-        // The kernel offers FUSE_OVER_IO_URING in INIT (sent during mount(2)) only if this is on.
-        enable_fuse_uring();
+    // The kernel offers FUSE_OVER_IO_URING in INIT (sent during mount(2)) only if the fuse
+    // module's enable_uring is on; without it no ring is made (its buffers would go unused).
+    if config.uring != Some(false) && enable_fuse_uring(config.uring == Some(true)) {
         fuse_config.uring = Some(uring_options(mountpoint));
     }
     let fuse_fd = match kernel_mount(image, mountpoint, config) {
@@ -765,17 +767,37 @@ fn uring_options(mountpoint: &Path) -> fuser::UringOptions {
     }
 }
 
-/// Turns on the fuse module's `enable_uring` (needs root) if it is off, and says so.
-fn enable_fuse_uring() {
+/// Turns on the fuse module's `enable_uring` (needs root) if it is off, and says so. Where it
+/// cannot, the mount serves over /dev/fuse alone: a warning if the ring was asked for
+/// (`asked`, `-o uring`), an info line if it is only the default. Returns whether it is on.
+fn enable_fuse_uring(asked: bool) -> bool {
+    let cannot = |why: String| {
+        if asked {
+            log::warn!("uring: {why}; serving over /dev/fuse");
+        } else {
+            log::info!("uring: {why}; serving over /dev/fuse");
+        }
+    };
     match std::fs::read_to_string(ENABLE_URING) {
-        Ok(v) if v.trim() == "Y" || v.trim() == "1" => {}
+        Ok(v) if v.trim() == "Y" || v.trim() == "1" => true,
         Ok(_) => match std::fs::write(ENABLE_URING, "Y") {
-            Ok(()) => log::warn!(
-                "uring: set {ENABLE_URING} to Y (it was N; it stays Y for every FUSE mount)"
-            ),
-            Err(e) => log::warn!("uring: cannot set {ENABLE_URING}: {e}; serving over /dev/fuse"),
+            Ok(()) => {
+                log::info!(
+                    "uring: set {ENABLE_URING} to Y (it was N; it stays Y; -o uring=off serves over /dev/fuse only)"
+                );
+                true
+            }
+            Err(e) => {
+                cannot(format!("cannot set {ENABLE_URING}: {e}"));
+                false
+            }
         },
-        Err(e) => log::warn!("uring: {ENABLE_URING}: {e} (kernel without FUSE over io_uring?)"),
+        Err(e) => {
+            cannot(format!(
+                "{ENABLE_URING}: {e} (a kernel without FUSE over io_uring, before 6.14)"
+            ));
+            false
+        }
     }
 }
 
@@ -1323,7 +1345,7 @@ impl InProcessMount {
             writeback,
             keep_cache: caches,
             buffer: true,
-            uring,
+            uring: Some(uring),
             bench_serialize_sync_writes: false,
             bench_global_objectid_lock: false,
             bench_apply_per_item: false,
@@ -1333,8 +1355,7 @@ impl InProcessMount {
         let mut fuse_config = Config::default();
         fuse_config.acl = SessionACL::Owner;
         fuse_config.n_threads = Some(config.threads);
-        if uring {
-            enable_fuse_uring();
+        if uring && enable_fuse_uring(true) {
             fuse_config.uring = Some(uring_options(mountpoint));
         }
         fuse_config.clone_fd = true;
@@ -1450,6 +1471,22 @@ mod tests {
         let c = parse_options(&["bench_global_objectid_lock".into()])?;
         assert!(c.bench_global_objectid_lock && !c.bench_apply_per_item);
         assert!(parse_options(&["bench_apply_per_item=maybe".into()]).is_err());
+        Ok(())
+    }
+
+    /// FUSE over io_uring is the default (used where the kernel has it), `uring` and
+    /// `uring=on` ask for it, `uring=off` turns it off, and the last one given counts.
+    #[test]
+    fn uring_is_on_by_default_and_can_be_turned_off() -> Result<(), String> {
+        assert_eq!(parse_options(&[])?.uring, None);
+        assert_eq!(parse_options(&["uring".into()])?.uring, Some(true));
+        assert_eq!(parse_options(&["uring=on".into()])?.uring, Some(true));
+        assert_eq!(parse_options(&["uring=off".into()])?.uring, Some(false));
+        assert_eq!(
+            parse_options(&["uring=off,uring".into()])?.uring,
+            Some(true)
+        );
+        assert!(parse_options(&["uring=maybe".into()]).is_err());
         Ok(())
     }
 }
