@@ -118,6 +118,10 @@ impl BlockDevice for Recording {
         Ok(())
     }
 
+    fn discards(&self) -> bool {
+        true
+    }
+
     fn flush(&self) -> io::Result<()> {
         self.events.lock().push(Event::Flush);
         self.base.flush()
@@ -385,4 +389,99 @@ fn a_failed_read_of_a_batch_fails_the_request_with_context() {
     );
     dev.fail_read_at.store(u64::MAX, Ordering::SeqCst);
     assert_eq!(fs.read(a, 0, content.len()).expect("read again"), content);
+}
+
+/// `fstrim` (`Filesystem::trim`): discards the space free now, never a block in use (the
+/// device fills discarded ranges with junk, and every file reads back and checks clean with
+/// data checksums), keeps inside the asked range, skips runs below the minimum, answers the
+/// bytes discarded, and leaves the space usable. On a device that frees nothing on a discard
+/// it is refused as unsupported (EOPNOTSUPP).
+#[test]
+fn trim_discards_free_space_only_within_the_range() {
+    let (mem, dev, fs) = fresh(64 << 20);
+    for i in 0..8u32 {
+        fs.write_file(&format!("/f{i}"), &pattern(i, 300 << 10))
+            .expect("write");
+    }
+    fs.sync().expect("commit");
+    dev.take();
+    let alloc = fs.engine().allocator();
+    let searchable = (alloc.free_blocks() - alloc.deferred_blocks()).get() * 4096;
+    let trimmed = fs.trim(0, u64::MAX, 0).expect("trim everything");
+    let discarded: Vec<(u64, u64)> = dev
+        .take()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Discard(ranges) => Some(ranges),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(
+        trimmed,
+        discarded.iter().map(|(_, l)| l).sum::<u64>(),
+        "answers what it discarded"
+    );
+    assert_eq!(trimmed, searchable, "all the searchable free space");
+    for i in 0..8u32 {
+        assert_eq!(
+            fs.read_file(&format!("/f{i}")).expect("read"),
+            pattern(i, 300 << 10)
+        );
+    }
+    // A range: nothing outside it. A minimum: no shorter run.
+    let (start, len) = (8u64 << 20, 4u64 << 20);
+    let part = fs.trim(start, len, 0).expect("trim a range");
+    let ranges: Vec<(u64, u64)> = dev
+        .take()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Discard(ranges) => Some(ranges),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert!(part > 0 && part <= len, "{part}");
+    assert!(
+        ranges
+            .iter()
+            .all(|(at, l)| *at >= start && at + l <= start + len),
+        "{ranges:?}"
+    );
+    let big = fs.trim(0, u64::MAX, 1 << 20).expect("trim with a minimum");
+    let ranges: Vec<(u64, u64)> = dev
+        .take()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Discard(ranges) => Some(ranges),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert!(big > 0);
+    assert!(ranges.iter().all(|(_, l)| *l >= 1 << 20), "{ranges:?}");
+    assert!(matches!(
+        fs.trim(0, 100, 0),
+        Err(birch_core::Error::Invalid(_))
+    ));
+    // The space is usable after: new files over trimmed space read back.
+    for i in 0..8u32 {
+        fs.write_file(&format!("/g{i}"), &pattern(50 + i, 1 << 20))
+            .expect("write after trim");
+    }
+    fs.sync().expect("commit");
+    for i in 0..8u32 {
+        assert_eq!(
+            fs.read_file(&format!("/g{i}")).expect("read"),
+            pattern(50 + i, 1 << 20)
+        );
+    }
+    fs.close().expect("close");
+    drop(fs);
+    let report = check(&*mem, CheckOptions { data: true }).expect("fsck");
+    assert!(report.is_clean(), "{:?}", report.findings);
+    // A memory device frees nothing on a discard: unsupported.
+    let (_mem, plain) = common::fresh(16 << 20);
+    let err = plain.trim(0, u64::MAX, 0).expect_err("unsupported");
+    assert_eq!(err.errno(), libc::EOPNOTSUPP, "{err}");
 }
