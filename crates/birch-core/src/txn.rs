@@ -390,7 +390,7 @@ impl Engine {
     /// allocator's searches while their discard is in flight, a batch at a time
     /// ([`Allocator::trim_free`]), so no allocation gets a block under discard and none waits
     /// long. Returns the bytes discarded. `NotSupported` when the device frees nothing on a
-    /// discard (image files, block devices, an RBD image mounted with `discard=off`);
+    /// discard (image files, block devices; an RBD image trims even with `discard=off`);
     /// `ReadOnly` on a read-only filesystem; `Invalid` for a range shorter than a block, as
     /// Linux filesystems answer. Does device I/O.
     pub fn trim(&self, start: u64, len: u64, minlen: u64) -> Result<u64> {
@@ -400,10 +400,9 @@ impl Engine {
         if let Some(cause) = self.read_only_cause() {
             return Err(Error::ReadOnly(cause));
         }
-        if !self.device.discards() {
+        if !self.device.can_trim() {
             return Err(Error::NotSupported(
-                "trim: this device frees nothing on a discard (only an RBD image with discard on does)"
-                    .to_string(),
+                "trim: this device frees nothing on a discard (only an RBD image does)".to_string(),
             ));
         }
         let block = birch_format::BLOCK_SIZE;
@@ -420,7 +419,7 @@ impl Engine {
                 start.div_ceil(block),
                 end / block,
                 minlen.div_ceil(block),
-                |ranges| device.discard(&discard_ranges(ranges)),
+                |ranges| device.trim(&discard_ranges(ranges)),
             )
             .map_err(|e| Error::io(format!("trim of free space in {start:#x}..{end:#x}"), e))?;
         Ok(blocks * block)

@@ -118,7 +118,7 @@ impl BlockDevice for Recording {
         Ok(())
     }
 
-    fn discards(&self) -> bool {
+    fn can_trim(&self) -> bool {
         true
     }
 

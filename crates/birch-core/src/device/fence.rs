@@ -91,8 +91,12 @@ impl BlockDevice for Fence {
         self.pass(|d| d.read_many(reads))
     }
 
-    fn discards(&self) -> bool {
-        self.base.discards()
+    fn can_trim(&self) -> bool {
+        self.base.can_trim()
+    }
+
+    fn trim(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
+        self.pass(|d| d.trim(ranges))
     }
 
     fn discard(&self, ranges: &[(u64, u64)]) -> io::Result<()> {

@@ -67,11 +67,18 @@ pub trait BlockDevice: Send + Sync {
     fn read_many(&self, reads: &mut [(u64, &mut [u8])]) -> io::Result<()> {
         read_one_by_one(self, reads)
     }
-    /// Whether [`BlockDevice::discard`] can free anything on this device (RBD with discard
-    /// on). `fstrim` of a filesystem on a device that cannot is refused as unsupported. The
-    /// default: no.
-    fn discards(&self) -> bool {
+    /// Whether [`BlockDevice::trim`] can free anything on this device (a writable RBD
+    /// image). `fstrim` of a filesystem on a device that cannot is refused as unsupported.
+    /// The default: no.
+    fn can_trim(&self) -> bool {
         false
+    }
+    /// Discards `ranges` as [`BlockDevice::discard`] does, for `fstrim` (the free space of
+    /// the filesystem, asked for by the administrator): done even where the automatic
+    /// discard of freed space is turned off (RBD's `discard=off`), as Linux filesystems
+    /// mounted `nodiscard` still trim. The default is [`BlockDevice::discard`].
+    fn trim(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
+        self.discard(ranges)
     }
     /// Tells the device that each `(offset, length)` of `ranges` holds nothing anyone will
     /// read (space no committed tree references any more), so it may free what backs it (RBD:

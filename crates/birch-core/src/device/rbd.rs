@@ -1607,18 +1607,28 @@ impl BlockDevice for RbdDevice {
         if !self.discard {
             return Ok(());
         }
+        self.trim(ranges)
+    }
+
+    fn can_trim(&self) -> bool {
+        self.writable
+    }
+
+    fn trim(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
         for (offset, len) in ranges {
             check_range(*offset, *len as usize, self.size)?;
+        }
+        if !self.writable {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!("{}: discard: image opened read-only", self.spec),
+            ));
         }
         let requests: Vec<(u64, usize, Option<&[u8]>)> = ranges
             .iter()
             .map(|(offset, len)| (*offset, *len as usize, None))
             .collect();
         self.submit_many(AioKind::Discard, &requests, |_, _| {})
-    }
-
-    fn discards(&self) -> bool {
-        self.discard && self.writable
     }
 
     fn flush(&self) -> io::Result<()> {
