@@ -880,7 +880,7 @@ impl Filesystem {
 
     /// Discards the free space in device bytes `[start, start + len)`, in free runs of at
     /// least `minlen` bytes, and returns the bytes discarded (`fstrim`, the `FITRIM` ioctl
-    /// through a mount; [`Engine::trim`](crate::txn::Engine::trim), SEMANTICS §12).
+    /// through a mount; [`Engine::trim`](crate::txn::Engine::trim), SEMANTICS §8).
     pub fn trim(&self, start: u64, len: u64, minlen: u64) -> Result<u64> {
         let trimmed = self.inner.engine.trim(start, len, minlen)?;
         log::info!(
