@@ -481,7 +481,7 @@ if ((IMAGE_FILE)); then
   check "FITRIM on a subdirectory of an image file is EOPNOTSUPP" test "$(python3 -c "$(fitrim_py "$MNT/trimdir")")" = ENOTSUP # Python names errno 95 ENOTSUP
 else
   rbd_used() { # bytes the cluster holds for the image
-    rbd du --format json "${IMG#rbd:}" 2>/dev/null | python3 -c "import json, sys; print(json.load(sys.stdin)['total_used_size'])"
+    rbd du --format json "${IMG#rbd:}" 2>/dev/null | python3 -c "import json, sys; print(sum(i['used_size'] for i in json.load(sys.stdin)['images']))"
   }
   dd if=/dev/urandom of="$MNT/trim-big" bs=1M count=64 conv=fsync status=none
   "$BIRCH" sync "$MNT"
