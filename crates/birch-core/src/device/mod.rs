@@ -1,6 +1,7 @@
 //! The block device layer.
 //!
-//! Owns: aligned reads and writes of whole blocks, flush, device size, and the exclusive lock
+//! Owns: aligned reads and writes of whole blocks, alone or as batches in flight together
+//! (`read_many`, `write_many`), discard and trim, flush, device size, and the exclusive lock
 //! on an image. Implemented for image files and block devices ([`FileDevice`], O_DIRECT so the
 //! host page cache never holds our data) and for memory ([`MemDevice`], which can forget
 //! unflushed writes to simulate power loss), for Ceph RBD images (`RbdDevice`, through
