@@ -11,7 +11,8 @@
 # fsck checking the pending log replayed in memory); atime under strictatime and after remounts
 # with noatime, relatime and strictatime; shutdown through the FS_IOC_SHUTDOWN ioctl and
 # `birch shutdown` (EPERM without CAP_SYS_ADMIN, EIO after, umount works, the next mount finds
-# what each variant keeps); snapshots made, listed and deleted through the mount, browsed
+# what each variant keeps); fstrim (FITRIM: EPERM without CAP_SYS_ADMIN, unsupported on an image
+# file, on RBD the bytes trimmed and `rbd du` lower); snapshots made, listed and deleted through the mount, browsed
 # read-only at MNT/.snapshot/NAME, and one mounted alone with -o ro,snapshot=NAME; fsck clean
 # at the end.
 #
@@ -452,6 +453,51 @@ check "umount after birch shutdown" "$BIRCH" umount "$MNT"
 "$BIRCH" mount "$IMG" "$MNT"
 check "birch shutdown commits pages the kernel held dirty for an open file" test "$(cat "$MNT/sd-open" 2>&1)" = "$(python3 -c "print('still open' * 1000, end='')")"
 "$BIRCH" umount "$MNT"
+# --- fstrim (the FITRIM ioctl through the mount point or any directory of the mount; SEMANTICS
+# §8): EPERM without CAP_SYS_ADMIN; on an image file (never discarded) fstrim(8) says "the
+# discard operation is not supported"; on RBD, files written and deleted under -o discard=off
+# (freed space never discarded by the commits) stay allocated in the cluster until fstrim, which
+# reports the bytes it trimmed and leaves `rbd du` lower; fsck clean after. ---
+"$BIRCH" mount -o allow_other,discard=off "$IMG" "$MNT"
+mkdir -p "$MNT/trimdir"
+fitrim_py() { # fitrim_py DIR: FITRIM over the whole device; prints OK BYTES or the errno's name
+  echo "
+import os, fcntl, errno, struct
+try:
+    fd = os.open('$1', os.O_RDONLY)
+    out = fcntl.ioctl(fd, 0xc0185879, struct.pack('QQQ', 0, 2**64 - 1, 0))
+    print('OK', struct.unpack('QQQ', out)[1])
+except OSError as e:
+    print(errno.errorcode[e.errno])
+"
+}
+check "FITRIM by a user is EPERM" test "$(setpriv --reuid=65534 --regid=65534 --clear-groups /usr/bin/python3 -c "$(fitrim_py "$MNT")")" = EPERM
+check "FITRIM by root without CAP_SYS_ADMIN is EPERM" test "$(setpriv --bounding-set -sys_admin --inh-caps -sys_admin python3 -c "$(fitrim_py "$MNT")")" = EPERM
+if ((IMAGE_FILE)); then
+  out=$(fstrim -v "$MNT" 2>&1)
+  rc=$?
+  check "fstrim on an image file: the discard operation is not supported" \
+    test $rc -ne 0 -a -n "$(grep -F 'the discard operation is not supported' <<<"$out")"
+  check "FITRIM on a subdirectory of an image file is EOPNOTSUPP" test "$(python3 -c "$(fitrim_py "$MNT/trimdir")")" = ENOTSUP # Python names errno 95 ENOTSUP
+else
+  rbd_used() { # bytes the cluster holds for the image
+    rbd du --format json "${IMG#rbd:}" 2>/dev/null | python3 -c "import json, sys; print(sum(i['used_size'] for i in json.load(sys.stdin)['images']))"
+  }
+  dd if=/dev/urandom of="$MNT/trim-big" bs=1M count=64 conv=fsync status=none
+  "$BIRCH" sync "$MNT"
+  rm "$MNT/trim-big"
+  for i in 1 2 3 4 5 6 7 8; do touch "$MNT/trim-t$i"; "$BIRCH" sync "$MNT"; done
+  before=$(rbd_used)
+  out=$(fstrim -v "$MNT" 2>&1)
+  trimmed=$(sed -n 's/.*(\([0-9]*\) bytes) trimmed.*/\1/p' <<<"$out")
+  after=$(rbd_used)
+  echo "     fstrim: $out; rbd du: $before -> $after bytes"
+  check "fstrim on RBD trims free space (64 MiB deleted)" test "${trimmed:-0}" -ge $((64 << 20))
+  check "rbd du shows less used after fstrim" test "${after:-0}" -lt "$((${before:-0} - (32 << 20)))"
+  check "FITRIM on a subdirectory trims too" test "$(python3 -c "$(fitrim_py "$MNT/trimdir")" | cut -d' ' -f1)" = OK
+fi
+"$BIRCH" umount "$MNT"
+check "fsck clean after fstrim" "$BIRCH" fsck "$IMG"
 # --- Snapshots through the mount (DESIGN §15.8, SEMANTICS §9): made, listed and deleted by
 # `birch snapshot ... MNT`, browsed read-only at MNT/.snapshot/NAME (hidden from the root's
 # listing, inode numbers carrying the snapshot id in bits 48..63), EBUSY for a deletion while a

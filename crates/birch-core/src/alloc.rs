@@ -2,7 +2,8 @@
 //!
 //! Owns: the in-memory free-space map (one bit per block, split into groups of
 //! [`GROUP_BLOCKS`] each behind its own mutex), the metadata reserve, pinning of space
-//! freed in a transaction, and the deferred list with the discards in flight of its ranges.
+//! freed in a transaction, and the deferred list with the discards in flight of its ranges,
+//! and of free ranges a trim (`fstrim`, [`Allocator::trim_free`]) discards.
 //!
 //! Must not touch: the device. Its state is derived at open from the committed trees (every
 //! node and every extent a file references is in use), so it reaches disk only through the
@@ -124,6 +125,10 @@ struct Deferred {
     /// blocks). Still set in the bitmap (no search takes them) and counted in `free_blocks`;
     /// a reclaim skips them, so their discard never races a write to them.
     discarding: Vec<(u64, Generation, BlockAddr, BlockCount)>,
+    /// Free ranges a trim ([`Allocator::trim_free`]) took out of the searches while their
+    /// discard is in flight: (batch, addr, blocks). Set in the bitmap (out of their group's
+    /// free count), still counted in `free_blocks`; cleared when the discard ends.
+    trimming: Vec<(u64, BlockAddr, BlockCount)>,
     /// The number the next discard batch gets.
     next_batch: u64,
 }
@@ -134,8 +139,21 @@ impl Deferred {
         self.discarding
             .iter()
             .any(|(_, _, a, b)| *a <= addr && addr < *a + *b)
+            || self
+                .trimming
+                .iter()
+                .any(|(_, a, b)| *a <= addr && addr < *a + *b)
+    }
+
+    /// Whether a discard batch numbered `newest` or lower is still in flight.
+    fn any_in_flight_up_to(&self, newest: u64) -> bool {
+        self.discarding.iter().any(|(b, ..)| *b <= newest)
+            || self.trimming.iter().any(|(b, ..)| *b <= newest)
     }
 }
+
+/// Most free ranges one trim batch takes out of the searches at once.
+const TRIM_BATCH_RANGES: usize = 64;
 
 thread_local! {
     static PREFERRED_GROUP: Cell<usize> = const { Cell::new(usize::MAX) };
@@ -850,10 +868,117 @@ impl Allocator {
         result
     }
 
+    /// Discards the free space in blocks `[first, end)` (block indices) in runs of at least
+    /// `min` blocks (`fstrim`, DESIGN §14.4): batch by batch (at most [`TRIM_BATCH_RANGES`]
+    /// runs, within one group), the runs free now are taken out of the searches (their bits
+    /// set; still counted free), handed to `discard` with no allocator lock held, and made
+    /// searchable again when it returns, failed or not (the space was free and stays free).
+    /// So no allocation can take a block, and no write reach it, while its discard is in
+    /// flight; an allocation that finds no other space waits for the batch, as for a commit's
+    /// discards. A free run that crosses a group boundary counts as two runs for `min`.
+    /// Returns the blocks discarded; at the first failed `discard`, its error.
+    pub fn trim_free(
+        &self,
+        first: u64,
+        end: u64,
+        min: u64,
+        mut discard: impl FnMut(&[(BlockAddr, BlockCount)]) -> std::io::Result<()>,
+    ) -> std::io::Result<u64> {
+        let end = end.min(self.total_blocks);
+        let min = min.max(1);
+        let mut cursor = first;
+        let mut trimmed = 0;
+        while cursor < end {
+            let (batch, ranges, next) = self.take_free_for_trim(cursor, end, min);
+            cursor = next;
+            if ranges.is_empty() {
+                continue;
+            }
+            let mut in_flight = DiscardInFlight {
+                alloc: self,
+                batch,
+                ended: false,
+            };
+            let result = discard(&ranges);
+            in_flight.end(result.is_ok());
+            result?;
+            trimmed += ranges.iter().map(|(_, b)| b.get()).sum::<u64>();
+        }
+        Ok(trimmed)
+    }
+
+    /// One trim batch: from block `cursor` to the end of its group or `end`, the free runs of
+    /// at least `min` blocks (up to [`TRIM_BATCH_RANGES`]) taken out of the searches and
+    /// recorded as discard batch `batch`. Returns the batch, its ranges and where the next
+    /// batch starts.
+    fn take_free_for_trim(
+        &self,
+        cursor: u64,
+        end: u64,
+        min: u64,
+    ) -> (u64, Vec<(BlockAddr, BlockCount)>, u64) {
+        let Some(group) = self.group_of(cursor) else {
+            return (0, Vec::new(), end);
+        };
+        // Lock order: the list, then the group. The batch is registered before either lock
+        // is let go, so an allocation that finds no space sees it and waits for it.
+        let mut deferred = self.deferred.lock();
+        let mut g = group.lock();
+        let stop = end.min(g.first_block + g.blocks) - g.first_block;
+        let mut rel = cursor - g.first_block;
+        let mut ranges = Vec::new();
+        while rel < stop && ranges.len() < TRIM_BATCH_RANGES {
+            if g.is_used(rel) {
+                rel += 1;
+                continue;
+            }
+            let start = rel;
+            while rel < stop && !g.is_used(rel) {
+                rel += 1;
+            }
+            let len = rel - start;
+            if len >= min {
+                for b in start..rel {
+                    g.set(b, true);
+                }
+                g.free -= len;
+                ranges.push((
+                    BlockAddr::from_block_index(g.first_block + start),
+                    BlockCount::new(len),
+                ));
+            }
+        }
+        let next = g.first_block + rel;
+        drop(g);
+        if ranges.is_empty() {
+            return (0, ranges, next);
+        }
+        let batch = deferred.next_batch;
+        deferred.next_batch += 1;
+        deferred
+            .trimming
+            .extend(ranges.iter().map(|(a, b)| (batch, *a, *b)));
+        (batch, ranges, next)
+    }
+
     /// Ends discard batch `batch`: on success clears its ranges' bits (searchable from now
-    /// on), else puts them back in the deferred list; then wakes whoever waits for it.
+    /// on), else puts them back in the deferred list; a trim's ranges are cleared either way
+    /// (they were free). Then wakes whoever waits for it.
     fn end_discard(&self, batch: u64, discarded: bool) {
         let mut deferred = self.deferred.lock();
+        let mut trimmed = Vec::new();
+        deferred.trimming.retain(|(b, addr, blocks)| {
+            if *b == batch {
+                trimmed.push((*addr, *blocks));
+                false
+            } else {
+                true
+            }
+        });
+        for (addr, blocks) in trimmed {
+            // Still counted in `free_blocks`: only the group's count comes back.
+            self.clear_used(addr, blocks, "end of trim of free block");
+        }
         let mut ended = Vec::new();
         deferred.discarding.retain(|(b, freed_by, addr, blocks)| {
             if *b == batch {
@@ -879,10 +1004,16 @@ impl Allocator {
     /// Waits until the discard batches in flight now have ended; false when there was none.
     fn wait_for_discards(&self) -> bool {
         let mut deferred = self.deferred.lock();
-        let Some(newest) = deferred.discarding.iter().map(|(b, ..)| *b).max() else {
+        let newest = deferred
+            .discarding
+            .iter()
+            .map(|(b, ..)| *b)
+            .chain(deferred.trimming.iter().map(|(b, ..)| *b))
+            .max();
+        let Some(newest) = newest else {
             return false;
         };
-        while deferred.discarding.iter().any(|(b, ..)| *b <= newest) {
+        while deferred.any_in_flight_up_to(newest) {
             self.discard_ended.wait(&mut deferred);
         }
         true
@@ -1234,6 +1365,133 @@ mod tests {
             allocating.join().expect("allocating thread"),
             "the allocation waited for the discard and found its space"
         );
+    }
+
+    /// A trim (`fstrim`) discards exactly the free runs inside its range of at least its
+    /// minimum length, clipped to the range and split at group boundaries; nothing used,
+    /// nothing outside; while a batch's discard runs its ranges are out of the searches, and
+    /// afterwards everything is free as before, the free count never changing.
+    #[test]
+    fn trim_discards_exactly_the_free_runs_in_its_range() {
+        let a = Allocator::new(2 * GROUP_BLOCKS * BLOCK_SIZE);
+        let at = BlockAddr::from_block_index;
+        // Used: blocks 0..10, 20..21, 40..100, and 32760..32780 (across the group boundary).
+        for (start, len) in [(0, 10), (20, 1), (40, 60), (GROUP_BLOCKS - 8, 20)] {
+            assert!(a.mark_used(at(start), b(len)));
+        }
+        let free = a.free_blocks();
+        let mut seen: Vec<(u64, u64)> = Vec::new();
+        let trimmed = a
+            .trim_free(5, GROUP_BLOCKS + 100, 5, |ranges| {
+                for &(addr, len) in ranges {
+                    for n in 0..len.get() {
+                        assert!(
+                            a.is_used(addr + BlockCount::new(n)),
+                            "out of the searches while discarded"
+                        );
+                    }
+                    seen.push((addr.block_index(), len.get()));
+                }
+                assert_eq!(a.free_blocks(), free, "still counted free");
+                Ok(())
+            })
+            .expect("trim");
+        // 10..20 (10 blocks), 21..40 (19), 100..32760 (the rest of group 0), and in group 1
+        // 32780..32868 (to the range's end); nothing below 5 blocks, nothing used.
+        assert_eq!(
+            seen,
+            vec![
+                (10, 10),
+                (21, 19),
+                (100, GROUP_BLOCKS - 8 - 100),
+                (GROUP_BLOCKS + 12, 88),
+            ]
+        );
+        assert_eq!(trimmed, seen.iter().map(|(_, l)| l).sum::<u64>());
+        assert_eq!(a.free_blocks(), free);
+        for (start, len) in &seen {
+            assert!(!a.is_used(at(*start)) && !a.is_used(at(start + len - 1)));
+        }
+        assert!(
+            a.is_used(at(20)) && a.is_used(at(GROUP_BLOCKS)),
+            "used stays used"
+        );
+        // A minimum above every run: nothing. A range of used blocks: nothing.
+        let mut calls = 0;
+        let none = a
+            .trim_free(0, GROUP_BLOCKS, GROUP_BLOCKS, |_| {
+                calls += 1;
+                Ok(())
+            })
+            .expect("trim");
+        assert_eq!((none, calls), (0, 0));
+        let none = a.trim_free(40, 100, 1, |_| Ok(())).expect("trim");
+        assert_eq!(none, 0);
+        // A failed discard: its error, and the space is free again all the same.
+        let err = a
+            .trim_free(10, 20, 1, |_| Err(std::io::Error::other("discard failed")))
+            .expect_err("the discard's error");
+        assert_eq!(err.to_string(), "discard failed");
+        assert!(!a.is_used(at(10)) && a.free_blocks() == free);
+    }
+
+    /// An allocation beside a trim never gets a block whose discard is in flight, completes
+    /// while the discard is blocked when other space is free, and, on a device whose only
+    /// free space is being trimmed, waits for the trim's batch and then gets its space.
+    #[test]
+    fn an_allocation_never_gets_a_block_under_trim() {
+        use std::sync::{mpsc, Arc};
+        let a = Arc::new(Allocator::new(GROUP_BLOCKS * BLOCK_SIZE));
+        let at = BlockAddr::from_block_index;
+        // Everything used but 1000..2000 and 5000..5100.
+        assert!(a.mark_used(at(0), b(GROUP_BLOCKS)));
+        a.release(&[(at(1000), b(1000)), (at(5000), b(100))]);
+        let (entered_tx, entered_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel::<()>();
+        let trimming = {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                // Only the first run is trimmed: the range ends at 2000.
+                a.trim_free(0, 2000, 1, |ranges| {
+                    entered_tx.send(ranges.to_vec()).expect("send");
+                    release_rx.recv().expect("recv");
+                    Ok(())
+                })
+            })
+        };
+        let in_flight = entered_rx.recv().expect("the trim's discard started");
+        assert_eq!(in_flight, vec![(at(1000), b(1000))]);
+        // The other free run is handed out while the discard is blocked.
+        let mut got = Vec::new();
+        while got.len() < 10 {
+            let run = a
+                .allocate(b(1), b(10), Purpose::Metadata)
+                .expect("space outside the trim");
+            assert!(
+                run.0.block_index() >= 5000 && run.0.block_index() < 5100,
+                "{run:?} lies outside the trimmed run"
+            );
+            got.push(run);
+        }
+        // Take the rest of 5000..5100; then the only free space is under trim: an allocation
+        // waits for the batch to end.
+        while a.free_blocks().get() > 1000 {
+            a.allocate(b(1), b(100), Purpose::Metadata)
+                .expect("the rest of 5000..5100");
+        }
+        let allocating = {
+            let a = a.clone();
+            std::thread::spawn(move || a.allocate(b(8), b(8), Purpose::Metadata))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!allocating.is_finished(), "no space but the one under trim");
+        release_tx.send(()).expect("release");
+        assert_eq!(trimming.join().expect("trim thread").expect("trim"), 1000);
+        let (addr, _) = allocating
+            .join()
+            .expect("allocating thread")
+            .expect("the allocation waited for the trim and found its space");
+        assert!((1000..2000).contains(&addr.block_index()));
     }
 
     /// No allocator lock is held across a discard (DESIGN §14.4): while one is in flight, an

@@ -35,6 +35,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashSet;
+use std::sync::Arc;
 
 use birch_format::items::{ExtentKind, FileExtent};
 use birch_format::{BlockAddr, BlockCount, ItemType, Key, BLOCK_SIZE, EXTENT_MAX_BLOCKS};
@@ -973,7 +974,11 @@ impl<'e> DataLayer<'e> {
     /// [`extents_in`] return them) that fall in `[offset, end)` into `out`, which covers that
     /// range and is zeroed by the caller (holes and preallocated extents read as zeros); data
     /// blocks are read and verified ([`DataLayer::read_verified`]). The one read of extents
-    /// for the live filesystem and for snapshots. Does device I/O.
+    /// for the live filesystem and for snapshots. Does device I/O: one device read for one
+    /// regular extent, else one [`BlockDevice::read_many`] of every extent's blocks (extents
+    /// adjacent on disk read as one), in flight together where the device can (RBD).
+    ///
+    /// [`BlockDevice::read_many`]: crate::device::BlockDevice::read_many
     pub(crate) fn read_extents_into(
         &self,
         ino: u64,
@@ -982,6 +987,7 @@ impl<'e> DataLayer<'e> {
         end: u64,
         out: &mut [u8],
     ) -> Result<()> {
+        let mut parts: Vec<ExtentPart<'_>> = Vec::new();
         for (start, extent) in extents {
             let start = *start;
             match &extent.kind {
@@ -1000,11 +1006,100 @@ impl<'e> DataLayer<'e> {
                     let from = offset.max(start);
                     let to = end.min(ext_end);
                     if from < to {
-                        let part = &mut out[(from - offset) as usize..(to - offset) as usize];
-                        self.read_verified(ino, start, *disk_addr, csums, from, to, part)?;
+                        parts.push(ExtentPart {
+                            start,
+                            disk_addr: *disk_addr,
+                            csums,
+                            from,
+                            to,
+                        });
                     }
                 }
             }
+        }
+        match parts.as_slice() {
+            [] => Ok(()),
+            [p] => {
+                let part = &mut out[(p.from - offset) as usize..(p.to - offset) as usize];
+                self.read_verified(ino, p.start, p.disk_addr, p.csums, p.from, p.to, part)
+            }
+            _ => self.read_parts(ino, &parts, offset, out),
+        }
+    }
+
+    /// Reads several extent parts of one request with one [`BlockDevice::read_many`] (parts
+    /// adjacent on disk as one read), then verifies every block's checksum as
+    /// [`DataLayer::read_verified`] does, and copies each part into `out` (which starts at file
+    /// offset `offset`).
+    ///
+    /// [`BlockDevice::read_many`]: crate::device::BlockDevice::read_many
+    fn read_parts(
+        &self,
+        ino: u64,
+        parts: &[ExtentPart<'_>],
+        offset: u64,
+        out: &mut [u8],
+    ) -> Result<()> {
+        // Each part's blocks: (first block index in the extent, disk address, bytes), laid
+        // one after the other in one buffer.
+        let spans: Vec<(u64, u64, usize)> = parts
+            .iter()
+            .map(|p| {
+                let first_block = (p.from - p.start) / BLOCK_SIZE;
+                let last_block = (p.to - 1 - p.start) / BLOCK_SIZE;
+                let at = p.disk_addr + first_block * BLOCK_SIZE;
+                (
+                    first_block,
+                    at,
+                    ((last_block - first_block + 1) * BLOCK_SIZE) as usize,
+                )
+            })
+            .collect();
+        let total: usize = spans.iter().map(|(_, _, len)| len).sum();
+        let mut buf = Scratch::take(total);
+        // Blocks whose bytes only the log holds yet: taken before the device read (a block
+        // not placed now was written in place before it left).
+        let placed: Vec<Vec<(u64, Arc<[u8]>)>> = spans
+            .iter()
+            .map(|(_, at, len)| self.engine.pending().overlay(*at, *len as u64))
+            .collect();
+        // Device reads: a span that continues the previous one on disk extends its read.
+        let mut reads: Vec<(u64, usize)> = Vec::with_capacity(spans.len());
+        for (_, at, len) in &spans {
+            match reads.last_mut() {
+                Some((prev, prev_len)) if *prev + *prev_len as u64 == *at => *prev_len += len,
+                _ => reads.push((*at, *len)),
+            }
+        }
+        {
+            let mut rest: &mut [u8] = &mut buf.0;
+            let mut batch: Vec<(u64, &mut [u8])> = Vec::with_capacity(reads.len());
+            for (at, len) in &reads {
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(*len);
+                batch.push((*at, head));
+                rest = tail;
+            }
+            let (first, last) = (parts[0].from, parts[parts.len() - 1].to);
+            self.engine.device().read_many(&mut batch).map_err(|e| {
+                Error::io(
+                    format!(
+                        "read inode {ino} offsets {first}..{last}: {} extents in {} device reads",
+                        parts.len(),
+                        reads.len()
+                    ),
+                    e,
+                )
+            })?;
+        }
+        let mut at_buf = 0usize;
+        for ((p, (first_block, at, len)), placed) in parts.iter().zip(&spans).zip(&placed) {
+            let span = &mut buf.0[at_buf..at_buf + len];
+            at_buf += len;
+            PendingData::lay_over(*at, span, placed);
+            verify_blocks(ino, p.start, *first_block, *at, p.csums, span)?;
+            let buf_start = p.start + first_block * BLOCK_SIZE;
+            out[(p.from - offset) as usize..(p.to - offset) as usize]
+                .copy_from_slice(&span[(p.from - buf_start) as usize..(p.to - buf_start) as usize]);
         }
         Ok(())
     }
@@ -1038,22 +1133,7 @@ impl<'e> DataLayer<'e> {
             .read_at(&mut buf.0, at)
             .map_err(|e| Error::io(format!("read inode {ino} offset {from} block {at:#x}"), e))?;
         PendingData::lay_over(at, &mut buf.0, &placed);
-        for (n, block) in buf.0.chunks(BLOCK_SIZE as usize).enumerate() {
-            let index = first_block + n as u64;
-            let want = csums.get(index as usize).copied();
-            let got = birch_format::checksum(block);
-            if want != Some(got) {
-                let addr = at + n as u64 * BLOCK_SIZE;
-                let offset = start + index * BLOCK_SIZE;
-                let want = want.unwrap_or_default();
-                log::error!(
-                    "inode {ino} offset {offset} block {addr:#x}: data checksum {got:#010x}, expected {want:#010x}"
-                );
-                return Err(Error::DataChecksum(format!(
-                    "inode {ino} offset {offset} block {addr:#x}"
-                )));
-            }
-        }
+        verify_blocks(ino, start, first_block, at, csums, &buf.0)?;
         let buf_start = start + first_block * BLOCK_SIZE;
         out.copy_from_slice(&buf.0[(from - buf_start) as usize..(to - buf_start) as usize]);
         Ok(())
@@ -1109,6 +1189,45 @@ impl<'e> DataLayer<'e> {
             Seen::Unrecorded => alloc.free_now(run.disk_addr(), run.block_count()),
         }
     }
+}
+
+/// The part `[from, to)` of a regular extent at file offset `start` that one read covers.
+struct ExtentPart<'a> {
+    start: u64,
+    disk_addr: u64,
+    csums: &'a [u32],
+    from: u64,
+    to: u64,
+}
+
+/// Verifies the checksum of every block of `buf`, blocks `first_block..` of the regular
+/// extent at file offset `start` (`csums`), read from disk address `at`. A mismatch is
+/// [`Error::DataChecksum`] naming the inode, the file offset and the block.
+fn verify_blocks(
+    ino: u64,
+    start: u64,
+    first_block: u64,
+    at: u64,
+    csums: &[u32],
+    buf: &[u8],
+) -> Result<()> {
+    for (n, block) in buf.chunks(BLOCK_SIZE as usize).enumerate() {
+        let index = first_block + n as u64;
+        let want = csums.get(index as usize).copied();
+        let got = birch_format::checksum(block);
+        if want != Some(got) {
+            let addr = at + n as u64 * BLOCK_SIZE;
+            let offset = start + index * BLOCK_SIZE;
+            let want = want.unwrap_or_default();
+            log::error!(
+                "inode {ino} offset {offset} block {addr:#x}: data checksum {got:#010x}, expected {want:#010x}"
+            );
+            return Err(Error::DataChecksum(format!(
+                "inode {ino} offset {offset} block {addr:#x}"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// A per-thread buffer of `len` bytes for a device read, reused so a read does not fault in

@@ -384,6 +384,47 @@ impl Engine {
         &self.device
     }
 
+    /// Discards the space free now in device bytes `[start, start + len)`, in free runs of
+    /// at least `minlen` bytes (`fstrim`, the `FITRIM` ioctl; DESIGN §14.4): the space free at
+    /// mount, and any freed since, is otherwise never discarded. Runs are taken out of the
+    /// allocator's searches while their discard is in flight, a batch at a time
+    /// ([`Allocator::trim_free`]), so no allocation gets a block under discard and none waits
+    /// long. Returns the bytes discarded. `NotSupported` when the device frees nothing on a
+    /// discard (image files, block devices; an RBD image trims even with `discard=off`);
+    /// `ReadOnly` on a read-only filesystem; `Invalid` for a range shorter than a block, as
+    /// Linux filesystems answer. Does device I/O.
+    pub fn trim(&self, start: u64, len: u64, minlen: u64) -> Result<u64> {
+        if self.is_shut_down() {
+            return Err(Error::Shutdown);
+        }
+        if let Some(cause) = self.read_only_cause() {
+            return Err(Error::ReadOnly(cause));
+        }
+        if !self.device.can_trim() {
+            return Err(Error::NotSupported(
+                "trim: this device frees nothing on a discard (only an RBD image does)".to_string(),
+            ));
+        }
+        let block = birch_format::BLOCK_SIZE;
+        if len < block {
+            return Err(Error::Invalid(format!(
+                "trim: range length {len} is shorter than a block ({block})"
+            )));
+        }
+        let end = start.saturating_add(len);
+        let device = &self.device;
+        let blocks = self
+            .alloc
+            .trim_free(
+                start.div_ceil(block),
+                end / block,
+                minlen.div_ceil(block),
+                |ranges| device.trim(&discard_ranges(ranges)),
+            )
+            .map_err(|e| Error::io(format!("trim of free space in {start:#x}..{end:#x}"), e))?;
+        Ok(blocks * block)
+    }
+
     /// The device the engine was opened on (without the fence): to open it again.
     pub fn base_device(&self) -> &Arc<dyn BlockDevice> {
         self.fence.base()

@@ -3,13 +3,15 @@
 //! them (a superblock is written only after its nodes' writes completed and a flush after
 //! them; a commit is done only after its superblock and a flush after it), and freed space
 //! discarded ([`BlockDevice::discard`]) only once no committed root references it, with
-//! nothing assuming it reads back as zeros.
+//! nothing assuming it reads back as zeros; a read of a file of many extents asks for them
+//! as one batch ([`BlockDevice::read_many`], in flight together on RBD).
 
 #![allow(clippy::expect_used)]
 
 mod common;
 
 use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use birch_core::check::{check, CheckOptions};
@@ -29,6 +31,10 @@ enum Event {
     Flush,
     /// One `discard`: its ranges.
     Discard(Vec<(u64, u64)>),
+    /// One `read_at` (recorded only while `reads` is on).
+    Read(u64, usize),
+    /// One `read_many`: its reads (recorded only while `reads` is on).
+    ReadMany(Vec<(u64, usize)>),
 }
 
 /// A memory device that records every request, and fills discarded ranges with junk (a
@@ -36,6 +42,10 @@ enum Event {
 struct Recording {
     base: Arc<MemDevice>,
     events: Mutex<Vec<Event>>,
+    /// Whether reads are recorded too.
+    reads: AtomicBool,
+    /// A read covering this byte address fails (`u64::MAX`: none).
+    fail_read_at: AtomicU64,
 }
 
 impl Recording {
@@ -43,7 +53,19 @@ impl Recording {
         Arc::new(Recording {
             base,
             events: Mutex::new(Vec::new()),
+            reads: AtomicBool::new(false),
+            fail_read_at: AtomicU64::new(u64::MAX),
         })
+    }
+
+    fn read_one(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let bad = self.fail_read_at.load(Ordering::SeqCst);
+        if offset <= bad && bad < offset + buf.len() as u64 {
+            return Err(io::Error::other(format!(
+                "injected read failure at {offset:#x}"
+            )));
+        }
+        self.base.read_at(buf, offset)
     }
 
     fn take(&self) -> Vec<Event> {
@@ -53,7 +75,23 @@ impl Recording {
 
 impl BlockDevice for Recording {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.base.read_at(buf, offset)
+        if self.reads.load(Ordering::SeqCst) {
+            self.events.lock().push(Event::Read(offset, buf.len()));
+        }
+        self.read_one(buf, offset)
+    }
+
+    fn read_many(&self, reads: &mut [(u64, &mut [u8])]) -> io::Result<()> {
+        if self.reads.load(Ordering::SeqCst) {
+            self.events.lock().push(Event::ReadMany(
+                reads.iter().map(|(o, b)| (*o, b.len())).collect(),
+            ));
+        }
+        // In reverse: nothing may depend on the order within a batch.
+        for (offset, buf) in reads.iter_mut().rev() {
+            self.read_one(buf, *offset)?;
+        }
+        Ok(())
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
@@ -78,6 +116,10 @@ impl BlockDevice for Recording {
             self.base.write_at(&vec![0xDB; *len as usize], *offset)?;
         }
         Ok(())
+    }
+
+    fn can_trim(&self) -> bool {
+        true
     }
 
     fn flush(&self) -> io::Result<()> {
@@ -215,7 +257,7 @@ fn freed_space_is_discarded_then_reused_and_reads_back() {
                         .iter()
                         .any(|(at, len)| overlaps(&discarded, *at, *len as u64))
                 }
-                Event::Flush => {}
+                Event::Flush | Event::Read(..) | Event::ReadMany(_) => {}
             }
         }
     }
@@ -229,4 +271,217 @@ fn freed_space_is_discarded_then_reused_and_reads_back() {
 
 fn overlaps(ranges: &[(u64, u64)], at: u64, len: u64) -> bool {
     ranges.iter().any(|(s, l)| at < s + l && *s < at + len)
+}
+
+/// Writes `blocks` blocks to `/a` and `/b` one block each in turn, a commit after each
+/// pair, so each file's blocks lie every other block on disk: `/a` has `blocks` extents, none
+/// adjacent to another. Returns `/a`'s inode and content.
+fn fragmented(fs: &Filesystem, blocks: u32) -> (u64, Vec<u8>) {
+    fs.write_file("/a", b"").expect("create a");
+    fs.write_file("/b", b"").expect("create b");
+    let a = fs.resolve("/a").expect("resolve a");
+    let b = fs.resolve("/b").expect("resolve b");
+    let mut content = Vec::new();
+    for i in 0..blocks {
+        let block = pattern(i, 4096);
+        fs.write(a, u64::from(i) * 4096, &block, false)
+            .expect("write a");
+        fs.write(b, u64::from(i) * 4096, &pattern(1000 + i, 4096), false)
+            .expect("write b");
+        fs.sync().expect("commit");
+        content.extend_from_slice(&block);
+    }
+    (a, content)
+}
+
+/// A read that covers many extents not adjacent on disk asks the device for all of them
+/// in one `read_many` (on RBD: in flight together), and reads back what was written, every
+/// block's checksum verified; a read of one extent stays one `read_at`.
+#[test]
+fn a_read_of_many_extents_is_one_read_many() {
+    let (mem, dev, fs) = fresh(64 << 20);
+    let (a, content) = fragmented(&fs, 24);
+    dev.take();
+    dev.reads.store(true, Ordering::SeqCst);
+    let got = fs.read(a, 0, content.len()).expect("read a");
+    assert_eq!(got, content, "the fragmented file reads back");
+    let events = dev.take();
+    let batches: Vec<&Vec<(u64, usize)>> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::ReadMany(reads) => Some(reads),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        batches.len(),
+        1,
+        "one read_many for the request: {events:?}"
+    );
+    assert_eq!(batches[0].len(), 24, "one read per extent: {events:?}");
+    assert!(batches[0].iter().all(|(_, len)| *len == 4096), "{events:?}");
+    // A read inside one extent: a single read_at, no batch.
+    let got = fs
+        .read(a, 4096 * 3 + 100, 1000)
+        .expect("read in one extent");
+    assert_eq!(got, content[4096 * 3 + 100..4096 * 3 + 1100]);
+    let events = dev.take();
+    assert!(
+        !events.iter().any(|e| matches!(e, Event::ReadMany(_))),
+        "{events:?}"
+    );
+    dev.reads.store(false, Ordering::SeqCst);
+    fs.close().expect("close");
+    drop(fs);
+    let report = check(&*mem, CheckOptions { data: true }).expect("fsck");
+    assert!(report.is_clean(), "{:?}", report.findings);
+}
+
+/// Every read of any range of a file of many fragmented extents, on a plain memory device
+/// (the default `read_many`, one read after the other), returns what was written.
+#[test]
+fn fragmented_extents_read_back_at_every_range() {
+    let mem = Arc::new(MemDevice::new(64 << 20));
+    Filesystem::mkfs(mem.clone(), &MkfsOptions::default()).expect("mkfs");
+    let fs = common::open_quiet(&mem);
+    let (a, content) = fragmented(&fs, 40);
+    for (offset, len) in [
+        (0usize, content.len()),
+        (1, content.len() - 1),
+        (4095, 4098),
+        (4096 * 7 + 13, 4096 * 20),
+        (4096 * 39, 4096),
+        (4096 * 10, 4096 * 30 + 5000),
+    ] {
+        let got = fs.read(a, offset as u64, len).expect("read");
+        let end = (offset + len).min(content.len());
+        assert_eq!(got, content[offset..end], "read at {offset} length {len}");
+    }
+    common::close_and_check_clean(fs, &mem, "fragmented reads");
+}
+
+/// One failed read of a batch fails the whole request, with an error naming the inode and
+/// the device's own error (which read, where).
+#[test]
+fn a_failed_read_of_a_batch_fails_the_request_with_context() {
+    let (_mem, dev, fs) = fresh(64 << 20);
+    let (a, content) = fragmented(&fs, 8);
+    dev.reads.store(true, Ordering::SeqCst);
+    dev.take();
+    fs.read(a, 0, content.len()).expect("read a");
+    let reads = dev
+        .take()
+        .into_iter()
+        .find_map(|e| match e {
+            Event::ReadMany(reads) => Some(reads),
+            _ => None,
+        })
+        .expect("one read_many");
+    // Fail the fifth extent's read.
+    dev.fail_read_at.store(reads[4].0, Ordering::SeqCst);
+    let err = fs
+        .read(a, 0, content.len())
+        .expect_err("a failed read fails the request");
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("inode {a}")) && text.contains("injected read failure"),
+        "{text}"
+    );
+    dev.fail_read_at.store(u64::MAX, Ordering::SeqCst);
+    assert_eq!(fs.read(a, 0, content.len()).expect("read again"), content);
+}
+
+/// `fstrim` (`Filesystem::trim`): discards the space free now, never a block in use (the
+/// device fills discarded ranges with junk, and every file reads back and checks clean with
+/// data checksums), keeps inside the asked range, skips runs below the minimum, answers the
+/// bytes discarded, and leaves the space usable. On a device that frees nothing on a discard
+/// it is refused as unsupported (EOPNOTSUPP).
+#[test]
+fn trim_discards_free_space_only_within_the_range() {
+    let (mem, dev, fs) = fresh(64 << 20);
+    for i in 0..8u32 {
+        fs.write_file(&format!("/f{i}"), &pattern(i, 300 << 10))
+            .expect("write");
+    }
+    fs.sync().expect("commit");
+    dev.take();
+    let alloc = fs.engine().allocator();
+    let searchable = (alloc.free_blocks() - alloc.deferred_blocks()).get() * 4096;
+    let trimmed = fs.trim(0, u64::MAX, 0).expect("trim everything");
+    let discarded: Vec<(u64, u64)> = dev
+        .take()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Discard(ranges) => Some(ranges),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(
+        trimmed,
+        discarded.iter().map(|(_, l)| l).sum::<u64>(),
+        "answers what it discarded"
+    );
+    assert_eq!(trimmed, searchable, "all the searchable free space");
+    for i in 0..8u32 {
+        assert_eq!(
+            fs.read_file(&format!("/f{i}")).expect("read"),
+            pattern(i, 300 << 10)
+        );
+    }
+    // A range: nothing outside it. A minimum: no shorter run.
+    let (start, len) = (8u64 << 20, 4u64 << 20);
+    let part = fs.trim(start, len, 0).expect("trim a range");
+    let ranges: Vec<(u64, u64)> = dev
+        .take()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Discard(ranges) => Some(ranges),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert!(part > 0 && part <= len, "{part}");
+    assert!(
+        ranges
+            .iter()
+            .all(|(at, l)| *at >= start && at + l <= start + len),
+        "{ranges:?}"
+    );
+    let big = fs.trim(0, u64::MAX, 1 << 20).expect("trim with a minimum");
+    let ranges: Vec<(u64, u64)> = dev
+        .take()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Discard(ranges) => Some(ranges),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert!(big > 0);
+    assert!(ranges.iter().all(|(_, l)| *l >= 1 << 20), "{ranges:?}");
+    assert!(matches!(
+        fs.trim(0, 100, 0),
+        Err(birch_core::Error::Invalid(_))
+    ));
+    // The space is usable after: new files over trimmed space read back.
+    for i in 0..8u32 {
+        fs.write_file(&format!("/g{i}"), &pattern(50 + i, 1 << 20))
+            .expect("write after trim");
+    }
+    fs.sync().expect("commit");
+    for i in 0..8u32 {
+        assert_eq!(
+            fs.read_file(&format!("/g{i}")).expect("read"),
+            pattern(50 + i, 1 << 20)
+        );
+    }
+    fs.close().expect("close");
+    drop(fs);
+    let report = check(&*mem, CheckOptions { data: true }).expect("fsck");
+    assert!(report.is_clean(), "{:?}", report.findings);
+    // A memory device frees nothing on a discard: unsupported.
+    let (_mem, plain) = common::fresh(16 << 20);
+    let err = plain.trim(0, u64::MAX, 0).expect_err("unsupported");
+    assert_eq!(err.errno(), libc::EOPNOTSUPP, "{err}");
 }

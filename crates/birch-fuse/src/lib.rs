@@ -7,8 +7,8 @@
 //! capabilities and of what the kernel may cache (entry, negative-entry and attribute
 //! timeouts, the writeback cache, symlinks, directory listings), the invalidations the daemon
 //! owes the kernel when it changes something the kernel cached, logging of failed requests,
-//! the `FS_IOC_SHUTDOWN` ioctl (who may send it), and answering `EIO` to every request once
-//! the filesystem is shut down.
+//! the `FS_IOC_SHUTDOWN` and `FITRIM` ioctls (who may send them, their argument and answer),
+//! and answering `EIO` to every request once the filesystem is shut down.
 //! Must not touch: filesystem logic or caching of its own; every errno comes from
 //! [`birch_core::Error::errno`].
 
@@ -42,7 +42,48 @@ use fuser::{
 /// argument never reaches a FUSE server: through a mount it means "commit, then stop".
 pub const FS_IOC_SHUTDOWN: u32 = 0x8004_587d;
 
-/// `CAP_SYS_ADMIN`, the capability a shutdown asks of its caller.
+/// `FITRIM`, `_IOWR('X', 121, struct fstrim_range)` (what `fstrim(8)` sends to a mount point):
+/// in and out, three `u64`s in the host's order: start, len, minlen. The answer's len is the
+/// bytes discarded.
+pub const FITRIM: u32 = 0xc018_5879;
+
+/// `struct fstrim_range`, `FITRIM`'s argument and answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FstrimRange {
+    start: u64,
+    len: u64,
+    minlen: u64,
+}
+
+impl FstrimRange {
+    /// The struct as the kernel passes it in (24 bytes, host order); None for another size.
+    fn parse(bytes: &[u8]) -> Option<FstrimRange> {
+        if bytes.len() != 24 {
+            return None;
+        }
+        let word = |n: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&bytes[n * 8..n * 8 + 8]);
+            u64::from_ne_bytes(w)
+        };
+        Some(FstrimRange {
+            start: word(0),
+            len: word(1),
+            minlen: word(2),
+        })
+    }
+
+    /// The struct as the kernel copies it out.
+    fn bytes(&self) -> [u8; 24] {
+        let mut out = [0u8; 24];
+        out[..8].copy_from_slice(&self.start.to_ne_bytes());
+        out[8..16].copy_from_slice(&self.len.to_ne_bytes());
+        out[16..].copy_from_slice(&self.minlen.to_ne_bytes());
+        out
+    }
+}
+
+/// `CAP_SYS_ADMIN`, the capability a shutdown or a trim asks of its caller.
 const CAP_SYS_ADMIN: u32 = 21;
 
 /// Answers `EIO` and returns from the handler once the filesystem is shut down: every request
@@ -547,6 +588,47 @@ impl BirchFuse {
         } else {
             self.waiters.serve_here()
         }
+    }
+
+    /// `FITRIM` (`fstrim MOUNTPOINT`): on any inode of the mount (fstrim opens the mount
+    /// point), from a caller with `CAP_SYS_ADMIN` only (`EPERM` otherwise, as the kernel's
+    /// filesystems answer); discards the free space of the range
+    /// ([`Filesystem::trim`]) and answers the range with `len` set to the bytes discarded.
+    /// `EOPNOTSUPP` where the device frees nothing on a discard (an image file).
+    fn fitrim(&self, req: &Request, ino: INodeNo, in_data: &[u8], reply: ReplyIoctl) {
+        if !caller_is_admin(req.pid(), req.uid()) {
+            log::warn!(
+                "FITRIM on inode {} refused: pid {} (uid {}) lacks CAP_SYS_ADMIN",
+                ino.0,
+                req.pid(),
+                req.uid()
+            );
+            reply.error(Errno::EPERM);
+            return;
+        }
+        let Some(range) = FstrimRange::parse(in_data) else {
+            log::warn!(
+                "FITRIM on inode {}: argument of {} bytes, not 24",
+                ino.0,
+                in_data.len()
+            );
+            reply.error(Errno::EINVAL);
+            return;
+        };
+        // Discards wait for the device: served as FSYNC is (see `waiters`).
+        let fs = self.fs.clone();
+        let job = move || match fs.trim(range.start, range.len, range.minlen) {
+            Ok(trimmed) => reply.ioctl(
+                0,
+                &FstrimRange {
+                    len: trimmed,
+                    ..range
+                }
+                .bytes(),
+            ),
+            Err(e) => reply.error(errno("FITRIM", &e)),
+        };
+        self.serve_waiting(job);
     }
 
     /// Serves `job`, a request that waits for the device, here when [`BirchFuse::serve_here`]
@@ -1592,11 +1674,15 @@ impl fuser::Filesystem for BirchFuse {
         _fh: FileHandle,
         _flags: IoctlFlags,
         cmd: u32,
-        _in_data: &[u8],
+        in_data: &[u8],
         _out_size: u32,
         reply: ReplyIoctl,
     ) {
         refuse_if_down!(self, reply);
+        if cmd == FITRIM {
+            self.fitrim(req, ino, in_data, reply);
+            return;
+        }
         if cmd != FS_IOC_SHUTDOWN {
             reply.error(Errno::ENOTTY);
             return;
@@ -1952,6 +2038,31 @@ fn xattr_reply(reply: ReplyXattr, size: u32, value: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `FITRIM` is `_IOWR('X', 121, struct fstrim_range)`, and its argument round-trips in
+    /// the kernel's layout; another size is refused.
+    #[test]
+    fn fitrim_number_and_argument_match_the_kernel() {
+        let iowr = |kind: u8, nr: u8, size: u32| {
+            (3u32 << 30) | (size << 16) | (u32::from(kind) << 8) | u32::from(nr)
+        };
+        assert_eq!(FITRIM, iowr(b'X', 121, 24));
+        let mut raw = Vec::new();
+        for word in [4096u64, u64::MAX, 65536] {
+            raw.extend_from_slice(&word.to_ne_bytes());
+        }
+        let range = FstrimRange::parse(&raw).expect("24 bytes parse");
+        assert_eq!(
+            range,
+            FstrimRange {
+                start: 4096,
+                len: u64::MAX,
+                minlen: 65536
+            }
+        );
+        assert_eq!(range.bytes().as_slice(), raw.as_slice());
+        assert_eq!(FstrimRange::parse(&raw[..16]), None);
+    }
 
     #[test]
     fn a_readdir_cookie_carries_its_listing_end() {

@@ -89,7 +89,7 @@ pub(crate) const MOUNT_OPTIONS: &[(&str, &str)] = &[
     ("takeover", "rbd: images: take the image from a holder that no longer answers: wait (takeover_wait=) until its watch on the image expires, then blocklist it and break its lock; a holder still answering is refused. takeover=force fences the holder at once, alive or not; takeover=off is the default."),
     ("takeover_wait=SECS", "rbd: images: how long takeover waits for the holder to stop answering (default 60, 1 to 86400)."),
     ("rbd_timeout=SECS", "rbd: images: the watchdog: a request the cluster has not answered in SECS seconds (default 60, 1 to 86400) gives the image up: every request on the mount then answers EIO."),
-    ("discard=off", "rbd: images: keep freed space allocated in the cluster. By default (discard, discard=on) space no committed tree references any more (freed, and past the backup roots) is discarded on the image (rbd_aio_discard), so the cluster can free it; nodiscard is discard=off. Image files and block devices ignore it."),
+    ("discard=off", "rbd: images: keep freed space allocated in the cluster. By default (discard, discard=on) space no committed tree references any more (freed, and past the backup roots) is discarded on the image (rbd_aio_discard), so the cluster can free it; nodiscard is discard=off. fstrim(8) of the mount discards the free space either way. Image files and block devices ignore it."),
     ("defaults", "Accepted and ignored, as are auto, noauto, user, nouser, users, nofail, _netdev, async and default_permissions: mount(8) and fstab handle them."),
 ];
 

@@ -254,6 +254,28 @@ mod tests {
         assert_eq!((buf[0], buf[BLOCK], buf[2 * BLOCK + 1]), (0, 7, 7));
     }
 
+    /// The default `read_many` reads each buffer, and one failed read fails the whole call
+    /// with an error naming which read of the batch and where.
+    #[test]
+    fn read_many_reads_each_and_names_the_one_that_failed() {
+        let dev = MemDevice::new(64 * 1024);
+        dev.write_at(&[1; BLOCK], 0).expect("write");
+        dev.write_at(&[2; BLOCK], 3 * BLOCK as u64).expect("write");
+        let (mut a, mut b) = (vec![0u8; BLOCK], vec![0u8; 2 * BLOCK]);
+        dev.read_many(&mut [(3 * BLOCK as u64, &mut a[..]), (0, &mut b[..])])
+            .expect("read_many");
+        assert_eq!((a[0], b[0], b[BLOCK]), (2, 1, 0));
+        let reads = dev.counters().values().device_reads;
+        assert_eq!(reads, 2, "one device read counted per entry");
+        let mut c = vec![0u8; BLOCK];
+        let err = dev
+            .read_many(&mut [(0, &mut a[..]), (0, &mut b[..]), (64 * 1024, &mut c[..])])
+            .expect_err("a read past the end fails the batch");
+        let text = err.to_string();
+        assert!(text.contains("read 3 of 3 at 0x10000"), "{text}");
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+    }
+
     #[test]
     fn unaligned_and_out_of_range_io_is_refused() {
         let dev = MemDevice::new(64 * 1024);

@@ -1,6 +1,7 @@
 //! The block device layer.
 //!
-//! Owns: aligned reads and writes of whole blocks, flush, device size, and the exclusive lock
+//! Owns: aligned reads and writes of whole blocks, alone or as batches in flight together
+//! (`read_many`, `write_many`), discard and trim, flush, device size, and the exclusive lock
 //! on an image. Implemented for image files and block devices ([`FileDevice`], O_DIRECT so the
 //! host page cache never holds our data) and for memory ([`MemDevice`], which can forget
 //! unflushed writes to simulate power loss), for Ceph RBD images (`RbdDevice`, through
@@ -58,6 +59,28 @@ pub trait BlockDevice: Send + Sync {
         }
         Ok(())
     }
+    /// Reads each `(offset, buf)` of `reads`, as [`BlockDevice::read_at`] does, and returns
+    /// once every one has completed, or at the first failure (then what any buffer holds is
+    /// unspecified). The reads may be in flight together, in any order. Counts one device read
+    /// per entry. The default reads them one after the other; a device whose requests have a
+    /// round trip (RBD) submits them all before it waits for any. An error names the read
+    /// that failed.
+    fn read_many(&self, reads: &mut [(u64, &mut [u8])]) -> io::Result<()> {
+        read_one_by_one(self, reads)
+    }
+    /// Whether [`BlockDevice::trim`] can free anything on this device (a writable RBD
+    /// image). `fstrim` of a filesystem on a device that cannot is refused as unsupported.
+    /// The default: no.
+    fn can_trim(&self) -> bool {
+        false
+    }
+    /// Discards `ranges` as [`BlockDevice::discard`] does, for `fstrim` (the free space of
+    /// the filesystem, asked for by the administrator): done even where the automatic
+    /// discard of freed space is turned off (RBD's `discard=off`), as Linux filesystems
+    /// mounted `nodiscard` still trim. The default is [`BlockDevice::discard`].
+    fn trim(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
+        self.discard(ranges)
+    }
     /// Tells the device that each `(offset, length)` of `ranges` holds nothing anyone will
     /// read (space no committed tree references any more), so it may free what backs it (RBD:
     /// `rbd_aio_discard`). Returns once every one has completed. Afterwards a range reads back
@@ -74,6 +97,29 @@ pub trait BlockDevice: Send + Sync {
     fn size_bytes(&self) -> u64;
     /// I/O counters of this device.
     fn counters(&self) -> &Counters;
+}
+
+/// [`BlockDevice::read_many`] as one [`BlockDevice::read_at`] after the other, each error
+/// naming the read of the batch that failed.
+pub(crate) fn read_one_by_one<D: BlockDevice + ?Sized>(
+    device: &D,
+    reads: &mut [(u64, &mut [u8])],
+) -> io::Result<()> {
+    let count = reads.len();
+    for (n, (offset, buf)) in reads.iter_mut().enumerate() {
+        device.read_at(buf, *offset).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "read {} of {count} at {:#x} length {}: {e}",
+                    n + 1,
+                    *offset,
+                    buf.len()
+                ),
+            )
+        })?;
+    }
+    Ok(())
 }
 
 /// Whether this build can open RBD images (the `rbd` cargo feature).

@@ -71,6 +71,45 @@ impl BlockDevice for OverlayDevice {
         Ok(())
     }
 
+    fn read_many(&self, reads: &mut [(u64, &mut [u8])]) -> io::Result<()> {
+        for (offset, buf) in reads.iter() {
+            check_range(*offset, buf.len(), self.size_bytes())?;
+        }
+        let blocks = self.blocks.read();
+        let overlaid = |offset: u64, len: usize| {
+            let first = offset / BLOCK as u64;
+            let count = (len / BLOCK) as u64;
+            (
+                first,
+                count,
+                blocks.range(first..first + count).count() as u64,
+            )
+        };
+        // The reads the overlay does not cover whole go to the base as one batch (in flight
+        // together where the base can).
+        let mut from_base: Vec<(u64, &mut [u8])> = reads
+            .iter_mut()
+            .filter(|(offset, buf)| {
+                let (_, count, held) = overlaid(*offset, buf.len());
+                held < count
+            })
+            .map(|(offset, buf)| (*offset, &mut **buf))
+            .collect();
+        if !from_base.is_empty() {
+            self.base.read_many(&mut from_base)?;
+        }
+        drop(from_base);
+        for (offset, buf) in reads.iter_mut() {
+            let (first, count, _) = overlaid(*offset, buf.len());
+            for (b, data) in blocks.range(first..first + count) {
+                let rel = (b - first) as usize * BLOCK;
+                buf[rel..rel + BLOCK].copy_from_slice(data);
+            }
+        }
+        self.counters.add(|c| &c.device_reads, reads.len() as u64);
+        Ok(())
+    }
+
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         check_range(offset, buf.len(), self.size_bytes())?;
         let first = offset / BLOCK as u64;
@@ -125,5 +164,18 @@ mod tests {
             "the base is never written"
         );
         assert_eq!(overlay.changed_blocks(), 2);
+        // A batch: one read wholly in the overlay, one partly, one from the base only.
+        let (mut a, mut b, mut c) = (vec![0u8; BLOCK], vec![0u8; 2 * BLOCK], vec![0u8; BLOCK]);
+        overlay
+            .read_many(&mut [
+                (BLOCK as u64, &mut a[..]),
+                (0, &mut b[..]),
+                (2 * BLOCK as u64, &mut c[..]),
+            ])
+            .expect("read_many");
+        assert!(a.iter().all(|&x| x == 2));
+        assert_eq!(b[..BLOCK], got[..BLOCK]);
+        assert!(b[BLOCK..].iter().all(|&x| x == 2));
+        assert!(c.iter().all(|&x| x == 0));
     }
 }

@@ -1,9 +1,10 @@
 //! A Ceph RBD image as a block device, through librbd (the `rbd` cargo feature).
 //!
 //! Every request is an `rbd_aio_*` call. A single request (`read_at`, `write_at`, `flush`)
-//! is waited for before it returns; a batch (`write_many`, `discard`) is submitted whole, up to
-//! [`MAX_IN_FLIGHT`] requests at a time, before anything waits, so a commit's node writes and
-//! a write-back's runs pay about one round trip, not one each (DESIGN §14.4). The engine's own
+//! is waited for before it returns; a batch (`write_many`, `read_many`, `discard`) is
+//! submitted whole, up to [`MAX_IN_FLIGHT`] requests at a time, before anything waits, so a
+//! commit's node writes, a write-back's runs and a read of many extents pay about one round
+//! trip, not one each (DESIGN §14.4). The engine's own
 //! ordering (nodes written, flush, superblock, flush) carries over unchanged: `write_many`
 //! returns only once every write of the batch has completed, and `rbd_aio_flush` completes
 //! only when every write that completed before it is on the OSDs, librbd's cache or not. A
@@ -448,10 +449,11 @@ enum AioKind {
     Flush,
 }
 
-/// Most requests of one batch ([`BlockDevice::write_many`], [`BlockDevice::discard`]) in
-/// flight at once: each holds a copy of its bytes until it completes.
+/// Most requests of one batch ([`BlockDevice::write_many`], [`BlockDevice::read_many`],
+/// [`BlockDevice::discard`]) in flight at once: each holds a buffer of its own until it
+/// completes.
 const MAX_IN_FLIGHT: usize = 64;
-/// Most bytes of one batch's writes in flight at once.
+/// Most bytes of one batch's reads or writes in flight at once.
 const MAX_IN_FLIGHT_BYTES: usize = 64 << 20;
 
 /// A submitted request: its op, when the watchdog gives up on it, and what it is (for errors).
@@ -762,39 +764,45 @@ impl RbdDevice {
         Ok(request.op)
     }
 
-    /// Submits requests of `kind` (writes with their bytes, discards with `data` None and a
-    /// length) all before waiting for any, at most [`MAX_IN_FLIGHT`] requests and
-    /// [`MAX_IN_FLIGHT_BYTES`] of writes at a time, each under the watchdog; returns once all
-    /// completed. The first failure gives the device up (as one request's does) and is
-    /// returned at once: the requests still in flight are never waited for, nor retried
-    /// (their buffers stay with librbd's callbacks until they complete).
+    /// Submits requests of `kind` (writes with their bytes, reads and discards with `data`
+    /// None and a length) all before waiting for any, at most [`MAX_IN_FLIGHT`] requests and
+    /// [`MAX_IN_FLIGHT_BYTES`] of read or write buffers at a time, each under the watchdog;
+    /// returns once all completed, having called `done(index, op)` for each request as it is
+    /// found complete (a read's bytes are in `op`'s buffer then). The first failure gives the
+    /// device up (as one request's does) and is returned at once: the requests still in
+    /// flight are never waited for, nor retried (their buffers stay with librbd's callbacks
+    /// until they complete, so a late read fills a buffer of its own, never the caller's).
     fn submit_many(
         &self,
         kind: AioKind,
         requests: &[(u64, usize, Option<&[u8]>)],
+        mut done: impl FnMut(usize, &AioOp),
     ) -> io::Result<()> {
-        let mut in_flight: std::collections::VecDeque<InFlight> =
+        let buffered = matches!(kind, AioKind::Read | AioKind::Write);
+        let mut in_flight: std::collections::VecDeque<(usize, InFlight)> =
             std::collections::VecDeque::with_capacity(requests.len().min(MAX_IN_FLIGHT));
         let mut bytes = 0usize;
-        for &(offset, len, data) in requests {
+        for (index, &(offset, len, data)) in requests.iter().enumerate() {
             while in_flight.len() >= MAX_IN_FLIGHT
-                || (data.is_some() && !in_flight.is_empty() && bytes + len > MAX_IN_FLIGHT_BYTES)
+                || (buffered && !in_flight.is_empty() && bytes + len > MAX_IN_FLIGHT_BYTES)
             {
-                let Some(oldest) = in_flight.pop_front() else {
+                let Some((n, oldest)) = in_flight.pop_front() else {
                     break;
                 };
                 self.wait(&oldest)?;
-                if data.is_some() {
+                done(n, &oldest.op);
+                if buffered {
                     bytes -= oldest.len;
                 }
             }
-            in_flight.push_back(self.start(kind, offset, len, data)?);
-            if data.is_some() {
+            in_flight.push_back((index, self.start(kind, offset, len, data)?));
+            if buffered {
                 bytes += len;
             }
         }
-        for request in &in_flight {
+        for (n, request) in &in_flight {
             self.wait(request)?;
+            done(*n, &request.op);
         }
         Ok(())
     }
@@ -1540,6 +1548,24 @@ impl BlockDevice for RbdDevice {
         Ok(())
     }
 
+    fn read_many(&self, reads: &mut [(u64, &mut [u8])]) -> io::Result<()> {
+        for (offset, buf) in reads.iter() {
+            check_range(*offset, buf.len(), self.size)?;
+        }
+        self.counters.add(|c| &c.device_reads, reads.len() as u64);
+        let requests: Vec<(u64, usize, Option<&[u8]>)> = reads
+            .iter()
+            .map(|(offset, buf)| (*offset, buf.len(), None))
+            .collect();
+        self.submit_many(AioKind::Read, &requests, |n, op| {
+            // SAFETY: the request completed, so librbd no longer touches its buffer, which
+            // holds `op.len` bytes: the length of read `n`.
+            reads[n]
+                .1
+                .copy_from_slice(unsafe { std::slice::from_raw_parts(op.buf, op.len) });
+        })
+    }
+
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         check_range(offset, buf.len(), self.size)?;
         if !self.writable {
@@ -1574,21 +1600,35 @@ impl BlockDevice for RbdDevice {
             .iter()
             .map(|(offset, bytes)| (*offset, bytes.len(), Some(*bytes)))
             .collect();
-        self.submit_many(AioKind::Write, &requests)
+        self.submit_many(AioKind::Write, &requests, |_, _| {})
     }
 
     fn discard(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
         if !self.discard {
             return Ok(());
         }
+        self.trim(ranges)
+    }
+
+    fn can_trim(&self) -> bool {
+        self.writable
+    }
+
+    fn trim(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
         for (offset, len) in ranges {
             check_range(*offset, *len as usize, self.size)?;
+        }
+        if !self.writable {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!("{}: discard: image opened read-only", self.spec),
+            ));
         }
         let requests: Vec<(u64, usize, Option<&[u8]>)> = ranges
             .iter()
             .map(|(offset, len)| (*offset, *len as usize, None))
             .collect();
-        self.submit_many(AioKind::Discard, &requests)
+        self.submit_many(AioKind::Discard, &requests, |_, _| {})
     }
 
     fn flush(&self) -> io::Result<()> {

@@ -878,6 +878,17 @@ impl Filesystem {
         }
     }
 
+    /// Discards the free space in device bytes `[start, start + len)`, in free runs of at
+    /// least `minlen` bytes, and returns the bytes discarded (`fstrim`, the `FITRIM` ioctl
+    /// through a mount; [`Engine::trim`](crate::txn::Engine::trim), SEMANTICS §8).
+    pub fn trim(&self, start: u64, len: u64, minlen: u64) -> Result<u64> {
+        let trimmed = self.inner.engine.trim(start, len, minlen)?;
+        log::info!(
+            "trim: {trimmed} bytes of free space discarded in {start:#x}+{len:#x} (runs of {minlen} bytes at least)"
+        );
+        Ok(trimmed)
+    }
+
     /// Shuts the filesystem down (`birch shutdown`, the `FS_IOC_SHUTDOWN` ioctl through a
     /// mount): after it every operation fails with [`Error::Shutdown`] (`EIO`) and nothing
     /// more reaches the image, not even buffered data (it is dropped) or a commit at
