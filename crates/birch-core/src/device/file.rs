@@ -380,7 +380,13 @@ impl BlockDevice for FileDevice {
             }
         }
         let fd = io_uring::types::Fd(self.file.as_raw_fd());
-        for chunk in placed.chunks(RING_ENTRIES as usize) {
+        // A ring that failed with writes of ours possibly still in it (an io_uring_enter
+        // error other than EINTR/EAGAIN/EBUSY, or a submission queue that was not empty) is
+        // given up: its unreaped writes may still read `region`, which is then leaked rather
+        // than freed, and later batches go one by one (`write_at`) instead of reaping stale
+        // completions or submitting stale entries.
+        let mut broken: Option<io::Error> = None;
+        'chunks: for chunk in placed.chunks(RING_ENTRIES as usize) {
             for (n, (offset, ptr, len)) in chunk.iter().enumerate() {
                 // The bytes live until every completion of this chunk is reaped below.
                 let entry = io_uring::opcode::Write::new(fd, *ptr, *len as u32)
@@ -389,9 +395,12 @@ impl BlockDevice for FileDevice {
                     .user_data(n as u64);
                 // SAFETY: `ptr .. + len` is one of the callers' buffers or lies inside
                 // `region`; both outlive the submission: this function waits for all of the
-                // chunk's completions before it returns or moves on.
-                unsafe { ring.submission().push(&entry) }
-                    .map_err(|_| io::Error::other("io_uring submission queue full"))?;
+                // chunk's completions before it returns or moves on, and a ring given up
+                // before that leaks `region` (`broken` below).
+                if unsafe { ring.submission().push(&entry) }.is_err() {
+                    broken = Some(io::Error::other("io_uring submission queue full"));
+                    break 'chunks;
+                }
             }
             let mut reaped = 0usize;
             let mut failed: Option<io::Error> = None;
@@ -400,7 +409,18 @@ impl BlockDevice for FileDevice {
                 match ring.submit_and_wait(chunk.len() - reaped) {
                     Ok(_) => {}
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(e),
+                    Err(e)
+                        if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EBUSY)) =>
+                    {
+                        // Completions to reap first, or the kernel short of memory a moment.
+                        if ring.completion().is_empty() {
+                            std::thread::sleep(std::time::Duration::from_millis(1));
+                        }
+                    }
+                    Err(e) => {
+                        broken = Some(e);
+                        break 'chunks;
+                    }
                 }
                 for cqe in ring.completion() {
                     reaped += 1;
@@ -423,6 +443,15 @@ impl BlockDevice for FileDevice {
                     self.write_at(bytes, offset)?;
                 }
             }
+        }
+        if let Some(e) = broken {
+            std::mem::forget(region);
+            log::error!(
+                "{}: io_uring failed with writes in flight ({e}); later batches go one by one",
+                self.path.display()
+            );
+            *slot = Some(None);
+            return Err(e);
         }
         Ok(())
     }
