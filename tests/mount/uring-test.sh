@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # FUSE over io_uring (the default where the kernel has it; mount option `uring=on|off`,
-# DESIGN §12.5), three cases:
+# DESIGN §12.5), four cases:
 #  0. no option (the default) with enable_uring N at the start: the mount sets it and serves
-#     over the ring; `-o uring=off`: the same work, every request over /dev/fuse.
+#     over the ring; then `-o uring=off`: the same work, every request over /dev/fuse.
 #  1. `-o uring`: create, write, fsync, read, rename, unlink, mkdir, readdir through the mount;
 #     the stats xattr must show requests served over the ring (fuse_uring_requests) and the
 #     daemon log must say so at unmount; then `birch fsck` is clean.
