@@ -20,6 +20,17 @@ for name in birch mkfs.birch fsck.birch; do
 done
 # mount(8) looks for helpers in /sbin only (/usr/sbin on merged-/usr Debian).
 $SUDO install -m 0755 target/release/birch /usr/sbin/mount.fuse.birch
+# FUSE over io_uring (DESIGN §12.5): birch mounts use it wherever the fuse module's
+# enable_uring allows it, a machine-wide setting this script turns on, now and at every boot
+# (a modprobe.d option; a kernel before 6.14 has no such parameter and is left alone).
+$SUDO sh -c 'exec 3<>/dev/fuse' 2>/dev/null || true  # loads the fuse module if it is not
+URING_PARAM=/sys/module/fuse/parameters/enable_uring
+if [[ -e $URING_PARAM ]]; then
+  if [[ $(cat "$URING_PARAM") != Y ]]; then
+    echo Y | $SUDO tee "$URING_PARAM" >/dev/null && echo "setup: turned on FUSE over io_uring ($URING_PARAM)"
+  fi
+  echo "options fuse enable_uring=1" | $SUDO tee /etc/modprobe.d/birch-fuse-uring.conf >/dev/null
+fi
 IMG=${BIRCH_IMAGE:-/var/tmp/birch.img}
 MNT=${BIRCH_MNT:-/mnt/birch}
 $SUDO mkdir -p "$MNT"

@@ -78,8 +78,16 @@ if [[ $can_mount == 1 ]]; then
   # mount(8) calls mount.fuse.birch for `-o remount` and fstab lines of type fuse.birch.
   install -m 0755 target/release/birch /usr/sbin/mount.fuse.birch
   tier "posix setup" bash tests/posix/setup.sh
+  # The machine as scripts/setup.sh leaves it: FUSE over io_uring allowed (the fuse module's
+  # enable_uring Y), so the mount tiers below run over the ring, birch's default there; the
+  # /dev/fuse transport (older kernels, uring=off) gets its own tier right after.
+  sh -c 'exec 3<>/dev/fuse' 2>/dev/null
+  URING_PARAM=/sys/module/fuse/parameters/enable_uring
+  [[ -e $URING_PARAM ]] && echo Y > "$URING_PARAM" 2>/dev/null
   tier "mount tests" bash tests/mount/mount-tests.sh
   tier "FUSE op tests" python3 tests/mount/fuse-ops.py
+  tier "mount and FUSE op tests over /dev/fuse" \
+    env BIRCH_MOUNT_OPTS=uring=off bash -c 'bash tests/mount/mount-tests.sh && python3 tests/mount/fuse-ops.py'
   # birch stats: --json fields, counters and latencies moving after writes, fsyncs and a
   # commit, the table and --watch (about 2 s).
   tier "stats" bash tests/mount/stats-test.sh
@@ -88,8 +96,9 @@ if [[ $can_mount == 1 ]]; then
   # birch scrub offline and online: clean and damaged (a data byte, a leaf byte) images,
   # exit codes 0/1/2, JSON fields, inodes and paths of damaged blocks (about 5 s).
   tier "scrub" bash tests/mount/scrub-test.sh
-  # -o uring (FUSE over io_uring) and its fallback when registration fails; skips (77) on a
-  # kernel without it. Leaves the fuse module's enable_uring as it found it.
+  # FUSE over io_uring: the default with enable_uring N (over /dev/fuse, the setting left
+  # alone) and Y (over the ring), -o uring, -o uring=off, and the fallback when registration
+  # fails; skips (77) on a kernel without it. Leaves enable_uring as it found it.
   tier "FUSE over io_uring" bash tests/mount/uring-test.sh
   # NFS export through NFS-Ganesha (NFSv3 and v4, FSAL_VFS) beside kernel ext4: operations,
   # file handles across ganesha restarts, cache drops and remounts, UNSTABLE WRITE + COMMIT

@@ -33,7 +33,7 @@ from .common import ALL_TARGETS, OPTIONAL_TARGETS, ENTRY, HERE, REPO, Log, fmt_n
 from .mounts import State, cleanup_from, kill_active, run
 from .report import (before_after, before_after_table, counter_delta, do_check, rerender, summarize,
                      write_charts, write_markdown)
-from .targets import RbdCluster, Target
+from .targets import allow_fuse_uring, RbdCluster, Target
 from .workloads import WL_TITLES, build_cases, build_mdcr, mdcr_py, w5_child, w6_assets, w6_child
 
 # the first paragraph of bench/birchbench.py's docstring: --help's description
@@ -319,6 +319,8 @@ def main(argv=None) -> int:
     log(f"birchbench: {command}")
     log(f"output: {out}")
     targets = make_targets(cfg)
+    if any(t.is_fuse for t in targets):
+        log(f"FUSE over io_uring: {allow_fuse_uring()}")
     cases = build_cases(cfg)
     cluster = None
     runs: list[dict] = []

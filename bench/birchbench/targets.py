@@ -69,6 +69,30 @@ def ensure_image(path: str, size: int) -> str:
 URING_PARAM = "/sys/module/fuse/parameters/enable_uring"
 
 
+def allow_fuse_uring() -> str:
+    """Turns the fuse module's enable_uring on, as scripts/setup.sh does: birchfs serves over
+    FUSE over io_uring by default wherever it is on (DESIGN §12.5), and memfs_ll-uring needs it.
+    Returns what was done, for the log."""
+    try:
+        with open("/dev/fuse", "r+b"):
+            pass  # a first open loads the fuse module, and with it the parameter
+    except OSError:
+        pass
+    try:
+        with open(URING_PARAM) as f:
+            was = f.read().strip()
+    except OSError as e:
+        return f"no FUSE over io_uring here ({URING_PARAM}: {e.strerror})"
+    if was == "Y":
+        return f"{URING_PARAM} already Y"
+    try:
+        with open(URING_PARAM, "w") as f:
+            f.write("Y")
+    except OSError as e:
+        return f"{URING_PARAM} is {was} and cannot be set ({e.strerror}): birchfs serves over /dev/fuse"
+    return f"{URING_PARAM} set to Y (was {was}), as scripts/setup.sh does"
+
+
 class Target:
     def __init__(self, name: str, kind: str, cfg, opts: str | None = None, before: bool = False,
                  rbd: bool = False):

@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 from birchbench import mounts  # noqa: E402
 
 BIRCH = os.environ.get("BIRCH", os.path.join(REPO, "target", "release", "birch"))
-# Extra mount options for the test mounts, e.g. BIRCH_MOUNT_OPTS=uring.
+# Extra mount options for the test mounts, e.g. BIRCH_MOUNT_OPTS=uring=off (/dev/fuse alone).
 MOUNT_OPTS = [o for o in os.environ.get("BIRCH_MOUNT_OPTS", "").split(",") if o]
 # Run only these tests, e.g. BIRCH_FUSE_OPS_ONLY=op_tmpfile,op_rename2 (default: all).
 ONLY = [t for t in os.environ.get("BIRCH_FUSE_OPS_ONLY", "").split(",") if t]

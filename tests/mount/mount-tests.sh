@@ -19,7 +19,7 @@
 # Skips (exit 77) with a printed reason where /dev/fuse is absent or not root.
 set -uo pipefail
 BIRCH=${BIRCH:-$(pwd)/target/release/birch}
-# Extra mount options for every mount, e.g. BIRCH_MOUNT_OPTS=uring.
+# Extra mount options for every mount, e.g. BIRCH_MOUNT_OPTS=uring=off (/dev/fuse alone).
 EXTRA_OPTS=()
 if [ -n "${BIRCH_MOUNT_OPTS:-}" ]; then EXTRA_OPTS=(-o "$BIRCH_MOUNT_OPTS"); fi
 if [[ ! -e /dev/fuse ]]; then echo "mount-tests: SKIP: /dev/fuse is absent"; exit 77; fi

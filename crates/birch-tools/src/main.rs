@@ -110,7 +110,7 @@ enum Command {
         /// default one per CPU, 2..8), waiters=N (requests waiting for the device at once,
         /// default 64), ttl=SECS (default 60), fsync=log|commit, writeback=on|off (default on),
         /// keep_cache=on|off (default on), buffer=on|off (default on), uring=on|off (FUSE
-        /// over io_uring, default on where the kernel has it), the benchmark-only bench_serialize_sync_writes,
+        /// over io_uring, by default wherever the kernel's enable_uring allows it), the benchmark-only bench_serialize_sync_writes,
         /// bench_global_objectid_lock, bench_apply_per_item (off by default), and the usual VFS options (defaults, noatime, relatime,
         /// strictatime, nodiratime, nodev, nosuid, noexec, _netdev). An unknown option is an
         /// error.
@@ -1565,9 +1565,11 @@ fn crashtest(
             )),
         }
     }
-    // FUSE over io_uring (the mount's default) in three runs of five where the kernel has it,
+    // FUSE over io_uring (the mount's default where allowed) in three runs of five where the
+    // kernel has it (a ring run turns enable_uring on, as `-o uring` does),
     // /dev/fuse alone in the rest; the fuse module's enable_uring is put back as it was found.
     let uring_was = if fuse_runs >= 2 {
+        mount::load_fuse_module();
         mount::uring_param()
     } else {
         None

@@ -40,8 +40,10 @@ struct MountConfig {
     /// The daemon's own write buffer (delayed allocation), `buffer=on|off`.
     buffer: bool,
     /// FUSE over io_uring beside /dev/fuse (`uring`, `uring=on|off`, DESIGN §12.5): `None`
-    /// (the default) uses it where the kernel has it and says nothing when it cannot;
-    /// `Some(true)` (asked for) warns when it cannot; `Some(false)` serves over /dev/fuse only.
+    /// (the default) uses it where the kernel allows it (the fuse module's `enable_uring` is
+    /// Y), leaving that machine-wide setting to the administrator; `Some(true)` (asked for)
+    /// also turns `enable_uring` on, and warns when it cannot have the ring; `Some(false)`
+    /// serves over /dev/fuse only.
     uring: Option<bool>,
     /// Benchmark-only switches, each a seed's "before" (off by default; docs/BENCHMARKS.md).
     bench_serialize_sync_writes: bool,
@@ -74,7 +76,7 @@ pub(crate) const MOUNT_OPTIONS: &[(&str, &str)] = &[
     ("writeback=on", "The kernel's writeback cache: writes are gathered in the page cache (default on; writeback=off sends each write to the daemon)."),
     ("keep_cache=on", "Keep a file's pages in the page cache across opens (default on)."),
     ("buffer=on", "The daemon buffers writes that are neither direct nor synchronous until the next commit or fsync (default on)."),
-    ("uring=on", "FUSE over io_uring beside /dev/fuse, one ring per CPU (default on where the kernel has it: Linux 6.14 and later; run as root, the mount sets the fuse module's enable_uring to Y if it is N). uring=off serves every request over /dev/fuse; uring alone is uring=on."),
+    ("uring=on", "FUSE over io_uring beside /dev/fuse, one ring per CPU. By default the mount uses it wherever the kernel allows it (Linux 6.14 and later, with the fuse module's enable_uring set to Y, which scripts/setup.sh does); uring (or uring=on) asks for it and, run as root, sets enable_uring to Y if it is N; uring=off serves every request over /dev/fuse."),
     ("noatime", "Reads never update atime. relatime (the default; also atime) and strictatime are the other choices; the last one given counts."),
     ("nodiratime", "Reads of directories never update atime (diratime undoes it)."),
     ("nodev", "Device files on the mount cannot be opened (dev undoes it)."),
@@ -639,7 +641,7 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
     fuse_config.clone_fd = true;
     // The kernel offers FUSE_OVER_IO_URING in INIT (sent during mount(2)) only if the fuse
     // module's enable_uring is on; without it no ring is made (its buffers would go unused).
-    if config.uring != Some(false) && enable_fuse_uring(config.uring == Some(true)) {
+    if config.uring != Some(false) && uring_allowed(config.uring == Some(true)) {
         fuse_config.uring = Some(uring_options(mountpoint));
     }
     let fuse_fd = match kernel_mount(image, mountpoint, config) {
@@ -767,10 +769,22 @@ fn uring_options(mountpoint: &Path) -> fuser::UringOptions {
     }
 }
 
-/// Turns on the fuse module's `enable_uring` (needs root) if it is off, and says so. Where it
-/// cannot, the mount serves over /dev/fuse alone: a warning if the ring was asked for
-/// (`asked`, `-o uring`), an info line if it is only the default. Returns whether it is on.
-fn enable_fuse_uring(asked: bool) -> bool {
+/// Loads the fuse module if it is not loaded yet (`/dev/fuse` opened once: the kernel loads the
+/// module on a first open), so that its parameters, `enable_uring` among them, can be read.
+pub(crate) fn load_fuse_module() {
+    let _ = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/fuse");
+}
+
+/// Whether this mount may serve over FUSE over io_uring: the fuse module's `enable_uring` is
+/// Y. It is a machine-wide setting (every FUSE server that asks may then use io_uring), so the
+/// default leaves it to the administrator (`scripts/setup.sh` turns it on) and says once, at
+/// info level, how to turn it on; a mount that asks for the ring (`asked`, `-o uring`) turns
+/// it on itself when run as root, and warns when it cannot have it.
+fn uring_allowed(asked: bool) -> bool {
+    load_fuse_module();
     let cannot = |why: String| {
         if asked {
             log::warn!("uring: {why}; serving over /dev/fuse");
@@ -780,10 +794,16 @@ fn enable_fuse_uring(asked: bool) -> bool {
     };
     match std::fs::read_to_string(ENABLE_URING) {
         Ok(v) if v.trim() == "Y" || v.trim() == "1" => true,
+        Ok(_) if !asked => {
+            cannot(format!(
+                "the kernel's FUSE over io_uring is off ({ENABLE_URING} is N; `echo Y > {ENABLE_URING}`, as scripts/setup.sh does, turns it on for every mount, -o uring for this one)"
+            ));
+            false
+        }
         Ok(_) => match std::fs::write(ENABLE_URING, "Y") {
             Ok(()) => {
-                log::info!(
-                    "uring: set {ENABLE_URING} to Y (it was N; it stays Y; -o uring=off serves over /dev/fuse only)"
+                log::warn!(
+                    "uring: set {ENABLE_URING} to Y, as -o uring asks (it was N; it stays Y for every FUSE mount)"
                 );
                 true
             }
@@ -1355,7 +1375,7 @@ impl InProcessMount {
         let mut fuse_config = Config::default();
         fuse_config.acl = SessionACL::Owner;
         fuse_config.n_threads = Some(config.threads);
-        if uring && enable_fuse_uring(true) {
+        if uring && uring_allowed(true) {
             fuse_config.uring = Some(uring_options(mountpoint));
         }
         fuse_config.clone_fd = true;
