@@ -622,6 +622,12 @@ pub(crate) fn queue_loop<FS: Filesystem>(
     let mut live = shared.entries.len();
     let mut completions: Vec<(u64, i32)> = Vec::with_capacity(2 * live + 2);
     let mut served_any = false;
+    // Whether an entry ended the way the connection's end ends them (unmount, abort), and
+    // whether the loop stopped on an error of its own: a queue that stops while the connection
+    // lives leaves the requests of its CPU waiting for entries that never come back (the kernel
+    // does not fall back to /dev/fuse once the ring is ready), so it aborts the connection.
+    let mut teardown_seen = false;
+    let mut broken = false;
     while live > 0 {
         let done = if shared.done_waiting.load(Ordering::Acquire) {
             let mut waiting = shared.done.lock();
@@ -650,9 +656,18 @@ pub(crate) fn queue_loop<FS: Filesystem>(
         }
         if let Err(e) = q.ring.submit_and_wait(1) {
             match errno_of(&e) {
-                libc::EINTR | libc::EAGAIN | libc::EBUSY => continue,
+                libc::EINTR => continue,
+                // Completions to reap first, or the kernel short of memory for a moment: reap
+                // what there is, and wait a little rather than spin when there is nothing.
+                libc::EAGAIN | libc::EBUSY => {
+                    if q.ring.completion().is_empty() {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                        continue;
+                    }
+                }
                 _ => {
                     error!("uring: queue {qid}: io_uring_enter: {e}");
+                    broken = true;
                     break;
                 }
             }
@@ -672,6 +687,7 @@ pub(crate) fn queue_loop<FS: Filesystem>(
                 let err = io::Error::from_raw_os_error(-res);
                 match -res {
                     libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED | libc::ENODEV => {
+                        teardown_seen = true;
                         debug!("uring: queue {qid}: entry {idx} ended: {err}");
                     }
                     _ if !served_any => warn!(
@@ -694,6 +710,12 @@ pub(crate) fn queue_loop<FS: Filesystem>(
         }
     }
     debug!("uring: queue {qid} ended");
+    if broken || (served_any && !teardown_seen) {
+        error!(
+            "uring: queue {qid} stopped while the connection lives; aborting the connection rather than leave requests waiting for it"
+        );
+        abort_connection(mountpoint.as_deref());
+    }
     // The ring (and with it the eventfd read into `wake_buf`) goes before `wake_buf`.
     drop(q);
     drop(wake_buf);
