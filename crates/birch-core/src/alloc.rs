@@ -187,6 +187,8 @@ pub struct Allocator {
     reserve_blocks: u64,
     pinned: Mutex<Vec<(Generation, BlockAddr, BlockCount)>>,
     pinned_blocks: AtomicU64,
+    /// Held for the whole of a trim ([`Allocator::trim_free`]): trims run one at a time.
+    trim_lock: Mutex<()>,
     /// Blocks promised to buffered data not yet allocated: other data may not take them.
     reserved: AtomicU64,
     /// Deferred ranges, and those whose discard is in flight. Lock order: this, then a group
@@ -248,6 +250,7 @@ impl Allocator {
             reserve_blocks,
             pinned: Mutex::new(Vec::new()),
             pinned_blocks: AtomicU64::new(0),
+            trim_lock: Mutex::new(()),
             reserved: AtomicU64::new(0),
             deferred: Mutex::new(Deferred::default()),
             deferred_blocks: AtomicU64::new(0),
@@ -408,6 +411,13 @@ impl Allocator {
         if let Some(found) = self.search(min, max) {
             return Ok(found);
         }
+        // A trim (`fstrim`) holds free runs out of the searches while their discard is in
+        // flight: wait for it and search again before giving up the backup roots below.
+        if self.trim_in_flight() && self.wait_for_discards() {
+            if let Some(found) = self.search(min, max) {
+                return Ok(found);
+            }
+        }
         // Search again even when this reclaim found the list empty: another thread may have
         // just reclaimed it (a reclaim clears its ranges before it lets go of the list, so
         // once this call returns they are searchable). A commit's node allocation that lost
@@ -420,7 +430,12 @@ impl Allocator {
         // search nor a reclaim takes it. Wait for those discards to end (no lock is held
         // meanwhile), take back what a failed one returned to the list, and search once more,
         // rather than fail with space counted free.
-        if self.wait_for_discards() {
+        // A few rounds: a trim's next batch may take the runs the last one gave back before
+        // this search sees them (trims run one at a time, `trim_free`).
+        for _ in 0..4 {
+            if !self.wait_for_discards() {
+                break;
+            }
             self.reclaim_deferred();
             if let Some(found) = self.search(min, max) {
                 return Ok(found);
@@ -429,6 +444,11 @@ impl Allocator {
         Err(Error::NoSpace(format!(
             "allocate {min} contiguous {purpose:?} blocks"
         )))
+    }
+
+    /// Whether a trim batch ([`Allocator::trim_free`]) is in flight.
+    fn trim_in_flight(&self) -> bool {
+        !self.deferred.lock().trimming.is_empty()
     }
 
     /// One pass over the groups from this thread's preferred one: the first free run of
@@ -884,6 +904,9 @@ impl Allocator {
         min: u64,
         mut discard: impl FnMut(&[(BlockAddr, BlockCount)]) -> std::io::Result<()>,
     ) -> std::io::Result<u64> {
+        // One trim at a time (two `fstrim`s would take turns holding the same runs out of the
+        // searches, and an allocation waiting for one batch could find the next one).
+        let _one = self.trim_lock.lock();
         let end = end.min(self.total_blocks);
         let min = min.max(1);
         let mut cursor = first;
@@ -1492,6 +1515,57 @@ mod tests {
             .expect("allocating thread")
             .expect("the allocation waited for the trim and found its space");
         assert!((1000..2000).contains(&addr.block_index()));
+    }
+
+    /// An allocation whose only free space is under a trim waits for the trim rather than
+    /// give up the backup roots: deferred space stays deferred, and the allocation gets a
+    /// block of the trimmed run once its discard has ended.
+    #[test]
+    fn an_allocation_waits_for_a_trim_before_it_reclaims_deferred_space() {
+        use std::sync::{mpsc, Arc};
+        let a = Arc::new(Allocator::new(GROUP_BLOCKS * BLOCK_SIZE));
+        let at = BlockAddr::from_block_index;
+        // Everything used but 1000..2000 (free) and 3000..3100 (deferred by commit 7).
+        assert!(a.mark_used(at(0), b(GROUP_BLOCKS)));
+        a.release(&[(at(1000), b(1000))]);
+        a.defer(Generation::new(7), &[(at(3000), b(100))]);
+        let deferred = a.deferred_blocks();
+        assert_eq!(deferred, b(100));
+        let (entered_tx, entered_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel::<()>();
+        let trimming = {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                a.trim_free(0, 2000, 1, |ranges| {
+                    entered_tx.send(ranges.to_vec()).expect("send");
+                    release_rx.recv().expect("recv");
+                    Ok(())
+                })
+            })
+        };
+        assert_eq!(
+            entered_rx.recv().expect("the trim's discard started"),
+            vec![(at(1000), b(1000))]
+        );
+        let allocating = {
+            let a = a.clone();
+            std::thread::spawn(move || a.allocate(b(8), b(8), Purpose::Metadata))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!allocating.is_finished(), "it waits for the trim");
+        assert_eq!(
+            a.deferred_blocks(),
+            deferred,
+            "the backup roots' space is kept"
+        );
+        release_tx.send(()).expect("release");
+        assert_eq!(trimming.join().expect("trim thread").expect("trim"), 1000);
+        let (addr, _) = allocating
+            .join()
+            .expect("allocating thread")
+            .expect("space once the trim ended");
+        assert!((1000..2000).contains(&addr.block_index()), "{addr:?}");
+        assert_eq!(a.deferred_blocks(), deferred, "still deferred");
     }
 
     /// No allocator lock is held across a discard (DESIGN §14.4): while one is in flight, an

@@ -411,6 +411,12 @@ impl Engine {
                 "trim: range length {len} is shorter than a block ({block})"
             )));
         }
+        let size = self.device.size_bytes();
+        if start >= size {
+            return Err(Error::Invalid(format!(
+                "trim: range start {start} is at or past the end of the device ({size} bytes)"
+            )));
+        }
         let end = start.saturating_add(len);
         let device = &self.device;
         let blocks = self

@@ -448,6 +448,11 @@ fn trim_discards_free_space_only_within_the_range() {
             .all(|(at, l)| *at >= start && at + l <= start + len),
         "{ranges:?}"
     );
+    let past_end = fs.trim(u64::MAX - 4096, 4096, 0);
+    assert!(
+        matches!(past_end, Err(birch_core::Error::Invalid(_))),
+        "a range starting past the device is EINVAL, as on ext4: {past_end:?}"
+    );
     let big = fs.trim(0, u64::MAX, 1 << 20).expect("trim with a minimum");
     let ranges: Vec<(u64, u64)> = dev
         .take()

@@ -615,7 +615,8 @@ impl BirchFuse {
             reply.error(Errno::EINVAL);
             return;
         };
-        // Discards wait for the device: served as FSYNC is (see `waiters`).
+        // Discards wait for the device, and a trim of a whole image may take minutes: always
+        // on a worker (see `waiters`), never on a request loop.
         let fs = self.fs.clone();
         let job = move || match fs.trim(range.start, range.len, range.minlen) {
             Ok(trimmed) => reply.ioctl(
@@ -628,7 +629,7 @@ impl BirchFuse {
             ),
             Err(e) => reply.error(errno("FITRIM", &e)),
         };
-        self.serve_waiting(job);
+        self.waiters.run(job);
     }
 
     /// Serves `job`, a request that waits for the device, here when [`BirchFuse::serve_here`]
