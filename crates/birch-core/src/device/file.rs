@@ -39,12 +39,28 @@ pub struct FileDevice {
     /// The io_uring of [`BlockDevice::write_many`], made on first use; `None` inside when
     /// this kernel refused one (then writes go one by one).
     ring: parking_lot::Mutex<Option<Option<io_uring::IoUring>>>,
+    /// Set when the ring failed with writes possibly still in flight from buffers their
+    /// callers may since have freed (see [`BlockDevice::write_many`]): every later write and
+    /// flush fails, so blocks such a late write may still reach are never reused and
+    /// referenced by a later commit.
+    ring_failed: std::sync::atomic::AtomicBool,
 }
 
 /// Submission queue entries of [`FileDevice`]'s ring: at most this many writes per submission.
 const RING_ENTRIES: u32 = 64;
 
 impl FileDevice {
+    /// EIO once the ring failed with writes in flight (`ring_failed`).
+    fn refuse_after_ring_failure(&self) -> io::Result<()> {
+        if self.ring_failed.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(io::Error::other(format!(
+                "{}: refused: an earlier batch of writes may still be in flight after its io_uring failed",
+                self.path.display()
+            )));
+        }
+        Ok(())
+    }
+
     /// Opens `path`. O_DIRECT is used when the host filesystem accepts it; otherwise a warning
     /// says so and buffered I/O with fdatasync is used.
     pub fn open(path: &Path, mode: OpenMode) -> io::Result<FileDevice> {
@@ -101,6 +117,7 @@ impl FileDevice {
             direct,
             counters: Counters::default(),
             ring: parking_lot::Mutex::new(None),
+            ring_failed: std::sync::atomic::AtomicBool::new(false),
         };
         if direct && size >= birch_format::BLOCK_SIZE {
             // Some filesystems accept O_DIRECT at open but refuse the I/O; probe once.
@@ -310,6 +327,7 @@ impl BlockDevice for FileDevice {
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.refuse_after_ring_failure()?;
         check_range(offset, buf.len(), self.size)?;
         self.counters.add(|c| &c.device_writes, 1);
         self.counters.add(|c| &c.bytes_written, buf.len() as u64);
@@ -326,6 +344,7 @@ impl BlockDevice for FileDevice {
     /// device together: one notification of a virtio disk instead of one per write, and one
     /// wait instead of one per write), copied into one aligned buffer for O_DIRECT.
     fn write_many(&self, writes: &[(u64, &[u8])]) -> io::Result<()> {
+        self.refuse_after_ring_failure()?;
         if writes.len() < 2 || !self.direct {
             for (offset, bytes) in writes {
                 self.write_at(bytes, *offset)?;
@@ -383,8 +402,11 @@ impl BlockDevice for FileDevice {
         // A ring that failed with writes of ours possibly still in it (an io_uring_enter
         // error other than EINTR/EAGAIN/EBUSY, or a submission queue that was not empty) is
         // given up: its unreaped writes may still read `region`, which is then leaked rather
-        // than freed, and later batches go one by one (`write_at`) instead of reaping stale
-        // completions or submitting stale entries.
+        // than freed. Writes from the callers' own (aligned) buffers cannot be held back that
+        // way: once the caller frees them, such a late write may put other bytes in its
+        // blocks, which the failed write's caller may give back to the allocator. So the
+        // device refuses every later write and flush (`ring_failed`): nothing reuses those
+        // blocks, and nothing after the failure becomes durable.
         let mut broken: Option<io::Error> = None;
         'chunks: for chunk in placed.chunks(RING_ENTRIES as usize) {
             for (n, (offset, ptr, len)) in chunk.iter().enumerate() {
@@ -446,17 +468,19 @@ impl BlockDevice for FileDevice {
         }
         if let Some(e) = broken {
             std::mem::forget(region);
+            self.ring_failed
+                .store(true, std::sync::atomic::Ordering::SeqCst);
             log::error!(
-                "{}: io_uring failed with writes in flight ({e}); later batches go one by one",
+                "{}: io_uring failed with writes in flight ({e}); every later write and flush of this device fails",
                 self.path.display()
             );
-            *slot = Some(None);
             return Err(e);
         }
         Ok(())
     }
 
     fn flush(&self) -> io::Result<()> {
+        self.refuse_after_ring_failure()?;
         self.counters.add(|c| &c.flushes, 1);
         self.file.sync_data()
     }
@@ -492,6 +516,29 @@ mod tests {
         assert_eq!(back, vec![7u8; 4096]);
         drop(first);
         FileDevice::open(&path, OpenMode::ReadWrite).expect("open after release");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Once its ring failed with writes in flight, the device refuses every write and flush
+    /// (reads still work), so nothing reuses the blocks a late write may still reach.
+    #[test]
+    fn a_failed_ring_refuses_every_later_write_and_flush() {
+        let dir = std::env::temp_dir().join(format!("birch-dev-ringfail-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("tmp dir");
+        let path = dir.join("img");
+        std::fs::write(&path, vec![0u8; 1 << 20]).expect("image");
+        let dev = FileDevice::open(&path, OpenMode::ReadWrite).expect("open");
+        dev.write_at(&[1u8; 4096], 0).expect("write before");
+        dev.ring_failed
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let a = [2u8; 4096];
+        assert!(dev.write_at(&a, 4096).is_err());
+        assert!(dev.write_many(&[(8192, &a[..]), (16384, &a[..])]).is_err());
+        assert!(dev.flush().is_err());
+        let mut back = vec![0u8; 4096];
+        dev.read_at(&mut back, 0).expect("reads still work");
+        assert_eq!(back, vec![1u8; 4096]);
+        drop(dev);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
