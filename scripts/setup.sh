@@ -29,7 +29,13 @@ if [[ -e $URING_PARAM ]]; then
   if [[ $(cat "$URING_PARAM") != Y ]]; then
     echo Y | $SUDO tee "$URING_PARAM" >/dev/null && echo "setup: turned on FUSE over io_uring ($URING_PARAM)"
   fi
-  echo "options fuse enable_uring=1" | $SUDO tee /etc/modprobe.d/birch-fuse-uring.conf >/dev/null
+  # At boot too, where modprobe reads /etc/modprobe.d (a fuse built into the kernel takes
+  # fuse.enable_uring=1 on the kernel command line instead).
+  if [[ -d /etc/modprobe.d ]]; then
+    echo "options fuse enable_uring=1" | $SUDO tee /etc/modprobe.d/birch-fuse-uring.conf >/dev/null
+  else
+    echo "setup: no /etc/modprobe.d: enable_uring is on until the next boot"
+  fi
 fi
 IMG=${BIRCH_IMAGE:-/var/tmp/birch.img}
 MNT=${BIRCH_MNT:-/mnt/birch}
