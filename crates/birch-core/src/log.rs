@@ -19,9 +19,10 @@
 //!
 //! Crash argument, in short (DESIGN.md has the walk-through): a batch is durable only after
 //! its flush, and its fsyncs return only then. Every data block a record references was written
-//! (O_DIRECT, completed) before the record was queued, so the flush of its batch, issued after
-//! the batch write completed, makes it durable; replay still verifies each block's checksum and
-//! stops at the first batch that fails. One batch is in flight at a time, so at most one batch
+//! (O_DIRECT, completed) before the record was queued, or is a placed block the leader writes
+//! in the same submission as the batch; either way the flush of the batch, issued after that
+//! submission completed, makes it durable. Replay verifies each block's checksum and stops at
+//! the first batch that fails, which can only be the one unflushed batch. One batch is in flight at a time, so at most one batch
 //! on the device is unflushed and replay never stops before an acknowledged one. A batch is
 //! reused only after a superblock that starts the log past it is durable. Queued records whose
 //! generation a durable commit covers are dropped unwritten (`set_reusable`): replay would skip
@@ -317,21 +318,6 @@ impl FsyncLog {
             }
             let reusable_lsn = self.state.lock().reusable_lsn.get();
             let fits = lsn + len - reusable_lsn <= self.bytes && len <= self.bytes / 2;
-            // The placed blocks the batch names go first, all in one submission: the batch
-            // then names only written blocks (or blocks its data records carry).
-            let settled = if fits {
-                self.placed.write_named(device, &records)
-            } else {
-                Ok(0)
-            };
-            if let Err(e) = settled {
-                st = self.state.lock();
-                st.leader = false;
-                st.failed = Some(format!("write of data blocks for batch {seq}: {e}"));
-                self.wake_all();
-                continue;
-            }
-            counters.add(|c| &c.log_placed_written, settled.unwrap_or(0) / BLOCK_SIZE);
             if !fits {
                 st = self.state.lock();
                 st.full_ticket = batch_ticket;
@@ -340,12 +326,20 @@ impl FsyncLog {
                 self.wake_all();
                 continue;
             }
+            // The batch and the placed blocks it names go in one submission (one round trip),
+            // then one flush. They may land in any order: replay checks every block an extent
+            // record of a batch names and stops at the first batch that fails, and that can
+            // only be this one, which no fsync was told is durable (one batch in flight).
             let at = self.start + lsn % self.bytes;
-            let written = device.write_at(&bytes, at).and_then(|()| device.flush());
+            let written = self
+                .placed
+                .write_named_with(device, &records, (at, &bytes))
+                .and_then(|placed| device.flush().map(|()| placed));
             st = self.state.lock();
             st.leader = false;
             match written {
-                Ok(()) => {
+                Ok(placed) => {
+                    counters.add(|c| &c.log_placed_written, placed / BLOCK_SIZE);
                     st.live.push_back(LiveBatch {
                         lsn: Lsn::new(lsn),
                         seq,

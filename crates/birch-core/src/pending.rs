@@ -106,21 +106,30 @@ impl PendingData {
             .iter()
             .map(|(a, (b, _))| (*a, b.clone()))
             .collect();
-        self.write_taken(device, &taken)
+        self.write_taken(device, &taken, None)
     }
 
-    /// Writes in place now, in one [`BlockDevice::write_many`], the placed blocks that the
-    /// regular extent records among `records` name and that no queued data record carries,
-    /// and forgets them; returns the bytes written. What the log's leader does before it
-    /// writes a batch of `records`. Another writer of the same blocks (a commit) writes the
-    /// same bytes.
-    pub(crate) fn write_named(
+    /// Writes in place, in one [`BlockDevice::write_many`] together with `batch` (the log
+    /// batch naming them, `(device offset, bytes)`), the placed blocks that the regular
+    /// extent records among `records` name and that no queued data record carries, and
+    /// forgets them; returns the bytes of placed blocks written. What the log's leader does
+    /// for a batch of `records`: one round trip for the batch and its data, then the flush.
+    /// Another writer of the same blocks (a commit) writes the same bytes.
+    pub(crate) fn write_named_with(
         &self,
         device: &dyn BlockDevice,
         records: &[LogRecord],
+        batch: (u64, &[u8]),
     ) -> io::Result<u64> {
+        let taken = self.named(records);
+        self.write_taken(device, &taken, Some(batch))
+    }
+
+    /// The placed blocks, not carried by a queued data record, that the regular extent
+    /// records among `records` name, in address order with their bytes.
+    fn named(&self, records: &[LogRecord]) -> Vec<(u64, Arc<[u8]>)> {
         if self.count.load(Ordering::SeqCst) == 0 {
-            return Ok(0);
+            return Vec::new();
         }
         let mut ranges: Vec<(u64, u64)> = Vec::new();
         for r in records {
@@ -136,32 +145,32 @@ impl PendingData {
             }
         }
         if ranges.is_empty() {
-            return Ok(0);
+            return Vec::new();
         }
         let mut taken: BTreeMap<u64, Arc<[u8]>> = BTreeMap::new();
-        {
-            let blocks = self.blocks.lock();
-            for (addr, len) in ranges {
-                for (at, (block, logged)) in blocks.range(addr..addr + len) {
-                    if !logged {
-                        taken.insert(*at, block.clone());
-                    }
+        let blocks = self.blocks.lock();
+        for (addr, len) in ranges {
+            for (at, (block, logged)) in blocks.range(addr..addr + len) {
+                if !logged {
+                    taken.insert(*at, block.clone());
                 }
             }
         }
-        if taken.is_empty() {
-            return Ok(0);
-        }
-        let taken: Vec<(u64, Arc<[u8]>)> = taken.into_iter().collect();
-        self.write_taken(device, &taken)
+        taken.into_iter().collect()
     }
 
     /// Writes `taken` (placed blocks in address order, each with the bytes it had when
     /// taken) in runs of consecutive blocks (at most 1 MiB each), all in one
-    /// [`BlockDevice::write_many`], then forgets each block that still holds those bytes: an
-    /// address freed and placed again since (after a durable commit) keeps its new bytes.
-    /// Returns the bytes written.
-    fn write_taken(&self, device: &dyn BlockDevice, taken: &[(u64, Arc<[u8]>)]) -> io::Result<u64> {
+    /// [`BlockDevice::write_many`] with `extra` if given (a log batch, outside the data area),
+    /// then forgets each block that still holds those bytes: an address freed and placed
+    /// again since (after a durable commit) keeps its new bytes. Returns the bytes of placed
+    /// blocks written.
+    fn write_taken(
+        &self,
+        device: &dyn BlockDevice,
+        taken: &[(u64, Arc<[u8]>)],
+        extra: Option<(u64, &[u8])>,
+    ) -> io::Result<u64> {
         let mut runs: Vec<(u64, Vec<u8>)> = Vec::new();
         for (at, block) in taken {
             match runs.last_mut() {
@@ -173,8 +182,15 @@ impl PendingData {
                 _ => runs.push((*at, block.to_vec())),
             }
         }
-        let writes: Vec<(u64, &[u8])> = runs.iter().map(|(a, b)| (*a, b.as_slice())).collect();
+        let mut writes: Vec<(u64, &[u8])> = runs.iter().map(|(a, b)| (*a, b.as_slice())).collect();
+        writes.extend(extra);
+        if writes.is_empty() {
+            return Ok(0);
+        }
         device.write_many(&writes)?;
+        if taken.is_empty() {
+            return Ok(0);
+        }
         let mut blocks = self.blocks.lock();
         for (at, block) in taken {
             if blocks.get(at).is_some_and(|(b, _)| Arc::ptr_eq(b, block)) {
