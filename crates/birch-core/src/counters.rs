@@ -136,6 +136,7 @@ counters! {
     log_batches: "Log batches written (one write and one flush each).",
     log_records: "Item records written to the log.",
     log_bytes: "Bytes written to the log.",
+    log_aligned_skips: "Log batches started at the next boundary of the device's atomic unit (an RBD object) rather than cross it.",
     replayed_batches: "Log batches replayed at mount.",
     replayed_records: "Log records applied at mount.",
     replayed_data_bytes: "Bytes of data records the last replay wrote in place.",

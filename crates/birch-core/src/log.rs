@@ -30,10 +30,11 @@
 //! without I/O, because every batch before it is.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 
 use birch_format::items::{ExtentKind, FileExtent};
 use birch_format::log::{decode_batch, decode_header, encode_batch, LogRecord};
-use birch_format::superblock::Superblock;
+use birch_format::superblock::{Superblock, INCOMPAT_LOG_ALIGNED};
 use birch_format::{Generation, ItemType, Key, Lsn, BLOCK_SIZE};
 use parking_lot::{Condvar, Mutex};
 
@@ -149,6 +150,9 @@ pub struct FsyncLog {
     /// Data blocks allocated and not yet written in place ([`PendingData`]): a leader writes
     /// those its batch's extent records name (and no data record carries) before the batch.
     placed: PendingData,
+    /// The device's atomic unit once the image's superblock says batches may skip to its
+    /// boundaries (`INCOMPAT_LOG_ALIGNED`); 0 while they may not ([`FsyncLog::set_align`]).
+    align: AtomicU64,
 }
 
 impl FsyncLog {
@@ -180,6 +184,45 @@ impl FsyncLog {
             bytes: sb.log_bytes,
             fsid: sb.fsid,
             placed: PendingData::default(),
+            align: AtomicU64::new(0),
+        }
+    }
+
+    /// From now on, a batch that fits in `unit` bytes (the device's atomic unit, a power of
+    /// two: an RBD object) never crosses a multiple of `unit` in device offsets: it starts at
+    /// the next one instead. Only once `INCOMPAT_LOG_ALIGNED` is in a durable superblock, so
+    /// every replay of this log knows to look there. 0 turns it off.
+    pub fn set_align(&self, unit: u64) {
+        let unit = if unit.is_power_of_two() && unit >= BLOCK_SIZE {
+            unit
+        } else {
+            0
+        };
+        self.align.store(unit, AtomicOrdering::SeqCst);
+    }
+
+    /// Where a batch of `len` bytes that would start at `lsn` goes: at `lsn`, unless it would
+    /// straddle the end of the area (then at the start of the next lap) or, with an atomic
+    /// unit set, cross a unit boundary that it fits within (then at that boundary).
+    fn place_batch(&self, lsn: u64, len: u64) -> u64 {
+        let mut lsn = lsn;
+        let unit = self.align.load(AtomicOrdering::SeqCst);
+        // At most: a skip, the wrap it caused, and a skip from the start of the next lap
+        // (the area need not start on a boundary).
+        loop {
+            let before = lsn;
+            if unit != 0 && len <= unit {
+                let at = self.start + lsn % self.bytes;
+                if at / unit != (at + len - 1) / unit {
+                    lsn += unit - at % unit;
+                }
+            }
+            if lsn % self.bytes + len > self.bytes {
+                lsn = (lsn / self.bytes + 1) * self.bytes; // never straddle the end
+            }
+            if lsn == before {
+                return lsn;
+            }
         }
     }
 
@@ -309,12 +352,14 @@ impl FsyncLog {
             // the reusable point only grows.
             let max_generation =
                 Generation::new(records.iter().map(|r| r.generation).max().unwrap_or(0));
-            let mut lsn = tail_lsn;
-            let mut bytes = encode_batch(self.fsid, seq, lsn, &records);
+            let mut bytes = encode_batch(self.fsid, seq, tail_lsn, &records);
             let len = bytes.len() as u64;
-            if lsn % self.bytes + len > self.bytes {
-                lsn = (lsn / self.bytes + 1) * self.bytes; // never straddle the end
+            let lsn = self.place_batch(tail_lsn, len);
+            if lsn != tail_lsn {
                 bytes = encode_batch(self.fsid, seq, lsn, &records);
+                if lsn % self.bytes != 0 {
+                    counters.add(|c| &c.log_aligned_skips, 1);
+                }
             }
             let reusable_lsn = self.state.lock().reusable_lsn.get();
             let fits = lsn + len - reusable_lsn <= self.bytes && len <= self.bytes / 2;
@@ -511,14 +556,31 @@ pub fn read_log(device: &dyn BlockDevice, sb: &Superblock) -> Replay {
             return out;
         }
         let next_lap = (lsn / sb.log_bytes + 1) * sb.log_bytes;
-        // The writer skips to the next lap when a batch would straddle the end.
-        let batch = read_batch(device, sb, lsn, out.next_seq).or_else(|| {
-            if lsn % sb.log_bytes != 0 {
-                read_batch(device, sb, next_lap, out.next_seq)
-            } else {
-                None
-            }
-        });
+        // The writer skips to the next lap when a batch would straddle the end, and with
+        // `INCOMPAT_LOG_ALIGNED` to the next boundary of the device's atomic unit when a batch
+        // would cross one. A batch is taken only where its header names that very lsn and the
+        // expected sequence, so trying several places never takes a stale one.
+        let aligned = sb.incompat & INCOMPAT_LOG_ALIGNED != 0;
+        let batch = read_batch(device, sb, lsn, out.next_seq)
+            .or_else(|| {
+                if !aligned {
+                    return None;
+                }
+                unit_boundaries(sb, lsn, next_lap)
+                    .find_map(|at| read_batch(device, sb, at, out.next_seq))
+            })
+            .or_else(|| {
+                if lsn % sb.log_bytes == 0 {
+                    return None;
+                }
+                read_batch(device, sb, next_lap, out.next_seq).or_else(|| {
+                    if !aligned {
+                        return None;
+                    }
+                    unit_boundaries(sb, next_lap, next_lap + sb.log_bytes)
+                        .find_map(|at| read_batch(device, sb, at, out.next_seq))
+                })
+            });
         let Some((at, (len, records))) = batch else {
             out.stop = format!("no valid batch with sequence {} at lsn {lsn}", out.next_seq);
             return out;
@@ -562,6 +624,22 @@ pub fn read_log(device: &dyn BlockDevice, sb: &Superblock) -> Replay {
         out.tail_lsn = Lsn::new(lsn);
         out.next_seq += 1;
     }
+}
+
+/// The log positions after `lsn` and before `next_lap` where a batch skipped to the next
+/// boundary of an atomic unit would start: for each power of two from 16 KiB up to the
+/// area's size, the first multiple of it in device offsets past `lsn`'s, in increasing order.
+fn unit_boundaries(sb: &Superblock, lsn: u64, next_lap: u64) -> impl Iterator<Item = u64> {
+    let at = sb.log_start + lsn % sb.log_bytes;
+    let mut found: Vec<u64> = (14..64)
+        .map(|shift| 1u64 << shift)
+        .take_while(|unit| *unit <= sb.log_bytes)
+        .map(|unit| lsn + (unit - at % unit))
+        .filter(|b| *b < next_lap)
+        .collect();
+    found.sort_unstable();
+    found.dedup();
+    found.into_iter()
 }
 
 /// A description of a data record whose blocks are not all inside the data area: block
@@ -685,6 +763,44 @@ mod tests {
         let after = log.enqueue(vec![record(7, 10)]);
         assert_eq!(log.wait(&*dev, counters, after)?, LogOutcome::Logged);
         Ok(())
+    }
+
+    /// With an atomic unit, a batch that fits in one unit never crosses a boundary of it (in
+    /// device offsets, whatever the log area's start); a larger one, or one without a unit,
+    /// goes where the last ended; none straddles the end of the area.
+    #[test]
+    fn batches_skip_to_the_next_unit_boundary_rather_than_cross_it() {
+        let dev = Arc::new(MemDevice::new(64 << 20));
+        Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
+        let fs = Filesystem::open_device(dev, Default::default()).expect("open");
+        let mut sb = fs.engine().superblock();
+        sb.log_start = 160 * 1024; // not a multiple of the unit
+        sb.log_bytes = 1 << 20;
+        let log = FsyncLog::new(&sb, Lsn::new(0), 1);
+        let unit = 64 * 1024;
+        // No unit yet: only the end of the area matters.
+        assert_eq!(log.place_batch(20 * 1024, 16 * 1024), 20 * 1024);
+        log.set_align(3 * 4096); // not a power of two: ignored
+        assert_eq!(log.place_batch(20 * 1024, 16 * 1024), 20 * 1024);
+        log.set_align(unit);
+        // Device offset 180 KiB; 16 KiB would cross 192 KiB: skip to lsn 32 KiB.
+        assert_eq!(log.place_batch(20 * 1024, 16 * 1024), 32 * 1024);
+        // Ends exactly at the boundary: stays.
+        assert_eq!(log.place_batch(16 * 1024, 16 * 1024), 16 * 1024);
+        // Larger than a unit: stays where it is.
+        assert_eq!(log.place_batch(20 * 1024, 2 * unit), 20 * 1024);
+        for lsn in (0..(3u64 << 20)).step_by(4096) {
+            for len in [4096u64, 12288, 32768, unit] {
+                let at = log.place_batch(lsn, len);
+                let dev = sb.log_start + at % sb.log_bytes;
+                assert!(at >= lsn, "{lsn} {len}");
+                assert_eq!(dev / unit, (dev + len - 1) / unit, "{lsn} {len} at {at}");
+                assert!(
+                    at % sb.log_bytes + len <= sb.log_bytes,
+                    "{lsn} {len} at {at}"
+                );
+            }
+        }
     }
 
     /// Replay writes a data record's bytes at its address: a batch whose data record names

@@ -19,8 +19,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use birch_format::node::{Node, NodeBody};
 use birch_format::superblock::{
-    BackupRoot, RootPtr, Superblock, BACKUP_ROOTS, COMPAT_BACKUP_ROOTS, INCOMPAT_SNAPSHOTS,
-    RESERVED_HEAD_BYTES, SUPER_BYTES, SUPER_OFFSETS,
+    BackupRoot, RootPtr, Superblock, BACKUP_ROOTS, COMPAT_BACKUP_ROOTS, INCOMPAT_LOG_ALIGNED,
+    INCOMPAT_SNAPSHOTS, RESERVED_HEAD_BYTES, SUPER_BYTES, SUPER_OFFSETS,
 };
 use birch_format::{
     BlockAddr, BlockCount, FormatError, Generation, InodeNo, ItemType, Key, Lsn,
@@ -507,7 +507,7 @@ impl Engine {
     /// once it is durable ([`Engine::incompat_durable`]), and other records do not need it.
     pub fn incompat_pending(&self) -> bool {
         let wanted = self.incompat_wanted.load(Ordering::SeqCst)
-            & !birch_format::superblock::INCOMPAT_LOG_DATA;
+            & !(birch_format::superblock::INCOMPAT_LOG_DATA | INCOMPAT_LOG_ALIGNED);
         wanted != 0 && wanted & !self.superblock.lock().incompat != 0
     }
 
@@ -635,6 +635,10 @@ impl Engine {
                 superblock.log_generation,
             ),
         };
+        let device_unit = device.atomic_unit();
+        if superblock.incompat & INCOMPAT_LOG_ALIGNED != 0 {
+            log.set_align(device_unit);
+        }
         let committed = Arc::new(CommittedRoot {
             root,
             generation: Generation::new(generation),
@@ -666,7 +670,13 @@ impl Engine {
             objectid_lock: Mutex::new(()),
             bench_apply_per_item: AtomicBool::new(false),
             superblock: Mutex::new(superblock),
-            incompat_wanted: AtomicU64::new(0),
+            // A device with an atomic unit (RBD) asks for the flag that lets log batches start
+            // at its boundaries; the first commit of a writable mount sets it.
+            incompat_wanted: AtomicU64::new(if device_unit != 0 {
+                INCOMPAT_LOG_ALIGNED
+            } else {
+                0
+            }),
             read_only: RwLock::new(None),
             read_only_set: AtomicBool::new(false),
             instance: INSTANCES.fetch_add(1, Ordering::Relaxed),
@@ -2061,6 +2071,10 @@ impl Engine {
             .flush()
             .map_err(|e| Error::io(format!("commit {generation}: flush superblock"), e))?;
         self.log.set_reusable(log_head);
+        if sb.incompat & INCOMPAT_LOG_ALIGNED != 0 {
+            // Durable with the flag: every replay now looks for skipped batches.
+            self.log.set_align(self.device.atomic_unit());
+        }
         // Durable. Publish the new committed root; the old one releases the space this commit
         // freed once its last reader drops it.
         for node in nodes {

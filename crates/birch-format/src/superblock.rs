@@ -18,8 +18,11 @@ pub const RESERVED_HEAD_BYTES: u64 = 128 * 1024;
 
 /// Feature flags this build understands. An image with an unknown incompat flag is refused;
 /// unknown compat flags are ignored; unknown ro_compat flags allow read-only use.
-pub const INCOMPAT_SUPPORTED: u64 =
-    INCOMPAT_XATTR_CHUNKS | INCOMPAT_LOG_DATA | INCOMPAT_SNAPSHOTS | INCOMPAT_SHARED_EXTENTS;
+pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_XATTR_CHUNKS
+    | INCOMPAT_LOG_DATA
+    | INCOMPAT_SNAPSHOTS
+    | INCOMPAT_SHARED_EXTENTS
+    | INCOMPAT_LOG_ALIGNED;
 /// Incompat bit 0: xattr values over `XATTR_VALUE_MAX` bytes are stored out of line, in
 /// `XattrChunk` items, and an xattr list entry may say so (value length `0xFFFF`). Set by the
 /// first commit that holds such a value; an image without one keeps the bit clear.
@@ -43,6 +46,15 @@ pub const INCOMPAT_SNAPSHOTS: u64 = 4;
 /// a shared extent; never cleared. An image without it is byte for byte what earlier builds
 /// write.
 pub const INCOMPAT_SHARED_EXTENTS: u64 = 8;
+/// Incompat bit 4: a log batch may start at a boundary of the device's atomic unit rather
+/// than right after the batch before it (FORMAT.md §8.4): on an RBD image the writer never
+/// lets a batch that fits in one RADOS object cross an object boundary, and skips to the
+/// next boundary instead. Replay that finds no batch where the previous one ended tries the
+/// next power-of-two boundaries (16 KiB and up) of the lap. A build without the bit would
+/// stop its replay at the first skip and lose what was fsync'd after it. Set by the first
+/// commit of a writable mount on a device with an atomic unit (RBD); the log skips only
+/// once it is in a durable superblock. Never cleared.
+pub const INCOMPAT_LOG_ALIGNED: u64 = 16;
 /// Byte offset of the snapshot list fields in the superblock (with [`INCOMPAT_SNAPSHOTS`]).
 pub const SNAPSHOTS_OFFSET: usize = 336;
 /// Compatible feature flags this build understands. Unknown bits are ignored.
@@ -739,6 +751,20 @@ mod tests {
         assert_eq!(unknown, INCOMPAT_SHARED_EXTENTS);
         let message = FormatError::UnknownIncompat { flags: unknown }.to_string();
         assert!(message.contains("0x8"), "{message}");
+    }
+
+    #[test]
+    fn a_build_without_the_log_aligned_flag_refuses_the_image() {
+        let mut sb = sample();
+        sb.incompat |= INCOMPAT_LOG_ALIGNED;
+        let back = Superblock::decode(&sb.encode(), "slot 1").expect("decodes with bit 4");
+        assert_eq!(back.incompat & INCOMPAT_LOG_ALIGNED, INCOMPAT_LOG_ALIGNED);
+        // What an older build sees: its supported mask lacks bit 4.
+        let older = INCOMPAT_SUPPORTED & !INCOMPAT_LOG_ALIGNED;
+        let unknown = sb.incompat & !older;
+        assert_eq!(unknown, INCOMPAT_LOG_ALIGNED);
+        let message = FormatError::UnknownIncompat { flags: unknown }.to_string();
+        assert!(message.contains("0x10"), "{message}");
     }
 
     #[test]

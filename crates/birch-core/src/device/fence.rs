@@ -111,6 +111,10 @@ impl BlockDevice for Fence {
         self.base.size_bytes()
     }
 
+    fn atomic_unit(&self) -> u64 {
+        self.base.atomic_unit()
+    }
+
     fn counters(&self) -> &Counters {
         self.base.counters()
     }

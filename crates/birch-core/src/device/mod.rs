@@ -91,6 +91,14 @@ pub trait BlockDevice: Send + Sync {
         let _ = ranges;
         Ok(())
     }
+    /// The span, in bytes, inside which the device applies a write atomically and beyond
+    /// which one write may land in parts (RBD: the bytes contiguous in one RADOS object, a
+    /// power of two), aligned to device offset 0; 0 when the device promises no such span
+    /// (image files, block devices, memory). The fsync log starts a batch at the next such
+    /// boundary rather than let it cross one (DESIGN §14.4).
+    fn atomic_unit(&self) -> u64 {
+        0
+    }
     /// Makes every completed write durable.
     fn flush(&self) -> io::Result<()>;
     /// Size in bytes.

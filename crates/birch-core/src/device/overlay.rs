@@ -131,6 +131,10 @@ impl BlockDevice for OverlayDevice {
         self.base.size_bytes()
     }
 
+    fn atomic_unit(&self) -> u64 {
+        self.base.atomic_unit()
+    }
+
     fn counters(&self) -> &Counters {
         &self.counters
     }

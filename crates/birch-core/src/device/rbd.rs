@@ -544,6 +544,9 @@ pub struct RbdDevice {
     counters: Counters,
     /// The flushes in flight ([`FlushesInFlight`]).
     flushes: FlushesInFlight,
+    /// Bytes contiguous in one RADOS object (the object size, or the stripe unit when
+    /// striped), once the layout check passed; 0 otherwise ([`BlockDevice::atomic_unit`]).
+    object_unit: u64,
     /// Dropped after the image is closed, unless the device is lost.
     _cluster: ManuallyDrop<Cluster>,
 }
@@ -614,19 +617,23 @@ impl RbdDevice {
             quiesce: None,
             counters: Counters::default(),
             flushes: FlushesInFlight::default(),
+            object_unit: 0,
             _cluster: ManuallyDrop::new(cluster),
         };
         device.size = device.query_u64("rbd_get_size", ffi::rbd_get_size)?;
         device.size -= device.size % birch_format::BLOCK_SIZE;
         let features = device.query_u64("rbd_get_features", ffi::rbd_get_features)?;
-        if let Err(why) = device.check_layout() {
-            if writable {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!("{spec}: refusing to write: {why}"),
-                ));
+        match device.check_layout() {
+            Ok(unit) => device.object_unit = unit,
+            Err(why) => {
+                if writable {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("{spec}: refusing to write: {why}"),
+                    ));
+                }
+                log::warn!("{spec}: {why}");
             }
-            log::warn!("{spec}: {why}");
         }
         if !locking {
             return Ok(device);
@@ -958,7 +965,9 @@ impl RbdDevice {
         Ok(value)
     }
 
-    fn check_layout(&self) -> Result<(), String> {
+    /// Checks the image's layout (`check_rbd_layout`); returns the bytes contiguous in one
+    /// object.
+    fn check_layout(&self) -> Result<u64, String> {
         // SAFETY: rbd_image_info_t is plain old data; all-zero is a valid value.
         let mut info: ffi::rbd_image_info_t = unsafe { std::mem::zeroed() };
         // SAFETY: an open image; rbd_stat fills the struct whose size we pass.
@@ -1261,6 +1270,7 @@ fn name_holder(spec: &RbdSpec, ceph: &CephOptions) -> Option<io::Error> {
         quiesce: None,
         counters: Counters::default(),
         flushes: FlushesInFlight::default(),
+        object_unit: 0,
         _cluster: ManuallyDrop::new(cluster),
     };
     let owner = device.lock_owners().ok()?.into_iter().next()?;
@@ -1647,6 +1657,10 @@ impl BlockDevice for RbdDevice {
 
     fn size_bytes(&self) -> u64 {
         self.size
+    }
+
+    fn atomic_unit(&self) -> u64 {
+        self.object_unit
     }
 
     fn counters(&self) -> &Counters {

@@ -276,7 +276,7 @@ pub fn check_rbd_layout(
     object_bytes: u64,
     stripe_unit_bytes: u64,
     stripe_count: u64,
-) -> Result<(), String> {
+) -> Result<u64, String> {
     let node = NODE_SIZE as u64;
     let contiguous = if stripe_count > 1 {
         stripe_unit_bytes
@@ -297,7 +297,7 @@ pub fn check_rbd_layout(
     debug_assert!(SUPER_OFFSETS
         .iter()
         .all(|o| o % BLOCK_SIZE == 0 && o / node == (o + SUPER_BYTES as u64 - 1) / node));
-    Ok(())
+    Ok(contiguous)
 }
 
 /// Directory of this host's per-image lock files: `/run/birch` for root, else
@@ -751,7 +751,8 @@ mod tests {
     #[test]
     fn object_layout_must_hold_whole_nodes() {
         // The default: 4 MiB objects, no striping.
-        assert!(check_rbd_layout(4 << 20, 4 << 20, 1).is_ok());
+        // The bytes contiguous in one object come back: the log's atomic unit.
+        assert_eq!(check_rbd_layout(4 << 20, 4 << 20, 1), Ok(4 << 20));
         // Smallest object size that still holds whole nodes.
         assert!(check_rbd_layout(16 << 10, 16 << 10, 1).is_ok());
         // 4 KiB and 8 KiB objects (rbd create --object-size 4K) split a node.
@@ -764,13 +765,13 @@ mod tests {
         );
         assert!(check_rbd_layout(4 << 10, 4 << 10, 1).is_err());
         // Fancy striping: the stripe unit is what one object holds contiguously.
-        assert!(check_rbd_layout(4 << 20, 64 << 10, 16).is_ok());
+        assert_eq!(check_rbd_layout(4 << 20, 64 << 10, 16), Ok(64 << 10));
         let err = check_rbd_layout(4 << 20, 4 << 10, 8)
             .err()
             .unwrap_or_default();
         assert!(err.contains("stripe unit 4096"), "{err}");
         // A stripe unit smaller than the object but with one stripe: objects are filled in order.
-        assert!(check_rbd_layout(4 << 20, 4 << 10, 1).is_ok());
+        assert_eq!(check_rbd_layout(4 << 20, 4 << 10, 1), Ok(4 << 20));
         assert!(check_rbd_layout(0, 0, 1).is_err());
     }
 }
