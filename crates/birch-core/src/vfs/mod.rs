@@ -37,7 +37,7 @@ use crate::device::{
 use crate::error::{Error, Result};
 use crate::items;
 use crate::readonly::ReadOnlyCause;
-use crate::txn::{Engine, MkfsOptions};
+use crate::txn::{Engine, MkfsOptions, OpenHead};
 
 pub use dir::DirEntryOut;
 pub use durability::{DeferredOutcome, FsyncDone, FsyncMode, LogFull};
@@ -400,6 +400,9 @@ pub type ReleaseWaitGate = Arc<dyn Fn() -> bool + Send + Sync>;
 /// released and forgotten before it answers ENOSPC ([`Filesystem::wait_for_releases`]).
 pub const RELEASE_WAIT: Duration = Duration::from_secs(5);
 
+/// Why a read-only open that replayed a pending log in memory may not turn writable.
+const REPLAYED_IN_MEMORY: &str = "its log was replayed in memory, not on the image (it was opened read-only): unmount and mount it read-write";
+
 /// A mounted-or-embedded birchfs filesystem.
 pub struct Filesystem {
     pub(crate) inner: Arc<Inner>,
@@ -519,48 +522,46 @@ impl Filesystem {
     /// writable open would: the log is replayed and committed into an in-memory overlay of the
     /// device, as `fsck` checks it ([`crate::check::check_replayed`]), and the device itself
     /// is left untouched, its log waiting for the next writable open.
+    ///
+    /// Engine opens (each a walk of the whole tree): one for a read-only open without a
+    /// pending log; two with one, both over the overlay: the writable open that replays the
+    /// log, and the reopen after the replay's commit that rebuilds the free-space map from
+    /// the new tree (as a writable open of the device does), which reclaims orphans, commits
+    /// and then serves, turned read-only. The superblock and the log are read once, before
+    /// either ([`OpenHead`]).
     pub fn open_device(device: Arc<dyn BlockDevice>, options: OpenOptions) -> Result<Filesystem> {
-        if options.read_only {
-            let engine = Engine::open(device.clone())?;
-            if engine.replay_pending() {
-                drop(engine);
-                let overlay: Arc<dyn BlockDevice> =
-                    Arc::new(crate::device::OverlayDevice::new(device));
-                let replay = Filesystem::open_device_once(
-                    overlay.clone(),
-                    OpenOptions {
-                        read_only: false,
-                        commit_interval: None,
-                        ..options.clone()
-                    },
-                    false,
-                )?;
-                replay.close()?;
-                drop(replay);
-                return Filesystem::open_device_once(overlay, options, true);
-            }
-            return Filesystem::with_engine(engine, options, false);
+        if !options.read_only {
+            return Filesystem::open_device_once(device, options);
         }
-        Filesystem::open_device_once(device, options, false)
+        let head = OpenHead::read(&*device)?;
+        if !head.log_pending() {
+            return Filesystem::with_engine(Engine::open_from(device, head)?, options);
+        }
+        let overlay: Arc<dyn BlockDevice> = Arc::new(crate::device::OverlayDevice::new(device));
+        let fs = Filesystem::with_engine(
+            Engine::open_from(overlay, head)?,
+            OpenOptions {
+                read_only: false,
+                commit_interval: None,
+                ..options
+            },
+        )?;
+        // What closing the replaying filesystem committed before (with_engine reclaimed the
+        // orphans), then the read-only state a read-only open starts in, kept for good.
+        fs.commit_now()?;
+        fs.inner.engine.set_read_only(ReadOnlyCause::Mounted);
+        *fs.inner.pinned_read_only.lock() = Some(REPLAYED_IN_MEMORY.to_string());
+        Ok(fs)
     }
 
-    /// [`Filesystem::open_device`] without the in-memory replay; `replayed_in_memory` says the
-    /// device is an overlay a replay was committed into.
-    fn open_device_once(
-        device: Arc<dyn BlockDevice>,
-        options: OpenOptions,
-        replayed_in_memory: bool,
-    ) -> Result<Filesystem> {
+    /// [`Filesystem::open_device`] without the in-memory replay.
+    fn open_device_once(device: Arc<dyn BlockDevice>, options: OpenOptions) -> Result<Filesystem> {
         let engine = Engine::open(device)?;
-        Filesystem::with_engine(engine, options, replayed_in_memory)
+        Filesystem::with_engine(engine, options)
     }
 
     /// The rest of [`Filesystem::open_device`] over an opened engine.
-    fn with_engine(
-        engine: Arc<Engine>,
-        options: OpenOptions,
-        replayed_in_memory: bool,
-    ) -> Result<Filesystem> {
+    fn with_engine(engine: Arc<Engine>, options: OpenOptions) -> Result<Filesystem> {
         let device_bytes = engine.base_device().size_bytes();
         let unknown_ro =
             engine.superblock().ro_compat & !birch_format::superblock::RO_COMPAT_SUPPORTED;
@@ -592,9 +593,7 @@ impl Filesystem {
             buffers: buffer::Buffers::new(options.buffered, device_bytes),
             atime: AtomicU8::new(AtimeMode::Relatime as u8),
             scrub: Mutex::new(None),
-            pinned_read_only: Mutex::new(replayed_in_memory.then(|| {
-                "its log was replayed in memory, not on the image (it was opened read-only): unmount and mount it read-write".to_string()
-            })),
+            pinned_read_only: Mutex::new(None),
             released: (Mutex::new(0), Condvar::new()),
             unlinked: Mutex::new(HashSet::new()),
             fruitless: Mutex::new(None),
@@ -623,7 +622,7 @@ impl Filesystem {
                 let device = fs.inner.engine.base_device().clone();
                 fs.close()?;
                 drop(fs);
-                return Filesystem::open_device_once(device, options, replayed_in_memory);
+                return Filesystem::open_device_once(device, options);
             }
             fs.reclaim_orphans()?;
             if let Some(interval) = options.commit_interval {
