@@ -494,12 +494,14 @@ impl<FS: Filesystem> Session<FS> {
                             config.requested |= InitFlags::FUSE_OVER_IO_URING;
                             self.uring = Some(rings);
                         }
-                        Err(e) => warn!(
+                        Err(e) => log::log!(
+                            opts.fallback_level(),
                             "FUSE over io_uring: ring setup failed ({e}); serving over /dev/fuse"
                         ),
                     }
                 } else {
-                    warn!(
+                    log::log!(
+                        opts.fallback_level(),
                         "FUSE over io_uring: the kernel does not offer it (is /sys/module/fuse/parameters/enable_uring Y?); serving over /dev/fuse"
                     );
                 }

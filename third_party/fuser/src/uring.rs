@@ -66,6 +66,11 @@ pub struct UringOptions {
     /// Test hook: register payload buffers of 4 KiB, which the kernel refuses, so that
     /// registration fails after INIT agreed to io_uring (the fallback test).
     pub break_register: bool,
+    /// Whether the ring was asked for (birchfs's `-o uring`) rather than only the default: a
+    /// fallback to /dev/fuse (ring setup failed, or the kernel does not offer io_uring) then
+    /// warns, and is logged at info level otherwise ([`UringOptions::fallback_level`]). True
+    /// by default: a caller that sets `Config::uring` asks for the ring unless it says not.
+    pub asked: bool,
 }
 
 impl Default for UringOptions {
@@ -74,6 +79,19 @@ impl Default for UringOptions {
             queue_depth: 64,
             mountpoint: None,
             break_register: false,
+            asked: true,
+        }
+    }
+}
+
+impl UringOptions {
+    /// The level at which serving over /dev/fuse instead of the ring is logged: warn when
+    /// the ring was asked for, info when it was only the default.
+    pub fn fallback_level(&self) -> log::Level {
+        if self.asked {
+            log::Level::Warn
+        } else {
+            log::Level::Info
         }
     }
 }
