@@ -372,6 +372,8 @@ pub(crate) struct Queue {
 pub(crate) struct Rings {
     pub(crate) queues: Vec<Queue>,
     pub(crate) mountpoint: Option<PathBuf>,
+    /// [`UringOptions::fallback_level`]: for entries the kernel refuses to register.
+    pub(crate) fallback_level: log::Level,
     payload_len: usize,
 }
 
@@ -449,6 +451,7 @@ pub(crate) fn setup(opts: &UringOptions, payload: usize) -> io::Result<Rings> {
     Ok(Rings {
         queues,
         mountpoint: opts.mountpoint.clone(),
+        fallback_level: opts.fallback_level(),
         payload_len: payload,
     })
 }
@@ -574,6 +577,7 @@ pub(crate) fn queue_loop<FS: Filesystem>(
     fd: RawFd,
     se: SessionEventLoop<FS>,
     mountpoint: Option<PathBuf>,
+    fallback_level: log::Level,
 ) {
     let shared = q.shared.clone();
     let qid = shared.qid;
@@ -708,7 +712,8 @@ pub(crate) fn queue_loop<FS: Filesystem>(
                         teardown_seen = true;
                         debug!("uring: queue {qid}: entry {idx} ended: {err}");
                     }
-                    _ if !served_any => warn!(
+                    _ if !served_any => log::log!(
+                        fallback_level,
                         "uring: queue {qid}: entry {idx} not registered ({err}); the kernel serves over /dev/fuse"
                     ),
                     _ => warn!("uring: queue {qid}: entry {idx} failed: {err}"),
