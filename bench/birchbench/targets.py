@@ -284,6 +284,13 @@ class Target:
         if rc != 0 or not is_mounted(self.mnt):
             self.umount()
             raise RuntimeError(f"mount failed rc={rc}: {err.strip()[-400:]}")
+        if self.kind == "memfs_ll" and self.opts == "io_uring":
+            why = memfs_ring_missing(self.mnt)
+            if why:
+                # its figures would be memfs_ll over /dev/fuse under the ring's name: the run,
+                # and with it the target, fails (cli.py) instead
+                self.umount()
+                raise RuntimeError(why)
         return self.mnt
 
     def umount(self) -> str | None:
@@ -472,6 +479,54 @@ def libfuse_tar() -> str:
 def memfs_env(binp: str) -> dict:
     """memfs_ll runs from the build tree: its libfuse3.so is in build/lib."""
     return dict(os.environ, LD_LIBRARY_PATH=os.path.join(os.path.dirname(os.path.dirname(binp)), "lib"))
+
+
+def ring_threads(pid: int, proc: str = "/proc") -> list[str]:
+    """The names of the FUSE-over-io_uring queue threads of `pid`: libfuse names each
+    `fuse-ring-<queue>` (lib/fuse_uring.c) and starts them only once the kernel agreed to the
+    ring in FUSE_INIT."""
+    names = []
+    try:
+        tasks = os.listdir(os.path.join(proc, str(pid), "task"))
+    except OSError:
+        return names
+    for tid in tasks:
+        try:
+            with open(os.path.join(proc, str(pid), "task", tid, "comm")) as f:
+                comm = f.read().strip()
+        except OSError:
+            continue
+        if comm.startswith("fuse-ring-"):
+            names.append(comm)
+    return sorted(names)
+
+
+def memfs_ring_missing(mnt: str, proc: str = "/proc", wait: float = 5.0, sleep=time.sleep,
+                       find=mounts.pids_with_arg) -> str | None:
+    """None when the memfs_ll serving `mnt` serves over FUSE over io_uring (it has
+    fuse-ring-* threads), else why the memfs_ll-uring target must not report figures: a
+    libfuse built without io_uring (no liburing-dev at meson setup) takes `-o io_uring` and
+    serves over /dev/fuse without a word.  A stat of `mnt` first, so FUSE_INIT (where the
+    threads start) is done; then up to `wait` seconds for the threads."""
+    try:
+        os.stat(mnt)
+    except OSError as e:
+        return f"memfs_ll-uring: stat {mnt}: {e.strerror}"
+    deadline = time.monotonic() + wait
+    while True:
+        pids = find(mnt)  # the daemon, by its mount point: memfs_ll daemonized
+        if any(ring_threads(pid, proc) for pid in pids):
+            return None
+        if time.monotonic() >= deadline:
+            break
+        sleep(0.1)
+    if not pids:
+        return f"memfs_ll-uring: no process with {mnt} on its command line (the memfs_ll serving it)"
+    return (f"memfs_ll-uring: memfs_ll (pid {', '.join(map(str, pids))}) serves {mnt} without "
+            f"FUSE over io_uring (no fuse-ring-* thread in {proc}/PID/task/*/comm after {wait:g} s): "
+            f"libfuse was built without io_uring support (liburing-dev missing at meson setup; "
+            f"delete the build under the image dir to rebuild) or the kernel refused the ring. "
+            f"Its figures would be those of /dev/fuse, so the target fails")
 
 
 def build_memfs(cfg) -> tuple[str | None, str]:

@@ -1458,32 +1458,72 @@ mod tests {
         assert!(!a.is_used(at(10)) && a.free_blocks() == free);
     }
 
+    /// A trim of blocks `0..end` on its own thread whose discard is held (`finish` lets it
+    /// return); `ranges` are what that discard got.
+    struct HeldTrim {
+        ranges: Vec<(BlockAddr, BlockCount)>,
+        release: std::sync::mpsc::Sender<()>,
+        thread: std::thread::JoinHandle<std::io::Result<u64>>,
+    }
+
+    impl HeldTrim {
+        fn start(a: &std::sync::Arc<Allocator>, end: u64) -> HeldTrim {
+            use std::sync::mpsc;
+            let (entered_tx, entered_rx) = mpsc::channel();
+            let (release, release_rx) = mpsc::channel::<()>();
+            let thread = {
+                let a = a.clone();
+                std::thread::spawn(move || {
+                    a.trim_free(0, end, 1, |ranges| {
+                        entered_tx.send(ranges.to_vec()).expect("send");
+                        release_rx.recv().expect("recv");
+                        Ok(())
+                    })
+                })
+            };
+            let ranges = entered_rx.recv().expect("the trim's discard started");
+            HeldTrim {
+                ranges,
+                release,
+                thread,
+            }
+        }
+
+        /// Lets the discard return; the blocks the trim discarded.
+        fn finish(self) -> u64 {
+            self.release.send(()).expect("release");
+            self.thread.join().expect("trim thread").expect("trim")
+        }
+    }
+
+    /// An allocation of 8 metadata blocks on its own thread, checked to be still waiting
+    /// 50 ms on (`why`).
+    fn waiting_allocation(
+        a: &std::sync::Arc<Allocator>,
+        why: &str,
+    ) -> std::thread::JoinHandle<Result<(BlockAddr, BlockCount)>> {
+        let allocating = {
+            let a = a.clone();
+            std::thread::spawn(move || a.allocate(b(8), b(8), Purpose::Metadata))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!allocating.is_finished(), "{why}");
+        allocating
+    }
+
     /// An allocation beside a trim never gets a block whose discard is in flight, completes
     /// while the discard is blocked when other space is free, and, on a device whose only
     /// free space is being trimmed, waits for the trim's batch and then gets its space.
     #[test]
     fn an_allocation_never_gets_a_block_under_trim() {
-        use std::sync::{mpsc, Arc};
-        let a = Arc::new(Allocator::new(GROUP_BLOCKS * BLOCK_SIZE));
+        let a = std::sync::Arc::new(Allocator::new(GROUP_BLOCKS * BLOCK_SIZE));
         let at = BlockAddr::from_block_index;
         // Everything used but 1000..2000 and 5000..5100.
         assert!(a.mark_used(at(0), b(GROUP_BLOCKS)));
         a.release(&[(at(1000), b(1000)), (at(5000), b(100))]);
-        let (entered_tx, entered_rx) = mpsc::channel();
-        let (release_tx, release_rx) = mpsc::channel::<()>();
-        let trimming = {
-            let a = a.clone();
-            std::thread::spawn(move || {
-                // Only the first run is trimmed: the range ends at 2000.
-                a.trim_free(0, 2000, 1, |ranges| {
-                    entered_tx.send(ranges.to_vec()).expect("send");
-                    release_rx.recv().expect("recv");
-                    Ok(())
-                })
-            })
-        };
-        let in_flight = entered_rx.recv().expect("the trim's discard started");
-        assert_eq!(in_flight, vec![(at(1000), b(1000))]);
+        // Only the first run is trimmed: the range ends at 2000.
+        let trim = HeldTrim::start(&a, 2000);
+        assert_eq!(trim.ranges, vec![(at(1000), b(1000))]);
         // The other free run is handed out while the discard is blocked.
         let mut got = Vec::new();
         while got.len() < 10 {
@@ -1502,14 +1542,8 @@ mod tests {
             a.allocate(b(1), b(100), Purpose::Metadata)
                 .expect("the rest of 5000..5100");
         }
-        let allocating = {
-            let a = a.clone();
-            std::thread::spawn(move || a.allocate(b(8), b(8), Purpose::Metadata))
-        };
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        assert!(!allocating.is_finished(), "no space but the one under trim");
-        release_tx.send(()).expect("release");
-        assert_eq!(trimming.join().expect("trim thread").expect("trim"), 1000);
+        let allocating = waiting_allocation(&a, "no space but the one under trim");
+        assert_eq!(trim.finish(), 1000);
         let (addr, _) = allocating
             .join()
             .expect("allocating thread")
@@ -1522,8 +1556,7 @@ mod tests {
     /// block of the trimmed run once its discard has ended.
     #[test]
     fn an_allocation_waits_for_a_trim_before_it_reclaims_deferred_space() {
-        use std::sync::{mpsc, Arc};
-        let a = Arc::new(Allocator::new(GROUP_BLOCKS * BLOCK_SIZE));
+        let a = std::sync::Arc::new(Allocator::new(GROUP_BLOCKS * BLOCK_SIZE));
         let at = BlockAddr::from_block_index;
         // Everything used but 1000..2000 (free) and 3000..3100 (deferred by commit 7).
         assert!(a.mark_used(at(0), b(GROUP_BLOCKS)));
@@ -1531,35 +1564,15 @@ mod tests {
         a.defer(Generation::new(7), &[(at(3000), b(100))]);
         let deferred = a.deferred_blocks();
         assert_eq!(deferred, b(100));
-        let (entered_tx, entered_rx) = mpsc::channel();
-        let (release_tx, release_rx) = mpsc::channel::<()>();
-        let trimming = {
-            let a = a.clone();
-            std::thread::spawn(move || {
-                a.trim_free(0, 2000, 1, |ranges| {
-                    entered_tx.send(ranges.to_vec()).expect("send");
-                    release_rx.recv().expect("recv");
-                    Ok(())
-                })
-            })
-        };
-        assert_eq!(
-            entered_rx.recv().expect("the trim's discard started"),
-            vec![(at(1000), b(1000))]
-        );
-        let allocating = {
-            let a = a.clone();
-            std::thread::spawn(move || a.allocate(b(8), b(8), Purpose::Metadata))
-        };
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        assert!(!allocating.is_finished(), "it waits for the trim");
+        let trim = HeldTrim::start(&a, 2000);
+        assert_eq!(trim.ranges, vec![(at(1000), b(1000))]);
+        let allocating = waiting_allocation(&a, "it waits for the trim");
         assert_eq!(
             a.deferred_blocks(),
             deferred,
             "the backup roots' space is kept"
         );
-        release_tx.send(()).expect("release");
-        assert_eq!(trimming.join().expect("trim thread").expect("trim"), 1000);
+        assert_eq!(trim.finish(), 1000);
         let (addr, _) = allocating
             .join()
             .expect("allocating thread")

@@ -336,6 +336,34 @@ fn log_area(total_bytes: u64, requested: u64) -> (u64, u64) {
     (RESERVED_HEAD_BYTES, bytes)
 }
 
+/// What [`Engine::open`] reads before it walks the tree: the superblock (with notes on its
+/// copies) and the batches of the fsync log. A read-only open reads it first to learn
+/// whether a log is pending ([`OpenHead::log_pending`]), then hands it to
+/// [`Engine::open_from`], so neither is read twice.
+pub struct OpenHead {
+    superblock: Superblock,
+    notes: Vec<String>,
+    replay: Replay,
+}
+
+impl OpenHead {
+    /// Reads the superblock and the log of `device` (no tree node).
+    pub fn read(device: &dyn BlockDevice) -> Result<OpenHead> {
+        let (superblock, notes) = Engine::read_superblock(device)?;
+        let replay = read_log(device, &superblock);
+        Ok(OpenHead {
+            superblock,
+            notes,
+            replay,
+        })
+    }
+
+    /// Whether the log holds records ([`Engine::replay_pending`] of the engine this opens).
+    pub fn log_pending(&self) -> bool {
+        !self.replay.records.is_empty()
+    }
+}
+
 impl Engine {
     pub(crate) fn ctx(&self) -> TreeCtx<'_> {
         TreeCtx {
@@ -813,11 +841,31 @@ impl Engine {
         Ok((engine, bad))
     }
 
+    /// [`Engine::open`] from what [`OpenHead::read`] already read of `device` (the same
+    /// bytes: `device` may be a fresh overlay of the device it was read from). Saves reading
+    /// the superblock and the log again where the caller had to look at them first.
+    pub fn open_from(device: Arc<dyn BlockDevice>, head: OpenHead) -> Result<Arc<Engine>> {
+        Engine::open_head(device, head, None)
+    }
+
     fn open_inner(
         device: Arc<dyn BlockDevice>,
         bad_extents: Option<&mut Vec<Key>>,
     ) -> Result<Arc<Engine>> {
-        let (superblock, notes) = Engine::read_superblock(&*device)?;
+        let head = OpenHead::read(&*device)?;
+        Engine::open_head(device, head, bad_extents)
+    }
+
+    fn open_head(
+        device: Arc<dyn BlockDevice>,
+        head: OpenHead,
+        bad_extents: Option<&mut Vec<Key>>,
+    ) -> Result<Arc<Engine>> {
+        let OpenHead {
+            superblock,
+            notes,
+            replay,
+        } = head;
         for note in notes {
             log::warn!("{note}");
         }
@@ -825,7 +873,6 @@ impl Engine {
         mark_reserved_areas(&alloc, superblock.log_start, superblock.log_bytes);
         let fsid = superblock.fsid;
         let root = superblock.fs_root;
-        let replay = read_log(&*device, &superblock);
         let engine = Engine::assemble(
             device,
             alloc,

@@ -14,7 +14,6 @@ use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use birch_core::check::{check, CheckOptions};
 use birch_core::counters::Counters;
 use birch_core::device::{BlockDevice, MemDevice};
 use birch_core::{Filesystem, MkfsOptions};
@@ -70,6 +69,29 @@ impl Recording {
 
     fn take(&self) -> Vec<Event> {
         std::mem::take(&mut *self.events.lock())
+    }
+
+    /// The ranges discarded since the last take (the other events are dropped).
+    fn take_discards(&self) -> Vec<(u64, u64)> {
+        self.take()
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::Discard(ranges) => Some(ranges),
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    }
+
+    /// The batched reads (`read_many`) since the last take, each as (offset, length) pairs.
+    fn take_read_batches(&self) -> Vec<Vec<(u64, usize)>> {
+        self.take()
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::ReadMany(reads) => Some(reads),
+                _ => None,
+            })
+            .collect()
     }
 }
 
@@ -217,10 +239,7 @@ fn commits_write_nodes_and_data_in_batches_and_keep_the_order() {
         "the big file's runs are written as one batch: {events:?}"
     );
     assert_eq!(fs.read_file("/big").expect("read big"), big);
-    fs.close().expect("close");
-    drop(fs);
-    let report = check(&*mem, CheckOptions { data: true }).expect("fsck");
-    assert!(report.is_clean(), "{:?}", report.findings);
+    common::close_and_check_clean(fs, &mem, "the batched commits");
 }
 
 /// Space freed by truncates is discarded only once no committed root (the backup roots
@@ -263,10 +282,7 @@ fn freed_space_is_discarded_then_reused_and_reads_back() {
     }
     assert!(!discarded.is_empty(), "freed space was discarded");
     assert!(reused, "discarded space was written again");
-    fs.close().expect("close");
-    drop(fs);
-    let report = check(&*mem, CheckOptions { data: true }).expect("fsck");
-    assert!(report.is_clean(), "{:?}", report.findings);
+    common::close_and_check_clean(fs, &mem, "the discards and reuse");
 }
 
 fn overlaps(ranges: &[(u64, u64)], at: u64, len: u64) -> bool {
@@ -294,32 +310,36 @@ fn fragmented(fs: &Filesystem, blocks: u32) -> (u64, Vec<u8>) {
     (a, content)
 }
 
+/// A fresh filesystem on a recording device with `/a` in `blocks` extents ([`fragmented`]):
+/// the setup's events taken, reads recorded from now on. Returns the memory device below,
+/// the recording one, the filesystem, and `/a`'s inode and content.
+fn fragmented_recording(blocks: u32) -> (Arc<MemDevice>, Arc<Recording>, Filesystem, u64, Vec<u8>) {
+    let (mem, dev, fs) = fresh(64 << 20);
+    let (a, content) = fragmented(&fs, blocks);
+    dev.take();
+    dev.reads.store(true, Ordering::SeqCst);
+    (mem, dev, fs, a, content)
+}
+
 /// A read that covers many extents not adjacent on disk asks the device for all of them
 /// in one `read_many` (on RBD: in flight together), and reads back what was written, every
 /// block's checksum verified; a read of one extent stays one `read_at`.
 #[test]
 fn a_read_of_many_extents_is_one_read_many() {
-    let (mem, dev, fs) = fresh(64 << 20);
-    let (a, content) = fragmented(&fs, 24);
-    dev.take();
-    dev.reads.store(true, Ordering::SeqCst);
+    let (mem, dev, fs, a, content) = fragmented_recording(24);
     let got = fs.read(a, 0, content.len()).expect("read a");
     assert_eq!(got, content, "the fragmented file reads back");
-    let events = dev.take();
-    let batches: Vec<&Vec<(u64, usize)>> = events
-        .iter()
-        .filter_map(|e| match e {
-            Event::ReadMany(reads) => Some(reads),
-            _ => None,
-        })
-        .collect();
+    let batches = dev.take_read_batches();
     assert_eq!(
         batches.len(),
         1,
-        "one read_many for the request: {events:?}"
+        "one read_many for the request: {batches:?}"
     );
-    assert_eq!(batches[0].len(), 24, "one read per extent: {events:?}");
-    assert!(batches[0].iter().all(|(_, len)| *len == 4096), "{events:?}");
+    assert_eq!(batches[0].len(), 24, "one read per extent: {batches:?}");
+    assert!(
+        batches[0].iter().all(|(_, len)| *len == 4096),
+        "{batches:?}"
+    );
     // A read inside one extent: a single read_at, no batch.
     let got = fs
         .read(a, 4096 * 3 + 100, 1000)
@@ -331,10 +351,7 @@ fn a_read_of_many_extents_is_one_read_many() {
         "{events:?}"
     );
     dev.reads.store(false, Ordering::SeqCst);
-    fs.close().expect("close");
-    drop(fs);
-    let report = check(&*mem, CheckOptions { data: true }).expect("fsck");
-    assert!(report.is_clean(), "{:?}", report.findings);
+    common::close_and_check_clean(fs, &mem, "the batched reads");
 }
 
 /// Every read of any range of a file of many fragmented extents, on a plain memory device
@@ -364,18 +381,12 @@ fn fragmented_extents_read_back_at_every_range() {
 /// the device's own error (which read, where).
 #[test]
 fn a_failed_read_of_a_batch_fails_the_request_with_context() {
-    let (_mem, dev, fs) = fresh(64 << 20);
-    let (a, content) = fragmented(&fs, 8);
-    dev.reads.store(true, Ordering::SeqCst);
-    dev.take();
+    let (_mem, dev, fs, a, content) = fragmented_recording(8);
     fs.read(a, 0, content.len()).expect("read a");
     let reads = dev
-        .take()
+        .take_read_batches()
         .into_iter()
-        .find_map(|e| match e {
-            Event::ReadMany(reads) => Some(reads),
-            _ => None,
-        })
+        .next()
         .expect("one read_many");
     // Fail the fifth extent's read.
     dev.fail_read_at.store(reads[4].0, Ordering::SeqCst);
@@ -391,6 +402,26 @@ fn a_failed_read_of_a_batch_fails_the_request_with_context() {
     assert_eq!(fs.read(a, 0, content.len()).expect("read again"), content);
 }
 
+/// Writes `/{prefix}0` to `/{prefix}7`, each `len` bytes of `pattern(seed + i)`, and commits.
+fn fill(fs: &Filesystem, prefix: &str, seed: u32, len: usize) {
+    for i in 0..8u32 {
+        fs.write_file(&format!("/{prefix}{i}"), &pattern(seed + i, len))
+            .expect("write");
+    }
+    fs.sync().expect("commit");
+}
+
+/// The files [`fill`] wrote read back.
+fn assert_filled(fs: &Filesystem, prefix: &str, seed: u32, len: usize) {
+    for i in 0..8u32 {
+        assert_eq!(
+            fs.read_file(&format!("/{prefix}{i}")).expect("read"),
+            pattern(seed + i, len),
+            "/{prefix}{i}"
+        );
+    }
+}
+
 /// `fstrim` (`Filesystem::trim`): discards the space free now, never a block in use (the
 /// device fills discarded ranges with junk, and every file reads back and checks clean with
 /// data checksums), keeps inside the asked range, skips runs below the minimum, answers the
@@ -399,48 +430,23 @@ fn a_failed_read_of_a_batch_fails_the_request_with_context() {
 #[test]
 fn trim_discards_free_space_only_within_the_range() {
     let (mem, dev, fs) = fresh(64 << 20);
-    for i in 0..8u32 {
-        fs.write_file(&format!("/f{i}"), &pattern(i, 300 << 10))
-            .expect("write");
-    }
-    fs.sync().expect("commit");
+    fill(&fs, "f", 0, 300 << 10);
     dev.take();
     let alloc = fs.engine().allocator();
     let searchable = (alloc.free_blocks() - alloc.deferred_blocks()).get() * 4096;
     let trimmed = fs.trim(0, u64::MAX, 0).expect("trim everything");
-    let discarded: Vec<(u64, u64)> = dev
-        .take()
-        .into_iter()
-        .filter_map(|e| match e {
-            Event::Discard(ranges) => Some(ranges),
-            _ => None,
-        })
-        .flatten()
-        .collect();
+    let discarded = dev.take_discards();
     assert_eq!(
         trimmed,
         discarded.iter().map(|(_, l)| l).sum::<u64>(),
         "answers what it discarded"
     );
     assert_eq!(trimmed, searchable, "all the searchable free space");
-    for i in 0..8u32 {
-        assert_eq!(
-            fs.read_file(&format!("/f{i}")).expect("read"),
-            pattern(i, 300 << 10)
-        );
-    }
+    assert_filled(&fs, "f", 0, 300 << 10);
     // A range: nothing outside it. A minimum: no shorter run.
     let (start, len) = (8u64 << 20, 4u64 << 20);
     let part = fs.trim(start, len, 0).expect("trim a range");
-    let ranges: Vec<(u64, u64)> = dev
-        .take()
-        .into_iter()
-        .filter_map(|e| match e {
-            Event::Discard(ranges) => Some(ranges),
-            _ => None,
-        })
-        .flatten()
-        .collect();
+    let ranges = dev.take_discards();
     assert!(part > 0 && part <= len, "{part}");
     assert!(
         ranges
@@ -454,15 +460,7 @@ fn trim_discards_free_space_only_within_the_range() {
         "a range starting past the device is EINVAL, as on ext4: {past_end:?}"
     );
     let big = fs.trim(0, u64::MAX, 1 << 20).expect("trim with a minimum");
-    let ranges: Vec<(u64, u64)> = dev
-        .take()
-        .into_iter()
-        .filter_map(|e| match e {
-            Event::Discard(ranges) => Some(ranges),
-            _ => None,
-        })
-        .flatten()
-        .collect();
+    let ranges = dev.take_discards();
     assert!(big > 0);
     assert!(ranges.iter().all(|(_, l)| *l >= 1 << 20), "{ranges:?}");
     assert!(matches!(
@@ -470,21 +468,9 @@ fn trim_discards_free_space_only_within_the_range() {
         Err(birch_core::Error::Invalid(_))
     ));
     // The space is usable after: new files over trimmed space read back.
-    for i in 0..8u32 {
-        fs.write_file(&format!("/g{i}"), &pattern(50 + i, 1 << 20))
-            .expect("write after trim");
-    }
-    fs.sync().expect("commit");
-    for i in 0..8u32 {
-        assert_eq!(
-            fs.read_file(&format!("/g{i}")).expect("read"),
-            pattern(50 + i, 1 << 20)
-        );
-    }
-    fs.close().expect("close");
-    drop(fs);
-    let report = check(&*mem, CheckOptions { data: true }).expect("fsck");
-    assert!(report.is_clean(), "{:?}", report.findings);
+    fill(&fs, "g", 50, 1 << 20);
+    assert_filled(&fs, "g", 50, 1 << 20);
+    common::close_and_check_clean(fs, &mem, "the trims");
     // A memory device frees nothing on a discard: unsupported.
     let (_mem, plain) = common::fresh(16 << 20);
     let err = plain.trim(0, u64::MAX, 0).expect_err("unsupported");

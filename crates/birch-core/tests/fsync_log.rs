@@ -12,12 +12,14 @@
 
 #![allow(clippy::expect_used)]
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use birch_core::check::{check, CheckOptions};
 use birch_core::device::{BlockDevice, MemDevice};
 use birch_core::vfs::{Caller, OpenOptions};
-use birch_core::{Filesystem, MkfsOptions};
+use birch_core::{Engine, Filesystem, MkfsOptions};
+use birch_format::superblock::SUPER_OFFSETS;
 use birch_testkit::{run_matrix, Workload};
 
 mod common;
@@ -945,11 +947,9 @@ fn a_deferred_fsync_is_answered_by_the_batch_that_makes_it_durable() {
     common::close_and_check_clean(fs, &crashed, "deferred fsyncs");
 }
 
-/// A read-only open after a crash with fsyncs since the last commit shows what a writable
-/// open would (the log replayed into memory), writes nothing to the device, refuses to turn
-/// writable, and leaves the log for the next writable open, which replays it.
-#[test]
-fn a_read_only_open_replays_a_pending_log_in_memory_only() {
+/// An image after a crash with a pending log: `/committed` in the committed tree, `/logged`
+/// (holding "fsync'd bytes") only in the log.
+fn crashed_with_pending_log() -> Arc<MemDevice> {
     let dev = fresh();
     {
         let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
@@ -961,7 +961,76 @@ fn a_read_only_open_replays_a_pending_log_in_memory_only() {
         fs.fsync(f.ino, false).expect("fsync");
         fs.power_cut();
     }
-    let crashed = Arc::new(dev.crash());
+    Arc::new(dev.crash())
+}
+
+/// A read-only open of an image with a pending log opens the engine twice, not four times:
+/// the superblock and the log are read once for the decision and the replay's open, and the
+/// image's tree is walked by the replay's open and by the reopen after the replay's commit
+/// (which rebuilds the free-space map, and keeps the previous commit's tree: the image's).
+/// The same files and contents are visible.
+#[test]
+fn a_read_only_open_with_a_pending_log_opens_the_engine_twice() {
+    let crashed = crashed_with_pending_log();
+    let root = Engine::read_superblock(&*crashed)
+        .expect("superblock")
+        .0
+        .fs_root
+        .addr;
+    // Reads that touch a superblock slot, and the image's tree root.
+    let superblock_reads = Arc::new(AtomicU64::new(0));
+    let node_reads = Arc::new(AtomicU64::new(0));
+    let counted = Arc::new(common::HookedReads {
+        inner: crashed,
+        hook: {
+            let (superblock_reads, node_reads) = (superblock_reads.clone(), node_reads.clone());
+            move |offset: u64, len: usize| {
+                let touches = |at: u64| offset <= at && at < offset + len as u64;
+                if SUPER_OFFSETS.iter().any(|&at| touches(at)) {
+                    superblock_reads.fetch_add(1, Ordering::SeqCst);
+                }
+                if touches(root) {
+                    node_reads.fetch_add(1, Ordering::SeqCst);
+                }
+                Ok(())
+            }
+        },
+    });
+    let ro = Filesystem::open_device(
+        counted,
+        OpenOptions {
+            read_only: true,
+            ..opts()
+        },
+    )
+    .expect("read-only open");
+    assert_eq!(ro.read_file("/logged").expect("replayed"), b"fsync'd bytes");
+    assert!(ro.resolve("/committed").is_ok(), "the committed file");
+    // Each read of the superblock reads its two slots, and each open also reads the slot it
+    // did not pick (the previous commit's roots): 2 + 1 for the replay's open, which takes
+    // what the decision read; 1 + 1 for the reopen, whose other slot the replay's commit did
+    // not write. Four engine opens read 10.
+    assert_eq!(
+        superblock_reads.load(Ordering::SeqCst),
+        5,
+        "superblock slot reads"
+    );
+    // The replay's open, and the reopen's walk of the previous commit's tree. Four engine
+    // opens read it 4 times.
+    assert_eq!(
+        node_reads.load(Ordering::SeqCst),
+        2,
+        "reads of the image's tree root"
+    );
+    ro.close().expect("close read-only");
+}
+
+/// A read-only open after a crash with fsyncs since the last commit shows what a writable
+/// open would (the log replayed into memory), writes nothing to the device, refuses to turn
+/// writable, and leaves the log for the next writable open, which replays it.
+#[test]
+fn a_read_only_open_replays_a_pending_log_in_memory_only() {
+    let crashed = crashed_with_pending_log();
     let before = {
         let mut all = vec![0u8; crashed.size_bytes() as usize];
         crashed.read_at(&mut all, 0).expect("read image");

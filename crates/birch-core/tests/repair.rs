@@ -19,6 +19,8 @@ use birch_format::node::{Expect, Node, NodeBody};
 use birch_format::superblock::RootPtr;
 use birch_format::{name_hash, BlockCount, InodeNo, ItemType, Key};
 
+mod common;
+
 const BIG: usize = 40_000;
 
 fn big() -> Vec<u8> {
@@ -352,41 +354,21 @@ fn a_data_block_failing_its_checksum_is_punched_out_and_reported() {
     assert_eq!(fs.read_file("/a/small").expect("small"), b"small file");
 }
 
-/// A device whose reads of one byte range fail (a bad sector).
-struct BadReads {
-    inner: Arc<MemDevice>,
-    bad: std::ops::Range<u64>,
-}
-
-impl BlockDevice for BadReads {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        if offset < self.bad.end && self.bad.start < offset + buf.len() as u64 {
-            return Err(std::io::Error::from_raw_os_error(libc::EIO));
-        }
-        self.inner.read_at(buf, offset)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
-        self.inner.write_at(buf, offset)
-    }
-    fn flush(&self) -> std::io::Result<()> {
-        self.inner.flush()
-    }
-    fn size_bytes(&self) -> u64 {
-        self.inner.size_bytes()
-    }
-    fn counters(&self) -> &birch_core::counters::Counters {
-        self.inner.counters()
-    }
-}
-
 #[test]
 fn an_unreadable_data_block_is_punched_out_and_reported() {
     let (dev, _, big_ino) = image();
     let (offset, extent) = extent_at(&dev, big_ino, 9 * BS);
     let block = disk_addr(&extent) + (9 * BS - offset);
-    let device: Arc<dyn BlockDevice> = Arc::new(BadReads {
+    // Reads of that block fail (a bad sector).
+    let bad = block..block + BS;
+    let device: Arc<dyn BlockDevice> = Arc::new(common::HookedReads {
         inner: dev.clone(),
-        bad: block..block + BS,
+        hook: move |offset: u64, len: usize| {
+            if offset < bad.end && bad.start < offset + len as u64 {
+                return Err(std::io::Error::from_raw_os_error(libc::EIO));
+            }
+            Ok(())
+        },
     });
     let before = check(&*device, CheckOptions { data: true }).expect("fsck");
     let found: Vec<_> = before.findings.iter().map(|f| f.kind).collect();

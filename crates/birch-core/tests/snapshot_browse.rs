@@ -637,11 +637,12 @@ fn object_ids_stop_below_the_subvolume_bits() {
     common::close_and_check_clean(fs, &dev, "ids used up");
 }
 
-/// A memory device that holds up the first read touching `gated` (byte ranges of data blocks)
-/// until the test opens the gate: the read has looked up its extents and waits to read the
-/// blocks, which is where a deletion that freed them and a write that took them would show.
-struct GateDevice {
-    inner: Arc<MemDevice>,
+/// Holds up the first device read touching `gated` (byte ranges of data blocks) until the test
+/// opens the gate (a memory device's read hook, [`ReadGate::device`]): the read has looked up
+/// its extents and waits to read the blocks, which is where a deletion that freed them and a
+/// write that took them would show.
+#[derive(Default)]
+struct ReadGate {
     gate: std::sync::Mutex<Gate>,
     changed: std::sync::Condvar,
 }
@@ -656,7 +657,39 @@ struct Gate {
     open: bool,
 }
 
-impl GateDevice {
+impl ReadGate {
+    /// A device over `mem` whose reads pass this gate.
+    fn device(
+        self: &Arc<Self>,
+        mem: Arc<MemDevice>,
+    ) -> Arc<common::HookedReads<impl Fn(u64, usize) -> std::io::Result<()> + Send + Sync>> {
+        let gate = self.clone();
+        Arc::new(common::HookedReads {
+            inner: mem,
+            hook: move |offset: u64, len: usize| {
+                gate.pass(offset, offset + len as u64);
+                Ok(())
+            },
+        })
+    }
+
+    /// A read of `offset..end`: held while it touches a gated range and the gate is shut.
+    fn pass(&self, offset: u64, end: u64) {
+        let mut gate = self.gate.lock().expect("gate");
+        if gate
+            .gated
+            .iter()
+            .any(|&(from, to)| offset < to && from < end)
+        {
+            gate.gated.clear();
+            gate.waiting = true;
+            self.changed.notify_all();
+            while !gate.open {
+                gate = self.changed.wait(gate).expect("gate");
+            }
+        }
+    }
+
     fn arm(&self, gated: Vec<(u64, u64)>) {
         *self.gate.lock().expect("gate") = Gate {
             gated,
@@ -682,44 +715,11 @@ impl GateDevice {
 }
 
 /// Opens the gate when dropped: a test that fails while a read is held does not hang.
-struct OpenOnDrop<'a>(&'a GateDevice);
+struct OpenOnDrop<'a>(&'a ReadGate);
 
 impl Drop for OpenOnDrop<'_> {
     fn drop(&mut self) {
         self.0.open();
-    }
-}
-
-impl BlockDevice for GateDevice {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        let end = offset + buf.len() as u64;
-        let mut gate = self.gate.lock().expect("gate");
-        if gate
-            .gated
-            .iter()
-            .any(|&(from, to)| offset < to && from < end)
-        {
-            gate.gated.clear();
-            gate.waiting = true;
-            self.changed.notify_all();
-            while !gate.open {
-                gate = self.changed.wait(gate).expect("gate");
-            }
-        }
-        drop(gate);
-        self.inner.read_at(buf, offset)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
-        self.inner.write_at(buf, offset)
-    }
-    fn flush(&self) -> std::io::Result<()> {
-        self.inner.flush()
-    }
-    fn size_bytes(&self) -> u64 {
-        self.inner.size_bytes()
-    }
-    fn counters(&self) -> &birch_core::counters::Counters {
-        self.inner.counters()
     }
 }
 
@@ -789,11 +789,8 @@ fn used_blocks(fs: &Filesystem, runs: &[(u64, u64)]) -> u64 {
 fn reads_racing_a_deletion_get_the_data_or_enoent() {
     for round in 0..2u8 {
         let mem = common::fresh_device(16 * MIB);
-        let dev = Arc::new(GateDevice {
-            inner: mem.clone(),
-            gate: std::sync::Mutex::new(Gate::default()),
-            changed: std::sync::Condvar::new(),
-        });
+        let gate = Arc::new(ReadGate::default());
+        let dev = gate.device(mem.clone());
         let fs = common::open_quiet(&dev);
         let pattern: Vec<u8> = (0..4 * MIB as u32)
             .map(|i| (i % 253) as u8 ^ round)
@@ -811,7 +808,7 @@ fn reads_racing_a_deletion_get_the_data_or_enoent() {
         let blocks = snapshot_file_blocks(&fs, ino >> 48, ino & ((1 << 48) - 1));
         let held: u64 = blocks.iter().map(|(from, to)| (to - from) / BLOCK).sum();
         assert_eq!(held, 4 * MIB / BLOCK);
-        dev.arm(blocks.clone());
+        gate.arm(blocks.clone());
         let fill = 0xee ^ round;
         let alloc = fs.engine().allocator();
         let (results, free_after_fill, kept) = std::thread::scope(|scope| {
@@ -823,13 +820,13 @@ fn reads_racing_a_deletion_get_the_data_or_enoent() {
                 }
                 results
             });
-            let gate = OpenOnDrop(&dev);
-            dev.wait_for_reader();
+            let opened = OpenOnDrop(&gate);
+            gate.wait_for_reader();
             fs.delete_snapshot("s").expect("delete");
             let names = fill_up(&fs, "fill", fill);
             let free = alloc.free_blocks().get();
             let kept = used_blocks(&fs, &blocks);
-            drop(gate);
+            drop(opened);
             let results = reader.join().expect("reader");
             for name in names {
                 fs.unlink(ROOT, name.as_bytes()).expect("unlink fill");

@@ -641,9 +641,7 @@ fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
     fuse_config.clone_fd = true;
     // The kernel offers FUSE_OVER_IO_URING in INIT (sent during mount(2)) only if the fuse
     // module's enable_uring is on; without it no ring is made (its buffers would go unused).
-    if config.uring != Some(false) && uring_allowed(config.uring == Some(true)) {
-        fuse_config.uring = Some(uring_options(mountpoint));
-    }
+    fuse_config.uring = ring_for(config.uring, mountpoint, uring_allowed);
     let fuse_fd = match kernel_mount(image, mountpoint, config) {
         Ok(fd) => fd,
         Err(e) => {
@@ -760,12 +758,28 @@ pub(crate) fn set_uring_param(on: bool) {
 }
 
 /// The io_uring transport's settings for a mount at `mountpoint`.
-fn uring_options(mountpoint: &Path) -> fuser::UringOptions {
+/// The ring settings of a mount whose `uring` option is `uring` (`Some(true)`: `-o uring`,
+/// `Some(false)`: `-o nouring`, `None`: the default), or none when it serves over /dev/fuse
+/// alone: `-o nouring`, or `allowed` (given whether the ring was asked for: `uring_allowed`)
+/// says no.
+fn ring_for(
+    uring: Option<bool>,
+    mountpoint: &Path,
+    allowed: impl FnOnce(bool) -> bool,
+) -> Option<fuser::UringOptions> {
+    let asked = uring == Some(true);
+    (uring != Some(false) && allowed(asked)).then(|| uring_options(mountpoint, asked))
+}
+
+fn uring_options(mountpoint: &Path, asked: bool) -> fuser::UringOptions {
     fuser::UringOptions {
         queue_depth: URING_QUEUE_DEPTH,
         mountpoint: Some(canonical(mountpoint)),
         // Test hook for the fallback (tests/mount/uring-test.sh): registration fails.
         break_register: std::env::var_os("BIRCH_URING_BREAK_REGISTER").is_some(),
+        // A fallback to /dev/fuse warns only when the ring was asked for, as in
+        // `uring_allowed`.
+        asked,
     }
 }
 
@@ -1375,9 +1389,7 @@ impl InProcessMount {
         let mut fuse_config = Config::default();
         fuse_config.acl = SessionACL::Owner;
         fuse_config.n_threads = Some(config.threads);
-        if uring && uring_allowed(true) {
-            fuse_config.uring = Some(uring_options(mountpoint));
-        }
+        fuse_config.uring = ring_for(Some(uring), mountpoint, uring_allowed);
         fuse_config.clone_fd = true;
         let fd = kernel_mount(Path::new("crashtest"), mountpoint, &config)
             .map_err(|e| format!("mount on {}: {e}", mountpoint.display()))?;
@@ -1426,6 +1438,19 @@ impl Drop for InProcessMount {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A ring that was only the default falls back to /dev/fuse at info level; one asked for
+    /// with `-o uring` (or by crashtest) warns; `-o nouring` makes none.
+    #[test]
+    fn a_ring_fallback_warns_only_when_the_ring_was_asked_for() {
+        let at = Path::new("/nonexistent-birch-mountpoint");
+        let default = ring_for(None, at, |asked| !asked).expect("the default ring");
+        assert_eq!(default.fallback_level(), log::Level::Info);
+        let asked = ring_for(Some(true), at, |asked| asked).expect("the ring asked for");
+        assert_eq!(asked.fallback_level(), log::Level::Warn);
+        assert!(ring_for(Some(false), at, |_| panic!("-o nouring asks nothing")).is_none());
+        assert!(ring_for(None, at, |_| false).is_none(), "not allowed");
+    }
 
     /// The dirty cap is half the free space above the headroom, never below the base nor above
     /// an eighth of memory, and falls as free space falls.

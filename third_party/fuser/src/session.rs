@@ -318,6 +318,7 @@ impl<FS: Filesystem> Session<FS> {
             use std::os::fd::AsRawFd;
             let fd = ring_ch.as_fd().as_raw_fd();
             let mountpoint = rings.mountpoint.clone();
+            let fallback_level = rings.fallback_level;
             for q in rings.queues {
                 let thread_name = format!("fuser-uring-{}", ring_threads.len());
                 let event_loop = SessionEventLoop {
@@ -330,7 +331,7 @@ impl<FS: Filesystem> Session<FS> {
                 let sender = ring_ch.sender();
                 let mnt = mountpoint.clone();
                 match thread::Builder::new().name(thread_name).spawn(move || {
-                    crate::uring::queue_loop(q, sender, fd, event_loop, mnt);
+                    crate::uring::queue_loop(q, sender, fd, event_loop, mnt, fallback_level);
                 }) {
                     Ok(t) => ring_threads.push(t),
                     Err(e) => {
@@ -494,12 +495,14 @@ impl<FS: Filesystem> Session<FS> {
                             config.requested |= InitFlags::FUSE_OVER_IO_URING;
                             self.uring = Some(rings);
                         }
-                        Err(e) => warn!(
+                        Err(e) => log::log!(
+                            opts.fallback_level(),
                             "FUSE over io_uring: ring setup failed ({e}); serving over /dev/fuse"
                         ),
                     }
                 } else {
-                    warn!(
+                    log::log!(
+                        opts.fallback_level(),
                         "FUSE over io_uring: the kernel does not offer it (is /sys/module/fuse/parameters/enable_uring Y?); serving over /dev/fuse"
                     );
                 }

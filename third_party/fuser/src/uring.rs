@@ -66,6 +66,11 @@ pub struct UringOptions {
     /// Test hook: register payload buffers of 4 KiB, which the kernel refuses, so that
     /// registration fails after INIT agreed to io_uring (the fallback test).
     pub break_register: bool,
+    /// Whether the ring was asked for (birchfs's `-o uring`) rather than only the default: a
+    /// fallback to /dev/fuse (ring setup failed, or the kernel does not offer io_uring) then
+    /// warns, and is logged at info level otherwise ([`UringOptions::fallback_level`]). True
+    /// by default: a caller that sets `Config::uring` asks for the ring unless it says not.
+    pub asked: bool,
 }
 
 impl Default for UringOptions {
@@ -74,6 +79,19 @@ impl Default for UringOptions {
             queue_depth: 64,
             mountpoint: None,
             break_register: false,
+            asked: true,
+        }
+    }
+}
+
+impl UringOptions {
+    /// The level at which serving over /dev/fuse instead of the ring is logged: warn when
+    /// the ring was asked for, info when it was only the default.
+    pub fn fallback_level(&self) -> log::Level {
+        if self.asked {
+            log::Level::Warn
+        } else {
+            log::Level::Info
         }
     }
 }
@@ -354,6 +372,8 @@ pub(crate) struct Queue {
 pub(crate) struct Rings {
     pub(crate) queues: Vec<Queue>,
     pub(crate) mountpoint: Option<PathBuf>,
+    /// [`UringOptions::fallback_level`]: for entries the kernel refuses to register.
+    pub(crate) fallback_level: log::Level,
     payload_len: usize,
 }
 
@@ -431,6 +451,7 @@ pub(crate) fn setup(opts: &UringOptions, payload: usize) -> io::Result<Rings> {
     Ok(Rings {
         queues,
         mountpoint: opts.mountpoint.clone(),
+        fallback_level: opts.fallback_level(),
         payload_len: payload,
     })
 }
@@ -556,6 +577,7 @@ pub(crate) fn queue_loop<FS: Filesystem>(
     fd: RawFd,
     se: SessionEventLoop<FS>,
     mountpoint: Option<PathBuf>,
+    fallback_level: log::Level,
 ) {
     let shared = q.shared.clone();
     let qid = shared.qid;
@@ -690,7 +712,8 @@ pub(crate) fn queue_loop<FS: Filesystem>(
                         teardown_seen = true;
                         debug!("uring: queue {qid}: entry {idx} ended: {err}");
                     }
-                    _ if !served_any => warn!(
+                    _ if !served_any => log::log!(
+                        fallback_level,
                         "uring: queue {qid}: entry {idx} not registered ({err}); the kernel serves over /dev/fuse"
                     ),
                     _ => warn!("uring: queue {qid}: entry {idx} failed: {err}"),

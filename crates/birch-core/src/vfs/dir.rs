@@ -304,6 +304,7 @@ impl Filesystem {
         drop(d);
         let state = self.insert_inode(ino, item);
         let mut c = state.data.write();
+        self.note_unlinked(ino, &c.item);
         set_absent_xattrs(&mut c, &inherited);
         c.linkable = flags & libc::O_EXCL == 0;
         {
@@ -462,6 +463,7 @@ impl Filesystem {
                 // linked again once its names are gone.
                 items::delete_orphan(&mut txn, InodeNo::new(ino));
                 c.linkable = false;
+                self.drop_unlinked(ino);
             }
             changes.record(&txn);
         }
@@ -570,6 +572,7 @@ impl Filesystem {
         } else {
             c.item.nlink = c.item.nlink.saturating_sub(1);
         }
+        self.note_unlinked(child_ino, &c.item);
         c.item.ctime = t;
         let mut txn = self.inner.engine.begin()?;
         d.item.transid = txn.generation().get();
@@ -759,6 +762,8 @@ impl Filesystem {
             g.item.transid = txn.generation().get();
             items::put_inode(&mut txn, InodeNo::new(*ino), &g.item);
             self.unmark_log_clean(*ino);
+            // The replaced target, when it lost its last name.
+            self.note_unlinked(*ino, &g.item);
         }
         plan.record(&txn);
         Ok(())

@@ -19,7 +19,7 @@ mod file;
 mod snapview;
 pub(crate) mod xattr;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
@@ -37,7 +37,7 @@ use crate::device::{
 use crate::error::{Error, Result};
 use crate::items;
 use crate::readonly::ReadOnlyCause;
-use crate::txn::{Engine, MkfsOptions};
+use crate::txn::{Engine, MkfsOptions, OpenHead};
 
 pub use dir::DirEntryOut;
 pub use durability::{DeferredOutcome, FsyncDone, FsyncMode, LogFull};
@@ -375,6 +375,12 @@ pub(crate) struct Inner {
     /// `free_inode`): what an operation at ENOSPC waits for while the kernel still holds
     /// unlinked files ([`Filesystem::wait_for_releases`]).
     released: (Mutex<u64>, Condvar),
+    /// Regular files in the inode table that may be unlinked and not freed yet: every state
+    /// in the table with no names and `freed` unset is here (added where a link count drops
+    /// to 0, where a tmpfile is made and where an unlinked inode is loaded; removed where it
+    /// is freed, leaves the table or gets a name), so [`Filesystem::release_may_free_space`]
+    /// looks at these and not at the whole table. A leaf lock: nothing is taken under it.
+    unlinked: Mutex<HashSet<u64>>,
     /// The count of `released` when a wait for releases last ran out with none: no later
     /// wait starts until another unlinked inode is freed (a file kept open on purpose must
     /// not delay every ENOSPC).
@@ -393,6 +399,9 @@ pub type ReleaseWaitGate = Arc<dyn Fn() -> bool + Send + Sync>;
 /// How long an operation at ENOSPC waits for unlinked files the kernel still holds to be
 /// released and forgotten before it answers ENOSPC ([`Filesystem::wait_for_releases`]).
 pub const RELEASE_WAIT: Duration = Duration::from_secs(5);
+
+/// Why a read-only open that replayed a pending log in memory may not turn writable.
+const REPLAYED_IN_MEMORY: &str = "its log was replayed in memory, not on the image (it was opened read-only): unmount and mount it read-write";
 
 /// A mounted-or-embedded birchfs filesystem.
 pub struct Filesystem {
@@ -513,48 +522,46 @@ impl Filesystem {
     /// writable open would: the log is replayed and committed into an in-memory overlay of the
     /// device, as `fsck` checks it ([`crate::check::check_replayed`]), and the device itself
     /// is left untouched, its log waiting for the next writable open.
+    ///
+    /// Engine opens (each a walk of the whole tree): one for a read-only open without a
+    /// pending log; two with one, both over the overlay: the writable open that replays the
+    /// log, and the reopen after the replay's commit that rebuilds the free-space map from
+    /// the new tree (as a writable open of the device does), which reclaims orphans, commits
+    /// and then serves, turned read-only. The superblock and the log are read once, before
+    /// either ([`OpenHead`]).
     pub fn open_device(device: Arc<dyn BlockDevice>, options: OpenOptions) -> Result<Filesystem> {
-        if options.read_only {
-            let engine = Engine::open(device.clone())?;
-            if engine.replay_pending() {
-                drop(engine);
-                let overlay: Arc<dyn BlockDevice> =
-                    Arc::new(crate::device::OverlayDevice::new(device));
-                let replay = Filesystem::open_device_once(
-                    overlay.clone(),
-                    OpenOptions {
-                        read_only: false,
-                        commit_interval: None,
-                        ..options.clone()
-                    },
-                    false,
-                )?;
-                replay.close()?;
-                drop(replay);
-                return Filesystem::open_device_once(overlay, options, true);
-            }
-            return Filesystem::with_engine(engine, options, false);
+        if !options.read_only {
+            return Filesystem::open_device_once(device, options);
         }
-        Filesystem::open_device_once(device, options, false)
+        let head = OpenHead::read(&*device)?;
+        if !head.log_pending() {
+            return Filesystem::with_engine(Engine::open_from(device, head)?, options);
+        }
+        let overlay: Arc<dyn BlockDevice> = Arc::new(crate::device::OverlayDevice::new(device));
+        let fs = Filesystem::with_engine(
+            Engine::open_from(overlay, head)?,
+            OpenOptions {
+                read_only: false,
+                commit_interval: None,
+                ..options
+            },
+        )?;
+        // What closing the replaying filesystem committed before (with_engine reclaimed the
+        // orphans), then the read-only state a read-only open starts in, kept for good.
+        fs.commit_now()?;
+        fs.inner.engine.set_read_only(ReadOnlyCause::Mounted);
+        *fs.inner.pinned_read_only.lock() = Some(REPLAYED_IN_MEMORY.to_string());
+        Ok(fs)
     }
 
-    /// [`Filesystem::open_device`] without the in-memory replay; `replayed_in_memory` says the
-    /// device is an overlay a replay was committed into.
-    fn open_device_once(
-        device: Arc<dyn BlockDevice>,
-        options: OpenOptions,
-        replayed_in_memory: bool,
-    ) -> Result<Filesystem> {
+    /// [`Filesystem::open_device`] without the in-memory replay.
+    fn open_device_once(device: Arc<dyn BlockDevice>, options: OpenOptions) -> Result<Filesystem> {
         let engine = Engine::open(device)?;
-        Filesystem::with_engine(engine, options, replayed_in_memory)
+        Filesystem::with_engine(engine, options)
     }
 
     /// The rest of [`Filesystem::open_device`] over an opened engine.
-    fn with_engine(
-        engine: Arc<Engine>,
-        options: OpenOptions,
-        replayed_in_memory: bool,
-    ) -> Result<Filesystem> {
+    fn with_engine(engine: Arc<Engine>, options: OpenOptions) -> Result<Filesystem> {
         let device_bytes = engine.base_device().size_bytes();
         let unknown_ro =
             engine.superblock().ro_compat & !birch_format::superblock::RO_COMPAT_SUPPORTED;
@@ -586,10 +593,9 @@ impl Filesystem {
             buffers: buffer::Buffers::new(options.buffered, device_bytes),
             atime: AtomicU8::new(AtimeMode::Relatime as u8),
             scrub: Mutex::new(None),
-            pinned_read_only: Mutex::new(replayed_in_memory.then(|| {
-                "its log was replayed in memory, not on the image (it was opened read-only): unmount and mount it read-write".to_string()
-            })),
+            pinned_read_only: Mutex::new(None),
             released: (Mutex::new(0), Condvar::new()),
+            unlinked: Mutex::new(HashSet::new()),
             fruitless: Mutex::new(None),
             release_wait: RwLock::new(None),
             snaps: snapview::SnapState::default(),
@@ -616,7 +622,7 @@ impl Filesystem {
                 let device = fs.inner.engine.base_device().clone();
                 fs.close()?;
                 drop(fs);
-                return Filesystem::open_device_once(device, options, replayed_in_memory);
+                return Filesystem::open_device_once(device, options);
             }
             fs.reclaim_orphans()?;
             if let Some(interval) = options.commit_interval {
@@ -1041,9 +1047,29 @@ impl Filesystem {
         }
         let item = items::get_inode(&*self.inner.engine, InodeNo::new(ino))?
             .ok_or_else(|| Error::NotFound(format!("inode {ino}")))?;
+        let unlinked = item.nlink == 0;
         let state = InodeState::new(item);
         let mut shard = self.shard(ino).lock();
-        Ok(shard.entry(ino).or_insert(state).clone())
+        let state = shard.entry(ino).or_insert(state).clone();
+        drop(shard);
+        if unlinked {
+            // An orphan loaded again (at mount, or after its state left the table).
+            self.note_unlinked(ino, &state.data.read().item);
+        }
+        Ok(state)
+    }
+
+    /// Notes that `item` of `ino` (in the inode table) may have no names left: a regular
+    /// file with link count 0 joins the set [`Filesystem::release_may_free_space`] looks at.
+    pub(crate) fn note_unlinked(&self, ino: u64, item: &InodeItem) {
+        if item.nlink == 0 && item.mode & libc::S_IFMT == libc::S_IFREG {
+            self.inner.unlinked.lock().insert(ino);
+        }
+    }
+
+    /// `ino` was freed, left the inode table or got a name: out of the unlinked set.
+    pub(crate) fn drop_unlinked(&self, ino: u64) {
+        self.inner.unlinked.lock().remove(&ino);
     }
 
     /// Registers a new inode's state (create paths).
@@ -1086,6 +1112,9 @@ impl Filesystem {
             shard.remove(&ino);
             state
         };
+        // Out of the table: no longer a state whose release may free space (freed below, or
+        // loaded, and noted, again).
+        self.drop_unlinked(ino);
         let (needs_free, buffered) = {
             let data = state.data.read();
             (data.item.nlink == 0 && !data.freed, !data.dirty.is_empty())
@@ -1183,6 +1212,7 @@ impl Filesystem {
         items::delete_orphan(&mut txn, InodeNo::new(ino));
         drop(txn);
         data.freed = true;
+        self.drop_unlinked(ino);
         self.drop_buffered_from(data, 0);
         let flushed = self.flush_locked(ino, data);
         let (count, freed) = &self.inner.released;
@@ -1211,22 +1241,31 @@ impl Filesystem {
     /// Whether space may come back without any change by the caller: an unlinked inode still
     /// holds blocks because the kernel holds it (an open handle whose RELEASE, or a lookup
     /// whose FORGET, has not arrived), and the last wait for releases did not run out since
-    /// an unlinked inode was last freed. Scans the inode table: for the ENOSPC path only.
+    /// an unlinked inode was last freed. Looks only at the inodes of the unlinked set (regular
+    /// files with no names that are not freed yet; none, almost always), not at the table.
     pub fn release_may_free_space(&self) -> bool {
         let freed = *self.inner.released.0.lock();
         if *self.inner.fruitless.lock() == Some(freed) {
             return false;
         }
-        self.inner.table.iter().any(|shard| {
-            let states: Vec<Arc<InodeState>> = shard.lock().values().cloned().collect();
-            states.iter().any(|state| {
-                let data = state.data.read();
-                data.item.nlink == 0
-                    && !data.freed
-                    && data.item.mode & libc::S_IFMT == libc::S_IFREG
-                    && (data.item.nbytes > 0 || !data.dirty.is_empty())
-            })
+        // Copied out: the set is a leaf lock, and its writers hold an inode's data lock.
+        let unlinked: Vec<u64> = self.inner.unlinked.lock().iter().copied().collect();
+        unlinked.into_iter().any(|ino| {
+            let Some(state) = self.shard(ino).lock().get(&ino).cloned() else {
+                return false;
+            };
+            let data = state.data.read();
+            data.item.nlink == 0
+                && !data.freed
+                && data.item.mode & libc::S_IFMT == libc::S_IFREG
+                && (data.item.nbytes > 0 || !data.dirty.is_empty())
         })
+    }
+
+    /// How many inodes the unlinked set holds (see [`Filesystem::release_may_free_space`]).
+    #[cfg(test)]
+    pub(crate) fn unlinked_count(&self) -> usize {
+        self.inner.unlinked.lock().len()
     }
 
     /// How many unlinked inodes were freed so far: read before an attempt that may fail for
@@ -1305,6 +1344,7 @@ impl Filesystem {
             }
             drop(data);
             self.shard(ino).lock().remove(&ino);
+            self.drop_unlinked(ino);
         }
         Ok(())
     }
@@ -1405,4 +1445,82 @@ pub(crate) fn check_name(name: &[u8]) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::device::MemDevice;
+
+    fn fresh() -> Filesystem {
+        let dev = Arc::new(MemDevice::new(64 << 20));
+        Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
+        Filesystem::open_device(dev, OpenOptions::default()).expect("open")
+    }
+
+    fn file_with_data(fs: &Filesystem, name: &[u8]) -> (u64, u64) {
+        let (attr, fh) = fs
+            .create(Caller::default(), ROOT_OBJECTID, name, 0o644, libc::O_RDWR)
+            .expect("create");
+        fs.write(attr.ino, 0, &[7; 64 << 10], false).expect("write");
+        (attr.ino, fh)
+    }
+
+    /// The unlinked set follows the states that matter, and the answer follows it: an open
+    /// file with data unlinked (or replaced by a rename) may give space back until its last
+    /// release and forget; an empty one, a directory or a linked tmpfile never may.
+    #[test]
+    fn release_may_free_space_tracks_unlinked_open_files() {
+        let fs = fresh();
+        let root = ROOT_OBJECTID;
+        assert!(!fs.release_may_free_space(), "nothing unlinked");
+        let (a, fh_a) = file_with_data(&fs, b"a");
+        let (empty, fh_empty) = fs
+            .create(Caller::default(), root, b"empty", 0o644, libc::O_RDWR)
+            .map(|(attr, fh)| (attr.ino, fh))
+            .expect("create empty");
+        fs.mkdir(Caller::default(), root, b"d", 0o755)
+            .expect("mkdir");
+        assert!(!fs.release_may_free_space(), "everything has a name");
+        assert_eq!(fs.unlinked_count(), 0);
+
+        fs.unlink(root, b"empty").expect("unlink empty");
+        fs.rmdir(root, b"d").expect("rmdir");
+        assert!(!fs.release_may_free_space(), "an empty file frees nothing");
+        fs.unlink(root, b"a").expect("unlink a while open");
+        assert!(fs.release_may_free_space(), "a's release frees its data");
+        fs.release(a, fh_a).expect("release a");
+        assert!(fs.release_may_free_space(), "a is still looked up");
+        fs.forget(a, 1);
+        assert!(!fs.release_may_free_space(), "a was freed");
+        fs.release(empty, fh_empty).expect("release empty");
+        fs.forget(empty, 1);
+        assert_eq!(fs.unlinked_count(), 0, "freed inodes leave the set");
+
+        // A rename over an open file drops its last name.
+        let (c, fh_c) = file_with_data(&fs, b"c");
+        fs.create(Caller::default(), root, b"e", 0o644, 0)
+            .expect("create e");
+        fs.rename(root, b"e", root, b"c", 0).expect("rename over c");
+        assert!(fs.release_may_free_space(), "c lost its last name");
+        fs.release(c, fh_c).expect("release c");
+        fs.forget(c, 1);
+        assert!(!fs.release_may_free_space(), "c was freed");
+
+        // A tmpfile has no name until linked.
+        let (t, fh_t) = fs
+            .tmpfile(Caller::default(), root, 0o644, libc::O_RDWR)
+            .map(|(attr, fh)| (attr.ino, fh))
+            .expect("tmpfile");
+        fs.write(t, 0, &[1; 64 << 10], false)
+            .expect("write tmpfile");
+        assert!(fs.release_may_free_space(), "an unnamed tmpfile holds data");
+        fs.link(t, root, b"t").expect("link tmpfile");
+        assert!(!fs.release_may_free_space(), "the tmpfile has a name");
+        assert_eq!(fs.unlinked_count(), 0, "a linked tmpfile leaves the set");
+        fs.release(t, fh_t).expect("release t");
+        fs.close().expect("close");
+    }
 }

@@ -129,3 +129,29 @@ pub fn tree(fs: &Filesystem, times: bool) -> BTreeMap<String, Seen> {
     }
     out
 }
+
+/// A memory device whose every read first goes to `hook` (offset, length), which may count
+/// it, hold it, or fail it with the error it returns; everything else goes to `inner`.
+pub struct HookedReads<F> {
+    pub inner: Arc<MemDevice>,
+    pub hook: F,
+}
+
+impl<F: Fn(u64, usize) -> std::io::Result<()> + Send + Sync> BlockDevice for HookedReads<F> {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        (self.hook)(offset, buf.len())?;
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        self.inner.write_at(buf, offset)
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+    fn counters(&self) -> &birch_core::counters::Counters {
+        self.inner.counters()
+    }
+}
