@@ -272,7 +272,8 @@ fn a_failed_write_in_a_batch_loses_only_its_files() {
 }
 
 /// Writers keep rewriting small files (each write the whole file, a new version) and read
-/// each back at once while commits drain them: a read always returns the newest version;
+/// each back at once, and again before the next write, while commits drain them: a read
+/// always returns the newest version (a drain never records older bytes over a newer write);
 /// every commit holds, for each file, at least the version whose write returned before the
 /// commit began (a copy of what the device kept, opened on its own); after the last commit
 /// and a power cut, every file holds its last version.
@@ -296,6 +297,15 @@ fn writes_racing_a_drain_are_in_this_commit_or_the_next() {
                     v += 1;
                     for n in (w..FILES).step_by(WRITERS as usize) {
                         let ino = files[n as usize];
+                        // Only this thread writes file n: whatever drained meanwhile, the
+                        // file still reads as the version this thread wrote last.
+                        let last = done[n as usize].load(Ordering::SeqCst);
+                        let now = fs.read(ino, 0, 1 << 20).expect("read");
+                        assert_eq!(
+                            which_version(n, &now),
+                            Some(last),
+                            "file {n}: reads as the last version written"
+                        );
                         let bytes = version(n, v);
                         fs.write(ino, 0, &bytes, false).expect("write");
                         done[n as usize].store(v, Ordering::SeqCst);
