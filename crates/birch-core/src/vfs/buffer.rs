@@ -650,13 +650,10 @@ impl Filesystem {
         let drain_one = || {
             let mut batch = DrainBatch::default();
             let mut busy: Option<&(u64, Arc<InodeState>)> = None;
-            loop {
-                let Some(entry) = busy
-                    .take()
-                    .or_else(|| dirty.get(next.fetch_add(1, Ordering::Relaxed)))
-                else {
-                    break;
-                };
+            while let Some(entry) = busy
+                .take()
+                .or_else(|| dirty.get(next.fetch_add(1, Ordering::Relaxed)))
+            {
                 let (ino, state) = (entry.0, &entry.1);
                 let data = if batch.files.is_empty() {
                     state.data.write()
