@@ -389,3 +389,104 @@ fn which_version(n: u32, bytes: &[u8]) -> Option<u64> {
     let v = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
     (version(n, v) == bytes).then_some(v)
 }
+
+/// Counts the write calls a device gets (a `write_many` once) and their entries.
+struct Counting {
+    base: Arc<dyn BlockDevice>,
+    calls: AtomicU64,
+    entries: AtomicU64,
+}
+
+impl BlockDevice for Counting {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.base.read_at(buf, offset)
+    }
+
+    fn read_many(&self, reads: &mut [(u64, &mut [u8])]) -> io::Result<()> {
+        self.base.read_many(reads)
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.entries.fetch_add(1, Ordering::Relaxed);
+        self.base.write_at(buf, offset)
+    }
+
+    fn write_many(&self, writes: &[(u64, &[u8])]) -> io::Result<()> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.entries
+            .fetch_add(writes.len() as u64, Ordering::Relaxed);
+        self.base.write_many(writes)
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        self.base.flush()
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.base.size_bytes()
+    }
+
+    fn counters(&self) -> &Counters {
+        self.base.counters()
+    }
+}
+
+/// Not a check: the device write calls and the time of a commit of 10,000 small dirty files
+/// (3-8 KiB, names committed before), on a memory device or, with
+/// `BIRCH_MEASURE_IMAGE=PATH`, on a 1 GiB image file made there. Run with
+/// `cargo test -p birch-core --release --locked --test drain_batches -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn measure_a_drain_of_10000_small_files() {
+    let base: Arc<dyn BlockDevice> = match std::env::var_os("BIRCH_MEASURE_IMAGE") {
+        Some(path) => {
+            let path = std::path::PathBuf::from(path);
+            let _ = std::fs::remove_file(&path);
+            std::fs::File::create(&path)
+                .and_then(|f| f.set_len(1 << 30))
+                .expect("image");
+            Arc::new(
+                birch_core::device::FileDevice::open(
+                    &path,
+                    birch_core::device::OpenMode::ReadWrite,
+                )
+                .expect("open image"),
+            )
+        }
+        None => Arc::new(MemDevice::new(1 << 30)),
+    };
+    let dev = Arc::new(Counting {
+        base,
+        calls: AtomicU64::new(0),
+        entries: AtomicU64::new(0),
+    });
+    Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
+    let fs = open_quiet(&dev);
+    let files = small_files(&fs, 10_000, |_| Vec::new());
+    fs.sync().expect("commit the names");
+    let len = |n: u32| 3_000 + (n as usize * 523) % 5_200;
+    for (n, ino) in files.iter().enumerate() {
+        fs.write(*ino, 0, &pattern(n as u32, len(n as u32)), false)
+            .expect("write");
+    }
+    let (calls, entries) = (
+        dev.calls.swap(0, Ordering::SeqCst),
+        dev.entries.swap(0, Ordering::SeqCst),
+    );
+    println!("while writing: {calls} device write calls ({entries} writes)");
+    let started = std::time::Instant::now();
+    fs.sync().expect("commit");
+    let took = started.elapsed();
+    println!(
+        "commit of 10,000 small files: {:.1} ms, {} device write calls ({} writes)",
+        took.as_secs_f64() * 1e3,
+        dev.calls.load(Ordering::SeqCst),
+        dev.entries.load(Ordering::SeqCst)
+    );
+    for (n, ino) in files.iter().enumerate().step_by(97) {
+        let want = pattern(n as u32, len(n as u32));
+        assert_eq!(fs.read(*ino, 0, want.len()).expect("read"), want);
+    }
+    fs.close().expect("close");
+}
