@@ -1786,4 +1786,54 @@ mod tests {
         assert_eq!(read_back(&data, &runs[..1]).expect("read"), both);
         assert_eq!(read_back(&data, &runs[1..]).expect("read"), c);
     }
+
+    /// Two files staged and written as one batch: the runs `staged_done` returns are what
+    /// `write_reserved` would return and read back verified; a failed batch frees every block
+    /// the files took, at once (never recorded, so not pinned).
+    #[test]
+    fn staged_files_write_as_one_batch_and_give_back_on_failure() {
+        let (mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        let free_before = engine.allocator().free_blocks();
+        let (a, b, c) = (pattern(1, 1), pattern(1, 2), pattern(1, 3));
+        assert!(data.reserve(3));
+        let mut reserved = 3;
+        let one = data
+            .stage_reserved(INO, &[(0u64, &a[..]), (1, &b[..])], &mut reserved)
+            .expect("stage one");
+        let two = data
+            .stage_reserved(INO + 1, &[(4u64, &c[..])], &mut reserved)
+            .expect("stage two");
+        assert_eq!(reserved, 0);
+        assert_eq!((one.writes(), one.bytes()), (1, 2 * BLOCK_SIZE));
+        let writes = mem.counters().values().device_writes;
+        let results = data.write_staged(&[&one, &two]);
+        assert!(results.iter().all(|r| r.is_ok()));
+        assert_eq!(mem.counters().values().device_writes - writes, 2);
+        let runs_one = data.staged_done(one, Ok(())).expect("one");
+        let runs_two = data.staged_done(two, Ok(())).expect("two");
+        assert_eq!((runs_one.len(), runs_one[0].csums.len()), (1, 2));
+        assert_eq!(runs_two[0].file_offset, 4 * BLOCK_SIZE);
+        let mut both = a.clone();
+        both.extend_from_slice(&b);
+        assert_eq!(read_back(&data, &runs_one).expect("read"), both);
+        let free_written = engine.allocator().free_blocks();
+        assert_eq!(free_written, free_before - BlockCount::new(3));
+
+        let mut reserved = 0;
+        let three = data
+            .stage_reserved(INO, &[(7u64, &a[..])], &mut reserved)
+            .expect("stage three");
+        let four = data
+            .stage_reserved(INO + 1, &[(8u64, &b[..]), (9, &c[..])], &mut reserved)
+            .expect("stage four");
+        mem.fail_writes(true);
+        let results = data.write_staged(&[&three, &four]);
+        mem.fail_writes(false);
+        assert!(results.iter().all(|r| r.is_err()));
+        for (staged, result) in [three, four].into_iter().zip(results) {
+            assert!(data.staged_done(staged, result).is_err());
+        }
+        assert_eq!(engine.allocator().free_blocks(), free_written);
+    }
 }

@@ -181,6 +181,9 @@ struct DrainBatch<'a> {
     files: Vec<BatchFile<'a>>,
     writes: usize,
     bytes: u64,
+    /// When its first file was taken (the flush speed the dirty limit learns counts the
+    /// staging too, as a single file's flush does).
+    started: Option<Instant>,
 }
 
 /// The filesystem-wide side of the buffered data path.
@@ -532,6 +535,7 @@ impl Filesystem {
             }
             return;
         }
+        batch.started.get_or_insert_with(Instant::now);
         let Taken {
             blocks,
             mut reserved,
@@ -571,11 +575,16 @@ impl Filesystem {
     /// file by file, records the extents of those written or drops the blocks of those whose
     /// writes failed (as a failed flush does), and lets go of each file's lock.
     fn write_drain_batch(&self, batch: &mut DrainBatch<'_>) {
-        let DrainBatch { files, bytes, .. } = std::mem::take(batch);
+        let DrainBatch {
+            files,
+            bytes,
+            started,
+            ..
+        } = std::mem::take(batch);
         if files.is_empty() {
             return;
         }
-        let started = Instant::now();
+        let started = started.unwrap_or_else(Instant::now);
         let staged: Vec<&Staged> = files.iter().map(|f| &f.staged).collect();
         let results = self.data().write_staged(&staged);
         drop(staged);
