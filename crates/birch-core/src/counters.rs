@@ -115,6 +115,8 @@ counters! {
     buffered_blocks: "Blocks that entered a file's write buffer (buffered writes).",
     buffer_flushes: "Flushes of a file's write buffer (commit drain, fsync, dirty limit).",
     buffer_flush_runs: "Extents recorded by buffer flushes (runs of blocks contiguous in file and on disk).",
+    drain_batches: "Device write batches of a commit drain that carried the staged blocks of several files together (one write_many each).",
+    drain_batch_files: "Files whose buffered blocks a commit drain wrote in a batch with other files'.",
     buffer_throttled: "Buffered writes that flushed their own file above twice the dirty limit.",
     fsync_commits: "fsyncs answered by a full commit (all reasons).",
     fsync_log: "fsyncs made durable through the log.",

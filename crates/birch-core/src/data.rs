@@ -937,30 +937,141 @@ impl<'e> DataLayer<'e> {
             for (addr, start, got, stage) in pending.drain(..) {
                 drop(stage);
                 let part = &blocks[start as usize..(start + got) as usize];
-                for (n, (index, bytes)) in part.iter().enumerate() {
-                    let disk = addr + n as u64 * BLOCK_SIZE;
-                    let file = index * BLOCK_SIZE;
-                    let csum = birch_format::checksum(bytes);
-                    match runs.last_mut() {
-                        Some(run)
-                            if run.file_offset + run.csums.len() as u64 * BLOCK_SIZE == file
-                                && run.addr + run.csums.len() as u64 * BLOCK_SIZE == disk
-                                && (run.csums.len() as u64) < EXTENT_MAX_BLOCKS =>
-                        {
-                            run.csums.push(csum)
-                        }
-                        _ => runs.push(WrittenRun {
-                            file_offset: file,
-                            addr: disk,
-                            csums: vec![csum],
-                            birth,
-                        }),
-                    }
-                }
+                push_runs(&mut runs, addr, part, birth);
             }
             pending_bytes = 0;
         }
         Ok(runs)
+    }
+
+    /// Allocates space for a file's buffered `blocks` (as [`DataLayer::write_reserved`] takes
+    /// them) and stages their bytes, without writing anything: the drain writes the staged
+    /// runs of many files with one [`BlockDevice::write_many`] ([`DataLayer::write_staged`])
+    /// and then hands each file's [`Staged`] to [`DataLayer::staged_done`]. On failure frees
+    /// what it took. The caller holds the inode lock (the continuation goal reads the extent
+    /// map) until `staged_done`.
+    ///
+    /// [`BlockDevice::write_many`]: crate::device::BlockDevice::write_many
+    pub(crate) fn stage_reserved(
+        &self,
+        ino: u64,
+        blocks: &[(u64, &[u8])],
+        reserved: &mut u64,
+    ) -> Result<Staged> {
+        let birth = self.engine.running_generation().get();
+        let mut staged = Staged {
+            ino,
+            first: blocks.first().map_or(0, |(index, _)| index * BLOCK_SIZE),
+            writes: Vec::new(),
+            runs: Vec::new(),
+        };
+        let Some(&(first_index, _)) = blocks.first() else {
+            return Ok(staged);
+        };
+        let alloc = self.engine.allocator();
+        let total = blocks.len() as u64;
+        let mut goal = self.continuation_goal(ino, first_index * BLOCK_SIZE)?;
+        let mut done = 0u64;
+        while done < total {
+            let want = (total - done).min(FLUSH_RUN_MAX_BLOCKS);
+            let (one, want) = (BlockCount::new(1), BlockCount::new(want));
+            let allocated = match goal {
+                Some(g) => alloc.allocate_near(BlockAddr::new(g), one, want, Purpose::Reserved),
+                None => alloc.allocate(one, want, Purpose::Reserved),
+            };
+            let (addr, got) = match allocated {
+                Ok((addr, got)) => (addr.get(), got.get()),
+                Err(e) => {
+                    // Every block taken so far is in a run: all go back.
+                    self.give_back(&staged.runs);
+                    return Err(e);
+                }
+            };
+            let from_reserve = got.min(*reserved);
+            self.unreserve(from_reserve);
+            *reserved -= from_reserve;
+            let part = &blocks[done as usize..(done + got) as usize];
+            let mut stage = Stage::take((got * BLOCK_SIZE) as usize);
+            for (_, bytes) in part {
+                stage.push(bytes);
+            }
+            staged.writes.push((addr, stage));
+            // The checksums now, from the same bytes the stage holds.
+            push_runs(&mut staged.runs, addr, part, birth);
+            done += got;
+            goal = Some(addr + got * BLOCK_SIZE);
+        }
+        Ok(staged)
+    }
+
+    /// Writes the staged runs of `files` together: one [`BlockDevice::write_many`] for all of
+    /// them. Returns, for each file, whether its writes completed. When the batch fails, each
+    /// file's writes are tried again on their own (rewriting blocks nothing references yet
+    /// is harmless), so a failure costs only the files whose own writes fail.
+    ///
+    /// [`BlockDevice::write_many`]: crate::device::BlockDevice::write_many
+    pub(crate) fn write_staged(&self, files: &[&Staged]) -> Vec<Result<()>> {
+        let device = self.engine.device();
+        let writes: Vec<(u64, &[u8])> = files
+            .iter()
+            .flat_map(|f| f.writes.iter().map(|(addr, stage)| (*addr, stage.bytes())))
+            .collect();
+        if writes.is_empty() {
+            return files.iter().map(|_| Ok(())).collect();
+        }
+        let batch = match device.write_many(&writes) {
+            Ok(()) => return files.iter().map(|_| Ok(())).collect(),
+            Err(e) => e,
+        };
+        log::warn!(
+            "drain batch of {} files ({} writes) failed: {batch}; writing each file alone",
+            files.len(),
+            writes.len()
+        );
+        files
+            .iter()
+            .map(|f| {
+                let own: Vec<(u64, &[u8])> = f
+                    .writes
+                    .iter()
+                    .map(|(addr, stage)| (*addr, stage.bytes()))
+                    .collect();
+                if own.is_empty() {
+                    return Ok(());
+                }
+                device.write_many(&own).map_err(|e| {
+                    Error::io(
+                        format!(
+                            "flush inode {} offset {} to block {:#x} ({} runs)",
+                            f.ino,
+                            f.first,
+                            own[0].0,
+                            own.len()
+                        ),
+                        e,
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// Ends a staged file: after its writes completed (`written` is `Ok`) returns the runs to
+    /// record, as [`DataLayer::write_reserved`] does; otherwise frees every block it took
+    /// (nothing references them) and returns the error.
+    pub(crate) fn staged_done(
+        &self,
+        staged: Staged,
+        written: Result<()>,
+    ) -> Result<Vec<WrittenRun>> {
+        let Staged { runs, writes, .. } = staged;
+        drop(writes);
+        match written {
+            Ok(()) => Ok(runs),
+            Err(e) => {
+                self.give_back(&runs);
+                Err(e)
+            }
+        }
     }
 
     /// Frees written runs that were never recorded (the operation that wrote them failed).
@@ -1228,6 +1339,60 @@ fn verify_blocks(
         }
     }
     Ok(())
+}
+
+/// Adds the blocks of `part` (file block index and bytes, in file order), written from disk
+/// address `addr` on, to `runs`: a block continues the last run when it follows it in the
+/// file and on disk and the run is shorter than an extent, else starts a new one.
+fn push_runs(runs: &mut Vec<WrittenRun>, addr: u64, part: &[(u64, &[u8])], birth: u64) {
+    for (n, (index, bytes)) in part.iter().enumerate() {
+        let disk = addr + n as u64 * BLOCK_SIZE;
+        let file = index * BLOCK_SIZE;
+        let csum = birch_format::checksum(bytes);
+        match runs.last_mut() {
+            Some(run)
+                if run.file_offset + run.csums.len() as u64 * BLOCK_SIZE == file
+                    && run.addr + run.csums.len() as u64 * BLOCK_SIZE == disk
+                    && (run.csums.len() as u64) < EXTENT_MAX_BLOCKS =>
+            {
+                run.csums.push(csum)
+            }
+            _ => runs.push(WrittenRun {
+                file_offset: file,
+                addr: disk,
+                csums: vec![csum],
+                birth,
+            }),
+        }
+    }
+}
+
+/// A file's buffered blocks allocated and staged by [`DataLayer::stage_reserved`], not
+/// written yet: its runs go into a drain batch ([`DataLayer::write_staged`]), then to
+/// [`DataLayer::staged_done`], which returns the runs to record or frees them.
+pub(crate) struct Staged {
+    ino: u64,
+    /// File offset of the first block (for error messages).
+    first: u64,
+    /// One device write per allocated run: its disk address and staged bytes.
+    writes: Vec<(u64, Stage)>,
+    /// What to record once written (checksums computed when staged).
+    runs: Vec<WrittenRun>,
+}
+
+impl Staged {
+    /// Device writes this file adds to a batch.
+    pub(crate) fn writes(&self) -> usize {
+        self.writes.len()
+    }
+
+    /// Bytes this file adds to a batch.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.writes
+            .iter()
+            .map(|(_, stage)| stage.bytes().len() as u64)
+            .sum()
+    }
 }
 
 /// A per-thread buffer of `len` bytes for a device read, reused so a read does not fault in
@@ -1620,5 +1785,55 @@ mod tests {
         both.extend_from_slice(&b);
         assert_eq!(read_back(&data, &runs[..1]).expect("read"), both);
         assert_eq!(read_back(&data, &runs[1..]).expect("read"), c);
+    }
+
+    /// Two files staged and written as one batch: the runs `staged_done` returns are what
+    /// `write_reserved` would return and read back verified; a failed batch frees every block
+    /// the files took, at once (never recorded, so not pinned).
+    #[test]
+    fn staged_files_write_as_one_batch_and_give_back_on_failure() {
+        let (mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        let free_before = engine.allocator().free_blocks();
+        let (a, b, c) = (pattern(1, 1), pattern(1, 2), pattern(1, 3));
+        assert!(data.reserve(3));
+        let mut reserved = 3;
+        let one = data
+            .stage_reserved(INO, &[(0u64, &a[..]), (1, &b[..])], &mut reserved)
+            .expect("stage one");
+        let two = data
+            .stage_reserved(INO + 1, &[(4u64, &c[..])], &mut reserved)
+            .expect("stage two");
+        assert_eq!(reserved, 0);
+        assert_eq!((one.writes(), one.bytes()), (1, 2 * BLOCK_SIZE));
+        let writes = mem.counters().values().device_writes;
+        let results = data.write_staged(&[&one, &two]);
+        assert!(results.iter().all(|r| r.is_ok()));
+        assert_eq!(mem.counters().values().device_writes - writes, 2);
+        let runs_one = data.staged_done(one, Ok(())).expect("one");
+        let runs_two = data.staged_done(two, Ok(())).expect("two");
+        assert_eq!((runs_one.len(), runs_one[0].csums.len()), (1, 2));
+        assert_eq!(runs_two[0].file_offset, 4 * BLOCK_SIZE);
+        let mut both = a.clone();
+        both.extend_from_slice(&b);
+        assert_eq!(read_back(&data, &runs_one).expect("read"), both);
+        let free_written = engine.allocator().free_blocks();
+        assert_eq!(free_written, free_before - BlockCount::new(3));
+
+        let mut reserved = 0;
+        let three = data
+            .stage_reserved(INO, &[(7u64, &a[..])], &mut reserved)
+            .expect("stage three");
+        let four = data
+            .stage_reserved(INO + 1, &[(8u64, &b[..]), (9, &c[..])], &mut reserved)
+            .expect("stage four");
+        mem.fail_writes(true);
+        let results = data.write_staged(&[&three, &four]);
+        mem.fail_writes(false);
+        assert!(results.iter().all(|r| r.is_err()));
+        for (staged, result) in [three, four].into_iter().zip(results) {
+            assert!(data.staged_done(staged, result).is_err());
+        }
+        assert_eq!(engine.allocator().free_blocks(), free_written);
     }
 }

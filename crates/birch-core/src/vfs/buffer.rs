@@ -27,22 +27,39 @@
 //!   freeze, writes go through (no new buffered data can miss the commit). So commit N holds
 //!   every write that returned before freeze N, and a rename never commits without the data
 //!   written before it.
+//! - The drain batches across files: each drain thread takes a file's lock, takes its buffered
+//!   blocks out, allocates and stages them (`DataLayer::stage_reserved`), keeps the lock and
+//!   goes on to the next file, until the batch holds [`DRAIN_BATCH_WRITES`] writes or
+//!   [`DRAIN_BATCH_BYTES`]; then one `write_many` writes the batch, and each file's extents are
+//!   recorded (or, for a file whose writes failed, its blocks dropped as a failed flush drops
+//!   them) and its lock let go. A file of more than [`DRAIN_BATCH_FILE_BLOCKS`] buffered
+//!   blocks is flushed alone ([`Filesystem::flush_locked`]: its own runs are batch enough).
+//!   See [`Filesystem::commit_now`] for why holding several inode locks cannot deadlock.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use birch_format::items::ExtentKind;
 use birch_format::{Generation, BLOCK_SIZE, MAX_FILE_BYTES};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLockWriteGuard};
 
 use super::{Filesystem, InodeData, InodeState};
+use crate::data::{Staged, WrittenRun};
 use crate::error::{Error, Result};
 
-/// Most threads a drain flushes files with, and files per thread before it adds one.
+/// Most threads a drain flushes files with; it starts one per [`DRAIN_BATCH_WRITES`] dirty
+/// files, up to this many.
 const DRAIN_WORKERS: usize = 8;
-const DRAIN_FILES_PER_WORKER: usize = 16;
+
+/// Most device writes (allocated runs, one or more per file) of one drain batch: an
+/// io_uring submission of an image file, or that many RBD requests in flight together.
+const DRAIN_BATCH_WRITES: usize = 64;
+/// Most bytes of one drain batch, about (the file that reaches it is still added).
+const DRAIN_BATCH_BYTES: u64 = 32 << 20;
+/// A file with more buffered blocks than this (4 MiB) is flushed alone, not in a batch.
+const DRAIN_BATCH_FILE_BLOCKS: usize = 1024;
 
 /// The dirty limit before the device's speed is known, and its bounds.
 const START_LIMIT: u64 = 64 << 20;
@@ -137,6 +154,36 @@ impl DirtyBuf {
     pub(crate) fn holds(&self, index: u64) -> bool {
         self.blocks.contains_key(&index)
     }
+}
+
+/// A file's buffered blocks taken out of its buffer for a flush.
+struct Taken {
+    blocks: BTreeMap<u64, DirtyBlock>,
+    /// The reservation the blocks held (the flush allocates from it, then gives back the rest).
+    reserved: u64,
+    /// The buffer's `size_before`.
+    size_before: Option<u64>,
+}
+
+/// One file of a drain batch: its write lock held, its blocks staged and not written yet.
+struct BatchFile<'a> {
+    ino: u64,
+    data: RwLockWriteGuard<'a, InodeData>,
+    staged: Staged,
+    /// Blocks taken from the buffer.
+    count: u64,
+    size_before: Option<u64>,
+}
+
+/// The files a drain thread has staged for its next `write_many`.
+#[derive(Default)]
+struct DrainBatch<'a> {
+    files: Vec<BatchFile<'a>>,
+    writes: usize,
+    bytes: u64,
+    /// When its first file was taken (the flush speed the dirty limit learns counts the
+    /// staging too, as a single file's flush does).
+    started: Option<Instant>,
 }
 
 /// The filesystem-wide side of the buffered data path.
@@ -357,50 +404,54 @@ impl Filesystem {
         }
     }
 
-    /// Writes the inode's buffered blocks to new space and records them as extents, with the
-    /// inode's write lock held. On failure the buffered blocks are dropped (they cannot be
-    /// placed), the inode's data write error is set (fsync reports EIO from then on), and
-    /// the error is returned.
-    pub(crate) fn flush_locked(&self, ino: u64, data: &mut InodeData) -> Result<()> {
-        if data.dirty.blocks.is_empty() {
-            self.data()
-                .unreserve(std::mem::take(&mut data.dirty.reserved));
-            return Ok(());
-        }
+    /// Takes the inode's buffered blocks out of its buffer for a flush (the dirty byte count
+    /// and `nbytes` let go of them: the extents recorded count them from now on).
+    fn take_buffered(&self, data: &mut InodeData) -> Taken {
         let blocks = std::mem::take(&mut data.dirty.blocks);
-        let mut reserved = std::mem::take(&mut data.dirty.reserved);
+        let reserved = std::mem::take(&mut data.dirty.reserved);
         let size_before = data.dirty.size_before.take();
-        let b = &self.inner.buffers;
         let count = blocks.len() as u64;
-        b.dirty_bytes
+        self.inner
+            .buffers
+            .dirty_bytes
             .fetch_sub(count * BLOCK_SIZE, Ordering::Relaxed);
         let counted = blocks.values().filter(|b| b.counted).count() as u64;
         data.item.nbytes = data.item.nbytes.saturating_sub(counted * BLOCK_SIZE);
-        let started = Instant::now();
-        let list: Vec<(u64, &[u8])> = blocks.iter().map(|(i, b)| (*i, &b.bytes[..])).collect();
-        let written = self.data().write_reserved(ino, &list, &mut reserved);
-        self.data().unreserve(reserved);
-        let runs = match written {
-            Ok(runs) => runs,
-            Err(e) => {
-                // The blocks are dropped whatever the cause (device error, or no space despite
-                // the reservation): the file's fsync must report the loss, every time.
-                data.write_error = true;
-                log::error!("inode {ino}: flushing {count} buffered blocks failed, data lost: {e}");
-                if let Some(size) = size_before {
-                    // The lost writes grew the file: its size goes back, so no commit holds
-                    // a size that covers data never written.
-                    data.item.size = size.min(data.item.size);
-                    if let Err(store) = self.store_inode(ino, data) {
-                        log::error!(
-                            "inode {ino}: restoring the size after a failed flush: {store}"
-                        );
-                    }
-                }
-                return Err(e);
+        Taken {
+            blocks,
+            reserved,
+            size_before,
+        }
+    }
+
+    /// After the `count` blocks taken from the inode's buffer could not be written (their
+    /// space is already freed): sets the inode's write error and puts back the size the lost
+    /// writes grew. With the inode's write lock held.
+    fn flush_failed(
+        &self,
+        ino: u64,
+        data: &mut InodeData,
+        count: u64,
+        size_before: Option<u64>,
+        e: &Error,
+    ) {
+        // The blocks are dropped whatever the cause (device error, or no space despite
+        // the reservation): the file's fsync must report the loss, every time.
+        data.write_error = true;
+        log::error!("inode {ino}: flushing {count} buffered blocks failed, data lost: {e}");
+        if let Some(size) = size_before {
+            // The lost writes grew the file: its size goes back, so no commit holds
+            // a size that covers data never written.
+            data.item.size = size.min(data.item.size);
+            if let Err(store) = self.store_inode(ino, data) {
+                log::error!("inode {ino}: restoring the size after a failed flush: {store}");
             }
-        };
-        b.learn(count * BLOCK_SIZE, started.elapsed().as_secs_f64());
+        }
+    }
+
+    /// Records the runs a flush wrote as the inode's extents, with its write lock held; on
+    /// failure the runs not recorded go back.
+    fn record_flushed(&self, ino: u64, data: &mut InodeData, runs: Vec<WrittenRun>) -> Result<()> {
         let counters = self.engine().counters();
         counters.add(|c| &c.buffer_flushes, 1);
         counters.add(|c| &c.buffer_flush_runs, runs.len() as u64);
@@ -424,6 +475,148 @@ impl Filesystem {
         Ok(())
     }
 
+    /// Writes the inode's buffered blocks to new space and records them as extents, with the
+    /// inode's write lock held. On failure the buffered blocks are dropped (they cannot be
+    /// placed), the inode's data write error is set (fsync reports EIO from then on), and
+    /// the error is returned.
+    pub(crate) fn flush_locked(&self, ino: u64, data: &mut InodeData) -> Result<()> {
+        if data.dirty.blocks.is_empty() {
+            self.data()
+                .unreserve(std::mem::take(&mut data.dirty.reserved));
+            return Ok(());
+        }
+        let Taken {
+            blocks,
+            mut reserved,
+            size_before,
+        } = self.take_buffered(data);
+        let count = blocks.len() as u64;
+        let started = Instant::now();
+        let list: Vec<(u64, &[u8])> = blocks.iter().map(|(i, b)| (*i, &b.bytes[..])).collect();
+        let written = self.data().write_reserved(ino, &list, &mut reserved);
+        self.data().unreserve(reserved);
+        let runs = match written {
+            Ok(runs) => runs,
+            Err(e) => {
+                self.flush_failed(ino, data, count, size_before, &e);
+                return Err(e);
+            }
+        };
+        self.inner
+            .buffers
+            .learn(count * BLOCK_SIZE, started.elapsed().as_secs_f64());
+        self.record_flushed(ino, data, runs)
+    }
+
+    /// The drain's part for one dirty inode, whose write lock `data` is: a freed inode's
+    /// buffer is dropped, a file of many blocks flushed alone, any other file's blocks taken
+    /// out, allocated and staged into `batch` (its lock kept until the batch is written),
+    /// which is written when full.
+    fn drain_file<'a>(
+        &self,
+        ino: u64,
+        mut data: RwLockWriteGuard<'a, InodeData>,
+        batch: &mut DrainBatch<'a>,
+    ) {
+        if data.freed {
+            self.drop_buffered_from(&mut data, 0);
+            self.flush_locked(ino, &mut data).ok();
+            return;
+        }
+        if data.dirty.blocks.is_empty() || data.dirty.blocks.len() > DRAIN_BATCH_FILE_BLOCKS {
+            if !data.dirty.blocks.is_empty() {
+                // Written alone: let the files staged so far go first, not wait behind it.
+                self.write_drain_batch(batch);
+            }
+            if let Err(e) = self.flush_locked(ino, &mut data) {
+                // The blocks are dropped (and fsync of the file reports the error): the
+                // commit goes on without them rather than stop every other file's.
+                log::error!("commit: buffered data of inode {ino} lost: {e}");
+            }
+            return;
+        }
+        batch.started.get_or_insert_with(Instant::now);
+        let Taken {
+            blocks,
+            mut reserved,
+            size_before,
+        } = self.take_buffered(&mut data);
+        let count = blocks.len() as u64;
+        let list: Vec<(u64, &[u8])> = blocks.iter().map(|(i, b)| (*i, &b.bytes[..])).collect();
+        let staged = self.data().stage_reserved(ino, &list, &mut reserved);
+        // Released once: what the allocation did not take from the reservation.
+        self.data().unreserve(reserved);
+        drop(list);
+        // The stage holds a copy and the checksums are taken: the buffer's memory goes now.
+        drop(blocks);
+        match staged {
+            Err(e) => {
+                self.flush_failed(ino, &mut data, count, size_before, &e);
+                log::error!("commit: buffered data of inode {ino} lost: {e}");
+            }
+            Ok(staged) => {
+                batch.writes += staged.writes();
+                batch.bytes += staged.bytes();
+                batch.files.push(BatchFile {
+                    ino,
+                    data,
+                    staged,
+                    count,
+                    size_before,
+                });
+                if batch.writes >= DRAIN_BATCH_WRITES || batch.bytes >= DRAIN_BATCH_BYTES {
+                    self.write_drain_batch(batch);
+                }
+            }
+        }
+    }
+
+    /// Writes the staged blocks of every file of `batch` with one device `write_many`, then,
+    /// file by file, records the extents of those written or drops the blocks of those whose
+    /// writes failed (as a failed flush does), and lets go of each file's lock.
+    fn write_drain_batch(&self, batch: &mut DrainBatch<'_>) {
+        let DrainBatch {
+            files,
+            bytes,
+            started,
+            ..
+        } = std::mem::take(batch);
+        if files.is_empty() {
+            return;
+        }
+        let started = started.unwrap_or_else(Instant::now);
+        let staged: Vec<&Staged> = files.iter().map(|f| &f.staged).collect();
+        let results = self.data().write_staged(&staged);
+        drop(staged);
+        self.inner
+            .buffers
+            .learn(bytes, started.elapsed().as_secs_f64());
+        let counters = self.engine().counters();
+        counters.add(|c| &c.drain_batches, 1);
+        counters.add(|c| &c.drain_batch_files, files.len() as u64);
+        for (file, written) in files.into_iter().zip(results) {
+            let BatchFile {
+                ino,
+                mut data,
+                staged,
+                count,
+                size_before,
+            } = file;
+            match self.data().staged_done(staged, written) {
+                Ok(runs) => {
+                    if let Err(e) = self.record_flushed(ino, &mut data, runs) {
+                        log::error!("commit: buffered data of inode {ino} lost: {e}");
+                    }
+                }
+                Err(e) => {
+                    self.flush_failed(ino, &mut data, count, size_before, &e);
+                    log::error!("commit: buffered data of inode {ino} lost: {e}");
+                }
+            }
+            drop(data);
+        }
+    }
+
     /// Commits, first flushing every buffered write (the drain, see the module doc). Every
     /// commit of the filesystem goes through here. Call with no inode lock held.
     pub(crate) fn commit_now(&self) -> Result<Generation> {
@@ -439,25 +632,50 @@ impl Filesystem {
         self.inner.engine.barrier();
         let dirty: Vec<(u64, Arc<InodeState>)> =
             std::mem::take(&mut *b.dirty.lock()).into_iter().collect();
-        // Many small files (an unpacked tree) are many small device writes: a few threads
-        // keep several in flight, each file under its own lock only.
-        let workers = (dirty.len() / DRAIN_FILES_PER_WORKER).clamp(1, DRAIN_WORKERS);
-        let queue = Mutex::new(dirty);
-        let drain_one = || loop {
-            let Some((ino, state)) = queue.lock().pop() else {
-                return;
-            };
-            let mut data = state.data.write();
-            if data.freed {
-                self.drop_buffered_from(&mut data, 0);
-                self.flush_locked(ino, &mut data).ok();
-                continue;
+        // Many small files (an unpacked tree) are many small device writes: each drain thread
+        // stages file after file and writes them as one batch (module doc), and a few threads
+        // keep several batches in flight.
+        //
+        // Locks: a drain thread holds the write locks of every file of its batch across the
+        // batch's write_many, and nothing else (no mutex, no gate; `Engine::hold` only while
+        // it records). It never WAITS for an inode lock while it holds one: the first file
+        // of a batch is locked with a blocking `write()`, every later one only with
+        // `try_write()`, and a file that is busy makes the thread write out its batch (letting
+        // go of every lock) before it waits for that file. So no cycle of inode-lock waits
+        // (rename, link, clone and copy_file_range take two in ascending order) can pass
+        // through a drain thread. Every other wait it makes with inode locks held (the
+        // allocator, the engine gate to record, the inode table shard and `logged` mutex of
+        // `unmark_log_clean`, the device) is one a single-file flush makes with its one inode
+        // lock held, and which inode that is does not matter to those waits; so a deadlock
+        // through a batch would be one through today's flush of a single file. Readers of a
+        // file in a batch wait for the batch's write as they waited for the file's own flush:
+        // the buffered blocks leave the buffer only while the lock is held, so no read can
+        // see the old extent in between.
+        let workers = dirty
+            .len()
+            .div_ceil(DRAIN_BATCH_WRITES)
+            .clamp(1, DRAIN_WORKERS);
+        let next = AtomicUsize::new(0);
+        let drain_one = || {
+            let mut batch = DrainBatch::default();
+            let mut busy: Option<&(u64, Arc<InodeState>)> = None;
+            while let Some(entry) = busy
+                .take()
+                .or_else(|| dirty.get(next.fetch_add(1, Ordering::Relaxed)))
+            {
+                let (ino, state) = (entry.0, &entry.1);
+                let data = if batch.files.is_empty() {
+                    state.data.write()
+                } else if let Some(data) = state.data.try_write() {
+                    data
+                } else {
+                    self.write_drain_batch(&mut batch);
+                    busy = Some(entry);
+                    continue;
+                };
+                self.drain_file(ino, data, &mut batch);
             }
-            if let Err(e) = self.flush_locked(ino, &mut data) {
-                // The blocks are dropped (and fsync of the file reports the error): the
-                // commit goes on without them rather than stop every other file's.
-                log::error!("commit: buffered data of inode {ino} lost: {e}");
-            }
+            self.write_drain_batch(&mut batch);
         };
         std::thread::scope(|scope| {
             for _ in 1..workers {
