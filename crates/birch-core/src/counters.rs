@@ -138,6 +138,7 @@ counters! {
     log_batches: "Log batches written (one write and one flush each).",
     log_records: "Item records written to the log.",
     log_bytes: "Bytes written to the log.",
+    buffer_placed_blocks: "Buffered blocks an fsync placed for the log's leader to write with its batch (one submission for the data and the batch).",
     log_aligned_skips: "Log batches started at the next boundary of the device's atomic unit (an RBD object) rather than cross it.",
     replayed_batches: "Log batches replayed at mount.",
     replayed_records: "Log records applied at mount.",

@@ -1055,6 +1055,18 @@ impl<'e> DataLayer<'e> {
             .collect()
     }
 
+    /// Ends a staged file without writing it: its bytes are *placed*
+    /// ([`crate::pending::PendingData`]), read from memory until the log's leader (for the
+    /// batch naming them) or the next commit writes them in place; returns the runs to
+    /// record. For a flush an fsync through the log makes (`Filesystem::flush_inode_placed`).
+    pub(crate) fn place_staged(&self, staged: Staged) -> Vec<WrittenRun> {
+        let Staged { runs, writes, .. } = staged;
+        for (addr, stage) in &writes {
+            self.engine.pending().place(*addr, stage.bytes());
+        }
+        runs
+    }
+
     /// Ends a staged file: after its writes completed (`written` is `Ok`) returns the runs to
     /// record, as [`DataLayer::write_reserved`] does; otherwise frees every block it took
     /// (nothing references them) and returns the error.

@@ -1135,6 +1135,8 @@ fn a_deferred_fsync_on_a_full_log_is_sampled_whole() {
 struct CountBatches {
     base: Arc<MemDevice>,
     batches: parking_lot::Mutex<Vec<usize>>,
+    /// Whether it says a failed write gives it up (as RBD does).
+    fatal: bool,
 }
 
 impl BlockDevice for CountBatches {
@@ -1151,6 +1153,9 @@ impl BlockDevice for CountBatches {
             self.base.write_at(bytes, *offset)?;
         }
         Ok(())
+    }
+    fn write_error_is_fatal(&self) -> bool {
+        self.fatal
     }
     fn flush(&self) -> std::io::Result<()> {
         self.base.flush()
@@ -1174,6 +1179,7 @@ fn a_batch_and_the_placed_blocks_it_names_go_in_one_submission() {
     let dev = Arc::new(CountBatches {
         base: base.clone(),
         batches: parking_lot::Mutex::new(Vec::new()),
+        fatal: false,
     });
     let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
     fs.set_atime_mode(birch_core::vfs::AtimeMode::NoAtime);
@@ -1330,4 +1336,82 @@ fn batches_skip_to_object_boundaries_and_replay_finds_them() {
         assert_eq!(&got, bytes, "inode {ino}");
     }
     common::close_and_check_clean(fs, &crashed, "aligned batches");
+}
+
+/// On a device that any failed write gives up (RBD), an fsync of a file with buffered data
+/// places the data: the batch's leader writes it and the batch in one submission, then one
+/// flush, and the fsync's own thread writes nothing. A power cut that kept the batch without
+/// the data replays nothing of that batch: the file holds what the commit before had; kept
+/// whole, the new bytes. Elsewhere the fsync writes its data itself first (a failed write
+/// then costs only that file: `fsync_after_a_failed_buffered_flush_reports_eio_every_time`).
+#[test]
+fn an_fsync_on_rbd_places_its_buffered_data_for_the_batch() {
+    for fatal in [false, true] {
+        let base = fresh();
+        let dev = Arc::new(CountBatches {
+            base: base.clone(),
+            batches: parking_lot::Mutex::new(Vec::new()),
+            fatal,
+        });
+        let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+        let (f, _) = fs
+            .create(Caller::default(), 1, b"f", 0o644, 0)
+            .expect("create");
+        fs.write(f.ino, 0, &[1u8; 16384], false).expect("write");
+        fs.sync()
+            .expect("commit: 1s durable, the file not log-clean");
+        let before_cut = base.snapshot();
+        dev.batches.lock().clear();
+        base.start_recording();
+        let flushes = base.counters().values().flushes;
+        let placed = fs.engine().counters().values().buffer_placed_blocks;
+        fs.write(f.ino, 0, &[2u8; 12288], false)
+            .expect("buffered write");
+        fs.fsync(f.ino, false).expect("fsync");
+        let placed = fs.engine().counters().values().buffer_placed_blocks - placed;
+        assert_eq!(base.counters().values().flushes - flushes, 1, "one flush");
+        let batches = dev.batches.lock().clone();
+        if !fatal {
+            assert_eq!(placed, 0, "written by the fsync itself");
+            assert_eq!(batches.len(), 2, "the data, then the batch: {batches:?}");
+            continue;
+        }
+        assert_eq!(placed, 3);
+        assert_eq!(batches, vec![2], "data run and batch in one write_many");
+        let writes: Vec<(u64, Arc<[u8]>)> = base
+            .take_recording()
+            .into_iter()
+            .filter_map(|r| match r {
+                birch_core::device::Recorded::Write { offset, bytes } => Some((offset, bytes)),
+                birch_core::device::Recorded::Flush => None,
+            })
+            .collect();
+        let (data, batch): (Vec<_>, Vec<_>) = writes
+            .into_iter()
+            .partition(|(_, b)| b.iter().all(|&x| x == 2));
+        assert_eq!((data.len(), batch.len()), (1, 1), "one data run, one batch");
+        fs.power_cut();
+        for (keep_data, want) in [(false, 1u8), (true, 2u8)] {
+            let mut image = before_cut.clone();
+            let mut apply = |(offset, bytes): &(u64, Arc<[u8]>)| {
+                image[*offset as usize..*offset as usize + bytes.len()].copy_from_slice(bytes);
+            };
+            apply(&batch[0]);
+            if keep_data {
+                apply(&data[0]);
+            }
+            let crashed = Arc::new(MemDevice::from_bytes(image));
+            let fs = common::open_quiet(&crashed);
+            let got = fs.read(f.ino, 0, 16384).expect("read after the cut");
+            assert!(
+                got[..12288].iter().all(|&b| b == want),
+                "data kept {keep_data}"
+            );
+            assert!(
+                got[12288..].iter().all(|&b| b == 1),
+                "data kept {keep_data}"
+            );
+            common::close_and_check_clean(fs, &crashed, &format!("data kept {keep_data}"));
+        }
+    }
 }

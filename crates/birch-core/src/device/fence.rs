@@ -115,6 +115,10 @@ impl BlockDevice for Fence {
         self.base.atomic_unit()
     }
 
+    fn write_error_is_fatal(&self) -> bool {
+        self.base.write_error_is_fatal()
+    }
+
     fn counters(&self) -> &Counters {
         self.base.counters()
     }

@@ -99,6 +99,14 @@ pub trait BlockDevice: Send + Sync {
     fn atomic_unit(&self) -> u64 {
         0
     }
+    /// Whether one failed write or flush gives the whole device up, every later request
+    /// failing too (RBD, DESIGN §14.3). Then a buffered flush for an fsync may leave its data
+    /// to the log's leader (one round trip for data and batch): a failure fails everything
+    /// either way. Elsewhere a failed data write costs only its file (EIO on its fsyncs), so
+    /// the data is written by the fsync itself. The default: no.
+    fn write_error_is_fatal(&self) -> bool {
+        false
+    }
     /// Makes every completed write durable.
     fn flush(&self) -> io::Result<()>;
     /// Size in bytes.

@@ -1663,6 +1663,10 @@ impl BlockDevice for RbdDevice {
         self.object_unit
     }
 
+    fn write_error_is_fatal(&self) -> bool {
+        true
+    }
+
     fn counters(&self) -> &Counters {
         &self.counters
     }

@@ -227,9 +227,20 @@ impl Filesystem {
         if state.data.read().write_error {
             return Err(Error::StickyIo(format!("inode {ino}")));
         }
-        // This file's buffered data goes to disk first (its own data only): the log records
-        // below then name written blocks, as replay requires.
-        if let Err(e) = self.flush_inode(ino, &state) {
+        // This file's buffered data goes first (its own data only). Through the log on a
+        // device that any failed write gives up (RBD), its blocks are placed: the batch's
+        // leader writes them with the batch, in one submission (one round trip, not two),
+        // and replay checks every block a batch names. Otherwise they are written now, so a
+        // failed write costs only this file (EIO on its fsyncs, DESIGN §10.10).
+        let through_log = self.inner.fsync_mode == FsyncMode::Log
+            && self.inner.engine.log_fill_bytes().1 > 0
+            && self.inner.engine.device().write_error_is_fatal();
+        let flushed = if through_log {
+            self.flush_inode_placed(ino, &state)
+        } else {
+            self.flush_inode(ino, &state)
+        };
+        if let Err(e) = flushed {
             return Err(match e {
                 Error::Io { .. } => Error::StickyIo(format!("inode {ino}: {e}")),
                 other => other,
