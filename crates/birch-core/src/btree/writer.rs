@@ -73,6 +73,18 @@ impl NodeSource for WriterSource<'_, '_> {
     fn node(&self, addr: u64, generation: u64, level: u8) -> Result<Arc<Node>> {
         self.writer.load(addr, generation, level)
     }
+
+    fn prefetch(&self, children: &[(u64, u64, u8)]) -> Result<()> {
+        // Dirty nodes are in memory already; the others come through the cache.
+        let clean: Vec<(u64, u64, u8)> = children
+            .iter()
+            .filter(|(addr, generation, _)| {
+                *generation != self.writer.generation || !self.writer.dirty.contains_key(addr)
+            })
+            .copied()
+            .collect();
+        self.writer.ctx.prefetch(&clean)
+    }
 }
 
 impl<'a> TreeWriter<'a> {
