@@ -1023,6 +1023,18 @@ impl<'e> DataLayer<'e> {
             Ok(()) => return files.iter().map(|_| Ok(())).collect(),
             Err(e) => e,
         };
+        if device.write_error_is_fatal() {
+            // The device is given up (RBD): every retry would fail the same way.
+            return files
+                .iter()
+                .map(|f| {
+                    Err(Error::io(
+                        format!("flush inode {} in a drain batch of {}", f.ino, files.len()),
+                        std::io::Error::new(batch.kind(), batch.to_string()),
+                    ))
+                })
+                .collect();
+        }
         log::warn!(
             "drain batch of {} files ({} writes) failed: {batch}; writing each file alone",
             files.len(),

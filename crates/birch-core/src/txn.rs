@@ -1641,6 +1641,27 @@ impl Engine {
         result
     }
 
+    /// For a writable open, before the log writes again: erases the first block of the
+    /// batch replay stopped at because the data it names did not verify (a batch that landed
+    /// without its data: never acknowledged, §11.1), so that no later replay takes it, once a
+    /// commit covers its records, for the batch that will carry its sequence number
+    /// elsewhere (a unit skip or a wrap). [`crate::log::Replay::rejected_at`].
+    pub fn erase_rejected_batch(&self) -> Result<()> {
+        let at = self.replay.lock().as_ref().and_then(|r| r.rejected_at);
+        let Some(at) = at else {
+            return Ok(());
+        };
+        log::info!("erasing the log batch at {at:#x} that replay rejected for its data");
+        self.device
+            .write_at(&[0u8; birch_format::BLOCK_SIZE as usize], at)
+            .and_then(|()| self.device.flush())
+            .map_err(|e| Error::io(format!("erase the rejected log batch at {at:#x}"), e))?;
+        if let Some(r) = self.replay.lock().as_mut() {
+            r.rejected_at = None;
+        }
+        Ok(())
+    }
+
     /// Whether log records read at open still wait for replay (a read-only open).
     pub fn replay_pending(&self) -> bool {
         self.replay

@@ -252,7 +252,12 @@ fn scan_node(
                             .iter()
                             .map(|c| (c.addr, c.generation, level))
                             .collect();
-                        source.prefetch(&children)?;
+                        // Best effort: a failed batch (a device error on a child this scan
+                        // may never reach, past its limit) is left to the read of each child
+                        // that needs it, which fails as a scan without prefetch would.
+                        if let Err(e) = source.prefetch(&children) {
+                            log::debug!("prefetch of {} nodes: {e}", children.len());
+                        }
                     }
                     fetched = upto;
                     window = (window * 2).min(PREFETCH_WINDOW);

@@ -616,6 +616,7 @@ impl Filesystem {
             Err(e) => return Err(e),
         }
         if !options.read_only {
+            fs.inner.engine.erase_rejected_batch()?;
             if fs.replay_log()? {
                 // The replay committed; reopen so the free-space map is rebuilt from the new
                 // tree (the extents the log replaced are free again).
@@ -1110,11 +1111,13 @@ impl Filesystem {
             }
             let state = state.clone();
             shard.remove(&ino);
+            // Out of the table: no longer a state whose release may free space (freed
+            // below, or loaded, and noted, again). Under the shard's lock, so a load of the
+            // inode racing this eviction notes it after this, not before (the set's lock is
+            // taken under a shard's, never the other way round).
+            self.drop_unlinked(ino);
             state
         };
-        // Out of the table: no longer a state whose release may free space (freed below, or
-        // loaded, and noted, again).
-        self.drop_unlinked(ino);
         let (needs_free, buffered) = {
             let data = state.data.read();
             (data.item.nlink == 0 && !data.freed, !data.dirty.is_empty())
