@@ -853,6 +853,29 @@ impl<'e> DataLayer<'e> {
         Ok(written)
     }
 
+    /// Allocates a run of 1 to `left` (at most a flush run) buffered blocks, at `goal` when
+    /// that space is free, and takes it out of `reserved` (the blocks held for them): returns
+    /// its disk address and length in blocks.
+    fn allocate_reserved(
+        &self,
+        goal: Option<u64>,
+        left: u64,
+        reserved: &mut u64,
+    ) -> Result<(u64, u64)> {
+        let alloc = self.engine.allocator();
+        let want = left.min(FLUSH_RUN_MAX_BLOCKS);
+        let (one, want) = (BlockCount::new(1), BlockCount::new(want));
+        let (addr, got) = match goal {
+            Some(g) => alloc.allocate_near(BlockAddr::new(g), one, want, Purpose::Reserved),
+            None => alloc.allocate(one, want, Purpose::Reserved),
+        }?;
+        let got = got.get();
+        let from_reserve = got.min(*reserved);
+        self.unreserve(from_reserve);
+        *reserved -= from_reserve;
+        Ok((addr.get(), got))
+    }
+
     /// Allocates space for a file's buffered `blocks` (file block index and its 4 KiB, in
     /// file order, not empty) from `reserved` (taking the reservation down as it allocates)
     /// and writes them, one device write per allocated run, the writes of up to
@@ -869,7 +892,6 @@ impl<'e> DataLayer<'e> {
         let Some(&(first_index, _)) = blocks.first() else {
             return Ok(Vec::new());
         };
-        let alloc = self.engine.allocator();
         let birth = self.engine.running_generation().get();
         let total = blocks.len() as u64;
         let mut goal = self.continuation_goal(ino, first_index * BLOCK_SIZE)?;
@@ -887,19 +909,10 @@ impl<'e> DataLayer<'e> {
             e
         };
         while done < total {
-            let want = (total - done).min(FLUSH_RUN_MAX_BLOCKS);
-            let (one, want) = (BlockCount::new(1), BlockCount::new(want));
-            let allocated = match goal {
-                Some(g) => alloc.allocate_near(BlockAddr::new(g), one, want, Purpose::Reserved),
-                None => alloc.allocate(one, want, Purpose::Reserved),
-            };
-            let (addr, got) = match allocated {
-                Ok((addr, got)) => (addr.get(), got.get()),
+            let (addr, got) = match self.allocate_reserved(goal, total - done, reserved) {
+                Ok(run) => run,
                 Err(e) => return Err(fail(&taken, e)),
             };
-            let from_reserve = got.min(*reserved);
-            self.unreserve(from_reserve);
-            *reserved -= from_reserve;
             taken.push(BlockRun { addr, blocks: got });
             let part = &blocks[done as usize..(done + got) as usize];
             // One buffer for the run, filled by copying (never zeroed first), started at a
@@ -968,28 +981,18 @@ impl<'e> DataLayer<'e> {
         let Some(&(first_index, _)) = blocks.first() else {
             return Ok(staged);
         };
-        let alloc = self.engine.allocator();
         let total = blocks.len() as u64;
         let mut goal = self.continuation_goal(ino, first_index * BLOCK_SIZE)?;
         let mut done = 0u64;
         while done < total {
-            let want = (total - done).min(FLUSH_RUN_MAX_BLOCKS);
-            let (one, want) = (BlockCount::new(1), BlockCount::new(want));
-            let allocated = match goal {
-                Some(g) => alloc.allocate_near(BlockAddr::new(g), one, want, Purpose::Reserved),
-                None => alloc.allocate(one, want, Purpose::Reserved),
-            };
-            let (addr, got) = match allocated {
-                Ok((addr, got)) => (addr.get(), got.get()),
+            let (addr, got) = match self.allocate_reserved(goal, total - done, reserved) {
+                Ok(run) => run,
                 Err(e) => {
                     // Every block taken so far is in a run: all go back.
                     self.give_back(&staged.runs);
                     return Err(e);
                 }
             };
-            let from_reserve = got.min(*reserved);
-            self.unreserve(from_reserve);
-            *reserved -= from_reserve;
             let part = &blocks[done as usize..(done + got) as usize];
             let mut stage = Stage::take((got * BLOCK_SIZE) as usize);
             for (_, bytes) in part {

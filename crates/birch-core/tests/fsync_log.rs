@@ -1131,12 +1131,26 @@ fn a_deferred_fsync_on_a_full_log_is_sampled_whole() {
     common::close_and_check_clean(fs, &crashed, "deferred fsync on a full log");
 }
 
-/// A memory device that counts its `write_many` calls and the writes in each.
+/// A memory device that counts its `write_many` calls and the writes in each, and says what
+/// an RBD image says of itself when asked to.
 struct CountBatches {
     base: Arc<MemDevice>,
     batches: parking_lot::Mutex<Vec<usize>>,
     /// Whether it says a failed write gives it up (as RBD does).
     fatal: bool,
+    /// The span writes are atomic within (an RBD object), 0 for none.
+    unit: u64,
+}
+
+impl CountBatches {
+    fn new(base: &Arc<MemDevice>, fatal: bool, unit: u64) -> Arc<CountBatches> {
+        Arc::new(CountBatches {
+            base: base.clone(),
+            batches: parking_lot::Mutex::new(Vec::new()),
+            fatal,
+            unit,
+        })
+    }
 }
 
 impl BlockDevice for CountBatches {
@@ -1157,6 +1171,9 @@ impl BlockDevice for CountBatches {
     fn write_error_is_fatal(&self) -> bool {
         self.fatal
     }
+    fn atomic_unit(&self) -> u64 {
+        self.unit
+    }
     fn flush(&self) -> std::io::Result<()> {
         self.base.flush()
     }
@@ -1176,11 +1193,7 @@ impl BlockDevice for CountBatches {
 #[test]
 fn a_batch_and_the_placed_blocks_it_names_go_in_one_submission() {
     let base = fresh();
-    let dev = Arc::new(CountBatches {
-        base: base.clone(),
-        batches: parking_lot::Mutex::new(Vec::new()),
-        fatal: false,
-    });
+    let dev = CountBatches::new(&base, false, 0);
     let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
     fs.set_atime_mode(birch_core::vfs::AtimeMode::NoAtime);
     let ino = log_clean_file(&fs, b"db");
@@ -1249,34 +1262,6 @@ fn a_batch_and_the_placed_blocks_it_names_go_in_one_submission() {
     }
 }
 
-/// A memory device that says writes are atomic within `unit` bytes (as an RBD image is
-/// within one RADOS object).
-struct Objects {
-    base: Arc<MemDevice>,
-    unit: u64,
-}
-
-impl BlockDevice for Objects {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        self.base.read_at(buf, offset)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
-        self.base.write_at(buf, offset)
-    }
-    fn atomic_unit(&self) -> u64 {
-        self.unit
-    }
-    fn flush(&self) -> std::io::Result<()> {
-        self.base.flush()
-    }
-    fn size_bytes(&self) -> u64 {
-        self.base.size_bytes()
-    }
-    fn counters(&self) -> &birch_core::counters::Counters {
-        self.base.counters()
-    }
-}
-
 /// On a device with an atomic unit, the first commit sets `INCOMPAT_LOG_ALIGNED`; from then
 /// on no batch that fits in a unit crosses a unit boundary (it skips to the next one), and a
 /// power cut after fsyncs whose batches skipped replays every one of them, read through a
@@ -1286,10 +1271,7 @@ fn batches_skip_to_object_boundaries_and_replay_finds_them() {
     use birch_format::superblock::INCOMPAT_LOG_ALIGNED;
     let base = fresh();
     let unit = 16 * 1024;
-    let dev = Arc::new(Objects {
-        base: base.clone(),
-        unit,
-    });
+    let dev = CountBatches::new(&base, false, unit);
     let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
     assert!(!fs.engine().incompat_durable(INCOMPAT_LOG_ALIGNED));
     fs.create(Caller::default(), 1, b"first", 0o644, 0)
@@ -1355,11 +1337,7 @@ fn batches_skip_to_object_boundaries_and_replay_finds_them() {
 fn an_fsync_on_rbd_places_its_buffered_data_for_the_batch() {
     for fatal in [false, true] {
         let base = fresh();
-        let dev = Arc::new(CountBatches {
-            base: base.clone(),
-            batches: parking_lot::Mutex::new(Vec::new()),
-            fatal,
-        });
+        let dev = CountBatches::new(&base, fatal, 0);
         let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
         let (f, _) = fs
             .create(Caller::default(), 1, b"f", 0o644, 0)

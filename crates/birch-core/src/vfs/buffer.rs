@@ -424,6 +424,24 @@ impl Filesystem {
         }
     }
 
+    /// Takes the inode's buffered blocks out ([`Filesystem::take_buffered`]), allocates and
+    /// stages them ([`crate::data::DataLayer::stage_reserved`]) and gives back what the
+    /// allocation did not take of their reservation (once). Returns how many blocks were
+    /// taken, the size to put back if they are lost, and the staged file. The stage holds a
+    /// copy and the checksums are taken: the buffer's memory goes here.
+    fn stage_buffered(&self, ino: u64, data: &mut InodeData) -> (u64, Option<u64>, Result<Staged>) {
+        let Taken {
+            blocks,
+            mut reserved,
+            size_before,
+        } = self.take_buffered(data);
+        let count = blocks.len() as u64;
+        let list: Vec<(u64, &[u8])> = blocks.iter().map(|(i, b)| (*i, &b.bytes[..])).collect();
+        let staged = self.data().stage_reserved(ino, &list, &mut reserved);
+        self.data().unreserve(reserved);
+        (count, size_before, staged)
+    }
+
     /// After the `count` blocks taken from the inode's buffer could not be written (their
     /// space is already freed): sets the inode's write error and puts back the size the lost
     /// writes grew. With the inode's write lock held.
@@ -536,19 +554,7 @@ impl Filesystem {
             return;
         }
         batch.started.get_or_insert_with(Instant::now);
-        let Taken {
-            blocks,
-            mut reserved,
-            size_before,
-        } = self.take_buffered(&mut data);
-        let count = blocks.len() as u64;
-        let list: Vec<(u64, &[u8])> = blocks.iter().map(|(i, b)| (*i, &b.bytes[..])).collect();
-        let staged = self.data().stage_reserved(ino, &list, &mut reserved);
-        // Released once: what the allocation did not take from the reservation.
-        self.data().unreserve(reserved);
-        drop(list);
-        // The stage holds a copy and the checksums are taken: the buffer's memory goes now.
-        drop(blocks);
+        let (count, size_before, staged) = self.stage_buffered(ino, &mut data);
         match staged {
             Err(e) => {
                 self.flush_failed(ino, &mut data, count, size_before, &e);
@@ -710,26 +716,17 @@ impl Filesystem {
         {
             return self.flush_locked(ino, &mut data);
         }
-        let Taken {
-            blocks,
-            mut reserved,
-            size_before,
-        } = self.take_buffered(&mut data);
-        let list: Vec<(u64, &[u8])> = blocks.iter().map(|(i, b)| (*i, &b.bytes[..])).collect();
-        let staged = self.data().stage_reserved(ino, &list, &mut reserved);
-        self.data().unreserve(reserved);
-        drop(list);
-        drop(blocks);
+        let (count, size_before, staged) = self.stage_buffered(ino, &mut data);
         match staged {
             Err(e) => {
-                self.flush_failed(ino, &mut data, count as u64, size_before, &e);
+                self.flush_failed(ino, &mut data, count, size_before, &e);
                 Err(e)
             }
             Ok(staged) => {
                 let runs = self.data().place_staged(staged);
                 self.engine()
                     .counters()
-                    .add(|c| &c.buffer_placed_blocks, count as u64);
+                    .add(|c| &c.buffer_placed_blocks, count);
                 self.record_flushed(ino, &mut data, runs)
             }
         }
