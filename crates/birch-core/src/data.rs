@@ -63,6 +63,17 @@ fn extent_key(ino: u64, offset: u64) -> Key {
     Key::new(ino, ItemType::ExtentData, offset)
 }
 
+/// How a file keeps its data ([`DataLayer::layout`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Layout {
+    /// No extent item: empty, sparse, or data only in the daemon's buffer.
+    Empty,
+    /// Inline data (the file's only extent, at offset 0).
+    Inline(Vec<u8>),
+    /// Extents naming blocks (regular or preallocated).
+    Blocks,
+}
+
 /// Extents of `ino` that overlap `[from, to)` in a read view (a snapshot's committed tree),
 /// in order, each with its file offset: [`DataLayer::extents`] over any view. Extents never
 /// overlap and none is longer than `EXTENT_MAX_BYTES`, so the range starts that far back.
@@ -264,11 +275,20 @@ impl<'e> DataLayer<'e> {
         Ok(out)
     }
 
-    /// Whether the file has any extent item (one range step, not a scan of all extents).
-    pub(crate) fn has_extents(&self, ino: u64) -> Result<bool> {
+    /// How the file keeps its data, from its first extent item: one range step answers both
+    /// "inline?" and "any extent?" (an inline extent is the file's only one, at offset 0).
+    pub(crate) fn layout(&self, ino: u64) -> Result<Layout> {
         let lo = extent_key(ino, 0);
         let hi = extent_key(ino, u64::MAX);
-        Ok(!self.engine.range(&lo, &hi, 1)?.is_empty())
+        let Some((key, bytes)) = self.engine.range(&lo, &hi, 1)?.into_iter().next() else {
+            return Ok(Layout::Empty);
+        };
+        let extent = FileExtent::decode(&bytes)
+            .map_err(|e| Error::corrupt(format!("inode {ino} extent {key}"), e))?;
+        Ok(match extent.kind {
+            ExtentKind::Inline(data) if key.offset == 0 => Layout::Inline(data),
+            _ => Layout::Blocks,
+        })
     }
 
     /// The inline data of a file, if it is stored inline.
@@ -292,17 +312,23 @@ impl<'e> DataLayer<'e> {
             return Ok(None);
         }
         let before = offset - BLOCK_SIZE;
-        Ok(self
-            .extents(ino, before, offset)?
-            .into_iter()
-            .find_map(|(start, extent)| match extent.kind {
-                ExtentKind::Regular { disk_addr, .. } | ExtentKind::Prealloc { disk_addr, .. }
-                    if start <= before =>
-                {
-                    Some(disk_addr + (offset - start))
-                }
-                _ => None,
-            }))
+        // Only the last extent starting at or before `before` can hold it: one reverse look,
+        // not the look and range of `extents`.
+        let floor = extent_key(ino, before.saturating_sub(EXTENT_MAX_BYTES - 1));
+        let Some((key, bytes)) = self.engine.last_in(&floor, &extent_key(ino, before))? else {
+            return Ok(None);
+        };
+        let extent = FileExtent::decode(&bytes)
+            .map_err(|e| Error::corrupt(format!("inode {ino} extent {key}"), e))?;
+        let start = key.offset;
+        Ok(match extent.kind {
+            ExtentKind::Regular { disk_addr, .. } | ExtentKind::Prealloc { disk_addr, .. }
+                if start + extent.len_bytes() > before =>
+            {
+                Some(disk_addr + (offset - start))
+            }
+            _ => None,
+        })
     }
 
     // ---- The extent map: changes (the caller holds the inode's write lock) ----
@@ -1570,6 +1596,43 @@ mod tests {
         let extents = data.extents(INO, 0, 3 * BLOCK_SIZE).expect("extents");
         assert_eq!(extents.len(), 1);
         assert_eq!(extents[0].1.len_bytes(), 3 * BLOCK_SIZE);
+    }
+
+    #[test]
+    fn layout_and_continuation_goal_answer_from_one_lookup() {
+        let (_mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        assert_eq!(data.layout(INO).expect("layout"), Layout::Empty);
+        assert_eq!(data.continuation_goal(INO, BLOCK_SIZE).expect("goal"), None);
+        data.set_inline(INO, b"tiny".to_vec()).expect("inline");
+        assert_eq!(
+            data.layout(INO).expect("layout"),
+            Layout::Inline(b"tiny".to_vec())
+        );
+        // Another file's extents never leak into this one's answers.
+        assert_eq!(data.layout(INO + 1).expect("layout"), Layout::Empty);
+        // Blocks at 8 KiB..20 KiB, a hole before them.
+        let runs = data
+            .write_new(INO + 1, 2 * BLOCK_SIZE, &pattern(3, 4))
+            .expect("write");
+        let addr = runs[0].addr;
+        data.replace_range(INO + 1, 2 * BLOCK_SIZE, 3 * BLOCK_SIZE, runs, false)
+            .expect("record");
+        assert_eq!(data.layout(INO + 1).expect("layout"), Layout::Blocks);
+        let goal = |offset| data.continuation_goal(INO + 1, offset).expect("goal");
+        // In the hole, and right after it: no block before.
+        assert_eq!(goal(BLOCK_SIZE), None);
+        assert_eq!(goal(2 * BLOCK_SIZE), None);
+        // Inside the extent and just past its end: after the block before.
+        assert_eq!(goal(3 * BLOCK_SIZE), Some(addr + BLOCK_SIZE));
+        assert_eq!(goal(5 * BLOCK_SIZE), Some(addr + 3 * BLOCK_SIZE));
+        // Past the block after the extent: nothing before it.
+        assert_eq!(goal(6 * BLOCK_SIZE), None);
+        // The same answers once the extent is in the tree rather than the delta.
+        engine.commit().expect("commit");
+        assert_eq!(goal(5 * BLOCK_SIZE), Some(addr + 3 * BLOCK_SIZE));
+        assert_eq!(goal(6 * BLOCK_SIZE), None);
+        assert_eq!(data.layout(INO + 1).expect("layout"), Layout::Blocks);
     }
 
     #[test]

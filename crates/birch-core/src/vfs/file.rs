@@ -14,7 +14,7 @@ use birch_format::{InodeNo, Key, BLOCK_SIZE, INLINE_MAX_BYTES, MAX_FILE_BYTES};
 
 use super::durability::{LOG_DATA_WRITE_MAX, PLACED_MAX_BLOCKS};
 use super::{attr_of, now, Attr, Filesystem, FsyncMode, InodeData, SetAttr, SetTime};
-use crate::data::{BlockDelta, DataLayer, ItemChange, WrittenRun};
+use crate::data::{BlockDelta, DataLayer, ItemChange, Layout, WrittenRun};
 use crate::error::{Error, Result};
 
 /// fallocate mode bits, as Linux defines them.
@@ -75,8 +75,11 @@ impl Filesystem {
         if data.item.mode & libc::S_IFMT != libc::S_IFREG {
             return Ok(false);
         }
-        Ok(self.data().inline_data(ino)?.is_none()
-            && (!data.dirty.is_empty() || self.data().has_extents(ino)?))
+        Ok(match self.data().layout(ino)? {
+            Layout::Inline(_) => false,
+            Layout::Blocks => true,
+            Layout::Empty => !data.dirty.is_empty(),
+        })
     }
 
     /// Opens `ino`; returns a handle number. A file of a snapshot opens for reading only
@@ -508,11 +511,13 @@ impl Filesystem {
             .filter(|e| *e <= MAX_FILE_BYTES)
             .ok_or_else(|| Error::TooBig(format!("write to inode {ino} at {offset}")))?;
         let new_size = data.item.size.max(end);
-        let inline = self.data().inline_data(ino)?;
         // Any extent (even preallocated past EOF on an empty file) or buffered block means
         // the file is in blocks.
-        let has_blocks =
-            inline.is_none() && (!data.dirty.is_empty() || self.data().has_extents(ino)?);
+        let (inline, has_blocks) = match self.data().layout(ino)? {
+            Layout::Inline(content) => (Some(content), false),
+            Layout::Blocks => (None, true),
+            Layout::Empty => (None, !data.dirty.is_empty()),
+        };
         if !has_blocks && new_size <= INLINE_MAX_BYTES as u64 {
             let mut content = self.read_locked(ino, data, 0, data.item.size as usize)?;
             content.resize(new_size as usize, 0);
