@@ -74,6 +74,64 @@ pub(crate) enum Layout {
     Blocks,
 }
 
+/// Plans the removal of every extent byte in the block-aligned range `[from, to)` of `ino`,
+/// given the extents that overlap it, in order: pieces outside the range are kept (split),
+/// blocks inside are freed.
+fn plan_drop_of(ino: u64, from: u64, to: u64, found: Vec<(u64, FileExtent)>) -> ExtentChanges {
+    let mut changes = ExtentChanges::default();
+    for (start, extent) in found {
+        let len = extent.len_bytes();
+        let ext_end = start + len;
+        changes.set(extent_key(ino, start), None);
+        changes.existed.insert(extent_key(ino, start));
+        let disk_addr = match &extent.kind {
+            ExtentKind::Inline(_) => continue,
+            ExtentKind::Regular { disk_addr, .. } | ExtentKind::Prealloc { disk_addr, .. } => {
+                *disk_addr
+            }
+        };
+        let piece = |lo: u64, hi: u64| -> FileExtent {
+            let skip = (lo - start) / BLOCK_SIZE;
+            let blocks = (hi - lo) / BLOCK_SIZE;
+            let addr = disk_addr + skip * BLOCK_SIZE;
+            let kind = match &extent.kind {
+                ExtentKind::Regular { csums, .. } => ExtentKind::Regular {
+                    disk_addr: addr,
+                    csums: csums[skip as usize..(skip + blocks) as usize].to_vec(),
+                },
+                _ => ExtentKind::Prealloc {
+                    disk_addr: addr,
+                    blocks,
+                },
+            };
+            // A piece of a shared extent stays shared (its blocks stay counted).
+            FileExtent {
+                generation: extent.generation,
+                shared: extent.shared && matches!(kind, ExtentKind::Regular { .. }),
+                kind,
+            }
+        };
+        if start < from {
+            changes.set(extent_key(ino, start), Some(piece(start, from).encode()));
+        }
+        if ext_end > to {
+            changes.set(extent_key(ino, to), Some(piece(to, ext_end).encode()));
+        }
+        let cut_lo = start.max(from);
+        let cut_hi = ext_end.min(to);
+        if cut_lo < cut_hi {
+            let blocks = (cut_hi - cut_lo) / BLOCK_SIZE;
+            let run = BlockRun {
+                addr: disk_addr + (cut_lo - start),
+                blocks,
+            };
+            changes.frees.push((run, extent.generation, extent.shared));
+            changes.delta.freed += blocks;
+        }
+    }
+    changes
+}
+
 /// Extents of `ino` that overlap `[from, to)` in a read view (a snapshot's committed tree),
 /// in order, each with its file offset: [`DataLayer::extents`] over any view. Extents never
 /// overlap and none is longer than `EXTENT_MAX_BYTES`, so the range starts that far back.
@@ -391,7 +449,12 @@ impl<'e> DataLayer<'e> {
         runs: Vec<WrittenRun>,
         keep: bool,
     ) -> Result<(BlockDelta, Option<Vec<ItemChange>>)> {
-        let mut changes = self.plan_drop(ino, offset, offset + len)?;
+        // One look-up from the byte before `offset` serves both the extents the new runs
+        // replace and the one the first run may join (seed 004: one search per replace).
+        let mut found = self.extents(ino, offset.saturating_sub(1), offset + len)?;
+        let prev = found.first().filter(|(start, _)| *start < offset).cloned();
+        found.retain(|(start, extent)| start + extent.len_bytes() > offset);
+        let mut changes = plan_drop_of(ino, offset, offset + len, found);
         let generation = self.engine.running_generation().get();
         for run in runs {
             changes.delta.added += run.csums.len() as u64;
@@ -405,7 +468,7 @@ impl<'e> DataLayer<'e> {
             };
             changes.set(extent_key(ino, run.file_offset), Some(extent.encode()));
         }
-        self.merge_with_previous(ino, offset, &mut changes)?;
+        self.merge_with_previous(ino, offset, prev, &mut changes);
         let kept = keep.then(|| changes.items.clone());
         Ok((self.apply(changes)?, kept))
     }
@@ -624,70 +687,21 @@ impl<'e> DataLayer<'e> {
     /// Computes removal of every extent byte in the block-aligned range `[from, to)`: pieces
     /// outside the range are kept (split), blocks inside are freed.
     fn plan_drop(&self, ino: u64, from: u64, to: u64) -> Result<ExtentChanges> {
-        let mut changes = ExtentChanges::default();
-        for (start, extent) in self.extents(ino, from, to)? {
-            let len = extent.len_bytes();
-            let ext_end = start + len;
-            changes.set(extent_key(ino, start), None);
-            changes.existed.insert(extent_key(ino, start));
-            let disk_addr = match &extent.kind {
-                ExtentKind::Inline(_) => continue,
-                ExtentKind::Regular { disk_addr, .. } | ExtentKind::Prealloc { disk_addr, .. } => {
-                    *disk_addr
-                }
-            };
-            let piece = |lo: u64, hi: u64| -> FileExtent {
-                let skip = (lo - start) / BLOCK_SIZE;
-                let blocks = (hi - lo) / BLOCK_SIZE;
-                let addr = disk_addr + skip * BLOCK_SIZE;
-                let kind = match &extent.kind {
-                    ExtentKind::Regular { csums, .. } => ExtentKind::Regular {
-                        disk_addr: addr,
-                        csums: csums[skip as usize..(skip + blocks) as usize].to_vec(),
-                    },
-                    _ => ExtentKind::Prealloc {
-                        disk_addr: addr,
-                        blocks,
-                    },
-                };
-                // A piece of a shared extent stays shared (its blocks stay counted).
-                FileExtent {
-                    generation: extent.generation,
-                    shared: extent.shared && matches!(kind, ExtentKind::Regular { .. }),
-                    kind,
-                }
-            };
-            if start < from {
-                changes.set(extent_key(ino, start), Some(piece(start, from).encode()));
-            }
-            if ext_end > to {
-                changes.set(extent_key(ino, to), Some(piece(to, ext_end).encode()));
-            }
-            let cut_lo = start.max(from);
-            let cut_hi = ext_end.min(to);
-            if cut_lo < cut_hi {
-                let blocks = (cut_hi - cut_lo) / BLOCK_SIZE;
-                let run = BlockRun {
-                    addr: disk_addr + (cut_lo - start),
-                    blocks,
-                };
-                changes.frees.push((run, extent.generation, extent.shared));
-                changes.delta.freed += blocks;
-            }
-        }
-        Ok(changes)
+        Ok(plan_drop_of(ino, from, to, self.extents(ino, from, to)?))
     }
 
     /// Joins the first new extent to the one before it when both are contiguous on disk; the
-    /// joined extent keeps the earlier one's generation.
+    /// joined extent keeps the earlier one's generation. `prev` is the extent that holds the
+    /// byte before `offset`, if any.
     fn merge_with_previous(
         &self,
         ino: u64,
         offset: u64,
+        prev: Option<(u64, FileExtent)>,
         changes: &mut ExtentChanges,
-    ) -> Result<()> {
+    ) {
         if offset == 0 {
-            return Ok(());
+            return;
         }
         let Some((_, Some(first_bytes))) = changes
             .items
@@ -695,7 +709,7 @@ impl<'e> DataLayer<'e> {
             .find(|(k, _)| *k == extent_key(ino, offset))
             .cloned()
         else {
-            return Ok(());
+            return;
         };
         let Ok(FileExtent {
             kind: ExtentKind::Regular { disk_addr, csums },
@@ -703,42 +717,41 @@ impl<'e> DataLayer<'e> {
             ..
         }) = FileExtent::decode(&first_bytes)
         else {
-            return Ok(());
+            return;
         };
-        let before = self.extents(ino, offset - 1, offset)?;
-        let Some((prev_off, prev)) = before.into_iter().next() else {
-            return Ok(());
+        let Some((prev_off, prev)) = prev else {
+            return;
         };
         if changes
             .items
             .iter()
             .any(|(k, v)| *k == extent_key(ino, prev_off) && v.is_none())
         {
-            return Ok(());
+            return;
         }
         // Never joins a shared extent (DESIGN §15.6): its blocks' counts are per extent piece.
         if prev.shared {
-            return Ok(());
+            return;
         }
         let ExtentKind::Regular {
             disk_addr: prev_addr,
             csums: prev_csums,
         } = prev.kind
         else {
-            return Ok(());
+            return;
         };
         let prev_len = prev_csums.len() as u64 * BLOCK_SIZE;
         if prev_off + prev_len != offset
             || prev_addr + prev_len != disk_addr
             || prev_csums.len() + csums.len() > EXTENT_MAX_BLOCKS as usize
         {
-            return Ok(());
+            return;
         }
         // Never across a snapshot (DESIGN §15.6 rule 1): the new blocks would take the earlier
         // extent's birth, at or before the snapshot, and a free would keep them for it.
         let newest = self.engine.allocator().newest_snapshot_generation();
         if newest != 0 && prev.generation <= newest {
-            return Ok(());
+            return;
         }
         let mut joined = prev_csums;
         joined.extend(csums);
@@ -760,7 +773,6 @@ impl<'e> DataLayer<'e> {
             shared: false,
         };
         changes.set(extent_key(ino, prev_off), Some(merged.encode()));
-        Ok(())
     }
 
     /// Records planned changes in the running transaction: items set and deleted, blocks
