@@ -1448,10 +1448,19 @@ impl Engine {
         self.check_up()?;
         let mut out: Vec<(Key, Arc<[u8]>)> = Vec::new();
         let mut from = *lo;
+        // Deletions in the delta can hide what a chunk brings (a file just truncated): each
+        // pass that comes back short asks for twice as much, up to 64 times.
+        let mut widen = 1usize;
         while out.len() < limit && from < *hi {
             // Each source gives a chunk; the merge is exact up to the smallest last key of a
-            // source that had more, so work stays proportional to what is returned.
-            let chunk = (limit - out.len()).saturating_mul(2).max(8);
+            // source that had more, so work stays proportional to what is returned. Twice
+            // what is wanted, at least 2: a first-item look (`limit` 1) clones 2 values per
+            // source, not 8 (extent items carry their checksums).
+            let chunk = (limit - out.len())
+                .saturating_mul(2)
+                .max(2)
+                .saturating_mul(widen);
+            widen = (widen * 2).min(64);
             let ((active, active_more), (frozen, frozen_more), committed) = {
                 let _gate = self.gate.read();
                 let active = self.active.range_limited(&from, hi, chunk);
@@ -2830,6 +2839,46 @@ mod tests {
         drop(held);
         waiter.join().expect("waiter");
         assert_eq!(engine.counters().values().objectid_lock_waits, 1);
+    }
+
+    #[test]
+    fn a_short_range_sees_past_many_deletions_in_the_delta() {
+        let dev: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(32 << 20));
+        drop(Engine::create(dev.clone(), &MkfsOptions::default(), Vec::new()).expect("create"));
+        let engine = Engine::open(dev).expect("open");
+        {
+            let txn = engine.begin().expect("begin");
+            for offset in 0..600 {
+                txn.put(k(offset), vec![offset as u8; 40]);
+            }
+        }
+        engine.commit().expect("commit");
+        // A truncate's worth of deletions in the delta, over items still in the tree.
+        {
+            let txn = engine.begin().expect("begin");
+            for offset in 0..590 {
+                txn.delete(k(offset));
+            }
+        }
+        let firsts = |limit| -> Vec<u64> {
+            engine
+                .range(&k(0), &k(u64::MAX), limit)
+                .expect("range")
+                .into_iter()
+                .map(|(key, _)| key.offset)
+                .collect()
+        };
+        assert_eq!(firsts(1), vec![590]);
+        assert_eq!(firsts(3), vec![590, 591, 592]);
+        assert_eq!(firsts(100), (590..600).collect::<Vec<_>>());
+        // Everything deleted: nothing, not an endless look.
+        {
+            let txn = engine.begin().expect("begin");
+            for offset in 590..600 {
+                txn.delete(k(offset));
+            }
+        }
+        assert_eq!(firsts(1), Vec::<u64>::new());
     }
 
     #[test]
