@@ -232,9 +232,10 @@ impl Filesystem {
         // leader writes them with the batch, in one submission (one round trip, not two),
         // and replay checks every block a batch names. Otherwise they are written now, so a
         // failed write costs only this file (EIO on its fsyncs, DESIGN §10.10).
+        // The device is asked first: false on image files, which then skip the log's lock.
         let through_log = self.inner.fsync_mode == FsyncMode::Log
-            && self.inner.engine.log_fill_bytes().1 > 0
-            && self.inner.engine.device().write_error_is_fatal();
+            && self.inner.engine.device().write_error_is_fatal()
+            && self.inner.engine.log_fill_bytes().1 > 0;
         let flushed = if through_log {
             self.flush_inode_placed(ino, &state)
         } else {
