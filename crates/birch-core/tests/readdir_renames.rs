@@ -5,7 +5,9 @@
 //! stops at the end the directory had when it started (`readdir_end`, `readdir_until`, what
 //! the FUSE adapter keeps per open directory) returns every name at least once and ends; the
 //! same loop over plain `readdir` does not (checked below, bounded). Names made after the
-//! listing started are not returned; a new listing sees them. Ends with fsck.
+//! listing started are not returned; a new listing sees them. Ends with fsck. Also: the
+//! lookup READDIRPLUS makes for each listed entry (`lookup_listed`) answers and counts as a
+//! LOOKUP does.
 
 #![allow(clippy::expect_used)]
 
@@ -88,4 +90,45 @@ fn listing_ends_while_entries_are_renamed_away_and_back() {
     assert_eq!(all.len(), FILES + 3);
     assert!(all.iter().any(|e| e.name == b"late"));
     common::close_and_check_clean(fs, &dev, "after the renames");
+}
+
+/// READDIRPLUS answers each listed entry with `lookup_listed` (no second name search): the
+/// same attributes as a LOOKUP, one lookup counted per answer (so the kernel's FORGETs free an
+/// unlinked inode exactly when they would after LOOKUPs), and the snapshot directory and "."
+/// and ".." still answered.
+#[test]
+fn a_listed_entry_answers_and_counts_as_a_lookup() {
+    let (dev, fs) = common::fresh(64 << 20);
+    let c = Caller::default();
+    let dir = fs.mkdir(c, 1, b"d", 0o755).expect("mkdir").ino;
+    for name in [&b"a"[..], b"b", b"c"] {
+        let (attr, fh) = fs.create(c, dir, name, 0o640, 0).expect("create");
+        fs.release(attr.ino, fh).expect("release");
+    }
+    let listed = fs.readdir_until(dir, 0, 100, None).expect("readdir");
+    assert_eq!(listed.len(), 5);
+    for e in &listed {
+        let by_name = fs.lookup(dir, &e.name).expect("lookup");
+        let by_listing = fs
+            .lookup_listed(dir, &e.name, e.ino)
+            .expect("lookup_listed");
+        assert_eq!(by_name, by_listing);
+    }
+    // "a": one lookup from CREATE, one from `lookup`, one from `lookup_listed`. Unlinked, it
+    // lives until the third FORGET.
+    let a = listed.iter().find(|e| e.name == b"a").expect("a").ino;
+    fs.unlink(dir, b"a").expect("unlink");
+    fs.forget(a, 2);
+    assert!(
+        fs.getattr(a).is_ok(),
+        "freed while a lookup is still counted"
+    );
+    fs.forget(a, 1);
+    assert!(fs.getattr(a).is_err(), "kept after its last FORGET");
+    for e in &listed {
+        if e.name != b"a" && e.name != b"." && e.name != b".." {
+            fs.forget(e.ino, 3);
+        }
+    }
+    common::close_and_check_clean(fs, &dev, "after listed lookups");
 }

@@ -1628,7 +1628,7 @@ impl fuser::Filesystem for BirchFuse {
                     let attr = if e.name == b"." || e.name == b".." {
                         self.fs.getattr(e.ino)
                     } else {
-                        self.fs.lookup(ino.0, &e.name)
+                        self.fs.lookup_listed(ino.0, &e.name, e.ino)
                     };
                     let Ok(a) = attr else { continue };
                     if reply.add(

@@ -110,6 +110,30 @@ impl Filesystem {
         Ok(attr_of(ino, &data.item))
     }
 
+    /// LOOKUP's answer for an entry that a listing of `parent` ([`Filesystem::readdir_until`])
+    /// just returned as `ino` under `name`, without searching for the name again: for
+    /// READDIRPLUS, which the kernel serves with `parent` locked, so no rename, unlink or
+    /// create in it can come between the listing and this. Counts a lookup as
+    /// [`Filesystem::lookup`] does, and falls back to it for ".", "..", snapshots, the
+    /// snapshot directory and an inode that has lost its last name.
+    pub fn lookup_listed(&self, parent: u64, name: &[u8], ino: u64) -> Result<Attr> {
+        if name == b"."
+            || name == b".."
+            || ino == birch_format::SNAPSHOT_DIR_OBJECTID
+            || self.snap_node(parent).is_some()
+        {
+            return self.lookup(parent, name);
+        }
+        let state = self.inode(ino)?;
+        let data = state.data.read();
+        if data.item.nlink == 0 {
+            drop(data);
+            return self.lookup(parent, name);
+        }
+        self.remember(&state);
+        Ok(attr_of(ino, &data.item))
+    }
+
     /// The parent of a directory (its one inode ref), or itself for the root.
     pub fn parent_of(&self, dir: u64) -> Result<u64> {
         if let Some(node) = self.snap_node(dir) {
