@@ -199,24 +199,29 @@ fn a_name_reused_after_rename_survives_a_crash_consistently() {
 /// or another) and a new file written under its old name and fsync'd. The renamed file is
 /// logged with the new one (its move), not answered with a commit, and after a crash both
 /// names hold what they should, also when the renamed file was itself only fsync'd (logged,
-/// not committed). A rename over an existing file, or a renamed file with other changes,
-/// still commits.
+/// not committed). A rename over a committed file that is then closed and forgotten (freed,
+/// as dbench's are) logs that file's deletion too. A rename over a file still open,
+/// or a renamed file with other changes, still commits.
 #[test]
 fn a_file_renamed_away_is_logged_with_the_new_file_under_its_name() {
-    // (cross-directory, target existed, renamed file changed too, renamed file only logged
-    // by its own fsync, not committed) -> expect the log path
+    // (cross-directory, target existed, target closed and forgotten, renamed file changed
+    // too, renamed file only logged by its own fsync, not committed) -> expect the log path
     let cases = [
-        (false, false, false, false, true),
-        (true, false, false, false, true),
-        (false, true, false, false, false),
-        (false, false, true, false, false),
-        (false, false, false, true, true),
-        (true, false, false, true, true),
-        (false, false, true, true, false),
+        (false, false, false, false, false, true),
+        (true, false, false, false, false, true),
+        (false, true, false, false, false, false),
+        (false, true, true, false, false, true),
+        (true, true, true, false, false, true),
+        (false, true, true, true, false, false),
+        (false, false, false, true, false, false),
+        (false, false, false, false, true, true),
+        (true, false, false, false, true, true),
+        (false, false, false, true, true, false),
     ];
-    for (cross, target_existed, changed, x_logged, logged) in cases {
+    for (cross, target_existed, target_closed, changed, x_logged, logged) in cases {
         let what = format!(
-            "cross {cross}, target existed {target_existed}, changed {changed}, x logged {x_logged}"
+            "cross {cross}, target existed {target_existed}, closed {target_closed}, \
+             changed {changed}, x logged {x_logged}"
         );
         let dev = fresh();
         let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
@@ -227,10 +232,15 @@ fn a_file_renamed_away_is_logged_with_the_new_file_under_its_name() {
         let (x, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create x");
         fs.write(x.ino, 0, b"first", false).expect("write x");
         let to = if cross { a.ino } else { b.ino };
+        let mut target = None;
         if target_existed {
-            let (t, _) = fs.create(c, to, b"tmp", 0o644, 0).expect("create target");
+            let (t, fh) = fs.create(c, to, b"tmp", 0o644, 0).expect("create target");
             fs.write(t.ino, 0, b"old target", false)
                 .expect("write target");
+            if target_closed {
+                fs.release(t.ino, fh).expect("release target");
+            }
+            target = Some(t.ino);
         }
         if x_logged {
             fs.fsync(x.ino, false).expect("fsync x");
@@ -242,6 +252,10 @@ fn a_file_renamed_away_is_logged_with_the_new_file_under_its_name() {
                 .expect("write x again");
         }
         fs.rename(b.ino, b"foo", to, b"tmp", 0).expect("rename");
+        if let (Some(t), true) = (target, target_closed) {
+            // The kernel forgets the inode it renamed over: its free.
+            fs.forget(t, 1);
+        }
         let (y, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create y");
         fs.write(y.ino, 0, b"second", false).expect("write y");
         let before = fs.engine().counters().values();
@@ -264,8 +278,20 @@ fn a_file_renamed_away_is_logged_with_the_new_file_under_its_name() {
                 "{what}: {after}"
             );
         }
+        if let (Some(t), true) = (target, target_closed) {
+            assert!(
+                fs.getattr(t).is_err(),
+                "{what}: the target outlived the rename"
+            );
+        }
         let (crashed, fs) = common::crash_and_reopen(fs, &dev);
         assert_eq!(fs.read_file("/B/foo").expect("B/foo"), b"second", "{what}");
+        if let Some(t) = target {
+            assert!(
+                fs.getattr(t).is_err(),
+                "{what}: the target is back after replay"
+            );
+        }
         let tmp = if cross { "/A/tmp" } else { "/B/tmp" };
         assert_eq!(fs.resolve(tmp).expect("tmp"), x.ino, "{what}");
         let x_now = fs.read_file(tmp).expect("x");

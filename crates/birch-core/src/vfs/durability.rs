@@ -35,8 +35,9 @@
 //!   from missing from it or back with a new directory index, as after rename foo -> bar and
 //!   link bar -> foo): replaying only I's side could leave the old name or index behind;
 //! - a name's dir item holds, in what replay starts from, another inode that still exists
-//!   (renamed away, linked elsewhere, unlinked but open) or whose names there are not exactly
-//!   that one: replaying the new entry would leave that inode with a name without an entry;
+//!   (linked elsewhere, unlinked but open; one renamed away is logged with its move, and so is
+//!   a gone file it was renamed over) or whose names there are not exactly that one:
+//!   replaying the new entry would leave that inode with a name without an entry;
 //! - a new name's directory was itself created after the last commit: its own name would be
 //!   missing after replay;
 //! - I is a directory (fsyncdir), or has no names (unlinked, or a tmpfile not linked yet: the
@@ -949,8 +950,11 @@ impl Filesystem {
     /// inode refs changed, and no fsync of it queued refs a commit has not covered (replay's
     /// base for its names is then the committed tree); it lost exactly one committed name,
     /// the one under `key`, and its dir index there is gone; and each name it gained is under
-    /// a committed directory, its dir item holds just `other`, and no other inode holds that
-    /// key in replay's base (a rename over an existing file commits).
+    /// a committed directory, its dir item holds just `other`, and any other inode that holds
+    /// that key in replay's base is gone (`other` was renamed over a file since unlinked and
+    /// freed): that inode's deletion ([`Filesystem::gone_records`]) comes first in the
+    /// records. A rename over a file that still exists (open, or not yet forgotten by the
+    /// kernel) commits.
     fn moved_records(
         &self,
         other: u64,
@@ -1029,6 +1033,8 @@ impl Filesystem {
             key: inode_key(InodeNo::new(other)),
             value: Some(inode_item),
         }];
+        // Deletions of files `other` was renamed over; they go first in what this returns.
+        let mut gone = Vec::new();
         for (k, value) in ref_changes {
             records.push(LogRecord {
                 generation,
@@ -1052,9 +1058,17 @@ impl Filesystem {
             if entries.len() != 1 || entries[0].child != other {
                 return Ok(None);
             }
-            match self.name_holders(other, &item_key)? {
-                Some(holders) if holders.is_empty() => {}
-                _ => return Ok(None),
+            // A name it took by a rename over another file (dbench renames over files it
+            // closed): that file's deletion goes in the batch when it is gone (unlinked and
+            // freed), as for the fsync'd inode's own names; a holder still there commits.
+            let Some(holders) = self.name_holders(other, &item_key)? else {
+                return Ok(None);
+            };
+            for holder in holders {
+                match self.gone_records(holder, &item_key, generation)? {
+                    Some(more) => gone.extend(more),
+                    None => return Ok(None),
+                }
             }
             let index_key = dir_index_key(InodeNo::new(*parent), *index);
             let Some(index_item) = engine.get(&index_key)? else {
@@ -1080,7 +1094,8 @@ impl Filesystem {
             .engine
             .counters()
             .add(|c| &c.fsync_logged_moves, 1);
-        Ok(Some(records))
+        gone.extend(records);
+        Ok(Some(gone))
     }
 
     /// Whether the only change since the last commit is the inode item's atime.
