@@ -1,162 +1,23 @@
 //! What the engine asks of its device (DESIGN §14.4): node and data writes in batches
-//! ([`BlockDevice::write_many`], in flight together on RBD), the ordering rules kept around
+//! (`BlockDevice::write_many`, in flight together on RBD), the ordering rules kept around
 //! them (a superblock is written only after its nodes' writes completed and a flush after
 //! them; a commit is done only after its superblock and a flush after it), and freed space
-//! discarded ([`BlockDevice::discard`]) only once no committed root references it, with
+//! discarded (`BlockDevice::discard`) only once no committed root references it, with
 //! nothing assuming it reads back as zeros; a read of a file of many extents asks for them
-//! as one batch ([`BlockDevice::read_many`], in flight together on RBD).
+//! as one batch (`BlockDevice::read_many`, in flight together on RBD).
 
 #![allow(clippy::expect_used)]
 
 mod common;
 
-use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use birch_core::counters::Counters;
-use birch_core::device::{BlockDevice, MemDevice};
+use birch_core::device::MemDevice;
 use birch_core::{Filesystem, MkfsOptions};
 use birch_format::superblock::SUPER_OFFSETS;
-use parking_lot::Mutex;
 
-/// One request the engine made, in order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Event {
-    /// One `write_at`.
-    Write(u64, usize),
-    /// One `write_many`: its writes.
-    Batch(Vec<(u64, usize)>),
-    Flush,
-    /// One `discard`: its ranges.
-    Discard(Vec<(u64, u64)>),
-    /// One `read_at` (recorded only while `reads` is on).
-    Read(u64, usize),
-    /// One `read_many`: its reads (recorded only while `reads` is on).
-    ReadMany(Vec<(u64, usize)>),
-}
-
-/// A memory device that records every request, and fills discarded ranges with junk (a
-/// device may return anything for them).
-struct Recording {
-    base: Arc<MemDevice>,
-    events: Mutex<Vec<Event>>,
-    /// Whether reads are recorded too.
-    reads: AtomicBool,
-    /// A read covering this byte address fails (`u64::MAX`: none).
-    fail_read_at: AtomicU64,
-}
-
-impl Recording {
-    fn new(base: Arc<MemDevice>) -> Arc<Recording> {
-        Arc::new(Recording {
-            base,
-            events: Mutex::new(Vec::new()),
-            reads: AtomicBool::new(false),
-            fail_read_at: AtomicU64::new(u64::MAX),
-        })
-    }
-
-    fn read_one(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        let bad = self.fail_read_at.load(Ordering::SeqCst);
-        if offset <= bad && bad < offset + buf.len() as u64 {
-            return Err(io::Error::other(format!(
-                "injected read failure at {offset:#x}"
-            )));
-        }
-        self.base.read_at(buf, offset)
-    }
-
-    fn take(&self) -> Vec<Event> {
-        std::mem::take(&mut *self.events.lock())
-    }
-
-    /// The ranges discarded since the last take (the other events are dropped).
-    fn take_discards(&self) -> Vec<(u64, u64)> {
-        self.take()
-            .into_iter()
-            .filter_map(|e| match e {
-                Event::Discard(ranges) => Some(ranges),
-                _ => None,
-            })
-            .flatten()
-            .collect()
-    }
-
-    /// The batched reads (`read_many`) since the last take, each as (offset, length) pairs.
-    fn take_read_batches(&self) -> Vec<Vec<(u64, usize)>> {
-        self.take()
-            .into_iter()
-            .filter_map(|e| match e {
-                Event::ReadMany(reads) => Some(reads),
-                _ => None,
-            })
-            .collect()
-    }
-}
-
-impl BlockDevice for Recording {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        if self.reads.load(Ordering::SeqCst) {
-            self.events.lock().push(Event::Read(offset, buf.len()));
-        }
-        self.read_one(buf, offset)
-    }
-
-    fn read_many(&self, reads: &mut [(u64, &mut [u8])]) -> io::Result<()> {
-        if self.reads.load(Ordering::SeqCst) {
-            self.events.lock().push(Event::ReadMany(
-                reads.iter().map(|(o, b)| (*o, b.len())).collect(),
-            ));
-        }
-        // In reverse: nothing may depend on the order within a batch.
-        for (offset, buf) in reads.iter_mut().rev() {
-            self.read_one(buf, *offset)?;
-        }
-        Ok(())
-    }
-
-    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        self.events.lock().push(Event::Write(offset, buf.len()));
-        self.base.write_at(buf, offset)
-    }
-
-    fn write_many(&self, writes: &[(u64, &[u8])]) -> io::Result<()> {
-        self.events.lock().push(Event::Batch(
-            writes.iter().map(|(o, b)| (*o, b.len())).collect(),
-        ));
-        // In reverse: nothing may depend on the order within a batch.
-        for (offset, bytes) in writes.iter().rev() {
-            self.base.write_at(bytes, *offset)?;
-        }
-        Ok(())
-    }
-
-    fn discard(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
-        self.events.lock().push(Event::Discard(ranges.to_vec()));
-        for (offset, len) in ranges {
-            self.base.write_at(&vec![0xDB; *len as usize], *offset)?;
-        }
-        Ok(())
-    }
-
-    fn can_trim(&self) -> bool {
-        true
-    }
-
-    fn flush(&self) -> io::Result<()> {
-        self.events.lock().push(Event::Flush);
-        self.base.flush()
-    }
-
-    fn size_bytes(&self) -> u64 {
-        self.base.size_bytes()
-    }
-
-    fn counters(&self) -> &Counters {
-        self.base.counters()
-    }
-}
+use common::{Event, Recording};
 
 fn open(dev: &Arc<Recording>) -> Filesystem {
     common::open_quiet(dev)
@@ -164,7 +25,7 @@ fn open(dev: &Arc<Recording>) -> Filesystem {
 
 fn fresh(bytes: u64) -> (Arc<MemDevice>, Arc<Recording>, Filesystem) {
     let mem = Arc::new(MemDevice::new(bytes));
-    let dev = Recording::new(mem.clone());
+    let dev = Recording::trimming(mem.clone());
     Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
     let fs = open(&dev);
     (mem, dev, fs)
@@ -219,7 +80,7 @@ fn commits_write_nodes_and_data_in_batches_and_keep_the_order() {
     let node_batches: Vec<&Vec<(u64, usize)>> = events
         .iter()
         .filter_map(|e| match e {
-            Event::Batch(w) => Some(w),
+            Event::WriteMany(w) => Some(w),
             _ => None,
         })
         .collect();
@@ -234,7 +95,7 @@ fn commits_write_nodes_and_data_in_batches_and_keep_the_order() {
     let events = dev.take();
     assert_ordered(&events);
     assert!(
-        events.iter().any(|e| matches!(e, Event::Batch(w)
+        events.iter().any(|e| matches!(e, Event::WriteMany(w)
             if w.len() >= 2 && w.iter().all(|(_, len)| *len >= 1 << 20))),
         "the big file's runs are written as one batch: {events:?}"
     );
@@ -271,7 +132,7 @@ fn freed_space_is_discarded_then_reused_and_reads_back() {
             match event {
                 Event::Discard(ranges) => discarded.extend(ranges),
                 Event::Write(at, len) => reused |= overlaps(&discarded, at, len as u64),
-                Event::Batch(writes) => {
+                Event::WriteMany(writes) => {
                     reused |= writes
                         .iter()
                         .any(|(at, len)| overlaps(&discarded, *at, *len as u64))

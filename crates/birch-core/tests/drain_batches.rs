@@ -18,91 +18,8 @@ use birch_core::counters::Counters;
 use birch_core::device::{BlockDevice, MemDevice};
 use birch_core::vfs::Caller;
 use birch_core::{Filesystem, MkfsOptions};
-use birch_format::BLOCK_SIZE;
-use parking_lot::Mutex;
 
-use common::{close_and_check_clean, crash_and_reopen, open_quiet};
-
-/// Bytes at the start of a block that make the device fail the write carrying it.
-const POISON: &[u8; 8] = b"FAILFAIL";
-
-/// A memory device that counts its write calls (a `write_many` once, whatever it carries) and,
-/// while `poison` is on, fails any write of a block starting with [`POISON`]: the whole
-/// `write_many` that carries one fails, after writing (in reverse order) those before it.
-/// (The recording helper of `device_batches.rs`, cut down.)
-struct Recording {
-    base: Arc<MemDevice>,
-    /// The number of writes in each `write_many`, in order.
-    batches: Mutex<Vec<usize>>,
-    /// `write_at` calls.
-    singles: AtomicU64,
-    poison: AtomicBool,
-}
-
-impl Recording {
-    fn new(base: Arc<MemDevice>) -> Arc<Recording> {
-        Arc::new(Recording {
-            base,
-            batches: Mutex::new(Vec::new()),
-            singles: AtomicU64::new(0),
-            poison: AtomicBool::new(false),
-        })
-    }
-
-    fn check(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        if self.poison.load(Ordering::SeqCst)
-            && buf
-                .chunks(BLOCK_SIZE as usize)
-                .any(|block| block.starts_with(POISON))
-        {
-            return Err(io::Error::other(format!(
-                "injected write failure at {offset:#x}"
-            )));
-        }
-        Ok(())
-    }
-
-    fn take(&self) -> (Vec<usize>, u64) {
-        (
-            std::mem::take(&mut *self.batches.lock()),
-            self.singles.swap(0, Ordering::SeqCst),
-        )
-    }
-}
-
-impl BlockDevice for Recording {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.base.read_at(buf, offset)
-    }
-
-    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        self.singles.fetch_add(1, Ordering::SeqCst);
-        self.check(buf, offset)?;
-        self.base.write_at(buf, offset)
-    }
-
-    fn write_many(&self, writes: &[(u64, &[u8])]) -> io::Result<()> {
-        self.batches.lock().push(writes.len());
-        // In reverse: nothing may depend on the order within a batch.
-        for (offset, bytes) in writes.iter().rev() {
-            self.check(bytes, *offset)?;
-            self.base.write_at(bytes, *offset)?;
-        }
-        Ok(())
-    }
-
-    fn flush(&self) -> io::Result<()> {
-        self.base.flush()
-    }
-
-    fn size_bytes(&self) -> u64 {
-        self.base.size_bytes()
-    }
-
-    fn counters(&self) -> &Counters {
-        self.base.counters()
-    }
-}
+use common::{close_and_check_clean, crash_and_reopen, open_quiet, Recording, POISON};
 
 fn fresh(bytes: u64) -> (Arc<MemDevice>, Arc<Recording>, Filesystem) {
     let mem = Arc::new(MemDevice::new(bytes));
@@ -151,7 +68,7 @@ fn a_drain_of_many_small_files_writes_them_in_a_few_batches() {
     let before = fs.engine().counters().values();
     fs.sync().expect("commit");
     let counted = fs.engine().counters().values().since(&before);
-    let (batches, singles) = dev.take();
+    let (batches, singles) = dev.take_write_calls();
     assert_eq!(counted.buffer_flushes, 200, "one flush per file: {counted}");
     assert_eq!(counted.drain_batch_files, 200, "{counted}");
     assert!(

@@ -1211,6 +1211,55 @@ impl BlockDevice for CountBatches {
     }
 }
 
+/// The two writes of one fsync that places its data, as a recording memory device got them:
+/// the data (one write, a block or a run of them) and the log batch naming it.
+struct FsyncWrites {
+    data: (u64, Arc<[u8]>),
+    batch: (u64, Arc<[u8]>),
+}
+
+impl FsyncWrites {
+    /// Takes what `base` recorded (since `start_recording`): exactly two writes, the data
+    /// (every byte `fill`) and the batch.
+    fn take(base: &MemDevice, fill: u8) -> FsyncWrites {
+        let writes: Vec<(u64, Arc<[u8]>)> = base
+            .take_recording()
+            .into_iter()
+            .filter_map(|r| match r {
+                birch_core::device::Recorded::Write { offset, bytes } => Some((offset, bytes)),
+                birch_core::device::Recorded::Flush => None,
+            })
+            .collect();
+        assert_eq!(writes.len(), 2, "the data and the batch, nothing else");
+        let (mut data, mut batch): (Vec<_>, Vec<_>) = writes
+            .into_iter()
+            .partition(|(_, b)| b.iter().all(|&x| x == fill));
+        assert_eq!(
+            (data.len(), batch.len()),
+            (1, 1),
+            "one data write, one batch"
+        );
+        FsyncWrites {
+            data: data.remove(0),
+            batch: batch.remove(0),
+        }
+    }
+
+    /// What a power cut after the writes may leave, on a new memory device: the image
+    /// `before` them with the batch alone, or (`keep_data`) the batch with its data.
+    fn crashed(&self, before: &[u8], keep_data: bool) -> Arc<MemDevice> {
+        let mut image = before.to_vec();
+        let mut apply = |(offset, bytes): &(u64, Arc<[u8]>)| {
+            image[*offset as usize..*offset as usize + bytes.len()].copy_from_slice(bytes);
+        };
+        apply(&self.batch);
+        if keep_data {
+            apply(&self.data);
+        }
+        Arc::new(MemDevice::from_bytes(image))
+    }
+}
+
 /// An fsync whose batch names a placed block (an overwrite of a log-clean file) writes the
 /// block and the batch in one submission, then flushes once. The two may land in either
 /// order: a power cut that kept the batch without the block replays nothing of that batch
@@ -1242,34 +1291,10 @@ fn a_batch_and_the_placed_blocks_it_names_go_in_one_submission() {
         "the placed block and the batch in one write_many"
     );
     assert_eq!(base.counters().values().flushes - flushes, 1, "one flush");
-    let writes: Vec<(u64, Arc<[u8]>)> = base
-        .take_recording()
-        .into_iter()
-        .filter_map(|r| match r {
-            birch_core::device::Recorded::Write { offset, bytes } => Some((offset, bytes)),
-            birch_core::device::Recorded::Flush => None,
-        })
-        .collect();
-    assert_eq!(writes.len(), 2);
-    let (data, batch): (Vec<_>, Vec<_>) = writes
-        .into_iter()
-        .partition(|(_, b)| b.iter().all(|&x| x == 6));
-    assert_eq!(
-        (data.len(), batch.len()),
-        (1, 1),
-        "one data block, one batch"
-    );
+    let writes = FsyncWrites::take(&base, 6);
     fs.power_cut();
     for (keep_data, want) in [(false, 5u8), (true, 6u8)] {
-        let mut image = before_cut.clone();
-        let mut apply = |(offset, bytes): &(u64, Arc<[u8]>)| {
-            image[*offset as usize..*offset as usize + bytes.len()].copy_from_slice(bytes);
-        };
-        apply(&batch[0]);
-        if keep_data {
-            apply(&data[0]);
-        }
-        let crashed = Arc::new(MemDevice::from_bytes(image));
+        let crashed = writes.crashed(&before_cut, keep_data);
         let fs = common::open_quiet(&crashed);
         let got = fs.read(ino, 0, 4096).expect("read after the cut");
         assert!(
@@ -1281,7 +1306,7 @@ fn a_batch_and_the_placed_blocks_it_names_go_in_one_submission() {
             // The batch replay rejected for its data is erased by the writable open: no
             // later replay may take it for the batch that gets its sequence number.
             let mut header = vec![1u8; 4096];
-            crashed.read_at(&mut header, batch[0].0).expect("read");
+            crashed.read_at(&mut header, writes.batch.0).expect("read");
             assert!(header.iter().all(|&b| b == 0), "rejected batch erased");
         }
         common::close_and_check_clean(fs, &crashed, &format!("data kept {keep_data}"));
@@ -1389,29 +1414,10 @@ fn an_fsync_on_rbd_places_its_buffered_data_for_the_batch() {
         }
         assert_eq!(placed, 3);
         assert_eq!(batches, vec![2], "data run and batch in one write_many");
-        let writes: Vec<(u64, Arc<[u8]>)> = base
-            .take_recording()
-            .into_iter()
-            .filter_map(|r| match r {
-                birch_core::device::Recorded::Write { offset, bytes } => Some((offset, bytes)),
-                birch_core::device::Recorded::Flush => None,
-            })
-            .collect();
-        let (data, batch): (Vec<_>, Vec<_>) = writes
-            .into_iter()
-            .partition(|(_, b)| b.iter().all(|&x| x == 2));
-        assert_eq!((data.len(), batch.len()), (1, 1), "one data run, one batch");
+        let writes = FsyncWrites::take(&base, 2);
         fs.power_cut();
         for (keep_data, want) in [(false, 1u8), (true, 2u8)] {
-            let mut image = before_cut.clone();
-            let mut apply = |(offset, bytes): &(u64, Arc<[u8]>)| {
-                image[*offset as usize..*offset as usize + bytes.len()].copy_from_slice(bytes);
-            };
-            apply(&batch[0]);
-            if keep_data {
-                apply(&data[0]);
-            }
-            let crashed = Arc::new(MemDevice::from_bytes(image));
+            let crashed = writes.crashed(&before_cut, keep_data);
             let fs = common::open_quiet(&crashed);
             let got = fs.read(f.ino, 0, 16384).expect("read after the cut");
             assert!(

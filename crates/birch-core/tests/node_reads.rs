@@ -10,8 +10,7 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use birch_core::alloc::Allocator;
@@ -22,109 +21,33 @@ use birch_core::device::{BlockDevice, MemDevice};
 use birch_format::node::{Node, NodeBody};
 use birch_format::superblock::RootPtr;
 use birch_format::{BlockAddr, BlockCount, Key, NODE_SIZE};
-use parking_lot::Mutex;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-/// One read the device was asked for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Event {
-    /// One `read_at`.
-    Read(u64, usize),
-    /// One `read_many`: its reads.
-    ReadMany(Vec<(u64, usize)>),
-}
+use common::{Event, Recording};
 
-/// A memory device recording every read (while `on`); a read covering `fail_read_at` fails.
-struct Recording {
-    base: Arc<MemDevice>,
-    events: Mutex<Vec<Event>>,
-    on: AtomicBool,
-    fail_read_at: AtomicU64,
-}
-
-impl Recording {
-    fn new(base: Arc<MemDevice>) -> Arc<Recording> {
-        Arc::new(Recording {
-            base,
-            events: Mutex::new(Vec::new()),
-            on: AtomicBool::new(true),
-            fail_read_at: AtomicU64::new(u64::MAX),
-        })
-    }
-
-    fn read_one(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        let bad = self.fail_read_at.load(Ordering::SeqCst);
-        if offset <= bad && bad < offset + buf.len() as u64 {
-            return Err(io::Error::other(format!(
-                "injected read failure at {offset:#x}"
-            )));
-        }
-        self.base.read_at(buf, offset)
-    }
-
-    fn take(&self) -> Vec<Event> {
-        std::mem::take(&mut *self.events.lock())
-    }
-}
-
-impl BlockDevice for Recording {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        if self.on.load(Ordering::SeqCst) {
-            self.events.lock().push(Event::Read(offset, buf.len()));
-        }
-        self.read_one(buf, offset)
-    }
-
-    fn read_many(&self, reads: &mut [(u64, &mut [u8])]) -> io::Result<()> {
-        if self.on.load(Ordering::SeqCst) {
-            self.events.lock().push(Event::ReadMany(
-                reads.iter().map(|(o, b)| (*o, b.len())).collect(),
-            ));
-        }
-        // In reverse: nothing may depend on the order within a batch.
-        for (offset, buf) in reads.iter_mut().rev() {
-            self.read_one(buf, *offset)?;
-        }
-        Ok(())
-    }
-
-    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        self.base.write_at(buf, offset)
-    }
-
-    fn flush(&self) -> io::Result<()> {
-        self.base.flush()
-    }
-
-    fn size_bytes(&self) -> u64 {
-        self.base.size_bytes()
-    }
-
-    fn counters(&self) -> &Counters {
-        self.base.counters()
-    }
-}
-
-/// Device calls and node reads (of `NODE_SIZE` bytes) in `events`.
+/// Device calls and node reads (of `NODE_SIZE` bytes) in `events` (reads only, as
+/// [`Recording::take_reads`] gives them).
 fn calls_and_nodes(events: &[Event]) -> (usize, usize) {
     let nodes = events
         .iter()
         .map(|e| match e {
             Event::Read(_, len) => usize::from(*len == NODE_SIZE),
             Event::ReadMany(reads) => reads.iter().filter(|(_, len)| *len == NODE_SIZE).count(),
+            other => unreachable!("not a read: {other:?}"),
         })
         .sum();
     (events.len(), nodes)
 }
 
-/// Every offset read, in any call.
+/// Every offset read, in any call of `events` (reads only).
 fn offsets(events: &[Event]) -> Vec<u64> {
     let mut all: Vec<u64> = events
         .iter()
         .flat_map(|e| match e {
             Event::Read(o, _) => vec![*o],
             Event::ReadMany(reads) => reads.iter().map(|(o, _)| *o).collect(),
+            other => unreachable!("not a read: {other:?}"),
         })
         .collect();
     all.sort_unstable();
@@ -161,7 +84,6 @@ impl Tree {
     fn new(count: u64) -> Tree {
         let mem = Arc::new(MemDevice::new(128 << 20));
         let dev = Recording::new(mem.clone());
-        dev.on.store(false, Ordering::SeqCst);
         let alloc = Allocator::new(128 << 20);
         alloc.mark_used(BlockAddr::new(0), BlockCount::new(32));
         let counters = Counters::default();
@@ -188,7 +110,7 @@ impl Tree {
         let root = w.root();
         drop(w);
         dev.flush().expect("flush");
-        dev.on.store(true, Ordering::SeqCst);
+        dev.reads.store(true, Ordering::SeqCst);
         Tree {
             mem,
             dev,
@@ -271,9 +193,9 @@ impl Tree {
 #[test]
 fn a_cold_scan_reads_the_children_of_each_node_in_batches() {
     let tree = Tree::new(150_000);
-    tree.dev.on.store(false, Ordering::SeqCst);
+    tree.dev.reads.store(false, Ordering::SeqCst);
     let (all_nodes, walked) = tree.walk();
-    tree.dev.on.store(true, Ordering::SeqCst);
+    tree.dev.reads.store(true, Ordering::SeqCst);
     let levels = all_nodes.iter().map(|(_, l)| *l).max().expect("root") + 1;
     assert!(levels >= 3, "a tree of three levels at least: {levels}");
     let leaves = all_nodes.iter().filter(|(_, l)| *l == 0).count();
@@ -284,7 +206,7 @@ fn a_cold_scan_reads_the_children_of_each_node_in_batches() {
     let got = tree
         .range(&cache, &Key::MIN, &Key::MAX, usize::MAX)
         .expect("scan");
-    let events = tree.dev.take();
+    let events = tree.dev.take_reads();
     let (calls, nodes) = calls_and_nodes(&events);
     eprintln!(
         "cold whole scan: {nodes} nodes ({leaves} leaves, {levels} levels) in {calls} device \
@@ -308,6 +230,7 @@ fn a_cold_scan_reads_the_children_of_each_node_in_batches() {
         events.iter().all(|e| match e {
             Event::ReadMany(reads) => reads.len() <= 64,
             Event::Read(..) => true,
+            other => unreachable!("not a read: {other:?}"),
         }),
         "at most 64 nodes per read_many"
     );
@@ -317,7 +240,10 @@ fn a_cold_scan_reads_the_children_of_each_node_in_batches() {
         .range(&cache, &Key::MIN, &Key::MAX, usize::MAX)
         .expect("warm scan");
     assert_eq!(again, got);
-    assert!(tree.dev.take().is_empty(), "a warm scan reads nothing");
+    assert!(
+        tree.dev.take_reads().is_empty(),
+        "a warm scan reads nothing"
+    );
 }
 
 /// Scans of random ranges with random limits, each on a cold cache and again on a warm one,
@@ -354,7 +280,7 @@ fn cold_scans_of_any_range_and_limit_return_the_model() {
         .range(&cache, &key(100), &Key::MAX, 10)
         .expect("small scan");
     assert_eq!(got.len(), 10);
-    let (_, nodes) = calls_and_nodes(&tree.dev.take());
+    let (_, nodes) = calls_and_nodes(&tree.dev.take_reads());
     assert!(nodes <= 6, "{nodes} nodes read for 10 items");
 }
 
@@ -400,7 +326,7 @@ fn a_bad_child_in_a_batch_fails_the_scan_and_is_not_cached() {
                 text.contains(&format!("read node {victim:#x}")),
                 "{what}, attempt {attempt}: {text}"
             );
-            let events = tree.dev.take();
+            let events = tree.dev.take_reads();
             // The bad node came in a batch the first time (the second time it is the only
             // node of its batch missing from the cache: read alone), and each attempt reads
             // it again.
@@ -461,12 +387,13 @@ fn a_failed_read_in_a_batch_fails_only_a_scan_that_needs_that_node() {
         .expect("dry run");
     let unused = tree
         .dev
-        .take()
+        .take_reads()
         .iter()
         .rev()
         .find_map(|e| match e {
             Event::ReadMany(reads) => reads.last().map(|(o, _)| *o),
             Event::Read(..) => None,
+            other => unreachable!("not a read: {other:?}"),
         })
         .expect("the limited scan read a batch");
     tree.dev.fail_read_at.store(unused + 4096, Ordering::SeqCst);
@@ -486,7 +413,7 @@ fn a_failed_read_in_a_batch_fails_only_a_scan_that_needs_that_node() {
             && text.contains(&format!("injected read failure at {victim:#x}")),
         "{text}"
     );
-    let events = tree.dev.take();
+    let events = tree.dev.take_reads();
     assert!(
         events.iter().any(
             |e| matches!(e, Event::ReadMany(reads) if reads.iter().any(|(o, _)| *o == victim))
@@ -531,11 +458,10 @@ fn a_cold_directory_listing_reads_leaves_in_batches() {
 
     let list = |paged: bool| -> (Vec<Vec<u8>>, usize, usize) {
         let dev = Recording::new(mem.clone());
-        dev.on.store(false, Ordering::SeqCst);
         let fs = common::open_quiet(&dev);
         // Opening walks the trees (and caches their nodes): start the listing cold.
         fs.engine().clear_node_cache();
-        dev.on.store(true, Ordering::SeqCst);
+        dev.reads.store(true, Ordering::SeqCst);
         let mut names = Vec::new();
         if paged {
             let mut offset = 0;
@@ -553,7 +479,7 @@ fn a_cold_directory_listing_reads_leaves_in_batches() {
                     .map(|e| e.name),
             );
         }
-        let (calls, nodes) = calls_and_nodes(&dev.take());
+        let (calls, nodes) = calls_and_nodes(&dev.take_reads());
         fs.close().expect("close");
         (names, calls, nodes)
     };

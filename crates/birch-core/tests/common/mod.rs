@@ -1,15 +1,20 @@
 //! Setup shared by the integration tests: filesystems on memory devices with no background
-//! committer, so every commit in a test is one the test asked for.
+//! committer, so every commit in a test is one the test asked for, and memory devices that
+//! hook or record the requests the engine makes of them.
 
 #![allow(clippy::expect_used, dead_code)]
 
 use std::collections::BTreeMap;
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use birch_core::check::{check, CheckOptions};
 use birch_core::device::{BlockDevice, MemDevice};
 use birch_core::vfs::OpenOptions;
 use birch_core::{Filesystem, MkfsOptions};
+use birch_format::BLOCK_SIZE;
+use parking_lot::Mutex;
 
 /// Opens the filesystem on `dev` with no background commits.
 pub fn open_quiet<D: BlockDevice + 'static>(dev: &Arc<D>) -> Filesystem {
@@ -153,5 +158,209 @@ impl<F: Fn(u64, usize) -> std::io::Result<()> + Send + Sync> BlockDevice for Hoo
     }
     fn counters(&self) -> &birch_core::counters::Counters {
         self.inner.counters()
+    }
+}
+
+/// One request a [`Recording`] device got, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// One `write_at`: its offset and length.
+    Write(u64, usize),
+    /// One `write_many`: its writes.
+    WriteMany(Vec<(u64, usize)>),
+    Flush,
+    /// One `discard`: its ranges.
+    Discard(Vec<(u64, u64)>),
+    /// One `read_at` (recorded only while `reads` is on).
+    Read(u64, usize),
+    /// One `read_many`: its reads (recorded only while `reads` is on).
+    ReadMany(Vec<(u64, usize)>),
+}
+
+/// Bytes at the start of a block that make a [`Recording`] device fail the write carrying
+/// it while its `poison` is on.
+pub const POISON: &[u8; 8] = b"FAILFAIL";
+
+/// A memory device that records every request it gets as an [`Event`] (reads only while
+/// `reads` is on), carries out the entries of a `read_many` or `write_many` in reverse
+/// (nothing may depend on the order within a batch), and can fail requests: a read covering
+/// `fail_read_at`, and, while `poison` is on, any write of a block starting with [`POISON`]
+/// (the whole `write_many` carrying one fails, once the entries after it, carried out first,
+/// are written). Made with
+/// [`Recording::trimming`], it can trim and fills discarded ranges with junk (a device may
+/// return anything for them); made with [`Recording::new`], a discard does nothing, as by
+/// default.
+pub struct Recording {
+    pub base: Arc<MemDevice>,
+    events: Mutex<Vec<Event>>,
+    /// Whether reads are recorded too (off at first).
+    pub reads: AtomicBool,
+    /// A read covering this byte address fails (`u64::MAX`: none).
+    pub fail_read_at: AtomicU64,
+    /// Whether a write of a block starting with [`POISON`] fails.
+    pub poison: AtomicBool,
+    /// Whether the device can trim, a discard filling its ranges with junk.
+    trims: bool,
+}
+
+impl Recording {
+    /// A recording device over `base` whose discards do nothing.
+    pub fn new(base: Arc<MemDevice>) -> Arc<Recording> {
+        Self::make(base, false)
+    }
+
+    /// A recording device over `base` that can trim, and fills discarded ranges with junk.
+    pub fn trimming(base: Arc<MemDevice>) -> Arc<Recording> {
+        Self::make(base, true)
+    }
+
+    fn make(base: Arc<MemDevice>, trims: bool) -> Arc<Recording> {
+        Arc::new(Recording {
+            base,
+            events: Mutex::new(Vec::new()),
+            reads: AtomicBool::new(false),
+            fail_read_at: AtomicU64::new(u64::MAX),
+            poison: AtomicBool::new(false),
+            trims,
+        })
+    }
+
+    fn read_one(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let bad = self.fail_read_at.load(Ordering::SeqCst);
+        if offset <= bad && bad < offset + buf.len() as u64 {
+            return Err(io::Error::other(format!(
+                "injected read failure at {offset:#x}"
+            )));
+        }
+        self.base.read_at(buf, offset)
+    }
+
+    fn write_one(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        if self.poison.load(Ordering::SeqCst)
+            && buf
+                .chunks(BLOCK_SIZE as usize)
+                .any(|block| block.starts_with(POISON))
+        {
+            return Err(io::Error::other(format!(
+                "injected write failure at {offset:#x}"
+            )));
+        }
+        self.base.write_at(buf, offset)
+    }
+
+    /// Every event since the last take.
+    pub fn take(&self) -> Vec<Event> {
+        std::mem::take(&mut *self.events.lock())
+    }
+
+    /// The reads (`read_at` and `read_many`) since the last take (the other events are
+    /// dropped).
+    pub fn take_reads(&self) -> Vec<Event> {
+        self.take()
+            .into_iter()
+            .filter(|e| matches!(e, Event::Read(..) | Event::ReadMany(_)))
+            .collect()
+    }
+
+    /// The batched reads (`read_many`) since the last take, each as (offset, length) pairs
+    /// (the other events are dropped).
+    pub fn take_read_batches(&self) -> Vec<Vec<(u64, usize)>> {
+        self.take()
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::ReadMany(reads) => Some(reads),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The write calls since the last take: the number of writes in each `write_many`, in
+    /// order, and the number of `write_at` calls (the other events are dropped).
+    pub fn take_write_calls(&self) -> (Vec<usize>, u64) {
+        let mut batches = Vec::new();
+        let mut singles = 0;
+        for event in self.take() {
+            match event {
+                Event::WriteMany(writes) => batches.push(writes.len()),
+                Event::Write(..) => singles += 1,
+                _ => {}
+            }
+        }
+        (batches, singles)
+    }
+
+    /// The ranges discarded since the last take (the other events are dropped).
+    pub fn take_discards(&self) -> Vec<(u64, u64)> {
+        self.take()
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::Discard(ranges) => Some(ranges),
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    }
+}
+
+impl BlockDevice for Recording {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        if self.reads.load(Ordering::SeqCst) {
+            self.events.lock().push(Event::Read(offset, buf.len()));
+        }
+        self.read_one(buf, offset)
+    }
+
+    fn read_many(&self, reads: &mut [(u64, &mut [u8])]) -> io::Result<()> {
+        if self.reads.load(Ordering::SeqCst) {
+            self.events.lock().push(Event::ReadMany(
+                reads.iter().map(|(o, b)| (*o, b.len())).collect(),
+            ));
+        }
+        for (offset, buf) in reads.iter_mut().rev() {
+            self.read_one(buf, *offset)?;
+        }
+        Ok(())
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.events.lock().push(Event::Write(offset, buf.len()));
+        self.write_one(buf, offset)
+    }
+
+    fn write_many(&self, writes: &[(u64, &[u8])]) -> io::Result<()> {
+        self.events.lock().push(Event::WriteMany(
+            writes.iter().map(|(o, b)| (*o, b.len())).collect(),
+        ));
+        for (offset, bytes) in writes.iter().rev() {
+            self.write_one(bytes, *offset)?;
+        }
+        Ok(())
+    }
+
+    fn discard(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
+        self.events.lock().push(Event::Discard(ranges.to_vec()));
+        if self.trims {
+            for (offset, len) in ranges {
+                self.base.write_at(&vec![0xDB; *len as usize], *offset)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn can_trim(&self) -> bool {
+        self.trims
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        self.events.lock().push(Event::Flush);
+        self.base.flush()
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.base.size_bytes()
+    }
+
+    fn counters(&self) -> &birch_core::counters::Counters {
+        self.base.counters()
     }
 }
