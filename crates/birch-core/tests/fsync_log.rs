@@ -303,6 +303,63 @@ fn a_file_renamed_away_is_logged_with_the_new_file_under_its_name() {
     }
 }
 
+/// dbench's WORD pattern a step further: a committed file renamed away has its move logged by
+/// the fsync of the file that took its name; then it is deleted (closed and forgotten: freed)
+/// and a third file is made under its new name and fsync'd. That fsync logs the moved file's
+/// deletion rather than committing, though the committed tree still holds the name the move
+/// took away (the move's deletion of that ref is remembered). After a power cut each name
+/// holds its file's bytes and the moved file is gone, fsck clean.
+#[test]
+fn a_moved_file_deleted_later_is_logged_as_deleted() {
+    let dev = fresh();
+    let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+    let c = Caller::default();
+    let d = fs.mkdir(c, 1, b"D", 0o755).expect("mkdir");
+    let (o, ofh) = fs.create(c, d.ino, b"a", 0o644, 0).expect("create o");
+    fs.write(o.ino, 0, b"old", false).expect("write o");
+    fs.release(o.ino, ofh).expect("release o");
+    fs.sync().expect("commit");
+    // O moves a -> b, N takes a and is fsync'd: O's move is logged with it.
+    fs.rename(d.ino, b"a", d.ino, b"b", 0).expect("rename");
+    let (n, _) = fs.create(c, d.ino, b"a", 0o644, 0).expect("create n");
+    fs.write(n.ino, 0, b"new", false).expect("write n");
+    let before = fs.engine().counters().values();
+    fs.fsync(n.ino, false).expect("fsync n");
+    let after = fs.engine().counters().values().since(&before);
+    assert_eq!(
+        (after.fsync_logged_moves, after.fsync_commits),
+        (1, 0),
+        "{after}"
+    );
+    // O deleted and forgotten (its one lookup, from the create): freed. P takes b.
+    fs.unlink(d.ino, b"b").expect("unlink b");
+    fs.forget(o.ino, 1);
+    assert!(
+        fs.getattr(o.ino).is_err(),
+        "o outlived its last name and lookup"
+    );
+    let (p, _) = fs.create(c, d.ino, b"b", 0o644, 0).expect("create p");
+    fs.write(p.ino, 0, b"third", false).expect("write p");
+    let before = fs.engine().counters().values();
+    fs.fsync(p.ino, false).expect("fsync p");
+    let after = fs.engine().counters().values().since(&before);
+    assert_eq!(
+        (
+            after.fsync_log,
+            after.fsync_commits,
+            after.fsync_fallback_names
+        ),
+        (1, 0, 0),
+        "{after}"
+    );
+    let (crashed, fs) = common::crash_and_reopen(fs, &dev);
+    assert_eq!(fs.read_file("/D/a").expect("a"), b"new");
+    assert_eq!(fs.read_file("/D/b").expect("b"), b"third");
+    assert_eq!(fs.resolve("/D/b").expect("b"), p.ino);
+    assert!(fs.getattr(o.ino).is_err(), "o is back after replay");
+    common::close_and_check_clean(fs, &crashed, "a moved file deleted later");
+}
+
 /// A name renamed away and given back by a link (rename foo -> bar, link bar -> foo) leaves
 /// the inode's name set as it was, but foo's directory index changed: replaying the log on
 /// top of the committed (or earlier logged) state would keep foo's old index beside the new

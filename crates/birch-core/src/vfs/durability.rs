@@ -812,8 +812,9 @@ impl Filesystem {
     /// `None` (commit instead) when `other` still exists (renamed away, linked elsewhere,
     /// unlinked but open), its free has not finished, or its names in replay's base are not
     /// exactly one under `key`. Those names come from its inode refs as replay would start
-    /// from them: queued by its own fsync (`logged_names` keeps what such a ref named, since
-    /// the inode's in-memory state goes with the inode), else committed.
+    /// from them: queued by its own fsync or a logged move of it (`logged_names` keeps what
+    /// such a ref named, or that a move deleted it, since the inode's in-memory state goes
+    /// with the inode), else committed.
     fn gone_records(
         &self,
         other: u64,
@@ -828,6 +829,18 @@ impl Filesystem {
         {
             return Ok(None);
         }
+        let committed = engine.committed_generation().get();
+        // Its deletion is in the log already (an earlier fsync took its name; the committed
+        // dir item still names it): replay removes it before this batch.
+        if self
+            .inner
+            .logged_names
+            .lock()
+            .get(&inode_key(InodeNo::new(other)))
+            .is_some_and(|(mark, g)| *mark == GONE && *g > committed)
+        {
+            return Ok(Some(Vec::new()));
+        }
         let (lo, hi) = crate::items::inode_key_range(InodeNo::new(other));
         if !engine.range(&lo, &hi, 1)?.is_empty() {
             return Ok(None);
@@ -836,7 +849,6 @@ impl Filesystem {
         if changed.iter().any(|(_, v)| v.is_some()) {
             return Ok(None);
         }
-        let committed = engine.committed_generation().get();
         let parent = key.objectid;
         let mut indexes = Vec::new();
         for (ref_key, _) in changed
@@ -846,6 +858,8 @@ impl Filesystem {
             let logged = {
                 let names = self.inner.logged_names.lock();
                 match names.get(ref_key) {
+                    // A name a logged move took away: not in replay's base.
+                    Some((REF_DELETED, g)) if *g > committed => continue,
                     Some((index, g)) if *g > committed => {
                         // The ref queued named one entry, in `parent` (its dir index was
                         // queued for this inode too), or the inode falls back.
@@ -1249,6 +1263,15 @@ impl Filesystem {
 /// What `logged_names` remembers of an inode ref whose entries are not exactly one.
 const SEVERAL_NAMES: u64 = u64::MAX;
 
+/// What `logged_names` remembers of an inode ref a record deleted (a name a logged move took
+/// away): replay's base no longer has it, whatever the committed tree says.
+const REF_DELETED: u64 = u64::MAX - 1;
+
+/// What `logged_names` remembers, under an inode item's key, of an inode whose deletion a
+/// batch holds ([`Filesystem::gone_records`]): replay removes it, whatever the committed tree
+/// still names.
+const GONE: u64 = u64::MAX - 2;
+
 /// Remembers, in `Inner::logged_names`, the names an fsync queued: each dir item and dir
 /// index key with the inode it names (its one entry's child; `ino`, the inode fsync'd, if it
 /// holds several), and each inode ref key with the dir index of its one name
@@ -1256,10 +1279,23 @@ const SEVERAL_NAMES: u64 = u64::MAX;
 /// other inodes than `ino` (one renamed away from a name `ino` took, [`Filesystem::moved_records`]).
 /// A later fsync of another inode under the same dir item key learns from them that replay
 /// would find that inode there, and, once it is gone, which dir index to delete with it
-/// ([`Filesystem::gone_records`]). Deletions are not remembered.
+/// ([`Filesystem::gone_records`]). A deleted inode ref is remembered as [`REF_DELETED`], so
+/// that a later deletion of the inode does not take the committed name it lost for one of its
+/// names in replay's base, and a deleted inode item as [`GONE`], so that a later fsync that
+/// still finds the inode in a committed dir item adds nothing for it; other deletions are not
+/// remembered.
 fn remember_names(names: &mut HashMap<Key, (u64, u64)>, ino: u64, records: &[LogRecord]) {
     for r in records {
         let Some(value) = &r.value else {
+            match r.key.kind() {
+                Some(ItemType::InodeRef) => {
+                    names.insert(r.key, (REF_DELETED, r.generation));
+                }
+                Some(ItemType::InodeItem) => {
+                    names.insert(r.key, (GONE, r.generation));
+                }
+                _ => {}
+            }
             continue;
         };
         match r.key.kind() {
