@@ -1647,6 +1647,60 @@ mod tests {
         assert_eq!(data.layout(INO + 1).expect("layout"), Layout::Blocks);
     }
 
+    /// The look-ups at an extent of the longest length after a hole: the goal at its end,
+    /// inside it, at the hole and past it, from the delta and the tree; an append after it
+    /// stays its own extent; an overwrite of its last block splits it; after a truncate whose
+    /// deletions hide the tree's extents, no goal and an empty layout (session-17 review).
+    #[test]
+    fn lookups_at_the_longest_extent_and_after_a_truncate() {
+        let (_mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        let max = EXTENT_MAX_BLOCKS;
+        let runs = data
+            .write_new(INO, BLOCK_SIZE, &pattern(max, 1))
+            .expect("write");
+        assert_eq!(runs.len(), 1);
+        let addr = runs[0].addr;
+        data.replace_range(INO, BLOCK_SIZE, max * BLOCK_SIZE, runs, false)
+            .expect("record");
+        let end = BLOCK_SIZE + EXTENT_MAX_BYTES;
+        let goal = |offset| data.continuation_goal(INO, offset).expect("goal");
+        assert_eq!(goal(end), Some(addr + EXTENT_MAX_BYTES));
+        assert_eq!(
+            goal(end - BLOCK_SIZE),
+            Some(addr + EXTENT_MAX_BYTES - BLOCK_SIZE)
+        );
+        assert_eq!(goal(2 * BLOCK_SIZE), Some(addr + BLOCK_SIZE));
+        assert_eq!(goal(BLOCK_SIZE), None);
+        assert_eq!(goal(end + BLOCK_SIZE), None);
+        engine.commit().expect("commit");
+        assert_eq!(goal(end), Some(addr + EXTENT_MAX_BYTES));
+        let runs = data.write_new(INO, end, &pattern(1, 2)).expect("append");
+        data.replace_range(INO, end, BLOCK_SIZE, runs, false)
+            .expect("record append");
+        let all = data.extents(INO, 0, u64::MAX).expect("extents");
+        assert_eq!(all.len(), 2, "{all:?}");
+        assert_eq!(all[0].1.len_bytes(), EXTENT_MAX_BYTES);
+        let runs = data
+            .write_new(INO, end - BLOCK_SIZE, &pattern(1, 3))
+            .expect("overwrite");
+        let (delta, _) = data
+            .replace_range(INO, end - BLOCK_SIZE, BLOCK_SIZE, runs, false)
+            .expect("record overwrite");
+        assert_eq!(delta, BlockDelta { added: 1, freed: 1 });
+        let all = data.extents(INO, 0, u64::MAX).expect("extents");
+        let starts: Vec<u64> = all.iter().map(|(s, _)| *s).collect();
+        assert_eq!(starts, vec![BLOCK_SIZE, end - BLOCK_SIZE, end], "{all:?}");
+        assert_eq!(all[0].1.len_bytes(), EXTENT_MAX_BYTES - BLOCK_SIZE);
+        // Deleted in the delta (a truncate), an older extent in the tree behind: no goal from
+        // the deleted one, and the layout sees past the deletions.
+        engine.commit().expect("commit");
+        data.drop_range(INO, 0, u64::MAX / BLOCK_SIZE * BLOCK_SIZE)
+            .expect("truncate");
+        assert_eq!(goal(end), None);
+        assert_eq!(data.layout(INO).expect("layout"), Layout::Empty);
+    }
+
     #[test]
     fn corrupted_block_fails_naming_the_block() {
         let (mem, engine) = setup();

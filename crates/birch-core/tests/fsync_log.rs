@@ -1489,3 +1489,140 @@ fn an_fsync_on_rbd_places_its_buffered_data_for_the_batch() {
         }
     }
 }
+
+/// A rename over a target that is then freed, for targets committed or only logged by their
+/// own fsync, a renamed file committed or only logged, in one directory or two, with and
+/// without an fsync of the target's directory after: every fsync takes the log, and the crash
+/// image replays to the right names, the target gone, fsck clean (from the session-17 review).
+#[test]
+fn a_rename_over_a_freed_target_replays_in_every_variant() {
+    for cross in [false, true] {
+        for t_logged in [false, true] {
+            for x_logged in [false, true] {
+                for dir_fsync in [false, true] {
+                    let what = format!(
+                        "cross {cross}, t logged {t_logged}, x logged {x_logged}, dir fsync {dir_fsync}"
+                    );
+                    let dev = fresh();
+                    let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+                    let c = Caller::default();
+                    let a = fs.mkdir(c, 1, b"A", 0o755).expect("mkdir A");
+                    let b = fs.mkdir(c, 1, b"B", 0o755).expect("mkdir B");
+                    fs.sync().expect("commit dirs");
+                    let to = if cross { a.ino } else { b.ino };
+                    let mut x = None;
+                    let mut t = None;
+                    if !x_logged {
+                        let (xa, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create x");
+                        fs.write(xa.ino, 0, b"first", false).expect("write x");
+                        x = Some(xa.ino);
+                    }
+                    if !t_logged {
+                        let (ta, fh) = fs.create(c, to, b"tmp", 0o644, 0).expect("create t");
+                        fs.write(ta.ino, 0, b"old target", false).expect("write t");
+                        t = Some((ta.ino, fh));
+                    }
+                    fs.sync().expect("commit");
+                    if x_logged {
+                        let (xa, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create x");
+                        fs.write(xa.ino, 0, b"first", false).expect("write x");
+                        fs.fsync(xa.ino, false).expect("fsync x");
+                        x = Some(xa.ino);
+                    }
+                    if t_logged {
+                        let (ta, fh) = fs.create(c, to, b"tmp", 0o644, 0).expect("create t");
+                        fs.write(ta.ino, 0, b"old target", false).expect("write t");
+                        fs.fsync(ta.ino, false).expect("fsync t");
+                        t = Some((ta.ino, fh));
+                    }
+                    let x = x.expect("x");
+                    let (t, tfh) = t.expect("t");
+                    fs.release(t, tfh).expect("release t");
+                    fs.rename(b.ino, b"foo", to, b"tmp", 0).expect("rename");
+                    fs.forget(t, 1);
+                    assert!(fs.getattr(t).is_err(), "{what}: t not freed");
+                    let (y, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create y");
+                    fs.write(y.ino, 0, b"second", false).expect("write y");
+                    let before = fs.engine().counters().values();
+                    fs.fsync(y.ino, false).expect("fsync y");
+                    if dir_fsync {
+                        fs.fsync(to, false).expect("fsync dir");
+                    }
+                    let after = fs.engine().counters().values().since(&before);
+                    assert_eq!(
+                        (
+                            after.fsync_log,
+                            after.fsync_logged_moves,
+                            after.fsync_commits
+                        ),
+                        (1 + u64::from(dir_fsync), 1, 0),
+                        "{what}: {after}"
+                    );
+                    let (crashed, fs) = common::crash_and_reopen(fs, &dev);
+                    assert_eq!(fs.read_file("/B/foo").expect("B/foo"), b"second", "{what}");
+                    assert!(fs.getattr(t).is_err(), "{what}: t back after replay");
+                    let tmp = if cross { "/A/tmp" } else { "/B/tmp" };
+                    assert_eq!(fs.resolve(tmp).expect("tmp"), x, "{what}");
+                    assert_eq!(fs.read_file(tmp).expect("x"), b"first", "{what}");
+                    common::close_and_check_clean(fs, &crashed, &what);
+                }
+            }
+        }
+    }
+}
+
+/// Two renames over freed files in a row, each followed by a new file under the freed-up name
+/// and its fsync: the second move starts from the first one's logged base; both take the log
+/// and replay to the right names (from the session-17 review).
+#[test]
+fn chained_renames_over_freed_targets_take_the_log_and_replay() {
+    for cross in [false, true] {
+        let what = format!("cross {cross}");
+        let dev = fresh();
+        let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
+        let c = Caller::default();
+        let a = fs.mkdir(c, 1, b"A", 0o755).expect("mkdir A");
+        let b = fs.mkdir(c, 1, b"B", 0o755).expect("mkdir B");
+        let to = if cross { a.ino } else { b.ino };
+        let (x, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create x");
+        fs.write(x.ino, 0, b"first", false).expect("write x");
+        let (t, tfh) = fs.create(c, b.ino, b"tmp", 0o644, 0).expect("create t");
+        fs.write(t.ino, 0, b"t data", false).expect("write t");
+        let (u, ufh) = fs.create(c, to, b"tmp2", 0o644, 0).expect("create u");
+        fs.write(u.ino, 0, b"u data", false).expect("write u");
+        fs.sync().expect("commit");
+        fs.release(t.ino, tfh).expect("release t");
+        fs.release(u.ino, ufh).expect("release u");
+        fs.rename(b.ino, b"foo", b.ino, b"tmp", 0)
+            .expect("rename 1");
+        fs.forget(t.ino, 1);
+        let (y, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create y");
+        fs.write(y.ino, 0, b"y data", false).expect("write y");
+        let before = fs.engine().counters().values();
+        fs.fsync(y.ino, false).expect("fsync y");
+        fs.rename(b.ino, b"tmp", to, b"tmp2", 0).expect("rename 2");
+        fs.forget(u.ino, 1);
+        let (z, _) = fs.create(c, b.ino, b"tmp", 0o644, 0).expect("create z");
+        fs.write(z.ino, 0, b"z data", false).expect("write z");
+        fs.fsync(z.ino, false).expect("fsync z");
+        let after = fs.engine().counters().values().since(&before);
+        assert_eq!(
+            (
+                after.fsync_log,
+                after.fsync_logged_moves,
+                after.fsync_commits
+            ),
+            (2, 2, 0),
+            "{what}: {after}"
+        );
+        let (crashed, fs) = common::crash_and_reopen(fs, &dev);
+        assert_eq!(fs.read_file("/B/foo").expect("B/foo"), b"y data", "{what}");
+        assert_eq!(fs.read_file("/B/tmp").expect("B/tmp"), b"z data", "{what}");
+        let tmp2 = if cross { "/A/tmp2" } else { "/B/tmp2" };
+        assert_eq!(fs.resolve(tmp2).expect("tmp2"), x.ino, "{what}");
+        assert_eq!(fs.read_file(tmp2).expect("x"), b"first", "{what}");
+        assert!(fs.getattr(t.ino).is_err(), "{what}: t back");
+        assert!(fs.getattr(u.ino).is_err(), "{what}: u back");
+        common::close_and_check_clean(fs, &crashed, &what);
+    }
+}

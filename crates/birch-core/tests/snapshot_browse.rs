@@ -877,3 +877,35 @@ fn reads_racing_a_deletion_get_the_data_or_enoent() {
         common::close_and_check_clean(fs, &mem, "after the race");
     }
 }
+
+/// READDIRPLUS's `lookup_listed` answers every listed entry of /.snapshot and of a
+/// snapshot's directories exactly as LOOKUP does (session-17 review).
+#[test]
+fn lookup_listed_answers_in_snapshots_as_lookup_does() {
+    let (_dev, fs, _big) = with_snapshot();
+    let mut dirs = vec![SNAPSHOT_DIR_OBJECTID];
+    let mut seen = 0;
+    while let Some(dir) = dirs.pop() {
+        for e in fs.readdir(dir, 0, 100).expect("readdir") {
+            if e.name == b"." || e.name == b".." {
+                continue;
+            }
+            let by_name = fs.lookup(dir, &e.name).expect("lookup");
+            let listed = fs
+                .lookup_listed(dir, &e.name, e.ino)
+                .expect("lookup_listed");
+            assert_eq!(
+                by_name,
+                listed,
+                "{dir} {:?}",
+                String::from_utf8_lossy(&e.name)
+            );
+            assert_eq!(listed.ino, e.ino);
+            seen += 1;
+            if listed.kind == birch_core::vfs::FileKind::Dir {
+                dirs.push(e.ino);
+            }
+        }
+    }
+    assert!(seen >= 4, "{seen}");
+}
