@@ -297,19 +297,46 @@ pub fn merge_layers(
     tree: Vec<(Key, Vec<u8>)>,
     layers: &[Vec<(Key, DeltaValue)>],
 ) -> Vec<(Key, Arc<[u8]>)> {
-    let mut merged: BTreeMap<Key, DeltaValue> = tree
-        .into_iter()
-        .map(|(k, v)| (k, Some(Arc::from(v))))
-        .collect();
-    for layer in layers.iter().rev() {
-        for (k, v) in layer {
-            merged.insert(*k, v.clone());
+    // One pass over the sorted sources (no map): at each step the smallest key at the head of
+    // any source, its value from the newest layer that holds it, else from the tree. A tree
+    // value a layer overrides is never copied.
+    let mut out = Vec::with_capacity(tree.len() + layers.iter().map(Vec::len).sum::<usize>());
+    let mut tree = tree.into_iter().peekable();
+    let mut pos = vec![0usize; layers.len()];
+    loop {
+        let mut next = tree.peek().map(|(k, _)| *k);
+        for (layer, &p) in layers.iter().zip(&pos) {
+            if let Some((k, _)) = layer.get(p) {
+                if next.is_none_or(|n| *k < n) {
+                    next = Some(*k);
+                }
+            }
+        }
+        let Some(key) = next else {
+            break;
+        };
+        let mut newest: Option<&DeltaValue> = None;
+        for (layer, p) in layers.iter().zip(pos.iter_mut()) {
+            if let Some((k, v)) = layer.get(*p) {
+                if *k == key {
+                    newest = newest.or(Some(v));
+                    *p += 1;
+                }
+            }
+        }
+        let in_tree = match tree.peek() {
+            Some((k, _)) if *k == key => tree.next().map(|(_, v)| v),
+            _ => None,
+        };
+        match (newest, in_tree) {
+            (Some(Some(v)), _) => out.push((key, v.clone())),
+            // Deleted in a delta: hidden, whatever the tree holds.
+            (Some(None), _) => {}
+            (None, Some(v)) => out.push((key, Arc::from(v))),
+            (None, None) => {}
         }
     }
-    merged
-        .into_iter()
-        .filter_map(|(k, v)| v.map(|v| (k, v)))
-        .collect()
+    out
 }
 
 #[cfg(test)]
@@ -326,6 +353,52 @@ mod tests {
         let out = merge_layers(tree, &[active, frozen]);
         let keys: Vec<(u64, u8)> = out.iter().map(|(k, v)| (k.objectid, v[0])).collect();
         assert_eq!(keys, vec![(1, 1), (2, 22), (4, 4)]);
+    }
+
+    /// The one-pass merge against the obvious one (a map the tree fills and each layer,
+    /// oldest first, overwrites), over random sorted sources with shared keys and deletions.
+    #[test]
+    fn the_one_pass_merge_matches_a_map_merge() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+        let k = |o| Key::new(9, ItemType::DirIndex, o);
+        for _ in 0..500 {
+            let mut pick = |n: u64| -> Vec<u64> {
+                let mut v: Vec<u64> = (0..n).filter(|_| rng.gen_bool(0.4)).collect();
+                v.dedup();
+                v
+            };
+            let tree: Vec<(Key, Vec<u8>)> = pick(40)
+                .into_iter()
+                .map(|o| (k(o), vec![o as u8]))
+                .collect();
+            let mut layers = Vec::new();
+            for layer in 0..2u8 {
+                let keys = pick(40);
+                layers.push(
+                    keys.into_iter()
+                        .map(|o| {
+                            let value = (o % 3 != 0).then(|| Arc::from(vec![o as u8, layer + 1]));
+                            (k(o), value)
+                        })
+                        .collect::<Vec<(Key, DeltaValue)>>(),
+                );
+            }
+            let mut reference: BTreeMap<Key, DeltaValue> = tree
+                .iter()
+                .map(|(k, v)| (*k, Some(Arc::from(v.clone()))))
+                .collect();
+            for layer in layers.iter().rev() {
+                for (k, v) in layer {
+                    reference.insert(*k, v.clone());
+                }
+            }
+            let expected: Vec<(Key, Arc<[u8]>)> = reference
+                .into_iter()
+                .filter_map(|(k, v)| v.map(|v| (k, v)))
+                .collect();
+            assert_eq!(merge_layers(tree, &layers), expected);
+        }
     }
 
     #[test]
