@@ -85,6 +85,9 @@ pub use crate::uring::{opcode_counts, transport_counts};
 
 mod access_flags;
 mod uring;
+/// The kernel structures of FUSE over io_uring (birchfs patch): public for layout tests.
+#[doc(hidden)]
+pub mod uring_abi;
 mod bsd_file_flags;
 mod channel;
 mod dev_fuse;

@@ -195,14 +195,10 @@ fn opcode_name(op: u32) -> &'static str {
     }
 }
 
-const IN_HDR: usize = 40;
-const OUT_HDR: usize = 16;
-/// `struct fuse_uring_req_header`: in_out[128], op_in[128], ring_ent_in_out[32].
-const RING_HDR_SZ: usize = 288;
-const OP_IN: usize = 128;
-const ENT_IN_OUT: usize = 256;
-const FUSE_IO_URING_CMD_REGISTER: u32 = 1;
-const FUSE_IO_URING_CMD_COMMIT_AND_FETCH: u32 = 2;
+use crate::uring_abi::{
+    ENT_COMMIT_ID, ENT_PAYLOAD_SZ, FUSE_IO_URING_CMD_COMMIT_AND_FETCH,
+    FUSE_IO_URING_CMD_REGISTER, IN_HDR, OP_IN, OUT_HDR, RING_HDR_SZ, uring_cmd,
+};
 /// user_data of the eventfd read.
 const WAKE_TAG: u64 = u64::MAX;
 
@@ -344,8 +340,7 @@ impl RingReply {
                     pos += src.len();
                 }
             }
-            // ring_ent_in_out { u64 flags; u64 commit_id; u32 payload_sz; u32 padding; u64 reserved }
-            hdr[ENT_IN_OUT + 16..ENT_IN_OUT + 20]
+            hdr[ENT_PAYLOAD_SZ..ENT_PAYLOAD_SZ + 4]
                 .copy_from_slice(&(payload_sz as u32).to_ne_bytes());
         }
         {
@@ -454,32 +449,6 @@ pub(crate) fn setup(opts: &UringOptions, payload: usize) -> io::Result<Rings> {
         fallback_level: opts.fallback_level(),
         payload_len: payload,
     })
-}
-
-fn uring_cmd(
-    fd: RawFd,
-    qid: u16,
-    idx: u16,
-    cmd_op: u32,
-    commit_id: u64,
-    iov: Option<u64>,
-) -> squeue::Entry128 {
-    // struct fuse_uring_cmd_req { u64 flags; u64 commit_id; u16 qid; u8 padding[6]; }
-    let mut cmd = [0u8; 80];
-    cmd[8..16].copy_from_slice(&commit_id.to_ne_bytes());
-    cmd[16..18].copy_from_slice(&qid.to_ne_bytes());
-    let mut b = opcode::UringCmd80::new(types::Fd(fd), cmd_op).cmd(cmd);
-    if iov.is_some() {
-        b = b.addr(iov);
-    }
-    let mut e = b.build().user_data(u64::from(idx));
-    if iov.is_some() {
-        // sqe->len = 2 iovecs (header, payload); io-uring 0.7 has no setter for it.
-        let raw = (&raw mut e).cast::<u8>();
-        // SAFETY: offset 24 is `len` in struct io_uring_sqe, inside the 128-byte entry.
-        unsafe { std::ptr::write_unaligned(raw.add(24).cast::<u32>(), 2) };
-    }
-    e
 }
 
 fn pin_to_cpu(cpu: usize) {
@@ -764,8 +733,8 @@ fn serve_entry<FS: Filesystem>(
     let u32_at = |b: &[u8], o: usize| u32::from_ne_bytes(b[o..o + 4].try_into().unwrap_or([0; 4]));
     let u64_at = |b: &[u8], o: usize| u64::from_ne_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]));
     let len = u32_at(hdr, 0) as usize;
-    let commit_id = u64_at(hdr, ENT_IN_OUT + 8);
-    let payload_sz = (u32_at(hdr, ENT_IN_OUT + 16) as usize).min(payload.len());
+    let commit_id = u64_at(hdr, ENT_COMMIT_ID);
+    let payload_sz = (u32_at(hdr, ENT_PAYLOAD_SZ) as usize).min(payload.len());
     let op_len = len.saturating_sub(IN_HDR + payload_sz).min(OP_IN);
     buf[..IN_HDR].copy_from_slice(&hdr[..IN_HDR]);
     buf[IN_HDR..IN_HDR + op_len].copy_from_slice(&hdr[OP_IN..OP_IN + op_len]);
