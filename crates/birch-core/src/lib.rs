@@ -34,6 +34,7 @@ pub mod scrub;
 pub mod snapshot;
 pub mod space;
 mod striped;
+mod sync;
 pub mod txn;
 pub mod vfs;
 

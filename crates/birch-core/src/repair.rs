@@ -8,8 +8,9 @@
 //!
 //! Must not touch: committed state in place. Every change is a copy-on-write commit of the
 //! engine (or, for the fallback, one superblock written to the slot the next commit would
-//! use), so a crash mid-repair leaves the old state and the repair can run again. Snapshot
-//! trees do not exist in v1; repair edits only the fs tree (owner 5).
+//! use), so a crash mid-repair leaves the old state and the repair can run again. Repair edits
+//! only the live fs tree (owner 5) and the superblock, never a snapshot's tree; it does not
+//! check the blocks only snapshots hold, and the fallback keeps the snapshot list as it is.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;

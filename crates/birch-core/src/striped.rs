@@ -1,80 +1,22 @@
 //! A reader-writer lock striped by thread, for state that every operation reads and only
 //! commits write (the engine's gate and its read state).
 //!
-//! Owns: the stripes and which stripe a thread reads. A reader takes the read lock of its own
-//! stripe only (each stripe alone on its cache lines), so readers on different cores write no
-//! common line; a writer takes every stripe's write lock and changes every
-//! stripe's copy of the value, never holding some stripes while it waits for another. Must
-//! not touch: what the value means.
+//! Owns: the stripes, which stripe a thread reads, which locks of this kind a thread holds
+//! (to let it read again), and the writers-waiting count. A reader takes the read lock of its
+//! own stripe only (each stripe alone on its cache lines), so readers on different cores
+//! write no common line; a writer takes every stripe's write lock and changes every stripe's
+//! copy of the value, never holding some stripes while it waits for another. Must not touch:
+//! what the value means.
+//!
+//! Writers are not starved: once a writer finds a stripe busy it counts itself in `waiting`,
+//! and a thread that holds no stripe of this lock waits for that count to fall to zero before
+//! it reads. A thread that holds a stripe already reads again at once (an operation that holds
+//! the gate records its items through it), so the writer waits at most for the reads in flight
+//! when it started to wait, and for their nested reads. `tests/shuttle_striped.rs` checks this
+//! under shuttle's PCT scheduler, with this file compiled against shuttle's primitives
+//! (`crate::sync`).
 
-use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
-
-use crate::counters::{stripe_index, CachePadded, STRIPES};
-
-// `StripedWrite::first` relies on at least one stripe.
-const _: () = assert!(STRIPES > 0);
-
-/// The lock; each stripe holds its own copy of the value.
-pub(crate) struct Striped<T> {
-    stripes: Box<[CachePadded<RwLock<T>>]>,
-}
-
-/// Every stripe write-locked, in order: what [`Striped::write`] returns.
-pub(crate) struct StripedWrite<'a, T> {
-    guards: Vec<RwLockWriteGuard<'a, T>>,
-}
-
-impl<T> StripedWrite<'_, T> {
-    /// Changes each stripe's copy.
-    pub(crate) fn each(&mut self, mut change: impl FnMut(&mut T)) {
-        for guard in &mut self.guards {
-            change(guard);
-        }
-    }
-
-    /// The first stripe's copy (every copy agrees on what the caller keeps in step).
-    pub(crate) fn first(&self) -> &T {
-        &self.guards[0]
-    }
-}
-
-impl<T> Striped<T> {
-    /// A lock whose stripes start as `make()` each.
-    pub(crate) fn new(mut make: impl FnMut() -> T) -> Striped<T> {
-        Striped {
-            stripes: (0..STRIPES)
-                .map(|_| CachePadded(RwLock::new(make())))
-                .collect(),
-        }
-    }
-
-    /// This thread's stripe, read-locked. Recursive: a thread that holds it may take it again
-    /// even while a writer waits.
-    pub(crate) fn read(&self) -> RwLockReadGuard<'_, T> {
-        self.stripes[stripe_index() % self.stripes.len()].read_recursive()
-    }
-
-    /// Every stripe, write-locked. Never holds some stripes while it waits for another: it
-    /// takes them with `try_write`, and when one is busy it lets go of all, waits for that one
-    /// alone, and starts over. So a writer waiting on one long reader (an operation doing data
-    /// I/O under the gate) blocks no reader of the other stripes, as one lock would not.
-    pub(crate) fn write(&self) -> StripedWrite<'_, T> {
-        'attempt: loop {
-            let mut guards = Vec::with_capacity(self.stripes.len());
-            for stripe in self.stripes.iter() {
-                match stripe.try_write() {
-                    Some(guard) => guards.push(guard),
-                    None => {
-                        drop(guards);
-                        drop(stripe.write());
-                        continue 'attempt;
-                    }
-                }
-            }
-            return StripedWrite { guards };
-        }
-    }
-}
+include!("striped_lock.rs");
 
 #[cfg(test)]
 mod tests {
@@ -134,5 +76,51 @@ mod tests {
         drop(reader);
         writer.join().expect("writer");
         assert_eq!(*lock.read(), 1);
+    }
+
+    #[test]
+    fn a_reader_that_holds_the_lock_reads_again_while_a_writer_waits() {
+        let lock = Arc::new(Striped::new(|| 0u64));
+        let first = lock.read();
+        let writer = {
+            let lock = lock.clone();
+            std::thread::spawn(move || lock.write().each(|v| *v += 1))
+        };
+        while lock.writers_waiting() == 0 {
+            std::thread::yield_now();
+        }
+        // Would deadlock if it waited for the writer, which waits for `first`.
+        let again = lock.read();
+        assert_eq!(*again, 0);
+        drop(again);
+        drop(first);
+        writer.join().expect("writer");
+        assert_eq!(*lock.read(), 1);
+    }
+
+    #[test]
+    fn a_new_reader_waits_for_a_waiting_writer() {
+        let lock = Arc::new(Striped::new(|| 0u64));
+        let first = lock.read();
+        let writer = {
+            let lock = lock.clone();
+            std::thread::spawn(move || lock.write().each(|v| *v += 1))
+        };
+        while lock.writers_waiting() == 0 {
+            std::thread::yield_now();
+        }
+        // Another thread (holding nothing) reads only after the writer: it sees 1.
+        let reader = {
+            let lock = lock.clone();
+            std::thread::spawn(move || *lock.read())
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(
+            !reader.is_finished(),
+            "a new reader went ahead of a waiting writer"
+        );
+        drop(first);
+        writer.join().expect("writer");
+        assert_eq!(reader.join().expect("reader"), 1);
     }
 }

@@ -2602,7 +2602,7 @@ impl CommittedView<'_> {
 /// half of it. Never do I/O while holding one.
 pub struct WriteTxn<'e> {
     engine: &'e Engine,
-    _guard: parking_lot::RwLockReadGuard<'e, ()>,
+    _guard: crate::striped::StripedRead<'e, ()>,
 }
 
 impl WriteTxn<'_> {

@@ -321,16 +321,9 @@ fn count_nodes(h: &Harness) -> u64 {
 #[test]
 fn btree_matches_model() {
     let ops = env("BIRCH_OPS", 2500);
-    if let Ok(seed) = std::env::var("BIRCH_SEED") {
-        let seed: u64 = seed.parse().expect("BIRCH_SEED is a number");
-        eprintln!("btree_model: replaying seed {seed}");
-        run_case(seed, ops);
-        return;
-    }
-    let base: u64 = rand::random();
-    let cases = env("BIRCH_CASES", 24);
-    for case in 0..cases {
-        let seed = base.wrapping_add(case);
+    let seeds = birch_testkit::seeds::cases("btree_model", 0xb7ee_0000, env("BIRCH_CASES", 24));
+    let cases = seeds.len() as u64;
+    for (case, seed) in seeds.into_iter().enumerate() {
         eprintln!(
             "btree_model: case {case} seed {seed} ({ops} ops); replay with BIRCH_SEED={seed}"
         );
@@ -572,13 +565,9 @@ fn run_parallel_case(seed: u64, rounds: u64) -> u64 {
 fn parallel_apply_matches_model() {
     let rounds = env("BIRCH_OPS", 2500) / 25;
     let cases = env("BIRCH_CASES", 24) / 2;
-    let base: u64 = match std::env::var("BIRCH_SEED") {
-        Ok(seed) => seed.parse().expect("BIRCH_SEED is a number"),
-        Err(_) => rand::random(),
-    };
+    let seeds = birch_testkit::seeds::cases("parallel_apply", 0x9a7a_0000, cases);
     let mut parallel = 0;
-    for case in 0..cases.max(1) {
-        let seed = base.wrapping_add(case);
+    for (case, seed) in seeds.into_iter().enumerate() {
         eprintln!("parallel_apply: case {case} seed {seed} ({rounds} rounds); BIRCH_SEED={seed}");
         parallel += run_parallel_case(seed, rounds);
     }

@@ -602,8 +602,19 @@ struct Tally {
 
 /// Runs one sweep; returns the failures (empty when sound).
 fn sweep(name: &str, reseal: bool) -> Vec<String> {
-    let seed = env("BIRCH_SEED").unwrap_or_else(rand::random);
-    let cases = env("BIRCH_CASES").unwrap_or(200);
+    let all_cases = env("BIRCH_CASES").unwrap_or(200);
+    let fixed = if reseal { 0xc0_5ea1 } else { 0xc0_f11b };
+    let seeds = birch_testkit::seeds::fixed_and_fresh(name, fixed);
+    let mut failures = Vec::new();
+    for (index, &seed) in seeds.iter().enumerate() {
+        let cases = birch_testkit::seeds::share(all_cases, index, seeds.len());
+        failures.extend(sweep_seed(name, reseal, seed, cases));
+    }
+    failures
+}
+
+/// One seed's share of a sweep: `cases` damaged images from `seed`.
+fn sweep_seed(name: &str, reseal: bool, seed: u64, cases: u64) -> Vec<String> {
     println!("{name}: seed {seed} ({cases} cases; replay with BIRCH_SEED={seed})");
     let mut rng = SmallRng::seed_from_u64(seed);
     let mut failures = Vec::new();

@@ -273,19 +273,12 @@ fn model_case(seed: u64) {
 
 #[test]
 fn diff_matches_the_model() {
-    if let Some(seed) = std::env::var("BIRCH_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-    {
-        model_case(seed);
-        return;
-    }
     let cases = std::env::var("BIRCH_DIFF_CASES")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(20u64);
-    for case in 0..cases {
-        model_case(0xd1ff_0000 + case);
+    for seed in birch_testkit::seeds::cases("diff model", 0xd1ff_0000, cases) {
+        model_case(seed);
     }
 }
 

@@ -2173,18 +2173,10 @@ fn report(name: &str, runners: &[Runner]) {
 #[test]
 fn fs_matches_model() {
     let ops = env("BIRCH_FS_OPS", 2000);
-    if let Ok(seed) = std::env::var("BIRCH_SEED") {
-        let seed: u64 = seed.parse().expect("BIRCH_SEED is a number");
-        eprintln!("fs_model: replaying seed {seed} ({ops} ops)");
-        let r = run_case(seed, ops);
-        report("fs_model", &[r]);
-        return;
-    }
-    let base: u64 = rand::random();
-    let cases = env("BIRCH_FS_CASES", 30);
+    let seeds = birch_testkit::seeds::cases("fs_model", 0xf5_0000, env("BIRCH_FS_CASES", 30));
+    let cases = seeds.len() as u64;
     let mut runners = Vec::new();
-    for case in 0..cases {
-        let seed = base.wrapping_add(case);
+    for (case, seed) in seeds.into_iter().enumerate() {
         eprintln!("fs_model: case {case} seed {seed} ({ops} ops); replay with BIRCH_SEED={seed}");
         runners.push(run_case(seed, ops));
     }
@@ -2238,15 +2230,11 @@ fn run_concurrent(seed: u64, threads: u64, ops: u64) -> Vec<Runner> {
 #[test]
 fn fs_concurrent_subtrees_match_models() {
     let ops = env("BIRCH_FS_OPS", 2000);
-    let seeds: Vec<u64> = match std::env::var("BIRCH_SEED") {
-        Ok(s) => vec![s.parse().expect("BIRCH_SEED is a number")],
-        Err(_) => {
-            let base: u64 = rand::random();
-            (0..env("BIRCH_FS_CONCURRENT_CASES", 4))
-                .map(|c| base.wrapping_add(c))
-                .collect()
-        }
-    };
+    let seeds = birch_testkit::seeds::cases(
+        "fs_model concurrent",
+        0xf5c0_0000,
+        env("BIRCH_FS_CONCURRENT_CASES", 4),
+    );
     let mut all = Vec::new();
     for seed in seeds {
         let threads = 2 + seed % 3;

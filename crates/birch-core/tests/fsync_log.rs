@@ -543,19 +543,29 @@ fn a_value_changed_back_after_a_commit_is_logged_again() {
 
 #[test]
 fn crash_matrix() {
-    let seed: u64 = std::env::var("BIRCH_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
-    let states: usize = std::env::var("BIRCH_CRASH_STATES")
+    let all_states: u64 = std::env::var("BIRCH_CRASH_STATES")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(60);
-    eprintln!(
-        "crash_matrix: seed {seed} ({states} states per workload); replay with BIRCH_SEED={seed}"
-    );
+    let seeds = birch_testkit::seeds::fixed_and_fresh("crash_matrix", 0xc4a5_0001);
     let mut total = 0;
     let mut failures = Vec::new();
+    for (index, &seed) in seeds.iter().enumerate() {
+        let states = birch_testkit::seeds::share(all_states, index, seeds.len()) as usize;
+        eprintln!(
+            "crash_matrix: seed {seed} ({states} states per workload); replay with BIRCH_SEED={seed}"
+        );
+        crash_matrix_seed(seed, states, &mut total, &mut failures);
+    }
+    eprintln!(
+        "crash_matrix: {total} crash states checked, {} failures",
+        failures.len()
+    );
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// One seed's share of [`crash_matrix`]: every workload, `states` crash states each.
+fn crash_matrix_seed(seed: u64, states: usize, total: &mut usize, failures: &mut Vec<String>) {
     for workload in Workload::ALL {
         // ACE sequences differ by seed: run a few.
         let runs = match workload {
@@ -566,15 +576,10 @@ fn crash_matrix() {
         for run in 0..runs {
             let report = run_matrix(workload, seed.wrapping_add(run), states, &mut || {})
                 .expect("workload runs");
-            total += report.states;
+            *total += report.states;
             failures.extend(report.failures);
         }
     }
-    eprintln!(
-        "crash_matrix: {total} crash states checked, {} failures",
-        failures.len()
-    );
-    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 /// A crash during replay: the mount that replays the log is itself recorded, and every crash

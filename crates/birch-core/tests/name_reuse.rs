@@ -245,16 +245,22 @@ fn a_power_cut_after_any_fsync_of_the_journal_pattern_keeps_it() {
 
 #[test]
 fn every_crash_state_of_the_journal_pattern_recovers() {
-    let seed: u64 = std::env::var("BIRCH_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
-    let states: usize = std::env::var("BIRCH_CRASH_STATES")
+    let all_states: u64 = std::env::var("BIRCH_CRASH_STATES")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(150);
-    eprintln!("journal pattern crash states: seed {seed}; replay with BIRCH_SEED={seed}");
+    let seeds = birch_testkit::seeds::fixed_and_fresh("journal pattern", 0x5e9_0001);
     let mut failures = Vec::new();
+    for (index, &seed) in seeds.iter().enumerate() {
+        let states = birch_testkit::seeds::share(all_states, index, seeds.len()) as usize;
+        eprintln!("journal pattern crash states: seed {seed}; replay with BIRCH_SEED={seed}");
+        journal_pattern_seed(seed, states, &mut failures);
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// One seed's share of the journal pattern's crash states, both patterns.
+fn journal_pattern_seed(seed: u64, states: usize, failures: &mut Vec<String>) {
     for (run, p) in [
         Pattern {
             commit_every: None,
@@ -316,7 +322,6 @@ fn every_crash_state_of_the_journal_pattern_recovers() {
         assert!(report.states >= states);
         failures.extend(report.failures);
     }
-    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 /// fsync of a directory logs only when every entry that changed is queued already: a name

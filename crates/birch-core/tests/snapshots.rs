@@ -572,17 +572,9 @@ fn model_case(seed: u64, steps: u64, clones: bool) {
 
 #[test]
 fn snapshots_match_their_models() {
-    if let Some(seed) = std::env::var("BIRCH_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-    {
-        model_case(seed, env("BIRCH_SNAP_OPS", 150), false);
-        return;
-    }
-    let cases = env("BIRCH_SNAP_CASES", 6);
     let steps = env("BIRCH_SNAP_OPS", 150);
-    for case in 0..cases {
-        let seed = 0x5a9_0000 + case;
+    let cases = env("BIRCH_SNAP_CASES", 6);
+    for seed in birch_testkit::seeds::cases("snapshot model", 0x5a9_0000, cases) {
         eprintln!("snapshot model case seed {seed}");
         model_case(seed, steps, false);
     }

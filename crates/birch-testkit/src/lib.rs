@@ -8,7 +8,9 @@
 //!   recording ([`check_recording`], [`CrashReport`]); the FUSE-level runs of
 //!   `birch crashtest --fuse-runs` (in `birch-tools`, because their mount is the FUSE
 //!   adapter's) fill a `History` and call the same check;
-//! - `rng`: the seeded generator ([`Rng`]) both draw from, so a seed replays exactly.
+//! - `rng`: the seeded generator ([`Rng`]) both draw from, so a seed replays exactly;
+//! - `seeds`: the seeds every model and crash test runs (a fixed set plus one fresh seed a run,
+//!   printed; `BIRCH_SEED` and `BIRCH_FRESH_SEED` replay).
 //!
 //! Dependency direction: `birch-testkit` → `birch-core` (public API only; the memory and
 //! overlay devices are the core's, since fsck and the engine benchmark use them too). The
@@ -20,6 +22,7 @@
 pub mod matrix;
 pub mod oracle;
 pub mod rng;
+pub mod seeds;
 
 pub use matrix::{run_matrix, Workload};
 pub use oracle::{check_recording, CrashReport, History, RolledBack};
