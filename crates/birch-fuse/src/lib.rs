@@ -11,9 +11,16 @@
 //! and answering `EIO` to every request once the filesystem is shut down.
 //! Must not touch: filesystem logic or caching of its own; every errno comes from
 //! [`birch_core::Error::errno`].
+//!
+//! Modules of their own: [`daemon`] (the process serving a mount: session, signals, io_uring
+//! setup, the final commit), `full_disk` (ENOSPC under the writeback cache: the dirty cap,
+//! write-through below the headroom, reporting refused write-backs), `waiters` (the worker
+//! pool for requests that wait for the device), `sync_writes` (a benchmark-only gate).
 
 #![warn(missing_docs)]
 
+pub mod daemon;
+mod full_disk;
 mod sync_writes;
 mod waiters;
 
@@ -30,6 +37,7 @@ use birch_core::vfs::{
 };
 use birch_core::{Error, Filesystem};
 use birch_format::items::Timespec;
+use full_disk::{LostWrites, WaitSlot, WriteVerdict, MAX_WRITE_WAITS};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, InitFlags, IoctlFlags,
     KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
@@ -82,6 +90,8 @@ impl FstrimRange {
         out
     }
 }
+
+pub use full_disk::DEFAULT_WRITE_THROUGH_BELOW;
 
 /// `CAP_SYS_ADMIN`, the capability a shutdown or a trim asks of its caller.
 const CAP_SYS_ADMIN: u32 = 21;
@@ -212,19 +222,8 @@ impl Default for FuseOptions {
 /// O_SYNC writers and 64 fsyncs of the seed workloads each get a thread.
 pub const DEFAULT_WAITERS: usize = 64;
 
-/// At most this many WRITEs wait for releases at once (see `BirchFuse::write`). Write-backs
-/// are background requests, and the kernel has at most `max_background` (64, set in `init`)
-/// of them in flight, RELEASE included: were all of them waiting for a RELEASE queued behind
-/// them, none would end before the wait runs out. Past this many, a WRITE is answered at once.
-const MAX_WRITE_WAITS: usize = 8;
-
 /// Default entry/attribute timeout (mount option `ttl=`).
 pub const DEFAULT_TTL_SECS: u64 = 60;
-
-/// Default free-space headroom below which writes are written through: twice the 48 MiB the
-/// kernel lets a FUSE mount hold dirty on this class of machine (1% of dirtyable memory), for
-/// the copy-on-write overhead of each block written back.
-pub const DEFAULT_WRITE_THROUGH_BELOW: u64 = 128 << 20;
 
 /// The fuser filesystem over a birchfs [`Filesystem`].
 pub struct BirchFuse {
@@ -294,55 +293,6 @@ impl HandleLookups {
             ("lookup_dotdot", self.dotdot.load(Ordering::Relaxed)),
             ("lookup_dot_stale", self.dot_stale.load(Ordering::Relaxed)),
         ]
-    }
-}
-
-/// Inodes whose writer should hear ENOSPC at its next write(2): a write-back WRITE arrived
-/// while free space was below the write-through headroom, or the daemon refused one with
-/// ENOSPC, since the last report.
-///
-/// With the writeback cache a write(2) ends in the kernel's page cache; the daemon sees the
-/// data only when the kernel writes it back, and if the filesystem is full by then the kernel
-/// drops those pages and keeps the error for fsync(2) and close(2). A writer that never closes
-/// (`dd` filling the disk) would never hear of it and write on forever, and one that checks
-/// only write(2) would lose data silently. So such a write-back marks its inode and drops the
-/// kernel's attributes of it; the kernel asks for them again (GETATTR with the file handle)
-/// at the start of the next write(2) on the file, and that GETATTR is answered ENOSPC, once per
-/// mark, which write(2) returns. Marked below the headroom, the writer stops while what the
-/// kernel holds dirty still fits, so nothing is lost (xfstests generic/015: dd's write fails,
-/// its close does not). A GETATTR without a handle (stat) is answered as always. The last close
-/// of the inode clears the mark.
-struct LostWrites {
-    any: std::sync::atomic::AtomicBool,
-    inodes: parking_lot::Mutex<std::collections::HashSet<u64>>,
-}
-
-impl LostWrites {
-    fn new() -> LostWrites {
-        LostWrites {
-            any: std::sync::atomic::AtomicBool::new(false),
-            inodes: parking_lot::Mutex::new(std::collections::HashSet::new()),
-        }
-    }
-
-    /// Marks `ino`: a write-back of it was refused with ENOSPC.
-    fn mark(&self, ino: u64) {
-        let mut inodes = self.inodes.lock();
-        inodes.insert(ino);
-        self.any.store(true, std::sync::atomic::Ordering::Release);
-    }
-
-    /// Whether `ino` was marked, clearing the mark (one report per mark).
-    fn take(&self, ino: u64) -> bool {
-        if !self.any.load(std::sync::atomic::Ordering::Acquire) {
-            return false;
-        }
-        let mut inodes = self.inodes.lock();
-        let found = inodes.remove(&ino);
-        if inodes.is_empty() {
-            self.any.store(false, std::sync::atomic::Ordering::Release);
-        }
-        found
     }
 }
 
@@ -641,49 +591,6 @@ impl BirchFuse {
         }
     }
 
-    /// Whether free space is below the write-through headroom.
-    fn low_on_space(&self) -> bool {
-        low_on_space(&self.fs, self.options.write_through_below)
-    }
-
-    /// After a write-back of `ino` left less than the headroom while an unlinked file the
-    /// kernel holds may be released: a worker waits for releases until free space is back
-    /// above the headroom, then marks the writer for ENOSPC (see [`LostWrites`]) only if it
-    /// is not. One decision per inode at a time: later write-backs meanwhile are covered by it.
-    fn decide_low_space_later(&self, ino: u64) {
-        if !self.deciding.lock().insert(ino) {
-            return;
-        }
-        let fs = self.fs.clone();
-        let notifier = self.notifier.clone();
-        let lost_writes = self.lost_writes.clone();
-        let deciding = self.deciding.clone();
-        let headroom = self.options.write_through_below;
-        self.waiters.run(move || {
-            // Each freed file may not be enough: wait again while space is still low.
-            loop {
-                let seen = fs.releases_seen();
-                let freed = fs.wait_for_releases(seen, || !low_on_space(&fs, headroom));
-                if !freed || !low_on_space(&fs, headroom) {
-                    break;
-                }
-            }
-            deciding.lock().remove(&ino);
-            if low_on_space(&fs, headroom) {
-                lost_writes.mark(ino);
-                invalidate_attrs(&notifier, ino);
-            }
-        });
-    }
-
-    /// Whether a request that found no space (or, for a write-back, too little) should be
-    /// served again on a worker, where it may wait for releases: it runs on a request loop,
-    /// and an unlinked file the kernel still holds may be released soon (its RELEASE can
-    /// arrive after later requests over io_uring, DESIGN §12.5).
-    fn retry_on_worker(&self) -> bool {
-        !waiters::on_worker() && self.fs.release_may_free_space()
-    }
-
     /// The handle and reply flags of an OPEN or CREATE with open flags `flags` that the
     /// filesystem gave handle `fh`. A direct-I/O handle carries [`DIRECT_FH`], so WRITE knows
     /// the kernel will send no FSYNC after its synchronous writes.
@@ -759,59 +666,6 @@ impl BirchFuse {
     pub fn notifier_slot(&self) -> Arc<OnceLock<fuser::Notifier>> {
         self.notifier.clone()
     }
-}
-
-/// One of the [`MAX_WRITE_WAITS`] slots, given back when dropped.
-struct WaitSlot(Arc<AtomicUsize>);
-
-impl Drop for WaitSlot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// How a WRITE served without the worker pool's write-through is answered.
-struct WriteVerdict<'a> {
-    fs: &'a Filesystem,
-    notifier: &'a OnceLock<fuser::Notifier>,
-    lost_writes: &'a LostWrites,
-    /// The write-through headroom ([`FuseOptions::write_through_below`]).
-    headroom: u64,
-    ino: u64,
-    /// A write-back of the kernel's cache (`FUSE_WRITE_CACHE`).
-    cached: bool,
-}
-
-impl WriteVerdict<'_> {
-    /// Replies with `result`, marking the inode's writer for ENOSPC (see [`LostWrites`])
-    /// when a write-back failed for lack of space or left less than the headroom.
-    fn reply(&self, result: birch_core::Result<u32>, reply: ReplyWrite) {
-        match result {
-            Ok(n) => {
-                // A write-back below the headroom: the writer, whose open was cached while
-                // space was plentiful, hears ENOSPC at its next write(2), while what the
-                // kernel still holds dirty (at most half the headroom) fits.
-                if self.cached && low_on_space(self.fs, self.headroom) {
-                    self.lost_writes.mark(self.ino);
-                    invalidate_attrs(self.notifier, self.ino);
-                }
-                reply.written(n)
-            }
-            Err(e) => {
-                if self.cached && matches!(e, Error::NoSpace(_)) {
-                    self.lost_writes.mark(self.ino);
-                    invalidate_attrs(self.notifier, self.ino);
-                }
-                reply.error(errno("write", &e))
-            }
-        }
-    }
-}
-
-/// Whether `fs` has less free space than `headroom` bytes.
-fn low_on_space(fs: &Filesystem, headroom: u64) -> bool {
-    let s = fs.statfs();
-    s.bavail.saturating_mul(u64::from(s.bsize)) < headroom
 }
 
 /// A WRITE's work: writes `data` at `offset` of `ino` (buffered unless `through`), tells the
@@ -2141,24 +1995,6 @@ mod tests {
         }
         assert!(stats.ends_with('}'), "{stats}");
         fs.close()
-    }
-
-    #[test]
-    fn a_refused_write_back_is_reported_once_and_only_for_its_inode() {
-        let lost = LostWrites::new();
-        assert!(!lost.take(7), "nothing marked yet");
-        lost.mark(7);
-        lost.mark(9);
-        assert!(!lost.take(8), "another inode");
-        assert!(lost.take(7));
-        assert!(!lost.take(7), "reported once per mark");
-        lost.mark(7);
-        assert!(lost.take(7), "a new refusal is reported again");
-        assert!(lost.take(9));
-        assert!(
-            !lost.any.load(std::sync::atomic::Ordering::Acquire),
-            "empty again"
-        );
     }
 
     #[test]

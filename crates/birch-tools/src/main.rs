@@ -1569,8 +1569,8 @@ fn crashtest(
     // kernel has it (a ring run turns enable_uring on, as `-o uring` does),
     // /dev/fuse alone in the rest; the fuse module's enable_uring is put back as it was found.
     let uring_was = if fuse_runs >= 2 {
-        mount::load_fuse_module();
-        mount::uring_param()
+        birch_fuse::daemon::uring_setup::load_fuse_module();
+        birch_fuse::daemon::uring_setup::uring_param()
     } else {
         None
     };
@@ -1591,7 +1591,7 @@ fn crashtest(
         failures.extend(report.failures);
     }
     if uring_was == Some(false) {
-        mount::set_uring_param(false);
+        birch_fuse::daemon::uring_setup::set_uring_param(false);
     }
     bar.finish_and_clear();
     if let Some(reason) = fuse_skip {
