@@ -46,8 +46,10 @@ use std::time::Duration;
 use birch_core::{Error, Filesystem};
 use fuser::ReplyWrite;
 
+use crate::attrs::errno;
 use crate::daemon::mountinfo::{canonical, unescape};
-use crate::{errno, invalidate_attrs, waiters, BirchFuse};
+use crate::invalidate::invalidate_attrs;
+use crate::{waiters, BirchFuse};
 
 /// Inodes whose writer should hear ENOSPC at its next write(2): a write-back WRITE arrived
 /// while free space was below the write-through headroom, or the daemon refused one with
