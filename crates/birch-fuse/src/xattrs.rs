@@ -6,6 +6,7 @@
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 
+use birch_core::control::ControlCommand;
 use birch_core::Filesystem;
 use fuser::{Errno, INodeNo, ReplyEmpty, ReplyXattr, Request};
 
@@ -124,11 +125,12 @@ impl BirchFuse {
         if ino.0 == 1 && name.as_bytes() == CONTROL_XATTR {
             match self.fs.control(value) {
                 Ok(()) => {
-                    let snapshot = value
-                        .strip_prefix(b"snapshot-create ")
-                        .or_else(|| value.strip_prefix(b"snapshot-delete "));
-                    if let Some(name) = snapshot {
-                        self.invalidator.snapshot_changed(name);
+                    // A snapshot made or deleted: the kernel's view of /.snapshot is stale.
+                    if let Ok(
+                        ControlCommand::SnapshotCreate(name) | ControlCommand::SnapshotDelete(name),
+                    ) = ControlCommand::parse(value)
+                    {
+                        self.invalidator.snapshot_changed(name.as_bytes());
                         self.invalidate_attrs(birch_format::SNAPSHOT_DIR_OBJECTID);
                     }
                     reply.ok()

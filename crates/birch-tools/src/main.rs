@@ -56,6 +56,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use birch_core::check::{check, check_replayed, CheckOptions, FindingKind, PassId, PASSES};
+use birch_core::control::ControlCommand;
 use birch_core::device::{
     create_rbd_image, open_image, BlockDevice, CephOptions, ImageOptions, OpenMode, RbdSpec,
 };
@@ -704,8 +705,8 @@ fn sync(mountpoint: &Path) -> ExitCode {
 
 fn shutdown(mountpoint: &Path, log: bool, now: bool) -> ExitCode {
     let command = match (log, now) {
-        (_, true) => "shutdown-now",
-        (true, false) => "shutdown-log",
+        (_, true) => ControlCommand::ShutdownNow,
+        (true, false) => ControlCommand::ShutdownLog,
         (false, false) => {
             // The default commits what the daemon has; first the pages the kernel holds
             // dirty reach it (a failed writeback is reported by the application's fsync or
@@ -716,10 +717,10 @@ fn shutdown(mountpoint: &Path, log: bool, now: bool) -> ExitCode {
                     mountpoint.display()
                 );
             }
-            "shutdown"
+            ControlCommand::Shutdown
         }
     };
-    match mount::control(mountpoint, command) {
+    match mount::control(mountpoint, &command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(format!("{}: shutdown: {e}", mountpoint.display())),
     }
@@ -1056,7 +1057,7 @@ fn snapshot_through_mount(action: &SnapshotAction, mnt: &Path) -> ExitCode {
             if let Err(e) = mount::syncfs(mnt) {
                 return fail(format!("{show}: snapshot create {name:?}: syncfs: {e}"));
             }
-            if let Err(e) = mount::control(mnt, &format!("snapshot-create {name}")) {
+            if let Err(e) = mount::control(mnt, &ControlCommand::SnapshotCreate(name.to_string())) {
                 return fail(explain("create", name, e));
             }
             match found(name) {
@@ -1070,7 +1071,7 @@ fn snapshot_through_mount(action: &SnapshotAction, mnt: &Path) -> ExitCode {
         }
         SnapshotAction::Delete { name, .. } => {
             let before = found(name);
-            if let Err(e) = mount::control(mnt, &format!("snapshot-delete {name}")) {
+            if let Err(e) = mount::control(mnt, &ControlCommand::SnapshotDelete(name.to_string())) {
                 return fail(explain("delete", name, e));
             }
             match before {

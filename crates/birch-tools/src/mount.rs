@@ -8,6 +8,7 @@ use std::path::Path;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+use birch_core::control::ControlCommand;
 use birch_core::device::{
     is_rbd_path, CephOptions, FileDevice, LocalLock, OpenMode, RbdSpec, RBD_SUPPORTED,
 };
@@ -602,7 +603,7 @@ fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
         Err(e) => return fail(e),
     };
     let target = canonical(mountpoint);
-    let tell = |command: &str| control(&target, command);
+    let tell = |command: ControlCommand| control(&target, &command);
     let kernel = |flags: libc::c_ulong| -> std::io::Result<()> {
         let path = std::ffi::CString::new(target.as_os_str().as_encoded_bytes())
             .map_err(|_| std::io::ErrorKind::InvalidInput)?;
@@ -631,7 +632,7 @@ fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
         kernel(libc::MS_BIND | config.vfs_flags | config.atime_flags()).and_then(|()| {
             match mounted_atime(&target) {
                 Some(mode) if !config.read_only && config.atime.is_some() => {
-                    tell(&format!("atime={}", mode.option()))
+                    tell(ControlCommand::Atime(mode))
                 }
                 _ => Ok(()),
             }
@@ -646,18 +647,18 @@ fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
                 target.display()
             );
         }
-        tell("ro").and_then(|()| {
+        tell(ControlCommand::ReadOnly).and_then(|()| {
             kernel(config.vfs_flags | config.atime_flags() | libc::MS_RDONLY).inspect_err(|_| {
-                let _ = tell("rw");
+                let _ = tell(ControlCommand::ReadWrite);
             })
         })
     } else {
         // The kernel applies the atime flags to its mount (a remount without any keeps what it
         // had) but cannot to FUSE inodes: the daemon is told what the mount table now says.
         kernel(config.vfs_flags | config.atime_flags())
-            .and_then(|()| tell("rw"))
+            .and_then(|()| tell(ControlCommand::ReadWrite))
             .and_then(|()| match mounted_atime(&target) {
-                Some(mode) => tell(&format!("atime={}", mode.option())),
+                Some(mode) => tell(ControlCommand::Atime(mode)),
                 None => Ok(()),
             })
     };
@@ -667,10 +668,10 @@ fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
     }
 }
 
-/// Sends a control command to the daemon serving the mount at `mountpoint` (the root's
-/// `trusted.birch.control` xattr, so root only): `ro`, `rw`, `sync`, `shutdown`,
-/// `shutdown-log`, `shutdown-now`.
-pub(crate) fn control(mountpoint: &Path, command: &str) -> std::io::Result<()> {
+/// Sends a control command to the daemon serving the mount at `mountpoint` (its wire string
+/// on the root's `trusted.birch.control` xattr, so root only).
+pub(crate) fn control(mountpoint: &Path, command: &ControlCommand) -> std::io::Result<()> {
+    let command = command.to_string();
     let path = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes())
         .map_err(|_| std::io::ErrorKind::InvalidInput)?;
     let name = std::ffi::CString::new(birch_fuse::CONTROL_XATTR)
