@@ -67,8 +67,8 @@ use invalidate::Invalidator;
 pub use full_disk::DEFAULT_WRITE_THROUGH_BELOW;
 pub use ioctls::{FITRIM, FS_IOC_SHUTDOWN};
 pub use xattrs::{
-    ALONE_XATTR, CONTROL_XATTR, DIFF_CHUNK, DIFF_XATTR_PREFIX, SCRUB_XATTR, SNAPSHOTS_XATTR,
-    STATS_XATTR,
+    diff_xattr_name, ALONE_XATTR, CONTROL_XATTR, DIFF_CHUNK, DIFF_XATTR_PREFIX, SCRUB_XATTR,
+    SNAPSHOTS_XATTR, STATS_XATTR,
 };
 
 /// Adapter settings.

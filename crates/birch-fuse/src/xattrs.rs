@@ -43,8 +43,19 @@ pub const DIFF_XATTR_PREFIX: &[u8] = b"trusted.birch.diff/";
 /// The most bytes one `trusted.birch.diff/...` read returns (under the kernel's 64 KiB).
 pub const DIFF_CHUNK: usize = 60_000;
 
-/// The piece of `birch diff` text a `trusted.birch.diff/OFFSET/SNAP1[/SNAP2]` name asks for.
-pub(crate) fn diff_piece(fs: &Filesystem, spec: &[u8]) -> birch_core::Result<Vec<u8>> {
+/// The name of the `trusted.birch.diff/OFFSET/SNAP1[/SNAP2]` xattr that reads the piece of
+/// the diff from `from` to `to` (none: the live state) at byte `offset` (what `birch diff MNT`
+/// reads; [`diff_spec`] parses it back).
+pub fn diff_xattr_name(offset: usize, from: &str, to: Option<&str>) -> String {
+    let prefix = String::from_utf8_lossy(DIFF_XATTR_PREFIX);
+    match to {
+        Some(to) => format!("{prefix}{offset}/{from}/{to}"),
+        None => format!("{prefix}{offset}/{from}"),
+    }
+}
+
+/// The offset and the two states of a diff xattr's name after [`DIFF_XATTR_PREFIX`].
+pub(crate) fn diff_spec(spec: &[u8]) -> birch_core::Result<(usize, &str, Option<&str>)> {
     let bad = || birch_core::Error::Invalid("diff xattr: OFFSET/SNAP1[/SNAP2] expected".into());
     let spec = std::str::from_utf8(spec).map_err(|_| bad())?;
     let mut parts = spec.split('/');
@@ -54,6 +65,12 @@ pub(crate) fn diff_piece(fs: &Filesystem, spec: &[u8]) -> birch_core::Result<Vec
     if parts.next().is_some() {
         return Err(bad());
     }
+    Ok((offset, from, to))
+}
+
+/// The piece of `birch diff` text a `trusted.birch.diff/OFFSET/SNAP1[/SNAP2]` name asks for.
+pub(crate) fn diff_piece(fs: &Filesystem, spec: &[u8]) -> birch_core::Result<Vec<u8>> {
+    let (offset, from, to) = diff_spec(spec)?;
     // Committed first for the live state; computed once per state and kept for later pieces.
     let text = fs.diff_text(from, to)?;
     let start = offset.min(text.len());
@@ -217,5 +234,27 @@ impl BirchFuse {
             }
             Err(e) => reply.error(errno("removexattr", &e)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The name `birch diff` reads is the one the adapter parses, with or without SNAP2.
+    #[test]
+    fn diff_xattr_names_parse_back() -> birch_core::Result<()> {
+        for (offset, from, to) in [(0, "s1", None), (120_000, "a", Some("b"))] {
+            let name = diff_xattr_name(offset, from, to);
+            let spec = name
+                .as_bytes()
+                .strip_prefix(DIFF_XATTR_PREFIX)
+                .expect("the prefix");
+            assert_eq!(diff_spec(spec)?, (offset, from, to));
+        }
+        assert_eq!(diff_xattr_name(0, "s1", None), "trusted.birch.diff/0/s1");
+        assert!(diff_spec(b"x/s1").is_err() && diff_spec(b"0/").is_err());
+        assert!(diff_spec(b"0/a/b/c").is_err());
+        Ok(())
     }
 }

@@ -1165,16 +1165,13 @@ fn diff(image: &Path, from: &str, to: Option<&str>, stats: bool, ceph: &CephArgs
 /// `trusted.birch.diff/OFFSET/SNAP1[/SNAP2]` xattrs (birch-fuse's `DIFF_XATTR_PREFIX`), read
 /// piece by piece until one is shorter than a full piece (`DIFF_CHUNK`, 60,000 bytes).
 fn diff_mounted(mountpoint: &Path, from: &str, to: Option<&str>) -> ExitCode {
+    use birch_fuse::DIFF_CHUNK;
     use std::io::Write;
-    const DIFF_CHUNK: usize = 60_000;
     let show = mountpoint.display();
     let mut offset = 0usize;
     let mut out = std::io::stdout().lock();
     loop {
-        let name = match to {
-            Some(to) => format!("trusted.birch.diff/{offset}/{from}/{to}"),
-            None => format!("trusted.birch.diff/{offset}/{from}"),
-        };
+        let name = birch_fuse::diff_xattr_name(offset, from, to);
         let piece = match stats::getxattr(mountpoint, &name) {
             Ok(piece) => piece,
             Err(e) => {
