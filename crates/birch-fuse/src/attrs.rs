@@ -293,7 +293,7 @@ impl BirchFuse {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use std::sync::Arc;
 
     use birch_core::Filesystem;
@@ -306,7 +306,7 @@ pub(crate) mod tests {
     /// stats: "." of a file and of a directory, ".." of a directory, and "." of a removed file
     /// (stale); an ordinary name counts in none of them.
     #[test]
-    pub(crate) fn lookups_of_dot_and_dotdot_are_counted_in_the_stats() -> birch_core::Result<()> {
+    fn lookups_of_dot_and_dotdot_are_counted_in_the_stats() -> birch_core::Result<()> {
         use birch_core::device::MemDevice;
         use birch_core::vfs::Caller;
         use birch_core::{MkfsOptions, OpenOptions};
@@ -349,7 +349,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    pub(crate) fn times_before_1970_from_the_kernel_keep_their_nanoseconds() {
+    fn times_before_1970_from_the_kernel_keep_their_nanoseconds() {
         // What fuser 0.18 hands over for the wire value (-86400 s, 999999999 ns).
         let from_fuser = UNIX_EPOCH - Duration::new(86_400, 999_999_999);
         let t = timespec_from_kernel(from_fuser);

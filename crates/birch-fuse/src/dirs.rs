@@ -29,7 +29,7 @@ use crate::BirchFuse;
 /// lands on a position inside it, never past its end. A directory whose positions outgrow 31
 /// bits (two billion names made in it over its life) gets plain positions with bit 62 set, and
 /// its listings no end.
-pub(crate) mod dir_cookie {
+mod dir_cookie {
     const PLAIN: u64 = 1 << 62;
     const FIELD: u64 = (1 << 31) - 1;
 
@@ -262,11 +262,11 @@ impl BirchFuse {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
 
     #[test]
-    pub(crate) fn a_readdir_cookie_carries_its_listing_end() {
+    fn a_readdir_cookie_carries_its_listing_end() {
         for (pos, end) in [
             (0, 0),
             (1, 5),

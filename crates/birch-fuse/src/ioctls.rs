@@ -160,13 +160,13 @@ impl BirchFuse {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
 
     /// `FITRIM` is `_IOWR('X', 121, struct fstrim_range)`, and its argument round-trips in
     /// the kernel's layout; another size is refused.
     #[test]
-    pub(crate) fn fitrim_number_and_argument_match_the_kernel() {
+    fn fitrim_number_and_argument_match_the_kernel() {
         let iowr = |kind: u8, nr: u8, size: u32| {
             (3u32 << 30) | (size << 16) | (u32::from(kind) << 8) | u32::from(nr)
         };
@@ -189,7 +189,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    pub(crate) fn the_shutdown_ioctl_is_ior_x_125_of_a_u32() {
+    fn the_shutdown_ioctl_is_ior_x_125_of_a_u32() {
         // _IOR(type, nr, size) = read (2) << 30 | size << 16 | type << 8 | nr.
         let ior = (2u32 << 30) | (4 << 16) | (u32::from(b'X') << 8) | 125;
         assert_eq!(FS_IOC_SHUTDOWN, ior);
