@@ -8,6 +8,7 @@
 //! `birch umount` (the CLI's, birch-tools `mount.rs`); request handling (the adapter's, the
 //! rest of this crate); filesystem logic (birch-core).
 
+pub mod control_socket;
 mod in_process;
 pub mod mountinfo;
 mod serve;
