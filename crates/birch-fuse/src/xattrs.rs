@@ -45,7 +45,7 @@ pub const DIFF_CHUNK: usize = 60_000;
 
 /// The name of the `trusted.birch.diff/OFFSET/SNAP1[/SNAP2]` xattr that reads the piece of
 /// the diff from `from` to `to` (none: the live state) at byte `offset` (what `birch diff MNT`
-/// reads; [`diff_spec`] parses it back).
+/// reads; `diff_spec` parses it back).
 pub fn diff_xattr_name(offset: usize, from: &str, to: Option<&str>) -> String {
     let prefix = String::from_utf8_lossy(DIFF_XATTR_PREFIX);
     match to {
