@@ -18,6 +18,7 @@ pub mod alloc;
 pub mod btree;
 pub mod cache;
 pub mod check;
+pub mod control;
 pub mod counters;
 mod data;
 pub mod delta;

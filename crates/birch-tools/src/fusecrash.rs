@@ -28,7 +28,7 @@ use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Filesystem, MkfsOptions};
 use birch_testkit::{check_recording, CrashReport, History, Rng};
 
-use crate::mount::InProcessMount;
+use birch_fuse::daemon::InProcessMount;
 
 const PATHS: [&str; 5] = ["/A/foo", "/A/bar", "/B/foo", "/B/bar", "/A/C/foo"];
 

@@ -56,6 +56,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use birch_core::check::{check, check_replayed, CheckOptions, FindingKind, PassId, PASSES};
+use birch_core::control::ControlCommand;
 use birch_core::device::{
     create_rbd_image, open_image, BlockDevice, CephOptions, ImageOptions, OpenMode, RbdSpec,
 };
@@ -704,8 +705,8 @@ fn sync(mountpoint: &Path) -> ExitCode {
 
 fn shutdown(mountpoint: &Path, log: bool, now: bool) -> ExitCode {
     let command = match (log, now) {
-        (_, true) => "shutdown-now",
-        (true, false) => "shutdown-log",
+        (_, true) => ControlCommand::ShutdownNow,
+        (true, false) => ControlCommand::ShutdownLog,
         (false, false) => {
             // The default commits what the daemon has; first the pages the kernel holds
             // dirty reach it (a failed writeback is reported by the application's fsync or
@@ -716,10 +717,10 @@ fn shutdown(mountpoint: &Path, log: bool, now: bool) -> ExitCode {
                     mountpoint.display()
                 );
             }
-            "shutdown"
+            ControlCommand::Shutdown
         }
     };
-    match mount::control(mountpoint, command) {
+    match mount::control(mountpoint, &command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(format!("{}: shutdown: {e}", mountpoint.display())),
     }
@@ -1056,7 +1057,7 @@ fn snapshot_through_mount(action: &SnapshotAction, mnt: &Path) -> ExitCode {
             if let Err(e) = mount::syncfs(mnt) {
                 return fail(format!("{show}: snapshot create {name:?}: syncfs: {e}"));
             }
-            if let Err(e) = mount::control(mnt, &format!("snapshot-create {name}")) {
+            if let Err(e) = mount::control(mnt, &ControlCommand::SnapshotCreate(name.to_string())) {
                 return fail(explain("create", name, e));
             }
             match found(name) {
@@ -1070,7 +1071,7 @@ fn snapshot_through_mount(action: &SnapshotAction, mnt: &Path) -> ExitCode {
         }
         SnapshotAction::Delete { name, .. } => {
             let before = found(name);
-            if let Err(e) = mount::control(mnt, &format!("snapshot-delete {name}")) {
+            if let Err(e) = mount::control(mnt, &ControlCommand::SnapshotDelete(name.to_string())) {
                 return fail(explain("delete", name, e));
             }
             match before {
@@ -1164,16 +1165,13 @@ fn diff(image: &Path, from: &str, to: Option<&str>, stats: bool, ceph: &CephArgs
 /// `trusted.birch.diff/OFFSET/SNAP1[/SNAP2]` xattrs (birch-fuse's `DIFF_XATTR_PREFIX`), read
 /// piece by piece until one is shorter than a full piece (`DIFF_CHUNK`, 60,000 bytes).
 fn diff_mounted(mountpoint: &Path, from: &str, to: Option<&str>) -> ExitCode {
+    use birch_fuse::DIFF_CHUNK;
     use std::io::Write;
-    const DIFF_CHUNK: usize = 60_000;
     let show = mountpoint.display();
     let mut offset = 0usize;
     let mut out = std::io::stdout().lock();
     loop {
-        let name = match to {
-            Some(to) => format!("trusted.birch.diff/{offset}/{from}/{to}"),
-            None => format!("trusted.birch.diff/{offset}/{from}"),
-        };
+        let name = birch_fuse::diff_xattr_name(offset, from, to);
         let piece = match stats::getxattr(mountpoint, &name) {
             Ok(piece) => piece,
             Err(e) => {
@@ -1569,8 +1567,8 @@ fn crashtest(
     // kernel has it (a ring run turns enable_uring on, as `-o uring` does),
     // /dev/fuse alone in the rest; the fuse module's enable_uring is put back as it was found.
     let uring_was = if fuse_runs >= 2 {
-        mount::load_fuse_module();
-        mount::uring_param()
+        birch_fuse::daemon::uring_setup::load_fuse_module();
+        birch_fuse::daemon::uring_setup::uring_param()
     } else {
         None
     };
@@ -1591,7 +1589,7 @@ fn crashtest(
         failures.extend(report.failures);
     }
     if uring_was == Some(false) {
-        mount::set_uring_param(false);
+        birch_fuse::daemon::uring_setup::set_uring_param(false);
     }
     bar.finish_and_clear();
     if let Some(reason) = fuse_skip {

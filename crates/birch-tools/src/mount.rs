@@ -1,64 +1,23 @@
-//! `birch mount`, the `mount.fuse.birch` helper, and `birch umount`.
+//! `birch mount`, the `mount.fuse.birch` helper, and `birch umount`: option parsing, the
+//! checks before a mount, bind mounts of a served image, starting the daemon process (`birch
+//! mount -f`, re-executed), remounts, and sending control commands to a mount.
+//! The daemon itself (serving, signals, io_uring setup, the dirty cap, the final commit) is
+//! birch-fuse's [`birch_fuse::daemon`]; this file must not grow it back.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, ExitCode, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
+use birch_core::control::ControlCommand;
 use birch_core::device::{
-    is_rbd_path, open_image, CephOptions, DeviceEvents, FileDevice, ImageOptions, LocalLock,
-    OpenMode, RbdSpec, RBD_SUPPORTED,
+    is_rbd_path, CephOptions, FileDevice, LocalLock, OpenMode, RbdSpec, RBD_SUPPORTED,
 };
-use birch_core::vfs::{AtimeMode, FsyncMode, ShutdownMode};
-use birch_core::{Filesystem, OpenOptions};
-use birch_fuse::{BirchFuse, FuseOptions};
-use fuser::{Config, SessionACL};
+use birch_core::vfs::{AtimeMode, FsyncMode};
+use birch_fuse::daemon::mountinfo::{canonical, mounts_of_source, unescape};
+use birch_fuse::daemon::{default_threads, lazy_unmount, MountConfig};
 
 use crate::fail;
 
-/// Parsed mount options.
-#[derive(Debug, Clone)]
-struct MountConfig {
-    read_only: bool,
-    allow_other: bool,
-    commit_secs: u64,
-    threads: usize,
-    /// Requests waiting for the device served at once (`waiters=`).
-    waiters: usize,
-    ttl_secs: f64,
-    /// MS_* flags for mount(2), but for the atime flags ([`MountConfig::atime_flags`]).
-    vfs_flags: libc::c_ulong,
-    /// The last of `noatime`, `relatime` (or `atime`), `strictatime` given, if any: when reads
-    /// move atime, which birchfs decides itself (FUSE inodes are `S_NOATIME` in the kernel).
-    atime: Option<AtimeMode>,
-    /// `nodiratime` (true) or `diratime` (false), if given.
-    nodiratime: Option<bool>,
-    fsync: FsyncMode,
-    writeback: bool,
-    keep_cache: bool,
-    /// The daemon's own write buffer (delayed allocation), `buffer=on|off`.
-    buffer: bool,
-    /// FUSE over io_uring beside /dev/fuse (`uring`, `uring=on|off`, DESIGN §12.5): `None`
-    /// (the default) uses it where the kernel allows it (the fuse module's `enable_uring` is
-    /// Y), leaving that machine-wide setting to the administrator; `Some(true)` (asked for)
-    /// also turns `enable_uring` on, and warns when it cannot have the ring; `Some(false)`
-    /// serves over /dev/fuse only.
-    uring: Option<bool>,
-    /// Benchmark-only switches, each a seed's "before" (off by default; docs/BENCHMARKS.md).
-    bench_serialize_sync_writes: bool,
-    bench_global_objectid_lock: bool,
-    bench_apply_per_item: bool,
-    /// Cluster access for an `rbd:` image (`ceph_id=`, `ceph_conf=`, `keyring=`).
-    ceph: CephOptions,
-    /// `snapshot=NAME`: serve that snapshot alone as the mount's root (read-only).
-    snapshot: Option<String>,
-}
-
-/// Default number of FUSE request loops (`threads=`): one per CPU, at least 2, at most 8.
-/// Requests that wait for the device run on the adapter's worker pool (`waiters=`), so the
-/// loops only ever do CPU work; more loops than CPUs only add wake-ups of cold threads
-/// (DESIGN §12.4: 32 loops made single-thread creates 2-4x slower than 2 on this 2-core VM).
 /// Every mount option `parse_options` accepts, as (example, what it does): the text of the
 /// birchfs(5) man page (`docs.rs`). A unit test parses each example, so the page cannot name an
 /// option the parser refuses.
@@ -94,10 +53,6 @@ pub(crate) const MOUNT_OPTIONS: &[(&str, &str)] = &[
     ("discard=off", "rbd: images: keep freed space allocated in the cluster. By default (discard, discard=on) space no committed tree references any more (freed, and past the backup roots) is discarded on the image (rbd_aio_discard), so the cluster can free it; nodiscard is discard=off. fstrim(8) of the mount discards the free space either way. Image files and block devices ignore it."),
     ("defaults", "Accepted and ignored, as are auto, noauto, user, nouser, users, nofail, _netdev, async and default_permissions: mount(8) and fstab handle them."),
 ];
-
-fn default_threads() -> usize {
-    std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8))
-}
 
 fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
     let mut c = MountConfig {
@@ -201,24 +156,6 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
     Ok(c)
 }
 
-impl MountConfig {
-    /// The atime flags for mount(2) (none when no atime option was given: a mount is then
-    /// relatime and a remount keeps what it had).
-    fn atime_flags(&self) -> libc::c_ulong {
-        let atime = match self.atime {
-            None => 0,
-            Some(AtimeMode::NoAtime) => libc::MS_NOATIME,
-            Some(AtimeMode::Relatime) => libc::MS_RELATIME,
-            Some(AtimeMode::StrictAtime) => libc::MS_STRICTATIME,
-        };
-        if self.nodiratime == Some(true) {
-            atime | libc::MS_NODIRATIME
-        } else {
-            atime
-        }
-    }
-}
-
 /// The atime mode the kernel's mount table gives the mount at `mountpoint` (its per-mount
 /// options: `noatime`, `relatime`, or neither for strictatime), after a remount has set it.
 fn mounted_atime(mountpoint: &Path) -> Option<AtimeMode> {
@@ -248,10 +185,6 @@ fn on_off(opt: &str, value: Option<&str>) -> Result<bool, String> {
     }
 }
 
-fn canonical(path: &Path) -> PathBuf {
-    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
-}
-
 /// The mountinfo line of a birch mount at `mountpoint`: returns its source (the image path).
 fn mounted_source(mountpoint: &Path) -> Option<String> {
     let target = canonical(mountpoint);
@@ -275,28 +208,6 @@ fn mount_of_source(image: &Path) -> Option<String> {
     mounts_of_source(image).into_iter().next()
 }
 
-/// The mountpoints of every FUSE mount whose source is `image` (one daemon's mount and its
-/// bind mounts), oldest first.
-fn mounts_of_source(image: &Path) -> Vec<String> {
-    let want = image.to_string_lossy().into_owned();
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return Vec::new();
-    };
-    let mut found = Vec::new();
-    for line in info.lines() {
-        let fields: Vec<&str> = line.split(' ').collect();
-        let Some(dash) = fields.iter().position(|f| *f == "-") else {
-            continue;
-        };
-        if fields.get(dash + 1).is_some_and(|t| t.starts_with("fuse"))
-            && fields.get(dash + 2).map(|s| unescape(s)) == Some(want.clone())
-        {
-            found.extend(fields.get(4).map(|m| unescape(m)));
-        }
-    }
-    found
-}
-
 /// Whether the mount at `mountpoint` is read-only (its per-mount options, or its superblock's).
 fn mount_is_read_only(mountpoint: &str) -> bool {
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
@@ -311,13 +222,6 @@ fn mount_is_read_only(mountpoint: &str) -> bool {
             let ro = |opts: Option<&&str>| opts.is_some_and(|o| o.split(',').any(|x| x == "ro"));
             ro(f.get(5)) || ro(f.get(dash + 3))
         })
-}
-
-fn unescape(s: &str) -> String {
-    s.replace("\\040", " ")
-        .replace("\\011", "\t")
-        .replace("\\012", "\n")
-        .replace("\\134", "\\")
 }
 
 /// Checks a mount of `image` at `mountpoint` can go ahead. Returns the mountpoint of a live
@@ -484,7 +388,10 @@ pub fn mount_main(image: &Path, mountpoint: &Path, raw: &[String], foreground: b
         Ok(None) => {}
     }
     if foreground {
-        return serve(image, mountpoint, &config);
+        return match birch_fuse::daemon::serve(image, mountpoint, &config) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => fail(e),
+        };
     }
     // A takeover may wait for the holder's watch to expire before the mount comes up.
     let takeover = match config.ceph.takeover {
@@ -559,546 +466,6 @@ fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String], limit: Duration
         std::thread::sleep(Duration::from_millis(20));
     }
 }
-
-/// Runs the filesystem in this process until unmount or SIGTERM/SIGINT/SIGHUP.
-fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> ExitCode {
-    block_signals();
-    let options = OpenOptions {
-        commit_interval: (config.commit_secs > 0).then(|| Duration::from_secs(config.commit_secs)),
-        read_only: config.read_only,
-        wait_for_lock: true,
-        fsync: config.fsync,
-        buffered: config.buffer,
-        bench_global_objectid_lock: config.bench_global_objectid_lock,
-        bench_apply_per_item: config.bench_apply_per_item,
-    };
-    // An RBD snapshot (`rbd:POOL/IMAGE@SNAP`) cannot be written: it mounts read-only, takes
-    // no lock (the image's holder keeps its own), and replays a pending log in memory.
-    let snapshot =
-        matches!(RbdSpec::from_path(image), Ok(Some(ref spec)) if spec.snapshot.is_some());
-    if snapshot && !config.read_only {
-        return fail(format!(
-            "{}: a snapshot cannot be written: mount it with -o ro",
-            image.display()
-        ));
-    }
-    let mode = if snapshot {
-        OpenMode::ReadOnlyUnlocked
-    } else if config.snapshot.is_some() {
-        // Not waiting: the lock's holder is most likely the live mount's daemon.
-        OpenMode::ReadOnly
-    } else if config.read_only {
-        OpenMode::ReadOnlyWait
-    } else {
-        OpenMode::ReadWriteWait
-    };
-    let events = Arc::new(MountEvents {
-        fs: OnceLock::new(),
-        lost: AtomicBool::new(false),
-        mountpoint: canonical(mountpoint),
-    });
-    let image_options = ImageOptions {
-        ceph: config.ceph.clone(),
-        holder: format!("mount at {}", canonical(mountpoint).display()),
-        events: Some(events.clone()),
-    };
-    // The device's errors name the image already (path or rbd: spec).
-    let device = match open_image(image, mode, &image_options) {
-        Ok(d) => d,
-        Err(e) => {
-            return fail(match &config.snapshot {
-                Some(name) => format!(
-                    "{e}: the image is in use (the daemon of its live mount, or another birch \
-                     command, holds its lock); while the filesystem is mounted, snapshot \
-                     {name:?} is browsable at MNT/.snapshot/{name} of that mount"
-                ),
-                None => e.to_string(),
-            })
-        }
-    };
-    let fs = match Filesystem::open_device(device, options) {
-        Ok(fs) => Arc::new(fs),
-        Err(e) => return fail(format!("{}: {e}", image.display())),
-    };
-    events.attach(&fs);
-    if snapshot {
-        fs.pin_read_only("it serves an RBD snapshot, which cannot be written");
-    }
-    if let Some(name) = &config.snapshot {
-        if let Err(e) = fs.serve_snapshot_alone(name) {
-            return fail(format!("{}: -o snapshot={name}: {e}", image.display()));
-        }
-        fs.pin_read_only(&format!("it serves snapshot {name:?} alone"));
-    }
-    fs.set_atime_mode(config.atime.unwrap_or_default());
-    let mut fuse_config = Config::default();
-    fuse_config.acl = if config.allow_other {
-        SessionACL::All
-    } else {
-        SessionACL::Owner
-    };
-    fuse_config.n_threads = Some(config.threads);
-    fuse_config.clone_fd = true;
-    // The kernel offers FUSE_OVER_IO_URING in INIT (sent during mount(2)) only if the fuse
-    // module's enable_uring is on; without it no ring is made (its buffers would go unused).
-    fuse_config.uring = ring_for(config.uring, mountpoint, uring_allowed);
-    let fuse_fd = match kernel_mount(image, mountpoint, config) {
-        Ok(fd) => fd,
-        Err(e) => {
-            return fail(format!(
-                "mount {} on {}: {e}",
-                image.display(),
-                mountpoint.display()
-            ))
-        }
-    };
-    let (fuse_opts, dirty_cap) = fuse_options(config, &fs, mountpoint);
-    let adapter = BirchFuse::new(fs.clone(), fuse_opts);
-    let acl = fuse_config.acl;
-    let notifier_slot = adapter.notifier_slot();
-    let session = match fuser::Session::from_fd(adapter, fuse_fd, acl, fuse_config) {
-        Ok(s) => s,
-        Err(e) => {
-            lazy_unmount(mountpoint);
-            return fail(format!(
-                "mount {} on {}: FUSE handshake: {e}",
-                image.display(),
-                mountpoint.display()
-            ));
-        }
-    };
-    let _ = notifier_slot.set(session.notifier());
-    let target = canonical(mountpoint);
-    let source = canonical(image);
-    std::thread::spawn(move || wait_for_signal_then_unmount(&target, &source));
-    let stop_cap = Arc::new(AtomicBool::new(false));
-    if let Some(cap) = dirty_cap {
-        let (weak, stop) = (Arc::downgrade(&fs), stop_cap.clone());
-        std::thread::spawn(move || cap.follow(weak, stop));
-    }
-    let result = session.run();
-    stop_cap.store(true, Ordering::Relaxed);
-    // The kernel connection is gone; commit, flush and release the image lock before exit.
-    let closed = fs.close();
-    drop(fs);
-    if let Err(e) = result {
-        return fail(format!("FUSE session ended with an error: {e}"));
-    }
-    if let Err(e) = closed {
-        return fail(format!("final commit failed: {e}"));
-    }
-    ExitCode::SUCCESS
-}
-
-/// What a mount does when its device reports (an `rbd:` image, DESIGN §14.3): a lost device
-/// (lock taken over, client fenced, the cluster not answering within `rbd_timeout=`) shuts the
-/// filesystem down, so every request answers EIO, reads included; a snapshot's quiesce commits.
-struct MountEvents {
-    fs: OnceLock<Weak<Filesystem>>,
-    /// The device was lost, maybe before the filesystem was attached.
-    lost: AtomicBool,
-    mountpoint: PathBuf,
-}
-
-impl MountEvents {
-    fn attach(&self, fs: &Arc<Filesystem>) {
-        let _ = self.fs.set(Arc::downgrade(fs));
-        if self.lost.load(Ordering::SeqCst) {
-            let _ = fs.shutdown(ShutdownMode::Now);
-        }
-    }
-}
-
-impl DeviceEvents for MountEvents {
-    fn device_lost(&self, why: &str) {
-        self.lost.store(true, Ordering::SeqCst);
-        log::error!(
-            "{}: the image is lost ({why}); shutting the filesystem down: every request answers EIO until it is unmounted",
-            self.mountpoint.display()
-        );
-        if let Some(fs) = self.fs.get().and_then(Weak::upgrade) {
-            if let Err(e) = fs.shutdown(ShutdownMode::Now) {
-                log::warn!("{}: shutdown: {e}", self.mountpoint.display());
-            }
-        }
-    }
-
-    fn lost_in_effect(&self) -> bool {
-        self.fs
-            .get()
-            .and_then(Weak::upgrade)
-            .is_none_or(|fs| fs.is_shut_down())
-    }
-
-    fn quiesce(&self) -> std::io::Result<()> {
-        match self.fs.get().and_then(Weak::upgrade) {
-            Some(fs) => fs.sync().map_err(|e| std::io::Error::other(e.to_string())),
-            None => Ok(()),
-        }
-    }
-}
-
-/// Ring entries per io_uring queue: requests handed to a waiter (fsync, write-through WRITEs)
-/// hold their entry until answered, so a queue needs room beyond the `waiters=` default.
-const URING_QUEUE_DEPTH: usize = 64;
-
-const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
-
-/// The fuse module's `enable_uring`, or `None` on a kernel without FUSE over io_uring.
-pub(crate) fn uring_param() -> Option<bool> {
-    let v = std::fs::read_to_string(ENABLE_URING).ok()?;
-    Some(v.trim() == "Y" || v.trim() == "1")
-}
-
-/// Sets the fuse module's `enable_uring` (needs root); a failure is logged.
-pub(crate) fn set_uring_param(on: bool) {
-    if let Err(e) = std::fs::write(ENABLE_URING, if on { "Y" } else { "N" }) {
-        log::warn!("uring: cannot set {ENABLE_URING}: {e}");
-    }
-}
-
-/// The io_uring transport's settings for a mount at `mountpoint`.
-/// The ring settings of a mount whose `uring` option is `uring` (`Some(true)`: `-o uring`,
-/// `Some(false)`: `-o nouring`, `None`: the default), or none when it serves over /dev/fuse
-/// alone: `-o nouring`, or `allowed` (given whether the ring was asked for: `uring_allowed`)
-/// says no.
-fn ring_for(
-    uring: Option<bool>,
-    mountpoint: &Path,
-    allowed: impl FnOnce(bool) -> bool,
-) -> Option<fuser::UringOptions> {
-    let asked = uring == Some(true);
-    (uring != Some(false) && allowed(asked)).then(|| uring_options(mountpoint, asked))
-}
-
-fn uring_options(mountpoint: &Path, asked: bool) -> fuser::UringOptions {
-    fuser::UringOptions {
-        queue_depth: URING_QUEUE_DEPTH,
-        mountpoint: Some(canonical(mountpoint)),
-        // Test hook for the fallback (tests/mount/uring-test.sh): registration fails.
-        break_register: std::env::var_os("BIRCH_URING_BREAK_REGISTER").is_some(),
-        // A fallback to /dev/fuse warns only when the ring was asked for, as in
-        // `uring_allowed`.
-        asked,
-    }
-}
-
-/// Loads the fuse module if it is not loaded yet (`/dev/fuse` opened once: the kernel loads the
-/// module on a first open), so that its parameters, `enable_uring` among them, can be read.
-pub(crate) fn load_fuse_module() {
-    let _ = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/fuse");
-}
-
-/// Whether this mount may serve over FUSE over io_uring: the fuse module's `enable_uring` is
-/// Y. It is a machine-wide setting (every FUSE server that asks may then use io_uring), so the
-/// default leaves it to the administrator (`scripts/setup.sh` turns it on) and says once, at
-/// info level, how to turn it on; a mount that asks for the ring (`asked`, `-o uring`) turns
-/// it on itself when run as root, and warns when it cannot have it.
-fn uring_allowed(asked: bool) -> bool {
-    load_fuse_module();
-    let cannot = |why: String| {
-        if asked {
-            log::warn!("uring: {why}; serving over /dev/fuse");
-        } else {
-            log::info!("uring: {why}; serving over /dev/fuse");
-        }
-    };
-    match std::fs::read_to_string(ENABLE_URING) {
-        Ok(v) if v.trim() == "Y" || v.trim() == "1" => true,
-        Ok(_) if !asked => {
-            cannot(format!(
-                "the kernel's FUSE over io_uring is off ({ENABLE_URING} is N; `echo Y > {ENABLE_URING}`, as scripts/setup.sh does, turns it on for every mount, -o uring for this one)"
-            ));
-            false
-        }
-        Ok(_) => match std::fs::write(ENABLE_URING, "Y") {
-            Ok(()) => {
-                log::warn!(
-                    "uring: set {ENABLE_URING} to Y, as -o uring asks (it was N; it stays Y for every FUSE mount)"
-                );
-                true
-            }
-            Err(e) => {
-                cannot(format!("cannot set {ENABLE_URING}: {e}"));
-                false
-            }
-        },
-        Err(e) => {
-            cannot(format!(
-                "{ENABLE_URING}: {e} (a kernel without FUSE over io_uring, before 6.14)"
-            ));
-            false
-        }
-    }
-}
-
-/// The adapter's settings for a mount just made at `mountpoint`, and the dirty-page cap to keep
-/// (`None` without the writeback cache). With the writeback cache, the kernel may hold at most
-/// the cap dirty for this mount (its writeback device's `max_bytes`). The *base* cap is a
-/// sixteenth of the filesystem, between 16 and 256 MiB; opens for writing are written through
-/// once free space falls below twice the base (the headroom, DESIGN §12.4). Above that, the
-/// cap follows free space ([`DirtyCap`]).
-fn fuse_options(
-    config: &MountConfig,
-    fs: &Filesystem,
-    mountpoint: &Path,
-) -> (FuseOptions, Option<DirtyCap>) {
-    let size = fs.statfs();
-    let size = size.blocks.saturating_mul(u64::from(size.bsize));
-    let base = (size / 16).clamp(16 << 20, 256 << 20);
-    let mut write_through_below = 2 * base;
-    let mut cap = None;
-    if config.writeback {
-        match bdi_max_bytes(mountpoint) {
-            Ok(path) => {
-                let mut live = DirtyCap::new(path, base, write_through_below);
-                match live.update(free_bytes(fs)) {
-                    Ok(()) => cap = Some(live),
-                    Err(e) => {
-                        log::warn!("dirty limit of {}: {e}", mountpoint.display());
-                        write_through_below =
-                            write_through_below.max(birch_fuse::DEFAULT_WRITE_THROUGH_BELOW);
-                    }
-                }
-            }
-            Err(e) => {
-                log::warn!("dirty limit of {}: {e}", mountpoint.display());
-                // The kernel's own cap (1% of dirtyable memory) is unknown: be generous.
-                write_through_below =
-                    write_through_below.max(birch_fuse::DEFAULT_WRITE_THROUGH_BELOW);
-            }
-        }
-    }
-    let options = FuseOptions {
-        ttl: Duration::from_secs_f64(config.ttl_secs),
-        writeback: config.writeback,
-        keep_cache: config.keep_cache,
-        write_through_below,
-        waiters: config.waiters,
-        loops: config.threads,
-        bench_serialize_sync_writes: config.bench_serialize_sync_writes,
-    };
-    (options, cap)
-}
-
-/// Free space as `df` shows it (blocks freed since the last commit included: DESIGN §10.7).
-fn free_bytes(fs: &Filesystem) -> u64 {
-    let s = fs.statfs();
-    s.bavail.saturating_mul(u64::from(s.bsize))
-}
-
-/// How often the dirty cap is fitted to free space. Free space cannot fall by the headroom plus
-/// the cap (at least 48 MiB) in this time on any device birch serves, so what the kernel holds
-/// dirty always fits when it is written back.
-const DIRTY_CAP_EVERY: Duration = Duration::from_millis(100);
-
-/// The mount's dirty-page cap, fitted to free space (DESIGN §12.4). A small fixed cap made a
-/// writer of more than the cap run at the daemon's speed of taking random write-backs
-/// (sysbench random 8 KiB writes: 208 MiB/s with 128 MiB, 767 MiB/s with 768 MiB). The cap is
-/// half the free space above the headroom, at least the base and at most an eighth of the
-/// machine's memory: what the kernel holds dirty then fits in free space with the headroom to
-/// spare, and as free space falls the cap falls with it (the kernel throttles writers above a
-/// lowered cap at once), down to the base when free space nears the headroom, where the
-/// headroom rules of the fixed cap take over unchanged.
-struct DirtyCap {
-    /// `/sys/class/bdi/MAJ:MIN/max_bytes` of the mount.
-    path: String,
-    /// The smallest cap.
-    base: u64,
-    /// Free space below which opens are written through.
-    headroom: u64,
-    /// An eighth of the machine's memory.
-    memory: u64,
-    /// The cap last set, as the kernel reported it back.
-    current: u64,
-}
-
-impl DirtyCap {
-    fn new(path: String, base: u64, headroom: u64) -> DirtyCap {
-        // SAFETY: sysconf has no preconditions.
-        let (pages, page) = unsafe {
-            (
-                libc::sysconf(libc::_SC_PHYS_PAGES),
-                libc::sysconf(libc::_SC_PAGESIZE),
-            )
-        };
-        let memory = (pages.max(0) as u64).saturating_mul(page.max(0) as u64) / 8;
-        DirtyCap {
-            path,
-            base,
-            headroom,
-            memory: memory.max(base),
-            current: 0,
-        }
-    }
-
-    /// The cap for `free` bytes of free space.
-    fn target(&self, free: u64) -> u64 {
-        (free.saturating_sub(self.headroom) / 2)
-            .min(self.memory)
-            .max(self.base)
-    }
-
-    /// Sets the cap for `free` bytes of free space if it moved by more than an eighth of the
-    /// current cap (smaller moves are not worth a write; the headroom covers them).
-    fn update(&mut self, free: u64) -> Result<(), String> {
-        let want = self.target(free);
-        if self.current != 0 && want.abs_diff(self.current) <= self.current / 8 {
-            return Ok(());
-        }
-        std::fs::write(&self.path, want.to_string()).map_err(|e| format!("{}: {e}", self.path))?;
-        let back = std::fs::read_to_string(&self.path)
-            .map_err(|e| format!("{}: {e}", self.path))?
-            .trim()
-            .parse::<u64>()
-            .map_err(|e| format!("{}: {e}", self.path))?;
-        self.current = back;
-        Ok(())
-    }
-
-    /// Fits the cap to free space every [`DIRTY_CAP_EVERY`] until the filesystem is gone.
-    fn follow(mut self, fs: std::sync::Weak<Filesystem>, stop: Arc<AtomicBool>) {
-        while !stop.load(Ordering::Relaxed) {
-            let Some(fs) = fs.upgrade() else { return };
-            let free = free_bytes(&fs);
-            drop(fs);
-            if let Err(e) = self.update(free) {
-                log::warn!("dirty limit: {e}; keeping {} bytes", self.current);
-                return;
-            }
-            std::thread::sleep(DIRTY_CAP_EVERY);
-        }
-    }
-}
-
-/// The `max_bytes` file of the writeback device of the mount at `mountpoint`. Reads
-/// /proc/self/mountinfo (never the mount itself, which nobody serves yet).
-fn bdi_max_bytes(mountpoint: &Path) -> Result<String, String> {
-    let target = canonical(mountpoint).to_string_lossy().into_owned();
-    let info = std::fs::read_to_string("/proc/self/mountinfo").map_err(|e| e.to_string())?;
-    let dev = info
-        .lines()
-        .rev()
-        .map(|l| l.split(' ').collect::<Vec<_>>())
-        .find(|f| f.get(4).map(|m| unescape(m)) == Some(target.clone()))
-        .and_then(|f| f.get(2).map(|d| d.to_string()))
-        .ok_or_else(|| format!("{target} not in /proc/self/mountinfo"))?;
-    Ok(format!("/sys/class/bdi/{dev}/max_bytes"))
-}
-
-/// Mounts /dev/fuse at `mountpoint` as type `fuse.birch` with the image path as source, so
-/// that mount(8), /proc/mounts and `mount -o remount` see a birch filesystem (and call
-/// mount.fuse.birch). Returns the /dev/fuse descriptor the session serves.
-fn kernel_mount(
-    image: &Path,
-    mountpoint: &Path,
-    config: &MountConfig,
-) -> std::io::Result<std::os::fd::OwnedFd> {
-    use std::os::fd::AsRawFd;
-    let dev = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/fuse")
-        .map_err(|e| std::io::Error::new(e.kind(), format!("/dev/fuse: {e}")))?;
-    // SAFETY: geteuid/getegid have no preconditions.
-    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
-    let mut data = format!(
-        "fd={},rootmode=40000,user_id={uid},group_id={gid},default_permissions",
-        dev.as_raw_fd()
-    );
-    if config.allow_other {
-        data.push_str(",allow_other");
-    }
-    let mut flags = config.vfs_flags | config.atime_flags();
-    if config.read_only {
-        flags |= libc::MS_RDONLY;
-    }
-    let cstr = |p: &std::ffi::OsStr| {
-        std::ffi::CString::new(p.as_encoded_bytes()).map_err(|_| {
-            std::io::Error::new(std::io::ErrorKind::InvalidInput, "path with a NUL byte")
-        })
-    };
-    let source = cstr(canonical(image).as_os_str())?;
-    let target = cstr(canonical(mountpoint).as_os_str())?;
-    let fstype = cstr(std::ffi::OsStr::new("fuse.birch"))?;
-    let data = cstr(std::ffi::OsStr::new(&data))?;
-    // SAFETY: mount(2) with valid NUL-terminated strings that outlive the call.
-    let rc = unsafe {
-        libc::mount(
-            source.as_ptr(),
-            target.as_ptr(),
-            fstype.as_ptr(),
-            flags,
-            data.as_ptr().cast(),
-        )
-    };
-    if rc != 0 {
-        let err = std::io::Error::last_os_error();
-        let hint = if err.raw_os_error() == Some(libc::EPERM) {
-            " (mounting needs root or CAP_SYS_ADMIN)"
-        } else {
-            ""
-        };
-        return Err(std::io::Error::new(
-            err.kind(),
-            format!("mount(2): {err}{hint}"),
-        ));
-    }
-    Ok(dev.into())
-}
-
-fn lazy_unmount(mountpoint: &Path) {
-    if let Ok(c) = std::ffi::CString::new(canonical(mountpoint).as_os_str().as_encoded_bytes()) {
-        // SAFETY: umount2 with a valid NUL-terminated path.
-        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-    }
-}
-
-fn signal_set() -> libc::sigset_t {
-    // SAFETY: sigemptyset/sigaddset initialise a sigset_t we own.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGHUP);
-        set
-    }
-}
-
-fn block_signals() {
-    let set = signal_set();
-    // SAFETY: blocks the signals in this thread; threads spawned later inherit the mask.
-    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
-}
-
-/// Waits for SIGTERM, SIGINT or SIGHUP, then unmounts the daemon's mount at `target` and every
-/// bind mount of it (every mount of `image`): the session ends with the last.
-fn wait_for_signal_then_unmount(target: &Path, image: &Path) {
-    let set = signal_set();
-    let mut sig: libc::c_int = 0;
-    // SAFETY: sigwait on a valid set with the signals blocked in every thread.
-    unsafe { libc::sigwait(&set, &mut sig) };
-    log::warn!("signal {sig}: unmounting {}", target.display());
-    let mut targets = mounts_of_source(image);
-    targets.retain(|t| Path::new(t) != target);
-    targets.insert(0, target.to_string_lossy().into_owned());
-    for t in targets.iter().rev() {
-        let Ok(c) = std::ffi::CString::new(t.as_bytes()) else {
-            continue;
-        };
-        // SAFETY: umount2 with a valid NUL-terminated path.
-        let rc = unsafe { libc::umount2(c.as_ptr(), 0) };
-        if rc != 0 {
-            // SAFETY: as above.
-            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-        }
-    }
-}
-
 /// How long `birch umount` retries an unmount the kernel answers EBUSY.
 const UMOUNT_BUSY_WAIT: Duration = Duration::from_secs(5);
 
@@ -1236,7 +603,7 @@ fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
         Err(e) => return fail(e),
     };
     let target = canonical(mountpoint);
-    let tell = |command: &str| control(&target, command);
+    let tell = |command: ControlCommand| control(&target, &command);
     let kernel = |flags: libc::c_ulong| -> std::io::Result<()> {
         let path = std::ffi::CString::new(target.as_os_str().as_encoded_bytes())
             .map_err(|_| std::io::ErrorKind::InvalidInput)?;
@@ -1265,7 +632,7 @@ fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
         kernel(libc::MS_BIND | config.vfs_flags | config.atime_flags()).and_then(|()| {
             match mounted_atime(&target) {
                 Some(mode) if !config.read_only && config.atime.is_some() => {
-                    tell(&format!("atime={}", mode.option()))
+                    tell(ControlCommand::Atime(mode))
                 }
                 _ => Ok(()),
             }
@@ -1280,18 +647,18 @@ fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
                 target.display()
             );
         }
-        tell("ro").and_then(|()| {
+        tell(ControlCommand::ReadOnly).and_then(|()| {
             kernel(config.vfs_flags | config.atime_flags() | libc::MS_RDONLY).inspect_err(|_| {
-                let _ = tell("rw");
+                let _ = tell(ControlCommand::ReadWrite);
             })
         })
     } else {
         // The kernel applies the atime flags to its mount (a remount without any keeps what it
         // had) but cannot to FUSE inodes: the daemon is told what the mount table now says.
         kernel(config.vfs_flags | config.atime_flags())
-            .and_then(|()| tell("rw"))
+            .and_then(|()| tell(ControlCommand::ReadWrite))
             .and_then(|()| match mounted_atime(&target) {
-                Some(mode) => tell(&format!("atime={}", mode.option())),
+                Some(mode) => tell(ControlCommand::Atime(mode)),
                 None => Ok(()),
             })
     };
@@ -1301,10 +668,10 @@ fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
     }
 }
 
-/// Sends a control command to the daemon serving the mount at `mountpoint` (the root's
-/// `trusted.birch.control` xattr, so root only): `ro`, `rw`, `sync`, `shutdown`,
-/// `shutdown-log`, `shutdown-now`.
-pub(crate) fn control(mountpoint: &Path, command: &str) -> std::io::Result<()> {
+/// Sends a control command to the daemon serving the mount at `mountpoint` (its wire string
+/// on the root's `trusted.birch.control` xattr, so root only).
+pub(crate) fn control(mountpoint: &Path, command: &ControlCommand) -> std::io::Result<()> {
+    let command = command.to_string();
     let path = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes())
         .map_err(|_| std::io::ErrorKind::InvalidInput)?;
     let name = std::ffi::CString::new(birch_fuse::CONTROL_XATTR)
@@ -1340,154 +707,9 @@ pub(crate) fn syncfs(path: &Path) -> std::io::Result<()> {
     }
 }
 
-/// A filesystem served by this process on a real FUSE mount (for `birch crashtest --fuse`):
-/// the kernel path, its page cache and its request ordering are all in play.
-pub(crate) struct InProcessMount {
-    mountpoint: PathBuf,
-    session: Option<std::thread::JoinHandle<std::io::Result<()>>>,
-    /// Stops the thread fitting the dirty cap to free space.
-    stop_cap: Arc<AtomicBool>,
-}
-
-impl InProcessMount {
-    /// Mounts `fs` at `mountpoint` and serves it from background threads.
-    /// With `caches` false the kernel caches no names or attributes (`ttl=0`) and drops a
-    /// file's pages at every open (`keep_cache=off`), as those mount options do; with `uring`
-    /// it serves over FUSE over io_uring (falling back to /dev/fuse as a mount does).
-    pub(crate) fn start(
-        fs: Arc<Filesystem>,
-        mountpoint: &Path,
-        writeback: bool,
-        caches: bool,
-        uring: bool,
-    ) -> Result<InProcessMount, String> {
-        let config = MountConfig {
-            read_only: false,
-            allow_other: false,
-            commit_secs: 0,
-            threads: default_threads(),
-            waiters: birch_fuse::DEFAULT_WAITERS,
-            ttl_secs: if caches {
-                birch_fuse::DEFAULT_TTL_SECS as f64
-            } else {
-                0.0
-            },
-            vfs_flags: 0,
-            atime: None,
-            nodiratime: None,
-            fsync: FsyncMode::Log,
-            writeback,
-            keep_cache: caches,
-            buffer: true,
-            uring: Some(uring),
-            bench_serialize_sync_writes: false,
-            bench_global_objectid_lock: false,
-            bench_apply_per_item: false,
-            ceph: CephOptions::default(),
-            snapshot: None,
-        };
-        let mut fuse_config = Config::default();
-        fuse_config.acl = SessionACL::Owner;
-        fuse_config.n_threads = Some(config.threads);
-        fuse_config.uring = ring_for(Some(uring), mountpoint, uring_allowed);
-        fuse_config.clone_fd = true;
-        let fd = kernel_mount(Path::new("crashtest"), mountpoint, &config)
-            .map_err(|e| format!("mount on {}: {e}", mountpoint.display()))?;
-        let (fuse_opts, dirty_cap) = fuse_options(&config, &fs, mountpoint);
-        let adapter = BirchFuse::new(fs.clone(), fuse_opts);
-        let notifier_slot = adapter.notifier_slot();
-        let session = fuser::Session::from_fd(adapter, fd, SessionACL::Owner, fuse_config)
-            .map_err(|e| {
-                lazy_unmount(mountpoint);
-                format!("FUSE handshake on {}: {e}", mountpoint.display())
-            })?;
-        let _ = notifier_slot.set(session.notifier());
-        let handle = std::thread::spawn(move || session.run());
-        let stop_cap = Arc::new(AtomicBool::new(false));
-        if let Some(cap) = dirty_cap {
-            let (weak, stop) = (Arc::downgrade(&fs), stop_cap.clone());
-            std::thread::spawn(move || cap.follow(weak, stop));
-        }
-        Ok(InProcessMount {
-            mountpoint: canonical(mountpoint),
-            session: Some(handle),
-            stop_cap,
-        })
-    }
-
-    /// Unmounts and waits for the session threads to end.
-    pub(crate) fn stop(mut self) {
-        self.unmount();
-    }
-
-    fn unmount(&mut self) {
-        self.stop_cap.store(true, Ordering::Relaxed);
-        lazy_unmount(&self.mountpoint);
-        if let Some(handle) = self.session.take() {
-            let _ = handle.join();
-        }
-    }
-}
-
-impl Drop for InProcessMount {
-    fn drop(&mut self) {
-        self.unmount();
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A ring that was only the default falls back to /dev/fuse at info level; one asked for
-    /// with `-o uring` (or by crashtest) warns; `-o nouring` makes none.
-    #[test]
-    fn a_ring_fallback_warns_only_when_the_ring_was_asked_for() {
-        let at = Path::new("/nonexistent-birch-mountpoint");
-        let default = ring_for(None, at, |asked| !asked).expect("the default ring");
-        assert_eq!(default.fallback_level(), log::Level::Info);
-        let asked = ring_for(Some(true), at, |asked| asked).expect("the ring asked for");
-        assert_eq!(asked.fallback_level(), log::Level::Warn);
-        assert!(ring_for(Some(false), at, |_| panic!("-o nouring asks nothing")).is_none());
-        assert!(ring_for(None, at, |_| false).is_none(), "not allowed");
-    }
-
-    /// The dirty cap is half the free space above the headroom, never below the base nor above
-    /// an eighth of memory, and falls as free space falls.
-    #[test]
-    fn dirty_cap_follows_free_space() {
-        const MIB: u64 = 1 << 20;
-        let mut cap = DirtyCap::new(
-            "/nonexistent-birch-dir/max_bytes".into(),
-            128 * MIB,
-            256 * MIB,
-        );
-        cap.memory = 1024 * MIB;
-        assert_eq!(cap.target(922 * MIB), 333 * MIB);
-        assert_eq!(
-            cap.target(300 * MIB),
-            128 * MIB,
-            "near the headroom: the base"
-        );
-        assert_eq!(cap.target(0), 128 * MIB);
-        assert_eq!(
-            cap.target(100 << 30),
-            1024 * MIB,
-            "an eighth of memory at most"
-        );
-        let mut last = u64::MAX;
-        for free in (0..4096).rev().map(|m| m * MIB) {
-            let t = cap.target(free);
-            assert!(t <= last && t >= cap.base);
-            // What the kernel may hold dirty fits in free space with the headroom left.
-            if t > cap.base {
-                assert!(free >= cap.headroom + 2 * t);
-            }
-            last = t;
-        }
-        // A cap that cannot be written is an error, never a panic.
-        assert!(cap.update(922 * MIB).is_err());
-    }
 
     /// Every option the man page lists parses, with a number where it names one.
     #[test]

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use birch_core::control::ControlCommand;
 use birch_core::device::{open_image, BlockDevice, ImageOptions, OpenMode};
 use birch_core::scrub::{
     scrub, ImageViews, ScrubOptions, ScrubProgress, ViewSource, ONLINE_RATE_DEFAULT_BYTES_PER_SEC,
@@ -132,8 +133,11 @@ fn online(mountpoint: &Path, rate: Option<u64>) -> Result<Value, String> {
     // first), so the scrub covers it. A read-only mount has nothing to commit; that failure
     // is not one.
     let _ = crate::mount::syncfs(mountpoint);
-    let _ = crate::mount::control(mountpoint, "sync");
-    let command = format!("scrub-start rate={}", rate.unwrap_or(0));
+    let _ = crate::mount::control(mountpoint, &ControlCommand::Sync);
+    // Rate 0 (or none) is unlimited.
+    let command = ControlCommand::ScrubStart {
+        rate: rate.filter(|r| *r > 0),
+    };
     crate::mount::control(mountpoint, &command).map_err(|e| match e.raw_os_error() {
         Some(libc::EBUSY) => "a scrub is already running on this mount".to_string(),
         Some(libc::EPERM) => "an online scrub needs root (CAP_SYS_ADMIN)".to_string(),
@@ -146,7 +150,7 @@ fn online(mountpoint: &Path, rate: Option<u64>) -> Result<Value, String> {
     let mut bar: Option<indicatif::ProgressBar> = None;
     loop {
         if INTERRUPTED.load(Ordering::SeqCst) {
-            let _ = crate::mount::control(mountpoint, "scrub-cancel");
+            let _ = crate::mount::control(mountpoint, &ControlCommand::ScrubCancel);
             if let Some(bar) = &bar {
                 bar.finish_and_clear();
             }

@@ -30,6 +30,7 @@ use birch_format::items::{InodeItem, Timespec};
 use birch_format::{BlockCount, InodeNo, ItemType, Key, BLOCK_SIZE, ROOT_OBJECTID};
 use parking_lot::{Condvar, Mutex, RwLock};
 
+use crate::control::ControlCommand;
 use crate::counters::CachePadded;
 use crate::device::{
     create_rbd_image, open_image, BlockDevice, CephOptions, ImageOptions, OpenMode, RbdSpec,
@@ -780,20 +781,21 @@ impl Filesystem {
     /// progress and report are [`Filesystem::scrub_status`]. `snapshot-create NAME` and
     /// `snapshot-delete NAME` make and delete a snapshot ([`Filesystem::create_snapshot`],
     /// [`Filesystem::delete_snapshot`]); [`Filesystem::snapshots_text`] lists them.
+    /// The command's wire string is parsed by [`ControlCommand::parse`].
     pub fn control(&self, command: &[u8]) -> Result<()> {
         self.inner.engine.check_up()?;
-        match command {
-            b"shutdown" => self.shutdown(ShutdownMode::Commit),
-            b"shutdown-log" => self.shutdown(ShutdownMode::Log),
-            b"shutdown-now" => self.shutdown(ShutdownMode::Now),
-            b"ro" => {
+        match ControlCommand::parse(command)? {
+            ControlCommand::Shutdown => self.shutdown(ShutdownMode::Commit),
+            ControlCommand::ShutdownLog => self.shutdown(ShutdownMode::Log),
+            ControlCommand::ShutdownNow => self.shutdown(ShutdownMode::Now),
+            ControlCommand::ReadOnly => {
                 // Buffered data first (it cannot be recorded once read-only); then read-only,
                 // so no change slips in between; then commit what is there.
                 self.commit_now()?;
                 self.inner.engine.set_read_only(ReadOnlyCause::Remounted);
                 self.commit_now().map(|_| ())
             }
-            b"rw" => {
+            ControlCommand::ReadWrite => {
                 if self.inner.engine.replay_pending() {
                     return Err(Error::Invalid("the log of this image was not replayed (it was opened read-only): unmount and mount it read-write".into()));
                 }
@@ -810,55 +812,26 @@ impl Filesystem {
                 }
                 Ok(())
             }
-            b"sync" => self.sync(),
-            b"scrub-cancel" => {
+            ControlCommand::Sync => self.sync(),
+            ControlCommand::ScrubCancel => {
                 if let Some(job) = self.inner.scrub.lock().as_ref() {
                     job.cancel();
                 }
                 Ok(())
             }
-            other if other.starts_with(b"scrub-start") => self.scrub_start(other),
-            other if other.starts_with(b"snapshot-create ") => self
-                .create_snapshot(&control_name(&other[16..])?)
-                .map(|_| ()),
-            other if other.starts_with(b"snapshot-delete ") => self
-                .delete_snapshot(&control_name(&other[16..])?)
-                .map(|_| ()),
-            other if other.starts_with(b"atime=") => {
-                let mode = std::str::from_utf8(&other[6..])
-                    .ok()
-                    .and_then(AtimeMode::from_option)
-                    .ok_or_else(|| {
-                        Error::Invalid(format!(
-                            "control command {:?}: expected atime=noatime, relatime or strictatime",
-                            String::from_utf8_lossy(other)
-                        ))
-                    })?;
+            ControlCommand::ScrubStart { rate } => self.scrub_start(rate),
+            ControlCommand::SnapshotCreate(name) => self.create_snapshot(&name).map(|_| ()),
+            ControlCommand::SnapshotDelete(name) => self.delete_snapshot(&name).map(|_| ()),
+            ControlCommand::Atime(mode) => {
                 self.set_atime_mode(mode);
                 Ok(())
             }
-            other => Err(Error::Invalid(format!(
-                "control command {:?}",
-                String::from_utf8_lossy(other)
-            ))),
         }
     }
 
-    /// Starts an online scrub (control command `scrub-start [rate=BYTES_PER_SEC]`).
-    fn scrub_start(&self, command: &[u8]) -> Result<()> {
-        let text = String::from_utf8_lossy(command);
-        let mut rate = Some(crate::scrub::ONLINE_RATE_DEFAULT_BYTES_PER_SEC);
-        for word in text.split_whitespace().skip(1) {
-            let value = word
-                .strip_prefix("rate=")
-                .and_then(|v| v.parse::<u64>().ok())
-                .ok_or_else(|| {
-                    Error::Invalid(format!(
-                        "control command {text:?}: expected scrub-start [rate=BYTES_PER_SEC]"
-                    ))
-                })?;
-            rate = (value > 0).then_some(value);
-        }
+    /// Starts an online scrub at `rate` bytes per second, `None` unlimited (control command
+    /// `scrub-start [rate=BYTES_PER_SEC]`).
+    fn scrub_start(&self, rate: Option<u64>) -> Result<()> {
         let mut slot = self.inner.scrub.lock();
         if slot.as_ref().is_some_and(|job| job.is_running()) {
             return Err(Error::Busy(
@@ -1426,14 +1399,6 @@ pub(crate) fn attr_of(ino: u64, item: &InodeItem) -> Attr {
         blksize: BLOCK_SIZE as u32,
         generation: item.generation,
     }
-}
-
-/// The snapshot name of a `snapshot-create NAME` or `snapshot-delete NAME` control command.
-fn control_name(bytes: &[u8]) -> Result<String> {
-    let name = std::str::from_utf8(bytes)
-        .map_err(|_| Error::Invalid("snapshot name: not UTF-8".into()))?;
-    crate::snapshot::check_name(name)?;
-    Ok(name.to_string())
 }
 
 /// Checks a name before any tree is touched.

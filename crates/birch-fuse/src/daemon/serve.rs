@@ -1,0 +1,291 @@
+//! A mount's daemon from mount(2) to exit: opens the image (its lock held until the end),
+//! mounts /dev/fuse as `fuse.birch`, sets up the FUSE session (request loops, io_uring, the
+//! adapter's options and the dirty cap from `crate::full_disk`), serves until the last mount
+//! is gone, then commits, flushes and releases the image; and what the device reports
+//! (a lost `rbd:` image shuts the filesystem down).
+//! Must not touch: request handling (the adapter), option parsing and daemonizing (the CLI).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
+
+use birch_core::device::{open_image, DeviceEvents, ImageOptions, OpenMode, RbdSpec};
+use birch_core::vfs::ShutdownMode;
+use birch_core::{Filesystem, OpenOptions};
+use fuser::{Config, SessionACL};
+
+use super::mountinfo::canonical;
+use super::signals::{block_signals, wait_for_signal_then_unmount};
+use super::uring_setup::{ring_for, uring_allowed};
+use super::MountConfig;
+use crate::full_disk::{self, DirtyCap};
+use crate::{BirchFuse, FuseOptions};
+
+/// Runs the filesystem in this process until unmount or SIGTERM/SIGINT/SIGHUP. An error is
+/// what the daemon reports before it exits with status 1 (the image already named in it).
+pub fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> Result<(), String> {
+    block_signals();
+    let options = OpenOptions {
+        commit_interval: (config.commit_secs > 0).then(|| Duration::from_secs(config.commit_secs)),
+        read_only: config.read_only,
+        wait_for_lock: true,
+        fsync: config.fsync,
+        buffered: config.buffer,
+        bench_global_objectid_lock: config.bench_global_objectid_lock,
+        bench_apply_per_item: config.bench_apply_per_item,
+    };
+    // An RBD snapshot (`rbd:POOL/IMAGE@SNAP`) cannot be written: it mounts read-only, takes
+    // no lock (the image's holder keeps its own), and replays a pending log in memory.
+    let snapshot =
+        matches!(RbdSpec::from_path(image), Ok(Some(ref spec)) if spec.snapshot.is_some());
+    if snapshot && !config.read_only {
+        return Err(format!(
+            "{}: a snapshot cannot be written: mount it with -o ro",
+            image.display()
+        ));
+    }
+    let mode = if snapshot {
+        OpenMode::ReadOnlyUnlocked
+    } else if config.snapshot.is_some() {
+        // Not waiting: the lock's holder is most likely the live mount's daemon.
+        OpenMode::ReadOnly
+    } else if config.read_only {
+        OpenMode::ReadOnlyWait
+    } else {
+        OpenMode::ReadWriteWait
+    };
+    let events = Arc::new(MountEvents {
+        fs: OnceLock::new(),
+        lost: AtomicBool::new(false),
+        mountpoint: canonical(mountpoint),
+    });
+    let image_options = ImageOptions {
+        ceph: config.ceph.clone(),
+        holder: format!("mount at {}", canonical(mountpoint).display()),
+        events: Some(events.clone()),
+    };
+    // The device's errors name the image already (path or rbd: spec).
+    let device = match open_image(image, mode, &image_options) {
+        Ok(d) => d,
+        Err(e) => {
+            return Err(match &config.snapshot {
+                Some(name) => format!(
+                    "{e}: the image is in use (the daemon of its live mount, or another birch \
+                     command, holds its lock); while the filesystem is mounted, snapshot \
+                     {name:?} is browsable at MNT/.snapshot/{name} of that mount"
+                ),
+                None => e.to_string(),
+            })
+        }
+    };
+    let fs = match Filesystem::open_device(device, options) {
+        Ok(fs) => Arc::new(fs),
+        Err(e) => return Err(format!("{}: {e}", image.display())),
+    };
+    events.attach(&fs);
+    if snapshot {
+        fs.pin_read_only("it serves an RBD snapshot, which cannot be written");
+    }
+    if let Some(name) = &config.snapshot {
+        if let Err(e) = fs.serve_snapshot_alone(name) {
+            return Err(format!("{}: -o snapshot={name}: {e}", image.display()));
+        }
+        fs.pin_read_only(&format!("it serves snapshot {name:?} alone"));
+    }
+    fs.set_atime_mode(config.atime.unwrap_or_default());
+    let mut fuse_config = Config::default();
+    fuse_config.acl = if config.allow_other {
+        SessionACL::All
+    } else {
+        SessionACL::Owner
+    };
+    fuse_config.n_threads = Some(config.threads);
+    fuse_config.clone_fd = true;
+    // The kernel offers FUSE_OVER_IO_URING in INIT (sent during mount(2)) only if the fuse
+    // module's enable_uring is on; without it no ring is made (its buffers would go unused).
+    fuse_config.uring = ring_for(config.uring, mountpoint, uring_allowed);
+    let fuse_fd = match kernel_mount(image, mountpoint, config) {
+        Ok(fd) => fd,
+        Err(e) => {
+            return Err(format!(
+                "mount {} on {}: {e}",
+                image.display(),
+                mountpoint.display()
+            ))
+        }
+    };
+    let (fuse_opts, dirty_cap) = fuse_options(config, &fs, mountpoint);
+    let adapter = BirchFuse::new(fs.clone(), fuse_opts);
+    let acl = fuse_config.acl;
+    let notifier_slot = adapter.notifier_slot();
+    let session = match fuser::Session::from_fd(adapter, fuse_fd, acl, fuse_config) {
+        Ok(s) => s,
+        Err(e) => {
+            lazy_unmount(mountpoint);
+            return Err(format!(
+                "mount {} on {}: FUSE handshake: {e}",
+                image.display(),
+                mountpoint.display()
+            ));
+        }
+    };
+    let _ = notifier_slot.set(session.notifier());
+    let target = canonical(mountpoint);
+    let source = canonical(image);
+    std::thread::spawn(move || wait_for_signal_then_unmount(&target, &source));
+    let stop_cap = Arc::new(AtomicBool::new(false));
+    if let Some(cap) = dirty_cap {
+        let (weak, stop) = (Arc::downgrade(&fs), stop_cap.clone());
+        std::thread::spawn(move || cap.follow(weak, stop));
+    }
+    let result = session.run();
+    stop_cap.store(true, Ordering::Relaxed);
+    // The kernel connection is gone; commit, flush and release the image lock before exit.
+    let closed = fs.close();
+    drop(fs);
+    if let Err(e) = result {
+        return Err(format!("FUSE session ended with an error: {e}"));
+    }
+    if let Err(e) = closed {
+        return Err(format!("final commit failed: {e}"));
+    }
+    Ok(())
+}
+
+/// What a mount does when its device reports (an `rbd:` image, DESIGN §14.3): a lost device
+/// (lock taken over, client fenced, the cluster not answering within `rbd_timeout=`) shuts the
+/// filesystem down, so every request answers EIO, reads included; a snapshot's quiesce commits.
+struct MountEvents {
+    fs: OnceLock<Weak<Filesystem>>,
+    /// The device was lost, maybe before the filesystem was attached.
+    lost: AtomicBool,
+    mountpoint: PathBuf,
+}
+
+impl MountEvents {
+    fn attach(&self, fs: &Arc<Filesystem>) {
+        let _ = self.fs.set(Arc::downgrade(fs));
+        if self.lost.load(Ordering::SeqCst) {
+            let _ = fs.shutdown(ShutdownMode::Now);
+        }
+    }
+}
+
+impl DeviceEvents for MountEvents {
+    fn device_lost(&self, why: &str) {
+        self.lost.store(true, Ordering::SeqCst);
+        log::error!(
+            "{}: the image is lost ({why}); shutting the filesystem down: every request answers EIO until it is unmounted",
+            self.mountpoint.display()
+        );
+        if let Some(fs) = self.fs.get().and_then(Weak::upgrade) {
+            if let Err(e) = fs.shutdown(ShutdownMode::Now) {
+                log::warn!("{}: shutdown: {e}", self.mountpoint.display());
+            }
+        }
+    }
+
+    fn lost_in_effect(&self) -> bool {
+        self.fs
+            .get()
+            .and_then(Weak::upgrade)
+            .is_none_or(|fs| fs.is_shut_down())
+    }
+
+    fn quiesce(&self) -> std::io::Result<()> {
+        match self.fs.get().and_then(Weak::upgrade) {
+            Some(fs) => fs.sync().map_err(|e| std::io::Error::other(e.to_string())),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The adapter's settings for a mount just made at `mountpoint`, and the dirty-page cap to keep
+/// (`None` without the writeback cache; see [`full_disk::size_for_mount`]).
+pub(crate) fn fuse_options(
+    config: &MountConfig,
+    fs: &Filesystem,
+    mountpoint: &Path,
+) -> (FuseOptions, Option<DirtyCap>) {
+    let (write_through_below, cap) = full_disk::size_for_mount(fs, mountpoint, config.writeback);
+    let options = FuseOptions {
+        ttl: Duration::from_secs_f64(config.ttl_secs),
+        writeback: config.writeback,
+        keep_cache: config.keep_cache,
+        write_through_below,
+        waiters: config.waiters,
+        loops: config.threads,
+        bench_serialize_sync_writes: config.bench_serialize_sync_writes,
+    };
+    (options, cap)
+}
+
+/// Mounts /dev/fuse at `mountpoint` as type `fuse.birch` with the image path as source, so
+/// that mount(8), /proc/mounts and `mount -o remount` see a birch filesystem (and call
+/// mount.fuse.birch). Returns the /dev/fuse descriptor the session serves.
+pub fn kernel_mount(
+    image: &Path,
+    mountpoint: &Path,
+    config: &MountConfig,
+) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::AsRawFd;
+    let dev = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/fuse")
+        .map_err(|e| std::io::Error::new(e.kind(), format!("/dev/fuse: {e}")))?;
+    // SAFETY: geteuid/getegid have no preconditions.
+    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    let mut data = format!(
+        "fd={},rootmode=40000,user_id={uid},group_id={gid},default_permissions",
+        dev.as_raw_fd()
+    );
+    if config.allow_other {
+        data.push_str(",allow_other");
+    }
+    let mut flags = config.vfs_flags | config.atime_flags();
+    if config.read_only {
+        flags |= libc::MS_RDONLY;
+    }
+    let cstr = |p: &std::ffi::OsStr| {
+        std::ffi::CString::new(p.as_encoded_bytes()).map_err(|_| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, "path with a NUL byte")
+        })
+    };
+    let source = cstr(canonical(image).as_os_str())?;
+    let target = cstr(canonical(mountpoint).as_os_str())?;
+    let fstype = cstr(std::ffi::OsStr::new("fuse.birch"))?;
+    let data = cstr(std::ffi::OsStr::new(&data))?;
+    // SAFETY: mount(2) with valid NUL-terminated strings that outlive the call.
+    let rc = unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            flags,
+            data.as_ptr().cast(),
+        )
+    };
+    if rc != 0 {
+        let err = std::io::Error::last_os_error();
+        let hint = if err.raw_os_error() == Some(libc::EPERM) {
+            " (mounting needs root or CAP_SYS_ADMIN)"
+        } else {
+            ""
+        };
+        return Err(std::io::Error::new(
+            err.kind(),
+            format!("mount(2): {err}{hint}"),
+        ));
+    }
+    Ok(dev.into())
+}
+
+/// umount2(MNT_DETACH) of `mountpoint`: the kernel lets go of it at once.
+pub fn lazy_unmount(mountpoint: &Path) {
+    if let Ok(c) = std::ffi::CString::new(canonical(mountpoint).as_os_str().as_encoded_bytes()) {
+        // SAFETY: umount2 with a valid NUL-terminated path.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    }
+}
