@@ -41,14 +41,15 @@ impl DataLayer<'_> {
         let mut counts: Vec<((BlockAddr, BlockCount), (BlockAddr, BlockCount))> = Vec::new();
         let mut pieces: Vec<(u64, FileExtent)> = Vec::new();
         for (start, extent) in self.extents(src, src_off, src_end)? {
-            let ExtentKind::Regular { disk_addr, csums } = &extent.kind else {
-                if matches!(extent.kind, ExtentKind::Inline(_)) {
+            let (disk_addr, csums) = match &extent.kind {
+                ExtentKind::Regular { disk_addr, csums } => (disk_addr, csums),
+                ExtentKind::Inline(_) => {
                     return Err(Error::Invalid(format!(
                         "clone of inode {src}: an inline extent at {start}"
                     )));
                 }
                 // Preallocated: reads as zeros, and a hole in the clone does too.
-                continue;
+                ExtentKind::Prealloc { .. } => continue,
             };
             let lo = start.max(src_off);
             let hi = (start + extent.len_bytes()).min(src_end);

@@ -33,22 +33,23 @@ fn plan_drop_of(ino: u64, from: u64, to: u64, found: Vec<(u64, FileExtent)>) -> 
         let ext_end = start + len;
         changes.set(extent_key(ino, start), None);
         changes.existed.insert(extent_key(ino, start));
-        let disk_addr = match &extent.kind {
+        // An inline extent is only deleted (it holds no blocks). A piece of a regular extent
+        // takes its blocks' checksums, a piece of a preallocated one only its length.
+        let (disk_addr, csums) = match &extent.kind {
             ExtentKind::Inline(_) => continue,
-            ExtentKind::Regular { disk_addr, .. } | ExtentKind::Prealloc { disk_addr, .. } => {
-                *disk_addr
-            }
+            ExtentKind::Regular { disk_addr, csums } => (*disk_addr, Some(csums)),
+            ExtentKind::Prealloc { disk_addr, .. } => (*disk_addr, None),
         };
         let piece = |lo: u64, hi: u64| -> FileExtent {
             let skip = (lo - start) / BLOCK_SIZE;
             let blocks = (hi - lo) / BLOCK_SIZE;
             let addr = disk_addr + skip * BLOCK_SIZE;
-            let kind = match &extent.kind {
-                ExtentKind::Regular { csums, .. } => ExtentKind::Regular {
+            let kind = match csums {
+                Some(csums) => ExtentKind::Regular {
                     disk_addr: addr,
                     csums: csums[skip as usize..(skip + blocks) as usize].to_vec(),
                 },
-                _ => ExtentKind::Prealloc {
+                None => ExtentKind::Prealloc {
                     disk_addr: addr,
                     blocks,
                 },
@@ -56,7 +57,7 @@ fn plan_drop_of(ino: u64, from: u64, to: u64, found: Vec<(u64, FileExtent)>) -> 
             // A piece of a shared extent stays shared (its blocks stay counted).
             FileExtent {
                 generation: extent.generation,
-                shared: extent.shared && matches!(kind, ExtentKind::Regular { .. }),
+                shared: extent.shared && kind.may_be_shared(),
                 kind,
             }
         };
@@ -198,7 +199,10 @@ impl DataLayer<'_> {
             .map_err(|e| Error::corrupt(format!("inode {ino} extent {key}"), e))?;
         Ok(match extent.kind {
             ExtentKind::Inline(data) if key.offset == 0 => Layout::Inline(data),
-            _ => Layout::Blocks,
+            // An inline extent anywhere else is invalid (fsck reports it): not inline data.
+            ExtentKind::Inline(_) | ExtentKind::Regular { .. } | ExtentKind::Prealloc { .. } => {
+                Layout::Blocks
+            }
         })
     }
 
@@ -210,7 +214,7 @@ impl DataLayer<'_> {
                 .kind
             {
                 ExtentKind::Inline(data) => Ok(Some(data)),
-                _ => Ok(None),
+                ExtentKind::Regular { .. } | ExtentKind::Prealloc { .. } => Ok(None),
             },
             None => Ok(None),
         }
@@ -238,7 +242,10 @@ impl DataLayer<'_> {
             {
                 Some(disk_addr + (offset - start))
             }
-            _ => None,
+            // Ends before the block before `offset` (a hole between), or holds no blocks.
+            ExtentKind::Inline(_) | ExtentKind::Regular { .. } | ExtentKind::Prealloc { .. } => {
+                None
+            }
         })
     }
 
@@ -402,13 +409,16 @@ impl DataLayer<'_> {
         else {
             return;
         };
-        let Ok(FileExtent {
-            kind: ExtentKind::Regular { disk_addr, csums },
-            shared: false,
-            ..
-        }) = FileExtent::decode(&first_bytes)
-        else {
+        let Ok(first) = FileExtent::decode(&first_bytes) else {
             return;
+        };
+        if first.shared {
+            return;
+        }
+        // Only a regular extent joins (`record_runs` sets regular, unshared ones).
+        let (disk_addr, csums) = match first.kind {
+            ExtentKind::Regular { disk_addr, csums } => (disk_addr, csums),
+            ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => return,
         };
         let Some((prev_off, prev)) = prev else {
             return;
@@ -424,12 +434,11 @@ impl DataLayer<'_> {
         if prev.shared {
             return;
         }
-        let ExtentKind::Regular {
-            disk_addr: prev_addr,
-            csums: prev_csums,
-        } = prev.kind
-        else {
-            return;
+        // Only onto a regular extent: a preallocated one reads as zeros, an inline one is not
+        // followed by blocks.
+        let (prev_addr, prev_csums) = match prev.kind {
+            ExtentKind::Regular { disk_addr, csums } => (disk_addr, csums),
+            ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => return,
         };
         let prev_len = prev_csums.len() as u64 * BLOCK_SIZE;
         if prev_off + prev_len != offset

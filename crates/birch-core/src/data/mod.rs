@@ -32,6 +32,24 @@
 //! later blocks' recorded birth may be older than their real one, and the earlier blocks' is
 //! never moved forward. A block given back unrecorded is told the generation it was allocated
 //! in.
+//!
+//! **Files.** `mod.rs`: [`DataLayer`] and the small types every part shares ([`BlockRun`],
+//! [`WrittenRun`], [`Seen`], [`BlockDelta`], [`Layout`]). `extent_map.rs`: the extent map's
+//! look-ups and changes. `write.rs`: reservations, allocation and writes of new blocks.
+//! `read.rs`: verified reads of extents. `clone.rs`: clones of ranges. `free.rs`: the free
+//! path. `test_support.rs`: the unit tests' shared helpers.
+//!
+//! **Extent kinds.** Every decision on an extent's kind ([`ExtentKind`]) is a `match` naming
+//! every kind, never a `_` arm, `let … else`, `if let` or `matches!`: a new kind (compressed,
+//! encrypted) breaks the build at each place that must decide for it. The two lints below
+//! catch `_` arms; the other forms are kept out by review.
+//!
+//! [`ExtentKind`]: birch_format::items::ExtentKind
+
+#![deny(
+    clippy::wildcard_enum_match_arm,
+    clippy::match_wildcard_for_single_variants
+)]
 
 use birch_format::{BlockAddr, BlockCount, ItemType, Key, BLOCK_SIZE, EXTENT_MAX_BLOCKS};
 
