@@ -115,3 +115,49 @@ impl DataLayer<'_> {
         Ok((self.apply(changes)?, shared))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Clones over an engine on a memory device: the source extent becomes shared, and an
+    //! append contiguous with it is not merged into it.
+
+    use super::*;
+    use crate::data::test_support::{pattern, setup, INO};
+    use crate::data::WrittenRun;
+
+    /// An append contiguous on disk with a shared extent is not merged into it (DESIGN §15.6:
+    /// a shared extent's blocks are counted; a merge would make new blocks look shared).
+    #[test]
+    fn an_append_is_not_merged_into_a_shared_extent() {
+        let (_mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        let runs = data.write_new(INO, 0, &pattern(2, 1)).expect("write");
+        let run = &runs[0];
+        let first = WrittenRun {
+            csums: run.csums[..1].to_vec(),
+            ..run.clone()
+        };
+        let second = WrittenRun {
+            file_offset: BLOCK_SIZE,
+            addr: run.addr + BLOCK_SIZE,
+            csums: run.csums[1..].to_vec(),
+            birth: run.birth,
+        };
+        data.replace_range(INO, 0, BLOCK_SIZE, vec![first], false)
+            .expect("record");
+        // Clone the first block into another inode: the source extent becomes shared.
+        let (delta, shared) = data
+            .clone_range(INO, 0, INO + 1, 0, BLOCK_SIZE)
+            .expect("clone");
+        assert_eq!((delta.added, shared), (1, 1));
+        data.replace_range(INO, BLOCK_SIZE, BLOCK_SIZE, vec![second], false)
+            .expect("record the append");
+        let extents = data.extents(INO, 0, 2 * BLOCK_SIZE).expect("extents");
+        assert_eq!(extents.len(), 2, "merged into a shared extent: {extents:?}");
+        assert!(extents[0].1.shared && !extents[1].1.shared);
+        let clone = data.extents(INO + 1, 0, BLOCK_SIZE).expect("clone extents");
+        assert_eq!(clone.len(), 1);
+        assert!(clone[0].1.shared);
+        assert_eq!(clone[0].1.kind, extents[0].1.kind);
+    }
+}
