@@ -28,6 +28,7 @@ impl DataLayer<'_> {
     /// adjacent on disk read as one), in flight together where the device can (RBD).
     ///
     /// [`BlockDevice::read_many`]: crate::device::BlockDevice::read_many
+    /// [`extents_in`]: super::extents_in
     pub(crate) fn read_extents_into(
         &self,
         ino: u64,
