@@ -7,9 +7,10 @@
 //! Owns: the extent items' keys and values (built, decoded, split into pieces, merged) and the
 //! rules of a piece's generation and shared flag (the free path's contract, `super`'s module
 //! doc). Must not touch: the device (no block is written or read here: new blocks come from
-//! `write.rs`, reads are `read.rs`), the allocator (blocks leave only through
+//! `write.rs`, reads are `read.rs`), the allocator's free space (blocks leave only through
 //! [`DataLayer::free_extent_blocks`] and [`DataLayer::free`], in `free.rs`, and come only from
-//! [`DataLayer::allocate`]), inodes and their locks (the caller holds the inode's write lock
+//! [`DataLayer::allocate`]; the one other question asked of it is the newest snapshot's
+//! generation, for a merge), inodes and their locks (the caller holds the inode's write lock
 //! and accounts the returned [`BlockDelta`]).
 
 use std::collections::HashSet;
