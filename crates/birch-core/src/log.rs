@@ -716,8 +716,11 @@ fn bad_data(
     }
     let value = record.value.as_ref()?;
     let extent = FileExtent::decode(value).ok()?;
-    let ExtentKind::Regular { disk_addr, csums } = extent.kind else {
-        return None;
+    let (disk_addr, csums) = match extent.kind {
+        ExtentKind::Regular { disk_addr, csums } => (disk_addr, csums),
+        // No block with a checksum: inline bytes are in the record, preallocated blocks read
+        // as zeros.
+        ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => return None,
     };
     let mut block = vec![0u8; BLOCK_SIZE as usize];
     for (n, want) in csums.iter().enumerate() {

@@ -691,7 +691,9 @@ fn fix_extents(
                         Cut::Lost("a misaligned extent".into()),
                     ));
                 }
-                _ => candidates.push((*offset, extent.clone())),
+                ExtentKind::Inline(_)
+                | ExtentKind::Regular { .. }
+                | ExtentKind::Prealloc { .. } => candidates.push((*offset, extent.clone())),
             }
         }
         // Newest first: each extent keeps the blocks no newer extent holds.
@@ -754,7 +756,7 @@ fn fix_extents(
                             offset.saturating_add(first * BLOCK_SIZE),
                             FileExtent {
                                 generation: extent.generation,
-                                shared: extent.shared && matches!(kind, ExtentKind::Regular { .. }),
+                                shared: extent.shared && kind.may_be_shared(),
                                 kind,
                             },
                         ));

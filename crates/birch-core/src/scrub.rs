@@ -569,8 +569,11 @@ impl Walk<'_> {
     /// Reads the blocks of one regular extent not read before, in one I/O where possible, and
     /// checks each against its crc32c.
     fn scrub_extent(&mut self, view: &View, key: &Key, extent: &FileExtent) -> Result<()> {
-        let ExtentKind::Regular { disk_addr, csums } = &extent.kind else {
-            return Ok(());
+        let (disk_addr, csums) = match &extent.kind {
+            ExtentKind::Regular { disk_addr, csums } => (disk_addr, csums),
+            // No data block with a checksum to read: inline bytes are in the leaf (checked
+            // with it), preallocated blocks read as zeros.
+            ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => return Ok(()),
         };
         let owner = Owner {
             inode: key.objectid,
@@ -733,8 +736,10 @@ fn confirm_data(
     let Ok(items::Item::Extent(extent)) = items::Item::decode(ItemType::ExtentData, &value) else {
         return false;
     };
-    let ExtentKind::Regular { disk_addr, csums } = &extent.kind else {
-        return false;
+    let (disk_addr, csums) = match &extent.kind {
+        ExtentKind::Regular { disk_addr, csums } => (disk_addr, csums),
+        // Only a regular extent has a checksummed data block to fail.
+        ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => return false,
     };
     if disk_addr.saturating_add(index as u64 * BLOCK_SIZE) != at {
         return false;

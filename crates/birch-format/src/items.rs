@@ -371,6 +371,18 @@ pub enum ExtentKind {
     },
 }
 
+impl ExtentKind {
+    /// Whether an extent of this kind may be flagged shared (FORMAT.md §6.6: only a regular
+    /// extent, stored as kind 3). A piece cut from a shared extent is shared only if this holds
+    /// for the piece's kind. Exhaustive: a new kind decides here.
+    pub fn may_be_shared(&self) -> bool {
+        match self {
+            ExtentKind::Regular { .. } => true,
+            ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => false,
+        }
+    }
+}
+
 /// `(ino, ExtentData, file_offset)`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FileExtent {
@@ -407,11 +419,7 @@ impl FileExtent {
     /// 25 prealloc.
     pub fn encode(&self) -> Vec<u8> {
         debug_assert!(
-            !self.shared || matches!(self.kind, ExtentKind::Regular { .. }),
-            "only a regular extent is shared"
-        );
-        debug_assert!(
-            !self.shared || matches!(self.kind, ExtentKind::Regular { .. }),
+            !self.shared || self.kind.may_be_shared(),
             "only a regular extent is shared"
         );
         let mut w = Writer::default();

@@ -281,8 +281,13 @@ impl Filesystem {
             let lo = fresh[0] * BLOCK_SIZE;
             let hi = (fresh[fresh.len() - 1] + 1) * BLOCK_SIZE;
             for (start, extent) in self.data().extents(ino, lo, hi)? {
-                if !matches!(extent.kind, ExtentKind::Inline(_)) {
-                    mapped.push((start, start + extent.len_bytes()));
+                match extent.kind {
+                    // Blocks counted in nbytes (regular and preallocated alike).
+                    ExtentKind::Regular { .. } | ExtentKind::Prealloc { .. } => {
+                        mapped.push((start, start + extent.len_bytes()))
+                    }
+                    // No block (writes are buffered only for files in blocks, above).
+                    ExtentKind::Inline(_) => {}
                 }
             }
         }

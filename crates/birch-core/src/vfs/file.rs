@@ -688,7 +688,12 @@ impl Filesystem {
                     .data()
                     .extents(ino, tail_start, tail_start + 1)?
                     .into_iter()
-                    .any(|(_, e)| matches!(e.kind, ExtentKind::Regular { .. }));
+                    .any(|(_, e)| match e.kind {
+                        ExtentKind::Regular { .. } => true,
+                        // Preallocated blocks read as zeros already; an inline file was cut
+                        // above.
+                        ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => false,
+                    });
                 if mapped {
                     data.item.size = new_size;
                     let mut block = self.read_locked(ino, data, tail_start, BLOCK_SIZE as usize)?;

@@ -1,0 +1,205 @@
+//! The free path of data blocks: [`DataLayer::free`], the one place data blocks go back to
+//! the allocator, told each block's birth generation and how far it was seen ([`Seen`]; the
+//! contract is `super`'s module doc), and what leads to it: the blocks of an extent item a
+//! transaction drops (shared ones lose a reference first), of a deleted file's items, and runs
+//! written and never recorded ([`DataLayer::give_back`]); also the marking of a replayed
+//! extent's blocks as used ([`DataLayer::mark_replayed_extent`]).
+//!
+//! Owns: the decision between a recorded free (kept for snapshots, pinned until durable) and
+//! an unrecorded one (at once), and the placed bytes of freed blocks. Must not touch: the
+//! extent map (callers plan which items go and record the deletions themselves), the device,
+//! inodes and locks.
+
+use birch_format::items::FileExtent;
+use birch_format::{BlockAddr, BlockCount, Key, BLOCK_SIZE};
+
+use super::{BlockRun, DataLayer, Seen, WrittenRun};
+use crate::txn::WriteTxn;
+
+impl DataLayer<'_> {
+    /// Frees the blocks of an extent item that `txn` deletes with the rest of a file (an
+    /// unlinked inode's last use, orphan reclaim). An item that does not decode is left (its
+    /// blocks stay used until the next mount derives the free-space map again).
+    pub(crate) fn free_extent_item(&self, txn: &WriteTxn<'_>, key: &Key, value: &[u8]) {
+        match FileExtent::decode(value) {
+            Ok(extent) => {
+                if let Some((addr, blocks)) = extent.disk_range() {
+                    let run = BlockRun { addr, blocks };
+                    self.free_extent_blocks(run, extent.generation, extent.shared, txn);
+                }
+            }
+            Err(e) => log::warn!("freeing extent {key}: does not decode ({e}); blocks kept"),
+        }
+    }
+
+    /// Frees the blocks of an extent item (or a piece of one) that `txn` drops from the live
+    /// tree. A shared extent's blocks lose one reference each and only those left with none
+    /// are freed ([`crate::alloc::Allocator::drop_shared`]); both then go through
+    /// [`DataLayer::free`] with [`Seen::Recorded`] (the allocator's sharing-aware
+    /// `free_recorded`, which keeps what a snapshot holds).
+    pub(crate) fn free_extent_blocks(
+        &self,
+        run: BlockRun,
+        birth: u64,
+        shared: bool,
+        txn: &WriteTxn<'_>,
+    ) {
+        if !shared {
+            return self.free(run, birth, Seen::Recorded(txn));
+        }
+        let unreferenced = self
+            .engine
+            .allocator()
+            .drop_shared(run.disk_addr(), run.block_count());
+        for (addr, blocks) in unreferenced {
+            self.free(BlockRun::new(addr, blocks), birth, Seen::Recorded(txn));
+        }
+    }
+
+    /// Marks the blocks of an extent item (regular or preallocated) that log replay applies as used (the
+    /// free-space map was derived from the committed tree, which does not reference them).
+    pub(crate) fn mark_replayed_extent(&self, value: &[u8]) {
+        // Regular and preallocated extents alike hold blocks, as the open walk counts them
+        // (`FileExtent::disk_range`): a replayed one left unmarked could be handed out again.
+        let Ok(extent) = FileExtent::decode(value) else {
+            return;
+        };
+        let Some((disk_addr, blocks)) = extent.disk_range() else {
+            return;
+        };
+        let (addr, count) = (BlockAddr::new(disk_addr), BlockCount::new(blocks));
+        if extent.shared {
+            // A shared extent (a piece of a clone an fsync logged after the clone's commit):
+            // blocks counted already are one more reference, as the open walk counts them.
+            if !self.engine.allocator().mark_shared(addr, count) {
+                log::warn!(
+                    "replay: shared extent at {disk_addr:#x} x {blocks} on blocks an unshared extent or node holds"
+                );
+            }
+        } else {
+            self.engine.allocator().mark_used(addr, count);
+        }
+    }
+
+    /// Frees written runs that were never recorded (the operation that wrote them failed).
+    pub(crate) fn give_back(&self, runs: &[WrittenRun]) {
+        for run in runs {
+            self.free(run.run(), run.birth, Seen::Unrecorded);
+        }
+    }
+
+    /// The one free path of data blocks: `run` leaves a file (an extent dropped by truncate,
+    /// punch or overwrite, a deleted file's extents) or goes back unrecorded (a failed write).
+    /// `birth` is the blocks' birth generation, for a recorded block the generation of the
+    /// extent item that referenced it; it may be older than the real birth, never newer (see
+    /// the module doc). [`Seen::Recorded`] goes through the allocator's sharing-aware free (kept
+    /// while a snapshot holds the blocks, else pinned until the freeing commit is durable);
+    /// [`Seen::Unrecorded`] frees them at once.
+    pub(crate) fn free(&self, run: BlockRun, birth: u64, seen: Seen<'_, '_>) {
+        let alloc = self.engine.allocator();
+        // Placed bytes of freed blocks are never written when no tree a commit will still
+        // write names the blocks: unrecorded ones, and ones born in the freeing transaction.
+        // A block an older generation recorded may be named by the frozen transaction whose
+        // commit has not written its placed blocks yet (the free runs after the freeze): its
+        // bytes stay placed, and a commit writes them (the blocks stay pinned until then).
+        let forget = match &seen {
+            Seen::Recorded(txn) => birth >= txn.generation().get(),
+            Seen::Unrecorded => true,
+        };
+        let was_placed = forget
+            && self
+                .engine
+                .pending()
+                .forget(run.disk_addr().get(), run.block_count().get() * BLOCK_SIZE)
+                > 0;
+        match seen {
+            // A commit's `write_out` may have taken these placed bytes already and be about
+            // to write them: freed at once, the blocks could be taken and written by another
+            // file first, and then overwritten with the stale bytes. Pinned to the running
+            // transaction instead, they come back only after its commit, which starts after
+            // the commit writing them ended.
+            Seen::Unrecorded if was_placed => {
+                alloc.free_pinned(
+                    self.engine.running_generation(),
+                    run.disk_addr(),
+                    run.block_count(),
+                );
+            }
+            Seen::Recorded(txn) => {
+                let generation = txn.generation();
+                // A block cannot be born after the transaction that frees it.
+                debug_assert!(
+                    birth <= generation.get(),
+                    "birth {birth} after {generation}"
+                );
+                // Kept, not freed, when a snapshot holds the blocks (DESIGN §15.6).
+                alloc.free_recorded(generation, birth, run.disk_addr(), run.block_count());
+            }
+            Seen::Unrecorded => alloc.free_now(run.disk_addr(), run.block_count()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The free path over an engine on a memory device: recorded blocks freed from a file stay
+    //! pinned until the commit, then deferred for the backup trees, then reusable.
+
+    use birch_format::{BlockAddr, BlockCount};
+
+    use super::*;
+    use crate::data::test_support::{pattern, setup, INO};
+    use crate::data::BlockDelta;
+
+    #[test]
+    fn freed_blocks_stay_pinned_until_the_commit() {
+        let (_mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        let runs = data.write_new(INO, 0, &pattern(4, 2)).expect("write");
+        let addr = runs[0].addr;
+        data.replace_range(INO, 0, 4 * BLOCK_SIZE, runs, false)
+            .expect("record");
+        engine.commit().expect("commit");
+        let pinned_before = engine.allocator().pinned_blocks();
+        let delta = data.drop_range(INO, 0, 4 * BLOCK_SIZE).expect("drop");
+        assert_eq!(delta, BlockDelta { added: 0, freed: 4 });
+        let (addr, four) = (BlockAddr::new(addr), BlockCount::new(4));
+        assert_eq!(engine.allocator().pinned_blocks(), pinned_before + four);
+        assert!(
+            engine.allocator().is_used(addr),
+            "freed block reusable before the commit"
+        );
+        // An allocation asking for exactly that place must not get it.
+        let (got, blocks) = engine
+            .allocate_data_near(addr, BlockCount::new(1), four)
+            .expect("allocate");
+        assert!(got + blocks <= addr || got >= addr + four);
+        engine.allocator().free_now(got, blocks);
+        engine.commit().expect("commit");
+        // Released by that commit, the space is deferred for the backup trees (DESIGN §13.2):
+        // still untouched by any search until DEFER_COMMITS more commits are durable.
+        assert!(
+            engine.allocator().is_used(addr),
+            "reusable while a backup tree may still read it"
+        );
+        for i in 0..crate::alloc::DEFER_COMMITS {
+            // A commit with nothing to write is no commit: give each one a change.
+            let other = data
+                .write_new(INO + 1, i * BLOCK_SIZE, &pattern(1, 9))
+                .expect("write");
+            data.replace_range(INO + 1, i * BLOCK_SIZE, BLOCK_SIZE, other, false)
+                .expect("record");
+            engine.commit().expect("commit");
+        }
+        assert!(
+            !engine.allocator().is_used(addr),
+            "not released after the deferral"
+        );
+        assert_eq!(
+            engine
+                .allocate_data_near(addr, BlockCount::new(1), four)
+                .expect("reuse"),
+            (addr, four)
+        );
+    }
+}
