@@ -124,7 +124,7 @@ struct Args {
     bench_apply_per_item: bool,
     /// Part `overwrite`: take a snapshot after the file is written and committed, before the
     /// clock starts, so the timed overwrites free blocks the snapshot holds (the COW path's
-    /// cost of sharing, issue 15's aim; with `--quick` most of the 4,000 overwrites are the
+    /// cost of sharing, DESIGN §15.8; with `--quick` most of the 4,000 overwrites are the
     /// first of their block).
     #[arg(long)]
     overwrite_snapshot: bool,
@@ -1063,7 +1063,7 @@ fn bench_open(target: &Target, args: &Args, rows: &mut Vec<Row>) -> Res<()> {
             ("build_s", build),
         ],
     });
-    // Issue 15's aim: a snapshot of an idle filesystem costs an empty commit plus at most
+    // The aim of DESIGN §15.8: a snapshot of an idle filesystem costs an empty commit plus at most
     // 1 ms and writes the same whatever the tree's size (the list's leaf and the
     // superblock). Each timed three times (median); the snapshots are deleted again.
     let (empty_secs, _) = timed(|| {

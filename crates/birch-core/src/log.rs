@@ -831,7 +831,7 @@ mod tests {
 
     /// Whatever the area's start and size, the unit, the tail and the batch's length, the
     /// position the writer picks is one replay finds: a batch written by the log at a tail
-    /// reads back from that tail (review of session 16: a skip past the end of the area used
+    /// reads back from that tail (two bugs this caught: a skip past the end of the area used
     /// to land where replay never looks, and a batch longer than the area used to spin the
     /// leader for ever).
     #[test]

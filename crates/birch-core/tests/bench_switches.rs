@@ -1,4 +1,4 @@
-//! The benchmark-only switches of the core do what they say (issue 17): a figure differs with
+//! The benchmark-only switches of the core do what they say (DESIGN §1 and BENCHMARKS: the seeds' "before"): a figure differs with
 //! the switch on. `bench_apply_per_item` (seed 003's "before") makes a commit of overwritten
 //! extents cost a delete and an insert descent per extent item instead of one descent per leaf.
 //! (`bench_global_objectid_lock` is tested beside `Engine::allocate_objectid`.)

@@ -1,4 +1,4 @@
-//! Shared extents (DESIGN §15.8, issue 15 items 4, 5 and 7): `copy_file_range` of whole
+//! Shared extents (DESIGN §15.8): `copy_file_range` of whole
 //! blocks shares them instead of copying (both extents flagged, counts in memory), a later
 //! write unshares only what it touches, the last sharer's deletion frees the blocks, and
 //! crashes, reopens, snapshots and fsck see all of it right.

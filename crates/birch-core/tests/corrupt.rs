@@ -1,6 +1,6 @@
 //! Corruption tests: what fsck and mount do with damaged images.
 //!
-//! The promise under test (issue 3, point 8): a damaged image is met with a *named* fsck finding
+//! The promise under test (DESIGN's non-negotiables: bad input never panics): a damaged image is met with a *named* fsck finding
 //! or a clear error, never a panic or a hang. Each test starts from one in-memory image with a
 //! few dirs, a symlink, an xattr, a big file of several regular extents and 3,000 small files
 //! (enough items for a tree of more than one level), damages a copy of its bytes, and then
@@ -342,7 +342,7 @@ fn flipped_byte_in_the_newest_superblock_falls_back_to_the_other_slot() {
 
 /// Both superblock copies carry the magic but fail their checksums: damage to a birchfs
 /// image, so open says EIO and names both slots (it used to say EINVAL, "not a birchfs
-/// image", as for bytes that were never birchfs; issue 13).
+/// image", as for bytes that were never birchfs).
 #[test]
 fn flipped_bytes_in_both_superblocks_is_a_damaged_image_and_eio() {
     let mut bytes = image().bytes.clone();

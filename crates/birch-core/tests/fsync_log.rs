@@ -475,7 +475,7 @@ fn fsynced_data_survives_power_loss_through_replay() {
 }
 
 /// relatime: a read after a write moves atime; fsync of a file whose only change is atime
-/// writes nothing (issue 4: an atime-only change never forces a log write).
+/// writes nothing: an atime-only change never forces a log write.
 #[test]
 fn atime_only_change_costs_no_log_write() {
     let dev = fresh();

@@ -1,4 +1,4 @@
-//! Group commit of synchronous writes (issue 18 item 4, seed 001): many O_SYNC writers share
+//! Group commit of synchronous writes (DESIGN §1, seed 001): many O_SYNC writers share
 //! few flushes, and what they were told is durable survives a power cut.
 //!
 //! The FUSE adapter answers an O_DIRECT|O_SYNC WRITE with `write` then `fsync`; these tests do

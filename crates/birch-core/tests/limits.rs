@@ -1,4 +1,4 @@
-//! Limits the filesystem API promises (issue 4): EMLINK at ext4's link limit of 65,000, for
+//! Limits the filesystem API promises (SEMANTICS §4): EMLINK at ext4's link limit of 65,000, for
 //! hard links of a file and for subdirectories of a directory; and readdir that costs O(n):
 //! listing twice the entries reads about twice the nodes, counted, not timed.
 //!

@@ -1,6 +1,6 @@
 //! Remount and the read-only state: what a remount may undo, and what it keeps.
 //!
-//! Two things broke here before issue 13. Whether `remount,rw` may make the engine writable
+//! Two things broke here once. Whether `remount,rw` may make the engine writable
 //! was decided by the text of the read-only reason (`starts_with("mounted read-only")`), so a
 //! reworded message could change durability behaviour; it is now the variant of
 //! `ReadOnlyCause`. And a mount that started read-only and was remounted rw got a background

@@ -1,4 +1,4 @@
-//! Space and snapshots (DESIGN §15.8, issue 15): `Engine::space_report` (`birch inspect IMAGE
+//! Space and snapshots (DESIGN §15.8): `Engine::space_report` (`birch inspect IMAGE
 //! space`) accounts for shared and snapshot-held blocks exactly, and a full filesystem stays
 //! full while a snapshot holds the space its deleted files used (ENOSPC after a commit, statfs
 //! not back) until the snapshot's deletion gives it back without a reopen: with one snapshot,
