@@ -23,6 +23,18 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
+    /// A thread that adds 1 under the write lock.
+    fn spawn_writer(lock: &Arc<Striped<u64>>) -> std::thread::JoinHandle<()> {
+        let lock = lock.clone();
+        std::thread::spawn(move || lock.write().each(|v| *v += 1))
+    }
+
+    fn wait_until_the_writer_waits(lock: &Striped<u64>) {
+        while lock.writers_waiting() == 0 {
+            std::thread::yield_now();
+        }
+    }
+
     #[test]
     fn writers_change_every_stripe_and_readers_see_their_stripe() {
         let lock = Arc::new(Striped::new(|| 0u64));
@@ -45,10 +57,7 @@ mod tests {
         // any other stripe still gets in (a writer that took stripes in order would hold all
         // the others).
         let reader = lock.stripes[STRIPES - 1].read();
-        let writer = {
-            let lock = lock.clone();
-            std::thread::spawn(move || lock.write().each(|v| *v += 1))
-        };
+        let writer = spawn_writer(&lock);
         std::thread::sleep(std::time::Duration::from_millis(50));
         for stripe in lock.stripes.iter() {
             let got = stripe.try_read_recursive().is_some();
@@ -63,10 +72,7 @@ mod tests {
     fn a_writer_waits_for_readers_of_any_stripe() {
         let lock = Arc::new(Striped::new(|| 0u64));
         let reader = lock.read();
-        let writer = {
-            let lock = lock.clone();
-            std::thread::spawn(move || lock.write().each(|v| *v += 1))
-        };
+        let writer = spawn_writer(&lock);
         std::thread::sleep(std::time::Duration::from_millis(50));
         assert!(
             !writer.is_finished(),
@@ -82,13 +88,8 @@ mod tests {
     fn a_reader_that_holds_the_lock_reads_again_while_a_writer_waits() {
         let lock = Arc::new(Striped::new(|| 0u64));
         let first = lock.read();
-        let writer = {
-            let lock = lock.clone();
-            std::thread::spawn(move || lock.write().each(|v| *v += 1))
-        };
-        while lock.writers_waiting() == 0 {
-            std::thread::yield_now();
-        }
+        let writer = spawn_writer(&lock);
+        wait_until_the_writer_waits(&lock);
         // Would deadlock if it waited for the writer, which waits for `first`.
         let again = lock.read();
         assert_eq!(*again, 0);
@@ -102,13 +103,8 @@ mod tests {
     fn a_new_reader_waits_for_a_waiting_writer() {
         let lock = Arc::new(Striped::new(|| 0u64));
         let first = lock.read();
-        let writer = {
-            let lock = lock.clone();
-            std::thread::spawn(move || lock.write().each(|v| *v += 1))
-        };
-        while lock.writers_waiting() == 0 {
-            std::thread::yield_now();
-        }
+        let writer = spawn_writer(&lock);
+        wait_until_the_writer_waits(&lock);
         // Another thread (holding nothing) reads only after the writer: it sees 1.
         let reader = {
             let lock = lock.clone();
