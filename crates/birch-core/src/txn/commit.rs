@@ -8,7 +8,7 @@
 //! the fsync log's batches (only `retire`/`set_reusable` at the superblock write), any lock
 //! across I/O other than the commit lock itself.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use birch_format::node::Node;
@@ -27,7 +27,7 @@ use super::read::{CommittedRootPin, ReleaseOnDrop};
 use super::{backups_after, discard_ranges, now, CommittedRoot, Engine};
 
 /// Commits of at least this many changed items cut their apply into jobs (see [`Board`]).
-pub(super) const PARALLEL_APPLY_MIN: usize = 16_384;
+const PARALLEL_APPLY_MIN: usize = 16_384;
 /// How many jobs such a commit is cut into: enough that two or three threads finish close
 /// together whatever the jobs' sizes.
 const PARALLEL_APPLY_JOBS: usize = 8;
@@ -41,7 +41,7 @@ const PARALLEL_SAMPLE_STEP: usize = 16;
 /// every caller of [`Engine::commit`] that would otherwise sleep until the commit ends (two
 /// threads that sync at once: the second helps the first's commit, then commits what is left).
 /// Each job owns its subtrees, so jobs share nothing but the allocator and the cache.
-pub(super) struct Board {
+struct Board {
     jobs: Vec<Mutex<Option<Job>>>,
     next: AtomicUsize,
     outputs: Mutex<Vec<Option<Result<JobOutput>>>>,
@@ -100,6 +100,41 @@ impl Board {
     }
 }
 
+/// What commits share besides the engine's deltas and roots: the commit lock, its waiters,
+/// the parallel apply in progress, and the switches of the apply.
+pub(super) struct CommitQueue {
+    lock: Mutex<()>,
+    /// Bumped (and waiters woken) when the commit lock is released and when a commit posts
+    /// jobs for waiters to help with.
+    events: (Mutex<u64>, Condvar),
+    /// The jobs of the parallel apply in progress, if any.
+    board: Mutex<Option<Arc<Board>>>,
+    /// Commits of at least this many changed items cut their apply into jobs.
+    parallel_apply_min: AtomicUsize,
+    /// Benchmark-only switch (seed 003's "before", [`Engine::set_bench_apply_per_item`]): the
+    /// commit apply deletes and inserts each extent item in a descent of its own.
+    bench_apply_per_item: AtomicBool,
+}
+
+impl CommitQueue {
+    pub(super) fn new() -> CommitQueue {
+        CommitQueue {
+            lock: Mutex::new(()),
+            events: (Mutex::new(0), Condvar::new()),
+            board: Mutex::new(None),
+            parallel_apply_min: AtomicUsize::new(PARALLEL_APPLY_MIN),
+            bench_apply_per_item: AtomicBool::new(false),
+        }
+    }
+
+    /// Wakes the callers waiting in [`Engine::lock_commit`] to look again.
+    fn event(&self) {
+        let (lock, cvar) = &self.events;
+        *lock.lock() += 1;
+        cvar.notify_all();
+    }
+}
+
 /// The commit lock; releasing it wakes the callers waiting for it.
 struct CommitGuard<'e> {
     engine: &'e Engine,
@@ -109,7 +144,7 @@ struct CommitGuard<'e> {
 impl Drop for CommitGuard<'_> {
     fn drop(&mut self) {
         drop(self.guard.take());
-        self.engine.commit_event();
+        self.engine.commits.event();
     }
 }
 
@@ -179,7 +214,9 @@ impl Engine {
     /// instead of one descent per leaf of changes; such commits never run the parallel apply.
     /// Off by default.
     pub fn set_bench_apply_per_item(&self, on: bool) {
-        self.bench_apply_per_item.store(on, Ordering::Relaxed);
+        self.commits
+            .bench_apply_per_item
+            .store(on, Ordering::Relaxed);
     }
 
     /// Commits the running transaction; returns the new durable generation (or the current one
@@ -211,8 +248,7 @@ impl Engine {
             let mut snapshots = self.snapshots.lock();
             let idle = self.active.is_empty()
                 && self.alloc.pinned_blocks() == BlockCount::new(0)
-                && self.next_objectid.load(Ordering::Relaxed)
-                    == self.superblock.lock().next_objectid
+                && self.ids.high_water() == self.superblock.lock().next_objectid
                 && snapshots.pending.is_empty();
             if idle {
                 return Ok(self.committed_generation());
@@ -288,7 +324,7 @@ impl Engine {
     /// Takes the commit lock. A caller that finds it held helps with the jobs of the commit
     /// in progress while it waits (see [`Board`]).
     fn lock_commit(&self) -> CommitGuard<'_> {
-        if let Some(guard) = self.commit_lock.try_lock() {
+        if let Some(guard) = self.commits.lock.try_lock() {
             return CommitGuard {
                 engine: self,
                 guard: Some(guard),
@@ -296,21 +332,22 @@ impl Engine {
         }
         let start = std::time::Instant::now();
         let guard = loop {
-            let board = self.board.lock().clone();
+            let board = self.commits.board.lock().clone();
             if let Some(board) = board {
                 let helping = std::time::Instant::now();
                 board.work(self, true);
                 let helped = helping.elapsed().as_micros() as u64;
                 self.counters.add(|c| &c.commit_help_us, helped);
             }
-            let (lock, cvar) = &self.commit_events;
+            let (lock, cvar) = &self.commits.events;
             let mut epoch = lock.lock();
-            if let Some(guard) = self.commit_lock.try_lock() {
+            if let Some(guard) = self.commits.lock.try_lock() {
                 break guard;
             }
             // A board posted since the look above bumped the epoch before this lock was
             // taken, or bumps it after the wait below begins: either way it is seen.
             if self
+                .commits
                 .board
                 .lock()
                 .as_ref()
@@ -331,18 +368,13 @@ impl Engine {
         }
     }
 
-    /// Wakes the callers waiting in [`Engine::lock_commit`] to look again.
-    fn commit_event(&self) {
-        let (lock, cvar) = &self.commit_events;
-        *lock.lock() += 1;
-        cvar.notify_all();
-    }
-
     /// The smallest commit, in changed items, whose apply is cut into jobs that waiting
     /// committers help with (default 16,384). Tests lower it to run the parallel apply on
     /// small trees.
     pub fn set_parallel_apply_min(&self, items: usize) {
-        self.parallel_apply_min.store(items, Ordering::Relaxed);
+        self.commits
+            .parallel_apply_min
+            .store(items, Ordering::Relaxed);
     }
 
     /// Applies `frozen` to the tree of `writer`; returns the nodes already written (by jobs).
@@ -352,11 +384,11 @@ impl Engine {
         frozen: &Arc<FrozenDelta>,
         generation: u64,
     ) -> Result<Vec<Arc<Node>>> {
-        if self.bench_apply_per_item.load(Ordering::Relaxed) {
+        if self.commits.bench_apply_per_item.load(Ordering::Relaxed) {
             apply_per_item(writer, &frozen.sorted())?;
             return Ok(Vec::new());
         }
-        let min = self.parallel_apply_min.load(Ordering::Relaxed);
+        let min = self.commits.parallel_apply_min.load(Ordering::Relaxed);
         let planned = if frozen.len() >= min.max(1) {
             let sample = frozen.sample(PARALLEL_SAMPLE_STEP);
             parallel::plan(
@@ -383,11 +415,11 @@ impl Engine {
             frozen: frozen.clone(),
             generation,
         });
-        *self.board.lock() = Some(board.clone());
-        self.commit_event();
+        *self.commits.board.lock() = Some(board.clone());
+        self.commits.event();
         board.work(self, false);
         let results = board.wait_all();
-        *self.board.lock() = None;
+        *self.commits.board.lock() = None;
         let outputs = results.into_iter().collect::<Result<Vec<JobOutput>>>()?;
         parallel::assemble(writer, plan, outputs)
     }
@@ -459,7 +491,7 @@ impl Engine {
         sb.compat |= COMPAT_BACKUP_ROOTS;
         sb.generation = generation;
         sb.fs_root = root;
-        sb.next_objectid = self.next_objectid.load(Ordering::Relaxed);
+        sb.next_objectid = self.ids.high_water();
         sb.bytes_used = (self.alloc.total_blocks() - self.alloc.free_blocks()).bytes();
         sb.commit_time_sec = sec;
         sb.commit_time_nsec = nsec;

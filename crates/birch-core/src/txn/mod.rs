@@ -26,13 +26,13 @@ mod snapshots;
 #[cfg(test)]
 mod tests;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use birch_format::superblock::{Superblock, INCOMPAT_LOG_ALIGNED};
 use birch_format::{BlockAddr, BlockCount, Generation, Key, FS_TREE_ID};
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Mutex, RwLock};
 
 use crate::pending::PendingData;
 use crate::striped::Striped;
@@ -47,7 +47,8 @@ use crate::error::{Error, Result};
 use crate::log::{FsyncLog, Replay};
 use crate::readonly::ReadOnlyCause;
 
-use commit::Board;
+use commit::CommitQueue;
+use objectid::ObjectIds;
 pub(crate) use open::{backups_after, mark_reserved_areas, older_roots, walk_tree};
 pub use open::{union_walk, MkfsOptions, OpenHead, UnionWalk};
 use read::ReadState;
@@ -72,31 +73,17 @@ pub struct Engine {
     active: Delta,
     running_generation: AtomicU64,
     state: Striped<ReadState>,
-    commit_lock: Mutex<()>,
-    /// Bumped (and waiters woken) when the commit lock is released and when a commit posts
-    /// jobs for waiters to help with.
-    commit_events: (Mutex<u64>, Condvar),
-    /// The jobs of the parallel apply in progress, if any.
-    board: Mutex<Option<Arc<Board>>>,
-    /// Commits of at least this many changed items cut their apply into jobs.
-    parallel_apply_min: AtomicUsize,
+    /// The commit lock, its waiters, the parallel apply in progress and the commit switches.
+    commits: CommitQueue,
     superblock: Mutex<Superblock>,
     /// Incompat feature flags the next commit sets (a change that needs one was recorded).
     incompat_wanted: AtomicU64,
-    next_objectid: AtomicU64,
-    /// Benchmark-only switch (seed 002's "before", [`Engine::set_bench_global_objectid_lock`]):
-    /// every object id is taken one at a time under [`Engine::objectid_lock`].
-    bench_global_objectid_lock: AtomicBool,
-    /// The one lock on the id counter while `bench_global_objectid_lock` is on; unused otherwise.
-    objectid_lock: Mutex<()>,
-    /// Benchmark-only switch (seed 003's "before", [`Engine::set_bench_apply_per_item`]): the
-    /// commit apply deletes and inserts each extent item in a descent of its own.
-    bench_apply_per_item: AtomicBool,
+    /// The object-id counter (and its benchmark-only global lock).
+    ids: ObjectIds,
     read_only: RwLock<Option<ReadOnlyCause>>,
     /// Whether `read_only` holds a cause: every mutation asks, so the common answer (no)
     /// costs one load instead of a lock on a line every core writes.
     read_only_set: AtomicBool,
-    instance: u64,
     log: FsyncLog,
     replay: Mutex<Option<Replay>>,
     /// The snapshots as of the last durable commit, and the changes the next commit makes.

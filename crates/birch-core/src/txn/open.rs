@@ -7,7 +7,7 @@
 //! durable list), the fsync log's batches (it only hands the replay read at open to the engine).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use birch_format::node::NodeBody;
@@ -19,7 +19,7 @@ use birch_format::{
     BlockAddr, BlockCount, FormatError, Generation, ItemType, Key, Lsn, FIRST_FREE_OBJECTID,
     FORMAT_VERSION, FS_TREE_ID, NODE_BLOCKS, NODE_SIZE,
 };
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Mutex, RwLock};
 
 use crate::striped::Striped;
 
@@ -30,12 +30,11 @@ use crate::counters::{Counters, LatencyHistogram};
 use crate::delta::Delta;
 use crate::device::{BlockDevice, Fence};
 use crate::error::{Error, Result};
-use crate::ids::batch_aligned;
 use crate::log::{read_log, FsyncLog, Replay};
 use crate::snapshot;
 
-use super::commit::PARALLEL_APPLY_MIN;
-use super::objectid::INSTANCES;
+use super::commit::CommitQueue;
+use super::objectid::ObjectIds;
 use super::read::{CommittedRootPin, ReadState, ReleaseOnDrop};
 use super::snapshots::SnapshotState;
 use super::{now, CommittedRoot, Engine};
@@ -467,14 +466,8 @@ impl Engine {
                 frozen: None,
                 committed: Arc::new(CommittedRootPin(committed.clone())),
             }),
-            commit_lock: Mutex::new(()),
-            commit_events: (Mutex::new(0), Condvar::new()),
-            board: Mutex::new(None),
-            parallel_apply_min: AtomicUsize::new(PARALLEL_APPLY_MIN),
-            next_objectid: AtomicU64::new(batch_aligned(superblock.next_objectid)),
-            bench_global_objectid_lock: AtomicBool::new(false),
-            objectid_lock: Mutex::new(()),
-            bench_apply_per_item: AtomicBool::new(false),
+            commits: CommitQueue::new(),
+            ids: ObjectIds::new(superblock.next_objectid),
             superblock: Mutex::new(superblock),
             // A device with an atomic unit (RBD) asks for the flag that lets log batches start
             // at its boundaries; the first commit of a writable mount sets it.
@@ -485,7 +478,6 @@ impl Engine {
             }),
             read_only: RwLock::new(None),
             read_only_set: AtomicBool::new(false),
-            instance: INSTANCES.fetch_add(1, Ordering::Relaxed),
             log,
             replay: Mutex::new(replay),
             snapshots: Mutex::new(SnapshotState::default()),

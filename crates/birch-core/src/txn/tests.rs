@@ -198,7 +198,7 @@ fn the_global_objectid_lock_switch_takes_one_lock_per_id_and_counts_waits() {
     let a = engine.allocate_objectid().expect("id").get();
     let b = other_thread(&engine);
     assert!(b.abs_diff(a) >= OBJECTID_BATCH, "{a} and {b} share a batch");
-    let held = engine.objectid_lock.lock();
+    let held = engine.ids.lock.lock();
     let c = other_thread(&engine);
     drop(held);
     assert!(c > b);
@@ -214,7 +214,7 @@ fn the_global_objectid_lock_switch_takes_one_lock_per_id_and_counts_waits() {
     assert!(engine.allocate_objectid().expect("id").get() >= dir + OBJECTID_BATCH);
 
     // A create that finds the mutex held waits until it is released, and says so.
-    let held = engine.objectid_lock.lock();
+    let held = engine.ids.lock.lock();
     let waiter = {
         let engine = engine.clone();
         std::thread::spawn(move || engine.allocate_objectid().expect("id").get())
