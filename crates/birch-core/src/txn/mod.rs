@@ -47,10 +47,12 @@ use crate::error::{Error, Result};
 use crate::log::{FsyncLog, Replay};
 use crate::readonly::ReadOnlyCause;
 
+/// The union walk moved to `btree::walk`; kept here for callers of `txn::union_walk`.
+pub use crate::btree::walk::{union_walk, UnionWalk};
 use commit::CommitQueue;
 use objectid::ObjectIds;
-pub(crate) use open::{backups_after, mark_reserved_areas, older_roots, walk_tree};
-pub use open::{union_walk, MkfsOptions, OpenHead, UnionWalk};
+pub(crate) use open::{backups_after, mark_reserved_areas, older_roots};
+pub use open::{MkfsOptions, OpenHead};
 use read::ReadState;
 pub use read::{CommittedRoot, CommittedView};
 use snapshots::SnapshotState;
