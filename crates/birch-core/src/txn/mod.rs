@@ -50,6 +50,7 @@ use crate::readonly::ReadOnlyCause;
 /// The union walk moved to `btree::walk`; kept here for callers of `txn::union_walk`.
 pub use crate::btree::walk::{union_walk, UnionWalk};
 use commit::CommitQueue;
+pub use fsync::LogHandle;
 use objectid::ObjectIds;
 pub(crate) use open::{backups_after, mark_reserved_areas, older_roots};
 pub use open::{MkfsOptions, OpenHead};
@@ -243,7 +244,8 @@ impl Engine {
         let first = self.fence.shut_down();
         // Mutations take the slow path of `begin`, which finds the shutdown.
         self.read_only_set.store(true, Ordering::SeqCst);
-        // No leader comes for deferred waits any more (`log_wait` and `log_lead` refuse).
+        // No leader comes for deferred waits any more (`LogHandle::wait` and `LogHandle::lead`
+        // refuse).
         self.log.abandon_deferred();
         if first {
             log::warn!(

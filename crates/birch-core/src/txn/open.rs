@@ -100,7 +100,8 @@ impl OpenHead {
         })
     }
 
-    /// Whether the log holds records ([`Engine::replay_pending`] of the engine this opens).
+    /// Whether the log holds records ([`super::LogHandle::replay_pending`] of the engine this
+    /// opens).
     pub fn log_pending(&self) -> bool {
         !self.replay.records.is_empty()
     }

@@ -159,7 +159,7 @@ impl Engine {
     /// and when the running delta is not empty after a commit (a concurrent writer).
     pub fn rollback(&self, name: &str, destroy_newer: bool) -> Result<(Snapshot, Vec<String>)> {
         self.check_snapshot_writable()?;
-        if self.replay_pending() {
+        if self.log().replay_pending() {
             return Err(Error::Invalid(format!(
                 "rollback to {name:?}: the fsync log holds records not yet replayed; open the \
                  image read-write once (e.g. birch fsck) to replay them first"
