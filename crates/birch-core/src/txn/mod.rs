@@ -119,10 +119,31 @@ fn discard_ranges(ranges: &[(BlockAddr, BlockCount)]) -> Vec<(u64, u64)> {
 }
 
 /// A mutation of the running transaction: holds the gate shared, so a commit cannot freeze
-/// half of it. Never do I/O while holding one.
+/// half of it. Never do I/O while holding one (an operation that must: [`DataHold`]).
 pub struct WriteTxn<'e> {
     engine: &'e Engine,
     _guard: parking_lot::RwLockReadGuard<'e, ()>,
+}
+
+/// The gate held across one multi-step operation ([`Engine::hold`]): while it lives no commit
+/// can freeze the running delta, so everything the operation records (each step through its
+/// own [`Engine::begin`]) commits together.
+///
+/// The rule this type stands for, and [`WriteTxn`]'s does not allow: data I/O (allocating,
+/// writing and reading data blocks) may happen while it is held, as the steps of a write or a
+/// flush need. Never a flush, a commit, a log wait or anything that waits for one: a commit
+/// waits for every holder of the gate, so its holder would wait for itself. Hold it with the
+/// inode's lock taken first, and no longer than the operation.
+#[must_use = "the gate is let go when the hold is dropped"]
+pub struct DataHold<'e> {
+    gate: WriteTxn<'e>,
+}
+
+impl DataHold<'_> {
+    /// The generation the operation's changes will commit in.
+    pub fn generation(&self) -> Generation {
+        self.gate.generation()
+    }
 }
 
 impl WriteTxn<'_> {
@@ -387,9 +408,13 @@ impl Engine {
 
     /// Keeps every change of one multi-step operation (a write that allocates, writes data and
     /// then records extents and the inode) in the same transaction: a commit cannot freeze the
-    /// delta between the steps. Data I/O may happen under it, never a flush or a commit.
-    pub fn hold(&self) -> Result<WriteTxn<'_>> {
-        self.begin()
+    /// delta between the steps. Data I/O may happen under it, never a flush or a commit (the
+    /// rule [`DataHold`] carries). The same gate and checks as [`Engine::begin`]; the
+    /// operation records its items through `begin` meanwhile.
+    pub fn hold(&self) -> Result<DataHold<'_>> {
+        Ok(DataHold {
+            gate: self.begin()?,
+        })
     }
 
     /// Allocates data blocks: a run of `min..=max` blocks.
