@@ -272,7 +272,7 @@ impl Engine {
                 match op {
                     SnapshotOp::Create { .. } => self.alloc.add_hold(generation),
                     SnapshotOp::Delete { id } => {
-                        if let Some(s) = snapshots.list.iter().find(|s| s.id == *id) {
+                        if let Some(s) = snapshots.by_id(*id) {
                             self.alloc.drop_hold(s.generation, generation);
                         }
                     }
@@ -447,13 +447,7 @@ impl Engine {
         let (root, mut nodes, replaced) = match rollback {
             // The freeze made sure the delta is empty: no fs node is written.
             Some(id) => {
-                let target = self
-                    .snapshots
-                    .lock()
-                    .list
-                    .iter()
-                    .find(|s| s.id == id)
-                    .cloned();
+                let target = self.snapshots.lock().by_id(id).cloned();
                 let target = target.ok_or_else(|| {
                     Error::Invalid(format!(
                         "commit {generation}: rollback to snapshot id {id}: no such snapshot"

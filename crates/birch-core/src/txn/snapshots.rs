@@ -29,6 +29,18 @@ pub(super) struct SnapshotState {
     pub(super) pending: Vec<SnapshotOp>,
 }
 
+impl SnapshotState {
+    /// Snapshot `id` in the durable list.
+    pub(super) fn by_id(&self, id: u64) -> Option<&Snapshot> {
+        self.list.iter().find(|s| s.id == id)
+    }
+
+    /// Snapshot `name` in the durable list.
+    fn by_name(&self, name: &str) -> Option<&Snapshot> {
+        self.list.iter().find(|s| s.name == name)
+    }
+}
+
 impl Engine {
     /// The snapshots, oldest first, as of the last durable commit.
     pub fn snapshots(&self) -> Vec<Snapshot> {
@@ -91,9 +103,7 @@ impl Engine {
     pub fn made_snapshot(&self, name: &str) -> Result<Snapshot> {
         self.snapshots
             .lock()
-            .list
-            .iter()
-            .find(|s| s.name == name)
+            .by_name(name)
             .cloned()
             .ok_or_else(|| Error::Invalid(format!("snapshot {name:?}: its commit did not make it")))
     }
@@ -174,7 +184,7 @@ impl Engine {
                     "rollback to {name:?}: other snapshot changes wait for a commit"
                 )));
             }
-            let Some(target) = state.list.iter().find(|s| s.name == name).cloned() else {
+            let Some(target) = state.by_name(name).cloned() else {
                 return Err(Error::NotFound(format!("snapshot {name:?}")));
             };
             let newer: Vec<Snapshot> = state
@@ -259,9 +269,7 @@ impl Engine {
         let snapshot = self
             .snapshots
             .lock()
-            .list
-            .iter()
-            .find(|s| s.id == id)
+            .by_id(id)
             .cloned()
             .ok_or_else(|| Error::NotFound(format!("snapshot id {id} (deleted)")))?;
         Ok(self.committed_view(Arc::new(CommittedRoot {
@@ -273,12 +281,7 @@ impl Engine {
 
     /// Snapshot `id` as of the last durable commit, if it stands.
     pub fn snapshot(&self, id: u64) -> Option<Snapshot> {
-        self.snapshots
-            .lock()
-            .list
-            .iter()
-            .find(|s| s.id == id)
-            .cloned()
+        self.snapshots.lock().by_id(id).cloned()
     }
 
     /// Snapshots are changed only by a writable engine.
