@@ -234,7 +234,7 @@ impl Engine {
         let after_freeze = OnDrop(Some(after_freeze));
         let _commit = self.lock_commit();
         self.check_up()?;
-        if let Some(cause) = self.read_only.read().clone() {
+        if let Some(cause) = self.read_only.cause() {
             // A read-only mount commits what reached the delta before it turned read-only
             // (remount,ro sets read-only first, then commits); after a failure, nothing more
             // is durable, and callers (fsync) must hear so.

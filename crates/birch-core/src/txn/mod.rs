@@ -83,10 +83,8 @@ pub struct Engine {
     incompat_wanted: AtomicU64,
     /// The object-id counter (and its benchmark-only global lock).
     ids: ObjectIds,
-    read_only: RwLock<Option<ReadOnlyCause>>,
-    /// Whether `read_only` holds a cause: every mutation asks, so the common answer (no)
-    /// costs one load instead of a lock on a line every core writes.
-    read_only_set: AtomicBool,
+    /// The recorded read-only cause (a failed commit or log write, a read-only mount).
+    read_only: ReadOnlyState,
     log: FsyncLog,
     replay: Mutex<Option<Replay>>,
     /// The snapshots as of the last durable commit, and the changes the next commit makes.
@@ -116,6 +114,66 @@ fn discard_ranges(ranges: &[(BlockAddr, BlockCount)]) -> Vec<(u64, u64)> {
         }
     }
     merged
+}
+
+/// The read-only state an engine records ([`Engine::set_read_only`]; a shutdown is its fence's,
+/// and only flags this one).
+struct ReadOnlyState {
+    cause: RwLock<Option<ReadOnlyCause>>,
+    /// Whether `cause` holds one, or the engine is shut down: every mutation asks, so the
+    /// common answer (no) costs one load instead of a lock on a line every core writes.
+    flagged: AtomicBool,
+}
+
+impl ReadOnlyState {
+    fn new() -> ReadOnlyState {
+        ReadOnlyState {
+            cause: RwLock::new(None),
+            flagged: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether a mutation must look closer ([`ReadOnlyState::cause`], the shutdown).
+    fn flagged(&self) -> bool {
+        self.flagged.load(Ordering::SeqCst)
+    }
+
+    /// Sends every mutation down the slow path (a shutdown, which records no cause).
+    fn flag(&self) {
+        self.flagged.store(true, Ordering::SeqCst);
+    }
+
+    /// The recorded cause.
+    fn cause(&self) -> Option<ReadOnlyCause> {
+        self.cause.read().clone()
+    }
+
+    /// Records `cause` unless the recorded one outranks it ([`ReadOnlyCause::replaces`]).
+    fn set(&self, cause: ReadOnlyCause) {
+        let mut ro = self.cause.write();
+        let replace = match ro.as_ref() {
+            None => true,
+            Some(current) => cause.replaces(current),
+        };
+        if replace {
+            log::log!(cause.log_level(), "birchfs is now read-only: {cause}");
+            *ro = Some(cause);
+            self.flagged.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Drops the recorded cause, unless it is one a remount may not undo.
+    fn clear(&self) -> Result<()> {
+        let mut ro = self.cause.write();
+        if let Some(cause) = ro.as_ref() {
+            if !cause.may_become_writable() {
+                return Err(Error::ReadOnly(cause.clone()));
+            }
+        }
+        *ro = None;
+        self.flagged.store(false, Ordering::SeqCst);
+        Ok(())
+    }
 }
 
 /// A mutation of the running transaction: holds the gate shared, so a commit cannot freeze
@@ -264,7 +322,7 @@ impl Engine {
     pub fn shut_down(&self) -> bool {
         let first = self.fence.shut_down();
         // Mutations take the slow path of `begin`, which finds the shutdown.
-        self.read_only_set.store(true, Ordering::SeqCst);
+        self.read_only.flag();
         // No leader comes for deferred waits any more (`LogHandle::wait` and `LogHandle::lead`
         // refuse).
         self.log.abandon_deferred();
@@ -343,16 +401,13 @@ impl Engine {
         if self.is_shut_down() {
             return Some(ReadOnlyCause::Shutdown);
         }
-        self.read_only.read().clone()
+        self.read_only.cause()
     }
 
     /// The cause [`Engine::set_read_only`] recorded, as text (a shutdown is not recorded:
     /// [`Engine::is_shut_down`] tells it, and [`Engine::read_only_cause`] includes it).
     pub fn read_only_reason(&self) -> Option<String> {
-        self.read_only
-            .read()
-            .as_ref()
-            .map(|cause| cause.to_string())
+        self.read_only.cause().map(|cause| cause.to_string())
     }
 
     /// Turns the engine read-only (a failed commit or log write; or a read-only mount). A
@@ -363,41 +418,24 @@ impl Engine {
             // The failure is the shutdown's doing (its fence refused the I/O).
             return;
         }
-        let mut ro = self.read_only.write();
-        let replace = match ro.as_ref() {
-            None => true,
-            Some(current) => cause.replaces(current),
-        };
-        if replace {
-            log::log!(cause.log_level(), "birchfs is now read-only: {cause}");
-            *ro = Some(cause);
-            self.read_only_set.store(true, Ordering::SeqCst);
-        }
+        self.read_only.set(cause);
     }
 
     /// Makes the engine writable again (remount rw), unless its read-only state is one a
     /// remount may not undo ([`ReadOnlyCause::may_become_writable`]).
     pub fn clear_read_only(&self) -> Result<()> {
         self.check_up()?;
-        let mut ro = self.read_only.write();
-        if let Some(cause) = ro.as_ref() {
-            if !cause.may_become_writable() {
-                return Err(Error::ReadOnly(cause.clone()));
-            }
-        }
-        *ro = None;
-        self.read_only_set.store(false, Ordering::SeqCst);
-        Ok(())
+        self.read_only.clear()
     }
 
     /// Starts a mutation of the running transaction. Hold it only for in-memory work.
     pub fn begin(&self) -> Result<WriteTxn<'_>> {
         // Recursive: an operation that holds [`Engine::hold`] records its items through here.
         let guard = self.gate.read();
-        if self.read_only_set.load(Ordering::SeqCst) {
+        if self.read_only.flagged() {
             self.check_up()?;
-            if let Some(cause) = self.read_only.read().as_ref() {
-                return Err(Error::ReadOnly(cause.clone()));
+            if let Some(cause) = self.read_only.cause() {
+                return Err(Error::ReadOnly(cause));
             }
         }
         Ok(WriteTxn {

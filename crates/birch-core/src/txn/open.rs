@@ -7,7 +7,7 @@
 //! durable list), the fsync log's batches (it only hands the replay read at open to the engine).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use birch_format::superblock::{
@@ -18,7 +18,7 @@ use birch_format::{
     BlockAddr, BlockCount, FormatError, Generation, Key, Lsn, FIRST_FREE_OBJECTID, FORMAT_VERSION,
     FS_TREE_ID, NODE_BLOCKS, NODE_SIZE,
 };
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 
 use crate::striped::Striped;
 
@@ -37,7 +37,7 @@ use super::commit::CommitQueue;
 use super::objectid::ObjectIds;
 use super::read::{CommittedRootPin, ReadState, ReleaseOnDrop};
 use super::snapshots::SnapshotState;
-use super::{now, CommittedRoot, Engine};
+use super::{now, CommittedRoot, Engine, ReadOnlyState};
 
 /// Options of a new image.
 #[derive(Debug, Clone, Default)]
@@ -337,8 +337,7 @@ impl Engine {
             } else {
                 0
             }),
-            read_only: RwLock::new(None),
-            read_only_set: AtomicBool::new(false),
+            read_only: ReadOnlyState::new(),
             log,
             replay: Mutex::new(replay),
             snapshots: Mutex::new(SnapshotState::default()),
