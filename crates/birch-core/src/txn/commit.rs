@@ -12,7 +12,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use birch_format::node::Node;
-use birch_format::superblock::{COMPAT_BACKUP_ROOTS, INCOMPAT_LOG_ALIGNED};
+use birch_format::superblock::{
+    BackupRoot, Superblock, BACKUP_ROOTS, COMPAT_BACKUP_ROOTS, INCOMPAT_LOG_ALIGNED,
+};
 use birch_format::{BlockCount, Generation, ItemType, Key, NODE_BLOCKS, NODE_SIZE};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
@@ -24,7 +26,7 @@ use crate::readonly::ReadOnlyCause;
 use crate::snapshot::{Snapshot, SnapshotOp};
 
 use super::read::{CommittedRootPin, ReleaseOnDrop};
-use super::{backups_after, discard_ranges, now, CommittedRoot, Engine};
+use super::{discard_ranges, now, CommittedRoot, Engine};
 
 /// Commits of at least this many changed items cut their apply into jobs (see [`Board`]).
 const PARALLEL_APPLY_MIN: usize = 16_384;
@@ -163,6 +165,21 @@ fn apply_per_item(writer: &mut TreeWriter<'_>, changes: &[(Key, Option<&[u8]>)])
         }
     }
     Ok(())
+}
+
+/// The backup roots the commit after `previous` names: `previous`'s own root, then its
+/// backups, newest first, at most [`BACKUP_ROOTS`], none below `floor` (a tree a reclaim may
+/// have broken, DESIGN §13.2).
+fn backups_after(previous: &Superblock, floor: u64) -> Vec<BackupRoot> {
+    let newest = BackupRoot {
+        generation: previous.generation,
+        fs_root: previous.fs_root,
+    };
+    std::iter::once(newest)
+        .chain(previous.backup_roots.iter().copied())
+        .filter(|b| b.generation >= floor && b.generation > 0)
+        .take(BACKUP_ROOTS)
+        .collect()
 }
 
 /// Runs its function when dropped (once).

@@ -52,7 +52,7 @@ pub use crate::btree::walk::{union_walk, UnionWalk};
 use commit::CommitQueue;
 pub use fsync::LogHandle;
 use objectid::ObjectIds;
-pub(crate) use open::{backups_after, mark_reserved_areas, older_roots};
+pub(crate) use open::{mark_reserved_areas, older_roots};
 pub use open::{MkfsOptions, OpenHead};
 use read::ReadState;
 pub use read::{CommittedRoot, CommittedView};

@@ -1,7 +1,7 @@
 //! Making and opening an image: mkfs ([`Engine::create`]), the superblock reads and writes,
 //! [`OpenHead`], the open (assembling the engine, the allocator rebuilt from the live tree, the
-//! snapshot trees and the backup trees it must keep), and the superblock helpers the commit
-//! and repair share (`older_roots`, `backups_after`, `mark_reserved_areas`, `log_area`).
+//! snapshot trees and the backup trees it must keep), and the superblock helpers repair
+//! shares (`older_roots`, `mark_reserved_areas`).
 //!
 //! Must not touch: the running delta, the commit order, the snapshot policy (it only loads the
 //! durable list), the fsync log's batches (it only hands the replay read at open to the engine).
@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use birch_format::superblock::{
-    BackupRoot, RootPtr, Superblock, BACKUP_ROOTS, COMPAT_BACKUP_ROOTS, INCOMPAT_LOG_ALIGNED,
-    INCOMPAT_SNAPSHOTS, RESERVED_HEAD_BYTES, SUPER_BYTES, SUPER_OFFSETS,
+    BackupRoot, RootPtr, Superblock, COMPAT_BACKUP_ROOTS, INCOMPAT_LOG_ALIGNED, INCOMPAT_SNAPSHOTS,
+    RESERVED_HEAD_BYTES, SUPER_BYTES, SUPER_OFFSETS,
 };
 use birch_format::{
     BlockAddr, BlockCount, FormatError, Generation, Key, Lsn, FIRST_FREE_OBJECTID, FORMAT_VERSION,
@@ -159,21 +159,6 @@ pub(crate) fn older_roots(
     roots.sort_by_key(|b| std::cmp::Reverse(b.generation));
     roots.dedup_by_key(|b| b.generation);
     roots
-}
-
-/// The backup roots the commit after `previous` names: `previous`'s own root, then its
-/// backups, newest first, at most [`BACKUP_ROOTS`], none below `floor` (a tree a reclaim may
-/// have broken, DESIGN §13.2).
-pub(crate) fn backups_after(previous: &Superblock, floor: u64) -> Vec<BackupRoot> {
-    let newest = BackupRoot {
-        generation: previous.generation,
-        fs_root: previous.fs_root,
-    };
-    std::iter::once(newest)
-        .chain(previous.backup_roots.iter().copied())
-        .filter(|b| b.generation >= floor && b.generation > 0)
-        .take(BACKUP_ROOTS)
-        .collect()
 }
 
 impl Engine {
