@@ -6,9 +6,10 @@
 //! sticky read-only state after a failed commit, and the shutdown (its device [`Fence`]:
 //! once shut down, no I/O reaches the image and every call fails with [`Error::Shutdown`]).
 //!
-//! Must not touch: files, inodes, names, FUSE. It never holds a lock across a flush: the
-//! `gate` (shared by every mutation, exclusive only for the in-memory freeze) and the state
-//! lock are released before any I/O. Readers never wait for a commit: they read the running
+//! Must not touch: files, inodes, names, FUSE. No lock is held across a flush but the commit
+//! lock, which only commits take (DESIGN §8): the `gate` (shared by every mutation and, under
+//! [`Engine::hold`], across its data writes; exclusive only for the in-memory freeze) and the
+//! state lock are released before any flush. Readers never wait for a commit: they read the running
 //! delta, then the frozen one, then the immutable committed root.
 //!
 //! Layout: this file holds [`Engine`] (its fields, small accessors, the read-only state and
