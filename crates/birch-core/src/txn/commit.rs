@@ -276,7 +276,10 @@ impl Engine {
                 .any(|op| matches!(op, SnapshotOp::Rollback { .. }));
             if rollback && !self.active.is_empty() {
                 // The rollback's tree is the snapshot's: a change made since its caller's
-                // commit would be lost. Its ops stay queued for the caller to withdraw.
+                // commit would be lost. Every queued snapshot op goes with it, other callers'
+                // too (a known gap: a create queued meanwhile then fails in `made_snapshot`,
+                // and a deletion queued meanwhile does not happen though its caller is told
+                // it did).
                 snapshots.pending.clear();
                 return Err(Error::Invalid(
                     "rollback: the filesystem changed while it waited for its commit".into(),
