@@ -160,6 +160,25 @@ thread_local! {
 }
 static NEXT_THREAD_GROUP: AtomicUsize = AtomicUsize::new(0);
 
+/// The generation a block was born in: a node header's generation, or an extent's recorded
+/// one (which may be older than the real birth, never newer). A type of its own, so that the
+/// sharing-aware free ([`Allocator::free_recorded`]) cannot take a birth for the generation
+/// that frees, or the other way round: swapping them would free a block a snapshot still reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Birth(Generation);
+
+impl Birth {
+    /// The birth generation `generation` (as a node header or an extent item records it).
+    pub fn new(generation: u64) -> Birth {
+        Birth(Generation::new(generation))
+    }
+
+    /// The generation itself.
+    pub fn generation(self) -> Generation {
+        self.0
+    }
+}
+
 /// A snapshot as the sharing-aware free sees it: it holds the blocks born at or before
 /// `generation` that the live tree frees in a generation after `generation`, up to and
 /// including `dropped_in`, the commit that deletes it (whose deletion walk frees what only it
@@ -167,15 +186,20 @@ static NEXT_THREAD_GROUP: AtomicUsize = AtomicUsize::new(0);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SnapshotHold {
     /// The commit whose tree the snapshot keeps.
-    pub generation: u64,
-    /// The commit that drops it from the list; `u64::MAX` while it is kept.
-    pub dropped_in: u64,
+    pub generation: Generation,
+    /// The commit that drops it from the list; [`SnapshotHold::KEPT`] while it is kept.
+    pub dropped_in: Generation,
 }
 
 impl SnapshotHold {
+    /// `dropped_in` of a snapshot still kept.
+    pub const KEPT: Generation = Generation::new(u64::MAX);
+
     /// Whether this snapshot holds a block born in `birth` that generation `freed_in` frees.
-    fn holds(&self, freed_in: u64, birth: u64) -> bool {
-        birth <= self.generation && self.generation < freed_in && freed_in <= self.dropped_in
+    fn holds(&self, freed_in: Generation, birth: Birth) -> bool {
+        birth.generation() <= self.generation
+            && self.generation < freed_in
+            && freed_in <= self.dropped_in
     }
 }
 
@@ -533,11 +557,11 @@ impl Allocator {
     pub fn free_recorded(
         &self,
         freed_in: Generation,
-        birth: u64,
+        birth: Birth,
         addr: BlockAddr,
         blocks: BlockCount,
     ) -> bool {
-        if self.held(freed_in.get(), birth) {
+        if self.held(freed_in, birth) {
             self.kept_blocks.fetch_add(blocks.get(), Ordering::Relaxed);
             return false;
         }
@@ -677,9 +701,9 @@ impl Allocator {
     }
 
     /// Whether a snapshot holds a block born in `birth` that generation `freed_in` frees.
-    pub fn held(&self, freed_in: u64, birth: u64) -> bool {
+    pub fn held(&self, freed_in: Generation, birth: Birth) -> bool {
         let newest = self.newest_hold.load(Ordering::Acquire);
-        if newest == 0 || birth > newest {
+        if newest == 0 || birth.generation().get() > newest {
             return false;
         }
         self.holds
@@ -690,24 +714,25 @@ impl Allocator {
 
     /// Adds a snapshot of commit `generation` (at open, or at the freeze of the commit that
     /// makes it: frees of later generations see it).
-    pub fn add_hold(&self, generation: u64) {
+    pub fn add_hold(&self, generation: Generation) {
         let mut holds = self.holds.write();
         holds.push(SnapshotHold {
             generation,
-            dropped_in: u64::MAX,
+            dropped_in: SnapshotHold::KEPT,
         });
-        self.newest_hold.fetch_max(generation, Ordering::AcqRel);
+        self.newest_hold
+            .fetch_max(generation.get(), Ordering::AcqRel);
     }
 
     /// Marks the snapshot of commit `generation` as dropped by commit `dropped_in` (at its
     /// freeze): it holds no block freed after that commit.
     /// Two snapshots made by one commit have one hold each: only one is dropped, so the other
     /// still keeps what the live tree frees later.
-    pub fn drop_hold(&self, generation: u64, dropped_in: u64) {
+    pub fn drop_hold(&self, generation: Generation, dropped_in: Generation) {
         let mut holds = self.holds.write();
         if let Some(hold) = holds
             .iter_mut()
-            .find(|hold| hold.generation == generation && hold.dropped_in == u64::MAX)
+            .find(|hold| hold.generation == generation && hold.dropped_in == SnapshotHold::KEPT)
         {
             hold.dropped_in = dropped_in;
         }
@@ -715,17 +740,17 @@ impl Allocator {
 
     /// Forgets the snapshots dropped by commits up to `generation` (once that commit is
     /// durable and its deletion walk has freed their blocks: no later free can ask).
-    pub fn forget_holds(&self, generation: u64) {
+    pub fn forget_holds(&self, generation: Generation) {
         let mut holds = self.holds.write();
         holds.retain(|hold| hold.dropped_in > generation);
-        let newest = holds.iter().map(|h| h.generation).max().unwrap_or(0);
+        let newest = holds.iter().map(|h| h.generation.get()).max().unwrap_or(0);
         self.newest_hold.store(newest, Ordering::Release);
     }
 
     /// The newest snapshot generation the free knows (0: none). An extent born at or before
     /// it is not merged with newer blocks (DESIGN §15.6 rule 1).
-    pub fn newest_snapshot_generation(&self) -> u64 {
-        self.newest_hold.load(Ordering::Acquire)
+    pub fn newest_snapshot_generation(&self) -> Generation {
+        Generation::new(self.newest_hold.load(Ordering::Acquire))
     }
 
     /// The snapshots the free knows.
@@ -1165,6 +1190,10 @@ mod tests {
         BlockCount::new(n)
     }
 
+    fn g(n: u64) -> Generation {
+        Generation::new(n)
+    }
+
     /// Shared counts: a clone counts the source's blocks once and the cloned ones once more;
     /// drops free only the blocks left with no reference; the open walk's marking refuses a
     /// shared extent on a block something unshared holds.
@@ -1206,14 +1235,14 @@ mod tests {
     fn deleting_one_of_two_snapshots_of_a_commit_keeps_the_others_hold() {
         let a = Allocator::new(64 * GROUP_BLOCKS * BLOCK_SIZE);
         let (addr, _) = a.allocate(b(4), b(4), Purpose::Data).expect("space");
-        a.add_hold(6);
-        a.add_hold(6);
-        a.drop_hold(6, 8);
-        a.forget_holds(8);
+        a.add_hold(g(6));
+        a.add_hold(g(6));
+        a.drop_hold(g(6), g(8));
+        a.forget_holds(g(8));
         assert_eq!(a.holds().len(), 1);
-        assert_eq!(a.newest_snapshot_generation(), 6);
+        assert_eq!(a.newest_snapshot_generation(), g(6));
         // Born before the snapshots, freed after the deletion: the other one keeps it.
-        assert!(!a.free_recorded(Generation::new(9), 3, addr, b(1)));
+        assert!(!a.free_recorded(g(9), Birth::new(3), addr, b(1)));
     }
 
     #[test]
@@ -1221,23 +1250,23 @@ mod tests {
         let a = Allocator::new(64 * GROUP_BLOCKS * BLOCK_SIZE);
         let (addr, _) = a.allocate(b(8), b(8), Purpose::Data).expect("space");
         // No snapshot: every free is pinned.
-        assert!(a.free_recorded(Generation::new(5), 3, addr, b(1)));
-        a.add_hold(6);
+        assert!(a.free_recorded(g(5), Birth::new(3), addr, b(1)));
+        a.add_hold(g(6));
         // Born at or before 6, freed after it: kept.
-        assert!(!a.free_recorded(Generation::new(7), 6, addr + b(1), b(1)));
-        assert!(!a.free_recorded(Generation::new(7), 2, addr + b(2), b(1)));
+        assert!(!a.free_recorded(g(7), Birth::new(6), addr + b(1), b(1)));
+        assert!(!a.free_recorded(g(7), Birth::new(2), addr + b(2), b(1)));
         // Born after the snapshot: freed.
-        assert!(a.free_recorded(Generation::new(7), 7, addr + b(3), b(1)));
+        assert!(a.free_recorded(g(7), Birth::new(7), addr + b(3), b(1)));
         // Freed by the commit the snapshot keeps (6 itself): not in its tree, freed.
-        assert!(a.free_recorded(Generation::new(6), 4, addr + b(4), b(1)));
+        assert!(a.free_recorded(g(6), Birth::new(4), addr + b(4), b(1)));
         assert_eq!(a.kept_blocks(), b(2));
         // Dropped by commit 9: frees up to 9 are its deletion walk's, later ones are freed.
-        a.drop_hold(6, 9);
-        assert!(!a.free_recorded(Generation::new(9), 5, addr + b(5), b(1)));
-        assert!(a.free_recorded(Generation::new(10), 5, addr + b(6), b(1)));
-        a.forget_holds(9);
+        a.drop_hold(g(6), g(9));
+        assert!(!a.free_recorded(g(9), Birth::new(5), addr + b(5), b(1)));
+        assert!(a.free_recorded(g(10), Birth::new(5), addr + b(6), b(1)));
+        a.forget_holds(g(9));
         assert!(a.holds().is_empty());
-        assert!(a.free_recorded(Generation::new(10), 1, addr + b(7), b(1)));
+        assert!(a.free_recorded(g(10), Birth::new(1), addr + b(7), b(1)));
         let pinned: u64 = a
             .take_pinned(Generation::new(10))
             .iter()

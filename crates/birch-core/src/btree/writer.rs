@@ -12,7 +12,7 @@ use birch_format::{
 };
 
 use super::{child_slot, lookup, scan, NodeSource, TreeCtx};
-use crate::alloc::{Allocator, Purpose};
+use crate::alloc::{Allocator, Birth, Purpose};
 use crate::error::{Error, Result};
 
 /// One node's run of blocks, as the allocator counts it.
@@ -199,7 +199,7 @@ impl<'a> TreeWriter<'a> {
         // Through the sharing-aware free: a snapshot may still hold the old copy.
         self.alloc.free_recorded(
             Generation::new(self.generation),
-            generation,
+            Birth::new(generation),
             BlockAddr::new(addr),
             NODE_RUN,
         );
@@ -764,7 +764,7 @@ impl<'a> TreeWriter<'a> {
         debug_assert!(generation < self.generation, "retire of a dirty node");
         self.alloc.free_recorded(
             Generation::new(self.generation),
-            generation,
+            Birth::new(generation),
             BlockAddr::new(addr),
             NODE_RUN,
         );

@@ -450,7 +450,7 @@ impl DataLayer<'_> {
         }
         // Never across a snapshot (DESIGN §15.6 rule 1): the new blocks would take the earlier
         // extent's birth, at or before the snapshot, and a free would keep them for it.
-        let newest = self.engine.allocator().newest_snapshot_generation();
+        let newest = self.engine.allocator().newest_snapshot_generation().get();
         if newest != 0 && prev.generation <= newest {
             return;
         }
@@ -500,7 +500,7 @@ mod tests {
     //! snapshot; never into a shared extent: `clone.rs`), and runs that cannot be recorded
     //! going back.
 
-    use birch_format::BlockCount;
+    use birch_format::{BlockCount, Generation};
 
     use super::*;
     use crate::data::test_support::{pattern, setup, INO};
@@ -650,7 +650,7 @@ mod tests {
             .expect("record");
         let born = engine.running_generation().get();
         engine.commit().expect("commit");
-        engine.allocator().add_hold(born);
+        engine.allocator().add_hold(Generation::new(born));
         data.replace_range(INO, BLOCK_SIZE, BLOCK_SIZE, vec![second], false)
             .expect("record the append");
         let extents = data.extents(INO, 0, 2 * BLOCK_SIZE).expect("extents");

@@ -14,6 +14,7 @@ use birch_format::items::FileExtent;
 use birch_format::{BlockAddr, BlockCount, Key, BLOCK_SIZE};
 
 use super::{BlockRun, DataLayer, Seen, WrittenRun};
+use crate::alloc::Birth;
 use crate::txn::WriteTxn;
 
 impl DataLayer<'_> {
@@ -133,7 +134,12 @@ impl DataLayer<'_> {
                     "birth {birth} after {generation}"
                 );
                 // Kept, not freed, when a snapshot holds the blocks (DESIGN §15.6).
-                alloc.free_recorded(generation, birth, run.disk_addr(), run.block_count());
+                alloc.free_recorded(
+                    generation,
+                    Birth::new(birth),
+                    run.disk_addr(),
+                    run.block_count(),
+                );
             }
             Seen::Unrecorded => alloc.free_now(run.disk_addr(), run.block_count()),
         }

@@ -290,10 +290,13 @@ impl Engine {
             let ops = std::mem::take(&mut snapshots.pending);
             for op in &ops {
                 match op {
-                    SnapshotOp::Create { .. } => self.alloc.add_hold(generation),
+                    SnapshotOp::Create { .. } => self.alloc.add_hold(Generation::new(generation)),
                     SnapshotOp::Delete { id } => {
                         if let Some(s) = snapshots.by_id(*id) {
-                            self.alloc.drop_hold(s.generation, generation);
+                            self.alloc.drop_hold(
+                                Generation::new(s.generation),
+                                Generation::new(generation),
+                            );
                         }
                     }
                     // Frees nothing through the allocator's holds: the replaced tree's blocks
@@ -555,7 +558,7 @@ impl Engine {
                 deleted.push(replaced);
             }
             self.give_back_deleted(generation, root, &before, &deleted);
-            self.alloc.forget_holds(generation);
+            self.alloc.forget_holds(Generation::new(generation));
         }
         let freed = self.alloc.take_pinned(Generation::new(generation));
         self.alloc.unpin_count(freed.iter().map(|(_, b)| b).sum());

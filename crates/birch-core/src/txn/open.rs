@@ -533,7 +533,7 @@ impl Engine {
         }
         snapshot::mark_snapshot_trees(self.ctx(), &self.alloc, &list, seen)?;
         for s in &list {
-            self.alloc.add_hold(s.generation);
+            self.alloc.add_hold(Generation::new(s.generation));
         }
         self.snapshots.lock().list = list;
         Ok(())
