@@ -392,9 +392,7 @@ fn own_socket_dirs() -> Vec<PathBuf> {
 }
 
 /// Makes `dir` ready for a socket of a daemon running as `uid`: created if missing (mode 0755
-/// for `/run/birch`, else 0700), and refused unless it is a directory (not a symlink) owned by
-/// `uid` or root that `uid` may write in, and, for a private one (under `/tmp`), nobody
-/// else may.
+/// for `/run/birch`, else 0700), and refused unless [`trusted_dir`] and `uid` may write in it.
 pub fn prepare_dir(dir: &Path, uid: u32) -> std::io::Result<()> {
     let shared = dir == Path::new("/run/birch");
     let context =
@@ -408,26 +406,37 @@ pub fn prepare_dir(dir: &Path, uid: u32) -> std::io::Result<()> {
         Err(e) => return Err(context(e)),
     }
     let meta = std::fs::symlink_metadata(dir).map_err(context)?;
-    let bad = |why: &str| {
-        Err(std::io::Error::new(
+    if let Err(why) = trusted_dir(dir, &meta, uid) {
+        return Err(std::io::Error::new(
             std::io::ErrorKind::PermissionDenied,
             format!("{}: {why}", dir.display()),
-        ))
-    };
-    if !meta.file_type().is_dir() {
-        return bad("not a directory");
-    }
-    if meta.uid() != uid && meta.uid() != 0 {
-        return bad(&format!("owned by uid {}, not {uid} or root", meta.uid()));
-    }
-    if !shared && meta.uid() == uid && meta.mode() & 0o077 != 0 {
-        return bad("others may use it (mode should be 0700)");
+        ));
     }
     let cpath = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "a NUL byte"))?;
     // SAFETY: access(2) with a valid NUL-terminated path.
     if unsafe { libc::access(cpath.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
         return Err(context(std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Whether `dir` (whose `lstat` is `meta`) may hold the control sockets of `uid`: a directory,
+/// not a symlink, owned by `uid` or root, that nobody else may write in (`/run/birch`), or
+/// use at all (a private one).
+fn trusted_dir(dir: &Path, meta: &std::fs::Metadata, uid: u32) -> Result<(), String> {
+    if !meta.file_type().is_dir() {
+        return Err("not a directory".into());
+    }
+    if meta.uid() != uid && meta.uid() != 0 {
+        return Err(format!("owned by uid {}, not {uid} or root", meta.uid()));
+    }
+    let shared = dir == Path::new("/run/birch");
+    if shared && meta.mode() & 0o022 != 0 {
+        return Err("others may write in it (mode should be 0755)".into());
+    }
+    if !shared && meta.mode() & 0o077 != 0 {
+        return Err("others may use it (mode should be 0700)".into());
     }
     Ok(())
 }
@@ -451,14 +460,23 @@ pub fn socket_path_for(major: u32, minor: u32) -> std::io::Result<PathBuf> {
 }
 
 /// The control socket of the mount `path` is on (its `st_dev`), as `birch` looks for it: a
-/// socket file of that name in one of this process's [`socket_dirs`]. `None` without one.
+/// socket file of that name, owned by root or this process's euid, in one of its
+/// [`socket_dirs`] that nobody else may write in. `None` without one.
 pub fn find_socket(path: &Path) -> Option<PathBuf> {
     let dev = std::fs::metadata(path).ok()?.dev();
     let name = socket_name(libc::major(dev), libc::minor(dev));
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
     own_socket_dirs()
         .into_iter()
+        .filter(|dir| {
+            std::fs::symlink_metadata(dir).is_ok_and(|meta| trusted_dir(dir, &meta, uid).is_ok())
+        })
         .map(|dir| dir.join(&name))
-        .find(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_socket()))
+        .find(|p| {
+            std::fs::symlink_metadata(p)
+                .is_ok_and(|m| m.file_type().is_socket() && (m.uid() == uid || m.uid() == 0))
+        })
 }
 
 #[cfg(test)]
