@@ -1,8 +1,9 @@
 //! A mount's daemon from mount(2) to exit: opens the image (its lock held until the end),
 //! mounts /dev/fuse as `fuse.birch`, sets up the FUSE session (request loops, io_uring, the
 //! adapter's options and the dirty cap from `crate::full_disk`), starts the control socket
-//! (`super::control_socket`), serves until the last mount is gone, then commits, flushes and releases the image; and what the device reports
-//! (a lost `rbd:` image shuts the filesystem down).
+//! (`super::control_socket`), serves until the last mount is gone, then removes the socket,
+//! commits, flushes and releases the image; and what the device reports (a lost `rbd:` image
+//! shuts the filesystem down).
 //! Must not touch: request handling (the adapter), option parsing and daemonizing (the CLI).
 
 use std::path::{Path, PathBuf};
