@@ -146,7 +146,7 @@ pub(crate) fn run_control(
 
 impl BirchFuse {
     /// What the daemon's control socket runs a command with: the same as the root's
-    /// [`CONTROL_XATTR`] ([`run_control`]). Holds the filesystem weakly (a command that comes
+    /// [`CONTROL_XATTR`] (`run_control`). Holds the filesystem weakly (a command that comes
     /// after it is gone is `Error::Shutdown`) and the invalidation thread's queue, so that
     /// thread lives as long as this does.
     pub fn control_handler(&self) -> Arc<ControlHandler> {

@@ -392,7 +392,9 @@ fn own_socket_dirs() -> Vec<PathBuf> {
 }
 
 /// Makes `dir` ready for a socket of a daemon running as `uid`: created if missing (mode 0755
-/// for `/run/birch`, else 0700), and refused unless [`trusted_dir`] and `uid` may write in it.
+/// for `/run/birch`, else 0700), and refused unless it is a directory, not a symlink, owned by
+/// `uid` or root, that nobody else may write in (`/run/birch`) or use (a private one), and
+/// `uid` may write in it.
 pub fn prepare_dir(dir: &Path, uid: u32) -> std::io::Result<()> {
     let shared = dir == Path::new("/run/birch");
     let context =
