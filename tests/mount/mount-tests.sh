@@ -13,8 +13,9 @@
 # `birch shutdown` (EPERM without CAP_SYS_ADMIN, EIO after, umount works, the next mount finds
 # what each variant keeps); fstrim (FITRIM: EPERM without CAP_SYS_ADMIN, unsupported on an image
 # file, on RBD the bytes trimmed and `rbd du` lower); snapshots made, listed and deleted through the mount, browsed
-# read-only at MNT/.snapshot/NAME, and one mounted alone with -o ro,snapshot=NAME; fsck clean
-# at the end.
+# read-only at MNT/.snapshot/NAME, and one mounted alone with -o ro,snapshot=NAME; the control
+# socket (`birch` commands go through it, root's alone, a stale one replaced, gone after
+# umount); fsck clean at the end.
 #
 # Skips (exit 77) with a printed reason where /dev/fuse is absent or not root.
 set -uo pipefail
@@ -52,6 +53,20 @@ trap cleanup EXIT
 ok() { echo "ok   $1"; passed=$((passed + 1)); }
 bad() { echo "FAIL $1"; failed=$((failed + 1)); }
 check() { local name=$1; shift; if "$@"; then ok "$name"; else bad "$name"; fi; }
+# The control socket of the mount at $1 (default $MNT): /run/birch/ctl-MAJOR:MINOR.sock, from
+# the mount's st_dev.
+sock_of() { echo "/run/birch/ctl-$(stat -c '%Hd:%Ld' "${1:-$MNT}").sock"; }
+# sock_say SOCKET COMMAND: sends COMMAND on the control socket, prints the answer (or the
+# errno name of a failed connect).
+sock_say() { python3 -c "
+import socket, sys, errno
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(sys.argv[1])
+except OSError as e:
+    print(errno.errorcode[e.errno]); sys.exit(0)
+s.send(sys.argv[2].encode())
+print(s.recv(300).decode().strip())" "$1" "$2"; }
 
 MKFS_FORCE=()
 ((IMAGE_FILE)) || MKFS_FORCE=(--force)
@@ -340,9 +355,11 @@ os.fsync(fd)
 "
 daemon=$(pgrep -f "birch mount -f $IMG" | head -1)
 if [[ -n $daemon ]]; then
+  killed_sock=$(sock_of)
   kill -KILL "$daemon"
   for _ in $(seq 1 200); do kill -0 "$daemon" 2>/dev/null || break; sleep 0.05; done
   umount -l "$MNT" 2>/dev/null
+  check "a killed daemon's control socket is stale (ECONNREFUSED)" test "$(sock_say "$killed_sock" sync)" = ECONNREFUSED
   out=$("$BIRCH" fsck "$IMG" 2>&1); rc=$?
   seen=no
   [[ $rc -eq 0 && $out == *'wait for replay'* && $out == *'with the log replayed in memory'*', 0 findings'* ]] && seen=yes
@@ -351,6 +368,7 @@ if [[ -n $daemon ]]; then
   # A read-only mount shows the fsync'd file too (the log replayed in memory), leaves the log
   # on the image and refuses remount,rw.
   if "$BIRCH" mount "${EXTRA_OPTS[@]}" -o ro "$IMG" "$MNT"; then
+    check "the next mount's control socket answers (a stale one is replaced)" test "$(sock_say "$(sock_of)" sync)" = ok
     check "a read-only mount after SIGKILL shows the fsync'd data (log replayed in memory)" cmp -s "$WORK/killed" "$MNT/killed"
     if "$WORK/mount.fuse.birch" "$IMG" "$MNT" -o remount,rw 2>/dev/null; then
       bad "remount,rw of a mount whose log was replayed in memory was allowed"
@@ -529,10 +547,32 @@ sys.exit(0 if p.returncode != 0 and 'open' in p.stderr and f.read() == b'before'
 check "birch snapshot delete MNT" "$BIRCH" snapshot delete "$MNT" s1
 check "a deleted snapshot leaves the listing" test -z "$(ls "$MNT/.snapshot")"
 check "a deleted snapshot's path is ENOENT" test "$(py_errno "os.stat('$MNT/.snapshot/s1')")" = ENOENT
+# --- The control socket (/run/birch/ctl-MAJOR:MINOR.sock from the mount's st_dev): `birch`
+# sends its commands there, root's alone; a user is refused (and `birch` falls back to the
+# xattr, EPERM as before); gone after umount. ---
+SOCK=$(sock_of)
+check "the control socket exists while mounted" test -S "$SOCK"
+check "the control socket is root's, mode 0600" test "$(stat -c '%U %a' "$SOCK")" = "root 600"
+if command -v strace >/dev/null; then
+  check "birch snapshot create goes through the control socket, not the xattr" bash -c "
+    strace -f -qq -e trace=connect,setxattr -o '$WORK/strace' '$BIRCH' snapshot create '$MNT' viasock >/dev/null &&
+    grep -q 'connect(.*$SOCK' '$WORK/strace' && ! grep -q trusted.birch.control '$WORK/strace'"
+else
+  echo "skip birch snapshot create through the control socket: no strace"
+  "$BIRCH" snapshot create "$MNT" viasock >/dev/null
+fi
+check "a snapshot made through the socket is in MNT/.snapshot at once" test "$(ls "$MNT/.snapshot" 2>&1)" = viasock
+check "a command on the socket answers ok" test "$(sock_say "$SOCK" 'snapshot-delete viasock')" = ok
+check "a failed one answers its errno" test "$(sock_say "$SOCK" 'snapshot-delete viasock' | cut -d' ' -f1-2)" = "err 2"
+check "a snapshot deleted through the socket leaves MNT/.snapshot at once" test -z "$(ls "$MNT/.snapshot")"
+check "the control socket refuses a user" test "$(setpriv --reuid=65534 --regid=65534 --clear-groups bash -c "$(declare -f sock_say); sock_say '$SOCK' shutdown-now")" = EACCES
+expect_fail "birch shutdown by a user is EPERM" "Operation not permitted" setpriv --reuid=65534 --regid=65534 --clear-groups "$BIRCH" shutdown --now "$MNT"
+check "and the mount still serves" test -d "$MNT/snapdir"
 "$BIRCH" snapshot create "$MNT" s2 >/dev/null
 printf 'later' > "$MNT/snapdir/f"
 expect_fail "-o ro,snapshot= while the live filesystem is mounted says where it is" ".snapshot/s2" "$BIRCH" mount -o ro,snapshot=s2 "$IMG" "$WORK/mnt2"
 "$BIRCH" umount "$MNT"
+check "the control socket is gone after umount" test ! -e "$SOCK"
 expect_fail "-o snapshot= without ro is refused" "-o ro,snapshot=s2" "$BIRCH" mount -o snapshot=s2 "$IMG" "$MNT"
 check "birch mount -o ro,snapshot=NAME" "$BIRCH" mount -o ro,snapshot=s2 "$IMG" "$MNT"
 check "the snapshot is the mount's root" test "$(cat "$MNT/snapdir/f" 2>&1)" = 'after!'

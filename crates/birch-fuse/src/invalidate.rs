@@ -14,7 +14,9 @@ use crate::BirchFuse;
 /// A thread of its own for invalidations that wait on the kernel: a ranged invalidation
 /// writes back (launders) and waits for the inode's dirty pages, whose WRITEs other request
 /// loops serve, and an entry invalidation locks the parent directory, which a request being
-/// served may hold. Neither may run inside a request handler.
+/// served may hold. Neither may run inside a request handler. A clone shares the thread, which
+/// ends when the last clone is dropped.
+#[derive(Clone)]
 pub(crate) struct Invalidator {
     pub(crate) queue: mpsc::Sender<(Inval, mpsc::Sender<()>)>,
 }
@@ -28,7 +30,7 @@ pub(crate) enum Inval {
 }
 
 impl Invalidator {
-    /// Starts the thread; it ends when the adapter is dropped.
+    /// Starts the thread; it ends when the adapter (and every clone) is dropped.
     pub(crate) fn start(notifier: Arc<OnceLock<fuser::Notifier>>) -> Invalidator {
         let (tx, rx) = mpsc::channel::<(Inval, mpsc::Sender<()>)>();
         let spawned = std::thread::Builder::new()

@@ -1,16 +1,20 @@
 //! Extended attributes and the control channel: SETXATTR, GETXATTR, LISTXATTR, REMOVEXATTR,
 //! and the root's `trusted.birch.*` xattrs: `control` (commands to the daemon), `stats`,
-//! `scrub`, `snapshots`, `alone` and `diff/...` (reports).
+//! `scrub`, `snapshots`, `alone` and `diff/...` (reports); and what runs a control command
+//! from either channel (this xattr or the daemon's control socket): [`run_control`].
 //! Must not touch: what a control command does (birch-core's `Filesystem::control`).
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
+use std::sync::{Arc, OnceLock};
 
 use birch_core::control::ControlCommand;
 use birch_core::Filesystem;
 use fuser::{Errno, INodeNo, ReplyEmpty, ReplyXattr, Request};
 
 use crate::attrs::errno;
+use crate::daemon::control_socket::ControlHandler;
+use crate::invalidate::{invalidate_attrs, Invalidator};
 use crate::BirchFuse;
 
 /// The root xattr through which the mount helper reaches the daemon (remount ro/rw, sync).
@@ -121,7 +125,40 @@ pub(crate) fn xattr_reply(reply: ReplyXattr, size: u32, value: &[u8]) {
     }
 }
 
+/// Runs a control command (its wire string) from either channel, the root's
+/// [`CONTROL_XATTR`] or the daemon's control socket, and then what the adapter owes the
+/// kernel: a snapshot made or deleted leaves its view of `/.snapshot` stale.
+pub(crate) fn run_control(
+    fs: &Filesystem,
+    notifier: &OnceLock<fuser::Notifier>,
+    invalidator: &Invalidator,
+    value: &[u8],
+) -> birch_core::Result<()> {
+    fs.control(value)?;
+    if let Ok(ControlCommand::SnapshotCreate(name) | ControlCommand::SnapshotDelete(name)) =
+        ControlCommand::parse(value)
+    {
+        invalidator.snapshot_changed(name.as_bytes());
+        invalidate_attrs(notifier, birch_format::SNAPSHOT_DIR_OBJECTID);
+    }
+    Ok(())
+}
+
 impl BirchFuse {
+    /// What the daemon's control socket runs a command with: the same as the root's
+    /// [`CONTROL_XATTR`] (`run_control`). Holds the filesystem weakly (a command that comes
+    /// after it is gone is `Error::Shutdown`) and the invalidation thread's queue, so that
+    /// thread lives as long as this does.
+    pub fn control_handler(&self) -> Arc<ControlHandler> {
+        let fs = Arc::downgrade(&self.fs);
+        let notifier = self.notifier.clone();
+        let invalidator = self.invalidator.clone();
+        Arc::new(move |command: &ControlCommand| match fs.upgrade() {
+            Some(fs) => run_control(&fs, &notifier, &invalidator, command.to_string().as_bytes()),
+            None => Err(birch_core::Error::Shutdown),
+        })
+    }
+
     /// The adapter's own figures for the stats xattr.
     pub(crate) fn adapter_pairs(&self) -> Vec<(&'static str, u64)> {
         let mut pairs = self.handle_lookups.pairs().to_vec();
@@ -140,18 +177,8 @@ impl BirchFuse {
     ) {
         refuse_if_down!(self, reply);
         if ino.0 == 1 && name.as_bytes() == CONTROL_XATTR {
-            match self.fs.control(value) {
-                Ok(()) => {
-                    // A snapshot made or deleted: the kernel's view of /.snapshot is stale.
-                    if let Ok(
-                        ControlCommand::SnapshotCreate(name) | ControlCommand::SnapshotDelete(name),
-                    ) = ControlCommand::parse(value)
-                    {
-                        self.invalidator.snapshot_changed(name.as_bytes());
-                        self.invalidate_attrs(birch_format::SNAPSHOT_DIR_OBJECTID);
-                    }
-                    reply.ok()
-                }
+            match run_control(&self.fs, &self.notifier, &self.invalidator, value) {
+                Ok(()) => reply.ok(),
                 Err(e) => reply.error(errno("control", &e)),
             }
             return;

@@ -668,9 +668,50 @@ fn remount(mountpoint: &Path, raw: &[String]) -> ExitCode {
     }
 }
 
-/// Sends a control command to the daemon serving the mount at `mountpoint` (its wire string
-/// on the root's `trusted.birch.control` xattr, so root only).
+/// Sends a control command to the daemon serving the mount at `mountpoint`: through its
+/// control socket (found from the mount's `st_dev`, birch-fuse `daemon::control_socket`;
+/// root or the mount's owner), else, when there is none or it cannot be opened (an older
+/// daemon, a stale socket, a caller it is not for), as before on the root's
+/// `trusted.birch.control` xattr (root only). Every sender uses this. A command the daemon
+/// refuses is the errno it answered, as the xattr would have returned it.
 pub(crate) fn control(mountpoint: &Path, command: &ControlCommand) -> std::io::Result<()> {
+    use birch_fuse::daemon::control_socket::{exchange, find_socket, Refused};
+    if let Some(path) = find_socket(mountpoint) {
+        match std::os::unix::net::UnixStream::connect(&path) {
+            Ok(stream) => {
+                return exchange(stream, command, &[]).map_err(|e| {
+                    match e
+                        .get_ref()
+                        .and_then(|inner| inner.downcast_ref::<Refused>())
+                    {
+                        Some(refused) => std::io::Error::from_raw_os_error(refused.errno),
+                        None => std::io::Error::new(
+                            e.kind(),
+                            format!("control socket {}: {e}", path.display()),
+                        ),
+                    }
+                });
+            }
+            // Nothing listens (a daemon that was killed), or not for this caller: the xattr
+            // answers as it always did.
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::ECONNREFUSED | libc::ENOENT | libc::EACCES | libc::EPERM)
+                ) => {}
+            Err(e) => {
+                return Err(std::io::Error::new(
+                    e.kind(),
+                    format!("control socket {}: {e}", path.display()),
+                ))
+            }
+        }
+    }
+    control_xattr(mountpoint, command)
+}
+
+/// [`control`] through the root's `trusted.birch.control` xattr (its wire string; root only).
+fn control_xattr(mountpoint: &Path, command: &ControlCommand) -> std::io::Result<()> {
     let command = command.to_string();
     let path = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes())
         .map_err(|_| std::io::ErrorKind::InvalidInput)?;

@@ -4,12 +4,25 @@
 //! mount's owner only. File descriptors may come with a command (`SCM_RIGHTS`); they are
 //! received and closed, and since no command takes one yet, a command that brings any is
 //! refused (`EINVAL`), so a later command that does cannot be mistaken for an older one.
-//! Not started by `serve` yet (where the socket lives is a user-visible choice still to make):
-//! see the issue. Must not touch: what a command does (the handler given, e.g.
-//! `Filesystem::control`), the xattr channel (the adapter's `xattrs`).
+//!
+//! **Where it lives.** One socket per mount, named from the device number of the FUSE mount
+//! (what `stat` of any path on the mount gives as `st_dev`, unique while the mount lives):
+//! `ctl-MAJOR:MINOR.sock` in the first of these runtime directories the daemon can use
+//! ([`socket_dirs`]): `/run/birch` (mode 0755, created if missing), then, for a daemon not
+//! running as root, `$XDG_RUNTIME_DIR/birch` and `/tmp/birch-UID` (mode 0700, its own). A
+//! root daemon's socket is thus `/run/birch/ctl-0:53.sock`. The socket file is the mount
+//! owner's, mode 0600; `SO_PEERCRED` checks the caller again. The daemon removes it at a
+//! clean exit; a socket file left by a killed daemon (connecting is `ECONNREFUSED`) is replaced
+//! by the next daemon that gets the same device number. `birch` finds the socket of a mount
+//! from its `st_dev` ([`find_socket`]) and falls back to the xattr without one (an older
+//! daemon, a socket it may not open).
+//! Must not touch: what a command does (the handler given, `BirchFuse::control_handler`),
+//! the xattr channel (the adapter's `xattrs`).
 
+use std::ffi::OsStr;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -51,22 +64,36 @@ impl ControlSocket {
         owner: u32,
         handler: Arc<ControlHandler>,
     ) -> std::io::Result<ControlSocket> {
-        if UnixStream::connect(path).is_ok() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::AddrInUse,
-                format!("{}: a daemon already listens there", path.display()),
-            ));
+        let context =
+            |e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()));
+        match UnixStream::connect(path) {
+            Ok(_) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AddrInUse,
+                    format!("{}: a daemon already listens there", path.display()),
+                ))
+            }
+            // A socket nobody listens on: left by a daemon that was killed.
+            Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => {
+                let stale = std::fs::symlink_metadata(path)
+                    .map_err(context)?
+                    .file_type()
+                    .is_socket();
+                if stale {
+                    log::info!("{}: removing a stale control socket", path.display());
+                    std::fs::remove_file(path).map_err(context)?;
+                }
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(context(e)),
         }
-        if std::fs::symlink_metadata(path).is_ok_and(|m| {
-            use std::os::unix::fs::FileTypeExt;
-            m.file_type().is_socket()
-        }) {
-            std::fs::remove_file(path)?;
+        let listener = Arc::new(UnixListener::bind(path).map_err(context)?);
+        // The owner's alone (root passes anyway); SO_PEERCRED checks again, also for a
+        // connection made before this chmod.
+        if let Err(e) = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)) {
+            let _ = std::fs::remove_file(path);
+            return Err(context(e));
         }
-        let listener = Arc::new(
-            UnixListener::bind(path)
-                .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?,
-        );
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let stop = stop.clone();
@@ -232,8 +259,18 @@ fn receive(stream: &UnixStream) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>)> {
 /// Sends `command` to the control socket at `path`, with `fds` (`SCM_RIGHTS`), and waits for
 /// the answer: an `err ERRNO MESSAGE` answer is that errno with the message.
 pub fn send(path: &Path, command: &ControlCommand, fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
-    let mut stream = UnixStream::connect(path)
+    let stream = UnixStream::connect(path)
         .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+    exchange(stream, command, fds)
+}
+
+/// Sends `command` with `fds` on `stream`, a connection to a control socket, and waits for the
+/// answer: an `err ERRNO MESSAGE` answer is an error whose inner error is a [`Refused`].
+pub fn exchange(
+    mut stream: UnixStream,
+    command: &ControlCommand,
+    fds: &[BorrowedFd<'_>],
+) -> std::io::Result<()> {
     let text = command.to_string();
     let raw: Vec<RawFd> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
     send_with_fds(&stream, text.as_bytes(), &raw)?;
@@ -291,7 +328,24 @@ fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> std::io::R
     Ok(())
 }
 
-/// `ok`, or `err ERRNO MESSAGE` as an error of that errno.
+/// What the daemon answered to a command it refused or that failed: `err ERRNO MESSAGE`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refused {
+    /// The errno the command failed with (what the xattr channel would have returned).
+    pub errno: i32,
+    /// The daemon's message.
+    pub message: String,
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (errno {})", self.message, self.errno)
+    }
+}
+
+impl std::error::Error for Refused {}
+
+/// `ok`, or `err ERRNO MESSAGE` as an error of that errno's kind carrying a [`Refused`].
 fn parse_answer(answer: &str) -> std::io::Result<()> {
     if answer == "ok" {
         return Ok(());
@@ -303,8 +357,128 @@ fn parse_answer(answer: &str) -> std::io::Result<()> {
     let kind = std::io::Error::from_raw_os_error(errno).kind();
     Err(std::io::Error::new(
         kind,
-        format!("{message} (errno {errno})"),
+        Refused {
+            errno,
+            message: message.to_string(),
+        },
     ))
+}
+
+/// The name of the control socket of the mount whose device number is `major:minor`.
+pub fn socket_name(major: u32, minor: u32) -> String {
+    format!("ctl-{major}:{minor}.sock")
+}
+
+/// The runtime directories a daemon running as `uid` may put its control socket in, in the
+/// order tried (and searched by `birch` running as `uid`): `/run/birch`, then for a uid other
+/// than root `$XDG_RUNTIME_DIR/birch` (`xdg_runtime_dir`, if set and absolute) and
+/// `/tmp/birch-UID`.
+pub fn socket_dirs(uid: u32, xdg_runtime_dir: Option<&OsStr>) -> Vec<PathBuf> {
+    let mut dirs = vec![PathBuf::from("/run/birch")];
+    if uid != 0 {
+        if let Some(xdg) = xdg_runtime_dir.map(Path::new).filter(|p| p.is_absolute()) {
+            dirs.push(xdg.join("birch"));
+        }
+        dirs.push(PathBuf::from(format!("/tmp/birch-{uid}")));
+    }
+    dirs
+}
+
+/// The directories for this process ([`socket_dirs`] of its euid and environment).
+fn own_socket_dirs() -> Vec<PathBuf> {
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    socket_dirs(uid, std::env::var_os("XDG_RUNTIME_DIR").as_deref())
+}
+
+/// Makes `dir` ready for a socket of a daemon running as `uid`: created if missing (mode 0755
+/// for `/run/birch`, else 0700), and refused unless it is a directory, not a symlink, owned by
+/// `uid` or root, that nobody else may write in (`/run/birch`) or use (a private one), and
+/// `uid` may write in it.
+pub fn prepare_dir(dir: &Path, uid: u32) -> std::io::Result<()> {
+    let shared = dir == Path::new("/run/birch");
+    let context =
+        |e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", dir.display()));
+    match std::fs::DirBuilder::new()
+        .mode(if shared { 0o755 } else { 0o700 })
+        .create(dir)
+    {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(context(e)),
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(context)?;
+    if let Err(why) = trusted_dir(dir, &meta, uid) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!("{}: {why}", dir.display()),
+        ));
+    }
+    let cpath = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "a NUL byte"))?;
+    // SAFETY: access(2) with a valid NUL-terminated path.
+    if unsafe { libc::access(cpath.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
+        return Err(context(std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Whether `dir` (whose `lstat` is `meta`) may hold the control sockets of `uid`: a directory,
+/// not a symlink, owned by `uid` or root, that nobody else may write in (`/run/birch`), or
+/// use at all (a private one).
+fn trusted_dir(dir: &Path, meta: &std::fs::Metadata, uid: u32) -> Result<(), String> {
+    if !meta.file_type().is_dir() {
+        return Err("not a directory".into());
+    }
+    if meta.uid() != uid && meta.uid() != 0 {
+        return Err(format!("owned by uid {}, not {uid} or root", meta.uid()));
+    }
+    let shared = dir == Path::new("/run/birch");
+    if shared && meta.mode() & 0o022 != 0 {
+        return Err("others may write in it (mode should be 0755)".into());
+    }
+    if !shared && meta.mode() & 0o077 != 0 {
+        return Err("others may use it (mode should be 0700)".into());
+    }
+    Ok(())
+}
+
+/// Where this daemon's control socket for the mount `major:minor` goes: in the first of its
+/// [`socket_dirs`] that [`prepare_dir`] accepts. The error names every directory tried.
+pub fn socket_path_for(major: u32, minor: u32) -> std::io::Result<PathBuf> {
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    let mut why = Vec::new();
+    for dir in own_socket_dirs() {
+        match prepare_dir(&dir, uid) {
+            Ok(()) => return Ok(dir.join(socket_name(major, minor))),
+            Err(e) => why.push(e.to_string()),
+        }
+    }
+    Err(std::io::Error::other(format!(
+        "no runtime directory for the control socket: {}",
+        why.join("; ")
+    )))
+}
+
+/// The control socket of the mount `path` is on (its `st_dev`), as `birch` looks for it: a
+/// socket file of that name, owned by root or this process's euid, in one of its
+/// [`socket_dirs`] that nobody else may write in. `None` without one.
+pub fn find_socket(path: &Path) -> Option<PathBuf> {
+    let dev = std::fs::metadata(path).ok()?.dev();
+    let name = socket_name(libc::major(dev), libc::minor(dev));
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    own_socket_dirs()
+        .into_iter()
+        .filter(|dir| {
+            std::fs::symlink_metadata(dir).is_ok_and(|meta| trusted_dir(dir, &meta, uid).is_ok())
+        })
+        .map(|dir| dir.join(&name))
+        .find(|p| {
+            std::fs::symlink_metadata(p)
+                .is_ok_and(|m| m.file_type().is_socket() && (m.uid() == uid || m.uid() == 0))
+        })
 }
 
 #[cfg(test)]
@@ -448,6 +622,90 @@ mod tests {
         assert!(ran.load(Ordering::SeqCst));
         drop(socket);
         let _ = std::fs::remove_dir(&dir);
+    }
+
+    /// The socket's name comes from the mount's device number; root's lives in /run/birch
+    /// alone, another user's also in its runtime directory and its own directory in /tmp.
+    #[test]
+    fn socket_paths_follow_the_rule() {
+        assert_eq!(socket_name(0, 53), "ctl-0:53.sock");
+        assert_eq!(
+            socket_dirs(0, Some(OsStr::new("/run/user/0"))),
+            [PathBuf::from("/run/birch")]
+        );
+        assert_eq!(
+            socket_dirs(1000, Some(OsStr::new("/run/user/1000"))),
+            [
+                PathBuf::from("/run/birch"),
+                PathBuf::from("/run/user/1000/birch"),
+                PathBuf::from("/tmp/birch-1000")
+            ]
+        );
+        assert_eq!(
+            socket_dirs(1000, Some(OsStr::new("relative"))),
+            [
+                PathBuf::from("/run/birch"),
+                PathBuf::from("/tmp/birch-1000")
+            ]
+        );
+    }
+
+    /// A socket file nobody listens on (its daemon killed) is replaced; a file that is not a
+    /// socket is left alone and the bind fails.
+    #[test]
+    fn a_stale_socket_is_replaced() {
+        let dir = std::env::temp_dir().join(format!("birch-control-stale-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join(socket_name(0, 99));
+        // A socket whose listener is gone, as a SIGKILLed daemon leaves it.
+        drop(UnixListener::bind(&path).expect("bind"));
+        assert!(path.exists(), "the stale file stays");
+        let ran = Arc::new(AtomicBool::new(false));
+        let handler: Arc<ControlHandler> = {
+            let ran = ran.clone();
+            Arc::new(move |_: &ControlCommand| {
+                ran.store(true, Ordering::SeqCst);
+                Ok(())
+            })
+        };
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        let socket = ControlSocket::bind(&path, me, handler.clone()).expect("stale replaced");
+        let mode = std::fs::metadata(&path).expect("socket").mode() & 0o777;
+        assert_eq!(mode, 0o600, "the owner's alone");
+        send(&path, &ControlCommand::Sync, &[]).expect("sync");
+        assert!(ran.load(Ordering::SeqCst));
+        drop(socket);
+        assert!(!path.exists());
+        std::fs::write(&path, b"not a socket").expect("file");
+        assert!(ControlSocket::bind(&path, me, handler).is_err());
+        assert_eq!(std::fs::read(&path).expect("kept"), b"not a socket");
+        let _ = std::fs::remove_file(&path);
+        let _ = std::fs::remove_dir(&dir);
+    }
+
+    /// A private directory is made 0700; one others may use, or a symlink, is refused.
+    #[test]
+    fn private_socket_dirs_are_checked() {
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        let base = std::env::temp_dir().join(format!("birch-control-dirs-{}", std::process::id()));
+        std::fs::create_dir_all(&base).expect("temp dir");
+        let private = base.join("mine");
+        prepare_dir(&private, me).expect("made");
+        assert_eq!(
+            std::fs::metadata(&private).expect("dir").mode() & 0o777,
+            0o700
+        );
+        prepare_dir(&private, me).expect("made before");
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        assert!(prepare_dir(&private, me).is_err(), "open to others");
+        let link = base.join("link");
+        std::os::unix::fs::symlink(&private, &link).expect("symlink");
+        assert!(prepare_dir(&link, me).is_err(), "a symlink");
+        let _ = std::fs::remove_file(&link);
+        let _ = std::fs::remove_dir(&private);
+        let _ = std::fs::remove_dir(&base);
     }
 
     /// Root and the owner may send commands; nobody else.

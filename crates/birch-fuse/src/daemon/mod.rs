@@ -1,7 +1,8 @@
 //! The mount daemon: what a process serving a birchfs mount does, from mount(2) to its final
 //! commit. `serve` opens the image (taking its lock), mounts /dev/fuse, sets up the session
 //! (request loops, io_uring rings: [`uring_setup`]), starts the dirty cap's loop
-//! (`crate::full_disk`) and the signal thread (`signals`), serves until the last mount of
+//! (`crate::full_disk`), the signal thread (`signals`) and the control socket
+//! ([`control_socket`], `/run/birch/ctl-MAJOR:MINOR.sock`), serves until the last mount of
 //! the filesystem is gone, then commits, flushes and releases the image lock before it
 //! returns. [`InProcessMount`] serves a filesystem the caller opened (crash tests).
 //! Must not touch: option parsing, the fstab / mount.fuse helper glue, daemonizing and

@@ -31,6 +31,25 @@ pub fn mounts_of_source(image: &Path) -> Vec<String> {
     found
 }
 
+/// The device number (`MAJOR:MINOR`, what `stat` gives as `st_dev`) of the mount at
+/// `mountpoint` (canonical), the topmost if several are stacked there; read from mountinfo, so
+/// it asks nothing of the filesystem (the daemon calls it before it serves requests).
+pub fn mount_device(mountpoint: &Path) -> Option<(u32, u32)> {
+    let want = mountpoint.to_string_lossy().into_owned();
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let mut found = None;
+    for line in info.lines() {
+        let fields: Vec<&str> = line.split(' ').collect();
+        if fields.get(4).map(|m| unescape(m)) == Some(want.clone()) {
+            found = fields
+                .get(2)
+                .and_then(|d| d.split_once(':'))
+                .and_then(|(major, minor)| Some((major.parse().ok()?, minor.parse().ok()?)));
+        }
+    }
+    found
+}
+
 /// A mountinfo field with the kernel's octal escapes (space, tab, newline, backslash) undone.
 pub fn unescape(s: &str) -> String {
     s.replace("\\040", " ")

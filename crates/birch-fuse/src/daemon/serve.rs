@@ -1,8 +1,9 @@
 //! A mount's daemon from mount(2) to exit: opens the image (its lock held until the end),
 //! mounts /dev/fuse as `fuse.birch`, sets up the FUSE session (request loops, io_uring, the
-//! adapter's options and the dirty cap from `crate::full_disk`), serves until the last mount
-//! is gone, then commits, flushes and releases the image; and what the device reports
-//! (a lost `rbd:` image shuts the filesystem down).
+//! adapter's options and the dirty cap from `crate::full_disk`), starts the control socket
+//! (`super::control_socket`), serves until the last mount is gone, then removes the socket,
+//! commits, flushes and releases the image; and what the device reports (a lost `rbd:` image
+//! shuts the filesystem down).
 //! Must not touch: request handling (the adapter), option parsing and daemonizing (the CLI).
 
 use std::path::{Path, PathBuf};
@@ -15,7 +16,8 @@ use birch_core::vfs::ShutdownMode;
 use birch_core::{Filesystem, OpenOptions};
 use fuser::{Config, SessionACL};
 
-use super::mountinfo::canonical;
+use super::control_socket::{socket_path_for, ControlHandler, ControlSocket};
+use super::mountinfo::{canonical, mount_device};
 use super::signals::{block_signals, wait_for_signal_then_unmount};
 use super::uring_setup::{ring_for, uring_allowed};
 use super::MountConfig;
@@ -117,6 +119,7 @@ pub fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> Result<()
     };
     let (fuse_opts, dirty_cap) = fuse_options(config, &fs, mountpoint);
     let adapter = BirchFuse::new(fs.clone(), fuse_opts);
+    let control_handler = adapter.control_handler();
     let acl = fuse_config.acl;
     let notifier_slot = adapter.notifier_slot();
     let session = match fuser::Session::from_fd(adapter, fuse_fd, acl, fuse_config) {
@@ -131,6 +134,8 @@ pub fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> Result<()
         }
     };
     let _ = notifier_slot.set(session.notifier());
+    // Started once the kernel may be told what a command changed (the notifier is set).
+    let control = start_control_socket(mountpoint, control_handler);
     let target = canonical(mountpoint);
     let source = canonical(image);
     std::thread::spawn(move || wait_for_signal_then_unmount(&target, &source));
@@ -141,6 +146,8 @@ pub fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> Result<()
     }
     let result = session.run();
     stop_cap.store(true, Ordering::Relaxed);
+    // No command after the last request: the socket file goes before the final commit.
+    drop(control);
     // The kernel connection is gone; commit, flush and release the image lock before exit.
     let closed = fs.close();
     drop(fs);
@@ -151,6 +158,37 @@ pub fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> Result<()
         return Err(format!("final commit failed: {e}"));
     }
     Ok(())
+}
+
+/// Starts the control socket of the mount just made at `mountpoint` (see
+/// [`control_socket`](super::control_socket) for where it lives). A mount without one still
+/// takes commands on the root's control xattr, so a failure is a warning.
+fn start_control_socket(mountpoint: &Path, handler: Arc<ControlHandler>) -> Option<ControlSocket> {
+    let target = canonical(mountpoint);
+    let started = mount_device(&target)
+        .ok_or_else(|| {
+            std::io::Error::other(format!("{}: not in /proc/self/mountinfo", target.display()))
+        })
+        .and_then(|(major, minor)| socket_path_for(major, minor))
+        .and_then(|path| {
+            // SAFETY: geteuid has no preconditions.
+            let owner = unsafe { libc::geteuid() };
+            ControlSocket::bind(&path, owner, handler)
+        });
+    match started {
+        Ok(socket) => {
+            log::debug!("control socket at {}", socket.path().display());
+            Some(socket)
+        }
+        Err(e) => {
+            log::warn!(
+                "{}: no control socket ({e}); control commands go through the root's \
+                 trusted.birch.control xattr only",
+                target.display()
+            );
+            None
+        }
+    }
 }
 
 /// What a mount does when its device reports (an `rbd:` image, DESIGN §14.3): a lost device
