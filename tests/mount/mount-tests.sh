@@ -567,6 +567,8 @@ check "a failed one answers its errno" test "$(sock_say "$SOCK" 'snapshot-delete
 check "a snapshot deleted through the socket leaves MNT/.snapshot at once" test -z "$(ls "$MNT/.snapshot")"
 check "the control socket refuses a user" test "$(setpriv --reuid=65534 --regid=65534 --clear-groups bash -c "$(declare -f sock_say); sock_say '$SOCK' shutdown-now")" = EACCES
 expect_fail "birch shutdown by a user is EPERM" "Operation not permitted" setpriv --reuid=65534 --regid=65534 --clear-groups "$BIRCH" shutdown --now "$MNT"
+check "the control socket refuses root without CAP_SYS_ADMIN (err 1, EPERM)" test "$(setpriv --bounding-set -sys_admin --inh-caps -sys_admin bash -c "$(declare -f sock_say); sock_say '$SOCK' shutdown-now" | cut -d' ' -f1-2)" = "err 1"
+expect_fail "birch shutdown by root without CAP_SYS_ADMIN is EPERM" "Operation not permitted" setpriv --bounding-set -sys_admin --inh-caps -sys_admin "$BIRCH" shutdown --now "$MNT"
 check "and the mount still serves" test -d "$MNT/snapdir"
 "$BIRCH" snapshot create "$MNT" s2 >/dev/null
 printf 'later' > "$MNT/snapdir/f"

@@ -1,8 +1,8 @@
 //! A control socket for the daemon: a unix stream socket that takes one [`ControlCommand`]
 //! per connection (its wire string, as on the root's `trusted.birch.control` xattr) and answers
-//! `ok` or `err ERRNO MESSAGE`, one line. The caller is checked with `SO_PEERCRED`: root or the
-//! mount's owner only. File descriptors may come with a command (`SCM_RIGHTS`); they are
-//! received and closed, and since no command takes one yet, a command that brings any is
+//! `ok` or `err ERRNO MESSAGE`, one line. The caller is checked with `SO_PEERCRED`: only a
+//! caller with `CAP_SYS_ADMIN` (as the xattr asks) or the mount's owner when that is not root.
+//! File descriptors may come with a command (`SCM_RIGHTS`); they are received and closed, and since no command takes one yet, a command that brings any is
 //! refused (`EINVAL`), so a later command that does cannot be mistaken for an older one.
 //!
 //! **Where it lives.** One socket per mount, named from the device number of the FUSE mount
@@ -30,6 +30,8 @@ use std::sync::Arc;
 
 use birch_core::control::ControlCommand;
 
+use crate::ioctls::caller_is_admin;
+
 /// The longest command read (a snapshot name is at most 255 bytes).
 const MAX_COMMAND: usize = 4096;
 
@@ -51,9 +53,12 @@ pub struct ControlSocket {
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
-/// Whether a caller with uid `peer` may send commands to a mount owned by `owner`.
-pub fn may_control(peer: u32, owner: u32) -> bool {
-    peer == 0 || peer == owner
+/// Whether a caller with uid `peer` may send commands to a mount owned by `owner`:
+/// `admin`, whether it has `CAP_SYS_ADMIN` (what the `trusted.birch.control` xattr and the
+/// shutdown ioctl ask of root too), or the mount's owner when that is not root (a user's own
+/// mount). Root without `CAP_SYS_ADMIN` is refused, as on the xattr.
+pub fn may_control(peer: u32, admin: bool, owner: u32) -> bool {
+    admin || (owner != 0 && peer == owner)
 }
 
 impl ControlSocket {
@@ -149,11 +154,17 @@ fn serve_one(mut stream: UnixStream, owner: u32, handler: &ControlHandler) {
     let _ = stream.set_read_timeout(Some(CALLER_TIMEOUT));
     let _ = stream.set_write_timeout(Some(CALLER_TIMEOUT));
     let received = receive(&stream);
-    let answer = match (peer_uid(&stream), received) {
+    let answer = match (peer_cred(&stream), received) {
         (Err(e), _) => Err((libc::EIO, format!("SO_PEERCRED: {e}"))),
-        (Ok(uid), _) if !may_control(uid, owner) => {
-            log::warn!("control socket: uid {uid} refused (neither root nor the owner {owner})");
-            Err((libc::EPERM, "only root or the mount's owner".into()))
+        (Ok((pid, uid)), _) if !may_control(uid, caller_is_admin(pid, uid), owner) => {
+            log::warn!(
+                "control socket: pid {pid} (uid {uid}) refused: neither CAP_SYS_ADMIN nor the \
+                 mount's owner {owner}"
+            );
+            Err((
+                libc::EPERM,
+                "only CAP_SYS_ADMIN or the mount's owner".into(),
+            ))
         }
         (Ok(_), Err(e)) => Err((libc::EIO, format!("receiving the command: {e}"))),
         (Ok(_), Ok((_, fds))) if !fds.is_empty() => Err((
@@ -174,8 +185,8 @@ fn serve_one(mut stream: UnixStream, owner: u32, handler: &ControlHandler) {
     let _ = stream.write_all(line.as_bytes());
 }
 
-/// The uid of the process at the other end (`SO_PEERCRED`).
-fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
+/// The pid and uid of the process at the other end (`SO_PEERCRED`).
+fn peer_cred(stream: &UnixStream) -> std::io::Result<(u32, u32)> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: 0,
@@ -195,7 +206,7 @@ fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
     if rc != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    Ok(cred.uid)
+    Ok((cred.pid as u32, cred.uid))
 }
 
 /// Space for the `SCM_RIGHTS` message of [`MAX_FDS`] descriptors, aligned for `cmsghdr`.
@@ -708,21 +719,27 @@ mod tests {
         let _ = std::fs::remove_dir(&base);
     }
 
-    /// Root and the owner may send commands; nobody else.
+    /// A caller with CAP_SYS_ADMIN and a non-root owner may send commands; nobody else.
     #[test]
-    fn only_root_or_the_owner_may_control() {
-        assert!(may_control(0, 1000));
-        assert!(may_control(1000, 1000));
-        assert!(!may_control(1001, 1000));
+    fn only_an_admin_or_the_owner_may_control() {
+        assert!(may_control(0, true, 1000));
+        assert!(may_control(1000, false, 1000));
+        assert!(!may_control(1001, false, 1000));
+        // Root without CAP_SYS_ADMIN, on root's mount and on a user's.
+        assert!(!may_control(0, false, 0));
+        assert!(!may_control(0, false, 1000));
+        assert!(may_control(0, true, 0));
     }
 
-    /// SO_PEERCRED names this process's own uid at the other end of a pair.
+    /// SO_PEERCRED names this process's own pid and uid at the other end of a pair.
     #[test]
     fn the_peer_is_who_connected() {
         let (a, _b) = UnixStream::pair().expect("pair");
         // SAFETY: geteuid has no preconditions.
-        assert_eq!(peer_uid(&a).expect("SO_PEERCRED"), unsafe {
-            libc::geteuid()
-        });
+        let uid = unsafe { libc::geteuid() };
+        assert_eq!(
+            peer_cred(&a).expect("SO_PEERCRED"),
+            (std::process::id(), uid)
+        );
     }
 }
