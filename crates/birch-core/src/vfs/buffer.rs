@@ -36,6 +36,8 @@
 //!   blocks is flushed alone ([`Filesystem::flush_locked`]: its own runs are batch enough).
 //!   See [`Filesystem::commit_now`] for why holding several inode locks cannot deadlock.
 
+#![deny(clippy::too_many_lines)]
+
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -236,6 +238,25 @@ impl Buffers {
     }
 }
 
+/// Copies a buffered write of `bytes` at `offset` into the buffer's blocks (every block it
+/// touches is held), except the `fresh` blocks (ascending) it covers whole: those were made
+/// from these bytes.
+fn copy_into_buffered(dirty: &mut DirtyBuf, fresh: &[u64], offset: u64, bytes: &[u8]) {
+    let end = offset + bytes.len() as u64;
+    for index in offset / BLOCK_SIZE..=(end - 1) / BLOCK_SIZE {
+        let start = index * BLOCK_SIZE;
+        let lo = start.max(offset);
+        let hi = (start + BLOCK_SIZE).min(end);
+        if lo == start && hi == start + BLOCK_SIZE && fresh.binary_search(&index).is_ok() {
+            continue; // made from these bytes above
+        }
+        if let Some(block) = dirty.blocks.get_mut(&index) {
+            block.bytes[(lo - start) as usize..(hi - start) as usize]
+                .copy_from_slice(&bytes[(lo - offset) as usize..(hi - offset) as usize]);
+        }
+    }
+}
+
 impl Filesystem {
     /// Whether a write that may be buffered is buffered now (not during a drain).
     pub(crate) fn buffering(&self) -> bool {
@@ -262,18 +283,63 @@ impl Filesystem {
         let last = (end - 1) / BLOCK_SIZE;
         let fresh: Vec<u64> = (first..=last).filter(|b| !data.dirty.holds(*b)).collect();
         if !fresh.is_empty() {
-            let held = data.dirty.blocks.len() as u64;
-            let want = DirtyBuf::reservation_for(held + fresh.len() as u64)
-                .saturating_sub(data.dirty.reserved);
-            if want > 0 {
-                if !self.data().reserve(want) {
-                    return Err(Error::NoSpace(format!(
-                        "reserve {want} blocks to buffer a write to inode {ino} at {offset}"
-                    )));
-                }
-                data.dirty.reserved += want;
-            }
+            self.reserve_buffered(ino, data, fresh.len() as u64, offset)?;
         }
+        // Every fresh block is made (reading what a partial one holds now) before any joins
+        // the buffer.
+        let made = self.fresh_blocks(ino, data, &fresh, offset, bytes)?;
+        for (index, block) in made {
+            if block.counted {
+                data.item.nbytes += BLOCK_SIZE;
+            }
+            data.dirty.blocks.insert(index, block);
+        }
+        copy_into_buffered(&mut data.dirty, &fresh, offset, bytes);
+        if end > data.item.size && data.dirty.size_before.is_none() {
+            data.dirty.size_before = Some(data.item.size);
+        }
+        data.item.size = data.item.size.max(end);
+        if !fresh.is_empty() {
+            self.note_buffered(ino, state, fresh.len() as u64);
+        }
+        Ok(())
+    }
+
+    /// Reserves the space an inode's buffer needs once it holds `fresh` more blocks (a write
+    /// at `offset`), beyond what it reserved already.
+    fn reserve_buffered(
+        &self,
+        ino: u64,
+        data: &mut InodeData,
+        fresh: u64,
+        offset: u64,
+    ) -> Result<()> {
+        let held = data.dirty.blocks.len() as u64;
+        let want = DirtyBuf::reservation_for(held + fresh).saturating_sub(data.dirty.reserved);
+        if want > 0 {
+            if !self.data().reserve(want) {
+                return Err(Error::NoSpace(format!(
+                    "reserve {want} blocks to buffer a write to inode {ino} at {offset}"
+                )));
+            }
+            data.dirty.reserved += want;
+        }
+        Ok(())
+    }
+
+    /// The blocks a buffered write of `bytes` at `offset` adds to the buffer, for the `fresh`
+    /// block indexes (ascending) it does not hold yet: a block the write covers whole is
+    /// copied from it, a partial one holds what the block holds now (zeros past the file's
+    /// end). A block no extent maps is `counted` (in `nbytes`).
+    fn fresh_blocks(
+        &self,
+        ino: u64,
+        data: &InodeData,
+        fresh: &[u64],
+        offset: u64,
+        bytes: &[u8],
+    ) -> Result<Vec<(u64, DirtyBlock)>> {
+        let end = offset + bytes.len() as u64;
         // Which fresh blocks are mapped (their extent counts in nbytes already) and what the
         // partial ones hold now.
         let mut mapped: Vec<(u64, u64)> = Vec::new();
@@ -292,11 +358,11 @@ impl Filesystem {
             }
         }
         let mut made: Vec<(u64, DirtyBlock)> = Vec::with_capacity(fresh.len());
-        for &index in &fresh {
+        for &index in fresh {
             let start = index * BLOCK_SIZE;
             let whole = offset <= start && end >= start + BLOCK_SIZE;
             let block: Box<[u8]> = if whole {
-                // Copied once, straight from the request (the copy below rewrites the same).
+                // Copied once, straight from the request (`copy_into_buffered` skips it).
                 let at = (start - offset) as usize;
                 Box::from(&bytes[at..at + BLOCK_SIZE as usize])
             } else if start < data.item.size {
@@ -316,45 +382,26 @@ impl Filesystem {
                 },
             ));
         }
-        for (index, block) in made {
-            if block.counted {
-                data.item.nbytes += BLOCK_SIZE;
-            }
-            data.dirty.blocks.insert(index, block);
-        }
-        for index in first..=last {
-            let start = index * BLOCK_SIZE;
-            let lo = start.max(offset);
-            let hi = (start + BLOCK_SIZE).min(end);
-            if lo == start && hi == start + BLOCK_SIZE && fresh.binary_search(&index).is_ok() {
-                continue; // made from these bytes above
-            }
-            if let Some(block) = data.dirty.blocks.get_mut(&index) {
-                block.bytes[(lo - start) as usize..(hi - start) as usize]
-                    .copy_from_slice(&bytes[(lo - offset) as usize..(hi - offset) as usize]);
-            }
-        }
-        if end > data.item.size && data.dirty.size_before.is_none() {
-            data.dirty.size_before = Some(data.item.size);
-        }
-        data.item.size = data.item.size.max(end);
+        Ok(made)
+    }
+
+    /// After a write buffered `fresh` new blocks of `ino`: counts them dirty and puts the
+    /// inode's state in the dirty set.
+    fn note_buffered(&self, ino: u64, state: &Arc<InodeState>, fresh: u64) {
         let b = &self.inner.buffers;
-        if !fresh.is_empty() {
-            b.dirty_bytes
-                .fetch_add(fresh.len() as u64 * BLOCK_SIZE, Ordering::Relaxed);
-            // By state, not only number: an evicted state (flushed as it left the table) may
-            // still sit in the set under this number while a newer one buffers.
-            let mut set = b.dirty.lock();
-            if !set.get(&ino).is_some_and(|s| Arc::ptr_eq(s, state)) {
-                set.insert(ino, state.clone());
-            }
-            drop(set);
-            self.inner
-                .engine
-                .counters()
-                .add(|c| &c.buffered_blocks, fresh.len() as u64);
+        b.dirty_bytes
+            .fetch_add(fresh * BLOCK_SIZE, Ordering::Relaxed);
+        // By state, not only number: an evicted state (flushed as it left the table) may
+        // still sit in the set under this number while a newer one buffers.
+        let mut set = b.dirty.lock();
+        if !set.get(&ino).is_some_and(|s| Arc::ptr_eq(s, state)) {
+            set.insert(ino, state.clone());
         }
-        Ok(())
+        drop(set);
+        self.inner
+            .engine
+            .counters()
+            .add(|c| &c.buffered_blocks, fresh);
     }
 
     /// After a buffered write, with no lock held by the caller except `data`'s: wakes the

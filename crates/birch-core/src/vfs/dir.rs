@@ -1,6 +1,8 @@
 //! Namespace operations: lookup, create (and O_TMPFILE), link, unlink, rename (with whiteouts),
 //! readdir.
 
+#![deny(clippy::too_many_lines)]
+
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -639,11 +641,7 @@ impl Filesystem {
         newname: &[u8],
         flags: u32,
     ) -> Result<()> {
-        if flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE | RENAME_WHITEOUT) != 0
-            || (flags & (RENAME_NOREPLACE | RENAME_WHITEOUT) != 0 && flags & RENAME_EXCHANGE != 0)
-        {
-            return Err(Error::Invalid(format!("rename flags {flags:#x}")));
-        }
+        check_rename_flags(flags)?;
         check_name_or_dots(name)?;
         check_name_or_dots(newname)?;
         self.refuse_snapshot_change("rename", &[parent, newparent])?;
@@ -653,20 +651,50 @@ impl Filesystem {
         let _rename = self.inner.rename_lock.lock();
         let src_dir = self.dir_state(parent)?;
         let dst_dir = self.dir_state(newparent)?;
-        if is_dot(name) {
-            return Err(Error::Busy("rename of \".\" or \"..\"".into()));
-        }
-        if is_dot(newname) {
-            // Linux: EEXIST with RENAME_NOREPLACE, EBUSY otherwise.
-            return Err(if flags & RENAME_NOREPLACE != 0 {
-                Error::Exists("rename onto \".\" or \"..\"".into())
-            } else {
-                Error::Busy("rename onto \".\" or \"..\"".into())
-            });
-        }
+        refuse_dot_rename(name, newname, flags)?;
         if dst_dir.data.read().item.nlink == 0 {
             return Err(Error::NotFound(format!("dir {newparent} was removed")));
         }
+        let Some(ends) = self.rename_ends(parent, name, newparent, newname, flags)? else {
+            return Ok(()); // two names of one inode: POSIX says do nothing
+        };
+        self.refuse_rename_loop(parent, newparent, &ends, flags)?;
+        if flags & RENAME_EXCHANGE == 0 {
+            refuse_replace_mismatch(&ends)?;
+        }
+        // Lock every inode involved in ascending order.
+        let inos = rename_lock_order((parent, &src_dir), (newparent, &dst_dir), &ends);
+        let mut guards: Vec<(u64, RwLockWriteGuard<'_, InodeData>)> =
+            inos.iter().map(|(i, s)| (*i, s.data.write())).collect();
+        let t = now();
+        let mut plan = self.changes();
+        let dst = ends.dst.as_ref().map(|(d, _)| d);
+        let rename = Rename {
+            parent,
+            name,
+            newparent,
+            newname,
+            src: ends.src,
+            t,
+        };
+        // Every item is planned before any locked inode changes; then all of them, the
+        // inodes' items too, are recorded in one transaction.
+        let whiteout = self.plan_rename(caller, &rename, dst, flags, &mut plan, &mut guards)?;
+        self.record_rename(whiteout, &mut guards, plan)
+    }
+
+    /// A rename's source and target: the source entry and inode, and the target entry and
+    /// inode when the new name exists. None when both names name one inode (POSIX: the rename
+    /// does nothing). Errors for a missing source, a missing target of `RENAME_EXCHANGE`, an
+    /// existing one of `RENAME_NOREPLACE`.
+    fn rename_ends(
+        &self,
+        parent: u64,
+        name: &[u8],
+        newparent: u64,
+        newname: &[u8],
+        flags: u32,
+    ) -> Result<Option<RenameEnds>> {
         let src = self.find_entry(parent, name)?.ok_or_else(|| {
             Error::NotFound(format!(
                 "{:?} in dir {parent}",
@@ -688,16 +716,37 @@ impl Filesystem {
         }
         if let Some(dst) = &dst {
             if dst.child == src.child {
-                return Ok(()); // two names of one inode: POSIX says do nothing
+                return Ok(None);
             }
         }
         let src_state = self.inode(src.child)?;
-        let dst_state = match &dst {
-            Some(d) => Some(self.inode(d.child)?),
+        let dst = match dst {
+            Some(d) => {
+                let state = self.inode(d.child)?;
+                Some((d, state))
+            }
             None => None,
         };
-        let src_is_dir = is_dir(&src_state.data.read().item);
-        if let Some(d) = &dst {
+        Ok(Some(RenameEnds {
+            src,
+            src_state,
+            dst,
+        }))
+    }
+
+    /// Refuses a rename that would make a directory its own ancestor: a target that is an
+    /// ancestor of the source, a directory moved into its own subtree, or (exchanged) a target
+    /// directory moved into its own subtree.
+    fn refuse_rename_loop(
+        &self,
+        parent: u64,
+        newparent: u64,
+        ends: &RenameEnds,
+        flags: u32,
+    ) -> Result<()> {
+        let src = &ends.src;
+        let src_is_dir = is_dir(&ends.src_state.data.read().item);
+        if let Some((d, _)) = &ends.dst {
             // The target is an ancestor of the source: Linux's lock_rename answers ENOTEMPTY.
             if d.file_type == libc::DT_DIR && self.is_ancestor(d.child, parent)? {
                 let what = format!("dir {} is an ancestor of the source", d.child);
@@ -714,69 +763,66 @@ impl Filesystem {
                 src.child
             )));
         }
-        if let (Some(ds), Some(dentry)) = (&dst_state, &dst) {
-            let dst_is_dir = is_dir(&ds.data.read().item);
-            if flags & RENAME_EXCHANGE == 0 {
-                if src_is_dir && !dst_is_dir {
-                    return Err(Error::NotDir(format!("inode {}", dentry.child)));
+        match &ends.dst {
+            Some((dentry, ds)) if flags & RENAME_EXCHANGE != 0 => {
+                let dst_is_dir = is_dir(&ds.data.read().item);
+                if dst_is_dir && self.is_ancestor(dentry.child, parent)? {
+                    return Err(Error::Invalid(format!(
+                        "exchange of dir {} into its own subtree",
+                        dentry.child
+                    )));
                 }
-                if !src_is_dir && dst_is_dir {
-                    return Err(Error::IsDir(format!("inode {}", dentry.child)));
-                }
-                if dst_is_dir && ds.data.read().item.size > 0 {
-                    return Err(Error::NotEmpty(format!("dir {}", dentry.child)));
-                }
-            } else if dst_is_dir && self.is_ancestor(dentry.child, parent)? {
-                return Err(Error::Invalid(format!(
-                    "exchange of dir {} into its own subtree",
-                    dentry.child
-                )));
             }
+            _ => {}
         }
-        // Lock every inode involved in ascending order.
-        let mut inos: Vec<(u64, Arc<InodeState>)> = vec![
-            (parent, src_dir.clone()),
-            (newparent, dst_dir.clone()),
-            (src.child, src_state.clone()),
-        ];
-        if let (Some(ds), Some(dentry)) = (&dst_state, &dst) {
-            inos.push((dentry.child, ds.clone()));
-        }
-        inos.sort_by_key(|(i, _)| *i);
-        inos.dedup_by_key(|(i, _)| *i);
-        let mut guards: Vec<(u64, RwLockWriteGuard<'_, InodeData>)> =
-            inos.iter().map(|(i, s)| (*i, s.data.write())).collect();
-        let t = now();
-        let mut plan = self.changes();
-        let mut whiteout = None;
-        let rename = Rename {
-            parent,
-            name,
-            newparent,
-            newname,
-            src,
-            t,
-        };
+        Ok(())
+    }
+
+    /// Plans a rename's items over the locked inodes (`plan_exchange`, or `plan_move` and
+    /// with `RENAME_WHITEOUT` `plan_whiteout`); returns the whiteout's number and item.
+    fn plan_rename(
+        &self,
+        caller: Caller,
+        rename: &Rename<'_>,
+        dst: Option<&DirEntry>,
+        flags: u32,
+        plan: &mut LiveChanges<'_>,
+        guards: &mut [(u64, RwLockWriteGuard<'_, InodeData>)],
+    ) -> Result<Option<(u64, InodeItem)>> {
         if flags & RENAME_EXCHANGE != 0 {
-            let dst = dst
-                .as_ref()
-                .ok_or_else(|| Error::NotFound("exchange target".into()))?;
-            plan_exchange(&rename, dst, &mut plan, &mut guards)?;
-        } else {
-            // The new name must fit before anything is planned.
-            items::check_dir_room(&plan, InodeNo::new(newparent), newname, "rename")?;
-            items::check_ref_room(
-                &plan,
-                InodeNo::new(rename.src.child),
-                InodeNo::new(newparent),
-                newname,
-                "rename",
-            )?;
-            plan_move(&rename, dst.as_ref(), &mut plan, &mut guards)?;
-            if flags & RENAME_WHITEOUT != 0 {
-                whiteout = Some(self.plan_whiteout(caller, &rename, &mut plan, &mut guards)?);
-            }
+            let dst = dst.ok_or_else(|| Error::NotFound("exchange target".into()))?;
+            plan_exchange(rename, dst, plan, guards)?;
+            return Ok(None);
         }
+        // The new name must fit before anything is planned.
+        items::check_dir_room(
+            plan,
+            InodeNo::new(rename.newparent),
+            rename.newname,
+            "rename",
+        )?;
+        items::check_ref_room(
+            plan,
+            InodeNo::new(rename.src.child),
+            InodeNo::new(rename.newparent),
+            rename.newname,
+            "rename",
+        )?;
+        plan_move(rename, dst, plan, guards)?;
+        if flags & RENAME_WHITEOUT != 0 {
+            return Ok(Some(self.plan_whiteout(caller, rename, plan, guards)?));
+        }
+        Ok(None)
+    }
+
+    /// Records a planned rename in one transaction: the whiteout's inode item, every locked
+    /// inode's item, and the planned items.
+    fn record_rename(
+        &self,
+        whiteout: Option<(u64, InodeItem)>,
+        guards: &mut [(u64, RwLockWriteGuard<'_, InodeData>)],
+        plan: LiveChanges<'_>,
+    ) -> Result<()> {
         let mut txn = self.inner.engine.begin()?;
         if let Some((ino, mut item)) = whiteout {
             item.transid = txn.generation().get();
@@ -1025,6 +1071,81 @@ fn guard<'g, 'a>(
         .find(|(i, _)| *i == ino)
         .map(|(_, g)| &mut **g)
         .ok_or_else(|| Error::bug(format!("rename: inode {ino} not locked")))
+}
+
+/// Refuses rename flags Linux refuses: unknown ones, and `RENAME_EXCHANGE` with
+/// `RENAME_NOREPLACE` or `RENAME_WHITEOUT`.
+fn check_rename_flags(flags: u32) -> Result<()> {
+    if flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE | RENAME_WHITEOUT) != 0
+        || (flags & (RENAME_NOREPLACE | RENAME_WHITEOUT) != 0 && flags & RENAME_EXCHANGE != 0)
+    {
+        return Err(Error::Invalid(format!("rename flags {flags:#x}")));
+    }
+    Ok(())
+}
+
+/// Refuses a rename of or onto "." or "..".
+fn refuse_dot_rename(name: &[u8], newname: &[u8], flags: u32) -> Result<()> {
+    if is_dot(name) {
+        return Err(Error::Busy("rename of \".\" or \"..\"".into()));
+    }
+    if is_dot(newname) {
+        // Linux: EEXIST with RENAME_NOREPLACE, EBUSY otherwise.
+        return Err(if flags & RENAME_NOREPLACE != 0 {
+            Error::Exists("rename onto \".\" or \"..\"".into())
+        } else {
+            Error::Busy("rename onto \".\" or \"..\"".into())
+        });
+    }
+    Ok(())
+}
+
+/// Refuses a rename (not an exchange) that would replace a target of the other type, or a
+/// directory that is not empty.
+fn refuse_replace_mismatch(ends: &RenameEnds) -> Result<()> {
+    let Some((dentry, ds)) = &ends.dst else {
+        return Ok(());
+    };
+    let src_is_dir = is_dir(&ends.src_state.data.read().item);
+    let dst_is_dir = is_dir(&ds.data.read().item);
+    if src_is_dir && !dst_is_dir {
+        return Err(Error::NotDir(format!("inode {}", dentry.child)));
+    }
+    if !src_is_dir && dst_is_dir {
+        return Err(Error::IsDir(format!("inode {}", dentry.child)));
+    }
+    if dst_is_dir && ds.data.read().item.size > 0 {
+        return Err(Error::NotEmpty(format!("dir {}", dentry.child)));
+    }
+    Ok(())
+}
+
+/// Every inode a rename changes, each once, in ascending order: the order their locks are
+/// taken in.
+fn rename_lock_order(
+    src_dir: (u64, &Arc<InodeState>),
+    dst_dir: (u64, &Arc<InodeState>),
+    ends: &RenameEnds,
+) -> Vec<(u64, Arc<InodeState>)> {
+    let mut inos: Vec<(u64, Arc<InodeState>)> = vec![
+        (src_dir.0, src_dir.1.clone()),
+        (dst_dir.0, dst_dir.1.clone()),
+        (ends.src.child, ends.src_state.clone()),
+    ];
+    if let Some((dentry, ds)) = &ends.dst {
+        inos.push((dentry.child, ds.clone()));
+    }
+    inos.sort_by_key(|(i, _)| *i);
+    inos.dedup_by_key(|(i, _)| *i);
+    inos
+}
+
+/// A rename's two ends, found before any inode lock ([`Filesystem::rename_ends`]): the source
+/// entry and its inode, and the target entry and its inode when the new name exists.
+struct RenameEnds {
+    src: DirEntry,
+    src_state: Arc<InodeState>,
+    dst: Option<(DirEntry, Arc<InodeState>)>,
 }
 
 /// What a rename moves: the source name, the target name, the source's entry, and the time

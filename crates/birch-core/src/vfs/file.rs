@@ -6,16 +6,19 @@
 //! are read, verified and merged first. Files up to [`INLINE_MAX_BYTES`] live inline in their
 //! extent item. This file keeps the POSIX side: sizes, times, `nbytes`, locks, errors.
 
+#![deny(clippy::too_many_lines)]
+
 use std::sync::atomic::Ordering;
 
-use birch_format::items::ExtentKind;
+use birch_format::items::{ExtentKind, InodeItem, Timespec};
 use birch_format::log::LOG_DATA_TYPE;
 use birch_format::{InodeNo, Key, BLOCK_SIZE, INLINE_MAX_BYTES, MAX_FILE_BYTES};
 
 use super::durability::{LOG_DATA_WRITE_MAX, PLACED_MAX_BLOCKS};
-use super::{attr_of, now, Attr, Filesystem, FsyncMode, InodeData, SetAttr, SetTime};
+use super::{attr_of, now, Attr, Filesystem, FsyncMode, InodeData, InodeState, SetAttr, SetTime};
 use crate::data::{BlockDelta, DataLayer, ItemChange, Layout, WrittenRun};
 use crate::error::{Error, Result};
+use crate::txn::DataHold;
 
 /// fallocate mode bits, as Linux defines them.
 pub const FALLOC_FL_KEEP_SIZE: i32 = 0x01;
@@ -24,6 +27,26 @@ pub const FALLOC_FL_ZERO_RANGE: i32 = 0x10;
 
 fn round_up(v: u64) -> u64 {
     v.div_ceil(BLOCK_SIZE) * BLOCK_SIZE
+}
+
+/// How a write goes, decided before any lock ([`Filesystem::plan_write`]); under the lock a
+/// drain or a racing writer may still change whether it buffers.
+struct WritePlan {
+    /// Whole blocks at a block offset, within the size limit.
+    aligned: bool,
+    /// Into the inode's write buffer, not through to the device.
+    buffer: bool,
+    /// New blocks allocated and their bytes placed in memory, not written by this request.
+    place: bool,
+}
+
+/// What a write to a log-clean inode queues in the fsync log itself: the items it changed
+/// (the inode item goes last), and the runs of placed blocks whose bytes it logs. Placed
+/// blocks it does not log stay placed: the next commit writes them, and an fsync that logs
+/// their extent first writes them in place (`settle_placed`).
+struct OwnLog {
+    items: Vec<ItemChange>,
+    placed_runs: Option<Vec<WrittenRun>>,
 }
 
 /// When reads move a file's atime: the mount's atime flags. Linux decides this in the VFS
@@ -269,6 +292,101 @@ impl Filesystem {
         through: bool,
     ) -> Result<(u32, bool)> {
         let state = self.inode(ino)?;
+        let plan = self.plan_write(ino, &state, offset, bytes, append, through)?;
+        if !plan.buffer {
+            // Written through: what this file buffered goes first, so the buffer never
+            // holds older bytes than the extents.
+            self.flush_inode(ino, &state)?;
+        }
+        // Whole blocks at a block offset of a file already in blocks (O_DIRECT writes, seed
+        // 001): allocate and write the data before taking the inode lock, so writers to
+        // different parts of one file overlap their device writes; the lock then only covers
+        // recording the extents.
+        let (likely_in_blocks, size_hint) = Self::blocks_hint(&state.data.read());
+        // Bytes in the log only for a write at or past the end (a log or journal appended to
+        // and fsync'd, a database's WAL): its placed blocks follow the file's last ones, so
+        // the commit writes a run of appends in one write. Random overwrites in data records
+        // would each cost a commit-time write of their own and the log bandwidth twice, and
+        // fill the log so that commits come several times as often (sysbench random 8 KiB
+        // writes with fsync: no faster, twice the bytes written; DESIGN §11.1).
+        // Asked last: while the image lacks `INCOMPAT_LOG_DATA`, asking sets it at the next
+        // commit, and only a write that would log its bytes should (an overwrite never does).
+        let log_bytes =
+            plan.place && likely_in_blocks && offset >= size_hint && self.log_data_allowed();
+        let prewritten = if plan.aligned && likely_in_blocks && !plan.buffer {
+            Some(self.prewrite(ino, &state, offset, bytes, plan.place)?)
+        } else {
+            None
+        };
+        let mut data = state.data.write();
+        // Written blocks go back on every error until they are recorded.
+        let (_op, in_blocks) = self.admit_locked_write(ino, &data, prewritten.as_deref())?;
+        let offset = if append { data.item.size } else { offset };
+        let t = now();
+        // Items this write changed, kept when the inode is log-clean (everything it changed
+        // since the last commit is queued in the fsync log): the write then queues its own
+        // items, so an fsync right after it (an O_SYNC write) only waits for the batch
+        // (`OwnLog`, with the placed runs whose bytes it logs).
+        let own = match prewritten {
+            // In blocks (the same look-ups write_locked would do); otherwise the blocks go
+            // back and the general path writes.
+            Some(extents) if in_blocks => {
+                let clean = self.prewritten_log_clean(ino, &state, &mut data, &extents)?;
+                let placed_runs = (log_bytes && clean).then(|| extents.clone());
+                self.record_prewritten(ino, &mut data, offset, bytes.len() as u64, extents, clean)?
+                    .map(|items| OwnLog { items, placed_runs })
+            }
+            Some(extents) => {
+                self.data().give_back(&extents);
+                self.flush_locked(ino, &mut data)?;
+                self.write_locked(ino, &mut data, offset, bytes, None)?;
+                None
+            }
+            None => {
+                let buffer_now = plan.buffer && self.buffering();
+                if !buffer_now {
+                    // A drain began, or a write-through raced a buffered write in.
+                    self.flush_locked(ino, &mut data)?;
+                }
+                self.write_locked(ino, &mut data, offset, bytes, buffer_now.then_some(&state))?;
+                None
+            }
+        };
+        let dropped = self
+            .stamp_write(ino, &mut data, kill_privs, t)
+            .inspect_err(|_| {
+                // The extents may have changed and the inode item not: the inode is no
+                // longer log-clean, whatever its inode item says.
+                self.unmark_log_clean(ino);
+            })?;
+        match own {
+            Some(own) if !dropped => {
+                let generation = _op.generation().get();
+                self.log_own_write(ino, &state, generation, own, &data.item, bytes);
+            }
+            // Dropped privileges changed an xattr item too: the next fsync collects.
+            _ => {}
+        }
+        drop(_op);
+        if !data.dirty.is_empty() {
+            self.throttle_locked(ino, &mut data)?;
+        }
+        drop(data);
+        self.maybe_commit();
+        Ok((bytes.len() as u32, dropped))
+    }
+
+    /// Plans a write before any lock: whole blocks or not, into the buffer or written
+    /// through, placed in memory or written in place ([`WritePlan`]).
+    fn plan_write(
+        &self,
+        ino: u64,
+        state: &InodeState,
+        offset: u64,
+        bytes: &[u8],
+        append: bool,
+        through: bool,
+    ) -> Result<WritePlan> {
         // Buffered unless told otherwise, or unless this is a whole-block write to a file whose
         // every change since the commit is in the fsync log (log-clean: it is being fsync'd
         // write by write, as a database does): written through, the write queues its own
@@ -286,7 +404,7 @@ impl Filesystem {
                 .is_some_and(|end| end <= MAX_FILE_BYTES);
         let clean_before = aligned
             && self.inner.fsync_mode == FsyncMode::Log
-            && self.log_clean_ticket(ino, &state, true)?.is_some();
+            && self.log_clean_ticket(ino, state, true)?.is_some();
         let buffer = !through && self.buffering() && !clean_before;
         // A small write to a log-clean file (a database page or WAL record, then fsync) is
         // not written in place by this request: its blocks are allocated and their bytes
@@ -300,195 +418,193 @@ impl Filesystem {
         let place = clean_before
             && bytes.len() <= LOG_DATA_WRITE_MAX
             && self.inner.engine.pending().blocks() < PLACED_MAX_BLOCKS;
-        if !buffer {
-            // Written through: what this file buffered goes first, so the buffer never
-            // holds older bytes than the extents.
-            self.flush_inode(ino, &state)?;
-        }
-        // Whole blocks at a block offset of a file already in blocks (O_DIRECT writes, seed
-        // 001): allocate and write the data before taking the inode lock, so writers to
-        // different parts of one file overlap their device writes; the lock then only covers
-        // recording the extents.
-        // A file larger than the inline limit is, in practice, in blocks: a hint that costs no
-        // tree search; the exact check below, under the lock, decides.
-        let (likely_in_blocks, size_hint) = {
-            let data = state.data.read();
-            (
-                data.item.mode & libc::S_IFMT == libc::S_IFREG
-                    && data.item.size > INLINE_MAX_BYTES as u64,
-                data.item.size,
-            )
-        };
-        // Bytes in the log only for a write at or past the end (a log or journal appended to
-        // and fsync'd, a database's WAL): its placed blocks follow the file's last ones, so
-        // the commit writes a run of appends in one write. Random overwrites in data records
-        // would each cost a commit-time write of their own and the log bandwidth twice, and
-        // fill the log so that commits come several times as often (sysbench random 8 KiB
-        // writes with fsync: no faster, twice the bytes written; DESIGN §11.1).
-        // Asked last: while the image lacks `INCOMPAT_LOG_DATA`, asking sets it at the next
-        // commit, and only a write that would log its bytes should (an overwrite never does).
-        let log_bytes = place && likely_in_blocks && offset >= size_hint && self.log_data_allowed();
-        let prewritten = if aligned && likely_in_blocks && !buffer {
-            let written = if place {
-                self.data().place_new(ino, offset, bytes)
-            } else {
-                self.data().write_new(ino, offset, bytes)
-            };
-            match written {
-                Ok(extents) => Some(extents),
-                Err(e) => {
-                    if matches!(e, Error::Io { .. }) {
-                        state.data.write().write_error = true;
-                    }
-                    return Err(e);
-                }
-            }
+        Ok(WritePlan {
+            aligned,
+            buffer,
+            place,
+        })
+    }
+
+    /// Whether a file is likely in blocks, and its size, without a tree search: a regular
+    /// file larger than the inline limit is, in practice, in blocks; the exact check, under
+    /// the lock, decides ([`Filesystem::admit_locked_write`]).
+    fn blocks_hint(data: &InodeData) -> (bool, u64) {
+        (
+            data.item.mode & libc::S_IFMT == libc::S_IFREG
+                && data.item.size > INLINE_MAX_BYTES as u64,
+            data.item.size,
+        )
+    }
+
+    /// The blocks a whole-block write writes before the inode lock: allocated and written,
+    /// or (with `place`) allocated and placed in memory. An I/O error marks the inode's
+    /// write error.
+    fn prewrite(
+        &self,
+        ino: u64,
+        state: &InodeState,
+        offset: u64,
+        bytes: &[u8],
+        place: bool,
+    ) -> Result<Vec<WrittenRun>> {
+        let written = if place {
+            self.data().place_new(ino, offset, bytes)
         } else {
-            None
+            self.data().write_new(ino, offset, bytes)
         };
-        let mut data = state.data.write();
-        let _op = match self.inner.engine.hold() {
-            Ok(op) => op,
-            Err(e) => {
-                self.data()
-                    .give_back(prewritten.as_deref().unwrap_or_default());
-                return Err(e);
+        written.inspect_err(|e| {
+            if matches!(e, Error::Io { .. }) {
+                state.data.write().write_error = true;
             }
-        };
+        })
+    }
+
+    /// A write's first steps under the inode lock, before it changes anything: holds the
+    /// operation's transaction open, refuses a directory, and answers whether `prewritten`
+    /// blocks can be recorded as they are (the file is in blocks). The blocks go back on
+    /// every error.
+    fn admit_locked_write(
+        &self,
+        ino: u64,
+        data: &InodeData,
+        prewritten: Option<&[WrittenRun]>,
+    ) -> Result<(DataHold<'_>, bool)> {
+        let op = self.inner.engine.hold().inspect_err(|_| {
+            self.data().give_back(prewritten.unwrap_or_default());
+        })?;
         if data.item.mode & libc::S_IFMT == libc::S_IFDIR {
-            self.data()
-                .give_back(prewritten.as_deref().unwrap_or_default());
+            self.data().give_back(prewritten.unwrap_or_default());
             return Err(Error::IsDir(format!("write to dir {ino}")));
         }
-        let offset = if append { data.item.size } else { offset };
-        let t = now();
-        // Items this write changed, kept when the inode is log-clean (everything it changed
-        // since the last commit is queued in the fsync log): the write then queues its own
-        // items, so an fsync right after it (an O_SYNC write) only waits for the batch.
-        let mut own_items: Option<Vec<ItemChange>> = None;
-        // The runs of placed blocks whose bytes this write logs (with `own_items`). Placed
-        // blocks it does not log stay placed: the next commit writes them, and an fsync that
-        // logs their extent first writes them in place (`settle_placed`).
-        let mut placed_runs: Option<Vec<WrittenRun>> = None;
-        // Written blocks go back on every error until they are recorded.
-        let in_blocks = match &prewritten {
-            Some(runs) => match self.in_blocks(ino, &data) {
-                Ok(in_blocks) => in_blocks,
-                Err(e) => {
-                    self.data().give_back(runs);
-                    return Err(e);
-                }
-            },
+        let in_blocks = match prewritten {
+            Some(runs) => self.in_blocks(ino, data).inspect_err(|_| {
+                self.data().give_back(runs);
+            })?,
             None => false,
         };
-        match prewritten {
-            // In blocks (the same look-ups write_locked would do); otherwise the blocks go
-            // back and the general path writes.
-            Some(extents) if in_blocks => {
-                // A buffered write that raced in since the flush above goes first.
-                if let Err(e) = self.flush_locked(ino, &mut data) {
-                    self.data().give_back(&extents);
+        Ok((op, in_blocks))
+    }
+
+    /// Whether a write of prewritten blocks logs its own items: the inode is log-clean under
+    /// the lock. A buffered write that raced in since the flush before the lock goes first.
+    /// The blocks go back on either error.
+    fn prewritten_log_clean(
+        &self,
+        ino: u64,
+        state: &InodeState,
+        data: &mut InodeData,
+        extents: &[WrittenRun],
+    ) -> Result<bool> {
+        // A buffered write that raced in since the flush above goes first.
+        if let Err(e) = self.flush_locked(ino, data) {
+            self.data().give_back(extents);
+            return Err(e);
+        }
+        Ok(self.inner.fsync_mode == FsyncMode::Log
+            && data.item.nlink > 0
+            && !data.write_error
+            && match self.log_clean_ticket(ino, state, true) {
+                Ok(ticket) => ticket.is_some(),
+                Err(e) => {
+                    self.data().give_back(extents);
                     return Err(e);
                 }
-                let clean = self.inner.fsync_mode == FsyncMode::Log
-                    && data.item.nlink > 0
-                    && !data.write_error
-                    && match self.log_clean_ticket(ino, &state, true) {
-                        Ok(ticket) => ticket.is_some(),
-                        Err(e) => {
-                            self.data().give_back(&extents);
-                            return Err(e);
-                        }
-                    };
-                if log_bytes && clean {
-                    placed_runs = Some(extents.clone());
-                }
-                own_items = self
-                    .record_new_blocks(ino, &mut data, offset, bytes.len() as u64, extents, clean)
-                    .inspect_err(|_| self.unmark_log_clean(ino))?;
-                data.item.size = data.item.size.max(offset + bytes.len() as u64);
-            }
-            Some(extents) => {
-                self.data().give_back(&extents);
-                self.flush_locked(ino, &mut data)?;
-                self.write_locked(ino, &mut data, offset, bytes, None)?;
-            }
-            None => {
-                let buffer_now = buffer && self.buffering();
-                if !buffer_now {
-                    // A drain began, or a write-through raced a buffered write in.
-                    self.flush_locked(ino, &mut data)?;
-                }
-                self.write_locked(ino, &mut data, offset, bytes, buffer_now.then_some(&state))?
-            }
-        }
-        let finish = |data: &mut InodeData| -> Result<bool> {
-            let dropped = match kill_privs {
-                Some(groups) => self.kill_privs_locked(ino, data, Some(groups))?,
-                None => false,
-            };
-            data.item.mtime = t;
-            data.item.ctime = t;
-            self.store_inode(ino, data)?;
-            Ok(dropped)
+            })
+    }
+
+    /// Records prewritten blocks as the extents of `[offset, offset + len)` and grows the
+    /// size; with `clean`, returns the items it changed. On an error the inode is no longer
+    /// log-clean.
+    fn record_prewritten(
+        &self,
+        ino: u64,
+        data: &mut InodeData,
+        offset: u64,
+        len: u64,
+        extents: Vec<WrittenRun>,
+        clean: bool,
+    ) -> Result<Option<Vec<ItemChange>>> {
+        let items = self
+            .record_new_blocks(ino, data, offset, len, extents, clean)
+            .inspect_err(|_| self.unmark_log_clean(ino))?;
+        data.item.size = data.item.size.max(offset + len);
+        Ok(items)
+    }
+
+    /// A write's inode changes once its data is recorded: privileges dropped (with
+    /// `kill_privs`), mtime and ctime set to `t`, the inode item stored. Returns whether
+    /// privileges were dropped.
+    fn stamp_write(
+        &self,
+        ino: u64,
+        data: &mut InodeData,
+        kill_privs: Option<&[u32]>,
+        t: Timespec,
+    ) -> Result<bool> {
+        let dropped = match kill_privs {
+            Some(groups) => self.kill_privs_locked(ino, data, Some(groups))?,
+            None => false,
         };
-        let dropped = match finish(&mut data) {
-            Ok(dropped) => dropped,
-            Err(e) => {
-                // The extents may have changed and the inode item not: the inode is no
-                // longer log-clean, whatever its inode item says.
-                self.unmark_log_clean(ino);
-                return Err(e);
-            }
-        };
-        match own_items {
-            Some(mut items) if !dropped => {
-                items.push((
-                    super::inode_key(InodeNo::new(ino)),
-                    Some(data.item.encode()),
-                ));
-                if let Some(runs) = placed_runs.as_deref() {
-                    // The bytes go first, as data records: a log batch never names a placed
-                    // block whose bytes are not in it or an earlier one.
-                    let mut records = Vec::with_capacity(runs.len() + items.len());
-                    let mut done = 0usize;
-                    for run in runs {
-                        let len = run.csums.len() * BLOCK_SIZE as usize;
-                        self.inner
-                            .engine
-                            .pending()
-                            .mark_logged(run.addr, len as u64);
-                        records.push((
-                            Key {
-                                objectid: ino,
-                                item_type: LOG_DATA_TYPE,
-                                offset: run.addr,
-                            },
-                            Some(bytes[done..done + len].to_vec()),
-                        ));
-                        done += len;
-                    }
-                    let counters = self.inner.engine.counters();
-                    counters.add(|c| &c.log_data_records, runs.len() as u64);
-                    counters.add(|c| &c.log_data_bytes, done as u64);
-                    records.append(&mut items);
-                    items = records;
-                }
-                self.log_write(ino, &state, _op.generation().get(), items);
-                if placed_runs.is_some() {
-                    self.log_data_room();
-                }
-            }
-            // Dropped privileges changed an xattr item too: the next fsync collects.
-            _ => {}
+        data.item.mtime = t;
+        data.item.ctime = t;
+        self.store_inode(ino, data)?;
+        Ok(dropped)
+    }
+
+    /// Queues a log-clean write's own items in the fsync log (the inode item `item` last),
+    /// after the bytes of its placed runs as data records.
+    fn log_own_write(
+        &self,
+        ino: u64,
+        state: &InodeState,
+        generation: u64,
+        own: OwnLog,
+        item: &InodeItem,
+        bytes: &[u8],
+    ) {
+        let OwnLog {
+            mut items,
+            placed_runs,
+        } = own;
+        items.push((super::inode_key(InodeNo::new(ino)), Some(item.encode())));
+        if let Some(runs) = placed_runs.as_deref() {
+            // The bytes go first, as data records: a log batch never names a placed
+            // block whose bytes are not in it or an earlier one.
+            let mut records = self.log_data_records(ino, runs, bytes);
+            records.append(&mut items);
+            items = records;
         }
-        drop(_op);
-        if !data.dirty.is_empty() {
-            self.throttle_locked(ino, &mut data)?;
+        self.log_write(ino, state, generation, items);
+        if placed_runs.is_some() {
+            self.log_data_room();
         }
-        drop(data);
-        self.maybe_commit();
-        Ok((bytes.len() as u32, dropped))
+    }
+
+    /// The data records that carry `bytes`, written to the placed `runs`, in the log; marks
+    /// the runs logged.
+    fn log_data_records(&self, ino: u64, runs: &[WrittenRun], bytes: &[u8]) -> Vec<ItemChange> {
+        let mut records = Vec::with_capacity(runs.len());
+        let mut done = 0usize;
+        for run in runs {
+            let len = run.csums.len() * BLOCK_SIZE as usize;
+            self.inner
+                .engine
+                .pending()
+                .mark_logged(run.addr, len as u64);
+            records.push((
+                Key {
+                    objectid: ino,
+                    item_type: LOG_DATA_TYPE,
+                    offset: run.addr,
+                },
+                Some(bytes[done..done + len].to_vec()),
+            ));
+            done += len;
+        }
+        let counters = self.inner.engine.counters();
+        counters.add(|c| &c.log_data_records, runs.len() as u64);
+        counters.add(|c| &c.log_data_bytes, done as u64);
+        records
     }
 
     /// Writes with the inode lock held; updates size and nbytes, not times, and stores the
