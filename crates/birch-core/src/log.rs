@@ -543,9 +543,9 @@ pub struct Replay {
     /// The device offset of the batch replay stopped at when that batch itself verified
     /// (header, sequence, lsn, checksum) but named data that did not (a batch that landed
     /// without its data, §11.1). A writable open erases its header before the log writes
-    /// again (`Engine::erase_rejected_batch`): a later batch with the same sequence number may go
-    /// elsewhere (a skip, a wrap), and once a commit covers this one's generation its data
-    /// is no longer checked, so replay would take it in that batch's place.
+    /// again (`LogHandle::erase_rejected_batch`): a later batch with the same sequence number
+    /// may go elsewhere (a skip, a wrap), and once a commit covers this one's generation its
+    /// data is no longer checked, so replay would take it in that batch's place.
     pub rejected_at: Option<u64>,
 }
 

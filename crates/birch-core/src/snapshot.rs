@@ -271,14 +271,14 @@ type ExtentVisit<'a> =
 
 /// Depth-first walk of an fs tree: `node(addr, generation)` before a node is read (`false`
 /// skips it and its subtree), `extent(key, extent, node addr)` for every extent item; the
-/// open's walk ([`crate::txn::walk_tree`]) over these visitors.
+/// open's walk ([`crate::btree::walk::walk_tree`]) over these visitors.
 fn walk(
     ctx: TreeCtx<'_>,
     root: RootPtr,
     node: &mut NodeVisit<'_>,
     extent: &mut ExtentVisit<'_>,
 ) -> Result<()> {
-    crate::txn::walk_tree(ctx, root, node, extent)
+    crate::btree::walk::walk_tree(ctx, root, node, extent)
 }
 
 /// The blocks only the deleted snapshot `victim` held (DESIGN §15.4): its nodes and the blocks

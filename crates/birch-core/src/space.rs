@@ -16,9 +16,10 @@ use std::collections::HashMap;
 use birch_format::superblock::RESERVED_HEAD_BYTES;
 use birch_format::{FormatError, BLOCK_SIZE, NODE_BLOCKS};
 
+use crate::btree::walk::walk_tree;
 use crate::error::{Error, Result};
 use crate::snapshot::{self, Snapshot};
-use crate::txn::{walk_tree, Engine};
+use crate::txn::Engine;
 
 /// One snapshot's line of a [`SpaceReport`].
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -788,7 +788,7 @@ fn rollback_round(
     if !clean {
         // `Engine::rollback` refuses while replay is pending (the CLI replays first).
         let engine = Engine::open(dev.clone())?;
-        if !engine.replay_pending() {
+        if !engine.log().replay_pending() {
             return Err(Error::Invalid(
                 "rollback workload: no fsync log pending after the fsync'd writes".into(),
             ));

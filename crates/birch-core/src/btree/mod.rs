@@ -3,12 +3,14 @@
 //! Owns: search, range scans and cursors ([`TreeReader`]), and insert, delete, range delete,
 //! split/merge, copy-on-write of the path and replace-range in one descent ([`TreeWriter`]).
 //!
-//! Must not touch: the meaning of item payloads (it sees keys and byte strings only), the
+//! Must not touch: the meaning of item payloads (it sees keys and byte strings only; the
+//! whole-tree walks of [`walk`] decode extent items for their visitors), the
 //! device beyond reading nodes through the cache, and the choice of free space (it asks the
 //! allocator it is handed). Committed nodes are immutable: a writer copies a node the first
 //! time it changes it in a generation and changes the copy in place after that.
 
 pub mod parallel;
+pub mod walk;
 mod writer;
 
 use std::sync::Arc;

@@ -126,7 +126,7 @@ impl Filesystem {
 
     /// [`Filesystem::fsync`] of a log-clean inode without blocking: when everything of
     /// `ino` is queued in the fsync log already (and nothing is buffered, and no write
-    /// failed), defers the wait ([`crate::txn::Engine::log_defer`]) and returns
+    /// failed), defers the wait ([`crate::txn::LogHandle::defer`]) and returns
     /// `Ok(lead)`: `done` then gets the outcome from whichever thread learns it, and with
     /// `lead` set the caller must call [`Filesystem::fsync_lead`] with it on a thread that may
     /// block. `done` hears [`DeferredOutcome::LogFull`] when the log had no room: the caller
@@ -165,7 +165,7 @@ impl Filesystem {
         counters.add(|c| &c.fsync_deferred, 1);
         let started = std::time::Instant::now();
         let inner = self.inner.clone();
-        let lead = engine.log_defer(
+        let lead = engine.log().defer(
             ticket,
             Box::new(move |outcome| {
                 let engine = &inner.engine;
@@ -190,13 +190,13 @@ impl Filesystem {
     /// Leads the log batch of a deferred fsync's `ticket` ([`Filesystem::fsync_defer`]
     /// returned it): its outcome goes to the deferred fsyncs' callbacks.
     pub fn fsync_lead(&self, ticket: u64) {
-        let _ = self.inner.engine.log_wait(ticket);
+        let _ = self.inner.engine.log().wait(ticket);
     }
 
     /// Leads log batches until no deferred fsync is left waiting: the hand-off a caller of
     /// [`Filesystem::fsync_defer`] sets with [`Filesystem::set_fsync_hand_off`] runs this.
     pub fn fsync_lead_deferred(&self) {
-        self.inner.engine.log_lead();
+        self.inner.engine.log().lead();
     }
 
     /// How a thread whose own fsync is answered hands the leading of deferred fsyncs over:
@@ -204,7 +204,7 @@ impl Filesystem {
     /// may block. Without it that thread leads on itself. The log keeps `hand_off` as long as
     /// the filesystem lives: it must not own the filesystem (hold a `Weak`).
     pub fn set_fsync_hand_off(&self, hand_off: crate::log::HandOff) {
-        self.inner.engine.set_log_hand_off(hand_off);
+        self.inner.engine.log().set_hand_off(hand_off);
     }
 
     /// The commit a deferred fsync makes when the log had no room for it. Its latency sample
@@ -236,7 +236,7 @@ impl Filesystem {
         // The device is asked first: false on image files, which then skip the log's lock.
         let through_log = self.inner.fsync_mode == FsyncMode::Log
             && self.inner.engine.device().write_error_is_fatal()
-            && self.inner.engine.log_fill_bytes().1 > 0;
+            && self.inner.engine.log().fill_bytes().1 > 0;
         let flushed = if through_log {
             self.flush_inode_placed(ino, &state)
         } else {
@@ -277,7 +277,7 @@ impl Filesystem {
                     Ok(Some(records)) if is_dir => {
                         // Every entry that changed is queued already, by its files' fsyncs:
                         // queue the directory's inode item after them and wait for it.
-                        engine.log_enqueue(records)
+                        engine.log().enqueue(records)
                     }
                     Ok(Some(records)) => {
                         // Only what this inode has not queued before: an item queued earlier with
@@ -360,7 +360,7 @@ impl Filesystem {
                                 .filter(|r| r.key.objectid != ino && is_inode_record(r))
                                 .cloned()
                                 .collect();
-                            let ticket = engine.log_enqueue(fresh);
+                            let ticket = engine.log().enqueue(fresh);
                             // After the enqueue: an fsync of the directory that finds these
                             // takes a ticket no earlier than theirs.
                             self.remember_entries(entries, committed);
@@ -392,7 +392,7 @@ impl Filesystem {
                 }
             }
         };
-        match engine.log_wait(ticket)? {
+        match engine.log().wait(ticket)? {
             LogOutcome::Logged => {
                 counters.add(|c| &c.fsync_log, 1);
                 Ok(())
@@ -471,7 +471,7 @@ impl Filesystem {
         for r in records.iter().filter(|r| !r.is_data()) {
             logged.values.insert(r.key, (r.value.clone(), r.generation));
         }
-        logged.ticket = engine.log_enqueue(records);
+        logged.ticket = engine.log().enqueue(records);
         if let Some(inode) = inode {
             // The inode item went too: everything is queued, times included.
             for all in [false, true] {
@@ -493,14 +493,14 @@ impl Filesystem {
             engine.want_incompat(INCOMPAT_LOG_DATA);
             return false;
         }
-        let (used, size) = engine.log_fill_bytes();
+        let (used, size) = engine.log().fill_bytes();
         used < size / 2
     }
 
     /// After a write logged data records: wakes the committer once a quarter of the log is
     /// used, so a commit writes the placed blocks and frees log space early.
     pub(super) fn log_data_room(&self) {
-        let (used, size) = self.inner.engine.log_fill_bytes();
+        let (used, size) = self.inner.engine.log().fill_bytes();
         if used > size / 4 {
             self.wake_committer();
         }
@@ -1130,7 +1130,7 @@ impl Filesystem {
     /// Returns whether anything was applied.
     pub(crate) fn replay_log(&self) -> Result<bool> {
         let engine = &self.inner.engine;
-        let Some(replay) = engine.take_replay() else {
+        let Some(replay) = engine.log().take_replay() else {
             return Ok(false);
         };
         let committed = engine.committed_generation().get();

@@ -617,7 +617,7 @@ impl Filesystem {
             Err(e) => return Err(e),
         }
         if !options.read_only {
-            fs.inner.engine.erase_rejected_batch()?;
+            fs.inner.engine.log().erase_rejected_batch()?;
             if fs.replay_log()? {
                 // The replay committed; reopen so the free-space map is rebuilt from the new
                 // tree (the extents the log replaced are free again).
@@ -736,7 +736,7 @@ impl Filesystem {
                 .map(|(n, v)| format!("\"{n}\": {v}")),
         );
         let engine = &self.inner.engine;
-        let (log_used, log_size) = engine.log_fill_bytes();
+        let (log_used, log_size) = engine.log().fill_bytes();
         let statfs = self.statfs();
         let block = u64::from(statfs.bsize);
         let gauges = [
@@ -796,7 +796,7 @@ impl Filesystem {
                 self.commit_now().map(|_| ())
             }
             ControlCommand::ReadWrite => {
-                if self.inner.engine.replay_pending() {
+                if self.inner.engine.log().replay_pending() {
                     return Err(Error::Invalid("the log of this image was not replayed (it was opened read-only): unmount and mount it read-write".into()));
                 }
                 if let Some(why) = self.inner.pinned_read_only.lock().clone() {
@@ -882,7 +882,7 @@ impl Filesystem {
         }
         let last_step = match mode {
             ShutdownMode::Commit => self.commit_now().map(|_| ()),
-            ShutdownMode::Log => self.inner.engine.log_flush().map(|_| ()),
+            ShutdownMode::Log => self.inner.engine.log().flush().map(|_| ()),
             ShutdownMode::Now => Ok(()),
         };
         self.inner.engine.shut_down();
