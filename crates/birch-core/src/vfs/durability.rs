@@ -30,31 +30,22 @@
 //! same batch, before the new entry ([`Filesystem::gone_records`]): its changed items (all
 //! deletions), its orphan item, and the dir index of its name as replay would start from it.
 //!
-//! When logging cannot be safe, fsync commits instead (each case counted):
-//! - a name of I was removed or renamed (an inode ref deleted, or a name replay would start
-//!   from missing from it or back with a new directory index, as after rename foo -> bar and
-//!   link bar -> foo): replaying only I's side could leave the old name or index behind;
-//! - a name's dir item holds, in what replay starts from, another inode that still exists
-//!   (linked elsewhere, unlinked but open; one renamed away is logged with its move, and so is
-//!   a gone file it was renamed over) or whose names there are not exactly that one:
-//!   replaying the new entry would leave that inode with a name without an entry;
-//! - a new name's directory was itself created after the last commit: its own name would be
-//!   missing after replay;
-//! - I is a directory (fsyncdir), or has no names (unlinked, or a tmpfile not linked yet: the
-//!   commit makes its orphan item durable with it), or its dir item is shared by another
-//!   name through a hash collision;
-//! - the log area is full; or the mount says `fsync=commit`.
+//! When logging cannot be safe, fsync commits instead: each case is a named rule,
+//! [`CommitReason`] (`fsync_rules.rs`, DESIGN §11.3), with its counter and its test.
 //!
 //! Replay applies, in log order, the records of generations after the superblock's, then
 //! recomputes link counts, directory sizes and next indexes of what it touched, and commits.
 
+#![deny(clippy::too_many_lines)]
+
 use std::collections::{BTreeSet, HashMap};
 
-use birch_format::items::{decode_dir_entries, decode_inode_refs, FileExtent, InodeItem};
+use birch_format::items::{decode_dir_entries, decode_inode_refs, FileExtent, InodeItem, InodeRef};
 use birch_format::log::LogRecord;
 use birch_format::superblock::INCOMPAT_LOG_DATA;
 use birch_format::{InodeNo, ItemType, Key, ORPHAN_OBJECTID};
 
+use super::fsync_rules::CommitReason;
 use super::{log_clean_key, Filesystem, InodeState, Logged};
 use crate::counters::Counters;
 use crate::error::{Error, Result};
@@ -101,13 +92,38 @@ pub enum FsyncMode {
     Commit,
 }
 
-/// Why an fsync could not use the log.
-enum Fallback {
-    Names,
-    NewParent,
-    Directory,
-    Other,
-    Clone,
+/// Why an fsync's records were not collected: a rule says commit, or an error.
+enum Refusal {
+    Commit(CommitReason),
+    Failed(Error),
+}
+
+impl From<CommitReason> for Refusal {
+    fn from(reason: CommitReason) -> Self {
+        Refusal::Commit(reason)
+    }
+}
+
+impl From<Error> for Refusal {
+    fn from(e: Error) -> Self {
+        Refusal::Failed(e)
+    }
+}
+
+/// What collecting an fsync's records gives: the records, or why there are none.
+type Collected<T> = std::result::Result<T, Refusal>;
+
+/// What changed of an inode renamed away since replay's base ([`Filesystem::moved_records`]).
+#[derive(Default)]
+struct Moved {
+    /// Its inode item now, when it changed (in its times alone).
+    inode_item: Option<Vec<u8>>,
+    /// Its inode refs that changed, as they are now.
+    ref_changes: Vec<(Key, Option<Vec<u8>>)>,
+    /// Its names in replay's base, as (parent, name, dir index).
+    before: Vec<(u64, Vec<u8>, u64)>,
+    /// Its names now.
+    now: Vec<(u64, Vec<u8>, u64)>,
 }
 
 impl Filesystem {
@@ -210,11 +226,7 @@ impl Filesystem {
     /// The commit a deferred fsync makes when the log had no room for it. Its latency sample
     /// runs from the fsync's start ([`Filesystem::fsync_defer`]) to the commit's end.
     pub fn fsync_after_full(&self, full: LogFull) -> Result<()> {
-        self.inner
-            .engine
-            .counters()
-            .add(|c| &c.fsync_fallback_log_full, 1);
-        let result = self.fsync_commit();
+        let result = self.fsync_commit_for(CommitReason::LogFull);
         self.inner
             .engine
             .fsync_latency()
@@ -222,186 +234,197 @@ impl Filesystem {
         result
     }
 
-    /// [`Filesystem::fsync`] without the latency sample.
+    /// [`Filesystem::fsync`] without the latency sample: the file's buffered data, then the
+    /// log unless a rule ([`CommitReason`]) says commit.
     fn fsync_body(&self, ino: u64, datasync: bool) -> Result<()> {
         let state = self.inode(ino)?;
-        if state.data.read().write_error {
-            return Err(Error::StickyIo(format!("inode {ino}")));
-        }
-        // This file's buffered data goes first (its own data only). Through the log on a
-        // device that any failed write gives up (RBD), its blocks are placed: the batch's
-        // leader writes them with the batch, in one submission (one round trip, not two),
-        // and replay checks every block a batch names. Otherwise they are written now, so a
-        // failed write costs only this file (EIO on its fsyncs, DESIGN §10.10).
-        // The device is asked first: false on image files, which then skip the log's lock.
-        let through_log = self.inner.fsync_mode == FsyncMode::Log
-            && self.inner.engine.device().write_error_is_fatal()
-            && self.inner.engine.log().fill_bytes().1 > 0;
-        let flushed = if through_log {
-            self.flush_inode_placed(ino, &state)
-        } else {
-            self.flush_inode(ino, &state)
-        };
-        if let Err(e) = flushed {
-            return Err(match e {
-                Error::Io { .. } => Error::StickyIo(format!("inode {ino}: {e}")),
-                other => other,
-            });
-        }
-        let engine = &self.inner.engine;
-        let counters = engine.counters();
+        self.fsync_flush(ino, &state)?;
+        let counters = self.inner.engine.counters();
         counters.add(|c| &c.fsyncs, 1);
-        if self.inner.fsync_mode == FsyncMode::Commit {
-            counters.add(|c| &c.fsync_fallback_mode, 1);
-            return self.fsync_commit();
+        if let Some(reason) = self.mode_rule() {
+            return self.fsync_commit_for(reason);
         }
-        // Collect and enqueue under the inode lock: a later fsync of this file, which sees
-        // later state, queues after this one, so replay applies them in order.
-        let ticket = {
-            let data = state.data.read();
-            if let Some(ticket) = self.log_clean_ticket(ino, &state, datasync)? {
-                // Everything of this inode is queued already (a synchronous write logged its
-                // own range, `log_write`): wait for that batch, no scan.
-                counters.add(|c| &c.fsync_clean, 1);
-                ticket
-            } else {
-                let is_dir = data.item.mode & libc::S_IFMT == libc::S_IFDIR;
-                let dir_records = if is_dir {
-                    Some(self.dir_log_records(ino, &state))
-                } else {
-                    None
-                };
-                match dir_records
-                    .unwrap_or_else(|| self.log_records(ino, &state, is_dir, data.item.nlink))
-                {
-                    Ok(Some(records)) if is_dir => {
-                        // Every entry that changed is queued already, by its files' fsyncs:
-                        // queue the directory's inode item after them and wait for it.
-                        engine.log().enqueue(records)
-                    }
-                    Ok(Some(records)) => {
-                        // Only what this inode has not queued before: an item queued earlier with
-                        // the same value is in a batch that is durable, or will be once the ticket
-                        // of that batch is, or was retired by the commit that made it durable.
-                        // A queued record only counts while replay would still apply it: once a
-                        // commit covers its generation, replay skips it, and the committed value
-                        // may differ (changed and changed back), so it is logged again.
-                        let committed = engine.committed_generation().get();
-                        let mut logged = state.logged.lock();
-                        let mut fresh: Vec<LogRecord> = records
-                            .into_iter()
-                            .filter(|r| {
-                                !logged
-                                    .values
-                                    .get(&r.key)
-                                    .is_some_and(|(v, g)| *v == r.value && *g > committed)
-                            })
-                            .collect();
-                        let mut times_left_out = false;
-                        if datasync {
-                            // fdatasync: an inode item whose only change is its timestamps is
-                            // not needed to read the data back (size, blocks and mode are).
-                            let key = inode_key(InodeNo::new(ino));
-                            let before = fresh.len();
-                            let reference = match logged.values.get(&key) {
-                                Some((v, g)) if *g > committed => v.clone(),
-                                _ => engine.committed_get(&key)?,
-                            };
-                            fresh.retain(|r| {
-                                let same = match (r.value.as_deref(), reference.as_deref()) {
-                                    (Some(new), Some(old)) => differs_only_in_times(new, old, true),
-                                    _ => false,
-                                };
-                                r.key != key || !same
-                            });
-                            times_left_out = fresh.len() != before;
-                        }
-                        // Everything changed is queued once `fresh` is (all of it but the
-                        // inode item's times after an fdatasync that left those out): mark the
-                        // inode log-clean as of its current inode item.
-                        let mark = |logged: &mut Logged| -> Result<()> {
-                            let current = engine.get(&inode_key(InodeNo::new(ino)))?;
-                            let generation = engine.running_generation().get();
-                            logged
-                                .values
-                                .insert(log_clean_key(ino, false), (current.clone(), generation));
-                            if !times_left_out {
-                                logged
-                                    .values
-                                    .insert(log_clean_key(ino, true), (current, generation));
-                            }
-                            Ok(())
-                        };
-                        if fresh.is_empty() {
-                            if logged.ticket == 0 {
-                                counters.add(|c| &c.fsync_nothing, 1);
-                                return Ok(());
-                            }
-                            mark(&mut logged)?;
-                            logged.ticket
-                        } else {
-                            forget_committed(&mut logged, ino, committed);
-                            for r in &fresh {
-                                logged.values.insert(r.key, (r.value.clone(), r.generation));
-                            }
-                            remember_names(&mut self.inner.logged_names.lock(), ino, &fresh);
-                            let entries: Vec<(Key, Option<Vec<u8>>, u64)> = fresh
-                                .iter()
-                                .filter(|r| {
-                                    matches!(
-                                        r.key.kind(),
-                                        Some(ItemType::DirItem | ItemType::DirIndex)
-                                    )
-                                })
-                                .map(|r| (r.key, r.value.clone(), r.generation))
-                                .collect();
-                            let moves: Vec<LogRecord> = fresh
-                                .iter()
-                                .filter(|r| r.key.objectid != ino && is_inode_record(r))
-                                .cloned()
-                                .collect();
-                            let ticket = engine.log().enqueue(fresh);
-                            // After the enqueue: an fsync of the directory that finds these
-                            // takes a ticket no earlier than theirs.
-                            self.remember_entries(entries, committed);
-                            self.remember_moves(moves, committed);
-                            logged.ticket = ticket;
-                            mark(&mut logged)?;
-                            ticket
-                        }
-                    }
-                    Ok(None) => {
-                        counters.add(|c| &c.fsync_nothing, 1);
-                        return Ok(());
-                    }
-                    Err(Ok(fallback)) => {
-                        counters.add(
-                            |c| match fallback {
-                                Fallback::Names => &c.fsync_fallback_names,
-                                Fallback::NewParent => &c.fsync_fallback_new_parent,
-                                Fallback::Directory => &c.fsync_fallback_dir,
-                                Fallback::Other => &c.fsync_fallback_other,
-                                Fallback::Clone => &c.fsync_fallback_clone,
-                            },
-                            1,
-                        );
-                        drop(data);
-                        return self.fsync_commit();
-                    }
-                    Err(Err(e)) => return Err(e),
-                }
+        let ticket = match self.fsync_enqueue(ino, &state, datasync) {
+            Ok(Some(ticket)) => ticket,
+            Ok(None) => {
+                counters.add(|c| &c.fsync_nothing, 1);
+                return Ok(());
             }
+            Err(Refusal::Commit(reason)) => return self.fsync_commit_for(reason),
+            Err(Refusal::Failed(e)) => return Err(e),
         };
-        match engine.log().wait(ticket)? {
+        match self.inner.engine.log().wait(ticket)? {
             LogOutcome::Logged => {
                 counters.add(|c| &c.fsync_log, 1);
                 Ok(())
             }
-            LogOutcome::Full => {
-                counters.add(|c| &c.fsync_fallback_log_full, 1);
-                self.fsync_commit()
-            }
+            LogOutcome::Full => self.fsync_commit_for(CommitReason::LogFull),
         }
+    }
+
+    /// [`CommitReason::CommitMode`]: the mount says every fsync commits.
+    fn mode_rule(&self) -> Option<CommitReason> {
+        (self.inner.fsync_mode == FsyncMode::Commit).then_some(CommitReason::CommitMode)
+    }
+
+    /// An fsync's first step: this file's buffered data (its own data only). EIO for ever
+    /// after a failed write of this file.
+    fn fsync_flush(&self, ino: u64, state: &InodeState) -> Result<()> {
+        if state.data.read().write_error {
+            return Err(Error::StickyIo(format!("inode {ino}")));
+        }
+        // Through the log on a device that any failed write gives up (RBD), its blocks are
+        // placed: the batch's leader writes them with the batch, in one submission (one round
+        // trip, not two), and replay checks every block a batch names. Otherwise they are
+        // written now, so a failed write costs only this file (EIO on its fsyncs, DESIGN
+        // §10.10). The device is asked first: false on image files, which then skip the log's
+        // lock.
+        let through_log = self.inner.fsync_mode == FsyncMode::Log
+            && self.inner.engine.device().write_error_is_fatal()
+            && self.inner.engine.log().fill_bytes().1 > 0;
+        let flushed = if through_log {
+            self.flush_inode_placed(ino, state)
+        } else {
+            self.flush_inode(ino, state)
+        };
+        flushed.map_err(|e| match e {
+            Error::Io { .. } => Error::StickyIo(format!("inode {ino}: {e}")),
+            other => other,
+        })
+    }
+
+    /// Collects and queues what an fsync of `ino` logs, under the inode lock: a later fsync of
+    /// this file, which sees later state, queues after this one, so replay applies them in
+    /// order. The ticket of the batch to wait for, `None` when there is nothing to make
+    /// durable, or the rule that makes the fsync commit.
+    fn fsync_enqueue(
+        &self,
+        ino: u64,
+        state: &InodeState,
+        datasync: bool,
+    ) -> Collected<Option<u64>> {
+        let data = state.data.read();
+        if let Some(ticket) = self.log_clean_ticket(ino, state, datasync)? {
+            // Everything of this inode is queued already (a synchronous write logged its own
+            // range, `log_write`): wait for that batch, no scan.
+            self.inner.engine.counters().add(|c| &c.fsync_clean, 1);
+            return Ok(Some(ticket));
+        }
+        if data.item.mode & libc::S_IFMT == libc::S_IFDIR {
+            // Every entry that changed is queued already, by its files' fsyncs: queue the
+            // directory's inode item after them and wait for it.
+            let records = self.dir_log_records(ino, state)?;
+            return Ok(records.map(|records| self.inner.engine.log().enqueue(records)));
+        }
+        let Some(records) = self.log_records(ino, state, data.item.nlink)? else {
+            return Ok(None);
+        };
+        Ok(self.queue_fresh(ino, state, datasync, records)?)
+    }
+
+    /// Queues the part of a file's `records` this inode has not queued before, and marks the
+    /// inode log-clean. The ticket to wait for, `None` when nothing was ever queued.
+    ///
+    /// An item queued earlier with the same value is in a batch that is durable, or will be
+    /// once the ticket of that batch is, or was retired by the commit that made it durable. A
+    /// queued record only counts while replay would still apply it: once a commit covers its
+    /// generation, replay skips it, and the committed value may differ (changed and changed
+    /// back), so it is logged again.
+    fn queue_fresh(
+        &self,
+        ino: u64,
+        state: &InodeState,
+        datasync: bool,
+        records: Vec<LogRecord>,
+    ) -> Result<Option<u64>> {
+        let engine = &self.inner.engine;
+        let committed = engine.committed_generation().get();
+        let mut logged = state.logged.lock();
+        let mut fresh: Vec<LogRecord> = records
+            .into_iter()
+            .filter(|r| {
+                !logged
+                    .values
+                    .get(&r.key)
+                    .is_some_and(|(v, g)| *v == r.value && *g > committed)
+            })
+            .collect();
+        let times_left_out =
+            datasync && self.leave_out_times(ino, &logged, &mut fresh, committed)?;
+        if fresh.is_empty() {
+            if logged.ticket == 0 {
+                return Ok(None);
+            }
+            self.mark_log_clean(ino, &mut logged, times_left_out)?;
+            return Ok(Some(logged.ticket));
+        }
+        forget_committed(&mut logged, ino, committed);
+        for r in &fresh {
+            logged.values.insert(r.key, (r.value.clone(), r.generation));
+        }
+        remember_names(&mut self.inner.logged_names.lock(), ino, &fresh);
+        let entries: Vec<(Key, Option<Vec<u8>>, u64)> = fresh
+            .iter()
+            .filter(|r| matches!(r.key.kind(), Some(ItemType::DirItem | ItemType::DirIndex)))
+            .map(|r| (r.key, r.value.clone(), r.generation))
+            .collect();
+        let moves: Vec<LogRecord> = fresh
+            .iter()
+            .filter(|r| r.key.objectid != ino && is_inode_record(r))
+            .cloned()
+            .collect();
+        let ticket = engine.log().enqueue(fresh);
+        // After the enqueue: an fsync of the directory that finds these takes a ticket no
+        // earlier than theirs.
+        self.remember_entries(entries, committed);
+        self.remember_moves(moves, committed);
+        logged.ticket = ticket;
+        self.mark_log_clean(ino, &mut logged, times_left_out)?;
+        Ok(Some(ticket))
+    }
+
+    /// fdatasync: drops from `fresh` an inode item whose only change is its timestamps (not
+    /// needed to read the data back: size, blocks and mode are). Whether it dropped it.
+    fn leave_out_times(
+        &self,
+        ino: u64,
+        logged: &Logged,
+        fresh: &mut Vec<LogRecord>,
+        committed: u64,
+    ) -> Result<bool> {
+        let engine = &self.inner.engine;
+        let key = inode_key(InodeNo::new(ino));
+        let before = fresh.len();
+        let reference = match logged.values.get(&key) {
+            Some((v, g)) if *g > committed => v.clone(),
+            _ => engine.committed_get(&key)?,
+        };
+        fresh.retain(|r| {
+            let same = match (r.value.as_deref(), reference.as_deref()) {
+                (Some(new), Some(old)) => differs_only_in_times(new, old, true),
+                _ => false,
+            };
+            r.key != key || !same
+        });
+        Ok(fresh.len() != before)
+    }
+
+    /// Everything changed is queued once an fsync's fresh records are (all of it but the inode
+    /// item's times after an fdatasync that left those out): marks the inode log-clean as of
+    /// its current inode item.
+    fn mark_log_clean(&self, ino: u64, logged: &mut Logged, times_left_out: bool) -> Result<()> {
+        let engine = &self.inner.engine;
+        let current = engine.get(&inode_key(InodeNo::new(ino)))?;
+        let generation = engine.running_generation().get();
+        logged
+            .values
+            .insert(log_clean_key(ino, false), (current.clone(), generation));
+        if !times_left_out {
+            logged
+                .values
+                .insert(log_clean_key(ino, true), (current, generation));
+        }
+        Ok(())
     }
 
     /// The ticket of the batch that carries everything of `ino` not yet committed, when the
@@ -512,15 +535,21 @@ impl Filesystem {
         self.commit_now().map(|_| ())
     }
 
-    /// The records an fsync of `ino` writes, `None` when nothing changed since the last commit,
-    /// or the reason logging is unsafe.
+    /// The commit of an fsync that `reason` keeps from the log, counted under its rule.
+    fn fsync_commit_for(&self, reason: CommitReason) -> Result<()> {
+        reason.count(self.inner.engine.counters());
+        self.fsync_commit()
+    }
+
+    /// The records an fsync of file `ino` writes, `None` when nothing changed since the last
+    /// commit, or the rule that makes it commit: first the file's own ([`Filesystem::file_rule`]),
+    /// then those of each name in its changed inode refs ([`Filesystem::name_records`]).
     fn log_records(
         &self,
         ino: u64,
-        state: &super::InodeState,
-        is_dir: bool,
+        state: &InodeState,
         nlink: u32,
-    ) -> std::result::Result<Option<Vec<LogRecord>>, Result<Fallback>> {
+    ) -> Collected<Option<Vec<LogRecord>>> {
         let engine = &self.inner.engine;
         let (generation, changed) = engine.changed_items(InodeNo::new(ino));
         let generation = generation.get();
@@ -528,121 +557,13 @@ impl Filesystem {
             // An atime-only change (relatime on read) never costs a log write.
             return Ok(None);
         }
-        if is_dir {
-            return Err(Ok(Fallback::Directory));
-        }
-        // Shared by a clone since the last commit (DESIGN §15.8): the commit makes the flags
-        // of source and clone durable together; a log batch could name a shared extent whose
-        // source the committed tree holds unflagged, which the next open would refuse.
-        let committed = engine.committed_generation().get();
-        if state.cloned_in.load(std::sync::atomic::Ordering::Acquire) > committed {
-            return Err(Ok(Fallback::Clone));
-        }
-        // The same when the inode's state was evicted since the clone (its mark went with
-        // it): any uncommitted clone, and a shared extent among the changes, commits.
-        if self
-            .inner
-            .last_clone
-            .load(std::sync::atomic::Ordering::Acquire)
-            > committed
-            && changed.iter().any(|(key, value)| {
-                key.kind() == Some(ItemType::ExtentData)
-                    && value
-                        .as_deref()
-                        .is_some_and(|v| FileExtent::decode(v).is_ok_and(|e| e.shared))
-            })
-        {
-            return Err(Ok(Fallback::Clone));
-        }
-        if nlink == 0 || engine.incompat_pending() {
-            // An incompat flag no durable commit has set yet (the first out-of-line xattr
-            // value): a commit sets it, so no log record needs a flag the image lacks.
-            return Err(Ok(Fallback::Other));
+        if let Some(reason) = self.file_rule(state, nlink, &changed) {
+            return Err(reason.into());
         }
         let mut records = Vec::with_capacity(changed.len() + 4);
         for (key, value) in &changed {
             if key.kind() == Some(ItemType::InodeRef) {
-                let Some(bytes) = value else {
-                    return Err(Ok(Fallback::Names));
-                };
-                let refs = decode_inode_refs(bytes)
-                    .map_err(|e| Err(Error::corrupt(format!("inode {ino} ref {key}"), e)))?;
-                // Every name replay starts from (committed, or queued by an earlier fsync of
-                // this inode) must still be there with the same directory index: a name renamed
-                // away, even one given back by a link (a new index), leaves its old entry
-                // behind, which only a commit removes.
-                let base = self.replay_base(state, key).map_err(Err)?;
-                if let Some(base) = base {
-                    let before = decode_inode_refs(&base)
-                        .map_err(|e| Err(Error::corrupt(format!("inode {ino} ref {key}"), e)))?;
-                    if before.iter().any(|o| {
-                        !refs
-                            .iter()
-                            .any(|r| r.name == o.name && r.dir_index == o.dir_index)
-                    }) {
-                        return Err(Ok(Fallback::Names));
-                    }
-                }
-                for r in refs {
-                    if engine
-                        .committed_get(&inode_key(InodeNo::new(r.parent)))
-                        .map_err(Err)?
-                        .is_none()
-                    {
-                        return Err(Ok(Fallback::NewParent));
-                    }
-                    let item_key = dir_item_key(InodeNo::new(r.parent), &r.name);
-                    let item = engine.get(&item_key).map_err(Err)?;
-                    let entries = match &item {
-                        Some(bytes) => decode_dir_entries(bytes)
-                            .map_err(|e| Err(Error::corrupt(format!("dir item {item_key}"), e)))?,
-                        None => return Err(Ok(Fallback::Names)),
-                    };
-                    if entries.len() != 1 {
-                        return Err(Ok(Fallback::Other));
-                    }
-                    // The name's key may hold another inode's entry that replay would bring
-                    // back (committed, or logged by that inode's fsync) before this record
-                    // overwrites it: that inode would keep a name without an entry. btrfs
-                    // logs the conflicting inode or commits. birchfs logs it when it is gone
-                    // (unlinked and freed: a journal deleted and created again under its
-                    // name, as SQLite does for every transaction): its deletion goes in this
-                    // batch, before the new entry. An inode still there commits.
-                    let Some(holders) = self.name_holders(ino, &item_key).map_err(Err)? else {
-                        return Err(Ok(Fallback::Names));
-                    };
-                    for other in holders {
-                        // Gone: its deletion. Still there, renamed away: its move (the seeds'
-                        // dbench saves a file under a temporary name and writes a new one
-                        // under the old name, then fsyncs the new one).
-                        let exists = engine
-                            .get(&inode_key(InodeNo::new(other)))
-                            .map_err(Err)?
-                            .is_some();
-                        let found = if exists {
-                            self.moved_records(other, &item_key, generation)
-                        } else {
-                            self.gone_records(other, &item_key, generation)
-                        };
-                        match found {
-                            Ok(Some(more)) => records.extend(more),
-                            Ok(None) => return Err(Ok(Fallback::Names)),
-                            Err(e) => return Err(Err(e)),
-                        }
-                    }
-                    let index_key = dir_index_key(InodeNo::new(r.parent), r.dir_index);
-                    let index = engine.get(&index_key).map_err(Err)?;
-                    records.push(LogRecord {
-                        generation,
-                        key: item_key,
-                        value: item,
-                    });
-                    records.push(LogRecord {
-                        generation,
-                        key: index_key,
-                        value: index,
-                    });
-                }
+                self.name_records(ino, state, key, value, generation, &mut records)?;
             }
             records.push(LogRecord {
                 generation,
@@ -654,21 +575,201 @@ impl Filesystem {
             .iter()
             .any(|(key, _)| key.kind() == Some(ItemType::InodeRef))
         {
-            // A tmpfile committed without a name and linked since: its orphan item is gone
-            // from the running state, and replay must remove it too, or the next mount's
-            // orphan reclaim would see a named inode listed as an orphan.
-            let orphan = orphan_key(InodeNo::new(ino));
-            if engine.get(&orphan).map_err(Err)?.is_none()
-                && engine.committed_get(&orphan).map_err(Err)?.is_some()
-            {
-                records.push(LogRecord {
-                    generation,
-                    key: orphan,
-                    value: None,
-                });
-            }
+            records.extend(self.orphan_deletion(ino, generation)?);
         }
         Ok(Some(records))
+    }
+
+    /// The rules about a file as a whole, before its names: [`CommitReason::Cloned`],
+    /// [`CommitReason::Unlinked`], [`CommitReason::IncompatPending`], in that order.
+    fn file_rule(
+        &self,
+        state: &InodeState,
+        nlink: u32,
+        changed: &[(Key, crate::delta::DeltaValue)],
+    ) -> Option<CommitReason> {
+        if self.cloned_since_commit(state, changed) {
+            return Some(CommitReason::Cloned);
+        }
+        if nlink == 0 {
+            return Some(CommitReason::Unlinked);
+        }
+        if self.inner.engine.incompat_pending() {
+            // An incompat flag no durable commit has set yet (the first out-of-line xattr
+            // value): a commit sets it, so no log record needs a flag the image lacks.
+            return Some(CommitReason::IncompatPending);
+        }
+        None
+    }
+
+    /// [`CommitReason::Cloned`]: shared by a clone since the last commit (DESIGN §15.8). The
+    /// commit makes the flags of source and clone durable together; a log batch could name a
+    /// shared extent whose source the committed tree holds unflagged, which the next open
+    /// would refuse.
+    fn cloned_since_commit(
+        &self,
+        state: &InodeState,
+        changed: &[(Key, crate::delta::DeltaValue)],
+    ) -> bool {
+        use std::sync::atomic::Ordering::Acquire;
+        let committed = self.inner.engine.committed_generation().get();
+        if state.cloned_in.load(Acquire) > committed {
+            return true;
+        }
+        // The same when the inode's state was evicted since the clone (its mark went with
+        // it): any uncommitted clone, and a shared extent among the changes, commits.
+        self.inner.last_clone.load(Acquire) > committed
+            && changed.iter().any(|(key, value)| {
+                key.kind() == Some(ItemType::ExtentData)
+                    && value
+                        .as_deref()
+                        .is_some_and(|v| FileExtent::decode(v).is_ok_and(|e| e.shared))
+            })
+    }
+
+    /// The records of the names in a file's changed inode ref `key` (`value` now), pushed to
+    /// `records`; or [`CommitReason::NameRemoved`] when the ref was deleted or lost a name
+    /// replay starts from, else the first rule a name breaks ([`Filesystem::name_record`]).
+    fn name_records(
+        &self,
+        ino: u64,
+        state: &InodeState,
+        key: &Key,
+        value: &crate::delta::DeltaValue,
+        generation: u64,
+        records: &mut Vec<LogRecord>,
+    ) -> Collected<()> {
+        let Some(bytes) = value else {
+            return Err(CommitReason::NameRemoved.into());
+        };
+        let refs = decode_inode_refs(bytes)
+            .map_err(|e| Error::corrupt(format!("inode {ino} ref {key}"), e))?;
+        if self.lost_a_base_name(ino, state, key, &refs)? {
+            return Err(CommitReason::NameRemoved.into());
+        }
+        for r in &refs {
+            self.name_record(ino, r, generation, records)?;
+        }
+        Ok(())
+    }
+
+    /// [`CommitReason::NameRemoved`]: every name replay starts from (committed, or queued by
+    /// an earlier fsync of this inode) must still be in `refs` with the same directory index:
+    /// a name renamed away, even one given back by a link (a new index), leaves its old entry
+    /// behind, which only a commit removes.
+    fn lost_a_base_name(
+        &self,
+        ino: u64,
+        state: &InodeState,
+        key: &Key,
+        refs: &[InodeRef],
+    ) -> Result<bool> {
+        let Some(base) = self.replay_base(state, key)? else {
+            return Ok(false);
+        };
+        let before = decode_inode_refs(&base)
+            .map_err(|e| Error::corrupt(format!("inode {ino} ref {key}"), e))?;
+        Ok(before.iter().any(|o| {
+            !refs
+                .iter()
+                .any(|r| r.name == o.name && r.dir_index == o.dir_index)
+        }))
+    }
+
+    /// The records of one name `r` of file `ino`: the records that take the name's other
+    /// holders out of replay's way ([`Filesystem::holder_records`]), then the parent's dir
+    /// item and dir index. Commits for [`CommitReason::NewParent`],
+    /// [`CommitReason::NameRemoved`] (its dir item is missing),
+    /// [`CommitReason::HashCollision`] and [`CommitReason::NameHeld`], in that order.
+    fn name_record(
+        &self,
+        ino: u64,
+        r: &InodeRef,
+        generation: u64,
+        records: &mut Vec<LogRecord>,
+    ) -> Collected<()> {
+        let engine = &self.inner.engine;
+        let parent = InodeNo::new(r.parent);
+        if engine.committed_get(&inode_key(parent))?.is_none() {
+            return Err(CommitReason::NewParent.into());
+        }
+        let item_key = dir_item_key(parent, &r.name);
+        let item = engine.get(&item_key)?;
+        let entries = match &item {
+            Some(bytes) => decode_dir_entries(bytes)
+                .map_err(|e| Error::corrupt(format!("dir item {item_key}"), e))?,
+            None => return Err(CommitReason::NameRemoved.into()),
+        };
+        if entries.len() != 1 {
+            return Err(CommitReason::HashCollision.into());
+        }
+        records.extend(self.holder_records(ino, &item_key, generation)?);
+        let index_key = dir_index_key(parent, r.dir_index);
+        let index = engine.get(&index_key)?;
+        records.push(LogRecord {
+            generation,
+            key: item_key,
+            value: item,
+        });
+        records.push(LogRecord {
+            generation,
+            key: index_key,
+            value: index,
+        });
+        Ok(())
+    }
+
+    /// [`CommitReason::NameHeld`] unless every other inode replay would find under dir item
+    /// `item_key` can go in the batch: then the records that take them out of its way.
+    ///
+    /// The name's key may hold another inode's entry that replay would bring back (committed,
+    /// or logged by that inode's fsync) before the new record overwrites it: that inode would
+    /// keep a name without an entry. btrfs logs the conflicting inode or commits. birchfs logs
+    /// its deletion when it is gone (unlinked and freed: a journal deleted and created again
+    /// under its name, as SQLite does for every transaction), and its move when it is still
+    /// there, renamed away (the seeds' dbench saves a file under a temporary name and writes a
+    /// new one under the old name, then fsyncs the new one). Anything else commits.
+    fn holder_records(
+        &self,
+        ino: u64,
+        item_key: &Key,
+        generation: u64,
+    ) -> Collected<Vec<LogRecord>> {
+        let engine = &self.inner.engine;
+        let Some(holders) = self.name_holders(ino, item_key)? else {
+            return Err(CommitReason::NameHeld.into());
+        };
+        let mut records = Vec::new();
+        for other in holders {
+            let exists = engine.get(&inode_key(InodeNo::new(other)))?.is_some();
+            let found = if exists {
+                self.moved_records(other, item_key, generation)?
+            } else {
+                self.gone_records(other, item_key, generation)?
+            };
+            let Some(more) = found else {
+                return Err(CommitReason::NameHeld.into());
+            };
+            records.extend(more);
+        }
+        Ok(records)
+    }
+
+    /// The deletion of a file's committed orphan item when it got a name since: a tmpfile
+    /// committed without a name and linked since. Its orphan item is gone from the running
+    /// state, and replay must remove it too, or the next mount's orphan reclaim would see a
+    /// named inode listed as an orphan.
+    fn orphan_deletion(&self, ino: u64, generation: u64) -> Result<Option<LogRecord>> {
+        let engine = &self.inner.engine;
+        let orphan = orphan_key(InodeNo::new(ino));
+        if engine.get(&orphan)?.is_none() && engine.committed_get(&orphan)?.is_some() {
+            return Ok(Some(LogRecord {
+                generation,
+                key: orphan,
+                value: None,
+            }));
+        }
+        Ok(None)
     }
 
     /// What an fsync of directory `dir` logs: its inode item, when every other item of it
@@ -679,11 +780,7 @@ impl Filesystem {
     /// batches, which come no later than the one the inode item goes in. Otherwise (a name
     /// removed or renamed without a file's fsync, a new directory, its own name or xattrs
     /// changed, its state evicted and the values with it) it commits.
-    fn dir_log_records(
-        &self,
-        dir: u64,
-        state: &InodeState,
-    ) -> std::result::Result<Option<Vec<LogRecord>>, Result<Fallback>> {
+    fn dir_log_records(&self, dir: u64, state: &InodeState) -> Collected<Option<Vec<LogRecord>>> {
         let engine = &self.inner.engine;
         let (generation, changed) = engine.changed_items(InodeNo::new(dir));
         let generation = generation.get();
@@ -691,8 +788,8 @@ impl Filesystem {
             return Ok(None);
         }
         let key = inode_key(InodeNo::new(dir));
-        if engine.committed_get(&key).map_err(Err)?.is_none() {
-            return Err(Ok(Fallback::Directory));
+        if engine.committed_get(&key)?.is_none() {
+            return Err(CommitReason::Directory.into());
         }
         let committed = engine.committed_generation().get();
         {
@@ -707,12 +804,12 @@ impl Filesystem {
                         .get(k)
                         .is_some_and(|(v, g)| *g > committed && v.as_deref() == value.as_deref());
                 if !queued {
-                    return Err(Ok(Fallback::Directory));
+                    return Err(CommitReason::Directory.into());
                 }
             }
         }
-        let Some(item) = engine.get(&key).map_err(Err)? else {
-            return Err(Ok(Fallback::Directory));
+        let Some(item) = engine.get(&key)? else {
+            return Err(CommitReason::Directory.into());
         };
         Ok(Some(vec![LogRecord {
             generation,
@@ -849,6 +946,49 @@ impl Filesystem {
         if changed.iter().any(|(_, v)| v.is_some()) {
             return Ok(None);
         }
+        let Some(indexes) = self.gone_base_indexes(other, key, &changed, committed)? else {
+            return Ok(None);
+        };
+        let parent = key.objectid;
+        let [index] = indexes[..] else {
+            return Ok(None);
+        };
+        let index_key = dir_index_key(InodeNo::new(parent), index);
+        if engine.get(&index_key)?.is_some() {
+            return Ok(None);
+        }
+        let mut records: Vec<LogRecord> = changed
+            .into_iter()
+            .map(|(key, _)| LogRecord {
+                generation,
+                key,
+                value: None,
+            })
+            .collect();
+        for key in [orphan, index_key] {
+            records.push(LogRecord {
+                generation,
+                key,
+                value: None,
+            });
+        }
+        Ok(Some(records))
+    }
+
+    /// The dir indexes of gone inode `other`'s names in replay's base, for
+    /// [`Filesystem::gone_records`], from its deleted inode refs (`changed`): the one a ref
+    /// queued by its fsync or a logged move named (`logged_names`), skipping a ref such a move
+    /// deleted, else those of its committed ref. `None` when a queued ref named several
+    /// entries or not one of `key`'s directory queued for `other`, or a committed name is not
+    /// under `key`.
+    fn gone_base_indexes(
+        &self,
+        other: u64,
+        key: &Key,
+        changed: &[(Key, crate::delta::DeltaValue)],
+        committed: u64,
+    ) -> Result<Option<Vec<u64>>> {
+        let engine = &self.inner.engine;
         let parent = key.objectid;
         let mut indexes = Vec::new();
         for (ref_key, _) in changed
@@ -893,29 +1033,7 @@ impl Filesystem {
                 }
             }
         }
-        let [index] = indexes[..] else {
-            return Ok(None);
-        };
-        let index_key = dir_index_key(InodeNo::new(parent), index);
-        if engine.get(&index_key)?.is_some() {
-            return Ok(None);
-        }
-        let mut records: Vec<LogRecord> = changed
-            .into_iter()
-            .map(|(key, _)| LogRecord {
-                generation,
-                key,
-                value: None,
-            })
-            .collect();
-        for key in [orphan, index_key] {
-            records.push(LogRecord {
-                generation,
-                key,
-                value: None,
-            });
-        }
-        Ok(Some(records))
+        Ok(Some(indexes))
     }
 
     /// The value of `other`'s item `k` that replay would start from, for
@@ -976,53 +1094,15 @@ impl Filesystem {
         generation: u64,
     ) -> Result<Option<Vec<LogRecord>>> {
         let engine = &self.inner.engine;
-        let committed = engine.committed_generation().get();
-        let (_, changed) = engine.changed_items(InodeNo::new(other));
-        let state = self.shard(other).lock().get(&other).cloned();
-        let mut inode_item = None;
-        let mut ref_changes = Vec::new();
-        // Names in replay's base and now, as (parent, name, dir index).
-        let mut before = Vec::new();
-        let mut now = Vec::new();
-        for (k, value) in &changed {
-            let Some(base) = self.moved_base(state.as_deref(), k, committed)? else {
-                return Ok(None);
-            };
-            if base.as_deref() == value.as_deref() {
-                // Queued as it is now: replay has it already.
-                continue;
-            }
-            match k.kind() {
-                Some(ItemType::InodeItem) if *k == inode_key(InodeNo::new(other)) => {
-                    let (Some(current), Some(base)) = (value, base) else {
-                        return Ok(None);
-                    };
-                    let item = InodeItem::decode(current)
-                        .map_err(|e| Error::corrupt(format!("inode {other}"), e))?;
-                    if item.mode & libc::S_IFMT == libc::S_IFDIR
-                        || !differs_only_in_times(current, &base, true)
-                    {
-                        return Ok(None);
-                    }
-                    inode_item = Some(current.to_vec());
-                }
-                Some(ItemType::InodeRef) => {
-                    if let Some(bytes) = &base {
-                        let refs = decode_inode_refs(bytes).map_err(|e| {
-                            Error::corrupt(format!("inode ref {k} in replay's base"), e)
-                        })?;
-                        before.extend(refs.into_iter().map(|r| (r.parent, r.name, r.dir_index)));
-                    }
-                    if let Some(bytes) = value {
-                        let refs = decode_inode_refs(bytes)
-                            .map_err(|e| Error::corrupt(format!("inode ref {k}"), e))?;
-                        now.extend(refs.into_iter().map(|r| (r.parent, r.name, r.dir_index)));
-                    }
-                    ref_changes.push((*k, value.as_ref().map(|v| v.to_vec())));
-                }
-                _ => return Ok(None),
-            }
-        }
+        let Some(moved) = self.moved_changes(other)? else {
+            return Ok(None);
+        };
+        let Moved {
+            inode_item,
+            ref_changes,
+            before,
+            now,
+        } = moved;
         let inode_item = match inode_item {
             Some(item) => item,
             // The rename moved ctime; an equal inode item would mean the kernel restored it.
@@ -1057,47 +1137,12 @@ impl Filesystem {
             });
         }
         for (parent, name, index) in now.iter().filter(|n| !before.contains(n)) {
-            if engine
-                .committed_get(&inode_key(InodeNo::new(*parent)))?
-                .is_none()
-            {
-                return Ok(None);
-            }
-            let item_key = dir_item_key(InodeNo::new(*parent), name);
-            let Some(item) = engine.get(&item_key)? else {
+            let gained = self.gained_name_records(other, *parent, name, *index, generation)?;
+            let Some((holders, entry)) = gained else {
                 return Ok(None);
             };
-            let entries = decode_dir_entries(&item)
-                .map_err(|e| Error::corrupt(format!("dir item {item_key}"), e))?;
-            if entries.len() != 1 || entries[0].child != other {
-                return Ok(None);
-            }
-            // A name it took by a rename over another file (dbench renames over files it
-            // closed): that file's deletion goes in the batch when it is gone (unlinked and
-            // freed), as for the fsync'd inode's own names; a holder still there commits.
-            let Some(holders) = self.name_holders(other, &item_key)? else {
-                return Ok(None);
-            };
-            for holder in holders {
-                match self.gone_records(holder, &item_key, generation)? {
-                    Some(more) => gone.extend(more),
-                    None => return Ok(None),
-                }
-            }
-            let index_key = dir_index_key(InodeNo::new(*parent), *index);
-            let Some(index_item) = engine.get(&index_key)? else {
-                return Ok(None);
-            };
-            records.push(LogRecord {
-                generation,
-                key: item_key,
-                value: Some(item.to_vec()),
-            });
-            records.push(LogRecord {
-                generation,
-                key: index_key,
-                value: Some(index_item.to_vec()),
-            });
+            gone.extend(holders);
+            records.extend(entry);
         }
         records.push(LogRecord {
             generation,
@@ -1110,6 +1155,121 @@ impl Filesystem {
             .add(|c| &c.fsync_logged_moves, 1);
         gone.extend(records);
         Ok(Some(gone))
+    }
+
+    /// What changed of `other` since replay's base, for [`Filesystem::moved_records`]; `None`
+    /// when it is more than a move: anything but its inode refs and its inode item's times, a
+    /// directory, or a base an eviction lost ([`Filesystem::moved_base`]).
+    fn moved_changes(&self, other: u64) -> Result<Option<Moved>> {
+        let engine = &self.inner.engine;
+        let committed = engine.committed_generation().get();
+        let (_, changed) = engine.changed_items(InodeNo::new(other));
+        let state = self.shard(other).lock().get(&other).cloned();
+        let mut moved = Moved::default();
+        for (k, value) in &changed {
+            let Some(base) = self.moved_base(state.as_deref(), k, committed)? else {
+                return Ok(None);
+            };
+            if base.as_deref() == value.as_deref() {
+                // Queued as it is now: replay has it already.
+                continue;
+            }
+            match k.kind() {
+                Some(ItemType::InodeItem) if *k == inode_key(InodeNo::new(other)) => {
+                    let (Some(current), Some(base)) = (value, base) else {
+                        return Ok(None);
+                    };
+                    let item = InodeItem::decode(current)
+                        .map_err(|e| Error::corrupt(format!("inode {other}"), e))?;
+                    if item.mode & libc::S_IFMT == libc::S_IFDIR
+                        || !differs_only_in_times(current, &base, true)
+                    {
+                        return Ok(None);
+                    }
+                    moved.inode_item = Some(current.to_vec());
+                }
+                Some(ItemType::InodeRef) => {
+                    if let Some(bytes) = &base {
+                        let refs = decode_inode_refs(bytes).map_err(|e| {
+                            Error::corrupt(format!("inode ref {k} in replay's base"), e)
+                        })?;
+                        let names = refs.into_iter().map(|r| (r.parent, r.name, r.dir_index));
+                        moved.before.extend(names);
+                    }
+                    if let Some(bytes) = value {
+                        let refs = decode_inode_refs(bytes)
+                            .map_err(|e| Error::corrupt(format!("inode ref {k}"), e))?;
+                        let names = refs.into_iter().map(|r| (r.parent, r.name, r.dir_index));
+                        moved.now.extend(names);
+                    }
+                    moved
+                        .ref_changes
+                        .push((*k, value.as_ref().map(|v| v.to_vec())));
+                }
+                _ => return Ok(None),
+            }
+        }
+        Ok(Some(moved))
+    }
+
+    /// For a name `other` gained by its move (`name` in `parent`, dir index `index`): the
+    /// deletions of the gone inodes replay's base holds under its dir item, and its dir item
+    /// and dir index records. `None` (commit instead) unless the directory is committed, the
+    /// dir item holds just `other`, and every other holder is gone.
+    fn gained_name_records(
+        &self,
+        other: u64,
+        parent: u64,
+        name: &[u8],
+        index: u64,
+        generation: u64,
+    ) -> Result<Option<(Vec<LogRecord>, [LogRecord; 2])>> {
+        let engine = &self.inner.engine;
+        if engine
+            .committed_get(&inode_key(InodeNo::new(parent)))?
+            .is_none()
+        {
+            return Ok(None);
+        }
+        let item_key = dir_item_key(InodeNo::new(parent), name);
+        let Some(item) = engine.get(&item_key)? else {
+            return Ok(None);
+        };
+        let entries = decode_dir_entries(&item)
+            .map_err(|e| Error::corrupt(format!("dir item {item_key}"), e))?;
+        if entries.len() != 1 || entries[0].child != other {
+            return Ok(None);
+        }
+        // A name it took by a rename over another file (dbench renames over files it
+        // closed): that file's deletion goes in the batch when it is gone (unlinked and
+        // freed), as for the fsync'd inode's own names; a holder still there commits.
+        let Some(holders) = self.name_holders(other, &item_key)? else {
+            return Ok(None);
+        };
+        let mut gone = Vec::new();
+        for holder in holders {
+            match self.gone_records(holder, &item_key, generation)? {
+                Some(more) => gone.extend(more),
+                None => return Ok(None),
+            }
+        }
+        let index_key = dir_index_key(InodeNo::new(parent), index);
+        let Some(index_item) = engine.get(&index_key)? else {
+            return Ok(None);
+        };
+        let entry = [
+            LogRecord {
+                generation,
+                key: item_key,
+                value: Some(item.to_vec()),
+            },
+            LogRecord {
+                generation,
+                key: index_key,
+                value: Some(index_item.to_vec()),
+            },
+        ];
+        Ok(Some((gone, entry)))
     }
 
     /// Whether the only change since the last commit is the inode item's atime.
@@ -1154,24 +1314,7 @@ impl Filesystem {
         let mut dirs = BTreeSet::new();
         let mut inodes = BTreeSet::new();
         let mut max_objectid = 0;
-        // Data records first: their blocks go in place (the replay's commit flushes them
-        // before its superblock names them). The blocks were allocated by the running
-        // transaction the crash ended, from space no committed tree holds (DESIGN §10.2).
-        for r in live.iter().filter(|r| r.is_data()) {
-            if let Some(bytes) = &r.value {
-                let at = r.key.offset;
-                engine.device().write_at(bytes, at).map_err(|e| {
-                    Error::io(
-                        format!(
-                            "replay: write the logged data of inode {} at block {at:#x}",
-                            r.key.objectid
-                        ),
-                        e,
-                    )
-                })?;
-                counters.add(|c| &c.replayed_data_bytes, bytes.len() as u64);
-            }
-        }
+        self.replay_data(&live)?;
         {
             let txn = engine.begin()?;
             for r in live.iter().filter(|r| !r.is_data()) {
@@ -1211,6 +1354,30 @@ impl Filesystem {
         }
         engine.commit()?;
         Ok(true)
+    }
+
+    /// Replay's first step: the blocks of data records go in place (the replay's commit
+    /// flushes them before its superblock names them). The blocks were allocated by the running
+    /// transaction the crash ended, from space no committed tree holds (DESIGN §10.2).
+    fn replay_data(&self, live: &[LogRecord]) -> Result<()> {
+        let engine = &self.inner.engine;
+        let counters: &Counters = engine.counters();
+        for r in live.iter().filter(|r| r.is_data()) {
+            if let Some(bytes) = &r.value {
+                let at = r.key.offset;
+                engine.device().write_at(bytes, at).map_err(|e| {
+                    Error::io(
+                        format!(
+                            "replay: write the logged data of inode {} at block {at:#x}",
+                            r.key.objectid
+                        ),
+                        e,
+                    )
+                })?;
+                counters.add(|c| &c.replayed_data_bytes, bytes.len() as u64);
+            }
+        }
+        Ok(())
     }
 
     /// Recomputes a non-directory's link count from its refs.

@@ -16,6 +16,7 @@ mod buffer;
 mod dir;
 mod durability;
 mod file;
+mod fsync_rules;
 mod snapview;
 pub(crate) mod xattr;
 
@@ -43,6 +44,7 @@ use crate::txn::{Engine, MkfsOptions, OpenHead};
 pub use dir::DirEntryOut;
 pub use durability::{DeferredOutcome, FsyncDone, FsyncMode, LogFull};
 pub use file::AtimeMode;
+pub use fsync_rules::CommitReason;
 pub use snapview::{snapshot_ino, SNAPSHOT_DIR_NAME};
 
 /// Changed items after which the background committer is woken early, bounding memory.
