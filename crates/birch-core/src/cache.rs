@@ -24,9 +24,12 @@ const SHARDS: usize = 16;
 /// Nodes one [`NodeCache::prefetch`] reads at most: one `read_many` of 1 MiB.
 pub const PREFETCH_MAX: usize = 64;
 
+/// One shard of the cache: node address → decoded node, alone on its cache lines.
+type Shard = CachePadded<Mutex<HashMap<u64, Arc<Node>>>>;
+
 /// A sharded cache of decoded nodes.
 pub struct NodeCache {
-    shards: Vec<CachePadded<Mutex<HashMap<u64, Arc<Node>>>>>,
+    shards: Vec<Shard>,
     capacity_per_shard: usize,
 }
 

@@ -1201,16 +1201,12 @@ fn check_items(
                 "an orphan item",
             );
         }
-        check_extents(
+        let ctx = ExtentCheckCtx {
             device,
             sb,
-            *ino,
-            inode,
-            &facts.extents,
-            used,
             options,
-            report,
-        );
+        };
+        check_extents(&ctx, *ino, inode, &facts.extents, used, report);
     }
     for ino in &orphans {
         if inodes.get(ino).and_then(|f| f.item.as_ref()).is_none() {
@@ -1227,16 +1223,26 @@ fn check_items(
 
 const DT_DIR: u8 = 4;
 
+/// What the extent checks read besides the extents: the device, the superblock, the options.
+struct ExtentCheckCtx<'a> {
+    device: &'a dyn BlockDevice,
+    sb: &'a Superblock,
+    options: CheckOptions,
+}
+
 fn check_extents(
-    device: &dyn BlockDevice,
-    sb: &Superblock,
+    ctx: &ExtentCheckCtx<'_>,
     ino: u64,
     inode: &InodeItem,
     extents: &[(u64, FileExtent)],
     used: &mut HashMap<u64, &'static str>,
-    options: CheckOptions,
     report: &mut Report,
 ) {
+    let ExtentCheckCtx {
+        device,
+        sb,
+        options,
+    } = *ctx;
     let mut end_prev = 0u64;
     for (offset, extent) in extents {
         let location = format!("inode {ino} extent at {offset}");

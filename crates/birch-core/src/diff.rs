@@ -317,11 +317,14 @@ impl Paths<'_> {
     }
 }
 
+/// An item's value before and after (`None`: absent).
+type BeforeAfter = (Option<Vec<u8>>, Option<Vec<u8>>);
+
 /// What changed for one inode.
 #[derive(Default)]
 struct InodeChange {
     /// Its inode item: (old, new), when it changed.
-    item: Option<(Option<Vec<u8>>, Option<Vec<u8>>)>,
+    item: Option<BeforeAfter>,
     /// Any item other than the inode item and its names changed.
     contents: bool,
     /// Its names changed.

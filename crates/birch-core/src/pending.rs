@@ -23,12 +23,15 @@ use birch_format::ItemType;
 
 use crate::device::BlockDevice;
 
+/// A placed block's 4 KiB, and whether a data record carrying them was queued in the fsync
+/// log ([`PendingData::mark_logged`]).
+type Placed = (Arc<[u8]>, bool);
+
 /// The placed blocks of one filesystem.
 #[derive(Default)]
 pub(crate) struct PendingData {
-    /// Block address → its 4 KiB, and whether a data record carrying them was queued in the
-    /// fsync log ([`PendingData::mark_logged`]).
-    blocks: Mutex<BTreeMap<u64, (Arc<[u8]>, bool)>>,
+    /// Block address → the block as placed.
+    blocks: Mutex<BTreeMap<u64, Placed>>,
     /// How many blocks are placed: reads skip the map while it is 0.
     count: AtomicUsize,
 }

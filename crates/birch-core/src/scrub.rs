@@ -414,9 +414,11 @@ pub fn scrub(
         let root = view.root;
         cursor = match walk.visit(
             &view,
-            root.addr,
-            root.generation,
-            root.level,
+            NodeRef {
+                addr: root.addr,
+                generation: root.generation,
+                level: root.level,
+            },
             Key::MIN,
             None,
             from,
@@ -473,18 +475,29 @@ struct Walk<'a> {
     data_bytes: u64,
 }
 
+/// A node the walk is to visit: where it is, the generation its parent names, its level.
+#[derive(Clone, Copy)]
+struct NodeRef {
+    addr: u64,
+    generation: u64,
+    level: u8,
+}
+
 impl Walk<'_> {
     /// Visits the subtree at `addr` covering `[low, high)`, skipping keys before `from`.
     fn visit(
         &mut self,
         view: &View,
-        addr: u64,
-        generation: u64,
-        level: u8,
+        node: NodeRef,
         low: Key,
         high: Option<Key>,
         from: Key,
     ) -> Result<Flow> {
+        let NodeRef {
+            addr,
+            generation,
+            level,
+        } = node;
         if self.progress.cancel.load(Ordering::Relaxed) {
             return Ok(Flow::Cancelled);
         }
@@ -528,9 +541,11 @@ impl Walk<'_> {
                     let child_low = if slot == 0 { low } else { ptr.key };
                     let flow = self.visit(
                         view,
-                        ptr.addr,
-                        ptr.generation,
-                        level.saturating_sub(1),
+                        NodeRef {
+                            addr: ptr.addr,
+                            generation: ptr.generation,
+                            level: level.saturating_sub(1),
+                        },
                         child_low,
                         child_high,
                         from,

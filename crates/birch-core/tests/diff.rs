@@ -18,6 +18,9 @@ use birch_core::Filesystem;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+/// A changed item as the diff reports it: key, old value, new value.
+type Change = (birch_format::Key, Option<Vec<u8>>, Option<Vec<u8>>);
+
 const ROOT: u64 = 1;
 const DEVICE_BYTES: u64 = 64 << 20;
 
@@ -436,8 +439,7 @@ fn the_in_step_walk_finds_every_changed_item() {
                         expected.push((*k, o.cloned(), n.cloned()));
                     }
                 }
-                let got: Vec<(Key, Option<Vec<u8>>, Option<Vec<u8>>)> =
-                    changes.into_iter().map(|c| (c.key, c.old, c.new)).collect();
+                let got: Vec<Change> = changes.into_iter().map(|c| (c.key, c.old, c.new)).collect();
                 assert_eq!(got, expected, "seed {seed}: {a:?} -> {b:?}");
             }
         }

@@ -69,13 +69,16 @@ fn db_content(k: usize) -> Vec<u8> {
 /// One rollback-journal transaction. Calls `after_fsync` after each fsync returns, with
 /// what must survive a crash from then on: the journal's content (the newest journal is
 /// fsync'd and still named) and the database's.
+/// What a transaction calls after each of its fsyncs: the filesystem, the path, the bytes.
+type AfterFsync<'a> = dyn FnMut(&Filesystem, &[u8], &[u8]) + 'a;
+
 fn transaction(
     fs: &Filesystem,
     dir: u64,
     db: u64,
     k: usize,
     p: Pattern,
-    after_fsync: &mut dyn FnMut(&Filesystem, &[u8], &[u8]),
+    after_fsync: &mut AfterFsync<'_>,
 ) {
     let c = Caller::default();
     let (j, fh) = fs

@@ -26,6 +26,9 @@ use rand::{Rng, SeedableRng};
 
 use common::{Event, Recording};
 
+/// Leaf items, in key order.
+type Items = Vec<(Key, Vec<u8>)>;
+
 /// Device calls and node reads (of `NODE_SIZE` bytes) in `events` (reads only, as
 /// [`Recording::take_reads`] gives them).
 fn calls_and_nodes(events: &[Event]) -> (usize, usize) {
@@ -147,7 +150,7 @@ impl Tree {
 
     /// Every node of the tree, by level: address, and the items of each leaf. Read one node
     /// at a time (`TreeCtx::read`, no batch): the unbatched path.
-    fn walk(&self) -> (Vec<(u64, u8)>, Vec<(Key, Vec<u8>)>) {
+    fn walk(&self) -> (Vec<(u64, u8)>, Items) {
         let cache = NodeCache::new(1 << 16);
         let ctx = self.ctx(&cache);
         let mut nodes = Vec::new();

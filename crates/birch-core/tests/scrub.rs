@@ -87,9 +87,14 @@ fn scrub_image(bytes: Vec<u8>) -> ScrubReport {
     scrub(&views, ScrubOptions::default(), &ScrubProgress::default()).expect("scrub")
 }
 
+/// A regular extent: file offset, disk address, blocks.
+type Run = (u64, u64, u64);
+/// A leaf: its address and its keys.
+type Leaf = (u64, Vec<Key>);
+
 /// Every leaf (address, first key, last key) and the regular extents (file offset, disk
 /// address, blocks) of `ino`, walked independently of the scrub.
-fn layout(bytes: &[u8], ino: u64) -> (Vec<(u64, Vec<Key>)>, Vec<(u64, u64, u64)>, u64, u64) {
+fn layout(bytes: &[u8], ino: u64) -> (Vec<Leaf>, Vec<Run>, u64, u64) {
     let dev = MemDevice::from_bytes(bytes.to_vec());
     let (sb, _) = Engine::read_superblock(&dev).expect("superblock");
     let mut leaves = Vec::new();

@@ -81,9 +81,12 @@ fn live_files(fs: &Filesystem) -> Files {
     files
 }
 
+/// Reads the items between two keys (of the live tree or a snapshot).
+type RangeReader<'a> = dyn Fn(&Key, &Key) -> Vec<(Key, Vec<u8>)> + 'a;
+
 /// The (name, inode) entries of the root directory, from a range reader; `fill` (the model
 /// test's directory of filler files) left out.
-fn root_entries(range: &dyn Fn(&Key, &Key) -> Vec<(Key, Vec<u8>)>) -> Vec<(String, u64)> {
+fn root_entries(range: &RangeReader<'_>) -> Vec<(String, u64)> {
     let lo = Key::new(ROOT, ItemType::DirIndex, 0);
     let hi = Key::new(ROOT, ItemType::DirIndex, u64::MAX);
     range(&lo, &hi)

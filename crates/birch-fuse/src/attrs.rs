@@ -249,6 +249,10 @@ impl BirchFuse {
         }
     }
 
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the arguments of fuser's `Filesystem::setattr`, which lib.rs forwards as they come"
+    )]
     pub(crate) fn op_setattr(
         &self,
         req: &Request,

@@ -64,6 +64,10 @@ impl BirchFuse {
         }
     }
 
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the arguments of fuser's `Filesystem::mknod`, which lib.rs forwards as they come"
+    )]
     pub(crate) fn op_mknod(
         &self,
         req: &Request,
@@ -144,6 +148,10 @@ impl BirchFuse {
         }
     }
 
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the arguments of fuser's `Filesystem::rename`, which lib.rs forwards as they come"
+    )]
     pub(crate) fn op_rename(
         &self,
         req: &Request,

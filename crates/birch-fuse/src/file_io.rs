@@ -187,6 +187,10 @@ impl BirchFuse {
         self.serve_waiting(job);
     }
 
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the arguments of fuser's `Filesystem::write`, which lib.rs forwards as they come"
+    )]
     pub(crate) fn op_write(
         &self,
         req: &Request,
@@ -399,6 +403,10 @@ impl BirchFuse {
         }
     }
 
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the arguments of fuser's `Filesystem::create`, which lib.rs forwards as they come"
+    )]
     pub(crate) fn op_create(
         &self,
         req: &Request,
@@ -506,6 +514,10 @@ impl BirchFuse {
         answer(result, reply);
     }
 
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the arguments of fuser's `Filesystem::copy_file_range`, which lib.rs forwards as they come"
+    )]
     pub(crate) fn op_copy_file_range(
         &self,
         req: &Request,

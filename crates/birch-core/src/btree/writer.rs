@@ -55,6 +55,10 @@ enum LeafOp<'c> {
     },
 }
 
+/// A leaf made before its writer (a piece of a leaf cut for the parallel apply): its low key
+/// and its items.
+pub(crate) type PremadeLeaf = (Key, Vec<(Key, Vec<u8>)>);
+
 /// A writer over one tree for one generation. Dirty nodes live in memory until
 /// [`TreeWriter::write_dirty`]; every node copied away from is freed (pinned) in `generation`.
 pub struct TreeWriter<'a> {
@@ -651,7 +655,7 @@ impl<'a> TreeWriter<'a> {
         generation: u64,
         level: u8,
         ptrs: Vec<ChildPtr>,
-        premade: Option<(Key, Vec<(Key, Vec<u8>)>)>,
+        premade: Option<PremadeLeaf>,
     ) -> Result<TreeWriter<'a>> {
         let mut w = TreeWriter::rootless(ctx, alloc, generation);
         let ptrs = match premade {

@@ -71,7 +71,7 @@ impl DataLayer<'_> {
             [] => Ok(()),
             [p] => {
                 let part = &mut out[(p.from - offset) as usize..(p.to - offset) as usize];
-                self.read_verified(ino, p.start, p.disk_addr, p.csums, p.from, p.to, part)
+                self.read_verified(ino, p, part)
             }
             _ => self.read_parts(ino, &parts, offset, out),
         }
@@ -161,13 +161,16 @@ impl DataLayer<'_> {
     pub(crate) fn read_verified(
         &self,
         ino: u64,
-        start: u64,
-        disk_addr: u64,
-        csums: &[u32],
-        from: u64,
-        to: u64,
+        part: &ExtentPart<'_>,
         out: &mut [u8],
     ) -> Result<()> {
+        let ExtentPart {
+            start,
+            disk_addr,
+            csums,
+            from,
+            to,
+        } = *part;
         debug_assert!(start <= from && from < to && to <= start + csums.len() as u64 * BLOCK_SIZE);
         debug_assert_eq!(out.len() as u64, to - from);
         let first_block = (from - start) / BLOCK_SIZE;
@@ -191,12 +194,17 @@ impl DataLayer<'_> {
 }
 
 /// The part `[from, to)` of a regular extent at file offset `start` that one read covers.
-struct ExtentPart<'a> {
-    start: u64,
-    disk_addr: u64,
-    csums: &'a [u32],
-    from: u64,
-    to: u64,
+#[derive(Clone, Copy)]
+pub(crate) struct ExtentPart<'a> {
+    /// File offset of the regular extent.
+    pub(crate) start: u64,
+    /// Its disk address.
+    pub(crate) disk_addr: u64,
+    /// The crc32c of each of its blocks.
+    pub(crate) csums: &'a [u32],
+    /// The bytes `[from, to)` of the file wanted from it.
+    pub(crate) from: u64,
+    pub(crate) to: u64,
 }
 
 /// Verifies the checksum of every block of `buf`, blocks `first_block..` of the regular
@@ -277,7 +285,14 @@ mod tests {
         // A part of a block, in the middle of the run.
         let run = &runs[0];
         let mut part = vec![0u8; 100];
-        data.read_verified(INO, 0, run.addr, &run.csums, 5000, 5100, &mut part)
+        let wanted = ExtentPart {
+            start: 0,
+            disk_addr: run.addr,
+            csums: &run.csums,
+            from: 5000,
+            to: 5100,
+        };
+        data.read_verified(INO, &wanted, &mut part)
             .expect("read part");
         assert_eq!(part, bytes[5000..5100]);
         // Recorded and looked up through the extent map.

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use super::read::ExtentPart;
 use super::{DataLayer, WrittenRun};
 use crate::device::{BlockDevice, MemDevice};
 use crate::error::Result;
@@ -32,11 +33,13 @@ pub(super) fn read_back(data: &DataLayer<'_>, runs: &[WrittenRun]) -> Result<Vec
         let mut part = vec![0u8; len as usize];
         data.read_verified(
             INO,
-            run.file_offset,
-            run.addr,
-            &run.csums,
-            run.file_offset,
-            run.file_offset + len,
+            &ExtentPart {
+                start: run.file_offset,
+                disk_addr: run.addr,
+                csums: &run.csums,
+                from: run.file_offset,
+                to: run.file_offset + len,
+            },
             &mut part,
         )?;
         out.extend_from_slice(&part);

@@ -252,7 +252,6 @@ impl Engine {
         let engine = Engine::assemble(
             device,
             alloc,
-            fsid,
             superblock,
             RootPtr {
                 generation: 0,
@@ -267,16 +266,17 @@ impl Engine {
         Ok(engine)
     }
 
+    /// The engine over `superblock` (whose fsid it takes) and the tree at `root`.
     fn assemble(
         device: Arc<dyn BlockDevice>,
         alloc: Arc<Allocator>,
-        fsid: [u8; 16],
         superblock: Superblock,
         root: RootPtr,
         counters: Counters,
         cache: NodeCache,
         replay: Option<Replay>,
     ) -> Arc<Engine> {
+        let fsid = superblock.fsid;
         let generation = superblock.generation;
         let log = match &replay {
             Some(r) => FsyncLog::new(&superblock, r.tail_lsn, r.next_seq),
@@ -486,12 +486,10 @@ impl Engine {
         }
         let alloc = Arc::new(Allocator::new(superblock.total_bytes));
         mark_reserved_areas(&alloc, superblock.log_start, superblock.log_bytes);
-        let fsid = superblock.fsid;
         let root = superblock.fs_root;
         let engine = Engine::assemble(
             device,
             alloc,
-            fsid,
             superblock,
             root,
             Counters::default(),

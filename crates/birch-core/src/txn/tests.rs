@@ -29,12 +29,11 @@ fn raw_items(
     raw_tree(device, fsid, root).map(|(items, _)| items)
 }
 
+/// A tree's items, in key order.
+type Items = Vec<(Key, Vec<u8>)>;
+
 /// [`raw_items`] and the addresses of the tree's nodes.
-fn raw_tree(
-    device: &dyn BlockDevice,
-    fsid: [u8; 16],
-    root: RootPtr,
-) -> Option<(Vec<(Key, Vec<u8>)>, Vec<u64>)> {
+fn raw_tree(device: &dyn BlockDevice, fsid: [u8; 16], root: RootPtr) -> Option<(Items, Vec<u64>)> {
     let mut items = Vec::new();
     let mut nodes = Vec::new();
     let mut stack = vec![(root.addr, root.generation, root.level)];

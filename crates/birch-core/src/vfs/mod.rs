@@ -339,9 +339,12 @@ pub(crate) struct InodeData {
 
 const TABLE_SHARDS: usize = 64;
 
+/// One shard of the inode table: inode number → its state, alone on its cache lines.
+type TableShard = CachePadded<Mutex<HashMap<u64, Arc<InodeState>>>>;
+
 pub(crate) struct Inner {
     pub(crate) engine: Arc<Engine>,
-    table: Vec<CachePadded<Mutex<HashMap<u64, Arc<InodeState>>>>>,
+    table: Vec<TableShard>,
     pub(crate) rename_lock: Mutex<()>,
     /// The running generation of the newest clone (`copy_file_range` that shared blocks), 0
     /// for none: while it is above the committed generation, an fsync whose changes hold a

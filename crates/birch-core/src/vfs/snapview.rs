@@ -67,6 +67,9 @@ pub(crate) struct SnapState {
 /// Diff texts kept: `birch diff MNT` reads one text in pieces, and two clients may alternate.
 const DIFF_TEXTS_KEPT: usize = 2;
 
+/// What a snapshot list's text depends on: the committed generation and the snapshot ids.
+type ListState = (Generation, Vec<u64>);
+
 /// Results of the root's text xattrs kept between reads. The kernel asks for an xattr's size,
 /// then for its value, and `birch diff MNT` reads its text in pieces of 60,000 bytes: each
 /// read would otherwise walk the trees again. A result is kept with the state it was computed
@@ -76,7 +79,7 @@ struct TextCache {
     /// [`Filesystem::snapshots_text`], with the committed generation and the snapshot ids it
     /// was computed for: any commit moves the generation (the space a snapshot alone holds
     /// depends on the live tree), a creation or deletion also the ids.
-    list: Option<((Generation, Vec<u64>), Arc<str>)>,
+    list: Option<(ListState, Arc<str>)>,
     /// The last [`DIFF_TEXTS_KEPT`] [`Filesystem::diff_text`] results, newest last.
     diffs: VecDeque<(DiffKey, Arc<[u8]>)>,
 }
