@@ -184,6 +184,15 @@ fn backups_after(previous: &Superblock, floor: u64) -> Vec<BackupRoot> {
         .collect()
 }
 
+/// A frozen commit: its delta, its generation, the committed root it applies to, and the
+/// snapshot ops it carries.
+struct Frozen {
+    delta: Arc<FrozenDelta>,
+    generation: u64,
+    committed: Arc<CommittedRoot>,
+    ops: Vec<SnapshotOp>,
+}
+
 /// A commit's new tree, before it is durable.
 struct NewTree {
     root: RootPtr,
@@ -288,58 +297,14 @@ impl Engine {
                 return Err(Error::ReadOnly(cause));
             }
         }
-        let (frozen, generation, committed, ops) = {
-            let _gate = self.gate.write();
-            let generation = self.running_generation.load(Ordering::SeqCst);
-            let mut snapshots = self.snapshots.lock();
-            let idle = self.active.is_empty()
-                && self.alloc.pinned_blocks() == BlockCount::new(0)
-                && self.ids.high_water() == self.superblock.lock().next_objectid
-                && snapshots.pending.is_empty();
-            if idle {
-                return Ok(self.committed_generation());
-            }
-            let rollback = snapshots
-                .pending
-                .iter()
-                .any(|op| matches!(op, SnapshotOp::Rollback { .. }));
-            if rollback && !self.active.is_empty() {
-                // The rollback's tree is the snapshot's: a change made since its caller's
-                // commit would be lost. Every queued snapshot op goes with it, other callers'
-                // too (a known gap: a create queued meanwhile then fails in `made_snapshot`,
-                // and a deletion queued meanwhile does not happen though its caller is told
-                // it did).
-                snapshots.pending.clear();
-                return Err(Error::Invalid(
-                    "rollback: the filesystem changed while it waited for its commit".into(),
-                ));
-            }
-            // Snapshot changes take effect for every free after this commit's: a new one holds
-            // what later generations free, a deleted one nothing freed after this commit.
-            let ops = std::mem::take(&mut snapshots.pending);
-            for op in &ops {
-                match op {
-                    SnapshotOp::Create { .. } => self.alloc.add_hold(Generation::new(generation)),
-                    SnapshotOp::Delete { id } => {
-                        if let Some(s) = snapshots.by_id(*id) {
-                            self.alloc.drop_hold(
-                                Generation::new(s.generation),
-                                Generation::new(generation),
-                            );
-                        }
-                    }
-                    // Frees nothing through the allocator's holds: the replaced tree's blocks
-                    // are given back by the deletion walk once the commit is durable.
-                    SnapshotOp::Rollback { .. } => {}
-                }
-            }
-            drop(snapshots);
-            let frozen = Arc::new(self.active.take());
-            self.running_generation
-                .store(generation + 1, Ordering::SeqCst);
-            let mut state = self.state.write();
-            state.each(|s| s.frozen = Some(frozen.clone()));
-            (frozen, generation, state.first().committed.0.clone(), ops)
+        let Some(Frozen {
+            delta: frozen,
+            generation,
+            committed,
+            ops,
+        }) = self.freeze()?
+        else {
+            return Ok(self.committed_generation());
         };
         drop(after_freeze);
         let started = std::time::Instant::now();
@@ -365,6 +330,66 @@ impl Engine {
         drop(_commit);
         drop(frozen);
         result
+    }
+
+    /// Freezes the running delta under the gate: takes it and the queued snapshot ops (their
+    /// holds change with this commit), and starts the next generation. `None` when there is
+    /// nothing to commit.
+    fn freeze(&self) -> Result<Option<Frozen>> {
+        let _gate = self.gate.write();
+        let generation = self.running_generation.load(Ordering::SeqCst);
+        let mut snapshots = self.snapshots.lock();
+        let idle = self.active.is_empty()
+            && self.alloc.pinned_blocks() == BlockCount::new(0)
+            && self.ids.high_water() == self.superblock.lock().next_objectid
+            && snapshots.pending.is_empty();
+        if idle {
+            return Ok(None);
+        }
+        let rollback = snapshots
+            .pending
+            .iter()
+            .any(|op| matches!(op, SnapshotOp::Rollback { .. }));
+        if rollback && !self.active.is_empty() {
+            // The rollback's tree is the snapshot's: a change made since its caller's
+            // commit would be lost. Every queued snapshot op goes with it, other callers'
+            // too (a known gap: a create queued meanwhile then fails in `made_snapshot`,
+            // and a deletion queued meanwhile does not happen though its caller is told
+            // it did).
+            snapshots.pending.clear();
+            return Err(Error::Invalid(
+                "rollback: the filesystem changed while it waited for its commit".into(),
+            ));
+        }
+        // Snapshot changes take effect for every free after this commit's: a new one holds
+        // what later generations free, a deleted one nothing freed after this commit.
+        let ops = std::mem::take(&mut snapshots.pending);
+        for op in &ops {
+            match op {
+                SnapshotOp::Create { .. } => self.alloc.add_hold(Generation::new(generation)),
+                SnapshotOp::Delete { id } => {
+                    if let Some(s) = snapshots.by_id(*id) {
+                        self.alloc
+                            .drop_hold(Generation::new(s.generation), Generation::new(generation));
+                    }
+                }
+                // Frees nothing through the allocator's holds: the replaced tree's blocks
+                // are given back by the deletion walk once the commit is durable.
+                SnapshotOp::Rollback { .. } => {}
+            }
+        }
+        drop(snapshots);
+        let frozen = Arc::new(self.active.take());
+        self.running_generation
+            .store(generation + 1, Ordering::SeqCst);
+        let mut state = self.state.write();
+        state.each(|s| s.frozen = Some(frozen.clone()));
+        Ok(Some(Frozen {
+            committed: state.first().committed.0.clone(),
+            delta: frozen,
+            generation,
+            ops,
+        }))
     }
 
     /// Waits until no mutation holds the gate: every [`WriteTxn`] begun before this call has
