@@ -8,12 +8,14 @@
 //! the fsync log's batches (only `retire`/`set_reusable` at the superblock write), any lock
 //! across I/O other than the commit lock itself.
 
+#![deny(clippy::too_many_lines)]
+
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use birch_format::node::Node;
 use birch_format::superblock::{
-    BackupRoot, Superblock, BACKUP_ROOTS, COMPAT_BACKUP_ROOTS, INCOMPAT_LOG_ALIGNED,
+    BackupRoot, RootPtr, Superblock, BACKUP_ROOTS, COMPAT_BACKUP_ROOTS, INCOMPAT_LOG_ALIGNED,
 };
 use birch_format::{BlockCount, Generation, ItemType, Key, NODE_BLOCKS, NODE_SIZE};
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -182,6 +184,42 @@ fn backups_after(previous: &Superblock, floor: u64) -> Vec<BackupRoot> {
         .collect()
 }
 
+/// A frozen commit: its delta, its generation, the committed root it applies to, and the
+/// snapshot ops it carries.
+struct Frozen {
+    delta: Arc<FrozenDelta>,
+    generation: u64,
+    committed: Arc<CommittedRoot>,
+    ops: Vec<SnapshotOp>,
+}
+
+/// A commit's new tree, before it is durable.
+struct NewTree {
+    root: RootPtr,
+    /// The nodes written for it (and, later, for the snapshot list), cached once durable.
+    nodes: Vec<Arc<Node>>,
+    /// A rollback's replaced live tree, as a snapshot the commit deletes.
+    replaced: Option<Snapshot>,
+}
+
+/// A commit's change to the snapshot list ([`Engine::write_snapshot_list`]).
+struct ListChange {
+    /// The new list, published with the commit.
+    list: Vec<Snapshot>,
+    /// The snapshots the commit deletes.
+    deleted: Vec<Snapshot>,
+    /// The list before the commit.
+    before: Vec<Snapshot>,
+}
+
+/// The snapshot a commit's ops roll back to, if any.
+fn rollback_target(ops: &[SnapshotOp]) -> Option<u64> {
+    ops.iter().find_map(|op| match op {
+        SnapshotOp::Rollback { id } => Some(*id),
+        _ => None,
+    })
+}
+
 /// Runs its function when dropped (once).
 struct OnDrop<F: FnOnce()>(Option<F>);
 
@@ -259,58 +297,14 @@ impl Engine {
                 return Err(Error::ReadOnly(cause));
             }
         }
-        let (frozen, generation, committed, ops) = {
-            let _gate = self.gate.write();
-            let generation = self.running_generation.load(Ordering::SeqCst);
-            let mut snapshots = self.snapshots.lock();
-            let idle = self.active.is_empty()
-                && self.alloc.pinned_blocks() == BlockCount::new(0)
-                && self.ids.high_water() == self.superblock.lock().next_objectid
-                && snapshots.pending.is_empty();
-            if idle {
-                return Ok(self.committed_generation());
-            }
-            let rollback = snapshots
-                .pending
-                .iter()
-                .any(|op| matches!(op, SnapshotOp::Rollback { .. }));
-            if rollback && !self.active.is_empty() {
-                // The rollback's tree is the snapshot's: a change made since its caller's
-                // commit would be lost. Every queued snapshot op goes with it, other callers'
-                // too (a known gap: a create queued meanwhile then fails in `made_snapshot`,
-                // and a deletion queued meanwhile does not happen though its caller is told
-                // it did).
-                snapshots.pending.clear();
-                return Err(Error::Invalid(
-                    "rollback: the filesystem changed while it waited for its commit".into(),
-                ));
-            }
-            // Snapshot changes take effect for every free after this commit's: a new one holds
-            // what later generations free, a deleted one nothing freed after this commit.
-            let ops = std::mem::take(&mut snapshots.pending);
-            for op in &ops {
-                match op {
-                    SnapshotOp::Create { .. } => self.alloc.add_hold(Generation::new(generation)),
-                    SnapshotOp::Delete { id } => {
-                        if let Some(s) = snapshots.by_id(*id) {
-                            self.alloc.drop_hold(
-                                Generation::new(s.generation),
-                                Generation::new(generation),
-                            );
-                        }
-                    }
-                    // Frees nothing through the allocator's holds: the replaced tree's blocks
-                    // are given back by the deletion walk once the commit is durable.
-                    SnapshotOp::Rollback { .. } => {}
-                }
-            }
-            drop(snapshots);
-            let frozen = Arc::new(self.active.take());
-            self.running_generation
-                .store(generation + 1, Ordering::SeqCst);
-            let mut state = self.state.write();
-            state.each(|s| s.frozen = Some(frozen.clone()));
-            (frozen, generation, state.first().committed.0.clone(), ops)
+        let Some(Frozen {
+            delta: frozen,
+            generation,
+            committed,
+            ops,
+        }) = self.freeze()?
+        else {
+            return Ok(self.committed_generation());
         };
         drop(after_freeze);
         let started = std::time::Instant::now();
@@ -336,6 +330,66 @@ impl Engine {
         drop(_commit);
         drop(frozen);
         result
+    }
+
+    /// Freezes the running delta under the gate: takes it and the queued snapshot ops (their
+    /// holds change with this commit), and starts the next generation. `None` when there is
+    /// nothing to commit.
+    fn freeze(&self) -> Result<Option<Frozen>> {
+        let _gate = self.gate.write();
+        let generation = self.running_generation.load(Ordering::SeqCst);
+        let mut snapshots = self.snapshots.lock();
+        let idle = self.active.is_empty()
+            && self.alloc.pinned_blocks() == BlockCount::new(0)
+            && self.ids.high_water() == self.superblock.lock().next_objectid
+            && snapshots.pending.is_empty();
+        if idle {
+            return Ok(None);
+        }
+        let rollback = snapshots
+            .pending
+            .iter()
+            .any(|op| matches!(op, SnapshotOp::Rollback { .. }));
+        if rollback && !self.active.is_empty() {
+            // The rollback's tree is the snapshot's: a change made since its caller's
+            // commit would be lost. Every queued snapshot op goes with it, other callers'
+            // too (a known gap: a create queued meanwhile then fails in `made_snapshot`,
+            // and a deletion queued meanwhile does not happen though its caller is told
+            // it did).
+            snapshots.pending.clear();
+            return Err(Error::Invalid(
+                "rollback: the filesystem changed while it waited for its commit".into(),
+            ));
+        }
+        // Snapshot changes take effect for every free after this commit's: a new one holds
+        // what later generations free, a deleted one nothing freed after this commit.
+        let ops = std::mem::take(&mut snapshots.pending);
+        for op in &ops {
+            match op {
+                SnapshotOp::Create { .. } => self.alloc.add_hold(Generation::new(generation)),
+                SnapshotOp::Delete { id } => {
+                    if let Some(s) = snapshots.by_id(*id) {
+                        self.alloc
+                            .drop_hold(Generation::new(s.generation), Generation::new(generation));
+                    }
+                }
+                // Frees nothing through the allocator's holds: the replaced tree's blocks
+                // are given back by the deletion walk once the commit is durable.
+                SnapshotOp::Rollback { .. } => {}
+            }
+        }
+        drop(snapshots);
+        let frozen = Arc::new(self.active.take());
+        self.running_generation
+            .store(generation + 1, Ordering::SeqCst);
+        let mut state = self.state.write();
+        state.each(|s| s.frozen = Some(frozen.clone()));
+        Ok(Some(Frozen {
+            committed: state.first().committed.0.clone(),
+            delta: frozen,
+            generation,
+            ops,
+        }))
     }
 
     /// Waits until no mutation holds the gate: every [`WriteTxn`] begun before this call has
@@ -447,6 +501,12 @@ impl Engine {
         parallel::assemble(writer, plan, outputs)
     }
 
+    /// Writes one commit, in the order crash safety rests on: the log's placed data blocks;
+    /// the new tree (the frozen delta applied, its dirty nodes written) and the snapshot list;
+    /// flush; the superblock of `generation` (slot `generation` mod 2), retiring the log
+    /// batches it makes redundant; flush. Only then, durable: publish the new committed root,
+    /// give back what deleted snapshots alone held, hand the old root the space this commit
+    /// freed (released once no reader observes it), and discard what nothing references.
     fn write_commit(
         &self,
         frozen: &Arc<FrozenDelta>,
@@ -456,69 +516,35 @@ impl Engine {
     ) -> Result<()> {
         // Blocks whose bytes only the log holds go in place first: the flush below makes
         // them durable before any superblock names them.
-        self.pending().write_out(&*self.device).map_err(|e| {
-            Error::io(
-                format!("commit {generation}: write data blocks placed by the log"),
-                e,
-            )
-        })?;
-        let ctx = self.ctx();
-        let rollback = ops.iter().find_map(|op| match op {
-            SnapshotOp::Rollback { id } => Some(*id),
-            _ => None,
-        });
-        let (root, mut nodes, replaced) = match rollback {
+        self.write_log_placed(generation)?;
+        let NewTree {
+            root,
+            mut nodes,
+            replaced,
+        } = match rollback_target(ops) {
             // The freeze made sure the delta is empty: no fs node is written.
-            Some(id) => {
-                let target = self.snapshots.lock().by_id(id).cloned();
-                let target = target.ok_or_else(|| {
-                    Error::Invalid(format!(
-                        "commit {generation}: rollback to snapshot id {id}: no such snapshot"
-                    ))
-                })?;
-                // The live tree the rollback replaces, as a snapshot the commit deletes.
-                let replaced = Snapshot {
-                    id: u64::MAX,
-                    name: "(the live tree before the rollback)".into(),
-                    generation: committed.generation.get(),
-                    root: committed.root,
-                    created: birch_format::items::Timespec { sec: 0, nsec: 0 },
-                };
-                (target.root, Vec::new(), Some(replaced))
-            }
-            None => {
-                let mut writer = TreeWriter::new(ctx, &self.alloc, generation, committed.root);
-                let mut nodes = self.apply(&mut writer, frozen, generation)?;
-                nodes.extend(writer.write_dirty()?);
-                (writer.root(), nodes, None)
-            }
+            Some(id) => self.rollback_tree(id, generation, committed)?,
+            None => self.apply_and_write(frozen, generation, committed)?,
         };
         let mut sb = self.superblock.lock().clone();
-        let list_change = if ops.is_empty() {
+        let mut list_change = if ops.is_empty() {
             None
         } else {
-            Some(self.write_snapshot_list(ops, generation, root, &mut sb, &mut nodes)?)
+            let (list, deleted, before) =
+                self.write_snapshot_list(ops, generation, root, &mut sb, &mut nodes)?;
+            Some(ListChange {
+                list,
+                deleted,
+                before,
+            })
         };
-        self.device
-            .flush()
-            .map_err(|e| Error::io(format!("commit {generation}: flush nodes"), e))?;
-        let (sec, nsec) = now();
-        sb.incompat |= self.incompat_wanted.load(Ordering::SeqCst);
-        sb.backup_roots = backups_after(&sb, self.alloc.backup_floor().get());
-        sb.compat |= COMPAT_BACKUP_ROOTS;
-        sb.generation = generation;
-        sb.fs_root = root;
-        sb.next_objectid = self.ids.high_water();
-        sb.bytes_used = (self.alloc.total_blocks() - self.alloc.free_blocks()).bytes();
-        sb.commit_time_sec = sec;
-        sb.commit_time_nsec = nsec;
+        self.flush_commit(generation, "flush nodes")?;
+        self.fill_superblock(&mut sb, generation, root);
         let (log_head, log_seq) = self.log.retire(Generation::new(generation));
         sb.log_head = log_head.get();
         sb.log_generation = log_seq;
         self.write_superblock(&sb)?;
-        self.device
-            .flush()
-            .map_err(|e| Error::io(format!("commit {generation}: flush superblock"), e))?;
+        self.flush_commit(generation, "flush superblock")?;
         self.log.set_reusable(log_head);
         if sb.incompat & INCOMPAT_LOG_ALIGNED != 0 {
             // Durable with the flag: every replay now looks for skipped batches.
@@ -526,47 +552,175 @@ impl Engine {
         }
         // Durable. Publish the new committed root; the old one releases the space this commit
         // freed once its last reader drops it.
+        let new_release = ReleaseOnDrop::new(self.alloc.clone());
+        let old = self.publish(
+            sb,
+            generation,
+            root,
+            nodes,
+            &new_release,
+            list_change.as_mut(),
+        );
+        self.give_back_snapshots(generation, root, list_change, replaced);
+        self.release_freed(generation, &old);
+        // Space no committed root (backups included) references any more is discarded on the
+        // device before any search can hand it out (DESIGN §14.4); a failed discard leaves
+        // it deferred, and the commit stands.
+        self.discard_unreferenced(generation);
+        *old.release.next.lock() = Some(new_release);
+        self.counters.add(|c| &c.commits, 1);
+        Ok(())
+    }
+
+    /// Writes in place the data blocks whose bytes only the fsync log holds.
+    fn write_log_placed(&self, generation: u64) -> Result<()> {
+        self.pending().write_out(&*self.device).map_err(|e| {
+            Error::io(
+                format!("commit {generation}: write data blocks placed by the log"),
+                e,
+            )
+        })?;
+        Ok(())
+    }
+
+    /// A rollback's new tree: the snapshot `id`'s, replacing the live tree of `committed`.
+    fn rollback_tree(
+        &self,
+        id: u64,
+        generation: u64,
+        committed: &CommittedRoot,
+    ) -> Result<NewTree> {
+        let target = self.snapshots.lock().by_id(id).cloned();
+        let target = target.ok_or_else(|| {
+            Error::Invalid(format!(
+                "commit {generation}: rollback to snapshot id {id}: no such snapshot"
+            ))
+        })?;
+        // The live tree the rollback replaces, as a snapshot the commit deletes.
+        let replaced = Snapshot {
+            id: u64::MAX,
+            name: "(the live tree before the rollback)".into(),
+            generation: committed.generation.get(),
+            root: committed.root,
+            created: birch_format::items::Timespec { sec: 0, nsec: 0 },
+        };
+        Ok(NewTree {
+            root: target.root,
+            nodes: Vec::new(),
+            replaced: Some(replaced),
+        })
+    }
+
+    /// Applies the frozen delta to a copy of the committed tree and writes its dirty nodes.
+    fn apply_and_write(
+        &self,
+        frozen: &Arc<FrozenDelta>,
+        generation: u64,
+        committed: &CommittedRoot,
+    ) -> Result<NewTree> {
+        let mut writer = TreeWriter::new(self.ctx(), &self.alloc, generation, committed.root);
+        let mut nodes = self.apply(&mut writer, frozen, generation)?;
+        nodes.extend(writer.write_dirty()?);
+        Ok(NewTree {
+            root: writer.root(),
+            nodes,
+            replaced: None,
+        })
+    }
+
+    /// Flushes the device; `what` names the step in the error.
+    fn flush_commit(&self, generation: u64, what: &str) -> Result<()> {
+        self.device
+            .flush()
+            .map_err(|e| Error::io(format!("commit {generation}: {what}"), e))
+    }
+
+    /// Fills in the superblock of `generation` naming `root` (all but its log head).
+    fn fill_superblock(&self, sb: &mut Superblock, generation: u64, root: RootPtr) {
+        let (sec, nsec) = now();
+        sb.incompat |= self.incompat_wanted.load(Ordering::SeqCst);
+        sb.backup_roots = backups_after(sb, self.alloc.backup_floor().get());
+        sb.compat |= COMPAT_BACKUP_ROOTS;
+        sb.generation = generation;
+        sb.fs_root = root;
+        sb.next_objectid = self.ids.high_water();
+        sb.bytes_used = (self.alloc.total_blocks() - self.alloc.free_blocks()).bytes();
+        sb.commit_time_sec = sec;
+        sb.commit_time_nsec = nsec;
+    }
+
+    /// Publishes a durable commit: its nodes into the cache, its superblock, the new snapshot
+    /// list, then the new committed root (releasing through `release`). Returns the old root.
+    fn publish(
+        &self,
+        sb: Superblock,
+        generation: u64,
+        root: RootPtr,
+        nodes: Vec<Arc<Node>>,
+        release: &Arc<ReleaseOnDrop>,
+        list_change: Option<&mut ListChange>,
+    ) -> Arc<CommittedRoot> {
         for node in nodes {
             self.cache.insert(node);
         }
         *self.superblock.lock() = sb;
-        let new_release = ReleaseOnDrop::new(self.alloc.clone());
         let new_root = Arc::new(CommittedRoot {
             root,
             generation: Generation::new(generation),
-            release: new_release.clone(),
+            release: release.clone(),
         });
         // The new list before the new root: a snapshot view that still finds a deleted
         // snapshot then holds a root older than this one, whose release list keeps what the
         // deletion frees (`Engine::snapshot_view`).
-        let list_change = list_change.map(|(list, deleted, before)| {
-            self.snapshots.lock().list = list;
-            (deleted, before)
-        });
-        let old = {
-            let mut state = self.state.write();
-            let old = state.first().committed.0.clone();
-            state.each(|s| {
-                s.frozen = None;
-                s.committed = Arc::new(CommittedRootPin(new_root.clone()));
-            });
-            old
-        };
-        if let Some((mut deleted, mut before)) = list_change {
-            if let Some(replaced) = replaced {
-                before.push(replaced.clone());
-                deleted.push(replaced);
-            }
-            self.give_back_deleted(generation, root, &before, &deleted);
-            self.alloc.forget_holds(Generation::new(generation));
+        if let Some(change) = list_change {
+            self.snapshots.lock().list = std::mem::take(&mut change.list);
         }
+        let mut state = self.state.write();
+        let old = state.first().committed.0.clone();
+        state.each(|s| {
+            s.frozen = None;
+            s.committed = Arc::new(CommittedRootPin(new_root.clone()));
+        });
+        old
+    }
+
+    /// The snapshot deletion walk, once durable: gives back what the deleted snapshots (and
+    /// a rollback's replaced tree) alone held, and forgets their holds.
+    fn give_back_snapshots(
+        &self,
+        generation: u64,
+        root: RootPtr,
+        list_change: Option<ListChange>,
+        replaced: Option<Snapshot>,
+    ) {
+        let Some(ListChange {
+            mut deleted,
+            mut before,
+            ..
+        }) = list_change
+        else {
+            return;
+        };
+        if let Some(replaced) = replaced {
+            before.push(replaced.clone());
+            deleted.push(replaced);
+        }
+        self.give_back_deleted(generation, root, &before, &deleted);
+        self.alloc.forget_holds(Generation::new(generation));
+    }
+
+    /// Hands `old` the space this commit freed: pinned until then, it is released once the
+    /// old root's last reader drops it.
+    fn release_freed(&self, generation: u64, old: &CommittedRoot) {
         let freed = self.alloc.take_pinned(Generation::new(generation));
         self.alloc.unpin_count(freed.iter().map(|(_, b)| b).sum());
         old.release.freed_by.store(generation, Ordering::SeqCst);
         old.release.ranges.lock().extend(freed);
-        // Space no committed root (backups included) references any more is discarded on the
-        // device before any search can hand it out (DESIGN §14.4); a failed discard leaves
-        // it deferred, and the commit stands.
+    }
+
+    /// Discards the space no committed root references any more now that `generation` is
+    /// durable; a failure is logged and leaves it deferred.
+    fn discard_unreferenced(&self, generation: u64) {
         let device = &self.device;
         let discarded = self
             .alloc
@@ -576,8 +730,5 @@ impl Engine {
         if let Err(e) = discarded {
             log::warn!("commit {generation}: discarding freed space: {e}");
         }
-        *old.release.next.lock() = Some(new_release);
-        self.counters.add(|c| &c.commits, 1);
-        Ok(())
     }
 }
