@@ -11,38 +11,34 @@ use crate::sync::{
 // `StripedWrite::first` relies on at least one stripe.
 const _: () = assert!(STRIPES > 0);
 
+/// How many slots the reads a thread holds are counted in. Each lock counts in one slot
+/// (`Striped::slot`, handed out round robin), so two locks may share one: a thread that holds
+/// the other then reads this one at once instead of waiting for its writer. That costs only
+/// fairness, never a deadlock (a count is never too low), and it keeps a read's bookkeeping to
+/// one thread-local add and subtract, with no search.
+const HELD_SLOTS: usize = 64;
+
+static NEXT_SLOT: AtomicUsize = AtomicUsize::new(0);
+
 thread_local! {
-    /// The striped locks this thread holds a read of: (lock address, depth).
-    static HELD: std::cell::RefCell<Vec<(usize, usize)>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Reads of striped locks this thread holds, by slot.
+    static HELD: [std::cell::Cell<u32>; HELD_SLOTS] =
+        const { [const { std::cell::Cell::new(0) }; HELD_SLOTS] };
 }
 
-/// How many reads of the lock at `addr` this thread holds.
-fn held(addr: usize) -> usize {
-    HELD.with(|h| h.borrow().iter().find(|(a, _)| *a == addr).map_or(0, |(_, d)| *d))
+/// How many reads of locks of `slot` this thread holds.
+fn held(slot: usize) -> u32 {
+    HELD.with(|h| h[slot].get())
 }
 
-/// Counts one more read of the lock at `addr` by this thread.
-fn enter(addr: usize) {
-    HELD.with(|h| {
-        let mut h = h.borrow_mut();
-        match h.iter_mut().find(|(a, _)| *a == addr) {
-            Some((_, depth)) => *depth += 1,
-            None => h.push((addr, 1)),
-        }
-    });
+/// Counts one more read of a lock of `slot` by this thread.
+fn enter(slot: usize) {
+    HELD.with(|h| h[slot].set(h[slot].get() + 1));
 }
 
-/// Counts one read of the lock at `addr` by this thread as ended.
-fn leave(addr: usize) {
-    HELD.with(|h| {
-        let mut h = h.borrow_mut();
-        if let Some(at) = h.iter().position(|(a, _)| *a == addr) {
-            h[at].1 -= 1;
-            if h[at].1 == 0 {
-                h.swap_remove(at);
-            }
-        }
-    });
+/// Counts one read of a lock of `slot` by this thread as ended.
+fn leave(slot: usize) {
+    HELD.with(|h| h[slot].set(h[slot].get().saturating_sub(1)));
 }
 
 /// The lock; each stripe holds its own copy of the value.
@@ -53,12 +49,14 @@ pub(crate) struct Striped<T> {
     /// Readers that hold no stripe wait here while `waiting` is not zero.
     door: Mutex<()>,
     opened: Condvar,
+    /// Where this thread's reads of this lock are counted ([`HELD_SLOTS`]).
+    slot: usize,
 }
 
 /// This thread's stripe, read-locked: what [`Striped::read`] returns.
 pub(crate) struct StripedRead<'a, T> {
     guard: RwLockReadGuard<'a, T>,
-    addr: usize,
+    slot: usize,
 }
 
 impl<T> std::ops::Deref for StripedRead<'_, T> {
@@ -70,7 +68,7 @@ impl<T> std::ops::Deref for StripedRead<'_, T> {
 
 impl<T> Drop for StripedRead<'_, T> {
     fn drop(&mut self) {
-        leave(self.addr);
+        leave(self.slot);
     }
 }
 
@@ -103,6 +101,7 @@ impl<T> Striped<T> {
             waiting: CachePadded(AtomicUsize::new(0)),
             door: Mutex::new(()),
             opened: Condvar::new(),
+            slot: NEXT_SLOT.fetch_add(1, Ordering::Relaxed) % HELD_SLOTS,
         }
     }
 
@@ -112,24 +111,22 @@ impl<T> Striped<T> {
         self.waiting.load(Ordering::SeqCst)
     }
 
-    fn addr(&self) -> usize {
-        self as *const Striped<T> as usize
-    }
-
     /// This thread's stripe, read-locked. Recursive: a thread that holds a read of this lock
     /// may read again even while a writer waits; a thread that holds none waits first for
     /// the writers that wait (module doc).
     pub(crate) fn read(&self) -> StripedRead<'_, T> {
-        let addr = self.addr();
-        if self.waiting.load(Ordering::SeqCst) > 0 && held(addr) == 0 {
+        if self.waiting.load(Ordering::SeqCst) > 0 && held(self.slot) == 0 {
             let mut door = self.door.lock();
             while self.waiting.load(Ordering::SeqCst) > 0 {
                 self.opened.wait(&mut door);
             }
         }
         let guard = self.stripes[stripe_index() % self.stripes.len()].read_recursive();
-        enter(addr);
-        StripedRead { guard, addr }
+        enter(self.slot);
+        StripedRead {
+            guard,
+            slot: self.slot,
+        }
     }
 
     /// Every stripe, write-locked. Never holds some stripes while it waits for another: it
