@@ -108,11 +108,17 @@ pub enum FindingKind {
     /// A shared (flagged, kind 3) extent on blocks an unshared extent or a node also holds,
     /// or a shared extent on an image without the `INCOMPAT_SHARED_EXTENTS` flag.
     SharedExtentConflict = 30,
+    /// A snapshot whose tree is newer than the live tree (its root node was written after
+    /// the live tree's): not a past state of the live tree, as every kept tree must be
+    /// (DESIGN §15.4); left by a fallback to an older tree. Deleting it or a neighbour could
+    /// free blocks the live tree uses, so a mount refuses snapshot changes while it exists;
+    /// `fsck --repair` deletes it.
+    SnapshotOutsideLineage = 31,
 }
 
 impl FindingKind {
     /// Every kind, in number order.
-    pub const ALL: [FindingKind; 30] = [
+    pub const ALL: [FindingKind; 31] = [
         FindingKind::SuperblockSlotBad,
         FindingKind::NodeUnreadable,
         FindingKind::NodeKeyOutOfRange,
@@ -143,6 +149,7 @@ impl FindingKind {
         FindingKind::SnapshotTreeDamaged,
         FindingKind::SnapshotBlockConflict,
         FindingKind::SharedExtentConflict,
+        FindingKind::SnapshotOutsideLineage,
     ];
 
     /// The kind's stable number (see [`FindingKind`]).
@@ -277,7 +284,7 @@ pub const PASSES: [Pass; 10] = [
         id: PassId::Data,
         name: "data",
         depends_on: &[PassId::Extents],
-        checks: "with --data: every data block an extent references reads and matches the extent's crc32c",
+        checks: "with --data: every data block a live extent references reads and matches the extent's crc32c (the blocks only snapshots hold: the snapshots pass)",
         finds: &[FindingKind::DataChecksumMismatch, FindingKind::DataUnreadable],
     },
     Pass {
@@ -291,11 +298,14 @@ pub const PASSES: [Pass; 10] = [
         id: PassId::Snapshots,
         name: "snapshots",
         depends_on: &[PassId::Tree, PassId::Extents],
-        checks: "the snapshot list reads, its snapshots are in order with unique names; every snapshot's tree reads whole (nodes shared with newer trees at the same generation, nothing newer than the snapshot), and its own nodes and extents take blocks no other node or different extent holds",
+        checks: "the snapshot list reads, its snapshots are in order with unique names and none is newer than the live tree; every snapshot's tree reads whole (nodes shared with newer trees at the same generation, nothing newer than the snapshot), and its own nodes and extents take blocks no other node or different extent holds; with --data, the data blocks only snapshots hold read and match their crc32c",
         finds: &[
             FindingKind::SnapshotListUnreadable,
             FindingKind::SnapshotTreeDamaged,
             FindingKind::SnapshotBlockConflict,
+            FindingKind::SnapshotOutsideLineage,
+            FindingKind::DataChecksumMismatch,
+            FindingKind::DataUnreadable,
         ],
     },
 ];
@@ -461,7 +471,7 @@ pub fn check_with_root(
     items.sort_by_key(|a| a.0);
     report.items = items.len() as u64;
     check_items(device, &sb, &items, &mut used, options, &mut report);
-    check_snapshots(device, &sb, &mut used, &mut nodes, &mut report);
+    check_snapshots(device, &sb, options, &mut used, &mut nodes, &mut report);
     let replay = crate::log::read_log(device, &sb);
     report.log_batches = replay.batches;
     report.log_records = replay
@@ -659,6 +669,7 @@ fn read_node(
 fn check_snapshots(
     device: &dyn BlockDevice,
     sb: &Superblock,
+    options: CheckOptions,
     used: &mut HashMap<u64, &'static str>,
     nodes: &mut HashMap<u64, u64>,
     report: &mut Report,
@@ -742,154 +753,228 @@ fn check_snapshots(
             );
         }
         above = above.max(item.generation);
+        if item.root.generation > sb.fs_root.generation {
+            report.add(
+                FindingKind::SnapshotOutsideLineage,
+                Some(item.root.addr),
+                format!(
+                    "snapshot {name:?} (id {id}, generation {})",
+                    item.generation
+                ),
+                format!(
+                    "a tree whose root node has generation {}",
+                    item.root.generation
+                ),
+                format!(
+                    "a past state of the live tree: a root node of generation {} or older",
+                    sb.fs_root.generation
+                ),
+            );
+        }
     }
+    let tree = SnapshotTreeCheck {
+        device,
+        sb,
+        options,
+    };
     for (id, item) in list.iter().rev() {
-        check_snapshot_tree(device, sb, *id, item, used, nodes, report);
+        tree.check(*id, item, used, nodes, report);
     }
 }
 
-/// One snapshot's tree, for [`check_snapshots`].
-fn check_snapshot_tree(
-    device: &dyn BlockDevice,
-    sb: &Superblock,
-    id: u64,
-    item: &SnapshotItem,
-    used: &mut HashMap<u64, &'static str>,
-    nodes: &mut HashMap<u64, u64>,
-    report: &mut Report,
-) {
-    let name = format!(
-        "snapshot {:?} (id {id}, generation {})",
-        String::from_utf8_lossy(&item.name),
-        item.generation
-    );
-    let root = item.root;
-    let mut stack = vec![(root.addr, root.generation, root.level, "root".to_string())];
-    while let Some((addr, generation, level, from)) = stack.pop() {
-        let location = format!("{name}: node {addr:#x} from {from}, generation {generation}");
-        match nodes.get(&addr) {
-            Some(g) if *g == generation => continue,
-            Some(g) => {
+/// What every snapshot's check shares, for [`check_snapshots`].
+struct SnapshotTreeCheck<'a> {
+    device: &'a dyn BlockDevice,
+    sb: &'a Superblock,
+    options: CheckOptions,
+}
+
+impl SnapshotTreeCheck<'_> {
+    /// One snapshot's tree.
+    fn check(
+        &self,
+        id: u64,
+        item: &SnapshotItem,
+        used: &mut HashMap<u64, &'static str>,
+        nodes: &mut HashMap<u64, u64>,
+        report: &mut Report,
+    ) {
+        let SnapshotTreeCheck { device, sb, .. } = *self;
+        let name = format!(
+            "snapshot {:?} (id {id}, generation {})",
+            String::from_utf8_lossy(&item.name),
+            item.generation
+        );
+        let root = item.root;
+        let mut stack = vec![(root.addr, root.generation, root.level, "root".to_string())];
+        while let Some((addr, generation, level, from)) = stack.pop() {
+            let location = format!("{name}: node {addr:#x} from {from}, generation {generation}");
+            match nodes.get(&addr) {
+                Some(g) if *g == generation => continue,
+                Some(g) => {
+                    report.add(
+                        FindingKind::SnapshotTreeDamaged,
+                        Some(addr),
+                        location,
+                        format!("generation {generation}"),
+                        format!("generation {g}, as another tree has the node"),
+                    );
+                    continue;
+                }
+                None => {}
+            }
+            if generation > item.generation {
                 report.add(
                     FindingKind::SnapshotTreeDamaged,
                     Some(addr),
                     location,
                     format!("generation {generation}"),
-                    format!("generation {g}, as another tree has the node"),
+                    format!("a node born at or before generation {}", item.generation),
                 );
                 continue;
             }
-            None => {}
-        }
-        if generation > item.generation {
-            report.add(
-                FindingKind::SnapshotTreeDamaged,
-                Some(addr),
-                location,
-                format!("generation {generation}"),
-                format!("a node born at or before generation {}", item.generation),
-            );
-            continue;
-        }
-        let node = match read_node(device, sb, addr, generation, level, FS_TREE_ID) {
-            Ok(node) => node,
-            Err(e) => {
+            let node = match read_node(device, sb, addr, generation, level, FS_TREE_ID) {
+                Ok(node) => node,
+                Err(e) => {
+                    report.add(
+                        FindingKind::SnapshotTreeDamaged,
+                        Some(addr),
+                        location,
+                        e,
+                        "a valid node",
+                    );
+                    continue;
+                }
+            };
+            nodes.insert(addr, generation);
+            report.nodes += 1;
+            if let Some(prev) = (0..NODE_BLOCKS)
+                .map(|b| addr + b * BLOCK_SIZE)
+                .find_map(|at| used.get(&at).copied())
+            {
                 report.add(
-                    FindingKind::SnapshotTreeDamaged,
+                    FindingKind::SnapshotBlockConflict,
                     Some(addr),
                     location,
-                    e,
-                    "a valid node",
+                    format!("a node on a block a {prev} holds"),
+                    "a node on blocks of its own",
                 );
                 continue;
             }
-        };
-        nodes.insert(addr, generation);
-        report.nodes += 1;
-        if let Some(prev) = (0..NODE_BLOCKS)
-            .map(|b| addr + b * BLOCK_SIZE)
-            .find_map(|at| used.get(&at).copied())
-        {
-            report.add(
-                FindingKind::SnapshotBlockConflict,
-                Some(addr),
-                location,
-                format!("a node on a block a {prev} holds"),
-                "a node on blocks of its own",
-            );
-            continue;
-        }
-        for b in 0..NODE_BLOCKS {
-            used.insert(addr + b * BLOCK_SIZE, "snapshot node");
-        }
-        match node.body {
-            NodeBody::Internal(ptrs) => {
-                for (slot, p) in ptrs.iter().enumerate() {
-                    stack.push((
-                        p.addr,
-                        p.generation,
-                        level - 1,
-                        format!("node {addr:#x} slot {slot}"),
-                    ));
-                }
+            for b in 0..NODE_BLOCKS {
+                used.insert(addr + b * BLOCK_SIZE, "snapshot node");
             }
-            NodeBody::Leaf(leaf) => {
-                for (key, value) in leaf {
-                    if key.kind() != Some(ItemType::ExtentData) {
-                        continue;
-                    }
-                    let Ok(extent) = FileExtent::decode(&value) else {
-                        report.add(
-                            FindingKind::SnapshotTreeDamaged,
-                            Some(addr),
-                            format!("{name}: extent {key}"),
-                            "an extent that does not decode",
-                            "a valid extent",
-                        );
-                        continue;
-                    };
-                    if extent.generation > item.generation {
-                        report.add(
-                            FindingKind::SnapshotTreeDamaged,
-                            Some(addr),
-                            format!("{name}: extent {key}"),
-                            format!("generation {}", extent.generation),
-                            format!("born at or before {}", item.generation),
-                        );
-                    }
-                    let Some((disk, blocks)) = extent.disk_range() else {
-                        continue;
-                    };
-                    let end = disk.saturating_add(blocks.saturating_mul(BLOCK_SIZE));
-                    let log_end = sb.log_start + sb.log_bytes;
-                    let outside = disk % BLOCK_SIZE != 0
-                        || end > sb.total_bytes
-                        || disk < RESERVED_HEAD_BYTES
-                        || (disk < log_end && end > sb.log_start);
-                    let on_node = (0..blocks)
-                        .map(|b| disk + b * BLOCK_SIZE)
-                        .find_map(|at| used.get(&at).copied().filter(|w| w.contains("node")));
-                    if outside || on_node.is_some() {
-                        report.add(
-                            FindingKind::SnapshotBlockConflict,
-                            Some(disk),
-                            format!("{name}: extent {key}"),
-                            format!(
-                                "blocks {disk:#x} x {blocks} {}",
-                                on_node.map_or("outside the data area".to_string(), |w| format!(
-                                    "on a {w}"
-                                ))
-                            ),
-                            "data blocks of the data area, shared only with extents",
-                        );
-                        continue;
-                    }
-                    for b in 0..blocks {
-                        used.entry(disk + b * BLOCK_SIZE).or_insert("snapshot data");
+            match node.body {
+                NodeBody::Internal(ptrs) => {
+                    for (slot, p) in ptrs.iter().enumerate() {
+                        stack.push((
+                            p.addr,
+                            p.generation,
+                            level - 1,
+                            format!("node {addr:#x} slot {slot}"),
+                        ));
                     }
                 }
+                NodeBody::Leaf(leaf) => {
+                    for (key, value) in leaf {
+                        if key.kind() != Some(ItemType::ExtentData) {
+                            continue;
+                        }
+                        let Ok(extent) = FileExtent::decode(&value) else {
+                            report.add(
+                                FindingKind::SnapshotTreeDamaged,
+                                Some(addr),
+                                format!("{name}: extent {key}"),
+                                "an extent that does not decode",
+                                "a valid extent",
+                            );
+                            continue;
+                        };
+                        if extent.generation > item.generation {
+                            report.add(
+                                FindingKind::SnapshotTreeDamaged,
+                                Some(addr),
+                                format!("{name}: extent {key}"),
+                                format!("generation {}", extent.generation),
+                                format!("born at or before {}", item.generation),
+                            );
+                        }
+                        let Some((disk, blocks)) = extent.disk_range() else {
+                            continue;
+                        };
+                        let end = disk.saturating_add(blocks.saturating_mul(BLOCK_SIZE));
+                        let log_end = sb.log_start + sb.log_bytes;
+                        let outside = disk % BLOCK_SIZE != 0
+                            || end > sb.total_bytes
+                            || disk < RESERVED_HEAD_BYTES
+                            || (disk < log_end && end > sb.log_start);
+                        let on_node = (0..blocks)
+                            .map(|b| disk + b * BLOCK_SIZE)
+                            .find_map(|at| used.get(&at).copied().filter(|w| w.contains("node")));
+                        if outside || on_node.is_some() {
+                            report.add(
+                                FindingKind::SnapshotBlockConflict,
+                                Some(disk),
+                                format!("{name}: extent {key}"),
+                                format!(
+                                    "blocks {disk:#x} x {blocks} {}",
+                                    on_node
+                                        .map_or("outside the data area".to_string(), |w| format!(
+                                            "on a {w}"
+                                        ))
+                                ),
+                                "data blocks of the data area, shared only with extents",
+                            );
+                            continue;
+                        }
+                        let csums = match &extent.kind {
+                            ExtentKind::Regular { csums, .. } => csums.as_slice(),
+                            ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => &[],
+                        };
+                        for b in 0..blocks {
+                            let at = disk + b * BLOCK_SIZE;
+                            if used.contains_key(&at) {
+                                // Checked with the tree that took it first.
+                                continue;
+                            }
+                            used.insert(at, "snapshot data");
+                            report.data_blocks += 1;
+                            if let (true, Some(csum)) = (self.options.data, csums.get(b as usize)) {
+                                let location = format!("{name}: extent {key}, block {b}");
+                                verify_block(device, at, *csum, &location, report);
+                            }
+                        }
+                    }
+                }
             }
         }
+    }
+}
+
+/// Reads the data block at `at` and reports it if it does not read or its crc32c is not
+/// `csum` (the data pass, for one block).
+fn verify_block(device: &dyn BlockDevice, at: u64, csum: u32, location: &str, report: &mut Report) {
+    let mut block = vec![0u8; BLOCK_SIZE as usize];
+    match device.read_at(&mut block, at) {
+        Ok(()) => {
+            let got = birch_format::checksum(&block);
+            if got != csum {
+                report.add(
+                    FindingKind::DataChecksumMismatch,
+                    Some(at),
+                    location,
+                    format!("crc32c {got:#010x}"),
+                    format!("{csum:#010x}"),
+                );
+            }
+        }
+        Err(e) => report.add(
+            FindingKind::DataUnreadable,
+            Some(at),
+            location,
+            e,
+            "a readable block",
+        ),
     }
 }
 
@@ -1327,28 +1412,13 @@ fn check_extents(
                     if options.data {
                         for (n, csum) in csums.iter().enumerate() {
                             let at = disk_addr + n as u64 * BLOCK_SIZE;
-                            let mut block = vec![0u8; BLOCK_SIZE as usize];
-                            match device.read_at(&mut block, at) {
-                                Ok(()) => {
-                                    let got = birch_format::checksum(&block);
-                                    if got != *csum {
-                                        report.add(
-                                            FindingKind::DataChecksumMismatch,
-                                            Some(at),
-                                            format!("{location}, block {n}"),
-                                            format!("crc32c {got:#010x}"),
-                                            format!("{csum:#010x}"),
-                                        );
-                                    }
-                                }
-                                Err(e) => report.add(
-                                    FindingKind::DataUnreadable,
-                                    Some(at),
-                                    &location,
-                                    e,
-                                    "a readable block",
-                                ),
-                            }
+                            verify_block(
+                                device,
+                                at,
+                                *csum,
+                                &format!("{location}, block {n}"),
+                                report,
+                            );
                         }
                     }
                 }

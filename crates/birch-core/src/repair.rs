@@ -9,8 +9,12 @@
 //! Must not touch: committed state in place. Every change is a copy-on-write commit of the
 //! engine (or, for the fallback, one superblock written to the slot the next commit would
 //! use), so a crash mid-repair leaves the old state and the repair can run again. Repair edits
-//! only the live fs tree (owner 5) and the superblock, never a snapshot's tree; it does not
-//! check the blocks only snapshots hold, and the fallback keeps the snapshot list as it is.
+//! only the live fs tree (owner 5), the snapshot list and the superblock, never a snapshot's
+//! tree: a damaged block a snapshot holds stays and is named (`--data` checks them too). Every
+//! free goes through the engine's snapshot-aware allocator, so a block a snapshot holds is
+//! never freed. A snapshot newer than the live tree (after a fallback to an older tree it is
+//! not a past state of the live tree, DESIGN §15.4) is deleted from the list, freeing
+//! nothing through the deletion walk: the next open derives the free space without it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -112,6 +116,17 @@ pub fn repair(
         ..Default::default()
     };
     let structural = out.before.findings.iter().any(|f| f.kind.is_structural());
+    let outside_lineage = out
+        .before
+        .findings
+        .iter()
+        .any(|f| f.kind == FindingKind::SnapshotOutsideLineage);
+    if mode == RepairMode::Preen && outside_lineage {
+        out.refused.push(
+            "a snapshot is newer than the live tree: deleting it needs birch fsck --repair".into(),
+        );
+        return Ok(out);
+    }
     let opens = !structural && Engine::open_for_repair(device.clone()).is_ok();
     // The data blocks that failed their check (with `--data`), in the tree being repaired.
     let mut bad_blocks = bad_data_blocks(&out.before);
@@ -153,12 +168,72 @@ pub fn repair(
         bad_blocks: &bad_blocks,
         slot_bad,
     };
+    let forgotten = forget_snapshots(&engine, &mut out);
     let wrote = fix_items(&engine, &damage, mode, &mut out)?;
+    if forgotten {
+        // The list's rewrite, if the item repairs had nothing to commit.
+        engine.commit()?;
+    }
     drop(engine);
-    if wrote || out.fell_back_to.is_some() || out.salvaged || out.before.log_batches > 0 {
+    if wrote
+        || forgotten
+        || out.fell_back_to.is_some()
+        || out.salvaged
+        || out.before.log_batches > 0
+    {
         out.after = Some(check(&*device, options)?);
     }
+    report_snapshot_damage(&mut out);
     Ok(out)
+}
+
+/// Reports the snapshots the repair's open left out because their trees are newer than the
+/// live tree (a fallback, this one or an earlier one, left them): the next commit deletes
+/// them from the list. Returns whether there were any.
+fn forget_snapshots(engine: &Engine, out: &mut RepairReport) -> bool {
+    let forgotten = engine.forgotten_snapshots();
+    for s in &forgotten {
+        let what = format!(
+            "snapshot {:?} (id {}, generation {}): deleted, its tree does not read whole or \
+             is newer than the live tree (not a past state of it)",
+            s.name, s.id, s.generation
+        );
+        out.lost.push(what.clone());
+        out.actions.push(what);
+    }
+    !forgotten.is_empty()
+}
+
+/// Data blocks only snapshots hold that fail their check stay as they are (a snapshot is
+/// read-only and repair never edits its tree): each is named, with what to do, and the
+/// repair exits with errors left (4).
+fn report_snapshot_damage(out: &mut RepairReport) {
+    let last = out.after.as_ref().unwrap_or(&out.before);
+    let left: Vec<String> = last
+        .findings
+        .iter()
+        .filter(|f| {
+            matches!(
+                f.kind,
+                FindingKind::DataChecksumMismatch | FindingKind::DataUnreadable
+            ) && f.location.starts_with("snapshot ")
+        })
+        .map(|f| {
+            format!(
+                "{}: the data block at {:#x} {}; snapshots are read-only, so it stays (reads \
+                 there answer EIO): birch scrub names the file, and deleting the snapshot \
+                 drops the block",
+                f.location,
+                f.block.unwrap_or_default(),
+                if f.kind == FindingKind::DataUnreadable {
+                    "cannot be read"
+                } else {
+                    "fails its checksum"
+                }
+            )
+        })
+        .collect();
+    out.refused.extend(left);
 }
 
 /// Replays a pending log by opening the filesystem (replay and its commit) and closing it.
@@ -202,7 +277,9 @@ fn fall_back(
                 format!("damaged ({} findings)", report.findings.len())
             }
         ));
-        if whole && Engine::open(trial_view(device, &sb, candidate.fs_root)?).is_ok() {
+        // Opened as the repair will open it: snapshots newer than the candidate, or whose
+        // trees do not read whole, are left out (and deleted by the repair's commit).
+        if whole && Engine::open_for_repair(trial_view(device, &sb, candidate.fs_root)?).is_ok() {
             chosen = Some((candidate, report));
             break;
         }

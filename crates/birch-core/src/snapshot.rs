@@ -67,6 +67,16 @@ pub(crate) enum SnapshotOp {
     Rollback { id: u64 },
 }
 
+/// Whether `snapshot`'s tree is newer than the live tree at `live_root`, and so not a past
+/// state of it (DESIGN §15.4: every kept tree must be). The live tree's root node is written
+/// by every commit that changes the tree, so a past state's root node is never newer than
+/// the live root's (a rollback makes the live root a snapshot's, and deletes or refuses every
+/// newer snapshot). Only a fallback to an older tree (`fsck --repair`) leaves such a
+/// snapshot.
+pub fn outside_lineage(snapshot: &Snapshot, live_root: RootPtr) -> bool {
+    snapshot.root.generation > live_root.generation
+}
+
 /// The key of snapshot `id` in the list tree.
 pub fn snapshot_key(id: u64) -> Key {
     Key::new(id, ItemType::Snapshot, 0)

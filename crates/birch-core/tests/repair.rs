@@ -796,3 +796,306 @@ fn chunks_without_their_flag_get_the_flag_back() {
     let fs = open(&dev);
     assert_eq!(fs.getxattr(small, b"user.big").expect("kept"), value);
 }
+
+/// Contents of a file of `len` bytes stamped with each 8-byte word's offset and `version`,
+/// so a block read from the wrong place or the wrong version is seen.
+fn stamped(len: usize, version: u64) -> Vec<u8> {
+    (0..len.div_ceil(8) as u64)
+        .flat_map(|w| ((w * 8) ^ version.rotate_left(40)).to_le_bytes())
+        .take(len)
+        .collect()
+}
+
+/// Every finding of `kinds` whose location names snapshot `name`.
+fn snapshot_findings(dev: &MemDevice, name: &str, kind: FindingKind) -> usize {
+    let report = check(dev, CheckOptions { data: true }).expect("fsck");
+    report
+        .findings
+        .iter()
+        .filter(|f| f.kind == kind && f.location.contains(&format!("snapshot {name:?}")))
+        .count()
+}
+
+/// A data block only a snapshot holds (the live file was rewritten since): `fsck --data`
+/// reads it and names the snapshot; repair leaves it (snapshots are read-only), says so and
+/// exits 4, and frees nothing the snapshot holds; deleting the snapshot drops it.
+#[test]
+fn a_damaged_block_only_a_snapshot_holds_is_found_and_named() {
+    let (dev, _, big_ino) = image();
+    let fs = open(&dev);
+    fs.create_snapshot("s1").expect("snapshot");
+    fs.write_file("/a/big", &stamped(BIG, 2))
+        .expect("rewrite big");
+    fs.sync().expect("sync");
+    fs.close().expect("close");
+    assert_clean(&dev, "before the damage");
+    // The snapshot's copy of /a/big: its extents are in the snapshot's tree only.
+    let snap_block = {
+        let engine = Engine::open(dev.clone()).expect("engine");
+        let snap = engine.snapshots().into_iter().next().expect("s1");
+        let view = engine.snapshot_view(snap.id).expect("view");
+        let lo = Key::new(big_ino, ItemType::ExtentData, 0);
+        let hi = Key::new(big_ino, ItemType::ExtentData, u64::MAX);
+        let (_, value) = view
+            .range(&lo, &hi, 1)
+            .expect("range")
+            .into_iter()
+            .next()
+            .expect("an extent");
+        disk_addr(&FileExtent::decode(&value).expect("decode")) + BS
+    };
+    dev.corrupt(snap_block + 7, &[0xa5; 32]);
+    assert_eq!(kinds(&dev), vec![], "without --data no block is read");
+    assert_eq!(
+        snapshot_findings(&dev, "s1", FindingKind::DataChecksumMismatch),
+        1
+    );
+    let report = run(&dev, RepairMode::Full);
+    assert_eq!(report.exit_code(), 4, "{:#?}", report.refused);
+    assert!(
+        report
+            .refused
+            .iter()
+            .any(|r| r.contains("snapshot \"s1\"") && r.contains("read-only")),
+        "{:#?}",
+        report.refused
+    );
+    // The live file is whole, and new writes take no block the snapshot holds.
+    let fs = open(&dev);
+    assert!(fs.read_file("/a/big").expect("big") == stamped(BIG, 2));
+    for i in 0..8u64 {
+        fs.write_file(&format!("/fill{i}"), &stamped(BIG, 10 + i))
+            .expect("fill");
+    }
+    fs.sync().expect("sync");
+    fs.close().expect("close");
+    let report = check(&*dev, CheckOptions { data: true }).expect("fsck");
+    let found: Vec<_> = report.findings.iter().map(|f| f.kind).collect();
+    assert_eq!(
+        found,
+        vec![FindingKind::DataChecksumMismatch],
+        "{report:#?}"
+    );
+    let fs = open(&dev);
+    fs.delete_snapshot("s1").expect("delete");
+    fs.sync().expect("sync");
+    for i in 0..8u64 {
+        let path = format!("/fill{i}");
+        assert!(fs.read_file(&path).expect("fill") == stamped(BIG, 10 + i));
+    }
+    fs.close().expect("close");
+    assert_clean(&dev, "after the snapshot went");
+}
+
+/// A damaged block the live file and a snapshot share: repair punches it out of the live
+/// file (reported lost), the snapshot keeps it and is named as holding a damaged block, and
+/// the punch frees nothing the snapshot holds.
+#[test]
+fn a_damaged_block_shared_with_a_snapshot_is_punched_from_the_live_file_only() {
+    let (dev, _, big_ino) = image();
+    let fs = open(&dev);
+    fs.create_snapshot("s1").expect("snapshot");
+    fs.close().expect("close");
+    let (offset, extent) = extent_at(&dev, big_ino, 2 * BS);
+    let block = disk_addr(&extent) + (2 * BS - offset);
+    dev.corrupt(block + 100, &[0x3c; 16]);
+    let report = check(&*dev, CheckOptions { data: true }).expect("fsck");
+    let found: Vec<_> = report.findings.iter().map(|f| f.kind).collect();
+    assert_eq!(
+        found,
+        vec![FindingKind::DataChecksumMismatch],
+        "one block, read once"
+    );
+    let report = run(&dev, RepairMode::Full);
+    assert_eq!(report.exit_code(), 4, "{:#?}", report.refused);
+    assert_lost(
+        &report,
+        &[&format!("/a/big: lost bytes {}..{}", 2 * BS, 3 * BS)],
+    );
+    assert!(
+        report.refused.iter().any(|r| r.contains("snapshot \"s1\"")),
+        "{:#?}",
+        report.refused
+    );
+    assert_eq!(
+        snapshot_findings(&dev, "s1", FindingKind::DataChecksumMismatch),
+        1,
+        "the snapshot still holds the damaged block"
+    );
+    let fs = open(&dev);
+    let mut want = big();
+    want[2 * BS as usize..3 * BS as usize].fill(0);
+    assert!(fs.read_file("/a/big").expect("big") == want);
+    for i in 0..8u64 {
+        fs.write_file(&format!("/fill{i}"), &stamped(BIG, 20 + i))
+            .expect("fill");
+    }
+    fs.sync().expect("sync");
+    fs.delete_snapshot("s1").expect("delete");
+    fs.sync().expect("sync");
+    fs.close().expect("close");
+    assert_clean(&dev, "after the snapshot went");
+    let fs = open(&dev);
+    for i in 0..8u64 {
+        assert!(fs.read_file(&format!("/fill{i}")).expect("fill") == stamped(BIG, 20 + i));
+    }
+}
+
+/// The newest tree and the snapshot made with it are damaged: repair falls back to an older
+/// tree, which the snapshot is newer than, so the snapshot is deleted from the list (a kept
+/// tree must be a past state of the live one); an older snapshot stays, and deleting it later
+/// frees nothing the live tree uses.
+#[test]
+fn a_fallback_past_a_snapshot_deletes_it_and_keeps_the_older_ones() {
+    let (dev, _, _) = image();
+    let fs = open(&dev);
+    fs.create_snapshot("old").expect("old");
+    fs.write_file("/c", &stamped(3 * BS as usize, 1))
+        .expect("c");
+    fs.sync().expect("sync");
+    fs.write_file("/d", &stamped(3 * BS as usize, 2))
+        .expect("d");
+    // The snapshot's commit writes the tree too: its root is that commit's.
+    fs.create_snapshot("new").expect("new");
+    fs.write_file("/e", b"after").expect("e");
+    fs.sync().expect("sync");
+    fs.close().expect("close");
+    let (sb, _) = Engine::read_superblock(&*dev).expect("superblock");
+    let new_root = {
+        let engine = Engine::open(dev.clone()).expect("engine");
+        let list = engine.snapshots();
+        assert_eq!(list.len(), 2);
+        list[1].root
+    };
+    assert_eq!(
+        sb.backup_roots[0].fs_root, new_root,
+        "{:?}",
+        sb.backup_roots
+    );
+    // The newest root and the snapshot's (the newest backup) are both damaged.
+    dev.corrupt(sb.fs_root.addr + 100, &[0xff; 8]);
+    dev.corrupt(new_root.addr + 100, &[0xff; 8]);
+    let report = run(&dev, RepairMode::Full);
+    assert_eq!(
+        report.exit_code(),
+        1,
+        "{:#?} {:#?}",
+        report.actions,
+        report.refused
+    );
+    assert_eq!(report.fell_back_to, Some(sb.backup_roots[1].generation));
+    assert_lost(&report, &["snapshot \"new\"", "deleted"]);
+    assert_clean(&dev, "after the fallback");
+    let fs = open(&dev);
+    let names: Vec<String> = fs
+        .engine()
+        .snapshots()
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    assert_eq!(names, vec!["old".to_string()]);
+    assert!(fs.read_file("/c").expect("c") == stamped(3 * BS as usize, 1));
+    fs.delete_snapshot("old").expect("delete old");
+    fs.sync().expect("sync");
+    fs.close().expect("close");
+    assert_clean(&dev, "after the old snapshot went");
+    let fs = open(&dev);
+    assert!(fs.read_file("/c").expect("c") == stamped(3 * BS as usize, 1));
+    assert!(fs.read_file("/a/big").expect("big") == big());
+}
+
+/// An image an earlier repair left with a snapshot newer than its live tree (its fallback
+/// kept the list as it was): fsck names it, a mount refuses snapshot changes, preen refuses,
+/// and a full repair deletes it; the older snapshot's deletion then frees nothing live.
+#[test]
+fn a_snapshot_newer_than_the_live_tree_is_found_refused_and_repaired() {
+    let (dev, _, _) = image();
+    let fs = open(&dev);
+    fs.create_snapshot("old").expect("old");
+    fs.write_file("/c", &stamped(5 * BS as usize, 1))
+        .expect("c");
+    fs.sync().expect("sync");
+    fs.write_file("/d", &stamped(5 * BS as usize, 2))
+        .expect("d");
+    fs.create_snapshot("new").expect("new");
+    fs.close().expect("close");
+    // What the old fallback wrote: superblock N+1 naming an older tree, the list kept.
+    let (sb, _) = Engine::read_superblock(&*dev).expect("superblock");
+    let older = sb.backup_roots[1];
+    let mut next = sb.clone();
+    next.generation = sb.generation + 1;
+    next.fs_root = older.fs_root;
+    next.backup_roots.clear();
+    dev.write_at(
+        &next.encode(),
+        birch_format::superblock::SUPER_OFFSETS[next.slot()],
+    )
+    .expect("write superblock");
+    let report = check(&*dev, CheckOptions { data: true }).expect("fsck");
+    let found: Vec<_> = report.findings.iter().map(|f| f.kind).collect();
+    assert_eq!(
+        found,
+        vec![FindingKind::SnapshotOutsideLineage],
+        "{report:#?}"
+    );
+    let fs = open(&dev);
+    let refused = fs.delete_snapshot("old").expect_err("refused");
+    assert!(refused.to_string().contains("fsck --repair"), "{refused}");
+    assert!(fs.create_snapshot("third").is_err());
+    fs.close().expect("close");
+    assert_eq!(run(&dev, RepairMode::Preen).exit_code(), 4);
+    let report = repaired(&dev, "a snapshot newer than the live tree");
+    assert_lost(&report, &["snapshot \"new\"", "deleted"]);
+    let fs = open(&dev);
+    fs.delete_snapshot("old").expect("delete old");
+    fs.write_file("/f", &stamped(20 * BS as usize, 3))
+        .expect("f");
+    fs.sync().expect("sync");
+    fs.close().expect("close");
+    assert_clean(&dev, "after the old snapshot went");
+    let fs = open(&dev);
+    assert!(fs.read_file("/a/big").expect("big") == big());
+    assert!(fs.read_file("/f").expect("f") == stamped(20 * BS as usize, 3));
+}
+
+/// A node only a snapshot holds is damaged: the mount's open refuses the image, fsck names
+/// the snapshot's tree, and a full repair deletes that snapshot (reported lost) and keeps the
+/// live tree and the other snapshot as they are.
+#[test]
+fn a_snapshot_whose_own_node_is_damaged_is_deleted_and_the_live_tree_kept() {
+    let (dev, _, _) = image();
+    let fs = open(&dev);
+    fs.create_snapshot("keep").expect("keep");
+    fs.write_file("/c", &stamped(4 * BS as usize, 1))
+        .expect("c");
+    fs.create_snapshot("hurt").expect("hurt");
+    // The live tree moves on: the snapshot's root node is its own.
+    fs.write_file("/d", &stamped(4 * BS as usize, 2))
+        .expect("d");
+    fs.sync().expect("sync");
+    fs.close().expect("close");
+    let hurt_root = {
+        let engine = Engine::open(dev.clone()).expect("engine");
+        engine.snapshots()[1].root
+    };
+    let (sb, _) = Engine::read_superblock(&*dev).expect("superblock");
+    assert_ne!(hurt_root.addr, sb.fs_root.addr);
+    dev.corrupt(hurt_root.addr + 100, &[0xff; 8]);
+    assert!(kinds(&dev).contains(&FindingKind::SnapshotTreeDamaged));
+    assert!(Engine::open(dev.clone()).is_err(), "a mount's open refuses");
+    let report = repaired(&dev, "a damaged snapshot node");
+    assert_eq!(report.fell_back_to, None);
+    assert!(!report.salvaged);
+    assert_lost(&report, &["snapshot \"hurt\"", "deleted"]);
+    let fs = open(&dev);
+    let names: Vec<String> = fs
+        .engine()
+        .snapshots()
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    assert_eq!(names, vec!["keep".to_string()]);
+    assert!(fs.read_file("/c").expect("c") == stamped(4 * BS as usize, 1));
+    assert!(fs.read_file("/d").expect("d") == stamped(4 * BS as usize, 2));
+    assert!(fs.read_file("/a/big").expect("big") == big());
+}

@@ -31,7 +31,7 @@ use crate::delta::Delta;
 use crate::device::{BlockDevice, Fence};
 use crate::error::{Error, Result};
 use crate::log::{read_log, FsyncLog, Replay};
-use crate::snapshot;
+use crate::snapshot::{self, Snapshot, SnapshotOp};
 
 use super::commit::CommitQueue;
 use super::objectid::ObjectIds;
@@ -497,8 +497,9 @@ impl Engine {
             Some(replay),
         );
         let mut seen = HashMap::new();
+        let for_repair = bad_extents.is_some();
         engine.rebuild_allocator(&mut seen, bad_extents)?;
-        engine.keep_snapshot_trees(&mut seen)?;
+        engine.keep_snapshot_trees(&mut seen, for_repair)?;
         engine.keep_backup_trees(&mut seen);
         Ok(engine)
     }
@@ -507,13 +508,30 @@ impl Engine {
     /// snapshot's nodes and blocks that the live tree does not hold are marked used, and the
     /// allocator learns each snapshot, so that frees of the blocks they hold keep them. A
     /// list or a snapshot tree that does not read whole fails the open, naming it.
-    fn keep_snapshot_trees(&self, seen: &mut HashMap<u64, u64>) -> Result<()> {
+    ///
+    /// A snapshot whose tree is newer than the live tree ([`snapshot::outside_lineage`], left
+    /// by a fallback to an older tree) is not a past state of it, and the deletion walk's
+    /// reasoning does not hold for it: deleting it, or a neighbour, could free blocks the live
+    /// tree uses. For a mount it is kept (its blocks stay used) and every snapshot change is
+    /// refused until `fsck --repair`; for the repair (`for_repair`) it is forgotten: not
+    /// marked, not held, and dropped from the list by the next commit, which gives back
+    /// nothing (the next open derives the free space without it). The repair forgets a
+    /// snapshot whose tree does not read whole the same way, where a mount's open fails.
+    fn keep_snapshot_trees(&self, seen: &mut HashMap<u64, u64>, for_repair: bool) -> Result<()> {
         let sb = self.superblock.lock().clone();
         if sb.incompat & INCOMPAT_SNAPSHOTS == 0 || sb.snapshots.addr == 0 {
             return Ok(());
         }
-        let (list, nodes) = snapshot::read_list(self.ctx(), sb.snapshots)
+        let (mut list, nodes) = snapshot::read_list(self.ctx(), sb.snapshots)
             .map_err(|e| Error::Invalid(format!("open: snapshot list: {e} (run fsck)")))?;
+        let mut outside: Vec<Snapshot> = list
+            .iter()
+            .filter(|s| snapshot::outside_lineage(s, sb.fs_root))
+            .cloned()
+            .collect();
+        if for_repair {
+            list.retain(|s| !outside.contains(s));
+        }
         for addr in nodes {
             if !self
                 .alloc
@@ -529,11 +547,58 @@ impl Engine {
                 ));
             }
         }
-        snapshot::mark_snapshot_trees(self.ctx(), &self.alloc, &list, seen)?;
+        if for_repair {
+            // Newest first, as one walk of the whole list goes. A tree that does not read
+            // whole is forgotten too: what it alone held becomes free (a walk cut short may
+            // leave some of it used until the next open: a leak, never damage).
+            let mut whole = Vec::with_capacity(list.len());
+            for s in list.into_iter().rev() {
+                match snapshot::mark_snapshot_trees(
+                    self.ctx(),
+                    &self.alloc,
+                    std::slice::from_ref(&s),
+                    seen,
+                ) {
+                    Ok(()) => whole.push(s),
+                    Err(e) => {
+                        log::warn!(
+                            "repair: snapshot {:?} (id {}) does not read whole: {e}",
+                            s.name,
+                            s.id
+                        );
+                        outside.push(s);
+                    }
+                }
+            }
+            whole.reverse();
+            list = whole;
+        } else {
+            snapshot::mark_snapshot_trees(self.ctx(), &self.alloc, &list, seen)?;
+        }
         for s in &list {
             self.alloc.add_hold(Generation::new(s.generation));
         }
-        self.snapshots.lock().list = list;
+        let mut state = self.snapshots.lock();
+        state.list = list;
+        if for_repair {
+            // A deletion of an id no longer in the list rewrites the list and gives back
+            // nothing: what a forgotten snapshot needs (its blocks were never marked).
+            state
+                .pending
+                .extend(outside.iter().map(|s| SnapshotOp::Delete { id: s.id }));
+            state.forgotten = outside;
+        } else {
+            for s in &outside {
+                log::warn!(
+                    "open: snapshot {:?} (id {}, generation {}) is newer than the live tree: \
+                     snapshot changes are refused until birch fsck --repair deletes it",
+                    s.name,
+                    s.id,
+                    s.generation
+                );
+            }
+            state.outside_lineage = outside;
+        }
         Ok(())
     }
 

@@ -27,6 +27,12 @@ pub(super) struct SnapshotState {
     /// Queued by [`Engine::create_snapshot`] and [`Engine::delete_snapshot`] for the next
     /// freeze.
     pub(super) pending: Vec<SnapshotOp>,
+    /// Snapshots newer than the live tree, kept by a mount's open: every snapshot change is
+    /// refused while there is one (`Engine::keep_snapshot_trees`).
+    pub(super) outside_lineage: Vec<Snapshot>,
+    /// Snapshots a repair's open left out of `list` (newer than the live tree, or a tree that
+    /// does not read whole); the next commit drops them from the durable list.
+    pub(super) forgotten: Vec<Snapshot>,
 }
 
 impl SnapshotState {
@@ -119,6 +125,13 @@ impl Engine {
         let victim = self.queue_snapshot_delete(name)?;
         self.commit()?;
         Ok(victim)
+    }
+
+    /// The snapshots a repair's open left out because their trees are newer than the live
+    /// tree (see [`crate::snapshot::outside_lineage`]) or do not read whole; its next commit
+    /// deletes them from the list. Empty for any other open.
+    pub fn forgotten_snapshots(&self) -> Vec<Snapshot> {
+        self.snapshots.lock().forgotten.clone()
     }
 
     /// Queues the deletion of snapshot `name` for the next commit; returns the snapshot.
@@ -287,6 +300,14 @@ impl Engine {
     /// Snapshots are changed only by a writable engine.
     fn check_snapshot_writable(&self) -> Result<()> {
         self.check_up()?;
+        if let Some(s) = self.snapshots.lock().outside_lineage.first() {
+            return Err(Error::Invalid(format!(
+                "snapshot {:?} (generation {}) is newer than the live tree, not a past state of \
+                 it (left by a fallback to an older tree): snapshot changes are refused until \
+                 birch fsck --repair deletes it",
+                s.name, s.generation
+            )));
+        }
         match self.read_only_cause() {
             Some(cause) => Err(Error::ReadOnly(cause)),
             None => Ok(()),
