@@ -2,6 +2,8 @@
 //!
 //! Test machinery kept out of `birch-core`, so the library ships none of it. Modules:
 //!
+//! - `fault`: a device that injects faults ([`FaultDevice`]: EIO, full device, lost and
+//!   misdirected writes, lying flushes, delays, hangs) by [`Rule`]s;
 //! - `matrix`: the library workloads ([`Workload`]) run on a recording `MemDevice`
 //!   ([`run_matrix`]);
 //! - `oracle`: what a workload did ([`History`]) and the check of every crash state of a
@@ -19,11 +21,13 @@
 
 #![warn(missing_docs)]
 
+pub mod fault;
 pub mod matrix;
 pub mod oracle;
 pub mod rng;
 pub mod seeds;
 
+pub use fault::{Effect, FaultDevice, Op, Rule};
 pub use matrix::{run_matrix, Workload};
 pub use oracle::{check_recording, CrashReport, History, RolledBack};
 pub use rng::Rng;

@@ -508,6 +508,7 @@ impl Filesystem {
         // The blocks are dropped whatever the cause (device error, or no space despite
         // the reservation): the file's fsync must report the loss, every time.
         data.write_error = true;
+        self.inner.lost_flushes.fetch_add(1, Ordering::SeqCst);
         log::error!("inode {ino}: flushing {count} buffered blocks failed, data lost: {e}");
         if let Some(size) = size_before {
             // The lost writes grew the file: its size goes back, so no commit holds

@@ -158,7 +158,10 @@ impl Filesystem {
         datasync: bool,
         done: FsyncDone,
     ) -> std::result::Result<Option<u64>, FsyncDone> {
-        if self.inner.fsync_mode != FsyncMode::Log || self.snap_node(ino).is_some() {
+        if self.inner.fsync_mode != FsyncMode::Log
+            || self.snap_node(ino).is_some()
+            || self.fsync_after_failure().is_err()
+        {
             return Err(done);
         }
         let Ok(state) = self.inode(ino) else {
@@ -237,6 +240,7 @@ impl Filesystem {
     /// [`Filesystem::fsync`] without the latency sample: the file's buffered data, then the
     /// log unless a rule ([`CommitReason`]) says commit.
     fn fsync_body(&self, ino: u64, datasync: bool) -> Result<()> {
+        self.fsync_after_failure()?;
         let state = self.inode(ino)?;
         self.fsync_flush(ino, &state)?;
         let counters = self.inner.engine.counters();
@@ -259,6 +263,19 @@ impl Filesystem {
                 Ok(())
             }
             LogOutcome::Full => self.fsync_commit_for(CommitReason::LogFull),
+        }
+    }
+
+    /// After a failed commit or log write (or a shutdown) no fsync may succeed, also one
+    /// that finds nothing of its own to log: what it would vouch for may sit in a delta that
+    /// never reaches the disk (found by the fault tests: a commit drained a file's buffered
+    /// data into the failing commit, and that file's next fsync, with nothing left to log,
+    /// answered success). A read-only mount or remount is not a failure: its fsyncs succeed.
+    fn fsync_after_failure(&self) -> Result<()> {
+        self.inner.engine.check_up()?;
+        match self.inner.engine.read_only_cause() {
+            Some(cause) if !cause.is_chosen() => Err(Error::ReadOnly(cause)),
+            _ => Ok(()),
         }
     }
 

@@ -350,6 +350,11 @@ pub(crate) struct Inner {
     /// for none: while it is above the committed generation, an fsync whose changes hold a
     /// shared extent commits (the per-inode mark goes with an evicted inode's state).
     pub(crate) last_clone: AtomicU64,
+    /// Buffered flushes whose data was lost (a failed write or allocation: the file's fsync
+    /// reports it), ever, and as many as `sync` or `close` last reported: a sync reports the
+    /// losses since the one before, as syncfs(2) reports writeback errors.
+    pub(crate) lost_flushes: AtomicU64,
+    lost_reported: AtomicU64,
     /// The background committer, while one runs, and its interval.
     committer: Mutex<Option<(JoinHandle<()>, Duration)>>,
     /// The mount's background commit interval (`commit=`, [`OpenOptions::commit_interval`]):
@@ -588,6 +593,8 @@ impl Filesystem {
                 .collect(),
             rename_lock: Mutex::new(()),
             last_clone: AtomicU64::new(0),
+            lost_flushes: AtomicU64::new(0),
+            lost_reported: AtomicU64::new(0),
             committer: Mutex::new(None),
             commit_interval: options.commit_interval,
             wake: (Mutex::new(false), Condvar::new()),
@@ -687,9 +694,28 @@ impl Filesystem {
         &self.inner.engine
     }
 
-    /// Commits everything now (`birch sync`, fsync fallbacks, ENOSPC retries).
+    /// Commits everything now (`birch sync`). Fails with `StickyIo` when the buffered data
+    /// of some file was lost since the last `sync` or `close` (at this commit or before it:
+    /// that file's fsync reports EIO every time), as syncfs(2) reports a writeback error once
+    /// to each caller after it: a successful sync means every file written before it is
+    /// durable. The commit itself is made either way.
     pub fn sync(&self) -> Result<()> {
-        self.commit_now().map(|_| ())
+        self.commit_now()?;
+        self.report_lost_data("sync")
+    }
+
+    /// `StickyIo` if buffered data was lost since the last report (see [`Filesystem::sync`]).
+    fn report_lost_data(&self, what: &str) -> Result<()> {
+        let now = self.inner.lost_flushes.load(Ordering::SeqCst);
+        let before = self.inner.lost_reported.swap(now, Ordering::SeqCst);
+        if now == before {
+            return Ok(());
+        }
+        Err(Error::StickyIo(format!(
+            "{what}: the buffered data of {} file flushes could not be written since the last \
+             sync (the log names the inodes; their fsync reports EIO)",
+            now.wrapping_sub(before)
+        )))
     }
 
     /// Makes snapshot `name` of the filesystem as it is now: the request is queued, then the
@@ -949,7 +975,8 @@ impl Filesystem {
             // The kernel sends no forgets at unmount: orphans of open-then-unlinked files go now.
             self.reclaim_orphans()?;
         }
-        self.commit_now().map(|_| ())
+        self.commit_now()?;
+        self.report_lost_data("close")
     }
 
     /// Wakes the committer if the delta has grown large. Counting the delta reads a line of
