@@ -94,6 +94,7 @@ fn offline(image: &Path, rate: Option<u64>, force: bool) -> Result<Value, String
     let progress = Arc::new(ScrubProgress::default());
     let options = ScrubOptions {
         rate_bytes_per_sec: rate,
+        resume_from: None,
     };
     catch_interrupt();
     let bar = progress_bar(views.bytes_used());

@@ -848,6 +848,7 @@ impl Filesystem {
             views,
             crate::scrub::ScrubOptions {
                 rate_bytes_per_sec: rate,
+                resume_from: None,
             },
         )?;
         *slot = Some(job);
