@@ -1,16 +1,24 @@
-//! Scrub: read every metadata node and data block the newest committed tree references once,
-//! verify every checksum, and name the inodes and paths each bad block belongs to.
+//! Scrub: read every metadata node and data block the newest committed tree and every
+//! snapshot's tree reference once, verify every checksum, and name the inodes and paths each
+//! bad block belongs to, in each tree that holds it.
 //!
-//! Owns: the chunked walk of the committed tree ([`scrub`]), its rate limit and progress
-//! ([`ScrubProgress`]), the report of damaged blocks with their owners ([`ScrubReport`],
-//! [`Damage`]) and its JSON form. It works over a [`ViewSource`]: offline the one committed
-//! tree of an image ([`ImageViews`]), online the engine's newest committed root
+//! Owns: the chunked walk of the committed tree and then of each snapshot's tree by ascending
+//! id ([`scrub`]), skipping a subtree (same address and generation) already walked whole and
+//! clean from another tree; its rate limit and progress ([`ScrubProgress`]); the resume
+//! position of a cancelled scrub ([`ScrubPosition`], [`ScrubOptions::resume_from`]); the report
+//! of damaged blocks with their owners ([`ScrubReport`], [`Damage`], [`Owner`]: a snapshot
+//! owner carries the snapshot's name and id and its paths under `/.snapshot/NAME`, as a mount
+//! shows them) and its JSON form. It works over a [`ViewSource`]: offline the one committed
+//! tree of an image and the snapshots its list names, read from the device here
+//! ([`ImageViews`]); online the engine's newest committed root and snapshot list
 //! ([`EngineViews`]), taken again for every chunk of keys so that a long scrub never pins an
-//! old view (a held committed root keeps every block freed after it, DESIGN §5).
+//! old view (a held committed root keeps every block freed after it, DESIGN §5), and a
+//! snapshot's chunk read only while the snapshot still exists under that view.
 //!
 //! Must not touch: any writer, the node cache (it reads the device itself, so it verifies
-//! what is on disk, not a cached copy), the running or frozen deltas. Scrub detects; with one
-//! copy of each block it cannot heal, and it never writes.
+//! what is on disk, not a cached copy), the running or frozen deltas, the snapshot list (it
+//! only reads it). Scrub detects; with one copy of each block it cannot heal, and it never
+//! writes.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
