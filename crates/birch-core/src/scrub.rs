@@ -110,7 +110,8 @@ pub trait ViewSource: Send + Sync {
     fn device(&self) -> &dyn BlockDevice;
     /// The filesystem id every node must carry.
     fn fsid(&self) -> [u8; 16];
-    /// Bytes the committed tree references (nodes and data), for the progress estimate.
+    /// Bytes in use (the superblock's count: the live tree's, the snapshots' and the
+    /// snapshot list's blocks), for the progress estimate.
     fn bytes_used(&self) -> u64;
     /// Bytes in the device (bounds for the seen-block bitmap).
     fn total_bytes(&self) -> u64;
