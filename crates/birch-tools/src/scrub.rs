@@ -277,7 +277,7 @@ fn print_report(target: &Path, report: &Value, json: bool) -> ExitCode {
         let real = |name: &str| report.get(name).and_then(Value::as_f64).unwrap_or(0.0);
         let resume = report.get("resume").and_then(Value::as_str);
         println!(
-            "{}: {} nodes, {} data blocks, {:.1} MB in {:.1} s ({:.1} MB/s, {} chunks), live tree and {} snapshots, {} damaged blocks{}",
+            "{}: {} nodes, {} data blocks, {:.1} MB in {:.1} s ({:.1} MB/s, {} chunks, {} snapshots), {} damaged blocks{}",
             target.display(),
             number("nodes"),
             number("data_blocks"),
