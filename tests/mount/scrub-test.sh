@@ -4,7 +4,8 @@
 # byte in a data block is found offline and online (exit 1) with the file's inode and both
 # of its paths (it has a hard link); one flipped byte in a leaf is found offline with an
 # inode whose items the leaf holds and its path; the text output says scrub cannot heal; a
-# missing target is exit 2. Runs in a few seconds.
+# missing target is exit 2; a block only a snapshot holds, damaged, is found offline and online
+# and named under /.snapshot/NAME, and --resume starts at a snapshot. Runs in a few seconds.
 # Skips (exit 77) when not root or without /dev/fuse.
 set -uo pipefail
 BIRCH=${BIRCH:-$(pwd)/target/release/birch}
@@ -71,6 +72,7 @@ expect_rc 2 "offline scrub of a mounted image is refused" -- "$BIRCH" scrub "$IM
 expect_rc 0 "offline scrub of a clean image" -- "$BIRCH" scrub --json "$IMG"
 json_check "$WORK/out" 'r["clean"] and r["data_blocks"] >= 2048' "offline clean JSON"
 cp "$IMG" "$WORK/clean.img"
+cp "$IMG" "$WORK/snap-base.img"
 
 # One byte of the big file's second extent, flipped.
 EXTENT=$("$BIRCH" inspect "$IMG" inode "$BIG_INO" | awk '/extent regular/ {print $7}' | sed -n 2p)
@@ -122,6 +124,61 @@ json_check "$WORK/out" \
   "node damage: block, inode $LEAF_INO and its path"
 
 expect_rc 2 "a missing target" -- "$BIRCH" scrub "$WORK/no-such-image"
+
+# Snapshots (issue 41): a block only snapshot s1 holds, damaged, is found offline and online
+# and named by its path under /.snapshot/s1; reading it there fails with EIO; --resume starts
+# at the position given (a bad one is exit 2).
+cp "$WORK/snap-base.img" "$IMG"
+"$BIRCH" mount "$IMG" "$MNT" || { echo "scrub-test: mount failed"; exit 1; }
+python3 - "$MNT/only-s1" <<'EOF'
+import sys
+# Each 16 bytes: offset, a version word, a marker: every block differs from every other.
+with open(sys.argv[1], "wb") as f:
+    for off in range(0, 64 * 4096, 16):
+        f.write(off.to_bytes(8, "little") + (7).to_bytes(4, "little") + (0x5C5C1D41).to_bytes(4, "little"))
+EOF
+"$BIRCH" snapshot create "$MNT" s1 >/dev/null || bad "snapshot create"
+rm "$MNT/only-s1"
+"$BIRCH" umount "$MNT" || { echo "scrub-test: umount failed"; exit 1; }
+expect_rc 0 "offline scrub of a clean image with a snapshot" -- "$BIRCH" scrub --json "$IMG"
+json_check "$WORK/out" 'r["clean"] and r["snapshots"] == 1 and r["resume"] is None' "offline clean JSON with a snapshot"
+SNAP_BAD=$(python3 - "$IMG" <<'EOF'
+import sys
+want = (5 * 4096).to_bytes(8, "little") + (7).to_bytes(4, "little") + (0x5C5C1D41).to_bytes(4, "little")
+data = open(sys.argv[1], "rb").read()
+at = data.find(want)
+while at >= 0 and at % 4096:
+    at = data.find(want, at + 1)
+print(at)
+EOF
+)
+[[ $SNAP_BAD -gt 0 ]] || { echo "scrub-test: the snapshot's block was not found"; exit 1; }
+python3 - "$IMG" "$SNAP_BAD" <<'EOF'
+import sys
+with open(sys.argv[1], "r+b") as f:
+    f.seek(int(sys.argv[2]) + 100)
+    b = f.read(1)
+    f.seek(int(sys.argv[2]) + 100)
+    f.write(bytes([b[0] ^ 0x10]))
+EOF
+expect_rc 1 "offline scrub finds a block only a snapshot holds" -- "$BIRCH" scrub --json "$IMG"
+json_check "$WORK/out" \
+  "r['damaged'] == 1 and r['damage'][0]['block'] == $SNAP_BAD and r['damage'][0]['owners'][0]['snapshot'] == 's1' and r['damage'][0]['owners'][0]['paths'] == ['/.snapshot/s1/only-s1']" \
+  "offline snapshot damage: named /.snapshot/s1/only-s1"
+expect_rc 1 "offline scrub resumed at the snapshot" -- "$BIRCH" scrub --json --resume snapshot-1@0:0:0 "$IMG"
+json_check "$WORK/out" "r['damaged'] == 1 and r['snapshots'] == 1" "resumed at snapshot 1: its damage found"
+expect_rc 2 "a bad --resume position" -- "$BIRCH" scrub --resume nowhere "$IMG"
+"$BIRCH" mount "$IMG" "$MNT" || { echo "scrub-test: mount of the damaged image failed"; exit 1; }
+expect_rc 1 "online scrub finds a block only a snapshot holds" -- "$BIRCH" scrub --json --rate 0 "$MNT"
+json_check "$WORK/out" \
+  "r['damaged'] == 1 and r['damage'][0]['block'] == $SNAP_BAD and r['damage'][0]['owners'][0]['paths'] == ['/.snapshot/s1/only-s1']" \
+  "online snapshot damage: named /.snapshot/s1/only-s1"
+if cat "$MNT/.snapshot/s1/only-s1" >/dev/null 2>"$WORK/err"; then
+  bad "reading the damaged snapshot file succeeded"
+else
+  grep -qi "input/output error" "$WORK/err" && ok "reading it through the mount is EIO" || bad "read error: $(cat "$WORK/err")"
+fi
+"$BIRCH" umount "$MNT" || { echo "scrub-test: umount failed"; exit 1; }
 
 if [[ $FAIL == 0 ]]; then echo "scrub-test: all passed"; else echo "scrub-test: FAILED"; fi
 exit $FAIL

@@ -28,13 +28,16 @@ pub enum ControlCommand {
     ReadWrite,
     /// `sync`: commit.
     Sync,
-    /// `scrub-start [rate=BYTES_PER_SEC]`: start an online scrub at `rate` bytes per second,
-    /// `None` unlimited (`rate=0`). Without `rate=` the rate is
-    /// [`crate::scrub::ONLINE_RATE_DEFAULT_BYTES_PER_SEC`]; formatted, the rate is always
-    /// given.
+    /// `scrub-start [rate=BYTES_PER_SEC] [resume=POSITION]`: start an online scrub at `rate`
+    /// bytes per second, `None` unlimited (`rate=0`), from `resume` (a
+    /// [`crate::scrub::ScrubPosition`] a cancelled scrub reported) or from the start. Without
+    /// `rate=` the rate is [`crate::scrub::ONLINE_RATE_DEFAULT_BYTES_PER_SEC`]; formatted,
+    /// the rate is always given.
     ScrubStart {
         /// Bytes per second, `None` unlimited.
         rate: Option<u64>,
+        /// Where to start; `None`: at the start of the live tree.
+        resume: Option<crate::scrub::ScrubPosition>,
     },
     /// `scrub-cancel`: stop the online scrub.
     ScrubCancel,
@@ -58,9 +61,7 @@ impl ControlCommand {
             b"rw" => ControlCommand::ReadWrite,
             b"sync" => ControlCommand::Sync,
             b"scrub-cancel" => ControlCommand::ScrubCancel,
-            other if other.starts_with(b"scrub-start") => ControlCommand::ScrubStart {
-                rate: scrub_rate(other)?,
-            },
+            other if other.starts_with(b"scrub-start") => scrub_start(other)?,
             other if other.starts_with(b"snapshot-create ") => {
                 ControlCommand::SnapshotCreate(snapshot_name(&other[16..])?)
             }
@@ -98,8 +99,12 @@ impl fmt::Display for ControlCommand {
             ControlCommand::ReadOnly => f.write_str("ro"),
             ControlCommand::ReadWrite => f.write_str("rw"),
             ControlCommand::Sync => f.write_str("sync"),
-            ControlCommand::ScrubStart { rate } => {
-                write!(f, "scrub-start rate={}", rate.unwrap_or(0))
+            ControlCommand::ScrubStart { rate, resume } => {
+                write!(f, "scrub-start rate={}", rate.unwrap_or(0))?;
+                match resume {
+                    Some(position) => write!(f, " resume={position}"),
+                    None => Ok(()),
+                }
             }
             ControlCommand::ScrubCancel => f.write_str("scrub-cancel"),
             ControlCommand::SnapshotCreate(name) => write!(f, "snapshot-create {name}"),
@@ -109,22 +114,31 @@ impl fmt::Display for ControlCommand {
     }
 }
 
-/// The rate of `scrub-start [rate=BYTES_PER_SEC]` (the last `rate=` given; 0 is unlimited).
-fn scrub_rate(command: &[u8]) -> Result<Option<u64>> {
+/// `scrub-start [rate=BYTES_PER_SEC] [resume=POSITION]` (the last of each given; rate 0 is
+/// unlimited).
+fn scrub_start(command: &[u8]) -> Result<ControlCommand> {
     let text = String::from_utf8_lossy(command);
+    let bad = || {
+        Error::Invalid(format!(
+            "control command {text:?}: expected scrub-start [rate=BYTES_PER_SEC] \
+             [resume=POSITION]"
+        ))
+    };
+    // The first word is the command (as before, not checked further).
+    let words = text.split_whitespace().skip(1);
     let mut rate = Some(crate::scrub::ONLINE_RATE_DEFAULT_BYTES_PER_SEC);
-    for word in text.split_whitespace().skip(1) {
-        let value = word
-            .strip_prefix("rate=")
-            .and_then(|v| v.parse::<u64>().ok())
-            .ok_or_else(|| {
-                Error::Invalid(format!(
-                    "control command {text:?}: expected scrub-start [rate=BYTES_PER_SEC]"
-                ))
-            })?;
-        rate = (value > 0).then_some(value);
+    let mut resume = None;
+    for word in words {
+        if let Some(value) = word.strip_prefix("rate=") {
+            let value = value.parse::<u64>().map_err(|_| bad())?;
+            rate = (value > 0).then_some(value);
+        } else if let Some(value) = word.strip_prefix("resume=") {
+            resume = Some(value.parse().map_err(|_| bad())?);
+        } else {
+            return Err(bad());
+        }
     }
-    Ok(rate)
+    Ok(ControlCommand::ScrubStart { rate, resume })
 }
 
 /// The snapshot name of `snapshot-create NAME` or `snapshot-delete NAME`, checked.
@@ -154,11 +168,25 @@ mod tests {
                 "scrub-start rate=1000000",
                 ControlCommand::ScrubStart {
                     rate: Some(1_000_000),
+                    resume: None,
                 },
             ),
             (
                 "scrub-start rate=0",
-                ControlCommand::ScrubStart { rate: None },
+                ControlCommand::ScrubStart {
+                    rate: None,
+                    resume: None,
+                },
+            ),
+            (
+                "scrub-start rate=0 resume=snapshot-3@256:1:0",
+                ControlCommand::ScrubStart {
+                    rate: None,
+                    resume: Some(crate::scrub::ScrubPosition {
+                        tree: crate::scrub::ScrubTree::Snapshot(3),
+                        key: birch_format::Key::new(256, birch_format::ItemType::InodeItem, 0),
+                    }),
+                },
             ),
             (
                 "snapshot-create s1",
@@ -190,11 +218,17 @@ mod tests {
         let default = Some(crate::scrub::ONLINE_RATE_DEFAULT_BYTES_PER_SEC);
         assert_eq!(
             ControlCommand::parse(b"scrub-start").expect("bare"),
-            ControlCommand::ScrubStart { rate: default }
+            ControlCommand::ScrubStart {
+                rate: default,
+                resume: None
+            }
         );
         assert_eq!(
             ControlCommand::parse(b"scrub-start rate=5 rate=7").expect("last wins"),
-            ControlCommand::ScrubStart { rate: Some(7) }
+            ControlCommand::ScrubStart {
+                rate: Some(7),
+                resume: None
+            }
         );
         assert_eq!(
             ControlCommand::parse(b"atime=atime").expect("atime is relatime"),
@@ -203,6 +237,8 @@ mod tests {
         for bad in [
             &b"nonsense"[..],
             b"scrub-start rate=x",
+            b"scrub-start resume=nowhere",
+            b"scrub-start resume=live@1:2",
             b"atime=sometimes",
             b"snapshot-create a/b",
             b"snapshot-create ",

@@ -13,7 +13,8 @@
 //! reader (to check a replayed log it opens a `vfs::Filesystem` on an overlay of the image);
 //! `space` (where the blocks go: `birch inspect IMAGE space`) reads through the engine,
 //! `snapshot` and `btree::walk` and never writes; `scrub` reads committed views (the engine's
-//! committed roots, or an image's superblock) straight from the device and never writes.
+//! committed roots and snapshot list, or an image's superblock and snapshot list) straight
+//! from the device and never writes.
 //! `error`, `readonly` (why the engine is read-only) and `ids` (object-id batching) are leaves
 //! that every layer may use and that use no layer. No module's code imports a module that
 //! imports it back (`log`'s unit tests do use `txn` and `vfs`). The on-disk format lives in

@@ -1,30 +1,42 @@
-//! Scrub: read every metadata node and data block the newest committed tree references once,
-//! verify every checksum, and name the inodes and paths each bad block belongs to.
+//! Scrub: read every metadata node and data block the newest committed tree and every
+//! snapshot's tree reference once, verify every checksum, and name the inodes and paths each
+//! bad block belongs to, in each tree that holds it.
 //!
-//! Owns: the chunked walk of the committed tree ([`scrub`]), its rate limit and progress
-//! ([`ScrubProgress`]), the report of damaged blocks with their owners ([`ScrubReport`],
-//! [`Damage`]) and its JSON form. It works over a [`ViewSource`]: offline the one committed
-//! tree of an image ([`ImageViews`]), online the engine's newest committed root
+//! Owns: the chunked walk of the committed tree and then of each snapshot's tree by ascending
+//! id ([`scrub`]), skipping a subtree (same address and generation) already walked whole and
+//! clean from another tree; its rate limit and progress ([`ScrubProgress`]); the resume
+//! position of a cancelled scrub ([`ScrubPosition`], [`ScrubOptions::resume_from`]); the report
+//! of damaged blocks with their owners ([`ScrubReport`], [`Damage`], [`Owner`]: a snapshot
+//! owner carries the snapshot's name and id and its paths under `/.snapshot/NAME`, as a mount
+//! shows them) and its JSON form. It works over a [`ViewSource`]: offline the one committed
+//! tree of an image and the snapshots its list names, read from the device here
+//! ([`ImageViews`]); online the engine's newest committed root and snapshot list
 //! ([`EngineViews`]), taken again for every chunk of keys so that a long scrub never pins an
-//! old view (a held committed root keeps every block freed after it, DESIGN §5).
+//! old view (a held committed root keeps every block freed after it, DESIGN §5), and a
+//! snapshot's chunk read only while the snapshot still exists under that view.
 //!
 //! Must not touch: any writer, the node cache (it reads the device itself, so it verifies
-//! what is on disk, not a cached copy), the running or frozen deltas. Scrub detects; with one
-//! copy of each block it cannot heal, and it never writes.
+//! what is on disk, not a cached copy), the running or frozen deltas, the snapshot list (it
+//! only reads it). Scrub detects; with one copy of each block it cannot heal, and it never
+//! writes.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use birch_format::items::SnapshotItem;
 use birch_format::items::{self, ExtentKind, FileExtent};
 use birch_format::key::ItemType;
 use birch_format::node::{Expect, Node, NodeBody};
 use birch_format::superblock::RootPtr;
-use birch_format::{InodeNo, Key, BLOCK_SIZE, FS_TREE_ID, NODE_SIZE, ROOT_OBJECTID};
+use birch_format::{
+    InodeNo, Key, BLOCK_SIZE, FS_TREE_ID, NODE_SIZE, ROOT_OBJECTID, SNAPSHOT_TREE_ID,
+};
 
 use crate::device::BlockDevice;
 use crate::error::{Error, Result};
+use crate::snapshot::Snapshot;
 use crate::txn::{CommittedRoot, Engine};
 
 /// Leaves per chunk: after this many, the walk lets go of its view and takes the newest one.
@@ -53,32 +65,144 @@ pub struct View {
     _pin: Option<Arc<CommittedRoot>>,
 }
 
+/// One snapshot's tree, as scrub walks it: a past state of the fs tree, read-only while the
+/// snapshot exists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotTree {
+    /// The snapshot's id (never reused; ascends with age).
+    pub id: u64,
+    /// Its name: its files are at `/.snapshot/NAME/...` in a mount.
+    pub name: String,
+    /// Its fs tree's root.
+    pub root: RootPtr,
+    /// The commit whose tree it keeps.
+    pub generation: u64,
+}
+
+impl From<&Snapshot> for SnapshotTree {
+    fn from(s: &Snapshot) -> SnapshotTree {
+        SnapshotTree {
+            id: s.id,
+            name: s.name.clone(),
+            root: s.root,
+            generation: s.generation,
+        }
+    }
+}
+
 /// Where the committed trees come from.
 pub trait ViewSource: Send + Sync {
     /// The newest committed view, pinned until the returned value is dropped.
     fn newest(&self) -> Result<View>;
+    /// The snapshots, oldest first. Online, take [`ViewSource::newest`] first and hold it: a
+    /// snapshot listed then keeps its blocks while the view is held.
+    fn snapshots(&self) -> Result<Vec<SnapshotTree>>;
+    /// Snapshot `id`, if it exists (same caveat as [`ViewSource::snapshots`]).
+    fn snapshot(&self, id: u64) -> Result<Option<SnapshotTree>> {
+        Ok(self.snapshots()?.into_iter().find(|s| s.id == id))
+    }
+    /// Nodes of the snapshot list that failed to verify when it was read (offline only: the
+    /// engine verified its list when it opened).
+    fn list_damage(&self) -> Vec<Damage> {
+        Vec::new()
+    }
     /// The device to read nodes and blocks from.
     fn device(&self) -> &dyn BlockDevice;
     /// The filesystem id every node must carry.
     fn fsid(&self) -> [u8; 16];
-    /// Bytes the committed tree references (nodes and data), for the progress estimate.
+    /// Bytes in use (the superblock's count: the live tree's, the snapshots' and the
+    /// snapshot list's blocks), for the progress estimate.
     fn bytes_used(&self) -> u64;
     /// Bytes in the device (bounds for the seen-block bitmap).
     fn total_bytes(&self) -> u64;
 }
 
-/// An unmounted image: its one committed tree, which nothing changes while scrub reads it.
+/// An unmounted image: its one committed tree and its snapshots, which nothing changes while
+/// scrub reads them.
 pub struct ImageViews {
     device: Arc<dyn BlockDevice>,
     superblock: birch_format::superblock::Superblock,
+    snapshots: Vec<SnapshotTree>,
+    list_damage: Vec<Damage>,
 }
 
 impl ImageViews {
-    /// Reads the newest valid superblock of `device`.
+    /// Reads the newest valid superblock of `device` and its snapshot list (from the device,
+    /// each node verified; a list node that fails is reported as damage by the scrub, and
+    /// the snapshots it held are not walked).
     pub fn open(device: Arc<dyn BlockDevice>) -> Result<ImageViews> {
         let (superblock, _notes) = Engine::read_superblock(&*device)?;
-        Ok(ImageViews { device, superblock })
+        let (snapshots, list_damage) =
+            read_snapshot_list(&*device, superblock.fsid, superblock.snapshots);
+        Ok(ImageViews {
+            device,
+            superblock,
+            snapshots,
+            list_damage,
+        })
     }
+}
+
+/// The snapshot list tree at `root` (address 0: none), oldest first, read from the device;
+/// and a damage for every list node that does not verify or holds an item that is not a
+/// snapshot.
+fn read_snapshot_list(
+    device: &dyn BlockDevice,
+    fsid: [u8; 16],
+    root: RootPtr,
+) -> (Vec<SnapshotTree>, Vec<Damage>) {
+    let mut list = Vec::new();
+    let mut damage = Vec::new();
+    if root.addr == 0 {
+        return (list, damage);
+    }
+    let mut stack = vec![(root.addr, root.generation, root.level)];
+    while let Some((addr, generation, level)) = stack.pop() {
+        let bad = |found: String| Damage {
+            kind: DamageKind::Node,
+            block: addr,
+            generation: root.generation,
+            keys: None,
+            found,
+            expected: format!(
+                "a valid snapshot list node of generation {generation}, level {level}"
+            ),
+            owners: Vec::new(),
+        };
+        let node = match read_tree_node(device, fsid, addr, generation, level, SNAPSHOT_TREE_ID) {
+            Ok(node) => node,
+            Err(found) => {
+                damage.push(bad(found));
+                continue;
+            }
+        };
+        match node.body {
+            NodeBody::Internal(ptrs) => {
+                stack.extend(
+                    ptrs.iter()
+                        .map(|p| (p.addr, p.generation, level.saturating_sub(1))),
+                );
+            }
+            NodeBody::Leaf(items) => {
+                for (key, value) in items {
+                    let item = (key.kind() == Some(ItemType::Snapshot) && key.offset == 0)
+                        .then(|| SnapshotItem::decode(&value).ok())
+                        .flatten();
+                    match item {
+                        Some(item) => list.push(SnapshotTree {
+                            id: key.objectid,
+                            name: String::from_utf8_lossy(&item.name).into_owned(),
+                            root: item.root,
+                            generation: item.generation,
+                        }),
+                        None => damage.push(bad(format!("item {key} that is not a snapshot"))),
+                    }
+                }
+            }
+        }
+    }
+    list.sort_by_key(|s| s.id);
+    (list, damage)
 }
 
 impl ImageViews {
@@ -102,6 +226,12 @@ impl ViewSource for ImageViews {
             generation: self.superblock.generation,
             _pin: None,
         })
+    }
+    fn snapshots(&self) -> Result<Vec<SnapshotTree>> {
+        Ok(self.snapshots.clone())
+    }
+    fn list_damage(&self) -> Vec<Damage> {
+        self.list_damage.clone()
     }
     fn device(&self) -> &dyn BlockDevice {
         &*self.device
@@ -140,6 +270,17 @@ impl ViewSource for EngineViews {
             _pin: Some(committed),
         })
     }
+    fn snapshots(&self) -> Result<Vec<SnapshotTree>> {
+        Ok(self
+            .engine
+            .snapshots()
+            .iter()
+            .map(SnapshotTree::from)
+            .collect())
+    }
+    fn snapshot(&self, id: u64) -> Result<Option<SnapshotTree>> {
+        Ok(self.engine.snapshot(id).as_ref().map(SnapshotTree::from))
+    }
     fn device(&self) -> &dyn BlockDevice {
         &**self.engine.device()
     }
@@ -154,12 +295,86 @@ impl ViewSource for EngineViews {
     }
 }
 
+/// Which tree a scrub position is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScrubTree {
+    /// The live fs tree (the newest committed root).
+    Live,
+    /// The snapshot of this id.
+    Snapshot(u64),
+}
+
+/// Where a cancelled scrub stopped, to resume from ([`ScrubOptions::resume_from`]): the tree
+/// and the first key of the chunk that was not finished. The walk order is the live tree,
+/// then each snapshot by ascending id; resuming at a snapshot that was deleted meanwhile
+/// goes on with the next id. Written `live@OBJECTID:TYPE:OFFSET` or
+/// `snapshot-ID@OBJECTID:TYPE:OFFSET` (its [`std::fmt::Display`] and [`std::str::FromStr`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScrubPosition {
+    /// The tree.
+    pub tree: ScrubTree,
+    /// The key in it to start at.
+    pub key: Key,
+}
+
+impl std::fmt::Display for ScrubPosition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.tree {
+            ScrubTree::Live => write!(f, "live")?,
+            ScrubTree::Snapshot(id) => write!(f, "snapshot-{id}")?,
+        }
+        write!(
+            f,
+            "@{}:{}:{}",
+            self.key.objectid, self.key.item_type, self.key.offset
+        )
+    }
+}
+
+impl std::str::FromStr for ScrubPosition {
+    type Err = Error;
+
+    fn from_str(text: &str) -> Result<ScrubPosition> {
+        let bad = || {
+            Error::Invalid(format!(
+                "scrub position {text:?}: expected live@OBJECTID:TYPE:OFFSET or \
+                 snapshot-ID@OBJECTID:TYPE:OFFSET"
+            ))
+        };
+        let (tree, key) = text.split_once('@').ok_or_else(bad)?;
+        let tree = match tree {
+            "live" => ScrubTree::Live,
+            other => ScrubTree::Snapshot(
+                other
+                    .strip_prefix("snapshot-")
+                    .and_then(|id| id.parse().ok())
+                    .ok_or_else(bad)?,
+            ),
+        };
+        let mut parts = key.split(':');
+        let (Some(objectid), Some(item_type), Some(offset), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return Err(bad());
+        };
+        let key = Key {
+            objectid: objectid.parse().map_err(|_| bad())?,
+            item_type: item_type.parse().map_err(|_| bad())?,
+            offset: offset.parse().map_err(|_| bad())?,
+        };
+        Ok(ScrubPosition { tree, key })
+    }
+}
+
 /// Scrub settings.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ScrubOptions {
-    /// Read at most this many bytes per second (nodes and data together); `None`: as fast as
-    /// the device goes.
+    /// Read at most this many bytes per second (nodes and data together, over every tree);
+    /// `None`: as fast as the device goes.
     pub rate_bytes_per_sec: Option<u64>,
+    /// Start where a cancelled scrub stopped ([`ScrubReport::resume`]); `None`: at the start
+    /// of the live tree.
+    pub resume_from: Option<ScrubPosition>,
 }
 
 /// Live progress, shared with whoever shows it (a progress bar, the online status xattr).
@@ -201,7 +416,12 @@ pub struct Owner {
     pub inode: u64,
     /// File offset of the block (data), if it has one.
     pub offset: Option<u64>,
-    /// Every path of the inode (one per hard link); empty when no name could be read.
+    /// The snapshot whose tree the inode was found in (its name); `None`: the live tree.
+    pub snapshot: Option<String>,
+    /// That snapshot's id.
+    pub snapshot_id: Option<u64>,
+    /// Every path of the inode in that tree (one per hard link), as a mount shows it: a
+    /// snapshot's under `/.snapshot/NAME`; empty when no name could be read.
     pub paths: Vec<String>,
 }
 
@@ -212,7 +432,8 @@ pub struct Damage {
     pub kind: DamageKind,
     /// Byte address of the block (the node's first block).
     pub block: u64,
-    /// Generation of the view it was found (and confirmed) in.
+    /// Generation of the tree it was found (and confirmed) in: the newest committed view's
+    /// for the live tree, the snapshot's own for a snapshot's.
     pub generation: u64,
     /// For a node: the key range its parent pointer gives it, `[low, high)`.
     pub keys: Option<(Key, Option<Key>)>,
@@ -220,8 +441,9 @@ pub struct Damage {
     pub found: String,
     /// What the format requires, e.g. `crc32c 0xdeadbeef`.
     pub expected: String,
-    /// Every owner: each inode (and file offset) that references the block; for a node, the
-    /// inodes whose items its key range covers.
+    /// Every owner: each inode (and file offset) that references the block, in every tree
+    /// (live, snapshots) that references it; for a node, the inodes whose items its key
+    /// range covers, in each tree it is part of.
     pub owners: Vec<Owner>,
 }
 
@@ -236,6 +458,13 @@ pub struct ScrubReport {
     pub bytes: u64,
     /// Chunks of keys walked, each under the newest view at its start.
     pub chunks: u64,
+    /// Snapshot trees walked to their end.
+    pub snapshots: u64,
+    /// Snapshots deleted while the scrub walked them (the rest of their tree was skipped).
+    pub snapshots_deleted_during_scrub: u64,
+    /// Subtrees not walked again: already walked whole and clean in another tree (a
+    /// snapshot shares them with the live tree or an older snapshot).
+    pub shared_subtrees_skipped: u64,
     /// Distinct committed generations the chunks read under.
     pub generations: u64,
     /// Blocks that failed under one view but were no longer referenced (or changed) under
@@ -245,6 +474,8 @@ pub struct ScrubReport {
     pub damage: Vec<Damage>,
     /// The scrub was cancelled before it finished.
     pub cancelled: bool,
+    /// When cancelled: where to resume ([`ScrubOptions::resume_from`]).
+    pub resume: Option<ScrubPosition>,
     /// Wall-clock time of the scrub.
     pub elapsed: Duration,
 }
@@ -266,19 +497,26 @@ impl ScrubReport {
     }
 
     /// The report as one JSON object (the format `birch scrub --json` prints and the online
-    /// status carries): counts, `clean`, `healed` (always false: scrub cannot heal with one
+    /// status carries): counts, `clean`, `cancelled`, `resume` (the position to resume a
+    /// cancelled scrub from, or null), `healed` (always false: scrub cannot heal with one
     /// copy of each block) and `damage`, each with its kind, block, generation, found,
-    /// expected and owners (inode, offset, paths).
+    /// expected and owners (inode, offset, snapshot name and id or null for the live tree,
+    /// paths).
     pub fn to_json(&self) -> String {
         let damage: Vec<String> = self.damage.iter().map(damage_json).collect();
         format!(
-            "{{\"clean\": {}, \"cancelled\": {}, \"healed\": false, \"nodes\": {}, \"data_blocks\": {}, \"bytes\": {}, \"chunks\": {}, \"generations\": {}, \"changed_during_scrub\": {}, \"elapsed_sec\": {:.3}, \"rate_mb_per_sec\": {:.1}, \"damaged\": {}, \"damage\": [{}]}}",
+            "{{\"clean\": {}, \"cancelled\": {}, \"resume\": {}, \"healed\": false, \"nodes\": {}, \"data_blocks\": {}, \"bytes\": {}, \"chunks\": {}, \"snapshots\": {}, \"snapshots_deleted_during_scrub\": {}, \"shared_subtrees_skipped\": {}, \"generations\": {}, \"changed_during_scrub\": {}, \"elapsed_sec\": {:.3}, \"rate_mb_per_sec\": {:.1}, \"damaged\": {}, \"damage\": [{}]}}",
             self.is_clean(),
             self.cancelled,
+            self.resume
+                .map_or("null".to_string(), |p| json_string(&p.to_string())),
             self.nodes,
             self.data_blocks,
             self.bytes,
             self.chunks,
+            self.snapshots,
+            self.snapshots_deleted_during_scrub,
+            self.shared_subtrees_skipped,
             self.generations,
             self.changed_during_scrub,
             self.elapsed.as_secs_f64(),
@@ -311,7 +549,10 @@ impl std::fmt::Display for Damage {
                 write!(f, " offset {offset}")?;
             }
             if owner.paths.is_empty() {
-                write!(f, " (path unknown)")?;
+                match &owner.snapshot {
+                    Some(name) => write!(f, " (path unknown, in snapshot {name:?})")?,
+                    None => write!(f, " (path unknown)")?,
+                }
             }
             for path in &owner.paths {
                 write!(f, " {path}")?;
@@ -345,8 +586,10 @@ fn damage_json(d: &Damage) -> String {
         .map(|o| {
             let paths: Vec<String> = o.paths.iter().map(|p| json_string(p)).collect();
             let offset = o.offset.map_or("null".to_string(), |v| v.to_string());
+            let snapshot = o.snapshot.as_deref().map_or("null".to_string(), json_string);
+            let snapshot_id = o.snapshot_id.map_or("null".to_string(), |v| v.to_string());
             format!(
-                "{{\"inode\": {}, \"offset\": {offset}, \"paths\": [{}]}}",
+                "{{\"inode\": {}, \"offset\": {offset}, \"snapshot\": {snapshot}, \"snapshot_id\": {snapshot_id}, \"paths\": [{}]}}",
                 o.inode,
                 paths.join(", ")
             )
@@ -371,12 +614,18 @@ fn damage_json(d: &Damage) -> String {
     )
 }
 
-/// Scrubs the trees `views` gives: walks the key space in chunks, each under the newest
-/// view at its start, reading every node and every data block it references (a block
-/// referenced twice is read once and reported with every owner), verifying checksums, and
-/// confirming each failure under the newest view before reporting it. Errors only when the
-/// walk cannot go on at all (no view, the engine shut down); a bad block is a [`Damage`].
-/// Does device I/O; holds no engine lock while it does.
+/// Scrubs the trees `views` gives: the live tree, then every snapshot's by ascending id (a
+/// snapshot made during the scrub included), each walked through its key space in chunks,
+/// each chunk under the newest view at its start, reading every node and every data block
+/// it references. A block referenced twice (by two extents, or by the live tree and a
+/// snapshot) is read once and reported with every owner; a subtree already walked whole and
+/// clean in another tree (same address and generation: the same content) is not walked
+/// again, so each snapshot costs what changed since its neighbour. Checksums are verified,
+/// and each failure is confirmed under the newest view (a snapshot's: while the snapshot
+/// still exists) before it is reported. Starts at [`ScrubOptions::resume_from`]; when
+/// cancelled, [`ScrubReport::resume`] says where to go on. Errors only when the walk cannot
+/// go on at all (no view, the engine shut down); a bad block is a [`Damage`]. Does device
+/// I/O; holds no engine lock while it does.
 pub fn scrub(
     views: &dyn ViewSource,
     options: ScrubOptions,
@@ -393,52 +642,159 @@ pub fn scrub(
         progress,
         started,
         seen_nodes: HashSet::new(),
+        walked: HashMap::new(),
+        failures: 0,
+        node_trees: HashMap::new(),
         seen_blocks: Bitmap::new(views.total_bytes() / BLOCK_SIZE),
         pending: Vec::new(),
         report: ScrubReport::default(),
         leaves: 0,
         data_bytes: 0,
     };
+    for damage in views.list_damage() {
+        progress.damaged.fetch_add(1, Ordering::Relaxed);
+        walk.report.damage.push(damage);
+    }
     let mut generations = BTreeSet::new();
-    let mut cursor = Some(Key::MIN);
-    while let Some(from) = cursor {
+    let (mut tree, mut cursor) = start_at(views, options.resume_from)?;
+    while let Some(current) = tree.clone() {
         if progress.cancel.load(Ordering::Relaxed) {
-            walk.report.cancelled = true;
+            walk.cancel_at(&current, cursor);
             break;
         }
         let view = views.newest()?;
+        // The view is taken first: a snapshot still listed now keeps its blocks while the
+        // view is held (a deletion's frees wait for every older view).
+        let root = match &current {
+            Tree::Live => view.root,
+            Tree::Snapshot(snapshot) => match views.snapshot(snapshot.id)? {
+                Some(now) if now.root == snapshot.root => snapshot.root,
+                _ => {
+                    drop(view);
+                    walk.report.snapshots_deleted_during_scrub += 1;
+                    tree = next_snapshot(views, Some(snapshot.id))?;
+                    cursor = Key::MIN;
+                    continue;
+                }
+            },
+        };
         generations.insert(view.generation);
         walk.report.chunks += 1;
         walk.leaves = 0;
         walk.data_bytes = 0;
-        let root = view.root;
-        cursor = match walk.visit(
-            &view,
+        let place = Place {
+            tree: &current,
+            generation: match &current {
+                Tree::Live => view.generation,
+                Tree::Snapshot(s) => s.generation,
+            },
+        };
+        let flow = walk.visit(
+            &place,
             NodeRef {
                 addr: root.addr,
                 generation: root.generation,
                 level: root.level,
             },
-            Key::MIN,
-            None,
-            from,
-        )? {
-            Flow::Done => None,
-            Flow::StopAt(next) => Some(next),
-            Flow::Cancelled => {
-                walk.report.cancelled = true;
-                None
-            }
-        };
+            (Key::MIN, None),
+            cursor,
+        )?;
         drop(view);
+        match flow {
+            Flow::Done => {
+                if let Tree::Snapshot(s) = &current {
+                    walk.report.snapshots += 1;
+                    tree = next_snapshot(views, Some(s.id))?;
+                } else {
+                    tree = next_snapshot(views, None)?;
+                }
+                cursor = Key::MIN;
+            }
+            Flow::StopAt(next) => cursor = next,
+            Flow::Cancelled(at) => {
+                walk.cancel_at(&current, at);
+                tree = None;
+            }
+        }
         walk.confirm_pending()?;
         walk.throttle();
     }
+    let node_trees = std::mem::take(&mut walk.node_trees);
     let mut report = walk.report;
     report.generations = generations.len() as u64;
-    resolve_owners(views, &mut report)?;
+    resolve_owners(views, &mut report, &node_trees)?;
     report.elapsed = started.elapsed();
     Ok(report)
+}
+
+/// The tree and key a scrub starts at: the live tree's start, or `resume`'s (a snapshot
+/// deleted since: the next one's start).
+fn start_at(views: &dyn ViewSource, resume: Option<ScrubPosition>) -> Result<(Option<Tree>, Key)> {
+    match resume {
+        None => Ok((Some(Tree::Live), Key::MIN)),
+        Some(ScrubPosition {
+            tree: ScrubTree::Live,
+            key,
+        }) => Ok((Some(Tree::Live), key)),
+        Some(ScrubPosition {
+            tree: ScrubTree::Snapshot(id),
+            key,
+        }) => match views.snapshot(id)? {
+            Some(s) => Ok((Some(Tree::Snapshot(s)), key)),
+            None => Ok((next_snapshot(views, Some(id))?, Key::MIN)),
+        },
+    }
+}
+
+/// The first snapshot with an id above `after` (`None`: the oldest).
+fn next_snapshot(views: &dyn ViewSource, after: Option<u64>) -> Result<Option<Tree>> {
+    Ok(views
+        .snapshots()?
+        .into_iter()
+        .find(|s| after.is_none_or(|a| s.id > a))
+        .map(Tree::Snapshot))
+}
+
+/// A tree the walk reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Tree {
+    /// The live fs tree: the newest committed root, taken again for every chunk.
+    Live,
+    /// A snapshot's tree, fixed while it exists.
+    Snapshot(SnapshotTree),
+}
+
+impl Tree {
+    fn position(&self, key: Key) -> ScrubPosition {
+        ScrubPosition {
+            tree: match self {
+                Tree::Live => ScrubTree::Live,
+                Tree::Snapshot(s) => ScrubTree::Snapshot(s.id),
+            },
+            key,
+        }
+    }
+
+    /// An owner in this tree.
+    fn owner(&self, inode: u64, offset: Option<u64>) -> Owner {
+        let (snapshot, snapshot_id) = match self {
+            Tree::Live => (None, None),
+            Tree::Snapshot(s) => (Some(s.name.clone()), Some(s.id)),
+        };
+        Owner {
+            inode,
+            offset,
+            snapshot,
+            snapshot_id,
+            paths: Vec::new(),
+        }
+    }
+}
+
+/// The tree a chunk walks and the generation its damage is reported with.
+struct Place<'a> {
+    tree: &'a Tree,
+    generation: u64,
 }
 
 enum Flow {
@@ -446,13 +802,16 @@ enum Flow {
     Done,
     /// The chunk's budget ran out: the next chunk starts at this key.
     StopAt(Key),
-    /// The scrub was cancelled in the middle of the subtree.
-    Cancelled,
+    /// The scrub was cancelled in the middle of the subtree: every key before this one
+    /// was walked (a scrub resumes here).
+    Cancelled(Key),
 }
 
 /// A failure seen under one view, to be confirmed under the newest before it is reported.
 struct Pending {
     damage: Damage,
+    /// The tree it was found in.
+    tree: Tree,
     /// For data: the extent item that referenced the block and the block's index in it.
     extent: Option<(Key, usize)>,
 }
@@ -466,6 +825,16 @@ struct Walk<'a> {
     /// Nodes verified, by (address, generation): a node rewritten in place of a freed one is
     /// new content and is read again.
     seen_nodes: HashSet<(u64, u64)>,
+    /// Nodes whose whole subtree was walked in one chunk, by (address, generation), and
+    /// whether a failure was found (or an owner added) beneath: a clean one is not walked
+    /// again from another tree, one with damage is (to add that tree's owners).
+    walked: HashMap<(u64, u64), bool>,
+    /// Failures found and owners added so far: a subtree's walk that leaves it unchanged
+    /// found nothing beneath.
+    failures: u64,
+    /// Every tree each damaged node was found in, by address (its owners are named per
+    /// tree).
+    node_trees: HashMap<u64, Vec<Tree>>,
     /// Data blocks read, by block number.
     seen_blocks: Bitmap,
     pending: Vec<Pending>,
@@ -484,13 +853,19 @@ struct NodeRef {
 }
 
 impl Walk<'_> {
-    /// Visits the subtree at `addr` covering `[low, high)`, skipping keys before `from`.
+    /// Records a cancel in `tree` with every key before `key` walked: the scrub resumes there.
+    fn cancel_at(&mut self, tree: &Tree, key: Key) {
+        self.report.cancelled = true;
+        self.report.resume = Some(tree.position(key));
+    }
+
+    /// Visits the subtree at `node` covering `range` (`[low, high)`), skipping keys before
+    /// `from`.
     fn visit(
         &mut self,
-        view: &View,
+        place: &Place<'_>,
         node: NodeRef,
-        low: Key,
-        high: Option<Key>,
+        range: (Key, Option<Key>),
         from: Key,
     ) -> Result<Flow> {
         let NodeRef {
@@ -498,31 +873,28 @@ impl Walk<'_> {
             generation,
             level,
         } = node;
+        let (low, high) = range;
         if self.progress.cancel.load(Ordering::Relaxed) {
-            return Ok(Flow::Cancelled);
+            // The subtrees before this one were walked to their ends, in key order.
+            return Ok(Flow::Cancelled(low.max(from)));
+        }
+        let whole = from <= low;
+        if whole && self.walked.get(&(addr, generation)) == Some(&false) {
+            self.report.shared_subtrees_skipped += 1;
+            return Ok(Flow::Done);
         }
         let first_visit = !self.seen_nodes.contains(&(addr, generation));
-        let node = match read_node(self.views.device(), self.fsid, addr, generation, level) {
+        let node = match read_tree_node(
+            self.views.device(),
+            self.fsid,
+            addr,
+            generation,
+            level,
+            FS_TREE_ID,
+        ) {
             Ok(node) => node,
             Err(found) => {
-                if first_visit {
-                    self.seen_nodes.insert((addr, generation));
-                    self.account(NODE_SIZE as u64);
-                    self.pending.push(Pending {
-                        damage: Damage {
-                            kind: DamageKind::Node,
-                            block: addr,
-                            generation: view.generation,
-                            keys: Some((low, high)),
-                            found,
-                            expected: format!(
-                                "a valid fs tree node of generation {generation}, level {level}"
-                            ),
-                            owners: Vec::new(),
-                        },
-                        extent: None,
-                    });
-                }
+                self.node_failed(place, node, range, found, first_visit);
                 return Ok(Flow::Done);
             }
         };
@@ -531,30 +903,35 @@ impl Walk<'_> {
             self.report.nodes += 1;
             self.account(NODE_SIZE as u64);
         }
-        match node.body {
+        let before = self.failures;
+        let flow = match node.body {
             NodeBody::Internal(ptrs) => {
+                let mut flow = Flow::Done;
                 for (slot, ptr) in ptrs.iter().enumerate() {
                     let child_high = ptrs.get(slot + 1).map(|p| p.key).or(high);
                     if child_high.is_some_and(|h| h <= from) {
                         continue;
                     }
                     let child_low = if slot == 0 { low } else { ptr.key };
-                    let flow = self.visit(
-                        view,
+                    flow = self.visit(
+                        place,
                         NodeRef {
                             addr: ptr.addr,
                             generation: ptr.generation,
                             level: level.saturating_sub(1),
                         },
-                        child_low,
-                        child_high,
+                        (child_low, child_high),
                         from,
                     )?;
                     if !matches!(flow, Flow::Done) {
-                        return Ok(flow);
+                        break;
                     }
                 }
-                Ok(Flow::Done)
+                if whole && matches!(flow, Flow::Done) {
+                    self.walked
+                        .insert((addr, generation), self.failures != before);
+                }
+                flow
             }
             NodeBody::Leaf(leaf) => {
                 for (key, value) in &leaf {
@@ -566,49 +943,89 @@ impl Walk<'_> {
                     if let Ok(items::Item::Extent(extent)) =
                         items::Item::decode(ItemType::ExtentData, value)
                     {
-                        self.scrub_extent(view, key, &extent)?;
+                        self.scrub_extent(place, key, &extent)?;
                     }
+                }
+                // Every item from `from` on was read: with nothing skipped, the leaf is whole.
+                if whole {
+                    self.walked
+                        .insert((addr, generation), self.failures != before);
                 }
                 self.leaves += 1;
                 if self.leaves >= CHUNK_LEAVES || self.data_bytes >= CHUNK_DATA_BYTES {
-                    return Ok(match high {
+                    match high {
                         Some(h) => Flow::StopAt(h),
                         None => Flow::Done,
-                    });
+                    }
+                } else {
+                    Flow::Done
                 }
-                Ok(Flow::Done)
             }
+        };
+        Ok(flow)
+    }
+
+    /// A node that does not read or verify: a failure to confirm the first time, one more
+    /// tree it is part of after that.
+    fn node_failed(
+        &mut self,
+        place: &Place<'_>,
+        node: NodeRef,
+        range: (Key, Option<Key>),
+        found: String,
+        first_visit: bool,
+    ) {
+        let NodeRef {
+            addr,
+            generation,
+            level,
+        } = node;
+        self.failures += 1;
+        let trees = self.node_trees.entry(addr).or_default();
+        if !trees.contains(place.tree) {
+            trees.push(place.tree.clone());
         }
+        if !first_visit {
+            return;
+        }
+        self.seen_nodes.insert((addr, generation));
+        self.account(NODE_SIZE as u64);
+        self.pending.push(Pending {
+            damage: Damage {
+                kind: DamageKind::Node,
+                block: addr,
+                generation: place.generation,
+                keys: Some(range),
+                found,
+                expected: format!("a valid fs tree node of generation {generation}, level {level}"),
+                owners: Vec::new(),
+            },
+            tree: place.tree.clone(),
+            extent: None,
+        });
     }
 
     /// Reads the blocks of one regular extent not read before, in one I/O where possible, and
     /// checks each against its crc32c.
-    fn scrub_extent(&mut self, view: &View, key: &Key, extent: &FileExtent) -> Result<()> {
+    fn scrub_extent(&mut self, place: &Place<'_>, key: &Key, extent: &FileExtent) -> Result<()> {
         let (disk_addr, csums) = match &extent.kind {
             ExtentKind::Regular { disk_addr, csums } => (disk_addr, csums),
             // No data block with a checksum to read: inline bytes are in the leaf (checked
             // with it), preallocated blocks read as zeros.
             ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => return Ok(()),
         };
-        let owner = Owner {
-            inode: key.objectid,
-            offset: Some(key.offset),
-            paths: Vec::new(),
-        };
+        let owner = place.tree.owner(key.objectid, Some(key.offset));
         // A block read before: clean, or damaged and waiting; add this owner to its damage.
         let mut to_read = Vec::with_capacity(csums.len());
         for index in 0..csums.len() {
             let at = disk_addr.saturating_add(index as u64 * BLOCK_SIZE);
             let block = at / BLOCK_SIZE;
             if self.seen_blocks.get(block) {
-                self.add_owner(at, key);
+                self.add_owner(at, &owner);
             } else {
                 self.seen_blocks.set(block);
                 to_read.push(index);
             }
-        }
-        if to_read.is_empty() {
-            return Ok(());
         }
         let (first, last) = match (to_read.first(), to_read.last()) {
             (Some(f), Some(l)) => (*f, *l),
@@ -641,30 +1058,27 @@ impl Walk<'_> {
                     Err(e) => format!("a read error: {e}"),
                 },
             };
+            self.failures += 1;
             self.pending.push(Pending {
                 damage: Damage {
                     kind: DamageKind::Data,
                     block: at,
-                    generation: view.generation,
+                    generation: place.generation,
                     keys: None,
                     found,
                     expected: format!("crc32c {expected:#010x}"),
                     owners: vec![owner.clone()],
                 },
+                tree: place.tree.clone(),
                 extent: Some((*key, index)),
             });
         }
         Ok(())
     }
 
-    /// Another extent references a block already read: if it is damaged, this is one more
-    /// owner of it.
-    fn add_owner(&mut self, at: u64, key: &Key) {
-        let owner = Owner {
-            inode: key.objectid,
-            offset: Some(key.offset),
-            paths: Vec::new(),
-        };
+    /// Another extent (in this tree or another) references a block already read: if it is
+    /// damaged, this is one more owner of it.
+    fn add_owner(&mut self, at: u64, owner: &Owner) {
         let found = self
             .pending
             .iter_mut()
@@ -672,8 +1086,9 @@ impl Walk<'_> {
             .chain(self.report.damage.iter_mut())
             .find(|d| d.kind == DamageKind::Data && d.block == at);
         if let Some(damage) = found {
-            if !damage.owners.contains(&owner) {
-                damage.owners.push(owner);
+            self.failures += 1;
+            if !damage.owners.contains(owner) {
+                damage.owners.push(owner.clone());
             }
         }
     }
@@ -687,8 +1102,9 @@ impl Walk<'_> {
         }
     }
 
-    /// Sleeps as long as the rate limit asks. Called between chunks, with no view held: a
-    /// slow scrub must not keep freed space pinned while it waits.
+    /// Sleeps as long as the rate limit asks (over everything read since the scrub started,
+    /// in every tree). Called between chunks, with no view held: a slow scrub must not keep
+    /// freed space pinned while it waits.
     fn throttle(&self) {
         if let Some(rate) = self.options.rate_bytes_per_sec.filter(|r| *r > 0) {
             let due = Duration::from_secs_f64(self.report.bytes as f64 / rate as f64);
@@ -705,8 +1121,11 @@ impl Walk<'_> {
 
     /// Confirms each failure of the last chunk under the newest view: a data block still
     /// referenced by the same extent item with the same checksum and still failing is
-    /// damage; one freed or rewritten since is not. A node still reachable under the newest
-    /// view at the same address and generation and still failing is damage.
+    /// damage; one freed or rewritten since is not. A node still reachable at the same
+    /// address and generation and still failing is damage. A snapshot's failure is looked
+    /// up under the snapshot's root, while the snapshot (same id, same root) still exists;
+    /// a deleted one's is not damage. What is not confirmed is forgotten as read, so that
+    /// another tree that still references it reads it again.
     fn confirm_pending(&mut self) -> Result<()> {
         if self.pending.is_empty() {
             return Ok(());
@@ -715,21 +1134,44 @@ impl Walk<'_> {
         let device = self.views.device();
         for pending in std::mem::take(&mut self.pending) {
             let mut damage = pending.damage;
-            let still = match (damage.kind, pending.extent) {
-                (DamageKind::Data, Some((key, index))) => {
-                    confirm_data(device, self.fsid, &view, &key, index, damage.block)
-                }
-                _ => confirm_node(device, self.fsid, &view, &damage),
+            let root = match &pending.tree {
+                Tree::Live => Some((view.root, view.generation)),
+                Tree::Snapshot(s) => self
+                    .views
+                    .snapshot(s.id)?
+                    .filter(|now| now.root == s.root)
+                    .map(|now| (now.root, now.generation)),
             };
-            if still {
-                damage.generation = view.generation;
-                self.progress.damaged.fetch_add(1, Ordering::Relaxed);
-                self.report.damage.push(damage);
-            } else {
-                self.report.changed_during_scrub += 1;
+            let still = root.is_some_and(|(root, _)| match (damage.kind, pending.extent) {
+                (DamageKind::Data, Some((key, index))) => {
+                    confirm_data(device, self.fsid, root, &key, index, damage.block)
+                }
+                _ => confirm_node(device, self.fsid, root, &damage),
+            });
+            match root {
+                Some((_, generation)) if still => {
+                    damage.generation = generation;
+                    self.progress.damaged.fetch_add(1, Ordering::Relaxed);
+                    self.report.damage.push(damage);
+                }
+                _ => {
+                    self.report.changed_during_scrub += 1;
+                    self.forget_read(&damage);
+                }
             }
         }
         Ok(())
+    }
+
+    /// Forgets that the block of an unconfirmed failure was read.
+    fn forget_read(&mut self, damage: &Damage) {
+        match damage.kind {
+            DamageKind::Data => self.seen_blocks.clear(damage.block / BLOCK_SIZE),
+            DamageKind::Node => {
+                self.seen_nodes.retain(|(addr, _)| *addr != damage.block);
+                self.node_trees.remove(&damage.block);
+            }
+        }
     }
 }
 
@@ -738,12 +1180,12 @@ impl Walk<'_> {
 fn confirm_data(
     device: &dyn BlockDevice,
     fsid: [u8; 16],
-    view: &View,
+    root: RootPtr,
     key: &Key,
     index: usize,
     at: u64,
 ) -> bool {
-    let Ok(Some(value)) = lookup(device, fsid, view.root, key) else {
+    let Ok(Some(value)) = lookup(device, fsid, root, key) else {
         // The item is gone, or the path to it no longer reads (that node is then reported
         // on its own).
         return false;
@@ -765,15 +1207,15 @@ fn confirm_data(
     !matches!(read_block_crc(device, at), Ok(got) if got == *expected)
 }
 
-/// Whether the node of `damage` is still part of the newest view and still fails.
-fn confirm_node(device: &dyn BlockDevice, fsid: [u8; 16], view: &View, damage: &Damage) -> bool {
+/// Whether the node of `damage` is still part of the tree at `root` and still fails.
+fn confirm_node(device: &dyn BlockDevice, fsid: [u8; 16], root: RootPtr, damage: &Damage) -> bool {
     let Some((low, _)) = damage.keys else {
         return true;
     };
     // Descend toward the node's low key; the damaged node must be on that path.
-    let mut addr = view.root.addr;
-    let mut generation = view.root.generation;
-    let mut level = view.root.level;
+    let mut addr = root.addr;
+    let mut generation = root.generation;
+    let mut level = root.level;
     loop {
         let node = match read_node(device, fsid, addr, generation, level) {
             Ok(node) => node,
@@ -804,6 +1246,19 @@ pub(crate) fn read_node(
     generation: u64,
     level: u8,
 ) -> std::result::Result<Node, String> {
+    read_tree_node(device, fsid, addr, generation, level, FS_TREE_ID)
+}
+
+/// Reads and verifies one node of the tree `owner` (the fs tree, whose snapshots' nodes
+/// carry the same owner, or the snapshot list) from the device.
+fn read_tree_node(
+    device: &dyn BlockDevice,
+    fsid: [u8; 16],
+    addr: u64,
+    generation: u64,
+    level: u8,
+    owner: u64,
+) -> std::result::Result<Node, String> {
     let mut bytes = vec![0u8; NODE_SIZE];
     device
         .read_at(&mut bytes, addr)
@@ -812,7 +1267,7 @@ pub(crate) fn read_node(
         fsid,
         addr,
         generation,
-        owner: FS_TREE_ID,
+        owner,
         level: Some(level),
     };
     Node::decode(&bytes, &expect).map_err(|e| e.to_string())
@@ -879,8 +1334,14 @@ fn collect_range(
 }
 
 /// Fills in the owners of every damage: a node's inodes (the object ids its key range
-/// covers, at most [`NODE_OWNERS_MAX`]) and every path of every owner, under the newest view.
-fn resolve_owners(views: &dyn ViewSource, report: &mut ScrubReport) -> Result<()> {
+/// covers, at most [`NODE_OWNERS_MAX`], in each tree of `node_trees` it was found in) and
+/// every path of every owner, in the owner's tree: the live tree's under the newest view, a
+/// snapshot's under its root (while it still exists), prefixed `/.snapshot/NAME`.
+fn resolve_owners(
+    views: &dyn ViewSource,
+    report: &mut ScrubReport,
+    node_trees: &HashMap<u64, Vec<Tree>>,
+) -> Result<()> {
     if report.damage.is_empty() {
         return Ok(());
     }
@@ -903,24 +1364,41 @@ fn resolve_owners(views: &dyn ViewSource, report: &mut ScrubReport) -> Result<()
             }
         });
         let last = last.min(first.saturating_add(NODE_OWNERS_MAX - 1));
-        damage.owners = (first..=last.max(first))
-            .filter(|ino| *ino < birch_format::ORPHAN_OBJECTID)
-            .map(|inode| Owner {
-                inode,
-                offset: None,
-                paths: Vec::new(),
+        let live = [Tree::Live];
+        let trees = node_trees.get(&damage.block).map_or(&live[..], |t| &t[..]);
+        damage.owners = trees
+            .iter()
+            .flat_map(|tree| {
+                (first..=last.max(first))
+                    .filter(|ino| *ino < birch_format::ORPHAN_OBJECTID)
+                    .map(|inode| tree.owner(inode, None))
             })
             .collect();
     }
-    let mut resolver = PathResolver {
-        device,
-        fsid,
-        root: view.root,
-        names: HashMap::new(),
-        by_entries: None,
-    };
+    let mut resolvers: HashMap<Option<u64>, PathResolver<'_>> = HashMap::new();
     for damage in &mut report.damage {
         for owner in &mut damage.owners {
+            let resolver = match resolvers.entry(owner.snapshot_id) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    // A snapshot deleted since has no paths: its blocks may be reused.
+                    let (root, prefix) = match owner.snapshot_id {
+                        None => (Some(view.root), String::new()),
+                        Some(id) => match views.snapshot(id)? {
+                            Some(s) => (Some(s.root), format!("/.snapshot/{}", s.name)),
+                            None => (None, String::new()),
+                        },
+                    };
+                    e.insert(PathResolver {
+                        device,
+                        fsid,
+                        root,
+                        prefix,
+                        names: HashMap::new(),
+                        by_entries: None,
+                    })
+                }
+            };
             owner.paths = resolver.paths(owner.inode);
         }
         // A node's owners whose names cannot be read are only a guess from its key range.
@@ -936,7 +1414,11 @@ fn resolve_owners(views: &dyn ViewSource, report: &mut ScrubReport) -> Result<()
 struct PathResolver<'a> {
     device: &'a dyn BlockDevice,
     fsid: [u8; 16],
-    root: RootPtr,
+    /// The tree's root; `None`: the tree is gone (a deleted snapshot), no paths.
+    root: Option<RootPtr>,
+    /// What the tree's paths are shown under in a mount: empty for the live tree,
+    /// `/.snapshot/NAME` for a snapshot's.
+    prefix: String,
     /// Names of an inode: (parent, name), cached.
     names: HashMap<u64, Vec<(u64, String)>>,
     /// child -> (parent, name) from every readable dir index, built on first need.
@@ -948,10 +1430,12 @@ impl PathResolver<'_> {
         if let Some(names) = self.names.get(&inode) {
             return names.clone();
         }
+        let Some(root) = self.root else {
+            return Vec::new();
+        };
         let (lo, hi) = crate::items::inode_refs_range(InodeNo::new(inode));
         let mut items_out = Vec::new();
-        let names = match collect_range(self.device, self.fsid, self.root, &lo, &hi, &mut items_out)
-        {
+        let names = match collect_range(self.device, self.fsid, root, &lo, &hi, &mut items_out) {
             Ok(()) => items_out
                 .iter()
                 .filter_map(|(_, v)| match items::Item::decode(ItemType::InodeRef, v) {
@@ -973,7 +1457,9 @@ impl PathResolver<'_> {
         if self.by_entries.is_none() {
             let mut map: BTreeMap<u64, Vec<(u64, String)>> = BTreeMap::new();
             let mut leaves = Vec::new();
-            readable_items(self.device, self.fsid, self.root, &mut leaves);
+            if let Some(root) = self.root {
+                readable_items(self.device, self.fsid, root, &mut leaves);
+            }
             for (key, value) in leaves {
                 if key.item_type != ItemType::DirIndex as u8 {
                     continue;
@@ -994,19 +1480,32 @@ impl PathResolver<'_> {
             .unwrap_or_default()
     }
 
-    /// Every path of `inode`: one per name, each parent by its first name.
+    /// Every path of `inode`: one per name, each parent by its first name; under the
+    /// tree's prefix.
     fn paths(&mut self, inode: u64) -> Vec<String> {
+        if self.root.is_none() {
+            return Vec::new();
+        }
         if inode == ROOT_OBJECTID {
-            return vec!["/".to_string()];
+            return vec![self.shown("/")];
         }
         let mut out = Vec::new();
         for (parent, name) in self.names_of(inode) {
             if let Some(dir) = self.dir_path(parent) {
                 let sep = if dir.ends_with('/') { "" } else { "/" };
-                out.push(format!("{dir}{sep}{name}"));
+                out.push(self.shown(&format!("{dir}{sep}{name}")));
             }
         }
         out
+    }
+
+    /// `path` of the tree as a mount shows it.
+    fn shown(&self, path: &str) -> String {
+        match (self.prefix.is_empty(), path) {
+            (true, _) => path.to_string(),
+            (false, "/") => self.prefix.clone(),
+            (false, _) => format!("{}{path}", self.prefix),
+        }
     }
 
     fn dir_path(&mut self, mut dir: u64) -> Option<String> {
@@ -1068,6 +1567,12 @@ impl Bitmap {
     fn set(&mut self, bit: u64) {
         if let Some(w) = self.words.get_mut((bit / 64) as usize) {
             *w |= 1 << (bit % 64);
+        }
+    }
+
+    fn clear(&mut self, bit: u64) {
+        if let Some(w) = self.words.get_mut((bit / 64) as usize) {
+            *w &= !(1 << (bit % 64));
         }
     }
 }

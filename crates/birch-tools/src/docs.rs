@@ -186,9 +186,11 @@ fn birchfs_5() -> String {
         ".SH SCRUB\n{}\n",
         roff_text(
             "birch scrub IMAGE (unmounted) or birch scrub MOUNTPOINT (online, as root) reads \
-             every node and data block once and verifies its checksum, naming the inodes and \
-             paths of each damaged block; it cannot heal, as birchfs keeps one copy of each \
-             block. Exit 0 clean, 1 damage found, 2 error (see birch-scrub(1))."
+             every node and data block of the live tree and of every snapshot once and \
+             verifies its checksum, naming the inodes and paths of each damaged block (a \
+             snapshot's under /.snapshot/NAME); an interrupted scrub prints a position for \
+             --resume; it cannot heal, as birchfs keeps one copy of each block. Exit 0 clean, \
+             1 damage found, 2 error (see birch-scrub(1))."
         )
     ));
     page.push_str(

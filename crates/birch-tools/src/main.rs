@@ -206,12 +206,14 @@ enum Command {
     },
     /// Verify every checksum of a filesystem, offline (image) or online (mount point).
     ///
-    /// Reads every node and data block the filesystem references once: offline on an
-    /// unmounted IMAGE, or online through the root of a live mount (the daemon scrubs in a
-    /// thread of its own; needs root; the mount commits first). Each damaged block is printed
-    /// with the inodes and paths it belongs to. Scrub only detects: with one copy of each
-    /// block it cannot heal. Exit codes: 0 clean, 1 damage found, 2 usage or operational
-    /// error (including an interrupted or cancelled scrub).
+    /// Reads every node and data block the filesystem references once, in the live tree and
+    /// in every snapshot: offline on an unmounted IMAGE, or online through the root of a live
+    /// mount (the daemon scrubs in a thread of its own; needs root; the mount commits first).
+    /// Each damaged block is printed with the inodes and paths it belongs to (a snapshot's
+    /// under /.snapshot/NAME). Scrub only detects: with one copy of each block it cannot
+    /// heal. An interrupted scrub prints the position to go on from with --resume. Exit
+    /// codes: 0 clean, 1 damage found, 2 usage or operational error (including an
+    /// interrupted or cancelled scrub).
     Scrub {
         /// An image file or block device (offline), or a mount point (online).
         target: PathBuf,
@@ -226,6 +228,10 @@ enum Command {
         /// the scrub, so damage may be misreported; scrub the mount point instead).
         #[arg(long)]
         force: bool,
+        /// Start where an interrupted scrub stopped: the position it printed
+        /// (`live@OBJECTID:TYPE:OFFSET` or `snapshot-ID@OBJECTID:TYPE:OFFSET`).
+        #[arg(long, value_name = "POSITION")]
+        resume: Option<String>,
     },
     /// Run the crash matrix: each workload on a recording in-memory device, then every crash
     /// state (each flush point, plus seeded subsets of unflushed writes, some torn) recovered,
@@ -493,7 +499,8 @@ fn main() -> ExitCode {
             rate,
             json,
             force,
-        } => scrub::scrub_main(&target, rate, json, force),
+            resume,
+        } => scrub::scrub_main(&target, rate, json, force, resume.as_deref()),
         Command::Inspect { image, what, ceph } => inspect(&image, &what, &ceph),
         Command::Snapshot { action } => snapshot(action),
         Command::Diff {

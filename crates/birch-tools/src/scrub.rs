@@ -1,8 +1,10 @@
 //! `birch scrub`: read and verify every block a filesystem references, offline on an image
 //! or online through a mount, and print what is damaged with its inodes and paths.
 //!
-//! Owns: choosing offline or online by the target, the progress bar, printing (text or
-//! `--json`) and the exit codes: 0 clean, 1 damage found, 2 usage or operational error.
+//! Owns: choosing offline or online by the target, the progress bar, `--resume` (a position
+//! an interrupted scrub printed, passed to the library offline or to `scrub-start` online),
+//! printing (text or `--json`) and the exit codes: 0 clean, 1 damage found, 2 usage or
+//! operational error.
 //! Must not touch: the scrub itself, which lives in `birch_core::scrub` (offline it runs in
 //! this process, online in the daemon, started and read through root xattrs).
 
@@ -15,7 +17,8 @@ use std::time::Duration;
 use birch_core::control::ControlCommand;
 use birch_core::device::{open_image, BlockDevice, ImageOptions, OpenMode};
 use birch_core::scrub::{
-    scrub, ImageViews, ScrubOptions, ScrubProgress, ViewSource, ONLINE_RATE_DEFAULT_BYTES_PER_SEC,
+    scrub, ImageViews, ScrubOptions, ScrubPosition, ScrubProgress, ViewSource,
+    ONLINE_RATE_DEFAULT_BYTES_PER_SEC,
 };
 use serde_json::Value;
 
@@ -43,21 +46,43 @@ extern "C" fn on_interrupt(_signal: libc::c_int) {
 }
 
 /// `birch scrub TARGET`: offline when TARGET is an image, online when it is a mount's root.
-/// `rate_mb` is in MB/s (10^6 bytes); 0 is unlimited.
-pub(crate) fn scrub_main(target: &Path, rate_mb: Option<f64>, json: bool, force: bool) -> ExitCode {
+/// `rate_mb` is in MB/s (10^6 bytes); 0 is unlimited. `resume`: the position an interrupted
+/// scrub printed, to start from.
+pub(crate) fn scrub_main(
+    target: &Path,
+    rate_mb: Option<f64>,
+    json: bool,
+    force: bool,
+    resume: Option<&str>,
+) -> ExitCode {
     if rate_mb.is_some_and(|r| !r.is_finite() || r < 0.0) {
         eprintln!("birch scrub: --rate must be a number of MB/s, 0 or more");
         return ExitCode::from(EXIT_ERROR);
     }
+    let resume = match resume.map(str::parse::<ScrubPosition>).transpose() {
+        Ok(resume) => resume,
+        Err(e) => {
+            eprintln!("birch scrub: --resume: {e}");
+            return ExitCode::from(EXIT_ERROR);
+        }
+    };
     let rate = |default: Option<u64>| match rate_mb {
         Some(r) if r > 0.0 => Some((r * 1e6) as u64),
         Some(_) => None,
         None => default,
     };
     let result = if target.is_dir() {
-        online(target, rate(Some(ONLINE_RATE_DEFAULT_BYTES_PER_SEC)))
+        online(
+            target,
+            rate(Some(ONLINE_RATE_DEFAULT_BYTES_PER_SEC)),
+            resume,
+        )
     } else {
-        offline(target, rate(None), force)
+        let options = ScrubOptions {
+            rate_bytes_per_sec: rate(None),
+            resume_from: resume,
+        };
+        offline(target, options, force)
     };
     match result {
         Ok(report) => print_report(target, &report, json),
@@ -69,7 +94,7 @@ pub(crate) fn scrub_main(target: &Path, rate_mb: Option<f64>, json: bool, force:
 }
 
 /// Scrubs an unmounted image in this process; the report as JSON.
-fn offline(image: &Path, rate: Option<u64>, force: bool) -> Result<Value, String> {
+fn offline(image: &Path, options: ScrubOptions, force: bool) -> Result<Value, String> {
     let mode = if force {
         OpenMode::ReadOnlyUnlocked
     } else {
@@ -92,9 +117,6 @@ fn offline(image: &Path, rate: Option<u64>, force: bool) -> Result<Value, String
         );
     }
     let progress = Arc::new(ScrubProgress::default());
-    let options = ScrubOptions {
-        rate_bytes_per_sec: rate,
-    };
     catch_interrupt();
     let bar = progress_bar(views.bytes_used());
     let worker = {
@@ -126,9 +148,14 @@ fn offline(image: &Path, rate: Option<u64>, force: bool) -> Result<Value, String
     Ok(report)
 }
 
-/// Starts a scrub in the daemon serving the mount at `mountpoint`, follows its progress and
-/// returns its report. Ctrl-C cancels it.
-fn online(mountpoint: &Path, rate: Option<u64>) -> Result<Value, String> {
+/// Starts a scrub in the daemon serving the mount at `mountpoint` (from `resume`, if given),
+/// follows its progress and returns its report. Ctrl-C cancels it; the report then says
+/// where to resume.
+fn online(
+    mountpoint: &Path,
+    rate: Option<u64>,
+    resume: Option<ScrubPosition>,
+) -> Result<Value, String> {
     // Scrub reads committed trees: commit what was written so far (the kernel's dirty pages
     // first), so the scrub covers it. A read-only mount has nothing to commit; that failure
     // is not one.
@@ -137,6 +164,7 @@ fn online(mountpoint: &Path, rate: Option<u64>) -> Result<Value, String> {
     // Rate 0 (or none) is unlimited.
     let command = ControlCommand::ScrubStart {
         rate: rate.filter(|r| *r > 0),
+        resume,
     };
     crate::mount::control(mountpoint, &command).map_err(|e| match e.raw_os_error() {
         Some(libc::EBUSY) => "a scrub is already running on this mount".to_string(),
@@ -148,13 +176,14 @@ fn online(mountpoint: &Path, rate: Option<u64>) -> Result<Value, String> {
     })?;
     catch_interrupt();
     let mut bar: Option<indicatif::ProgressBar> = None;
+    let mut cancel_sent = false;
     loop {
-        if INTERRUPTED.load(Ordering::SeqCst) {
-            let _ = crate::mount::control(mountpoint, &ControlCommand::ScrubCancel);
-            if let Some(bar) = &bar {
-                bar.finish_and_clear();
-            }
-            return Err("interrupted: the scrub was cancelled".into());
+        // Cancelled, the job stops at its next block and reports where to resume: wait for
+        // that report.
+        if INTERRUPTED.load(Ordering::SeqCst) && !cancel_sent {
+            crate::mount::control(mountpoint, &ControlCommand::ScrubCancel)
+                .map_err(|e| format!("interrupted, and cancelling the scrub failed: {e}"))?;
+            cancel_sent = true;
         }
         let status = read_status(mountpoint)?;
         let number = |name: &str| status.get(name).and_then(Value::as_u64).unwrap_or(0);
@@ -246,8 +275,9 @@ fn print_report(target: &Path, report: &Value, json: bool) -> ExitCode {
         }
         let number = |name: &str| report.get(name).and_then(Value::as_u64).unwrap_or(0);
         let real = |name: &str| report.get(name).and_then(Value::as_f64).unwrap_or(0.0);
+        let resume = report.get("resume").and_then(Value::as_str);
         println!(
-            "{}: {} nodes, {} data blocks, {:.1} MB in {:.1} s ({:.1} MB/s, {} chunks), {} damaged blocks{}",
+            "{}: {} nodes, {} data blocks, {:.1} MB in {:.1} s ({:.1} MB/s, {} chunks, {} snapshots), {} damaged blocks{}",
             target.display(),
             number("nodes"),
             number("data_blocks"),
@@ -255,8 +285,15 @@ fn print_report(target: &Path, report: &Value, json: bool) -> ExitCode {
             real("elapsed_sec"),
             real("rate_mb_per_sec"),
             number("chunks"),
+            number("snapshots"),
             damaged,
-            if cancelled { ", cancelled before the end" } else { "" }
+            match (cancelled, resume) {
+                (true, Some(position)) => {
+                    format!(", cancelled before the end: go on with --resume {position}")
+                }
+                (true, None) => ", cancelled before the end".to_string(),
+                _ => String::new(),
+            }
         );
         if damaged > 0 {
             println!("{NO_HEAL}");
@@ -311,8 +348,12 @@ fn damage_line(damage: &Value) -> String {
             .flatten()
             .filter_map(Value::as_str)
             .collect();
+        let snapshot = owner.get("snapshot").and_then(Value::as_str);
         if paths.is_empty() {
-            line.push_str(" (path unknown)");
+            match snapshot {
+                Some(name) => line.push_str(&format!(" (path unknown, in snapshot {name:?})")),
+                None => line.push_str(" (path unknown)"),
+            }
         } else {
             line.push_str(&format!(" {}", paths.join(" ")));
         }

@@ -850,7 +850,7 @@ impl Filesystem {
                 }
                 Ok(())
             }
-            ControlCommand::ScrubStart { rate } => self.scrub_start(rate),
+            ControlCommand::ScrubStart { rate, resume } => self.scrub_start(rate, resume),
             ControlCommand::SnapshotCreate(name) => self.create_snapshot(&name).map(|_| ()),
             ControlCommand::SnapshotDelete(name) => self.delete_snapshot(&name).map(|_| ()),
             ControlCommand::Atime(mode) => {
@@ -860,9 +860,13 @@ impl Filesystem {
         }
     }
 
-    /// Starts an online scrub at `rate` bytes per second, `None` unlimited (control command
-    /// `scrub-start [rate=BYTES_PER_SEC]`).
-    fn scrub_start(&self, rate: Option<u64>) -> Result<()> {
+    /// Starts an online scrub at `rate` bytes per second, `None` unlimited, from `resume` or
+    /// the start (control command `scrub-start [rate=BYTES_PER_SEC] [resume=POSITION]`).
+    fn scrub_start(
+        &self,
+        rate: Option<u64>,
+        resume: Option<crate::scrub::ScrubPosition>,
+    ) -> Result<()> {
         let mut slot = self.inner.scrub.lock();
         if slot.as_ref().is_some_and(|job| job.is_running()) {
             return Err(Error::Busy(
@@ -874,6 +878,7 @@ impl Filesystem {
             views,
             crate::scrub::ScrubOptions {
                 rate_bytes_per_sec: rate,
+                resume_from: resume,
             },
         )?;
         *slot = Some(job);
