@@ -403,7 +403,7 @@ impl Engine {
         }))
     }
 
-    /// Waits until no mutation holds the gate: every [`WriteTxn`] begun before this call has
+    /// Waits until no mutation holds the gate: every `WriteTxn` begun before this call has
     /// ended. No lock may be held by the caller that a mutation waits for.
     pub fn barrier(&self) {
         drop(self.gate.write());

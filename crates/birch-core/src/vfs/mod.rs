@@ -540,7 +540,7 @@ impl Filesystem {
     /// log, and the reopen after the replay's commit that rebuilds the free-space map from
     /// the new tree (as a writable open of the device does), which reclaims orphans, commits
     /// and then serves, turned read-only. The superblock and the log are read once, before
-    /// either ([`OpenHead`]).
+    /// either (`OpenHead`).
     pub fn open_device(device: Arc<dyn BlockDevice>, options: OpenOptions) -> Result<Filesystem> {
         if !options.read_only {
             return Filesystem::open_device_once(device, options);
