@@ -7,6 +7,13 @@
 #   sudo bench/run.sh --cleanup               # undo mounts/loop devices left by a killed run
 #   bench/run.sh --help                       # every option (sizes, durations, targets, workloads)
 #
+# The seeds' "before" switches (--birch-opts bench_serialize_sync_writes, bench_global_objectid_lock,
+# bench_apply_per_item) exist only in a birch built with the seed-before feature: when a run
+# names one, this script builds that birch (cargo build --release -p birch-tools --features
+# birch-tools/seed-before --target-dir target/seed-before) and the whole run uses
+# target/seed-before/release/birch, the default target as well (unless BIRCH or --birch names
+# another); target/release/birch, the shipped build, never has them.
+#
 # Environment: BIRCH (birch binary, default target/release/birch), BIRCHBENCH_DIR (images,
 # default /var/tmp/birchbench), BIRCHBENCH_BUILD=1 (cargo build --release first),
 # BIRCHBENCH_NO_INSTALL=1 (skip apt), BIRCHBENCH_LIBFUSE_TAR (libfuse source for the memfs_ll
@@ -61,6 +68,32 @@ modprobe fuse 2>/dev/null || true
 if [ "${BIRCHBENCH_BUILD:-0}" = 1 ] && command -v cargo >/dev/null; then
   echo "birchbench: cargo build --release"
   cargo build --release
+fi
+
+# A run that names a seed's "before" switch needs the seed-before build (see the top).
+seed_switch=0
+for a in "$@"; do
+  case "$a" in
+    *bench_serialize_sync_writes*|*bench_global_objectid_lock*|*bench_apply_per_item*) seed_switch=1 ;;
+  esac
+  # a birch named on the command line is the caller's choice
+  case "$a" in --birch|--birch=*) seed_switch=0; break ;; esac
+done
+if [ "$seed_switch" = 1 ] && [ -z "${BIRCH:-}" ]; then
+  SEED_TARGET="$REPO/target/seed-before"
+  export PATH="$PATH:${HOME:-/root}/.cargo/bin"
+  if command -v cargo >/dev/null; then
+    echo "birchbench: a seed's before switch: cargo build --release -p birch-tools --features birch-tools/seed-before --target-dir target/seed-before"
+    cargo build --release --locked -p birch-tools --features birch-tools/seed-before \
+      --target-dir "$SEED_TARGET"
+  elif [ -x "$SEED_TARGET/release/birch" ]; then
+    echo "birchbench: no cargo here; using the seed-before build $SEED_TARGET/release/birch as it is" >&2
+  else
+    echo "birchbench: the seeds' before switches need a birch built with them; as your user, run" >&2
+    echo "  cargo build --release -p birch-tools --features birch-tools/seed-before --target-dir target/seed-before" >&2
+    exit 2
+  fi
+  export BIRCH="$SEED_TARGET/release/birch"
 fi
 
 export BIRCHBENCH_VIA_RUNSH=1 PYTHONDONTWRITEBYTECODE=1

@@ -29,14 +29,24 @@ tier() {
 tier "fmt" cargo fmt --all -- --check
 tier "clippy" cargo clippy --all-targets --release --locked -- -D warnings
 # The Ceph RBD backend (birch-core's `rbd` feature) is linted too: checking needs no Ceph
-# libraries (its FFI is declared by hand), only linking does.
-tier "clippy rbd" cargo clippy --all-targets --release --locked --features birch-tools/rbd -- -D warnings
+# libraries (its FFI is declared by hand), only linking does. The same run lints the seeds'
+# "before" switches (the `seed-before` feature, benchmark builds only: docs/BENCHMARKS.md,
+# "The seeds, reproduced"); the two features touch different code, so one run covers both.
+tier "clippy rbd + seed-before" cargo clippy --all-targets --release --locked \
+  --features birch-tools/rbd,birch-tools/seed-before,birch-bench/seed-before -- -D warnings
 # Every crate's tests in release, but the core's: those run in the `checked` profile (release
 # speed with debug assertions, Error::bug's assertion and overflow checks; Cargo.toml), so a
 # debug_assert! in the engine fires in CI. Model and crash tests run fixed seeds plus one
 # fresh seed a run, printed (birch-testkit's `seeds`; BIRCH_SEED / BIRCH_FRESH_SEED replay).
 tier "cargo test" cargo test --release --locked --workspace --exclude birch-core
-tier "core tests, checked" cargo test --profile checked --locked -p birch-core
+# Then the tests of the seeds' "before" switches, which exist only with the `seed-before`
+# feature: tests/bench_switches.rs and the object-id switch's unit test.
+core_tests() {
+  cargo test --profile checked --locked -p birch-core &&
+    cargo test --profile checked --locked -p birch-core --features seed-before \
+      --lib --test bench_switches -- objectid_lock_switch apply_per_item_costs
+}
+tier "core tests, checked" core_tests
 tier "bench unit tests" python3 -m unittest discover bench/tests
 # The mount tiers need the birch binary itself (cargo test does not build it).
 tier "build birch" cargo build --release --locked -p birch-tools

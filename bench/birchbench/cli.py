@@ -83,7 +83,9 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--workloads", type=lambda s: [x.upper() for x in str_list(s)],
                     default=["W1", "W2", "W3", "W4", "W5", "W6"], help="comma list of W1..W6")
     ap.add_argument("--birch-opts", action="append", default=[], metavar="OPTS",
-                    help="extra birchfs target mounted with -o OPTS (repeatable)")
+                    help="extra birchfs target mounted with -o OPTS (repeatable); the seeds' before "
+                         "switches (bench_*) need a birch built with the seed-before feature, which "
+                         "bench/run.sh builds and uses when one is named")
     ap.add_argument("--no-birch-default", action="store_true",
                     help="do not run birchfs with default options (only the --birch-opts sets)")
     ap.add_argument("--birch", default=os.environ.get("BIRCH", "target/release/birch"),

@@ -115,11 +115,15 @@ struct Args {
     #[arg(long, default_value_t = 10)]
     open_snapshots: usize,
     /// Seed 002's "before", benchmark only: one mutex on the object id counter for every
-    /// create, no batch of ids per thread (`OpenOptions::bench_global_objectid_lock`).
+    /// create, no batch of ids per thread (`OpenOptions::bench_global_objectid_lock`; only in
+    /// a build with the `seed-before` feature).
+    #[cfg(feature = "seed-before")]
     #[arg(long)]
     bench_global_objectid_lock: bool,
     /// Seed 003's "before", benchmark only: the commit deletes and inserts each changed extent
-    /// item in a descent of its own (`OpenOptions::bench_apply_per_item`).
+    /// item in a descent of its own (`OpenOptions::bench_apply_per_item`; only in a build with
+    /// the `seed-before` feature).
+    #[cfg(feature = "seed-before")]
     #[arg(long)]
     bench_apply_per_item: bool,
     /// Part `overwrite`: take a snapshot after the file is written and committed, before the
@@ -134,6 +138,7 @@ struct Args {
 }
 
 /// The benchmark-only switches every filesystem of part 3 is opened with (set once in `run`).
+#[cfg(feature = "seed-before")]
 static SWITCHES: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
 
 impl Args {
@@ -297,6 +302,7 @@ fn run(args: &Args) -> Res<()> {
         Some(path) => Target::Image(path.clone()),
         None => Target::Mem,
     };
+    #[cfg(feature = "seed-before")]
     let _ = SWITCHES.set((args.bench_global_objectid_lock, args.bench_apply_per_item));
     let started = Instant::now();
     let mut rows = Vec::new();
@@ -570,13 +576,16 @@ const REPEATS: usize = 5;
 fn new_fs(target: &Target, size: u64) -> Res<Filesystem> {
     let dev = target.device(size)?;
     Filesystem::mkfs(dev.clone(), &MkfsOptions::default())?;
+    #[cfg(feature = "seed-before")]
     let (bench_global_objectid_lock, bench_apply_per_item) =
         SWITCHES.get().copied().unwrap_or_default();
     Ok(Filesystem::open_device(
         dev,
         OpenOptions {
             commit_interval: None,
+            #[cfg(feature = "seed-before")]
             bench_global_objectid_lock,
+            #[cfg(feature = "seed-before")]
             bench_apply_per_item,
             ..Default::default()
         },

@@ -105,7 +105,7 @@ counters! {
     commit_help_us: "Microseconds callers of commit spent running jobs of another's commit.",
     nodes_written: "B-tree nodes written by commits.",
     btree_descents: "Root-to-leaf descents of the B-tree writer.",
-    objectid_lock_waits: "Object ids that waited for the id counter's mutex (only with the benchmark switch bench_global_objectid_lock).",
+    objectid_lock_waits: "Object ids that waited for the id counter's mutex (only with the benchmark switch bench_global_objectid_lock, in a build with the seed-before feature; always 0 otherwise).",
     btree_cows: "Nodes copied on write.",
     btree_splits: "Node splits.",
     btree_merges: "Node merges.",

@@ -245,11 +245,6 @@ impl FrozenDelta {
         self.shards.iter().map(|s| s.len()).sum()
     }
 
-    /// Whether there are no entries.
-    pub fn is_empty(&self) -> bool {
-        self.shards.iter().all(|s| s.is_empty())
-    }
-
     /// Every `step`-th key of each shard, sorted: a sample in which each key stands for about
     /// `step` entries (plans a parallel apply without sorting everything first).
     pub fn sample(&self, step: usize) -> Vec<Key> {

@@ -13,7 +13,7 @@
 //! the one limit it enforces, that a list of entries sharing one hash fits one item (refused as
 //! `NoSpace` before anything changes). Every read goes through [`ReadView`], which the live
 //! state (`Engine`: running delta over frozen delta over the last commit), one committed tree
-//! ([`CommittedView`]) and a plan ([`Changes`]) implement, so the same code reads a mounted
+//! (`CommittedView`) and a plan ([`Changes`]) implement, so the same code reads a mounted
 //! filesystem, a fixed committed root (scrub, snapshot browsing, repair) and an operation's
 //! own changes before they are recorded.
 //!
@@ -118,7 +118,7 @@ pub fn orphan_range() -> (Key, Key) {
 // Views
 
 /// Where items are read from: the live state ([`Engine`]), one committed tree
-/// ([`CommittedView`]), or an operation's changes over either ([`Changes`]).
+/// (`CommittedView`), or an operation's changes over either ([`Changes`]).
 pub trait ReadView {
     /// The value of `key`, if any. May do device I/O.
     fn get(&self, key: &Key) -> Result<Option<Vec<u8>>>;

@@ -19,33 +19,82 @@
 //! that every layer may use and that use no layer. No module's code imports a module that
 //! imports it back (`log`'s unit tests do use `txn` and `vfs`). The on-disk format lives in
 //! the `birch-format` crate. Nothing here knows about FUSE.
+//!
+//! # Public surface
+//!
+//! What a user of the library (and birch-fuse, birch-tools) gets: [`Filesystem`] and the
+//! rest of [`vfs`] (the POSIX API, [`OpenOptions`]); [`Engine`] and [`MkfsOptions`] (mkfs,
+//! open, the superblock reader, snapshots, rollback, diff, the space report: what `birch
+//! mkfs`, `rollback`, `snapshot` and `inspect` call; [`Filesystem::engine`] reaches the
+//! engine of an open filesystem); [`device`] (block devices: image files, block devices,
+//! `rbd:`, the memory device); [`check`], [`repair`] and [`scrub`] (fsck, its repairs, the
+//! checksum scrub); [`space`] (`birch inspect IMAGE space`); [`items`] and [`log`] (the item
+//! keys and the fsync log reader `birch inspect` prints); [`control`] (the commands a mount
+//! takes through its control xattr); [`counters`] (the figures of `birch stats`); [`error`]
+//! and [`readonly`] ([`Error`], [`ReadOnlyCause`]). Everything else is `pub(crate)`.
+//!
+//! The feature `internals` makes the engine's modules `alloc`, `btree`, `cache`, `diff` and
+//! `txn` public (they are `pub(crate)` without it; their types that the public API returns
+//! stay reachable, unnamed): this crate's integration tests drive the B-tree, the node cache
+//! and the allocator directly (the crate's dev-dependency on itself turns it on for them), and
+//! birch-engine-bench measures them. No stability is promised for them. The shipped binary
+//! (`cargo build -p birch-tools`) is built without it; a build of the whole workspace has it,
+//! since birch-bench asks for it and Cargo unifies the features of one build.
+//!
+//! The feature `seed-before` compiles in the seeds' "before" switches
+//! (`OpenOptions::bench_global_objectid_lock`, `OpenOptions::bench_apply_per_item`), for
+//! benchmark builds only: bench/run.sh builds a birch with them; docs/BENCHMARKS.md.
 
 #![warn(missing_docs)]
 
-pub mod alloc;
-pub mod btree;
-pub mod cache;
+/// Declares engine modules that are `pub` with the `internals` feature and `pub(crate)`
+/// without it (see the crate documentation: the integration tests and birch-engine-bench
+/// reach into them; a library user should not). Without the feature, what only those users
+/// call (items and re-exports) is dead code here, and is allowed to be; the workspace's lint
+/// run has the feature on (birch-bench asks for it), so it still sees real dead code.
+macro_rules! internal_mods {
+    ($($(#[$attr:meta])* mod $name:ident;)*) => {$(
+        $(#[$attr])*
+        #[cfg(feature = "internals")]
+        pub mod $name;
+        $(#[$attr])*
+        #[cfg(not(feature = "internals"))]
+        #[allow(dead_code, unused_imports)]
+        pub(crate) mod $name;
+    )*};
+}
+
+// The public surface.
 pub mod check;
 pub mod control;
 pub mod counters;
-mod data;
-pub mod delta;
 pub mod device;
-pub mod diff;
 pub mod error;
-mod ids;
 pub mod items;
 pub mod log;
-mod pending;
 pub mod readonly;
 pub mod repair;
 pub mod scrub;
-pub mod snapshot;
 pub mod space;
+pub mod vfs;
+
+// Engine internals: public with the `internals` feature only.
+internal_mods! {
+    mod alloc;
+    mod btree;
+    mod cache;
+    mod diff;
+    mod txn;
+}
+
+// Private to the crate.
+mod data;
+mod delta;
+mod ids;
+mod pending;
+mod snapshot;
 mod striped;
 mod sync;
-pub mod txn;
-pub mod vfs;
 
 pub use error::{Error, Result};
 pub use readonly::ReadOnlyCause;

@@ -3,6 +3,10 @@
 //! extents cost a delete and an insert descent per extent item instead of one descent per leaf.
 //! (`bench_global_objectid_lock` is tested beside `Engine::allocate_objectid`.)
 
+//! Only with the `seed-before` feature (benchmark builds): CI runs it in scripts/test.sh's tier
+//! "core tests, checked" (`--features seed-before --test bench_switches`).
+
+#![cfg(feature = "seed-before")]
 #![allow(clippy::expect_used)]
 
 use std::sync::Arc;

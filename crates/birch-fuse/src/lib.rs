@@ -18,7 +18,8 @@
 //! and listings), `file_io` (OPEN to RELEASE, FSYNC, FALLOCATE, COPY_FILE_RANGE, LSEEK),
 //! `xattrs` (xattrs and the root's control and report xattrs), `ioctls` (`FS_IOC_SHUTDOWN`,
 //! `FITRIM`), with `invalidate` (what the kernel is told to drop), `full_disk` (ENOSPC under
-//! the writeback cache), `waiters` (the worker pool), `sync_writes` (a benchmark-only gate)
+//! the writeback cache), `waiters` (the worker pool), `sync_writes` (a benchmark-only gate, a no-op without the
+//! `seed-before` feature)
 //! and [`daemon`] (the process serving a mount).
 
 #![warn(missing_docs)]
@@ -98,8 +99,9 @@ pub struct FuseOptions {
     /// itself only while another stays free to read.
     pub loops: usize,
     /// Benchmark only, off by default (mount option `bench_serialize_sync_writes`, seed 001's
-    /// "before"): synchronous and direct writes to one file are serialized in the daemon for
-    /// the write and its flush.
+    /// "before"; only with the `seed-before` feature): synchronous and direct writes to one
+    /// file are serialized in the daemon for the write and its flush.
+    #[cfg(feature = "seed-before")]
     pub bench_serialize_sync_writes: bool,
 }
 
@@ -112,6 +114,7 @@ impl Default for FuseOptions {
             write_through_below: DEFAULT_WRITE_THROUGH_BELOW,
             waiters: DEFAULT_WAITERS,
             loops: 2,
+            #[cfg(feature = "seed-before")]
             bench_serialize_sync_writes: false,
         }
     }
@@ -190,9 +193,7 @@ impl BirchFuse {
         // Only workers wait for releases at ENOSPC; a request loop hands the request to one.
         fs.set_release_wait(Arc::new(waiters::on_worker));
         let notifier = Arc::new(OnceLock::new());
-        let sync_writes = Arc::new(sync_writes::SyncWriteGate::new(
-            options.bench_serialize_sync_writes,
-        ));
+        let sync_writes = Arc::new(sync_writes::SyncWriteGate::for_options(&options));
         BirchFuse {
             fs,
             options,

@@ -111,10 +111,9 @@ enum Command {
         /// default one per CPU, 2..8), waiters=N (requests waiting for the device at once,
         /// default 64), ttl=SECS (default 60), fsync=log|commit, writeback=on|off (default on),
         /// keep_cache=on|off (default on), buffer=on|off (default on), uring=on|off (FUSE
-        /// over io_uring, by default wherever the kernel's enable_uring allows it), the benchmark-only bench_serialize_sync_writes,
-        /// bench_global_objectid_lock, bench_apply_per_item (off by default), and the usual VFS options (defaults, noatime, relatime,
-        /// strictatime, nodiratime, nodev, nosuid, noexec, _netdev). An unknown option is an
-        /// error.
+        /// over io_uring, by default wherever the kernel's enable_uring allows it), and the
+        /// usual VFS options (defaults, noatime, relatime, strictatime, nodiratime, nodev,
+        /// nosuid, noexec, _netdev). An unknown option is an error.
         #[arg(short = 'o')]
         options: Vec<String>,
         /// Stay in the foreground.

@@ -41,8 +41,13 @@ pub(crate) const MOUNT_OPTIONS: &[(&str, &str)] = &[
     ("nodev", "Device files on the mount cannot be opened (dev undoes it)."),
     ("nosuid", "set-user-ID and set-group-ID bits are ignored (suid undoes it)."),
     ("noexec", "Files on the mount cannot be executed (exec undoes it)."),
+    // The seeds' "before" switches exist only in benchmark builds (feature `seed-before`,
+    // built by bench/run.sh); the shipped binary refuses them as unknown options.
+    #[cfg(feature = "seed-before")]
     ("bench_serialize_sync_writes", "Benchmark only, never for use (seed 001's \"before\"): synchronous and direct writes to one file are serialized in the daemon for the write and its flush. Off by default."),
+    #[cfg(feature = "seed-before")]
     ("bench_global_objectid_lock", "Benchmark only, never for use (seed 002's \"before\"): every create takes its object id under one mutex, with no batch of ids per thread. Off by default."),
+    #[cfg(feature = "seed-before")]
     ("bench_apply_per_item", "Benchmark only, never for use (seed 003's \"before\"): a commit deletes and inserts each changed extent item in a B-tree descent of its own instead of one descent per leaf. Off by default."),
     ("ceph_id=ID", "rbd: images: the Ceph client id to connect as, without client. (as rbd --id; default admin, or --id in CEPH_ARGS)."),
     ("ceph_conf=PATH", "rbd: images: the ceph.conf to read (default: CEPH_CONF, then /etc/ceph/ceph.conf)."),
@@ -70,8 +75,11 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         keep_cache: true,
         buffer: true,
         uring: None,
+        #[cfg(feature = "seed-before")]
         bench_serialize_sync_writes: false,
+        #[cfg(feature = "seed-before")]
         bench_global_objectid_lock: false,
+        #[cfg(feature = "seed-before")]
         bench_apply_per_item: false,
         ceph: CephOptions::default(),
         snapshot: None,
@@ -114,12 +122,15 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
             "buffer" => c.buffer = on_off(opt, value)?,
             "uring" => c.uring = Some(value.is_none() || on_off(opt, value)?),
             "keep_cache" => c.keep_cache = on_off(opt, value)?,
+            #[cfg(feature = "seed-before")]
             "bench_serialize_sync_writes" => {
                 c.bench_serialize_sync_writes = value.is_none() || on_off(opt, value)?
             }
+            #[cfg(feature = "seed-before")]
             "bench_global_objectid_lock" => {
                 c.bench_global_objectid_lock = value.is_none() || on_off(opt, value)?
             }
+            #[cfg(feature = "seed-before")]
             "bench_apply_per_item" => {
                 c.bench_apply_per_item = value.is_none() || on_off(opt, value)?
             }
@@ -764,7 +775,9 @@ mod tests {
         assert!(parse_options(&["no_such_option".into()]).is_err());
     }
 
-    /// The benchmark switches are off unless named, and each sets its own field.
+    /// The benchmark switches are off unless named, and each sets its own field (benchmark
+    /// builds: the `seed-before` feature).
+    #[cfg(feature = "seed-before")]
     #[test]
     fn benchmark_switches_are_off_by_default_and_parse() -> Result<(), String> {
         let c = parse_options(&[])?;
@@ -780,6 +793,28 @@ mod tests {
         assert!(c.bench_global_objectid_lock && !c.bench_apply_per_item);
         assert!(parse_options(&["bench_apply_per_item=maybe".into()]).is_err());
         Ok(())
+    }
+
+    /// Without the `seed-before` feature (the shipped binary) the seeds' "before" switches
+    /// are unknown options, refused like any other, and the man page does not list them.
+    #[cfg(not(feature = "seed-before"))]
+    #[test]
+    fn benchmark_switches_are_unknown_options_without_the_feature() {
+        for switch in [
+            "bench_serialize_sync_writes",
+            "bench_global_objectid_lock",
+            "bench_apply_per_item",
+            "bench_apply_per_item=on",
+            "bench_global_objectid_lock=off",
+        ] {
+            match parse_options(&[format!("rw,{switch}")]) {
+                Err(e) => assert!(e.starts_with("unknown mount option"), "{switch}: {e}"),
+                Ok(_) => panic!("{switch} accepted without the seed-before feature"),
+            }
+        }
+        assert!(MOUNT_OPTIONS
+            .iter()
+            .all(|(name, _)| !name.starts_with("bench_")));
     }
 
     /// FUSE over io_uring is the default (used where the kernel has it), `uring` and

@@ -10,14 +10,16 @@
 
 #![deny(clippy::too_many_lines)]
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+#[cfg(feature = "seed-before")]
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use birch_format::node::Node;
 use birch_format::superblock::{
     BackupRoot, RootPtr, Superblock, BACKUP_ROOTS, COMPAT_BACKUP_ROOTS, INCOMPAT_LOG_ALIGNED,
 };
-use birch_format::{BlockCount, Generation, ItemType, Key, NODE_BLOCKS, NODE_SIZE};
+use birch_format::{BlockCount, Generation, NODE_BLOCKS, NODE_SIZE};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::btree::parallel::{self, Job, JobOutput};
@@ -116,7 +118,9 @@ pub(super) struct CommitQueue {
     /// Commits of at least this many changed items cut their apply into jobs.
     parallel_apply_min: AtomicUsize,
     /// Benchmark-only switch (seed 003's "before", [`Engine::set_bench_apply_per_item`]): the
-    /// commit apply deletes and inserts each extent item in a descent of its own.
+    /// commit apply deletes and inserts each extent item in a descent of its own. Only in
+    /// builds with the `seed-before` feature.
+    #[cfg(feature = "seed-before")]
     bench_apply_per_item: AtomicBool,
 }
 
@@ -127,6 +131,7 @@ impl CommitQueue {
             events: (Mutex::new(0), Condvar::new()),
             board: Mutex::new(None),
             parallel_apply_min: AtomicUsize::new(PARALLEL_APPLY_MIN),
+            #[cfg(feature = "seed-before")]
             bench_apply_per_item: AtomicBool::new(false),
         }
     }
@@ -155,10 +160,14 @@ impl Drop for CommitGuard<'_> {
 /// Seed 003's "before" (`bench_apply_per_item`): each changed extent item costs a delete (a
 /// lookup, and a descent when the item exists) and an insert descent of its own; the other
 /// items still go in one descent per leaf.
-fn apply_per_item(writer: &mut TreeWriter<'_>, changes: &[(Key, Option<&[u8]>)]) -> Result<()> {
+#[cfg(feature = "seed-before")]
+fn apply_per_item(
+    writer: &mut TreeWriter<'_>,
+    changes: &[(birch_format::Key, Option<&[u8]>)],
+) -> Result<()> {
     let (extents, rest): (Vec<_>, Vec<_>) = changes
         .iter()
-        .partition(|(key, _)| key.kind() == Some(ItemType::ExtentData));
+        .partition(|(key, _)| key.kind() == Some(birch_format::ItemType::ExtentData));
     writer.apply_sorted(&rest)?;
     for (key, value) in extents {
         writer.delete(&key)?;
@@ -267,7 +276,9 @@ impl Engine {
     /// Benchmark only (mount option `bench_apply_per_item`, seed 003's "before"): the commit
     /// apply deletes each changed extent item in a descent of its own and inserts it in another,
     /// instead of one descent per leaf of changes; such commits never run the parallel apply.
-    /// Off by default.
+    /// Off by default; only in builds with the `seed-before` feature (benchmark builds, never
+    /// the shipped binary).
+    #[cfg(feature = "seed-before")]
     pub fn set_bench_apply_per_item(&self, on: bool) {
         self.commits
             .bench_apply_per_item
@@ -392,7 +403,7 @@ impl Engine {
         }))
     }
 
-    /// Waits until no mutation holds the gate: every [`WriteTxn`] begun before this call has
+    /// Waits until no mutation holds the gate: every `WriteTxn` begun before this call has
     /// ended. No lock may be held by the caller that a mutation waits for.
     pub fn barrier(&self) {
         drop(self.gate.write());
@@ -461,6 +472,7 @@ impl Engine {
         frozen: &Arc<FrozenDelta>,
         generation: u64,
     ) -> Result<Vec<Arc<Node>>> {
+        #[cfg(feature = "seed-before")]
         if self.commits.bench_apply_per_item.load(Ordering::Relaxed) {
             apply_per_item(writer, &frozen.sorted())?;
             return Ok(Vec::new());

@@ -24,7 +24,7 @@ pub struct LogHandle<'e> {
 }
 
 impl Engine {
-    /// The fsync log ([`LogHandle`]).
+    /// The fsync log (`LogHandle`).
     pub fn log(&self) -> LogHandle<'_> {
         LogHandle { engine: self }
     }

@@ -268,7 +268,7 @@ impl Engine {
     /// at least `minlen` bytes (`fstrim`, the `FITRIM` ioctl; DESIGN §14.4): the space free at
     /// mount, and any freed since, is otherwise never discarded. Runs are taken out of the
     /// allocator's searches while their discard is in flight, a batch at a time
-    /// ([`Allocator::trim_free`]), so no allocation gets a block under discard and none waits
+    /// (`Allocator::trim_free`), so no allocation gets a block under discard and none waits
     /// long. Returns the bytes discarded. `NotSupported` when the device frees nothing on a
     /// discard (image files, block devices; an RBD image trims even with `discard=off`);
     /// `ReadOnly` on a read-only filesystem; `Invalid` for a range shorter than a block, as
@@ -448,7 +448,7 @@ impl Engine {
     /// Keeps every change of one multi-step operation (a write that allocates, writes data and
     /// then records extents and the inode) in the same transaction: a commit cannot freeze the
     /// delta between the steps. Data I/O may happen under it, never a flush or a commit (the
-    /// rule [`DataHold`] carries). The same gate and checks as [`Engine::begin`]; the
+    /// rule `DataHold` carries). The same gate and checks as [`Engine::begin`]; the
     /// operation records its items through `begin` meanwhile.
     pub fn hold(&self) -> Result<DataHold<'_>> {
         Ok(DataHold {

@@ -6,9 +6,12 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+#[cfg(feature = "seed-before")]
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use birch_format::{InodeNo, OBJECTID_LIMIT, SUBVOLUME_SHIFT};
+#[cfg(feature = "seed-before")]
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::counters::Counters;
@@ -39,10 +42,13 @@ pub(super) struct ObjectIds {
     /// The next id no batch has taken (batch aligned at open; the superblock's
     /// `next_objectid` at each commit).
     next: AtomicU64,
-    /// Benchmark-only switch (seed 002's "before", [`Engine::set_bench_global_objectid_lock`]):
-    /// every object id is taken one at a time under [`ObjectIds::lock`].
+    /// Benchmark-only switch (seed 002's "before", [`Engine::set_bench_global_objectid_lock`];
+    /// only in builds with the `seed-before` feature): every object id is taken one at a time
+    /// under [`ObjectIds::lock`].
+    #[cfg(feature = "seed-before")]
     bench_global_lock: AtomicBool,
     /// The one lock on the id counter while `bench_global_lock` is on; unused otherwise.
+    #[cfg(feature = "seed-before")]
     pub(super) lock: Mutex<()>,
     /// This engine among the engines of the process: the key of its per-thread batches.
     instance: u64,
@@ -53,7 +59,9 @@ impl ObjectIds {
     pub(super) fn new(next_objectid: u64) -> ObjectIds {
         ObjectIds {
             next: AtomicU64::new(batch_aligned(next_objectid)),
+            #[cfg(feature = "seed-before")]
             bench_global_lock: AtomicBool::new(false),
+            #[cfg(feature = "seed-before")]
             lock: Mutex::new(()),
             instance: INSTANCES.fetch_add(1, Ordering::Relaxed),
         }
@@ -71,6 +79,7 @@ impl ObjectIds {
 
     /// Takes the id counter's one mutex (`bench_global_lock`), counting a wait when another
     /// thread holds it.
+    #[cfg(feature = "seed-before")]
     fn locked(&self, counters: &Counters) -> MutexGuard<'_, ()> {
         if let Some(guard) = self.lock.try_lock() {
             return guard;
@@ -80,7 +89,10 @@ impl ObjectIds {
     }
 
     /// See [`Engine::allocate_objectid`].
+    // `counters` counts waits for the seed-before switch's mutex alone.
+    #[cfg_attr(not(feature = "seed-before"), allow(unused_variables))]
     fn allocate(&self, counters: &Counters) -> Result<InodeNo> {
+        #[cfg(feature = "seed-before")]
         if self.bench_global_lock.load(Ordering::Relaxed) {
             let _guard = self.locked(counters);
             let id = self.next.load(Ordering::Relaxed);
@@ -104,7 +116,10 @@ impl ObjectIds {
     }
 
     /// See [`Engine::allocate_objectid_alone`].
+    // `counters` counts waits for the seed-before switch's mutex alone.
+    #[cfg_attr(not(feature = "seed-before"), allow(unused_variables))]
     fn allocate_alone(&self, counters: &Counters) -> Result<InodeNo> {
+        #[cfg(feature = "seed-before")]
         if self.bench_global_lock.load(Ordering::Relaxed) {
             // Ids taken one at a time leave the counter anywhere inside a batch.
             let _guard = self.locked(counters);
@@ -127,7 +142,9 @@ impl Engine {
 
     /// Benchmark only (mount option `bench_global_objectid_lock`, seed 002's "before"): every
     /// object id is taken from the counter under one mutex, one id at a time, with no batch per
-    /// thread; waits for the mutex count in `objectid_lock_waits`. Off by default.
+    /// thread; waits for the mutex count in `objectid_lock_waits`. Off by default; only in
+    /// builds with the `seed-before` feature (benchmark builds, never the shipped binary).
+    #[cfg(feature = "seed-before")]
     pub fn set_bench_global_objectid_lock(&self, on: bool) {
         self.ids.bench_global_lock.store(on, Ordering::Relaxed);
     }

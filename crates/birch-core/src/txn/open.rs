@@ -456,7 +456,7 @@ impl Engine {
         Ok((engine, bad))
     }
 
-    /// [`Engine::open`] from what [`OpenHead::read`] already read of `device` (the same
+    /// [`Engine::open`] from what `OpenHead::read` already read of `device` (the same
     /// bytes: `device` may be a fresh overlay of the device it was read from). Saves reading
     /// the superblock and the log again where the caller had to look at them first.
     pub fn open_from(device: Arc<dyn BlockDevice>, head: OpenHead) -> Result<Arc<Engine>> {

@@ -56,7 +56,7 @@ impl Engine {
     /// Makes a snapshot named `name` of the filesystem as the commit this call runs leaves
     /// it (atomic with that commit; on an idle filesystem that commit writes the list's leaf
     /// and the superblock, whatever the size of the tree). Errors: a bad name
-    /// ([`snapshot::check_name`]), a name in use (`Exists`), a read-only engine, the commit's.
+    /// (`snapshot::check_name`), a name in use (`Exists`), a read-only engine, the commit's.
     ///
     /// On a [`crate::Filesystem`] use its `create_snapshot`: this commit alone would record
     /// the sizes of buffered writes without their data, which only the filesystem's commit
@@ -171,7 +171,7 @@ impl Engine {
     /// one commit, at a generation above every earlier one, whose fs tree root is the
     /// snapshot's; the snapshot stays; `next_objectid` is kept (ids are never reused); the
     /// blocks only the replaced live tree held are given back once that commit is durable
-    /// (the deletion walk against the snapshot, [`snapshot::deletion_frees`]). Snapshots newer
+    /// (the deletion walk against the snapshot, `snapshot::deletion_frees`). Snapshots newer
     /// than `name` make it refuse (`Exists`, naming them) unless `destroy_newer`, which
     /// deletes them in the same commit. Returns the snapshot and the names of the deleted
     /// ones.
@@ -230,7 +230,7 @@ impl Engine {
     }
 
     /// The bytes only each snapshot holds, oldest first: what deleting it alone would give
-    /// back (`birch snapshot list`), found by the deletion walk ([`snapshot::deletion_frees`])
+    /// back (`birch snapshot list`), found by the deletion walk (`snapshot::deletion_frees`)
     /// against its neighbours without freeing anything. Reads the changed part of each pair
     /// of neighbouring trees; the committed root is held meanwhile.
     pub fn snapshot_space(&self) -> Result<Vec<(Snapshot, u64)>> {

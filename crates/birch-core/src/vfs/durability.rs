@@ -142,7 +142,7 @@ impl Filesystem {
 
     /// [`Filesystem::fsync`] of a log-clean inode without blocking: when everything of
     /// `ino` is queued in the fsync log already (and nothing is buffered, and no write
-    /// failed), defers the wait ([`crate::txn::LogHandle::defer`]) and returns
+    /// failed), defers the wait (`crate::txn::LogHandle::defer`) and returns
     /// `Ok(lead)`: `done` then gets the outcome from whichever thread learns it, and with
     /// `lead` set the caller must call [`Filesystem::fsync_lead`] with it on a thread that may
     /// block. `done` hears [`DeferredOutcome::LogFull`] when the log had no room: the caller

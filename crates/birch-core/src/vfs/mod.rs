@@ -65,11 +65,15 @@ pub struct OpenOptions {
     /// is kept in memory and written at the next commit, fsync of its file or dirty limit.
     /// Off: every write goes to the device before it returns.
     pub buffered: bool,
-    /// Benchmark only, off by default (seed 002's "before"): one mutex on the object id
-    /// counter for every create, no batch of ids per thread ([`Engine::set_bench_global_objectid_lock`]).
+    /// Benchmark only, off by default (seed 002's "before"; only with the `seed-before`
+    /// feature): one mutex on the object id counter for every create, no batch of ids per
+    /// thread ([`Engine::set_bench_global_objectid_lock`]).
+    #[cfg(feature = "seed-before")]
     pub bench_global_objectid_lock: bool,
-    /// Benchmark only, off by default (seed 003's "before"): the commit apply deletes and
-    /// inserts each changed extent item in a descent of its own ([`Engine::set_bench_apply_per_item`]).
+    /// Benchmark only, off by default (seed 003's "before"; only with the `seed-before`
+    /// feature): the commit apply deletes and inserts each changed extent item in a descent
+    /// of its own ([`Engine::set_bench_apply_per_item`]).
+    #[cfg(feature = "seed-before")]
     pub bench_apply_per_item: bool,
 }
 
@@ -81,7 +85,9 @@ impl Default for OpenOptions {
             wait_for_lock: false,
             fsync: FsyncMode::Log,
             buffered: true,
+            #[cfg(feature = "seed-before")]
             bench_global_objectid_lock: false,
+            #[cfg(feature = "seed-before")]
             bench_apply_per_item: false,
         }
     }
@@ -539,7 +545,7 @@ impl Filesystem {
     /// log, and the reopen after the replay's commit that rebuilds the free-space map from
     /// the new tree (as a writable open of the device does), which reclaims orphans, commits
     /// and then serves, turned read-only. The superblock and the log are read once, before
-    /// either ([`OpenHead`]).
+    /// either (`OpenHead`).
     pub fn open_device(device: Arc<dyn BlockDevice>, options: OpenOptions) -> Result<Filesystem> {
         if !options.read_only {
             return Filesystem::open_device_once(device, options);
@@ -584,8 +590,11 @@ impl Filesystem {
         if options.read_only {
             engine.set_read_only(ReadOnlyCause::Mounted);
         }
-        engine.set_bench_global_objectid_lock(options.bench_global_objectid_lock);
-        engine.set_bench_apply_per_item(options.bench_apply_per_item);
+        #[cfg(feature = "seed-before")]
+        {
+            engine.set_bench_global_objectid_lock(options.bench_global_objectid_lock);
+            engine.set_bench_apply_per_item(options.bench_apply_per_item);
+        }
         let inner = Arc::new(Inner {
             engine,
             table: (0..TABLE_SHARDS)

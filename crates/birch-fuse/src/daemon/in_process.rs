@@ -58,8 +58,11 @@ impl InProcessMount {
             keep_cache: caches,
             buffer: true,
             uring: Some(uring),
+            #[cfg(feature = "seed-before")]
             bench_serialize_sync_writes: false,
+            #[cfg(feature = "seed-before")]
             bench_global_objectid_lock: false,
+            #[cfg(feature = "seed-before")]
             bench_apply_per_item: false,
             ceph: CephOptions::default(),
             snapshot: None,

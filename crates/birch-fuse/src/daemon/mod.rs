@@ -58,12 +58,15 @@ pub struct MountConfig {
     /// also turns `enable_uring` on, and warns when it cannot have the ring; `Some(false)`
     /// serves over /dev/fuse only.
     pub uring: Option<bool>,
-    /// Benchmark-only switches, each a seed's "before" (off by default; docs/BENCHMARKS.md):
-    /// `bench_serialize_sync_writes`.
+    /// Benchmark-only switches, each a seed's "before" (off by default; only with the
+    /// `seed-before` feature; docs/BENCHMARKS.md): `bench_serialize_sync_writes`.
+    #[cfg(feature = "seed-before")]
     pub bench_serialize_sync_writes: bool,
-    /// `bench_global_objectid_lock` (benchmark only).
+    /// `bench_global_objectid_lock` (benchmark only, `seed-before` feature).
+    #[cfg(feature = "seed-before")]
     pub bench_global_objectid_lock: bool,
-    /// `bench_apply_per_item` (benchmark only).
+    /// `bench_apply_per_item` (benchmark only, `seed-before` feature).
+    #[cfg(feature = "seed-before")]
     pub bench_apply_per_item: bool,
     /// Cluster access for an `rbd:` image (`ceph_id=`, `ceph_conf=`, `keyring=`).
     pub ceph: CephOptions,

@@ -34,7 +34,9 @@ pub fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> Result<()
         wait_for_lock: true,
         fsync: config.fsync,
         buffered: config.buffer,
+        #[cfg(feature = "seed-before")]
         bench_global_objectid_lock: config.bench_global_objectid_lock,
+        #[cfg(feature = "seed-before")]
         bench_apply_per_item: config.bench_apply_per_item,
     };
     // An RBD snapshot (`rbd:POOL/IMAGE@SNAP`) cannot be written: it mounts read-only, takes
@@ -254,6 +256,7 @@ pub(crate) fn fuse_options(
         write_through_below,
         waiters: config.waiters,
         loops: config.threads,
+        #[cfg(feature = "seed-before")]
         bench_serialize_sync_writes: config.bench_serialize_sync_writes,
     };
     (options, cap)
