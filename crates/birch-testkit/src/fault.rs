@@ -66,7 +66,7 @@ pub enum Effect {
 
 /// One fault: requests of `op` overlapping `range`, from the `after`th matching request on,
 /// each with `percent` chance, at most `times` times, meet `effect`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct Rule {
     /// The kind of request.
     pub op: Op,
@@ -79,6 +79,9 @@ pub struct Rule {
     pub percent: u64,
     /// At most this many injections; `None`: no limit.
     pub times: Option<u64>,
+    /// Only writes whose bytes this accepts (a test that stamps one file's blocks fails only
+    /// that file's writes, wherever the allocator puts them); `None`: any.
+    pub content: Option<fn(&[u8]) -> bool>,
     /// What happens.
     pub effect: Effect,
 }
@@ -92,8 +95,15 @@ impl Rule {
             after: 0,
             percent: 100,
             times: None,
+            content: None,
             effect,
         }
+    }
+
+    /// Only writes whose bytes `accept` says yes to.
+    pub fn matching(mut self, accept: fn(&[u8]) -> bool) -> Rule {
+        self.content = Some(accept);
+        self
     }
 
     /// Only requests overlapping `[start, end)`.
@@ -193,9 +203,14 @@ impl Rule {
         Ok(rule)
     }
 
-    fn matches(&self, op: Op, span: Option<(u64, u64)>) -> bool {
+    fn matches(&self, op: Op, span: Option<(u64, u64)>, bytes: Option<&[u8]>) -> bool {
         if self.op != op {
             return false;
+        }
+        if let Some(accept) = self.content {
+            if !bytes.is_some_and(accept) {
+                return false;
+            }
         }
         match (self.range, span) {
             (None, _) => true,
@@ -337,12 +352,12 @@ impl FaultDevice {
 
     /// The effect a request meets, if any (the first rule that fires). Every matching rule
     /// counts the request.
-    fn decide(&self, op: Op, span: Option<(u64, u64)>) -> Option<Effect> {
+    fn decide(&self, op: Op, span: Option<(u64, u64)>, bytes: Option<&[u8]>) -> Option<Effect> {
         let mut rules = self.lock_rules();
         let Rules { armed, rng } = &mut *rules;
         let mut fired = None;
         for armed in armed.iter_mut() {
-            if !armed.rule.matches(op, span) {
+            if !armed.rule.matches(op, span, bytes) {
                 continue;
             }
             armed.seen += 1;
@@ -391,7 +406,7 @@ impl FaultDevice {
     }
 
     fn write_one(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        let effect = self.decide(Op::Write, Some((offset, buf.len() as u64)));
+        let effect = self.decide(Op::Write, Some((offset, buf.len() as u64)), Some(buf));
         match self.wait(effect) {
             None => self.inner.write_at(buf, offset),
             Some(Effect::Eio) => Err(self.eio("write", Some(offset))),
@@ -420,7 +435,7 @@ impl FaultDevice {
 
 impl BlockDevice for FaultDevice {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        let effect = self.decide(Op::Read, Some((offset, buf.len() as u64)));
+        let effect = self.decide(Op::Read, Some((offset, buf.len() as u64)), None);
         match self.wait(effect) {
             Some(Effect::Eio) => Err(self.eio("read", Some(offset))),
             _ => self.inner.read_at(buf, offset),
@@ -454,7 +469,7 @@ impl BlockDevice for FaultDevice {
     }
 
     fn flush(&self) -> io::Result<()> {
-        let effect = self.decide(Op::Flush, None);
+        let effect = self.decide(Op::Flush, None, None);
         match self.wait(effect) {
             Some(Effect::Eio) => Err(self.eio("flush", None)),
             Some(Effect::Lie) => {
@@ -554,6 +569,15 @@ mod tests {
     }
 
     #[test]
+    fn a_content_rule_fails_only_the_writes_it_accepts() {
+        let (mem, dev) = device();
+        dev.add(Rule::always(Op::Write, Effect::Eio).matching(|b| b.first() == Some(&7)));
+        assert!(dev.write_at(&block(7), 0).is_err());
+        dev.write_at(&block(8), BS).expect("other bytes");
+        assert_eq!(read(&*mem, BS), block(8));
+    }
+
+    #[test]
     fn a_full_device_says_enospc() {
         let (_, dev) = device();
         dev.add(Rule::always(Op::Write, Effect::NoSpace));
@@ -594,22 +618,23 @@ mod tests {
     fn rules_parse_from_text_and_bad_ones_are_refused() {
         let rule =
             Rule::parse("write:eio,range=0x1000-0x3000,after=3,percent=50,times=2").expect("parse");
-        assert_eq!(
-            rule,
-            Rule::always(Op::Write, Effect::Eio)
+        let same = |a: &Rule, b: &Rule| format!("{a:?}") == format!("{b:?}");
+        assert!(same(
+            &rule,
+            &Rule::always(Op::Write, Effect::Eio)
                 .within(0x1000, 0x3000)
                 .after(3)
                 .percent(50)
                 .times(2)
-        );
-        assert_eq!(
-            Rule::parse("flush:lie").expect("lie"),
-            Rule::always(Op::Flush, Effect::Lie)
-        );
-        assert_eq!(
-            Rule::parse("read:delay=15").expect("delay"),
-            Rule::always(Op::Read, Effect::Delay(Duration::from_millis(15)))
-        );
+        ));
+        assert!(same(
+            &Rule::parse("flush:lie").expect("lie"),
+            &Rule::always(Op::Flush, Effect::Lie)
+        ));
+        assert!(same(
+            &Rule::parse("read:delay=15").expect("delay"),
+            &Rule::always(Op::Read, Effect::Delay(Duration::from_millis(15)))
+        ));
         for bad in [
             "",
             "write",
