@@ -355,7 +355,7 @@ impl Tree {
             generation: 1,
         };
         let root = {
-            let mut w = TreeWriter::create(tree.ctx(), &tree.alloc, 1)?;
+            let mut w = TreeWriter::create(tree.ctx(), &tree.alloc, Generation::new(1))?;
             for node in w.write_dirty()? {
                 tree.cache.insert(node);
             }
@@ -387,7 +387,12 @@ impl Tree {
         for chunk in keys.chunks(batch) {
             let generation = self.generation + 1;
             let start = Instant::now();
-            let mut w = TreeWriter::new(self.ctx(), &self.alloc, generation, self.root);
+            let mut w = TreeWriter::new(
+                self.ctx(),
+                &self.alloc,
+                Generation::new(generation),
+                self.root,
+            );
             for key in chunk {
                 w.insert(*key, value.to_vec())?;
             }

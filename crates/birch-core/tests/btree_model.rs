@@ -66,7 +66,7 @@ impl Harness {
                 fsid: FSID,
                 owner: 5,
             };
-            let mut w = TreeWriter::create(ctx, &alloc, 1).expect("create");
+            let mut w = TreeWriter::create(ctx, &alloc, Generation::new(1)).expect("create");
             w.write_dirty().expect("write");
             w.root()
         };
@@ -160,7 +160,7 @@ fn run_case(seed: u64, ops: u64) {
         let batch = rng.gen_range(1..200u64).min(ops - done);
         let generation = h.generation + 1;
         let new_root = {
-            let mut w = TreeWriter::new(h.ctx(), &h.alloc, generation, h.root);
+            let mut w = TreeWriter::new(h.ctx(), &h.alloc, Generation::new(generation), h.root);
             for _ in 0..batch {
                 let a = rng.gen_range(0..key_space);
                 match rng.gen_range(0..11) {
@@ -338,7 +338,7 @@ fn btree_matches_model() {
 #[test]
 fn overwriting_one_extent_is_one_descent() {
     let h = Harness::new();
-    let mut w = TreeWriter::new(h.ctx(), &h.alloc, 2, h.root);
+    let mut w = TreeWriter::new(h.ctx(), &h.alloc, Generation::new(2), h.root);
     for n in 0..2000u64 {
         w.insert(
             Key {
@@ -388,7 +388,7 @@ fn parallel_round(
     let borrowed: Vec<(Key, Option<&[u8]>)> =
         changes.iter().map(|(k, v)| (*k, v.as_deref())).collect();
     let sample: Vec<Key> = borrowed.iter().step_by(weight).map(|(k, _)| *k).collect();
-    let mut w = TreeWriter::new(h.ctx(), &h.alloc, generation, h.root);
+    let mut w = TreeWriter::new(h.ctx(), &h.alloc, Generation::new(generation), h.root);
     let Some(mut plan) = parallel::plan(h.ctx(), h.root, &sample, weight, jobs).expect("plan")
     else {
         w.apply_sorted(&borrowed).expect("serial apply");
@@ -428,9 +428,14 @@ fn parallel_round(
                 let to = job.hi.map_or(borrowed.len(), |hi| {
                     borrowed.partition_point(|(k, _)| *k < hi)
                 });
-                let out =
-                    parallel::run_job(h.ctx(), &h.alloc, generation, job, &borrowed[from..to])
-                        .expect("job");
+                let out = parallel::run_job(
+                    h.ctx(),
+                    &h.alloc,
+                    Generation::new(generation),
+                    job,
+                    &borrowed[from..to],
+                )
+                .expect("job");
                 *outputs[i].lock().expect("output lock") = Some(out);
             });
         }

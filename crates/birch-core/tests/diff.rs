@@ -361,7 +361,7 @@ fn the_in_step_walk_finds_every_changed_item() {
     use birch_core::counters::Counters;
     use birch_core::diff::changed_items;
     use birch_format::superblock::RootPtr;
-    use birch_format::{BlockAddr, BlockCount, Key};
+    use birch_format::{BlockAddr, BlockCount, Generation, Key};
 
     let device = MemDevice::new(512 << 20);
     let alloc = Allocator::new(512 << 20);
@@ -398,8 +398,8 @@ fn the_in_step_walk_finds_every_changed_item() {
     let mut build = |rng: &mut SmallRng, from: Option<RootPtr>, changes: usize, span: u64| {
         generation += 1;
         let mut w = match from {
-            Some(root) => TreeWriter::new(ctx, &alloc, generation, root),
-            None => TreeWriter::create(ctx, &alloc, generation).expect("create"),
+            Some(root) => TreeWriter::new(ctx, &alloc, Generation::new(generation), root),
+            None => TreeWriter::create(ctx, &alloc, Generation::new(generation)).expect("create"),
         };
         for _ in 0..changes {
             let k = key(rng.gen_range(0..span));

@@ -20,7 +20,7 @@ use birch_core::counters::Counters;
 use birch_core::device::{BlockDevice, MemDevice};
 use birch_format::node::{Node, NodeBody};
 use birch_format::superblock::RootPtr;
-use birch_format::{BlockAddr, BlockCount, Key, NODE_SIZE};
+use birch_format::{BlockAddr, BlockCount, Generation, Key, NODE_SIZE};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -99,7 +99,7 @@ impl Tree {
             fsid: FSID,
             owner: OWNER,
         };
-        let mut w = TreeWriter::create(ctx, &alloc, 1).expect("create");
+        let mut w = TreeWriter::create(ctx, &alloc, Generation::new(1)).expect("create");
         let mut order: Vec<u64> = (0..count).collect();
         let mut rng = SmallRng::seed_from_u64(21);
         for i in (1..order.len()).rev() {

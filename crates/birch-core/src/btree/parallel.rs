@@ -16,11 +16,11 @@ use std::sync::Arc;
 
 use birch_format::node::{ChildPtr, Node, NodeBody};
 use birch_format::superblock::RootPtr;
-use birch_format::Key;
+use birch_format::{BlockAddr, Generation, Key};
 
 use super::writer::TreeWriter;
 use super::TreeCtx;
-use crate::alloc::Allocator;
+use crate::alloc::{Allocator, Birth};
 use crate::error::{Error, Result};
 
 /// One piece of a parallel apply: a run of sibling subtrees (or one piece of a cut leaf) and
@@ -230,7 +230,7 @@ pub fn plan(
 pub fn run_job(
     ctx: TreeCtx<'_>,
     alloc: &Allocator,
-    generation: u64,
+    generation: Generation,
     job: Job,
     changes: &[(Key, Option<&[u8]>)],
 ) -> Result<JobOutput> {
@@ -272,7 +272,8 @@ pub fn assemble(
     };
     let generation = writer.generation();
     while level > 0 {
-        let node = if let Some(node) = writer.dirty_node(root.addr) {
+        let addr = BlockAddr::new(root.addr);
+        let node = if let Some(node) = writer.dirty_node(addr) {
             node
         } else if let Some(node) = written.get(&root.addr) {
             node.clone()
@@ -285,12 +286,12 @@ pub fn assemble(
         let [only] = ptrs.as_slice() else {
             break;
         };
-        if root.generation < generation {
-            writer.retire(root.addr, root.generation);
-        } else if writer.dirty_node(root.addr).is_some() {
-            writer.discard(root.addr);
+        if root.generation < generation.get() {
+            writer.retire(addr, Birth::new(root.generation));
+        } else if writer.dirty_node(addr).is_some() {
+            writer.discard(addr);
         } else if written.remove(&root.addr).is_some() {
-            writer.free_new(root.addr);
+            writer.free_new(addr);
         }
         root = *only;
         level -= 1;
@@ -320,7 +321,7 @@ fn assemble_part(
     match part {
         Part::Job(index) => take_output(outputs, index),
         Part::Pieces { old, jobs } => {
-            writer.retire(old.addr, old.generation);
+            writer.retire(BlockAddr::new(old.addr), Birth::new(old.generation));
             let mut run = Vec::new();
             for index in jobs {
                 run.extend(take_output(outputs, index)?);
@@ -328,7 +329,7 @@ fn assemble_part(
             Ok(run)
         }
         Part::Expand { old, level, parts } => {
-            writer.retire(old.addr, old.generation);
+            writer.retire(BlockAddr::new(old.addr), Birth::new(old.generation));
             let mut children = Vec::new();
             for part in parts {
                 children.extend(assemble_part(writer, part, outputs)?);
