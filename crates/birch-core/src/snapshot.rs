@@ -118,7 +118,7 @@ pub(crate) fn read_list(ctx: TreeCtx<'_>, root: RootPtr) -> Result<(Vec<Snapshot
     let mut stack = vec![(root.addr, root.generation, root.level)];
     while let Some((addr, generation, level)) = stack.pop() {
         nodes.push(addr);
-        let node = ctx.read(addr, generation, level)?;
+        let node = ctx.read(BlockAddr::new(addr), Generation::new(generation), level)?;
         match &node.body {
             NodeBody::Internal(ptrs) => {
                 stack.extend(ptrs.iter().map(|p| (p.addr, p.generation, level - 1)));

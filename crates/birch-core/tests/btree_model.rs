@@ -105,7 +105,7 @@ fn walk(h: &Harness) -> Vec<(Key, Vec<u8>)> {
         out: &mut Vec<(Key, Vec<u8>)>,
     ) {
         let node: Arc<Node> = ctx
-            .read(addr, generation, level)
+            .read(BlockAddr::new(addr), Generation::new(generation), level)
             .expect("node reads and verifies");
         match &node.body {
             NodeBody::Leaf(items) => {
@@ -119,7 +119,13 @@ fn walk(h: &Harness) -> Vec<(Key, Vec<u8>)> {
             }
             NodeBody::Internal(ptrs) => {
                 for (i, p) in ptrs.iter().enumerate() {
-                    let child = ctx.read(p.addr, p.generation, level - 1).expect("child");
+                    let child = ctx
+                        .read(
+                            BlockAddr::new(p.addr),
+                            Generation::new(p.generation),
+                            level - 1,
+                        )
+                        .expect("child");
                     assert_eq!(
                         child.first_key(),
                         Some(p.key),
@@ -311,7 +317,11 @@ fn count_nodes(h: &Harness) -> u64 {
     let mut n = 0;
     while let Some((a, g, l)) = stack.pop() {
         n += 1;
-        if let NodeBody::Internal(ptrs) = &ctx.read(a, g, l).expect("node").body {
+        if let NodeBody::Internal(ptrs) = &ctx
+            .read(BlockAddr::new(a), Generation::new(g), l)
+            .expect("node")
+            .body
+        {
             stack.extend(ptrs.iter().map(|p| (p.addr, p.generation, l - 1)));
         }
     }
@@ -544,7 +554,11 @@ fn run_parallel_case(seed: u64, rounds: u64) -> u64 {
             if h.root.level > 0 {
                 let root = h
                     .ctx()
-                    .read(h.root.addr, h.root.generation, h.root.level)
+                    .read(
+                        BlockAddr::new(h.root.addr),
+                        Generation::new(h.root.generation),
+                        h.root.level,
+                    )
                     .expect("root");
                 assert!(
                     root.len() > 1,

@@ -157,7 +157,9 @@ impl Tree {
         let mut items = Vec::new();
         let mut stack = vec![(self.root.addr, self.root.generation, self.root.level)];
         while let Some((addr, generation, level)) = stack.pop() {
-            let node: Arc<Node> = ctx.read(addr, generation, level).expect("node");
+            let node: Arc<Node> = ctx
+                .read(BlockAddr::new(addr), Generation::new(generation), level)
+                .expect("node");
             nodes.push((addr, level));
             match &node.body {
                 NodeBody::Leaf(leaf) => items.extend(leaf.iter().cloned()),

@@ -84,7 +84,7 @@ impl Planner<'_, '_> {
     /// Parts for the children of the committed internal node `node_ptr` at `level`, which owns
     /// `[lo, hi)`.
     fn expand(&mut self, node_ptr: ChildPtr, level: u8, lo: Key, hi: Option<Key>) -> Result<Part> {
-        let node = self.ctx.read(node_ptr.addr, node_ptr.generation, level)?;
+        let node = self.ctx.read_child(&node_ptr, level)?;
         let NodeBody::Internal(ptrs) = &node.body else {
             return Err(Error::bug(format!(
                 "parallel apply plan: node {:#x} at level {level} is a leaf",
@@ -143,7 +143,7 @@ impl Planner<'_, '_> {
     /// into pieces of about `target` changes; each piece starts as a new leaf holding the old
     /// leaf's items of its range.
     fn cut_leaf(&mut self, ptr: ChildPtr, lo: Key, hi: Option<Key>, count: usize) -> Result<Part> {
-        let node = self.ctx.read(ptr.addr, ptr.generation, 0)?;
+        let node = self.ctx.read_child(&ptr, 0)?;
         let NodeBody::Leaf(items) = &node.body else {
             return Err(Error::bug(format!(
                 "parallel apply plan: node {:#x} at level 0 is internal",
@@ -278,7 +278,7 @@ pub fn assemble(
         } else if let Some(node) = written.get(&root.addr) {
             node.clone()
         } else {
-            writer.ctx().read(root.addr, root.generation, level)?
+            writer.ctx().read_child(&root, level)?
         };
         let NodeBody::Internal(ptrs) = &node.body else {
             break;

@@ -74,18 +74,16 @@ struct WriterSource<'w, 'a> {
 }
 
 impl NodeSource for WriterSource<'_, '_> {
-    fn node(&self, addr: u64, generation: u64, level: u8) -> Result<Arc<Node>> {
-        self.writer
-            .load(BlockAddr::new(addr), Generation::new(generation), level)
+    fn node(&self, addr: BlockAddr, generation: Generation, level: u8) -> Result<Arc<Node>> {
+        self.writer.load(addr, generation, level)
     }
 
-    fn prefetch(&self, children: &[(u64, u64, u8)]) -> Result<()> {
+    fn prefetch(&self, children: &[(BlockAddr, Generation, u8)]) -> Result<()> {
         // Dirty nodes are in memory already; the others come through the cache.
-        let clean: Vec<(u64, u64, u8)> = children
+        let clean: Vec<(BlockAddr, Generation, u8)> = children
             .iter()
             .filter(|(addr, generation, _)| {
-                *generation != self.writer.generation.get()
-                    || !self.writer.dirty.contains_key(&BlockAddr::new(*addr))
+                *generation != self.writer.generation || !self.writer.dirty.contains_key(addr)
             })
             .copied()
             .collect();
@@ -186,7 +184,7 @@ impl<'a> TreeWriter<'a> {
                 return Ok(node.clone());
             }
         }
-        self.ctx.read(addr.get(), generation.get(), level)
+        self.ctx.read(addr, generation, level)
     }
 
     fn new_node(&mut self, level: u8, body: NodeBody) -> Result<BlockAddr> {
@@ -217,7 +215,7 @@ impl<'a> TreeWriter<'a> {
         if birth.generation() == self.generation && self.dirty.contains_key(&addr) {
             return Ok(addr);
         }
-        let old = self.ctx.read(addr.get(), birth.generation().get(), level)?;
+        let old = self.ctx.read(addr, birth.generation(), level)?;
         let (new_addr, _) = self.alloc.allocate(NODE_RUN, NODE_RUN, Purpose::Metadata)?;
         let mut node = (*old).clone();
         node.header.addr = new_addr.get();
