@@ -24,6 +24,7 @@ use birch_format::{BlockAddr, BlockCount, Generation, Key, NODE_SIZE};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+use birch_format::ROOT_INO;
 use common::{Event, Recording};
 
 /// Leaf items, in key order.
@@ -444,7 +445,7 @@ fn a_failed_read_in_a_batch_fails_only_a_scan_that_needs_that_node() {
 fn a_cold_directory_listing_reads_leaves_in_batches() {
     let (mem, fs) = common::fresh(256 << 20);
     let dir = fs
-        .mkdir(Default::default(), 1, b"d", 0o755)
+        .mkdir(Default::default(), ROOT_INO, b"d", 0o755)
         .expect("mkdir")
         .ino;
     let n = 20_000usize;
@@ -527,7 +528,7 @@ fn a_cold_listing_on_an_image_file_lists_every_name() {
     birch_core::Filesystem::mkfs(dev.clone(), &Default::default()).expect("mkfs");
     let fs = common::open_quiet(&dev);
     let d = fs
-        .mkdir(Default::default(), 1, b"d", 0o755)
+        .mkdir(Default::default(), ROOT_INO, b"d", 0o755)
         .expect("mkdir")
         .ino;
     let n = 8_000usize;

@@ -21,7 +21,8 @@ use std::sync::Arc;
 
 use birch_format::items::InodeItem;
 use birch_format::{
-    Generation, InodeNo, BLOCK_SIZE, ROOT_OBJECTID, SNAPSHOT_DIR_OBJECTID, SUBVOLUME_SHIFT,
+    Generation, InodeNo, BLOCK_SIZE, ROOT_INO, ROOT_OBJECTID, SNAPSHOT_DIR_INO,
+    SNAPSHOT_DIR_OBJECTID, SUBVOLUME_SHIFT,
 };
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -200,11 +201,11 @@ impl Filesystem {
     /// The attributes of `/.snapshot`: a directory of mode 0555 owned by root, its times those
     /// of the newest snapshot (the root's when there is none).
     fn snapshot_dir_attr(&self) -> Result<Attr> {
-        let root = self.getattr(ROOT_OBJECTID)?;
+        let root = self.getattr(ROOT_INO)?;
         let list = self.inner.engine.snapshots();
         let t = list.last().map(|s| s.created).unwrap_or(root.ctime);
         Ok(Attr {
-            ino: SNAPSHOT_DIR_OBJECTID,
+            ino: SNAPSHOT_DIR_INO,
             size: 0,
             blocks: 0,
             atime: t,
@@ -277,7 +278,7 @@ impl Filesystem {
         }
         if name == b".." {
             let up = self.snap_parent_of(parent)?;
-            return self.getattr(up);
+            return self.getattr(InodeNo::new(up));
         }
         match parent {
             SnapNode::Dir => {
@@ -345,7 +346,7 @@ impl Filesystem {
         };
         if offset == 0 {
             out.push(DirEntryOut {
-                ino: this,
+                ino: InodeNo::new(this),
                 next_offset: 1,
                 kind: FileKind::Dir,
                 name: b".".to_vec(),
@@ -353,7 +354,7 @@ impl Filesystem {
         }
         if offset <= 1 && out.len() < limit {
             out.push(DirEntryOut {
-                ino: self.snap_parent_of(node)?,
+                ino: InodeNo::new(self.snap_parent_of(node)?),
                 next_offset: 2,
                 kind: FileKind::Dir,
                 name: b"..".to_vec(),
@@ -370,7 +371,7 @@ impl Filesystem {
                     items::listing(&view, InodeNo::new(obj), lo, hi, limit - out.len())?
                 {
                     out.push(DirEntryOut {
-                        ino: self.shown_ino(id, e.child),
+                        ino: InodeNo::new(self.shown_ino(id, e.child)),
                         next_offset: index + 1,
                         kind: FileKind::from_dtype(e.file_type),
                         name: e.name,
@@ -384,7 +385,7 @@ impl Filesystem {
                         continue;
                     }
                     out.push(DirEntryOut {
-                        ino: snapshot_ino(s.id, ROOT_OBJECTID),
+                        ino: InodeNo::new(snapshot_ino(s.id, ROOT_OBJECTID)),
                         next_offset: at + 1,
                         kind: FileKind::Dir,
                         name: s.name.into_bytes(),
