@@ -6,9 +6,8 @@
 mod common;
 
 use birch_core::vfs::{Caller, SetAttr};
-use birch_format::BLOCK_SIZE;
+use birch_format::{InodeNo, BLOCK_SIZE, ROOT_INO};
 
-use birch_format::{InodeNo, ROOT_INO};
 use common::{close_and_check_clean, crash_and_reopen, fresh};
 
 fn pattern(seed: u8, len: usize) -> Vec<u8> {

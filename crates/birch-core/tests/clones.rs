@@ -13,8 +13,7 @@ use birch_core::vfs::Caller;
 use birch_core::{Error, Filesystem};
 use birch_format::items::{ExtentKind, FileExtent};
 use birch_format::superblock::INCOMPAT_SHARED_EXTENTS;
-use birch_format::InodeNo;
-use birch_format::{ItemType, Key, BLOCK_SIZE};
+use birch_format::{InodeNo, ItemType, Key, BLOCK_SIZE};
 
 const ROOT: birch_format::InodeNo = birch_format::ROOT_INO;
 const DEVICE_BYTES: u64 = 64 << 20;

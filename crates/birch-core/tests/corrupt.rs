@@ -35,8 +35,7 @@ use birch_core::{Engine, Filesystem, MkfsOptions, ReadOnlyCause};
 use birch_format::items::{ExtentKind, FileExtent};
 use birch_format::node::{Expect, Node, NodeBody};
 use birch_format::superblock::{Superblock, SUPER_BYTES, SUPER_OFFSETS};
-use birch_format::{InodeNo, ROOT_INO};
-use birch_format::{ItemType, BLOCK_SIZE, FS_TREE_ID, NODE_SIZE};
+use birch_format::{InodeNo, ItemType, BLOCK_SIZE, FS_TREE_ID, NODE_SIZE, ROOT_INO};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

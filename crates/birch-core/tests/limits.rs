@@ -11,8 +11,7 @@ mod common;
 
 use birch_core::vfs::Caller;
 use birch_core::Filesystem;
-use birch_format::LINK_MAX;
-use birch_format::ROOT_INO;
+use birch_format::{LINK_MAX, ROOT_INO};
 
 #[test]
 fn hard_links_stop_at_link_max_with_emlink() {

@@ -20,11 +20,10 @@ use birch_core::counters::Counters;
 use birch_core::device::{BlockDevice, MemDevice};
 use birch_format::node::{Node, NodeBody};
 use birch_format::superblock::RootPtr;
-use birch_format::{BlockAddr, BlockCount, Generation, Key, NODE_SIZE};
+use birch_format::{BlockAddr, BlockCount, Generation, Key, NODE_SIZE, ROOT_INO};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use birch_format::ROOT_INO;
 use common::{Event, Recording};
 
 /// Leaf items, in key order.

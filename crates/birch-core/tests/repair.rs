@@ -17,8 +17,7 @@ use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::items::{ExtentKind, FileExtent, InodeItem};
 use birch_format::node::{Expect, Node, NodeBody};
 use birch_format::superblock::RootPtr;
-use birch_format::ROOT_INO;
-use birch_format::{name_hash, BlockCount, InodeNo, ItemType, Key};
+use birch_format::{name_hash, BlockCount, InodeNo, ItemType, Key, ROOT_INO};
 
 mod common;
 

@@ -33,8 +33,7 @@ use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Engine, Error, Filesystem, MkfsOptions};
 use birch_format::items::{ExtentKind, FileExtent};
 use birch_format::node::{Expect, Node, NodeBody};
-use birch_format::ROOT_INO;
-use birch_format::{ItemType, Key, BLOCK_SIZE, FS_TREE_ID, NODE_SIZE};
+use birch_format::{ItemType, Key, BLOCK_SIZE, FS_TREE_ID, NODE_SIZE, ROOT_INO};
 
 const IMAGE_BYTES: u64 = 32 << 20;
 const MANY_FILES: usize = 3000;

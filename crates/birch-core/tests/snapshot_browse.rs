@@ -14,7 +14,7 @@ use birch_core::device::{BlockDevice, MemDevice};
 use birch_core::items::{self, Changes, Link};
 use birch_core::vfs::{snapshot_ino, Caller, SetAttr};
 use birch_core::{Error, Filesystem, OpenOptions};
-use birch_format::{InodeNo, Key, SNAPSHOT_DIR_OBJECTID};
+use birch_format::{InodeNo, Key, SNAPSHOT_DIR_INO, SNAPSHOT_DIR_OBJECTID};
 
 const ROOT: birch_format::InodeNo = birch_format::ROOT_INO;
 const MIB: u64 = 1 << 20;
@@ -73,49 +73,30 @@ fn a_snapshot_is_browsable_under_the_hidden_directory() {
     // Hidden from the root's listing, found by name.
     assert!(!names(&fs, ROOT.get()).contains(&".snapshot".to_string()));
     let dir = fs.lookup(ROOT, b".snapshot").expect("lookup .snapshot");
-    assert_eq!(dir.ino, InodeNo::new(SNAPSHOT_DIR_OBJECTID));
+    assert_eq!(dir.ino, SNAPSHOT_DIR_INO);
     assert_eq!(dir.perm, 0o555);
     assert_eq!(names(&fs, SNAPSHOT_DIR_OBJECTID), [".", "..", "s1"]);
-    let listed = fs
-        .readdir(InodeNo::new(SNAPSHOT_DIR_OBJECTID), 0, 10)
-        .expect("readdir");
+    let listed = fs.readdir(SNAPSHOT_DIR_INO, 0, 10).expect("readdir");
     assert_eq!(listed[1].ino, ROOT, "`..` of /.snapshot is the root");
-    assert_eq!(
-        fs.lookup(InodeNo::new(SNAPSHOT_DIR_OBJECTID), b"..")
-            .expect("..")
-            .ino,
-        ROOT
-    );
+    assert_eq!(fs.lookup(SNAPSHOT_DIR_INO, b"..").expect("..").ino, ROOT);
 
     // The snapshot's root: inode numbers with the snapshot id in bits 48..63.
-    let s1 = fs
-        .lookup(InodeNo::new(SNAPSHOT_DIR_OBJECTID), b"s1")
-        .expect("lookup s1");
-    assert_eq!(s1.ino, InodeNo::new(snapshot_ino(id, ROOT.get())));
+    let s1 = fs.lookup(SNAPSHOT_DIR_INO, b"s1").expect("lookup s1");
+    assert_eq!(s1.ino, snapshot_ino(id, ROOT));
     assert_eq!(s1.ino.get() >> 48, id);
     assert_eq!(listed[2].ino, s1.ino, "d_ino is st_ino");
     assert_eq!(names(&fs, s1.ino.get()), [".", "..", "a", "d", "l"]);
     let entries = fs.readdir(s1.ino, 0, 10).expect("readdir s1");
-    assert_eq!(
-        entries[1].ino,
-        InodeNo::new(SNAPSHOT_DIR_OBJECTID),
-        "`..` of a snapshot root"
-    );
-    assert_eq!(
-        fs.parent_of(s1.ino).expect("parent"),
-        InodeNo::new(SNAPSHOT_DIR_OBJECTID)
-    );
-    assert_eq!(
-        fs.lookup(s1.ino, b"..").expect("..").ino,
-        InodeNo::new(SNAPSHOT_DIR_OBJECTID)
-    );
+    assert_eq!(entries[1].ino, SNAPSHOT_DIR_INO, "`..` of a snapshot root");
+    assert_eq!(fs.parent_of(s1.ino).expect("parent"), SNAPSHOT_DIR_INO);
+    assert_eq!(fs.lookup(s1.ino, b"..").expect("..").ino, SNAPSHOT_DIR_INO);
 
     // Files as they were, the live tree as it is.
     let live_a = fs.resolve("/a").expect("live a");
     let a = fs.lookup(s1.ino, b"a").expect("lookup a");
     assert_eq!(
         a.ino,
-        InodeNo::new(snapshot_ino(id, live_a.get())),
+        snapshot_ino(id, live_a),
         "same object id, other subvolume"
     );
     assert_eq!(entries[2].ino, a.ino);
@@ -158,9 +139,7 @@ fn a_snapshot_is_browsable_under_the_hidden_directory() {
 fn every_change_in_a_snapshot_is_erofs() {
     let (dev, fs, _) = with_snapshot();
     let c = Caller::default();
-    let s1 = fs
-        .lookup(InodeNo::new(SNAPSHOT_DIR_OBJECTID), b"s1")
-        .expect("s1");
+    let s1 = fs.lookup(SNAPSHOT_DIR_INO, b"s1").expect("s1");
     let a = fs.lookup(s1.ino, b"a").expect("a");
     let d = fs.lookup(s1.ino, b"d").expect("d");
     let erofs = libc::EROFS;
@@ -221,14 +200,8 @@ fn every_change_in_a_snapshot_is_erofs() {
     );
     assert_eq!(errno(fs.copy_file_range(live_a, 0, a.ino, 0, 5)), erofs);
     // The snapshot directory itself.
-    assert_eq!(
-        errno(fs.create(c, InodeNo::new(SNAPSHOT_DIR_OBJECTID), b"x", 0o644, 0)),
-        erofs
-    );
-    assert_eq!(
-        errno(fs.rmdir(InodeNo::new(SNAPSHOT_DIR_OBJECTID), b"s1")),
-        erofs
-    );
+    assert_eq!(errno(fs.create(c, SNAPSHOT_DIR_INO, b"x", 0o644, 0)), erofs);
+    assert_eq!(errno(fs.rmdir(SNAPSHOT_DIR_INO, b"s1")), erofs);
     assert_eq!(errno(fs.rmdir(ROOT, b".snapshot")), erofs);
     assert_eq!(errno(fs.rename(ROOT, b".snapshot", ROOT, b"y", 0)), erofs);
     // Copying out of a snapshot is a read of it.
@@ -318,7 +291,7 @@ fn an_image_with_a_snapshot_entry_in_the_root_refuses_the_upgrade() {
     fs.create_snapshot("s1").expect("snapshot");
     assert_eq!(
         fs.lookup(ROOT, b".snapshot").expect("lookup").ino,
-        InodeNo::new(SNAPSHOT_DIR_OBJECTID)
+        SNAPSHOT_DIR_INO
     );
     common::close_and_check_clean(fs, &dev, "upgrade");
 }
@@ -326,9 +299,7 @@ fn an_image_with_a_snapshot_entry_in_the_root_refuses_the_upgrade() {
 #[test]
 fn deleting_a_snapshot_with_a_file_open_in_it_is_ebusy() {
     let (dev, fs, _) = with_snapshot();
-    let s1 = fs
-        .lookup(InodeNo::new(SNAPSHOT_DIR_OBJECTID), b"s1")
-        .expect("s1");
+    let s1 = fs.lookup(SNAPSHOT_DIR_INO, b"s1").expect("s1");
     let id = s1.ino.get() >> 48;
     let a = fs.lookup(s1.ino, b"a").expect("a");
     let fh = fs.open_file(a.ino, libc::O_RDONLY).expect("open");
@@ -346,9 +317,7 @@ fn deleting_a_snapshot_with_a_file_open_in_it_is_ebusy() {
 #[test]
 fn a_deleted_snapshots_inodes_answer_an_error_not_data() {
     let (dev, fs, big) = with_snapshot();
-    let s1 = fs
-        .lookup(InodeNo::new(SNAPSHOT_DIR_OBJECTID), b"s1")
-        .expect("s1");
+    let s1 = fs.lookup(SNAPSHOT_DIR_INO, b"s1").expect("s1");
     let d = fs.lookup(s1.ino, b"d").expect("d");
     let b = fs.lookup(d.ino, b"b").expect("b");
     let id = s1.ino.get() >> 48;
@@ -389,10 +358,7 @@ fn a_deleted_snapshots_inodes_answer_an_error_not_data() {
     }
     assert_eq!(errno(fs.read(b.ino, 0, 10)), libc::ENOENT);
     assert_eq!(errno(fs.open_file(b.ino, libc::O_RDONLY)), libc::ENOENT);
-    assert_eq!(
-        errno(fs.lookup(InodeNo::new(SNAPSHOT_DIR_OBJECTID), b"s1")),
-        libc::ENOENT
-    );
+    assert_eq!(errno(fs.lookup(SNAPSHOT_DIR_INO, b"s1")), libc::ENOENT);
     assert_eq!(names(&fs, SNAPSHOT_DIR_OBJECTID), [".", ".."]);
     assert_eq!(
         errno(fs.engine().snapshot_view(id).map(|_| ())),
@@ -419,9 +385,7 @@ fn a_deleted_snapshots_inodes_answer_an_error_not_data() {
 
     // Snapshot ids are never reused: a new snapshot's inodes are not the old one's.
     fs.create_snapshot("s1").expect("again");
-    let again = fs
-        .lookup(InodeNo::new(SNAPSHOT_DIR_OBJECTID), b"s1")
-        .expect("s1 again");
+    let again = fs.lookup(SNAPSHOT_DIR_INO, b"s1").expect("s1 again");
     assert_ne!(again.ino, s1.ino);
     assert_eq!(errno(fs.getattr(b.ino)), libc::ENOENT);
     common::close_and_check_clean(fs, &dev, "after delete");

@@ -13,8 +13,7 @@ mod common;
 use birch_core::space::SpaceReport;
 use birch_core::vfs::Caller;
 use birch_core::{Error, Filesystem};
-use birch_format::InodeNo;
-use birch_format::BLOCK_SIZE;
+use birch_format::{InodeNo, BLOCK_SIZE};
 
 const ROOT: birch_format::InodeNo = birch_format::ROOT_INO;
 const DEVICE_BYTES: u64 = 64 << 20;

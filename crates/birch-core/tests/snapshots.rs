@@ -20,8 +20,7 @@ use birch_core::vfs::Caller;
 use birch_core::{Error, Filesystem};
 use birch_format::items::{decode_dir_entries, ExtentKind, FileExtent, InodeItem};
 use birch_format::superblock::INCOMPAT_SNAPSHOTS;
-use birch_format::InodeNo;
-use birch_format::{ItemType, Key, BLOCK_SIZE};
+use birch_format::{InodeNo, ItemType, Key, BLOCK_SIZE};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

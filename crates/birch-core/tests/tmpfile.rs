@@ -11,8 +11,7 @@
 
 use birch_core::vfs::Caller;
 use birch_core::Filesystem;
-use birch_format::ROOT_INO;
-use birch_format::{ItemType, Key, ORPHAN_OBJECTID};
+use birch_format::{ItemType, Key, ORPHAN_OBJECTID, ROOT_INO};
 
 mod common;
 

@@ -15,8 +15,7 @@ use birch_core::vfs::OpenOptions;
 use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::items::{decode_dir_entries, InodeItem};
 use birch_format::superblock::COMPAT_BACKUP_ROOTS;
-use birch_format::ROOT_INO;
-use birch_format::{name_hash, ItemType, Key};
+use birch_format::{name_hash, ItemType, Key, ROOT_INO};
 
 /// A fresh directory under the system temp dir, removed on drop.
 struct Scratch(PathBuf);

@@ -38,9 +38,10 @@ pub const SNAPSHOT_DIR_NAME: &[u8] = b".snapshot";
 
 const OBJECT_MASK: u64 = (1 << SUBVOLUME_SHIFT) - 1;
 
-/// The inode number of object `obj` of snapshot `id` (a subvolume) under `/.snapshot`.
-pub fn snapshot_ino(id: u64, obj: u64) -> u64 {
-    (id << SUBVOLUME_SHIFT) | (obj & OBJECT_MASK)
+/// The inode number of object `obj` (its inode number in the snapshot's tree) of snapshot `id`
+/// (a subvolume) under `/.snapshot`.
+pub fn snapshot_ino(id: u64, obj: InodeNo) -> InodeNo {
+    InodeNo::new((id << SUBVOLUME_SHIFT) | (obj.get() & OBJECT_MASK))
 }
 
 /// A node of the snapshot namespace.
@@ -182,7 +183,7 @@ impl Filesystem {
         if obj == ROOT_OBJECTID && self.alone() == Some(id) {
             ROOT_OBJECTID
         } else {
-            snapshot_ino(id, obj)
+            snapshot_ino(id, InodeNo::new(obj)).get()
         }
     }
 
@@ -385,7 +386,7 @@ impl Filesystem {
                         continue;
                     }
                     out.push(DirEntryOut {
-                        ino: InodeNo::new(snapshot_ino(s.id, ROOT_OBJECTID)),
+                        ino: snapshot_ino(s.id, ROOT_INO),
                         next_offset: at + 1,
                         kind: FileKind::Dir,
                         name: s.name.into_bytes(),

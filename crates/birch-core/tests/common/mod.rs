@@ -13,8 +13,7 @@ use birch_core::check::{check, CheckOptions};
 use birch_core::device::{BlockDevice, MemDevice};
 use birch_core::vfs::OpenOptions;
 use birch_core::{Filesystem, MkfsOptions};
-use birch_format::InodeNo;
-use birch_format::BLOCK_SIZE;
+use birch_format::{InodeNo, BLOCK_SIZE};
 use parking_lot::Mutex;
 
 /// Opens the filesystem on `dev` with no background commits.
