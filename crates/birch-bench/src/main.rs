@@ -72,7 +72,9 @@ use birch_core::txn::{union_walk, UnionWalk};
 use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::superblock::RootPtr;
-use birch_format::{BlockAddr, BlockCount, Generation, ItemType, Key, BLOCK_SIZE, NODE_SIZE};
+use birch_format::{
+    BlockAddr, BlockCount, Generation, InodeNo, ItemType, Key, BLOCK_SIZE, NODE_SIZE, ROOT_INO,
+};
 use clap::Parser;
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
@@ -361,7 +363,7 @@ impl Tree {
             generation: 1,
         };
         let root = {
-            let mut w = TreeWriter::create(tree.ctx(), &tree.alloc, 1)?;
+            let mut w = TreeWriter::create(tree.ctx(), &tree.alloc, Generation::new(1))?;
             for node in w.write_dirty()? {
                 tree.cache.insert(node);
             }
@@ -393,7 +395,12 @@ impl Tree {
         for chunk in keys.chunks(batch) {
             let generation = self.generation + 1;
             let start = Instant::now();
-            let mut w = TreeWriter::new(self.ctx(), &self.alloc, generation, self.root);
+            let mut w = TreeWriter::new(
+                self.ctx(),
+                &self.alloc,
+                Generation::new(generation),
+                self.root,
+            );
             for key in chunk {
                 w.insert(*key, value.to_vec())?;
             }
@@ -600,7 +607,7 @@ fn fs_snap(fs: &Filesystem) -> Snap {
 /// creates, time in sync).
 fn create_files(
     fs: &Filesystem,
-    dir: u64,
+    dir: InodeNo,
     n: usize,
     ready: Option<&Barrier>,
 ) -> Res<(Duration, Duration)> {
@@ -669,8 +676,8 @@ fn write_blocks(
     for _ in 0..CHUNKS {
         for _ in 0..n / CHUNKS {
             match at() {
-                Some(offset) => fs.write(ino, offset, &block, false)?,
-                None => fs.write(ino, 0, &block, true)?,
+                Some(offset) => fs.write(InodeNo::new(ino), offset, &block, false)?,
+                None => fs.write(InodeNo::new(ino), 0, &block, true)?,
             };
         }
         let t = Instant::now();
@@ -686,8 +693,12 @@ fn create_run(target: &Target, n: usize, threads: usize) -> Res<Row> {
     let c = Caller::default();
     let fs = new_fs(target, 1 << 30)?;
     let dirs = (0..threads)
-        .map(|t| Ok(fs.mkdir(c, 1, format!("d{t}").as_bytes(), 0o755)?.ino))
-        .collect::<Res<Vec<u64>>>()?;
+        .map(|t| {
+            Ok(fs
+                .mkdir(c, ROOT_INO, format!("d{t}").as_bytes(), 0o755)?
+                .ino)
+        })
+        .collect::<Res<Vec<InodeNo>>>()?;
     fs.sync()?;
     let per = n / threads;
     let barrier = Barrier::new(threads + 1);
@@ -810,10 +821,10 @@ fn bench_fs(target: &Target, sizes: &Sizes, args: &Args, rows: &mut Vec<Row>) ->
         let n = sizes.appends / CHUNKS * CHUNKS;
         eprintln!("fs: {n} 4 KiB appends ...");
         let fs = new_fs(target, 2 << 30)?;
-        let (attr, fh) = fs.create(c, 1, b"append", 0o644, 0)?;
+        let (attr, fh) = fs.create(c, ROOT_INO, b"append", 0o644, 0)?;
         fs.sync()?;
         let before = fs_snap(&fs);
-        let (secs, in_sync) = write_blocks(&fs, attr.ino, n, || None)?;
+        let (secs, in_sync) = write_blocks(&fs, attr.ino.get(), n, || None)?;
         let delta = fs_snap(&fs).since(&before);
         let mut row = fs_row("append 4 KiB", "writes/s", n, secs, in_sync, delta);
         row.extra
@@ -827,7 +838,7 @@ fn bench_fs(target: &Target, sizes: &Sizes, args: &Args, rows: &mut Vec<Row>) ->
         const FILE_BYTES: u64 = 64 << 20;
         eprintln!("fs: {n} 4 KiB random overwrites in a 64 MiB file ...");
         let fs = new_fs(target, 2 << 30)?;
-        let (attr, fh) = fs.create(c, 1, b"overwrite", 0o644, 0)?;
+        let (attr, fh) = fs.create(c, ROOT_INO, b"overwrite", 0o644, 0)?;
         let mib = vec![0x11u8; 1 << 20];
         for at in (0..FILE_BYTES).step_by(mib.len()) {
             fs.write(attr.ino, at, &mib, false)?;
@@ -838,7 +849,7 @@ fn bench_fs(target: &Target, sizes: &Sizes, args: &Args, rows: &mut Vec<Row>) ->
         }
         let mut rng = SmallRng::seed_from_u64(SEED ^ 2);
         let before = fs_snap(&fs);
-        let (secs, in_sync) = write_blocks(&fs, attr.ino, n, || {
+        let (secs, in_sync) = write_blocks(&fs, attr.ino.get(), n, || {
             Some(rng.gen_range(0..FILE_BYTES / BLOCK_SIZE) * BLOCK_SIZE)
         })?;
         let delta = fs_snap(&fs).since(&before);
@@ -854,7 +865,7 @@ fn bench_fs(target: &Target, sizes: &Sizes, args: &Args, rows: &mut Vec<Row>) ->
             in_sync,
             delta,
         );
-        let (extents, _) = count_extents(&fs, attr.ino)?;
+        let (extents, _) = count_extents(&fs, attr.ino.get())?;
         row.extra.push(("file_extents_after", extents as f64));
         rows.push(row);
         fs.release(attr.ino, fh)?;
@@ -884,7 +895,9 @@ fn bench_diff(target: &Target, args: &Args, rows: &mut Vec<Row>) -> Res<()> {
     let mut inos = Vec::with_capacity(files);
     let start = Instant::now();
     for d in 0..files / 1000 {
-        let dir = fs.mkdir(c, 1, format!("d{d:05}").as_bytes(), 0o755)?.ino;
+        let dir = fs
+            .mkdir(c, ROOT_INO, format!("d{d:05}").as_bytes(), 0o755)?
+            .ino;
         for i in 0..1000 {
             let (attr, fh) = fs.create(c, dir, format!("f{i:04}").as_bytes(), 0o644, 0)?;
             fs.write(attr.ino, 0, &bytes, false)?;
@@ -1039,7 +1052,9 @@ fn bench_open(target: &Target, args: &Args, rows: &mut Vec<Row>) -> Res<()> {
     let start = Instant::now();
     let mut inos = Vec::with_capacity(files);
     for d in 0..files / 1000 {
-        let dir = fs.mkdir(c, 1, format!("d{d:05}").as_bytes(), 0o755)?.ino;
+        let dir = fs
+            .mkdir(c, ROOT_INO, format!("d{d:05}").as_bytes(), 0o755)?
+            .ino;
         for i in 0..1000 {
             let (attr, fh) = fs.create(c, dir, format!("f{i:04}").as_bytes(), 0o644, 0)?;
             fs.write(attr.ino, 0, &block, false)?;
@@ -1196,7 +1211,7 @@ fn bench_open(target: &Target, args: &Args, rows: &mut Vec<Row>) -> Res<()> {
     let refs = change;
     let keys: Vec<Key> = inos
         .choose_multiple(&mut rng, refs)
-        .map(|ino| Key::new(*ino, ItemType::Xattr, 0x15))
+        .map(|ino| Key::new(ino.get(), ItemType::Xattr, 0x15))
         .collect();
     rows.push(extra_items_row(
         &engine,

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use birch_core::vfs::Caller;
 use birch_core::{Filesystem, MkfsOptions, OpenOptions};
+use birch_format::ROOT_INO;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path: PathBuf = std::env::args()
@@ -16,7 +17,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     Filesystem::mkfs_path(&path, Some(64 << 20), &MkfsOptions::default())?;
     {
         let fs = Filesystem::open(&path, OpenOptions::default())?;
-        fs.mkdir(Caller::default(), 1, b"docs", 0o755)?;
+        fs.mkdir(Caller::default(), ROOT_INO, b"docs", 0o755)?;
         fs.write_file("/docs/hello.txt", b"hello from an embedded birchfs")?;
         fs.close()?;
     }

@@ -724,17 +724,17 @@ impl Allocator {
             .fetch_max(generation.get(), Ordering::AcqRel);
     }
 
-    /// Marks the snapshot of commit `generation` as dropped by commit `dropped_in` (at its
-    /// freeze): it holds no block freed after that commit.
-    /// Two snapshots made by one commit have one hold each: only one is dropped, so the other
-    /// still keeps what the live tree frees later.
-    pub fn drop_hold(&self, generation: Generation, dropped_in: Generation) {
+    /// Marks a kept snapshot of commit `dropped.generation` as dropped by commit
+    /// `dropped.dropped_in` (at its freeze): it holds no block freed after that commit. The
+    /// two generations come as the named fields of one [`SnapshotHold`], so they cannot be
+    /// swapped. Two snapshots made by one commit have one hold each: only one is dropped, so
+    /// the other still keeps what the live tree frees later.
+    pub fn drop_hold(&self, dropped: SnapshotHold) {
         let mut holds = self.holds.write();
-        if let Some(hold) = holds
-            .iter_mut()
-            .find(|hold| hold.generation == generation && hold.dropped_in == SnapshotHold::KEPT)
-        {
-            hold.dropped_in = dropped_in;
+        if let Some(hold) = holds.iter_mut().find(|hold| {
+            hold.generation == dropped.generation && hold.dropped_in == SnapshotHold::KEPT
+        }) {
+            hold.dropped_in = dropped.dropped_in;
         }
     }
 
@@ -1237,7 +1237,10 @@ mod tests {
         let (addr, _) = a.allocate(b(4), b(4), Purpose::Data).expect("space");
         a.add_hold(g(6));
         a.add_hold(g(6));
-        a.drop_hold(g(6), g(8));
+        a.drop_hold(SnapshotHold {
+            generation: g(6),
+            dropped_in: g(8),
+        });
         a.forget_holds(g(8));
         assert_eq!(a.holds().len(), 1);
         assert_eq!(a.newest_snapshot_generation(), g(6));
@@ -1261,7 +1264,10 @@ mod tests {
         assert!(a.free_recorded(g(6), Birth::new(4), addr + b(4), b(1)));
         assert_eq!(a.kept_blocks(), b(2));
         // Dropped by commit 9: frees up to 9 are its deletion walk's, later ones are freed.
-        a.drop_hold(g(6), g(9));
+        a.drop_hold(SnapshotHold {
+            generation: g(6),
+            dropped_in: g(9),
+        });
         assert!(!a.free_recorded(g(9), Birth::new(5), addr + b(5), b(1)));
         assert!(a.free_recorded(g(10), Birth::new(5), addr + b(6), b(1)));
         a.forget_holds(g(9));

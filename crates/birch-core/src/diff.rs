@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use birch_format::items::{decode_inode_refs, FileExtent, InodeItem, Timespec};
 use birch_format::node::NodeBody;
 use birch_format::superblock::RootPtr;
-use birch_format::{ItemType, Key, ROOT_OBJECTID};
+use birch_format::{BlockAddr, Generation, ItemType, Key, ROOT_OBJECTID};
 
 use crate::btree::{TreeCtx, TreeReader};
 use crate::error::{Error, Result};
@@ -115,7 +115,7 @@ impl Cursor {
         else {
             return Ok(());
         };
-        let node = ctx.read(addr, generation, level)?;
+        let node = ctx.read(BlockAddr::new(addr), Generation::new(generation), level)?;
         stats.nodes_read += 1;
         match &node.body {
             NodeBody::Internal(ptrs) => {

@@ -26,8 +26,8 @@ use birch_format::superblock::{
     BackupRoot, RootPtr, Superblock, INCOMPAT_XATTR_CHUNKS, SUPER_OFFSETS,
 };
 use birch_format::{
-    BlockAddr, BlockCount, InodeNo, ItemType, Key, BLOCK_SIZE, INLINE_MAX_BYTES, ORPHAN_OBJECTID,
-    ROOT_OBJECTID,
+    BlockAddr, BlockCount, Generation, InodeNo, ItemType, Key, BLOCK_SIZE, INLINE_MAX_BYTES,
+    ORPHAN_OBJECTID, ROOT_OBJECTID,
 };
 
 use birch_format::node::NodeBody;
@@ -1676,7 +1676,7 @@ fn salvage(device: &Arc<dyn BlockDevice>, out: &mut RepairReport) -> Result<bool
         owner: FS_TREE_ID,
     };
     let generation = sb.generation + 1;
-    let mut writer = TreeWriter::create(ctx, &alloc, generation)?;
+    let mut writer = TreeWriter::create(ctx, &alloc, Generation::new(generation))?;
     let count = h.items.len();
     for (key, value) in h.items {
         if let Err(e) = writer.insert(key, value) {

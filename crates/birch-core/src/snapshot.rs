@@ -19,8 +19,8 @@ use birch_format::items::{FileExtent, SnapshotItem, Timespec};
 use birch_format::node::NodeBody;
 use birch_format::superblock::{RootPtr, RESERVED_HEAD_BYTES};
 use birch_format::{
-    BlockAddr, BlockCount, FormatError, ItemType, Key, BLOCK_SIZE, NAME_MAX, NODE_BLOCKS,
-    SNAPSHOT_TREE_ID,
+    BlockAddr, BlockCount, FormatError, Generation, ItemType, Key, BLOCK_SIZE, NAME_MAX,
+    NODE_BLOCKS, SNAPSHOT_TREE_ID,
 };
 
 use crate::alloc::Allocator;
@@ -128,7 +128,7 @@ pub(crate) fn read_list(ctx: TreeCtx<'_>, root: RootPtr) -> Result<(Vec<Snapshot
     let mut stack = vec![(root.addr, root.generation, root.level)];
     while let Some((addr, generation, level)) = stack.pop() {
         nodes.push(addr);
-        let node = ctx.read(addr, generation, level)?;
+        let node = ctx.read(BlockAddr::new(addr), Generation::new(generation), level)?;
         match &node.body {
             NodeBody::Internal(ptrs) => {
                 stack.extend(ptrs.iter().map(|p| (p.addr, p.generation, level - 1)));
@@ -168,7 +168,7 @@ pub(crate) fn read_list(ctx: TreeCtx<'_>, root: RootPtr) -> Result<(Vec<Snapshot
 pub(crate) fn write_list(
     ctx: TreeCtx<'_>,
     alloc: &Allocator,
-    generation: u64,
+    generation: Generation,
     list: &[Snapshot],
 ) -> Result<(RootPtr, Vec<std::sync::Arc<birch_format::node::Node>>)> {
     if list.is_empty() {
@@ -310,9 +310,11 @@ fn walk(
 pub(crate) fn deletion_frees(
     ctx: TreeCtx<'_>,
     victim: &Snapshot,
-    older: u64,
+    older: Generation,
     newer: RootPtr,
 ) -> Result<Vec<(BlockAddr, BlockCount)>> {
+    // Compared below with the raw generations of node headers and extent items.
+    let older = older.get();
     let mut shared: HashSet<u64> = HashSet::new();
     let mut newer_blocks: HashSet<u64> = HashSet::new();
     walk(

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use birch_core::device::MemDevice;
 use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Filesystem, MkfsOptions};
+use birch_format::ROOT_INO;
 
 const BLOCK: u64 = 4096;
 const BLOCKS: u64 = 64;
@@ -29,7 +30,7 @@ fn descents_of_overwrite_commit(per_item: bool) -> u64 {
     };
     let fs = Filesystem::open_device(dev, options).expect("open");
     let (f, _) = fs
-        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"f", 0o644, 0)
         .expect("create");
     let block = vec![7u8; BLOCK as usize];
     for i in 0..BLOCKS {

@@ -66,7 +66,7 @@ impl Harness {
                 fsid: FSID,
                 owner: 5,
             };
-            let mut w = TreeWriter::create(ctx, &alloc, 1).expect("create");
+            let mut w = TreeWriter::create(ctx, &alloc, Generation::new(1)).expect("create");
             w.write_dirty().expect("write");
             w.root()
         };
@@ -105,7 +105,7 @@ fn walk(h: &Harness) -> Vec<(Key, Vec<u8>)> {
         out: &mut Vec<(Key, Vec<u8>)>,
     ) {
         let node: Arc<Node> = ctx
-            .read(addr, generation, level)
+            .read(BlockAddr::new(addr), Generation::new(generation), level)
             .expect("node reads and verifies");
         match &node.body {
             NodeBody::Leaf(items) => {
@@ -119,7 +119,13 @@ fn walk(h: &Harness) -> Vec<(Key, Vec<u8>)> {
             }
             NodeBody::Internal(ptrs) => {
                 for (i, p) in ptrs.iter().enumerate() {
-                    let child = ctx.read(p.addr, p.generation, level - 1).expect("child");
+                    let child = ctx
+                        .read(
+                            BlockAddr::new(p.addr),
+                            Generation::new(p.generation),
+                            level - 1,
+                        )
+                        .expect("child");
                     assert_eq!(
                         child.first_key(),
                         Some(p.key),
@@ -160,7 +166,7 @@ fn run_case(seed: u64, ops: u64) {
         let batch = rng.gen_range(1..200u64).min(ops - done);
         let generation = h.generation + 1;
         let new_root = {
-            let mut w = TreeWriter::new(h.ctx(), &h.alloc, generation, h.root);
+            let mut w = TreeWriter::new(h.ctx(), &h.alloc, Generation::new(generation), h.root);
             for _ in 0..batch {
                 let a = rng.gen_range(0..key_space);
                 match rng.gen_range(0..11) {
@@ -311,7 +317,11 @@ fn count_nodes(h: &Harness) -> u64 {
     let mut n = 0;
     while let Some((a, g, l)) = stack.pop() {
         n += 1;
-        if let NodeBody::Internal(ptrs) = &ctx.read(a, g, l).expect("node").body {
+        if let NodeBody::Internal(ptrs) = &ctx
+            .read(BlockAddr::new(a), Generation::new(g), l)
+            .expect("node")
+            .body
+        {
             stack.extend(ptrs.iter().map(|p| (p.addr, p.generation, l - 1)));
         }
     }
@@ -338,7 +348,7 @@ fn btree_matches_model() {
 #[test]
 fn overwriting_one_extent_is_one_descent() {
     let h = Harness::new();
-    let mut w = TreeWriter::new(h.ctx(), &h.alloc, 2, h.root);
+    let mut w = TreeWriter::new(h.ctx(), &h.alloc, Generation::new(2), h.root);
     for n in 0..2000u64 {
         w.insert(
             Key {
@@ -388,7 +398,7 @@ fn parallel_round(
     let borrowed: Vec<(Key, Option<&[u8]>)> =
         changes.iter().map(|(k, v)| (*k, v.as_deref())).collect();
     let sample: Vec<Key> = borrowed.iter().step_by(weight).map(|(k, _)| *k).collect();
-    let mut w = TreeWriter::new(h.ctx(), &h.alloc, generation, h.root);
+    let mut w = TreeWriter::new(h.ctx(), &h.alloc, Generation::new(generation), h.root);
     let Some(mut plan) = parallel::plan(h.ctx(), h.root, &sample, weight, jobs).expect("plan")
     else {
         w.apply_sorted(&borrowed).expect("serial apply");
@@ -428,9 +438,14 @@ fn parallel_round(
                 let to = job.hi.map_or(borrowed.len(), |hi| {
                     borrowed.partition_point(|(k, _)| *k < hi)
                 });
-                let out =
-                    parallel::run_job(h.ctx(), &h.alloc, generation, job, &borrowed[from..to])
-                        .expect("job");
+                let out = parallel::run_job(
+                    h.ctx(),
+                    &h.alloc,
+                    Generation::new(generation),
+                    job,
+                    &borrowed[from..to],
+                )
+                .expect("job");
                 *outputs[i].lock().expect("output lock") = Some(out);
             });
         }
@@ -539,7 +554,11 @@ fn run_parallel_case(seed: u64, rounds: u64) -> u64 {
             if h.root.level > 0 {
                 let root = h
                     .ctx()
-                    .read(h.root.addr, h.root.generation, h.root.level)
+                    .read(
+                        BlockAddr::new(h.root.addr),
+                        Generation::new(h.root.generation),
+                        h.root.level,
+                    )
                     .expect("root");
                 assert!(
                     root.len() > 1,

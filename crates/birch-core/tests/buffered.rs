@@ -6,7 +6,7 @@
 mod common;
 
 use birch_core::vfs::{Caller, SetAttr};
-use birch_format::BLOCK_SIZE;
+use birch_format::{InodeNo, BLOCK_SIZE, ROOT_INO};
 
 use common::{close_and_check_clean, crash_and_reopen, fresh};
 
@@ -23,13 +23,13 @@ fn pattern(seed: u8, len: usize) -> Vec<u8> {
 fn buffered_data_is_durable_after_commit_or_fsync_and_absent_before() {
     let (dev, fs) = fresh(64 << 20);
     let (a, _) = fs
-        .create(Caller::default(), 1, b"a", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"a", 0o644, 0)
         .expect("create");
     let (b, _) = fs
-        .create(Caller::default(), 1, b"b", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"b", 0o644, 0)
         .expect("create");
     let (c, _) = fs
-        .create(Caller::default(), 1, b"c", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"c", 0o644, 0)
         .expect("create");
     fs.sync().expect("commit the names");
     let writes_before = fs.engine().device().counters().values().device_writes;
@@ -79,11 +79,11 @@ fn a_rename_never_commits_without_the_data_written_before_it() {
     fs.write_file("/config", &pattern(9, 50_000)).expect("old");
     fs.sync().expect("commit the old file");
     let (tmp, _) = fs
-        .create(Caller::default(), 1, b"config.tmp", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"config.tmp", 0o644, 0)
         .expect("create tmp");
     fs.write(tmp.ino, 0, &pattern(10, 70_000), false)
         .expect("write tmp");
-    fs.rename(1, b"config.tmp", 1, b"config", 0)
+    fs.rename(ROOT_INO, b"config.tmp", ROOT_INO, b"config", 0)
         .expect("rename");
     fs.sync().expect("commit");
     let (dev2, fs) = crash_and_reopen(fs, &dev);
@@ -98,7 +98,7 @@ fn a_rename_never_commits_without_the_data_written_before_it() {
 fn scattered_writes_flush_in_one_device_write() {
     let (dev, fs) = fresh(64 << 20);
     let (f, _) = fs
-        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"f", 0o644, 0)
         .expect("create");
     let blocks: Vec<u64> = (0..64u64).map(|i| (i * 37) % 256 * 2).collect();
     for (n, block) in blocks.iter().enumerate() {
@@ -149,7 +149,7 @@ fn scattered_writes_flush_in_one_device_write() {
 fn truncate_cuts_buffered_data() {
     let (dev, fs) = fresh(64 << 20);
     let (f, _) = fs
-        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"f", 0o644, 0)
         .expect("create");
     fs.write(f.ino, 0, &pattern(5, 20_000), false)
         .expect("write");
@@ -184,7 +184,7 @@ fn truncate_cuts_buffered_data() {
 fn buffered_blocks_reserve_their_space_at_write() {
     let (dev, fs) = fresh(32 << 20);
     let (f, _) = fs
-        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"f", 0o644, 0)
         .expect("create");
     let avail = fs.statfs().bavail;
     fs.write(f.ino, 0, &vec![7u8; 1 << 20], false)
@@ -221,12 +221,18 @@ fn buffered_blocks_reserve_their_space_at_write() {
 fn commits_during_buffered_writes_keep_every_returned_write() {
     let (dev, fs) = fresh(128 << 20);
     let fs = std::sync::Arc::new(fs);
-    let files: Vec<u64> = (0..4)
+    let files: Vec<InodeNo> = (0..4)
         .map(|n| {
-            fs.create(Caller::default(), 1, format!("f{n}").as_bytes(), 0o644, 0)
-                .expect("create")
-                .0
-                .ino
+            fs.create(
+                Caller::default(),
+                ROOT_INO,
+                format!("f{n}").as_bytes(),
+                0o644,
+                0,
+            )
+            .expect("create")
+            .0
+            .ino
         })
         .collect();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -238,8 +244,13 @@ fn commits_during_buffered_writes_keep_every_returned_write() {
             std::thread::spawn(move || {
                 let mut off = 0u64;
                 while !stop.load(std::sync::atomic::Ordering::SeqCst) && off < (8 << 20) {
-                    fs.write(ino, off, &pattern((off / 7) as u8, 7_000), false)
-                        .expect("write");
+                    fs.write(
+                        InodeNo::new(ino.get()),
+                        off,
+                        &pattern((off / 7) as u8, 7_000),
+                        false,
+                    )
+                    .expect("write");
                     off += 7_000;
                 }
             })
@@ -250,7 +261,7 @@ fn commits_during_buffered_writes_keep_every_returned_write() {
         std::thread::sleep(std::time::Duration::from_millis(20));
         let before: Vec<u64> = files
             .iter()
-            .map(|&ino| fs.getattr(ino).expect("attr").size)
+            .map(|&ino| fs.getattr(InodeNo::new(ino.get())).expect("attr").size)
             .collect();
         fs.sync().expect("commit");
         sizes = before;
@@ -262,12 +273,14 @@ fn commits_during_buffered_writes_keep_every_returned_write() {
     let fs = std::sync::Arc::into_inner(fs).expect("last handle");
     let (dev2, fs) = crash_and_reopen(fs, &dev);
     for (ino, size) in files.iter().zip(sizes) {
-        let got = fs.getattr(*ino).expect("attr").size;
+        let got = fs.getattr(InodeNo::new(ino.get())).expect("attr").size;
         assert!(
             got >= size,
             "inode {ino}: {got} bytes after the crash, {size} before the last commit"
         );
-        let data = fs.read(*ino, 0, got as usize).expect("read");
+        let data = fs
+            .read(InodeNo::new(ino.get()), 0, got as usize)
+            .expect("read");
         for (n, chunk) in data.chunks(7_000).enumerate() {
             let off = n as u64 * 7_000;
             assert_eq!(
@@ -295,7 +308,7 @@ fn buffering_off_writes_through() {
     )
     .expect("open");
     let (f, _) = fs
-        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"f", 0o644, 0)
         .expect("create");
     let before = fs.engine().device().counters().values().device_writes;
     fs.write(f.ino, 0, &pattern(1, 100_000), false)
@@ -312,7 +325,7 @@ fn buffering_off_writes_through() {
 fn whole_block_writes_to_a_log_clean_file_go_through() {
     let (dev, fs) = fresh(64 << 20);
     let (f, _) = fs
-        .create(Caller::default(), 1, b"db", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"db", 0o644, 0)
         .expect("create");
     fs.write(f.ino, 0, &pattern(1, 64 * 1024), false)
         .expect("write");
@@ -358,7 +371,7 @@ fn whole_block_writes_to_a_log_clean_file_go_through() {
 fn an_evicted_file_keeps_its_buffered_data() {
     let (dev, fs) = fresh(64 << 20);
     let (f, fh) = fs
-        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"f", 0o644, 0)
         .expect("create");
     fs.write(f.ino, 0, &pattern(3, 100_000), false)
         .expect("write");
@@ -388,10 +401,16 @@ fn an_evicted_file_keeps_its_buffered_data() {
 #[test]
 fn a_drain_of_many_files_keeps_them_all() {
     let (dev, fs) = fresh(128 << 20);
-    let files: Vec<u64> = (0..300u32)
+    let files: Vec<InodeNo> = (0..300u32)
         .map(|n| {
             let (f, fh) = fs
-                .create(Caller::default(), 1, format!("f{n}").as_bytes(), 0o644, 0)
+                .create(
+                    Caller::default(),
+                    ROOT_INO,
+                    format!("f{n}").as_bytes(),
+                    0o644,
+                    0,
+                )
                 .expect("create");
             fs.write(f.ino, 0, &pattern(n as u8, 3_000 + n as usize * 37), false)
                 .expect("write");
@@ -410,7 +429,7 @@ fn a_drain_of_many_files_keeps_them_all() {
     for (n, ino) in files.iter().enumerate() {
         let len = 3_000 + n * 37;
         assert_eq!(
-            fs.read(*ino, 0, len + 10).expect("read"),
+            fs.read(InodeNo::new(ino.get()), 0, len + 10).expect("read"),
             pattern(n as u8, len)
         );
     }
@@ -423,7 +442,7 @@ fn a_drain_of_many_files_keeps_them_all() {
 fn a_read_of_buffered_blocks_does_not_read_the_device() {
     let (dev, fs) = fresh(64 << 20);
     let (f, _) = fs
-        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"f", 0o644, 0)
         .expect("create");
     let old = pattern(1, 8 * BLOCK_SIZE as usize);
     fs.write(f.ino, 0, &old, false).expect("write");

@@ -13,9 +13,9 @@ use birch_core::vfs::Caller;
 use birch_core::{Error, Filesystem};
 use birch_format::items::{ExtentKind, FileExtent};
 use birch_format::superblock::INCOMPAT_SHARED_EXTENTS;
-use birch_format::{ItemType, Key, BLOCK_SIZE};
+use birch_format::{InodeNo, ItemType, Key, BLOCK_SIZE};
 
-const ROOT: u64 = 1;
+const ROOT: birch_format::InodeNo = birch_format::ROOT_INO;
 const DEVICE_BYTES: u64 = 64 << 20;
 
 /// Creates file `name` in the root with `content`; returns its inode.
@@ -27,7 +27,7 @@ fn put(fs: &Filesystem, name: &str, content: &[u8]) -> u64 {
     if !content.is_empty() {
         fs.write(attr.ino, 0, content, false).expect("write");
     }
-    attr.ino
+    attr.ino.get()
 }
 
 /// Unlinks `name` and forgets the kernel's lookups of it (as the kernel does once nothing
@@ -35,17 +35,17 @@ fn put(fs: &Filesystem, name: &str, content: &[u8]) -> u64 {
 fn remove(fs: &Filesystem, name: &str) {
     let ino = ino(fs, name);
     fs.unlink(ROOT, name.as_bytes()).expect("unlink");
-    fs.forget(ino, u64::MAX);
+    fs.forget(InodeNo::new(ino), u64::MAX);
 }
 
 fn ino(fs: &Filesystem, name: &str) -> u64 {
-    fs.lookup(ROOT, name.as_bytes()).expect("lookup").ino
+    (fs.lookup(ROOT, name.as_bytes()).expect("lookup").ino).get()
 }
 
 fn read_all(fs: &Filesystem, name: &str) -> Vec<u8> {
     let ino = ino(fs, name);
-    let size = fs.getattr(ino).expect("getattr").size;
-    fs.read(ino, 0, size as usize).expect("read")
+    let size = fs.getattr(InodeNo::new(ino)).expect("getattr").size;
+    fs.read(InodeNo::new(ino), 0, size as usize).expect("read")
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -82,8 +82,8 @@ fn churn(fs: &Filesystem) {
             made.push(name);
             let chunk = vec![0xC7; 64 << 10];
             match fs
-                .write(ino, 0, &chunk, false)
-                .and_then(|_| fs.fsync(ino, false))
+                .write(InodeNo::new(ino), 0, &chunk, false)
+                .and_then(|_| fs.fsync(InodeNo::new(ino), false))
             {
                 Ok(()) => {}
                 Err(Error::NoSpace(_)) => break,
@@ -113,7 +113,7 @@ fn a_clone_shares_the_blocks_and_reads_the_same() {
     let written_before = fs.engine().counters().values();
     let b = put(&fs, "b", b"");
     let n = fs
-        .copy_file_range(a, 0, b, 0, data.len() as u64)
+        .copy_file_range(InodeNo::new(a), 0, InodeNo::new(b), 0, data.len() as u64)
         .expect("copy_file_range");
     assert_eq!(n, data.len() as u64);
     assert_eq!(read_all(&fs, "b"), data);
@@ -146,7 +146,7 @@ fn a_clone_shares_the_blocks_and_reads_the_same() {
     );
     // The clone's attributes: size, and its own count of blocks (as btrfs: each file counts
     // the blocks it names).
-    let attr = fs.getattr(b).expect("getattr");
+    let attr = fs.getattr(InodeNo::new(b)).expect("getattr");
     assert_eq!(attr.size, data.len() as u64);
     common::close_and_check_clean(fs, &dev, "after a clone");
     let fs = common::open_quiet(&dev);
@@ -163,15 +163,17 @@ fn a_write_unshares_only_the_blocks_it_touches() {
     let a = put(&fs, "a", &data);
     let b = put(&fs, "b", b"");
     assert_eq!(
-        fs.copy_file_range(a, 0, b, 0, data.len() as u64)
+        fs.copy_file_range(InodeNo::new(a), 0, InodeNo::new(b), 0, data.len() as u64)
             .expect("clone"),
         data.len() as u64
     );
     fs.sync().expect("sync");
     assert_eq!(shared_blocks(&fs), 64);
     // Overwrite two blocks of the clone and one of the source (different ones).
-    fs.write(b, 8192, &[0xEE; 8192], false).expect("write b");
-    fs.write(a, 40960, &[0xAA; 100], false).expect("write a");
+    fs.write(InodeNo::new(b), 8192, &[0xEE; 8192], false)
+        .expect("write b");
+    fs.write(InodeNo::new(a), 40960, &[0xAA; 100], false)
+        .expect("write a");
     fs.sync().expect("sync");
     let mut want_a = data.clone();
     want_a[40960..41060].fill(0xAA);
@@ -214,10 +216,10 @@ fn the_last_sharer_frees_the_blocks() {
     let a = put(&fs, "a", &data);
     let b = put(&fs, "b", b"");
     let c = put(&fs, "c", b"");
-    fs.copy_file_range(a, 0, b, 0, data.len() as u64)
+    fs.copy_file_range(InodeNo::new(a), 0, InodeNo::new(b), 0, data.len() as u64)
         .expect("clone to b");
     // A clone of a clone.
-    fs.copy_file_range(b, 0, c, 0, data.len() as u64)
+    fs.copy_file_range(InodeNo::new(b), 0, InodeNo::new(c), 0, data.len() as u64)
         .expect("clone to c");
     fs.sync().expect("sync");
     let full = fs.statfs().bfree;
@@ -252,7 +254,13 @@ fn a_clone_within_one_file_and_unaligned_ranges() {
     let a = put(&fs, "a", &data);
     // Within one file, same offset within the block: blocks 1..3 shared, head and tail copied.
     let n = fs
-        .copy_file_range(a, 4096 + 100, a, 20 * 4096 + 100, 3 * 4096)
+        .copy_file_range(
+            InodeNo::new(a),
+            4096 + 100,
+            InodeNo::new(a),
+            20 * 4096 + 100,
+            3 * 4096,
+        )
         .expect("clone within");
     assert_eq!(n, 3 * 4096);
     let mut want = data.clone();
@@ -263,7 +271,7 @@ fn a_clone_within_one_file_and_unaligned_ranges() {
     // Offsets that differ within a block: bytes.
     let b = put(&fs, "b", b"");
     let n = fs
-        .copy_file_range(a, 10, b, 0, 5 * 4096)
+        .copy_file_range(InodeNo::new(a), 10, InodeNo::new(b), 0, 5 * 4096)
         .expect("unaligned copy");
     assert_eq!(n, 5 * 4096);
     assert_eq!(read_all(&fs, "b"), &want[10..10 + 5 * 4096]);
@@ -271,13 +279,22 @@ fn a_clone_within_one_file_and_unaligned_ranges() {
     // An inline source is copied.
     let small = put(&fs, "small", b"inline bytes");
     let c = put(&fs, "c", b"");
-    assert_eq!(fs.copy_file_range(small, 0, c, 0, 100).expect("inline"), 12);
+    assert_eq!(
+        fs.copy_file_range(InodeNo::new(small), 0, InodeNo::new(c), 0, 100)
+            .expect("inline"),
+        12
+    );
     assert_eq!(read_all(&fs, "c"), b"inline bytes");
     // Past the source's end: nothing.
-    assert_eq!(fs.copy_file_range(small, 12, c, 0, 100).expect("eof"), 0);
+    assert_eq!(
+        fs.copy_file_range(InodeNo::new(small), 12, InodeNo::new(c), 0, 100)
+            .expect("eof"),
+        0
+    );
     // Into the middle of a file with data: the range is replaced, the rest stays.
     let d = put(&fs, "d", &pattern(8 * 4096, 9));
-    fs.copy_file_range(a, 0, d, 4096, 2 * 4096).expect("into d");
+    fs.copy_file_range(InodeNo::new(a), 0, InodeNo::new(d), 4096, 2 * 4096)
+        .expect("into d");
     let mut want_d = pattern(8 * 4096, 9);
     want_d[4096..3 * 4096].copy_from_slice(&data[..2 * 4096]);
     assert_eq!(read_all(&fs, "d"), want_d);
@@ -293,14 +310,21 @@ fn a_clone_within_one_file_and_unaligned_ranges() {
 fn holes_and_preallocated_space_stay_zeros_in_the_clone() {
     let (dev, fs) = common::fresh(DEVICE_BYTES);
     let a = put(&fs, "a", b"");
-    fs.write(a, 0, &pattern(2 * 4096, 5), false).expect("head");
-    fs.write(a, 6 * 4096, &pattern(2 * 4096, 6), false)
+    fs.write(InodeNo::new(a), 0, &pattern(2 * 4096, 5), false)
+        .expect("head");
+    fs.write(InodeNo::new(a), 6 * 4096, &pattern(2 * 4096, 6), false)
         .expect("tail");
-    fs.fallocate(a, 3 * 4096, 2 * 4096, libc::FALLOC_FL_KEEP_SIZE)
-        .expect("prealloc");
+    fs.fallocate(
+        InodeNo::new(a),
+        3 * 4096,
+        2 * 4096,
+        libc::FALLOC_FL_KEEP_SIZE,
+    )
+    .expect("prealloc");
     let want = read_all(&fs, "a");
     let b = put(&fs, "b", &pattern(8 * 4096, 7));
-    fs.copy_file_range(a, 0, b, 0, 8 * 4096).expect("clone");
+    fs.copy_file_range(InodeNo::new(a), 0, InodeNo::new(b), 0, 8 * 4096)
+        .expect("clone");
     assert_eq!(read_all(&fs, "b"), want);
     fs.sync().expect("sync");
     common::close_and_check_clean(fs, &dev, "holes");
@@ -312,11 +336,12 @@ fn buffered_data_is_written_before_it_is_shared() {
     let a = put(&fs, "a", &pattern(8 * 4096, 8));
     fs.sync().expect("sync");
     // Buffered, not yet on disk.
-    fs.write(a, 4096, &[0x55; 4096], false)
+    fs.write(InodeNo::new(a), 4096, &[0x55; 4096], false)
         .expect("buffered write");
     let want = read_all(&fs, "a");
     let b = put(&fs, "b", b"");
-    fs.copy_file_range(a, 0, b, 0, 8 * 4096).expect("clone");
+    fs.copy_file_range(InodeNo::new(a), 0, InodeNo::new(b), 0, 8 * 4096)
+        .expect("clone");
     assert_eq!(read_all(&fs, "b"), want);
     fs.sync().expect("sync");
     common::close_and_check_clean(fs, &dev, "buffered");
@@ -332,10 +357,10 @@ fn clone_fsync_delete_the_source_crash() {
     let a = put(&fs, "a", &data);
     fs.sync().expect("sync");
     let b = put(&fs, "b", b"");
-    fs.copy_file_range(a, 0, b, 0, data.len() as u64)
+    fs.copy_file_range(InodeNo::new(a), 0, InodeNo::new(b), 0, data.len() as u64)
         .expect("clone");
     let before = fs.engine().counters().values();
-    fs.fsync(b, false).expect("fsync");
+    fs.fsync(InodeNo::new(b), false).expect("fsync");
     let c = fs.engine().counters().values().since(&before);
     assert_eq!(c.fsync_fallback_clone, 1, "an fsync after a clone commits");
     remove(&fs, "a");
@@ -345,9 +370,11 @@ fn clone_fsync_delete_the_source_crash() {
     assert_eq!(read_all(&fs, "b"), data);
     // Then a write to b, logged by its fsync (the clone is committed: pieces of the shared
     // extent go to the log), and the power goes.
-    fs.write(b, 4096, &[0x77; 4096], false).expect("write");
+    fs.write(InodeNo::new(b), 4096, &[0x77; 4096], false)
+        .expect("write");
     let before = fs.engine().counters().values();
-    fs.fsync(b, false).expect("fsync after the commit");
+    fs.fsync(InodeNo::new(b), false)
+        .expect("fsync after the commit");
     let c = fs.engine().counters().values().since(&before);
     assert_eq!(c.fsync_fallback_clone, 0);
     let (crashed, fs) = common::crash_and_reopen(fs, &dev);
@@ -369,20 +396,20 @@ fn an_fsync_after_a_clone_commits_also_once_the_inode_was_evicted() {
     let first = pattern(64 * 1024, 3);
     let x = put(&fs, "x", &first);
     let y = put(&fs, "y", b"");
-    fs.copy_file_range(x, 0, y, 0, first.len() as u64)
+    fs.copy_file_range(InodeNo::new(x), 0, InodeNo::new(y), 0, first.len() as u64)
         .expect("first clone");
     fs.sync().expect("sync");
     let data = pattern(200 * 1024, 11);
     let a = put(&fs, "a", &data);
     fs.sync().expect("sync");
     let b = put(&fs, "b", b"");
-    fs.copy_file_range(a, 0, b, 0, data.len() as u64)
+    fs.copy_file_range(InodeNo::new(a), 0, InodeNo::new(b), 0, data.len() as u64)
         .expect("clone");
     // The kernel forgets b (no opens, no lookups): its state is evicted.
-    fs.forget(b, u64::MAX);
+    fs.forget(InodeNo::new(b), u64::MAX);
     let b = ino(&fs, "b");
     let before = fs.engine().counters().values();
-    fs.fsync(b, false).expect("fsync");
+    fs.fsync(InodeNo::new(b), false).expect("fsync");
     let c = fs.engine().counters().values().since(&before);
     assert_eq!(c.fsync_fallback_clone, 1, "the fsync commits");
     let (crashed, fs) = common::crash_and_reopen(fs, &dev);
@@ -398,11 +425,12 @@ fn a_crash_before_the_clone_commits_loses_only_the_clone() {
     let a = put(&fs, "a", &data);
     let b = put(&fs, "b", b"");
     fs.sync().expect("sync");
-    fs.copy_file_range(a, 0, b, 0, data.len() as u64)
+    fs.copy_file_range(InodeNo::new(a), 0, InodeNo::new(b), 0, data.len() as u64)
         .expect("clone");
     // The source is fsync'd (it changed: flagged): that commits too.
-    fs.fsync(a, false).expect("fsync a");
-    fs.write(b, 0, &[1u8; 4096], false).expect("write b");
+    fs.fsync(InodeNo::new(a), false).expect("fsync a");
+    fs.write(InodeNo::new(b), 0, &[1u8; 4096], false)
+        .expect("write b");
     remove(&fs, "a");
     let (crashed, fs) = common::crash_and_reopen(fs, &dev);
     assert_eq!(read_all(&fs, "a"), data);
@@ -418,7 +446,7 @@ fn a_crash_before_the_clone_commits_loses_only_the_clone() {
     let a = put(&fs, "a", &data);
     let b = put(&fs, "b", b"");
     fs.sync().expect("sync");
-    fs.copy_file_range(a, 0, b, 0, data.len() as u64)
+    fs.copy_file_range(InodeNo::new(a), 0, InodeNo::new(b), 0, data.len() as u64)
         .expect("clone");
     let (crashed, fs) = common::crash_and_reopen(fs, &dev);
     assert_eq!(read_all(&fs, "a"), data);
@@ -435,16 +463,16 @@ fn snapshot_and_clone() {
     let data = pattern(1 << 20, 12);
     let a = put(&fs, "a", &data);
     let b = put(&fs, "b", b"");
-    fs.copy_file_range(a, 0, b, 0, data.len() as u64)
+    fs.copy_file_range(InodeNo::new(a), 0, InodeNo::new(b), 0, data.len() as u64)
         .expect("clone");
     let snap = fs.create_snapshot("s").expect("snapshot");
     // Overwrite all of a and half of b, then a clone of b's other half into c.
-    fs.write(a, 0, &vec![0xA1; 1 << 20], false)
+    fs.write(InodeNo::new(a), 0, &vec![0xA1; 1 << 20], false)
         .expect("overwrite a");
-    fs.write(b, 0, &vec![0xB2; 512 << 10], false)
+    fs.write(InodeNo::new(b), 0, &vec![0xB2; 512 << 10], false)
         .expect("overwrite b");
     let c = put(&fs, "c", b"");
-    fs.copy_file_range(b, 512 << 10, c, 0, 512 << 10)
+    fs.copy_file_range(InodeNo::new(b), 512 << 10, InodeNo::new(c), 0, 512 << 10)
         .expect("clone b to c");
     fs.sync().expect("sync");
     let view = fs.engine().snapshot_view(snap.id).expect("view");
@@ -503,7 +531,7 @@ fn deleting_a_snapshot_gives_back_cloned_blocks_at_once() {
     let data = pattern(2 << 20, 21);
     let a = put(&fs, "a", &data);
     let b = put(&fs, "b", b"");
-    fs.copy_file_range(a, 0, b, 0, data.len() as u64)
+    fs.copy_file_range(InodeNo::new(a), 0, InodeNo::new(b), 0, data.len() as u64)
         .expect("clone");
     fs.create_snapshot("s").expect("snapshot");
     remove(&fs, "a");
@@ -542,7 +570,7 @@ fn a_cloned_block_a_newer_snapshot_still_names_stays_used() {
     for i in 300..600 {
         put(&fs, &format!("filler{i:04}"), &[i as u8; 300]);
     }
-    fs.copy_file_range(a, 0, b, 0, data.len() as u64)
+    fs.copy_file_range(InodeNo::new(a), 0, InodeNo::new(b), 0, data.len() as u64)
         .expect("clone");
     fs.create_snapshot("older").expect("snapshot older");
     remove(&fs, "b");
@@ -577,16 +605,28 @@ fn a_clone_succeeds_where_a_byte_copy_finds_no_space() {
     // Offsets that differ within a block: a byte copy, which runs out of space part-way and
     // answers the bytes it copied (a short count, as write(2)); the next call finds no space.
     let n = fs
-        .copy_file_range(a, 1, b, 0, data.len() as u64 - 1)
+        .copy_file_range(
+            InodeNo::new(a),
+            1,
+            InodeNo::new(b),
+            0,
+            data.len() as u64 - 1,
+        )
         .expect("a short byte copy");
     assert!(n < data.len() as u64 - 1, "a byte copy does not fit: {n}");
     assert_eq!(read_all(&fs, "b"), &data[1..1 + n as usize]);
     let err = fs
-        .copy_file_range(a, 1 + n, b, n, data.len() as u64 - 1 - n)
+        .copy_file_range(
+            InodeNo::new(a),
+            1 + n,
+            InodeNo::new(b),
+            n,
+            data.len() as u64 - 1 - n,
+        )
         .expect_err("no space left for the rest");
     assert!(matches!(err, Error::NoSpace(_)), "{err:?}");
     fs.setattr(
-        b,
+        InodeNo::new(b),
         &birch_core::vfs::SetAttr {
             size: Some(0),
             ..Default::default()
@@ -596,7 +636,7 @@ fn a_clone_succeeds_where_a_byte_copy_finds_no_space() {
     fs.sync().expect("sync");
     let c = put(&fs, "c", b"");
     let n = fs
-        .copy_file_range(a, 0, c, 0, data.len() as u64)
+        .copy_file_range(InodeNo::new(a), 0, InodeNo::new(c), 0, data.len() as u64)
         .expect("a clone takes metadata only");
     assert_eq!(n, data.len() as u64);
     fs.sync().expect("sync");
@@ -622,7 +662,7 @@ fn a_copy_that_runs_out_of_space_after_sharing_answers_a_short_count() {
     let mut at = 0u64;
     for chunk in [64usize << 10, BLOCK_SIZE as usize] {
         loop {
-            match fs.write(fill, at, &vec![0xEE; chunk], false) {
+            match fs.write(InodeNo::new(fill), at, &vec![0xEE; chunk], false) {
                 Ok(_) => at += chunk as u64,
                 Err(Error::NoSpace(_)) => break,
                 Err(e) => panic!("fill: {e}"),
@@ -632,20 +672,30 @@ fn a_copy_that_runs_out_of_space_after_sharing_answers_a_short_count() {
     fs.sync().expect("sync");
     let c = put(&fs, "c", b"");
     let n = fs
-        .copy_file_range(a, 0, c, 0, data.len() as u64)
+        .copy_file_range(InodeNo::new(a), 0, InodeNo::new(c), 0, data.len() as u64)
         .expect("a short count");
     assert_eq!(n, aligned as u64, "the shared middle, not the tail");
     assert_eq!(read_all(&fs, "c"), &data[..aligned]);
     let d = put(&fs, "d", b"");
     let err = fs
-        .copy_file_range(a, 100, d, 100, aligned as u64)
+        .copy_file_range(InodeNo::new(a), 100, InodeNo::new(d), 100, aligned as u64)
         .expect_err("no block for the head");
     assert!(matches!(err, Error::NoSpace(_)), "{err:?}");
-    assert_eq!(fs.getattr(d).expect("getattr d").size, 0, "nothing copied");
+    assert_eq!(
+        fs.getattr(InodeNo::new(d)).expect("getattr d").size,
+        0,
+        "nothing copied"
+    );
     remove(&fs, "fill");
     fs.sync().expect("sync");
     let rest = fs
-        .copy_file_range(a, n, c, n, data.len() as u64 - n)
+        .copy_file_range(
+            InodeNo::new(a),
+            n,
+            InodeNo::new(c),
+            n,
+            data.len() as u64 - n,
+        )
         .expect("the tail");
     assert_eq!(rest, 100);
     assert_eq!(read_all(&fs, "c"), data);
@@ -658,7 +708,7 @@ fn fsck_names_a_shared_extent_on_an_unshared_block() {
     let data = pattern(8 * 4096, 14);
     let a = put(&fs, "a", &data);
     let b = put(&fs, "b", b"");
-    fs.copy_file_range(a, 0, b, 0, data.len() as u64)
+    fs.copy_file_range(InodeNo::new(a), 0, InodeNo::new(b), 0, data.len() as u64)
         .expect("clone");
     fs.sync().expect("sync");
     // Unflag the source's extent by hand: b's shared extent now names blocks an unshared
@@ -703,9 +753,10 @@ fn fsck_repair_leaves_clones_alone() {
     let data = pattern(40 * 4096, 15);
     let a = put(&fs, "a", &data);
     let b = put(&fs, "b", b"");
-    fs.copy_file_range(a, 0, b, 0, data.len() as u64)
+    fs.copy_file_range(InodeNo::new(a), 0, InodeNo::new(b), 0, data.len() as u64)
         .expect("clone");
-    fs.write(b, 4096, &[3u8; 4096], false).expect("write");
+    fs.write(InodeNo::new(b), 4096, &[3u8; 4096], false)
+        .expect("write");
     common::close_and_check_clean(fs, &dev, "before the repair");
     let image = dev.snapshot();
     let report = repair(

@@ -35,7 +35,7 @@ use birch_core::{Engine, Filesystem, MkfsOptions, ReadOnlyCause};
 use birch_format::items::{ExtentKind, FileExtent};
 use birch_format::node::{Expect, Node, NodeBody};
 use birch_format::superblock::{Superblock, SUPER_BYTES, SUPER_OFFSETS};
-use birch_format::{ItemType, BLOCK_SIZE, FS_TREE_ID, NODE_SIZE};
+use birch_format::{InodeNo, ItemType, BLOCK_SIZE, FS_TREE_ID, NODE_SIZE, ROOT_INO};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -94,13 +94,14 @@ fn build_image() -> Image {
     {
         let fs = Filesystem::open_device(dev.clone(), quiet()).expect("open");
         let c = Caller::default();
-        fs.mkdir(c, 1, b"dir", 0o755).expect("mkdir dir");
-        fs.mkdir(c, 1, b"many", 0o755).expect("mkdir many");
+        fs.mkdir(c, ROOT_INO, b"dir", 0o755).expect("mkdir dir");
+        fs.mkdir(c, ROOT_INO, b"many", 0o755).expect("mkdir many");
         fs.write_file("/dir/small", b"hello").expect("small");
         fs.write_file("/dir/medium", &[7u8; 20_000])
             .expect("medium");
         fs.write_file("/big", &big).expect("big");
-        fs.symlink(c, 1, b"link", b"/dir/small").expect("symlink");
+        fs.symlink(c, ROOT_INO, b"link", b"/dir/small")
+            .expect("symlink");
         let small = fs.resolve("/dir/small").expect("resolve small");
         fs.setxattr(small, b"user.k", b"v", 0).expect("xattr");
         for n in 0..MANY_FILES {
@@ -124,7 +125,7 @@ fn build_image() -> Image {
         fs.engine().set_read_only(ReadOnlyCause::Mounted);
         ino
     };
-    let (nodes, big_extents) = walk_nodes(&dev, &sb, big_ino);
+    let (nodes, big_extents) = walk_nodes(&dev, &sb, big_ino.get());
     assert!(
         nodes.iter().any(|n| n.level > 0),
         "the tree has only a leaf; add items"
@@ -477,17 +478,17 @@ fn open_and_walk(bytes: Vec<u8>) -> (bool, usize) {
     while let Some(dir) = dirs.pop() {
         let mut cookie = 0;
         loop {
-            let Ok(page) = fs.readdir(dir, cookie, 512) else {
+            let Ok(page) = fs.readdir(InodeNo::new(dir), cookie, 512) else {
                 errors += 1;
                 break;
             };
             let Some(last) = page.last() else { break };
             cookie = last.next_offset;
             for entry in &page {
-                if entry.name == b"." || entry.name == b".." || !seen.insert(entry.ino) {
+                if entry.name == b"." || entry.name == b".." || !seen.insert(entry.ino.get()) {
                     continue;
                 }
-                errors += usize::from(!touch(&fs, entry.ino, entry.kind, &mut dirs));
+                errors += usize::from(!touch(&fs, entry.ino.get(), entry.kind, &mut dirs));
             }
         }
     }
@@ -502,16 +503,16 @@ fn touch(fs: &Filesystem, ino: u64, kind: FileKind, dirs: &mut Vec<u64>) -> bool
             dirs.push(ino);
             true
         }
-        FileKind::Symlink => fs.readlink(ino).is_ok(),
+        FileKind::Symlink => fs.readlink(InodeNo::new(ino)).is_ok(),
         _ => {
-            let Ok(attr) = fs.getattr(ino) else {
+            let Ok(attr) = fs.getattr(InodeNo::new(ino)) else {
                 return false;
             };
             // Read in 1 MiB pieces, as the kernel would: a damaged size must not become one
             // giant buffer here.
             let mut offset = 0;
             while offset < attr.size.min(64 << 20) {
-                match fs.read(ino, offset, 1 << 20) {
+                match fs.read(InodeNo::new(ino), offset, 1 << 20) {
                     Ok(data) if !data.is_empty() => offset += data.len() as u64,
                     Ok(_) => break,
                     Err(_) => return false,

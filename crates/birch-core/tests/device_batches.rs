@@ -17,6 +17,7 @@ use birch_core::device::MemDevice;
 use birch_core::{Filesystem, MkfsOptions};
 use birch_format::superblock::SUPER_OFFSETS;
 
+use birch_format::InodeNo;
 use common::{Event, Recording};
 
 fn open(dev: &Arc<Recording>) -> Filesystem {
@@ -168,7 +169,7 @@ fn fragmented(fs: &Filesystem, blocks: u32) -> (u64, Vec<u8>) {
         fs.sync().expect("commit");
         content.extend_from_slice(&block);
     }
-    (a, content)
+    (a.get(), content)
 }
 
 /// A fresh filesystem on a recording device with `/a` in `blocks` extents ([`fragmented`]):
@@ -188,7 +189,7 @@ fn fragmented_recording(blocks: u32) -> (Arc<MemDevice>, Arc<Recording>, Filesys
 #[test]
 fn a_read_of_many_extents_is_one_read_many() {
     let (mem, dev, fs, a, content) = fragmented_recording(24);
-    let got = fs.read(a, 0, content.len()).expect("read a");
+    let got = fs.read(InodeNo::new(a), 0, content.len()).expect("read a");
     assert_eq!(got, content, "the fragmented file reads back");
     let batches = dev.take_read_batches();
     assert_eq!(
@@ -203,7 +204,7 @@ fn a_read_of_many_extents_is_one_read_many() {
     );
     // A read inside one extent: a single read_at, no batch.
     let got = fs
-        .read(a, 4096 * 3 + 100, 1000)
+        .read(InodeNo::new(a), 4096 * 3 + 100, 1000)
         .expect("read in one extent");
     assert_eq!(got, content[4096 * 3 + 100..4096 * 3 + 1100]);
     let events = dev.take();
@@ -231,7 +232,7 @@ fn fragmented_extents_read_back_at_every_range() {
         (4096 * 39, 4096),
         (4096 * 10, 4096 * 30 + 5000),
     ] {
-        let got = fs.read(a, offset as u64, len).expect("read");
+        let got = fs.read(InodeNo::new(a), offset as u64, len).expect("read");
         let end = (offset + len).min(content.len());
         assert_eq!(got, content[offset..end], "read at {offset} length {len}");
     }
@@ -243,7 +244,7 @@ fn fragmented_extents_read_back_at_every_range() {
 #[test]
 fn a_failed_read_of_a_batch_fails_the_request_with_context() {
     let (_mem, dev, fs, a, content) = fragmented_recording(8);
-    fs.read(a, 0, content.len()).expect("read a");
+    fs.read(InodeNo::new(a), 0, content.len()).expect("read a");
     let reads = dev
         .take_read_batches()
         .into_iter()
@@ -252,7 +253,7 @@ fn a_failed_read_of_a_batch_fails_the_request_with_context() {
     // Fail the fifth extent's read.
     dev.fail_read_at.store(reads[4].0, Ordering::SeqCst);
     let err = fs
-        .read(a, 0, content.len())
+        .read(InodeNo::new(a), 0, content.len())
         .expect_err("a failed read fails the request");
     let text = err.to_string();
     assert!(
@@ -260,7 +261,11 @@ fn a_failed_read_of_a_batch_fails_the_request_with_context() {
         "{text}"
     );
     dev.fail_read_at.store(u64::MAX, Ordering::SeqCst);
-    assert_eq!(fs.read(a, 0, content.len()).expect("read again"), content);
+    assert_eq!(
+        fs.read(InodeNo::new(a), 0, content.len())
+            .expect("read again"),
+        content
+    );
 }
 
 /// Writes `/{prefix}0` to `/{prefix}7`, each `len` bytes of `pattern(seed + i)`, and commits.

@@ -15,13 +15,14 @@ use birch_core::device::{BlockDevice, MemDevice};
 use birch_core::diff::PathChange;
 use birch_core::vfs::{Caller, SetAttr};
 use birch_core::Filesystem;
+use birch_format::InodeNo;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 /// A changed item as the diff reports it: key, old value, new value.
 type Change = (birch_format::Key, Option<Vec<u8>>, Option<Vec<u8>>);
 
-const ROOT: u64 = 1;
+const ROOT: birch_format::InodeNo = birch_format::ROOT_INO;
 const DEVICE_BYTES: u64 = 64 << 20;
 
 type Lines = BTreeSet<(char, String)>;
@@ -96,7 +97,7 @@ fn lookup(fs: &Filesystem, path: &str) -> Option<u64> {
     for name in path.split('/').filter(|n| !n.is_empty()) {
         ino = fs.lookup(ino, name.as_bytes()).ok()?.ino;
     }
-    Some(ino)
+    Some(ino.get())
 }
 
 fn split(path: &str) -> (&str, &str) {
@@ -130,7 +131,13 @@ fn change(fs: &Filesystem, rng: &mut SmallRng, step: u64) {
     match (rng.gen_range(0..9), file) {
         (0, _) | (_, None) => {
             let (attr, fh) = fs
-                .create(Caller::default(), dir_ino, fresh.as_bytes(), 0o644, 0)
+                .create(
+                    Caller::default(),
+                    InodeNo::new(dir_ino),
+                    fresh.as_bytes(),
+                    0o644,
+                    0,
+                )
                 .expect("create");
             fs.write(
                 attr.ino,
@@ -142,25 +149,38 @@ fn change(fs: &Filesystem, rng: &mut SmallRng, step: u64) {
             fs.release(attr.ino, fh).expect("release");
         }
         (1, _) => {
-            fs.mkdir(Caller::default(), dir_ino, fresh.as_bytes(), 0o755)
-                .expect("mkdir");
+            fs.mkdir(
+                Caller::default(),
+                InodeNo::new(dir_ino),
+                fresh.as_bytes(),
+                0o755,
+            )
+            .expect("mkdir");
         }
         (2, Some(f)) => {
             let ino = lookup(fs, &f).expect("file");
-            fs.write(ino, rng.gen_range(0..5000), &[step as u8; 700], false)
-                .expect("write");
+            fs.write(
+                InodeNo::new(ino),
+                rng.gen_range(0..5000),
+                &[step as u8; 700],
+                false,
+            )
+            .expect("write");
         }
         (3, Some(f)) => {
             let (parent, name) = split(&f);
-            fs.unlink(lookup(fs, parent).expect("parent"), name.as_bytes())
-                .expect("unlink");
+            fs.unlink(
+                InodeNo::new(lookup(fs, parent).expect("parent")),
+                name.as_bytes(),
+            )
+            .expect("unlink");
         }
         (4, Some(f)) => {
             let (parent, name) = split(&f);
             fs.rename(
-                lookup(fs, parent).expect("parent"),
+                InodeNo::new(lookup(fs, parent).expect("parent")),
                 name.as_bytes(),
-                dir_ino,
+                InodeNo::new(dir_ino),
                 fresh.as_bytes(),
                 0,
             )
@@ -168,12 +188,13 @@ fn change(fs: &Filesystem, rng: &mut SmallRng, step: u64) {
         }
         (5, Some(f)) => {
             let ino = lookup(fs, &f).expect("file");
-            fs.link(ino, dir_ino, fresh.as_bytes()).expect("link");
+            fs.link(InodeNo::new(ino), InodeNo::new(dir_ino), fresh.as_bytes())
+                .expect("link");
         }
         (6, Some(f)) => {
             let ino = lookup(fs, &f).expect("file");
             fs.setattr(
-                ino,
+                InodeNo::new(ino),
                 &SetAttr {
                     mode: Some(0o600 + rng.gen_range(0..8u32)),
                     ..Default::default()
@@ -183,13 +204,18 @@ fn change(fs: &Filesystem, rng: &mut SmallRng, step: u64) {
         }
         (7, Some(f)) => {
             let ino = lookup(fs, &f).expect("file");
-            fs.setxattr(ino, b"user.k", format!("v{step}").as_bytes(), 0)
-                .expect("setxattr");
+            fs.setxattr(
+                InodeNo::new(ino),
+                b"user.k",
+                format!("v{step}").as_bytes(),
+                0,
+            )
+            .expect("setxattr");
         }
         (_, Some(f)) => {
             let ino = lookup(fs, &f).expect("file");
             fs.setattr(
-                ino,
+                InodeNo::new(ino),
                 &SetAttr {
                     size: Some(rng.gen_range(0..3000)),
                     ..Default::default()
@@ -361,7 +387,7 @@ fn the_in_step_walk_finds_every_changed_item() {
     use birch_core::counters::Counters;
     use birch_core::diff::changed_items;
     use birch_format::superblock::RootPtr;
-    use birch_format::{BlockAddr, BlockCount, Key};
+    use birch_format::{BlockAddr, BlockCount, Generation, Key};
 
     let device = MemDevice::new(512 << 20);
     let alloc = Allocator::new(512 << 20);
@@ -398,8 +424,8 @@ fn the_in_step_walk_finds_every_changed_item() {
     let mut build = |rng: &mut SmallRng, from: Option<RootPtr>, changes: usize, span: u64| {
         generation += 1;
         let mut w = match from {
-            Some(root) => TreeWriter::new(ctx, &alloc, generation, root),
-            None => TreeWriter::create(ctx, &alloc, generation).expect("create"),
+            Some(root) => TreeWriter::new(ctx, &alloc, Generation::new(generation), root),
+            None => TreeWriter::create(ctx, &alloc, Generation::new(generation)).expect("create"),
         };
         for _ in 0..changes {
             let k = key(rng.gen_range(0..span));

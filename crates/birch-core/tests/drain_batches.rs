@@ -19,6 +19,7 @@ use birch_core::device::{BlockDevice, MemDevice};
 use birch_core::vfs::Caller;
 use birch_core::{Filesystem, MkfsOptions};
 
+use birch_format::{InodeNo, ROOT_INO};
 use common::{close_and_check_clean, crash_and_reopen, open_quiet, Recording, POISON};
 
 fn fresh(bytes: u64) -> (Arc<MemDevice>, Arc<Recording>, Filesystem) {
@@ -37,11 +38,17 @@ fn pattern(seed: u32, len: usize) -> Vec<u8> {
 
 /// Creates `count` files in the root, each written (buffered) with `content(n)`; returns their
 /// inode numbers.
-fn small_files(fs: &Filesystem, count: u32, content: impl Fn(u32) -> Vec<u8>) -> Vec<u64> {
+fn small_files(fs: &Filesystem, count: u32, content: impl Fn(u32) -> Vec<u8>) -> Vec<InodeNo> {
     (0..count)
         .map(|n| {
             let (f, fh) = fs
-                .create(Caller::default(), 1, format!("f{n}").as_bytes(), 0o644, 0)
+                .create(
+                    Caller::default(),
+                    ROOT_INO,
+                    format!("f{n}").as_bytes(),
+                    0o644,
+                    0,
+                )
                 .expect("create");
             let bytes = content(n);
             if !bytes.is_empty() {
@@ -89,7 +96,8 @@ fn a_drain_of_many_small_files_writes_them_in_a_few_batches() {
     for (n, ino) in files.iter().enumerate() {
         let want = small(n as u32);
         assert_eq!(
-            fs.read(*ino, 0, want.len() + 10).expect("read"),
+            fs.read(InodeNo::new(ino.get()), 0, want.len() + 10)
+                .expect("read"),
             want,
             "file {n} after the commit"
         );
@@ -98,11 +106,15 @@ fn a_drain_of_many_small_files_writes_them_in_a_few_batches() {
     for (n, ino) in files.iter().enumerate() {
         let want = small(n as u32);
         assert_eq!(
-            fs.read(*ino, 0, want.len() + 10).expect("read"),
+            fs.read(InodeNo::new(ino.get()), 0, want.len() + 10)
+                .expect("read"),
             want,
             "file {n} after the crash"
         );
-        assert_eq!(fs.getattr(*ino).expect("attr").size, want.len() as u64);
+        assert_eq!(
+            fs.getattr(InodeNo::new(ino.get())).expect("attr").size,
+            want.len() as u64
+        );
     }
     close_and_check_clean(fs, &crashed, "after a drain of 200 small files");
 }
@@ -127,7 +139,8 @@ fn a_failed_write_in_a_batch_loses_only_its_files() {
     fs.sync().expect("commit the names");
     let free_before = fs.statfs().bfree;
     for (n, ino) in files.iter().enumerate() {
-        fs.write(*ino, 0, &content(n as u32), false).expect("write");
+        fs.write(InodeNo::new(ino.get()), 0, &content(n as u32), false)
+            .expect("write");
     }
     dev.poison.store(true, Ordering::SeqCst);
     let before = fs.engine().counters().values();
@@ -146,20 +159,23 @@ fn a_failed_write_in_a_batch_loses_only_its_files() {
         let n = n as u32;
         if bad(n) {
             for attempt in 0..2 {
-                let err = fs.fsync(*ino, false).expect_err("fsync of a lost file");
+                let err = fs
+                    .fsync(InodeNo::new(ino.get()), false)
+                    .expect_err("fsync of a lost file");
                 assert_eq!(err.errno(), libc::EIO, "file {n}, attempt {attempt}: {err}");
             }
             assert_eq!(
-                fs.getattr(*ino).expect("attr").size,
+                fs.getattr(InodeNo::new(ino.get())).expect("attr").size,
                 0,
                 "file {n}: the lost write's growth is undone"
             );
         } else {
-            fs.fsync(*ino, false)
+            fs.fsync(InodeNo::new(ino.get()), false)
                 .expect("fsync of a file that committed");
             let want = content(n);
             assert_eq!(
-                fs.read(*ino, 0, want.len() + 10).expect("read"),
+                fs.read(InodeNo::new(ino.get()), 0, want.len() + 10)
+                    .expect("read"),
                 want,
                 "file {n}"
             );
@@ -180,7 +196,8 @@ fn a_failed_write_in_a_batch_loses_only_its_files() {
         let n = n as u32;
         let want = if bad(n) { Vec::new() } else { content(n) };
         assert_eq!(
-            fs.read(*ino, 0, want.len() + 10).expect("read"),
+            fs.read(InodeNo::new(ino.get()), 0, want.len() + 10)
+                .expect("read"),
             want,
             "file {n} after the crash"
         );
@@ -217,17 +234,19 @@ fn writes_racing_a_drain_are_in_this_commit_or_the_next() {
                         // Only this thread writes file n: whatever drained meanwhile, the
                         // file still reads as the version this thread wrote last.
                         let last = done[n as usize].load(Ordering::SeqCst);
-                        let now = fs.read(ino, 0, 1 << 20).expect("read");
+                        let now = fs.read(InodeNo::new(ino.get()), 0, 1 << 20).expect("read");
                         assert_eq!(
                             which_version(n, &now),
                             Some(last),
                             "file {n}: reads as the last version written"
                         );
                         let bytes = version(n, v);
-                        fs.write(ino, 0, &bytes, false).expect("write");
+                        fs.write(InodeNo::new(ino.get()), 0, &bytes, false)
+                            .expect("write");
                         done[n as usize].store(v, Ordering::SeqCst);
                         assert_eq!(
-                            fs.read(ino, 0, bytes.len() + 10).expect("read"),
+                            fs.read(InodeNo::new(ino.get()), 0, bytes.len() + 10)
+                                .expect("read"),
                             bytes,
                             "file {n}: a read returns the newest write"
                         );
@@ -253,7 +272,9 @@ fn writes_racing_a_drain_are_in_this_commit_or_the_next() {
         let copy = Arc::new(mem.crash());
         let seen = open_quiet(&copy);
         for (n, ino) in files.iter().enumerate() {
-            let got = seen.read(*ino, 0, 1 << 20).expect("read the copy");
+            let got = seen
+                .read(InodeNo::new(ino.get()), 0, 1 << 20)
+                .expect("read the copy");
             let v = which_version(n as u32, &got).unwrap_or_else(|| {
                 panic!(
                     "round {round}, file {n}: the commit holds no whole version ({} bytes)",
@@ -284,7 +305,7 @@ fn writes_racing_a_drain_are_in_this_commit_or_the_next() {
     for (n, ino) in files.iter().enumerate() {
         let want = version(n as u32, last[&n]);
         assert_eq!(
-            fs.read(*ino, 0, 1 << 20).expect("read"),
+            fs.read(InodeNo::new(ino.get()), 0, 1 << 20).expect("read"),
             want,
             "file {n} after the crash"
         );
@@ -384,8 +405,13 @@ fn measure_a_drain_of_10000_small_files() {
     fs.sync().expect("commit the names");
     let len = |n: u32| 3_000 + (n as usize * 523) % 5_200;
     for (n, ino) in files.iter().enumerate() {
-        fs.write(*ino, 0, &pattern(n as u32, len(n as u32)), false)
-            .expect("write");
+        fs.write(
+            InodeNo::new(ino.get()),
+            0,
+            &pattern(n as u32, len(n as u32)),
+            false,
+        )
+        .expect("write");
     }
     let (calls, entries) = (
         dev.calls.swap(0, Ordering::SeqCst),
@@ -403,7 +429,11 @@ fn measure_a_drain_of_10000_small_files() {
     );
     for (n, ino) in files.iter().enumerate().step_by(97) {
         let want = pattern(n as u32, len(n as u32));
-        assert_eq!(fs.read(*ino, 0, want.len()).expect("read"), want);
+        assert_eq!(
+            fs.read(InodeNo::new(ino.get()), 0, want.len())
+                .expect("read"),
+            want
+        );
     }
     fs.close().expect("close");
 }

@@ -12,6 +12,7 @@ use birch_core::check::{check, CheckOptions};
 use birch_core::vfs::{Caller, OpenOptions, SetAttr};
 use birch_core::Filesystem;
 
+use birch_format::ROOT_INO;
 use common::fresh;
 
 #[test]
@@ -21,7 +22,13 @@ fn full_filesystem_fails_cleanly_and_recovers_after_deletes() {
     let mut files = Vec::new();
     let mut hit_enospc = false;
     'fill: for n in 0..1000 {
-        let (f, _) = match fs.create(Caller::default(), 1, format!("f{n}").as_bytes(), 0o644, 0) {
+        let (f, _) = match fs.create(
+            Caller::default(),
+            ROOT_INO,
+            format!("f{n}").as_bytes(),
+            0o644,
+            0,
+        ) {
             Ok(v) => v,
             Err(e) => {
                 assert_eq!(e.errno(), libc::ENOSPC, "create on a full fs: {e}");
@@ -49,13 +56,13 @@ fn full_filesystem_fails_cleanly_and_recovers_after_deletes() {
     )
     .expect("truncate on a full fs");
     for n in 1..files.len().min(6) {
-        fs.unlink(1, format!("f{n}").as_bytes())
+        fs.unlink(ROOT_INO, format!("f{n}").as_bytes())
             .expect("unlink on a full fs");
     }
     fs.sync().expect("commit after deletes");
     // The freed space is usable again.
     let (g, _) = fs
-        .create(Caller::default(), 1, b"after", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"after", 0o644, 0)
         .expect("create after deletes");
     fs.write(g.ino, 0, &chunk, false)
         .expect("write after deletes");
@@ -84,7 +91,7 @@ fn failed_commit_turns_read_only_and_never_half_commits() {
         .expect("write");
     fs.sync().expect("commit");
     let (f, _) = fs
-        .create(Caller::default(), 1, b"lost", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"lost", 0o644, 0)
         .expect("create");
     dev.fail_writes(true);
     let err = fs.sync().expect_err("commit on a dead disk fails");
@@ -102,7 +109,7 @@ fn failed_commit_turns_read_only_and_never_half_commits() {
         "fsync after a failed commit must not report success"
     );
     assert_eq!(
-        fs.mkdir(Caller::default(), 1, b"new", 0o755)
+        fs.mkdir(Caller::default(), ROOT_INO, b"new", 0o755)
             .expect_err("read-only")
             .errno(),
         libc::EROFS
@@ -173,7 +180,7 @@ fn metadata_fill_ends_in_enospc_never_read_only() {
         let name = format!("{made:06}{long}");
         match fs.mknod(
             Caller::default(),
-            1,
+            ROOT_INO,
             name.as_bytes(),
             libc::S_IFREG | 0o644,
             0,
@@ -187,24 +194,30 @@ fn metadata_fill_ends_in_enospc_never_read_only() {
     assert!(made > 1000, "only {made} files before ENOSPC");
     // xattrs on a full filesystem: ENOSPC too, and the filesystem is still writable.
     let err = (0..100_000)
-        .map(|i| fs.setxattr(1, format!("user.x{i}").as_bytes(), &[7u8; 512], 0))
+        .map(|i| fs.setxattr(ROOT_INO, format!("user.x{i}").as_bytes(), &[7u8; 512], 0))
         .find_map(|r| r.err())
         .expect("xattrs end in an error");
     assert_eq!(err.errno(), libc::ENOSPC, "{err}");
     // Deletes work on the full filesystem; then creating works again.
     for i in (0..made).step_by(2) {
-        fs.unlink(1, format!("{i:06}{long}").as_bytes())
+        fs.unlink(ROOT_INO, format!("{i:06}{long}").as_bytes())
             .expect("unlink on a full filesystem");
     }
-    fs.mknod(Caller::default(), 1, b"after", libc::S_IFREG | 0o644, 0)
-        .expect("create after deletes");
+    fs.mknod(
+        Caller::default(),
+        ROOT_INO,
+        b"after",
+        libc::S_IFREG | 0o644,
+        0,
+    )
+    .expect("create after deletes");
     fs.sync().expect("commit");
     fs.power_cut();
     let crashed = Arc::new(dev.crash());
     let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
     assert!(report.is_clean(), "{:#?}", report.findings);
     let fs = common::open_quiet(&crashed);
-    fs.getattr(fs.lookup(1, b"after").expect("after").ino)
+    fs.getattr(fs.lookup(ROOT_INO, b"after").expect("after").ino)
         .expect("the last file survived");
 }
 
@@ -217,14 +230,14 @@ fn space_freed_since_the_last_commit_counts_as_free() {
     let free_before = fs.statfs().bfree;
     let avail_before = fs.statfs().bavail;
     let (attr, fh) = fs
-        .create(Caller::default(), 1, b"big", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"big", 0o644, 0)
         .expect("create");
     let data = vec![0x33u8; 8 << 20];
     fs.write(attr.ino, 0, &data, false).expect("write");
     fs.release(attr.ino, fh).expect("release");
     fs.sync().expect("commit the file");
     assert!(fs.statfs().bfree + 2048 <= free_before, "8 MiB taken");
-    fs.unlink(1, b"big").expect("unlink");
+    fs.unlink(ROOT_INO, b"big").expect("unlink");
     fs.forget(attr.ino, 1);
     let st = fs.statfs();
     assert!(
@@ -236,7 +249,7 @@ fn space_freed_since_the_last_commit_counts_as_free() {
     // And a writer really gets it: fill what statfs says is available (less the extent
     // items' metadata a reservation also counts), with no commit of its own in between.
     let (attr, _fh) = fs
-        .create(Caller::default(), 1, b"again", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"again", 0o644, 0)
         .expect("create again");
     let want = (st.bavail * 9 / 10 * 4096) as usize;
     assert!(
@@ -256,11 +269,11 @@ fn orphan_of_a_crash_is_reclaimed_at_mount() {
     let (dev, fs) = fresh(32 << 20);
     let free_before = fs.statfs().bfree;
     let (attr, fh) = fs
-        .create(Caller::default(), 1, b"doomed", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"doomed", 0o644, 0)
         .expect("create");
     let data = vec![0x5au8; 1 << 20];
     fs.write(attr.ino, 0, &data, false).expect("write");
-    fs.unlink(1, b"doomed").expect("unlink while open");
+    fs.unlink(ROOT_INO, b"doomed").expect("unlink while open");
     assert_eq!(
         fs.read(attr.ino, 0, data.len())
             .expect("read through the handle"),
@@ -299,7 +312,7 @@ fn orphan_of_a_crash_is_reclaimed_at_mount() {
 fn fsync_after_a_failed_write_reports_eio_every_time() {
     let (dev, fs) = fresh(32 << 20);
     let (attr, _) = fs
-        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"f", 0o644, 0)
         .expect("create");
     fs.write(attr.ino, 0, &[1u8; 8192], false).expect("write");
     fs.fsync(attr.ino, false).expect("fsync before the failure");
@@ -323,7 +336,7 @@ fn fsync_after_a_failed_write_reports_eio_every_time() {
 fn fsync_after_a_failed_buffered_flush_reports_eio_every_time() {
     let (dev, fs) = fresh(32 << 20);
     let (attr, _) = fs
-        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"f", 0o644, 0)
         .expect("create");
     fs.write(attr.ino, 0, &[1u8; 8192], false).expect("write");
     fs.fsync(attr.ino, false).expect("fsync before the failure");
@@ -363,12 +376,12 @@ fn fsync_after_a_failed_buffered_flush_reports_eio_every_time() {
 fn enospc_waits_for_the_release_of_an_unlinked_file() {
     let (dev, fs) = fresh(64 << 20);
     let (a, fh) = fs
-        .create(Caller::default(), 1, b"a", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"a", 0o644, 0)
         .expect("create a");
     fs.fallocate(a.ino, 0, 36 << 20, 0).expect("fallocate a");
-    fs.unlink(1, b"a").expect("unlink a while open");
+    fs.unlink(ROOT_INO, b"a").expect("unlink a while open");
     let (b, fh_b) = fs
-        .create(Caller::default(), 1, b"b", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"b", 0o644, 0)
         .expect("create b");
     std::thread::scope(|s| {
         // The kernel's late RELEASE and FORGET of `a`.
@@ -391,12 +404,12 @@ fn enospc_without_waiting_where_release_waits_are_not_allowed() {
     let (dev, fs) = fresh(64 << 20);
     fs.set_release_wait(Arc::new(|| false));
     let (a, fh) = fs
-        .create(Caller::default(), 1, b"a", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"a", 0o644, 0)
         .expect("create a");
     fs.fallocate(a.ino, 0, 36 << 20, 0).expect("fallocate a");
-    fs.unlink(1, b"a").expect("unlink a while open");
+    fs.unlink(ROOT_INO, b"a").expect("unlink a while open");
     let (b, fh_b) = fs
-        .create(Caller::default(), 1, b"b", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"b", 0o644, 0)
         .expect("create b");
     let started = std::time::Instant::now();
     let err = fs
@@ -424,14 +437,14 @@ fn enospc_without_waiting_where_release_waits_are_not_allowed() {
 fn an_inline_file_that_cannot_grow_keeps_its_bytes() {
     let (dev, fs) = fresh(24 << 20);
     let (small, _) = fs
-        .create(Caller::default(), 1, b"small", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"small", 0o644, 0)
         .expect("create small");
     let content: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8).collect();
     fs.write(small.ino, 0, &content, false)
         .expect("write small");
     fs.sync().expect("sync");
     let (fill, _) = fs
-        .create(Caller::default(), 1, b"fill", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"fill", 0o644, 0)
         .expect("create fill");
     let mut at = 0u64;
     for chunk in [256usize << 10, 4096] {

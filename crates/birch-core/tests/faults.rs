@@ -22,6 +22,7 @@ use birch_core::check::{check, CheckOptions};
 use birch_core::device::{BlockDevice, MemDevice};
 use birch_core::vfs::OpenOptions;
 use birch_core::{Error, Filesystem, MkfsOptions};
+use birch_format::InodeNo;
 use birch_testkit::{Effect, FaultDevice, Op, Rng, Rule};
 
 const BS: usize = birch_format::BLOCK_SIZE as usize;
@@ -205,7 +206,7 @@ fn remount(
 
 /// The version block `block` of file `f` (inode `ino`) holds, read through `fs` (past the
 /// end of the file: zeros).
-fn read_block(fs: &Filesystem, ino: u64, f: usize, block: u64) -> Option<u64> {
+fn read_block(fs: &Filesystem, ino: InodeNo, f: usize, block: u64) -> Option<u64> {
     let mut bytes = fs
         .read(ino, block * BS as u64, BS)
         .unwrap_or_else(|e| panic!("read f{f} block {block}: {e}"));

@@ -45,10 +45,11 @@ use birch_core::device::MemDevice;
 use birch_core::vfs::{Attr, Caller, FileKind, OpenOptions, SetAttr, SetTime};
 use birch_core::{Filesystem, MkfsOptions};
 use birch_format::items::Timespec;
+use birch_format::InodeNo;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-const ROOT: u64 = 1;
+const ROOT: birch_format::InodeNo = birch_format::ROOT_INO;
 const NAME_MAX: usize = 255;
 const INLINE_MAX: u64 = 2048;
 const BLOCK: u64 = 4096;
@@ -357,7 +358,7 @@ impl Model {
             if dir == anc {
                 return true;
             }
-            if dir == self.top || dir == ROOT {
+            if dir == self.top || dir == ROOT.get() {
                 return false;
             }
             match self.nodes.get(&dir) {
@@ -1136,7 +1137,7 @@ impl Runner {
             if !self.model.nodes.contains_key(&t.ino) {
                 continue;
             }
-            let attr = match fs.getattr(t.ino) {
+            let attr = match fs.getattr(InodeNo::new(t.ino)) {
                 Ok(a) => a,
                 Err(e) => self.fail(format!("{op:?}: getattr of touched {}: {e}", t.ino)),
             };
@@ -1168,7 +1169,7 @@ impl Runner {
             FileKind::Dir => true,
             _ => a.size == 0,
         };
-        if a.ino != ino
+        if a.ino != InodeNo::new(ino)
             || a.kind != m.kind
             || a.perm != m.perm
             || a.nlink != m.nlink
@@ -1186,16 +1187,16 @@ impl Runner {
 
     fn new_node(&mut self, fs: &Filesystem, dir: u64, name: &[u8], attr: &Attr, node: MNode) {
         let ino = attr.ino;
-        if self.model.nodes.contains_key(&ino) {
+        if self.model.nodes.contains_key(&ino.get()) {
             self.fail(format!("new inode number {ino} is already in use"));
         }
-        self.model.dead.retain(|d| *d != ino);
+        self.model.dead.retain(|d| *d != ino.get());
         let mut node = node;
         node.mtime = attr.mtime;
         node.ctime = attr.ctime;
-        self.model.nodes.insert(ino, node);
-        self.model.add_name(dir, name, ino);
-        self.compare_attr("new inode", ino, attr, true);
+        self.model.nodes.insert(ino.get(), node);
+        self.model.add_name(dir, name, ino.get());
+        self.compare_attr("new inode", ino.get(), attr, true);
         let _ = fs;
     }
 
@@ -1253,10 +1254,10 @@ impl Runner {
                         nm => d.children.get(nm).copied().ok_or(libc::ENOENT),
                     }
                 })();
-                let got = en(fs.lookup(*dir, &name.0));
+                let got = en(fs.lookup(InodeNo::new(*dir), &name.0));
                 if self.outcome(op, &want, &got) {
                     if let (Ok(w), Ok(g)) = (&want, &got) {
-                        if *w != g.ino {
+                        if *w != g.ino.get() {
                             self.fail(format!("{op:?}: found inode {}, model {w}", g.ino));
                         }
                         if self.model.nodes.contains_key(w) {
@@ -1267,17 +1268,22 @@ impl Runner {
             }
             Op::Mkdir { dir, name, mode } => {
                 let want = self.expect_make(*dir, &name.0);
-                let got = en(fs.mkdir(c, *dir, &name.0, *mode));
+                let got = en(fs.mkdir(c, InodeNo::new(*dir), &name.0, *mode));
                 if self.outcome(op, &want, &got) {
                     let attr = got.expect("ok");
                     let node = MNode::new(FileKind::Dir, mode & 0o7777, 0, *dir);
                     self.new_node(fs, *dir, &name.0, &attr, node);
-                    self.touched(fs, op, t0, &[touch(*dir, true), touch(attr.ino, true)]);
+                    self.touched(
+                        fs,
+                        op,
+                        t0,
+                        &[touch(*dir, true), touch(attr.ino.get(), true)],
+                    );
                 }
             }
             Op::Create { dir, name, mode } => {
                 let want = self.expect_make(*dir, &name.0);
-                let got = en(fs.create(c, *dir, &name.0, *mode, libc::O_RDWR));
+                let got = en(fs.create(c, InodeNo::new(*dir), &name.0, *mode, libc::O_RDWR));
                 if self.outcome(op, &want, &got) {
                     let (attr, fh) = got.expect("ok");
                     if let Err(e) = fs.release(attr.ino, fh) {
@@ -1285,7 +1291,12 @@ impl Runner {
                     }
                     let node = MNode::new(FileKind::File, mode & 0o7777, 0, *dir);
                     self.new_node(fs, *dir, &name.0, &attr, node);
-                    self.touched(fs, op, t0, &[touch(*dir, true), touch(attr.ino, true)]);
+                    self.touched(
+                        fs,
+                        op,
+                        t0,
+                        &[touch(*dir, true), touch(attr.ino.get(), true)],
+                    );
                 }
             }
             Op::Mknod {
@@ -1307,13 +1318,18 @@ impl Runner {
                     }
                     self.expect_make(*dir, &name.0)
                 })();
-                let got = en(fs.mknod(c, *dir, &name.0, *mode, *rdev));
+                let got = en(fs.mknod(c, InodeNo::new(*dir), &name.0, *mode, *rdev));
                 if self.outcome(op, &want, &got) {
                     let attr = got.expect("ok");
                     let kind = FileKind::from_mode(*mode);
                     let node = MNode::new(kind, mode & 0o7777, *rdev, *dir);
                     self.new_node(fs, *dir, &name.0, &attr, node);
-                    self.touched(fs, op, t0, &[touch(*dir, true), touch(attr.ino, true)]);
+                    self.touched(
+                        fs,
+                        op,
+                        t0,
+                        &[touch(*dir, true), touch(attr.ino.get(), true)],
+                    );
                 }
             }
             Op::Symlink {
@@ -1336,13 +1352,18 @@ impl Runner {
                     }
                     self.expect_make(*dir, &name.0)
                 })();
-                let got = en(fs.symlink(c, *dir, &name.0, &target));
+                let got = en(fs.symlink(c, InodeNo::new(*dir), &name.0, &target));
                 if self.outcome(op, &want, &got) {
                     let attr = got.expect("ok");
                     let mut node = MNode::new(FileKind::Symlink, 0o777, 0, *dir);
                     node.data = target;
                     self.new_node(fs, *dir, &name.0, &attr, node);
-                    self.touched(fs, op, t0, &[touch(*dir, true), touch(attr.ino, true)]);
+                    self.touched(
+                        fs,
+                        op,
+                        t0,
+                        &[touch(*dir, true), touch(attr.ino.get(), true)],
+                    );
                 }
             }
             Op::Readlink { ino } => {
@@ -1353,7 +1374,7 @@ impl Runner {
                     }
                     Ok(m.data.clone())
                 })();
-                let got = en(fs.readlink(*ino));
+                let got = en(fs.readlink(InodeNo::new(*ino)));
                 if self.outcome(op, &want, &got) && want != got {
                     self.fail(format!("{op:?}: target differs"));
                 }
@@ -1382,7 +1403,7 @@ impl Runner {
                     }
                     Ok(())
                 })();
-                let got = en(fs.link(*ino, *dir, &name.0));
+                let got = en(fs.link(InodeNo::new(*ino), InodeNo::new(*dir), &name.0));
                 if self.outcome(op, &want, &got) {
                     self.model.node_mut(*ino).nlink += 1;
                     self.model.add_name(*dir, &name.0, *ino);
@@ -1406,7 +1427,7 @@ impl Runner {
                     }
                     Ok(child)
                 })();
-                let got = en(fs.unlink(*dir, &name.0));
+                let got = en(fs.unlink(InodeNo::new(*dir), &name.0));
                 if self.outcome(op, &want, &got) {
                     let child = self.model.remove_name(*dir, &name.0);
                     self.touched(fs, op, t0, &[touch(*dir, true), touch(child, false)]);
@@ -1434,7 +1455,7 @@ impl Runner {
                     }
                     Ok(child)
                 })();
-                let got = en(fs.rmdir(*dir, &name.0));
+                let got = en(fs.rmdir(InodeNo::new(*dir), &name.0));
                 if self.outcome(op, &want, &got) {
                     let child = self.model.remove_name(*dir, &name.0);
                     self.touched(fs, op, t0, &[touch(*dir, true), touch(child, false)]);
@@ -1466,7 +1487,7 @@ impl Runner {
                     }
                     Ok(bytes.len() as u32)
                 })();
-                let got = en(fs.write(*ino, *off, &bytes, *append));
+                let got = en(fs.write(InodeNo::new(*ino), *off, &bytes, *append));
                 if self.outcome(op, &want, &got) {
                     if want != got {
                         self.fail(format!("{op:?}: wrote {got:?}, expected {want:?}"));
@@ -1493,7 +1514,7 @@ impl Runner {
                     let end = size.min(off + *len as u64);
                     Ok(m.data[*off as usize..end as usize].to_vec())
                 })();
-                let got = en(fs.read(*ino, *off, *len));
+                let got = en(fs.read(InodeNo::new(*ino), *off, *len));
                 if self.outcome(op, &want, &got) && want != got {
                     let w = want.expect("ok");
                     let g = got.expect("ok");
@@ -1523,7 +1544,7 @@ impl Runner {
                     mode: *mode,
                     ..Default::default()
                 };
-                let got = en(fs.setattr(*ino, &set));
+                let got = en(fs.setattr(InodeNo::new(*ino), &set));
                 if self.outcome(op, &want, &got) {
                     let m = self.model.node_mut(*ino);
                     m.data.resize(*size as usize, 0);
@@ -1540,7 +1561,7 @@ impl Runner {
                     mode: Some(*mode),
                     ..Default::default()
                 };
-                let got = en(fs.setattr(*ino, &set));
+                let got = en(fs.setattr(InodeNo::new(*ino), &set));
                 if self.outcome(op, &want, &got) {
                     self.model.node_mut(*ino).perm = mode & 0o7777;
                     self.touched(fs, op, t0, &[touch(*ino, false)]);
@@ -1553,7 +1574,7 @@ impl Runner {
                     mtime: Some(SetTime::At(*mtime)),
                     ..Default::default()
                 };
-                let got = en(fs.setattr(*ino, &set));
+                let got = en(fs.setattr(InodeNo::new(*ino), &set));
                 if self.outcome(op, &want, &got) {
                     self.model.node_mut(*ino).mtime = *mtime;
                     self.touched(fs, op, t0, &[touch(*ino, false)]);
@@ -1588,7 +1609,7 @@ impl Runner {
                     }
                     Ok(())
                 })();
-                let got = en(fs.fallocate(*ino, *off, *len, *mode));
+                let got = en(fs.fallocate(InodeNo::new(*ino), *off, *len, *mode));
                 if self.outcome(op, &want, &got) {
                     let m = self.model.node_mut(*ino);
                     let size = m.data.len() as u64;
@@ -1633,7 +1654,7 @@ impl Runner {
                     }
                     Ok(())
                 })();
-                let got = en(fs.setxattr(*ino, &name.0, &value, *flags));
+                let got = en(fs.setxattr(InodeNo::new(*ino), &name.0, &value, *flags));
                 if self.outcome(op, &want, &got) {
                     self.model
                         .node_mut(*ino)
@@ -1650,7 +1671,7 @@ impl Runner {
                     let m = self.model.get(*ino)?;
                     m.xattrs.get(&name.0).cloned().ok_or(libc::ENODATA)
                 })();
-                let got = en(fs.getxattr(*ino, &name.0));
+                let got = en(fs.getxattr(InodeNo::new(*ino), &name.0));
                 if self.outcome(op, &want, &got) && want != got {
                     self.fail(format!("{op:?}: value differs"));
                 }
@@ -1660,7 +1681,7 @@ impl Runner {
                     .model
                     .get(*ino)
                     .map(|m| m.xattrs.keys().cloned().collect::<BTreeSet<_>>());
-                let got = en(fs.listxattr(*ino)).map(|l| split_names(&l));
+                let got = en(fs.listxattr(InodeNo::new(*ino))).map(|l| split_names(&l));
                 if self.outcome(op, &want, &got) && want != got {
                     self.fail(format!("{op:?}: names {got:?}, expected {want:?}"));
                 }
@@ -1677,7 +1698,7 @@ impl Runner {
                         Err(libc::ENODATA)
                     }
                 })();
-                let got = en(fs.removexattr(*ino, &name.0));
+                let got = en(fs.removexattr(InodeNo::new(*ino), &name.0));
                 if self.outcome(op, &want, &got) {
                     self.model.node_mut(*ino).xattrs.remove(&name.0);
                     self.touched(fs, op, t0, &[touch(*ino, false)]);
@@ -1691,14 +1712,14 @@ impl Runner {
                     }
                     Ok(())
                 })();
-                let got = en(fs.readdir(*dir, 0, 10_000));
+                let got = en(fs.readdir(InodeNo::new(*dir), 0, 10_000));
                 if self.outcome(op, &want, &got) {
                     self.compare_dir(fs, *dir);
                 }
             }
             Op::Getattr { ino } => {
                 let want = self.model.get(*ino).map(|_| ());
-                let got = en(fs.getattr(*ino));
+                let got = en(fs.getattr(InodeNo::new(*ino)));
                 if self.outcome(op, &want, &got) {
                     self.compare_attr("getattr", *ino, &got.expect("ok"), true);
                 }
@@ -1725,7 +1746,13 @@ impl Runner {
                     }
                     Ok(n)
                 })();
-                let got = en(fs.copy_file_range(*ino_in, *off_in, *ino_out, *off_out, *len));
+                let got = en(fs.copy_file_range(
+                    InodeNo::new(*ino_in),
+                    *off_in,
+                    InodeNo::new(*ino_out),
+                    *off_out,
+                    *len,
+                ));
                 if self.outcome(op, &want, &got) {
                     if want != got {
                         self.fail(format!("{op:?}: copied {got:?}, expected {want:?}"));
@@ -1756,7 +1783,7 @@ impl Runner {
                     }
                     Ok(())
                 })();
-                let got = en(fs.lseek(*ino, *off, *whence));
+                let got = en(fs.lseek(InodeNo::new(*ino), *off, *whence));
                 let m_ok = want.is_ok();
                 // SEEK_DATA may find no data before the end: ENXIO is right when the rest is
                 // all zeros.
@@ -1789,7 +1816,7 @@ impl Runner {
                 }
             }
             Op::Forget { ino } => {
-                fs.forget(*ino, u64::MAX);
+                fs.forget(InodeNo::new(*ino), u64::MAX);
                 if let Some(m) = self.model.nodes.get(ino) {
                     if m.nlink == 0 {
                         self.model.nodes.remove(ino);
@@ -1887,7 +1914,13 @@ impl Runner {
             }
             Ok(Some((src, dst)))
         })();
-        let got = en(fs.rename(dir, name, newdir, newname, flags));
+        let got = en(fs.rename(
+            InodeNo::new(dir),
+            name,
+            InodeNo::new(newdir),
+            newname,
+            flags,
+        ));
         if !self.outcome(op, &want, &got) {
             return;
         }
@@ -1929,15 +1962,15 @@ impl Runner {
 
     fn compare_dir(&self, fs: &Filesystem, dir: u64) {
         let m = self.model.node(dir);
-        let full = match fs.readdir(dir, 0, 100_000) {
+        let full = match fs.readdir(InodeNo::new(dir), 0, 100_000) {
             Ok(v) => v,
             Err(e) => self.fail(format!("readdir {dir}: {e}")),
         };
         if full.len() < 2
             || full[0].name != b"."
-            || full[0].ino != dir
+            || full[0].ino != InodeNo::new(dir)
             || full[1].name != b".."
-            || full[1].ino != m.parent
+            || full[1].ino != InodeNo::new(m.parent)
             || full[0].kind != FileKind::Dir
             || full[1].kind != FileKind::Dir
         {
@@ -1949,7 +1982,7 @@ impl Runner {
         }
         let got: BTreeMap<Vec<u8>, (u64, FileKind)> = full[2..]
             .iter()
-            .map(|e| (e.name.clone(), (e.ino, e.kind)))
+            .map(|e| (e.name.clone(), (e.ino.get(), e.kind)))
             .collect();
         if got.len() != full.len() - 2 {
             self.fail(format!("readdir {dir}: duplicate names in {full:?}"));
@@ -1977,7 +2010,7 @@ impl Runner {
         let mut offset = 0;
         let limit = 1 + (dir as usize % 3);
         loop {
-            let page = match fs.readdir(dir, offset, limit) {
+            let page = match fs.readdir(InodeNo::new(dir), offset, limit) {
                 Ok(v) => v,
                 Err(e) => self.fail(format!("readdir {dir} at {offset}: {e}")),
             };
@@ -2005,7 +2038,7 @@ impl Runner {
 
     fn compare_all(&self, fs: &Filesystem, what: &str) {
         for (&ino, m) in &self.model.nodes {
-            let attr = match fs.getattr(ino) {
+            let attr = match fs.getattr(InodeNo::new(ino)) {
                 Ok(a) => a,
                 Err(e) => self.fail(format!("{what}: getattr {ino}: {e}")),
             };
@@ -2017,8 +2050,8 @@ impl Runner {
                     }
                     self.compare_dir(fs, ino);
                     for (name, child) in &m.children {
-                        match fs.lookup(ino, name) {
-                            Ok(a) if a.ino == *child => {}
+                        match fs.lookup(InodeNo::new(ino), name) {
+                            Ok(a) if a.ino == InodeNo::new(*child) => {}
                             other => self.fail(format!(
                                 "{what}: lookup {:?} in {ino}: {other:?}, expected {child}",
                                 String::from_utf8_lossy(name)
@@ -2026,7 +2059,7 @@ impl Runner {
                         }
                     }
                 }
-                FileKind::File => match fs.read(ino, 0, m.data.len() + 100) {
+                FileKind::File => match fs.read(InodeNo::new(ino), 0, m.data.len() + 100) {
                     Ok(d) if d == m.data => {}
                     Ok(d) => {
                         let first = d.iter().zip(m.data.iter()).position(|(a, b)| a != b);
@@ -2038,13 +2071,13 @@ impl Runner {
                     }
                     Err(e) => self.fail(format!("{what}: read {ino}: {e}")),
                 },
-                FileKind::Symlink => match fs.readlink(ino) {
+                FileKind::Symlink => match fs.readlink(InodeNo::new(ino)) {
                     Ok(t) if t == m.data => {}
                     other => self.fail(format!("{what}: readlink {ino}: {other:?}")),
                 },
                 _ => {}
             }
-            let names = match fs.listxattr(ino) {
+            let names = match fs.listxattr(InodeNo::new(ino)) {
                 Ok(l) => split_names(&l),
                 Err(e) => self.fail(format!("{what}: listxattr {ino}: {e}")),
             };
@@ -2055,7 +2088,7 @@ impl Runner {
                 ));
             }
             for (k, v) in &m.xattrs {
-                match fs.getxattr(ino, k) {
+                match fs.getxattr(InodeNo::new(ino), k) {
                     Ok(g) if g == *v => {}
                     other => self.fail(format!(
                         "{what}: xattr {:?} of {ino}: {:?}",
@@ -2067,7 +2100,7 @@ impl Runner {
         }
         for &ino in &self.model.dead {
             if !self.model.nodes.contains_key(&ino) {
-                if let Ok(a) = fs.getattr(ino) {
+                if let Ok(a) = fs.getattr(InodeNo::new(ino)) {
                     self.fail(format!(
                         "{what}: freed inode {ino} still has attributes {a:?}"
                     ));
@@ -2111,7 +2144,7 @@ fn run_case(seed: u64, ops: u64) -> Runner {
     let dev = new_device();
     let mut fs = open(&dev);
     let root = fs.getattr(ROOT).expect("root");
-    let mut r = Runner::new(seed, Model::new(ROOT, ROOT, &root), true);
+    let mut r = Runner::new(seed, Model::new(ROOT.get(), ROOT.get(), &root), true);
     for _ in 0..ops {
         let op = r.gen();
         if let Op::Reopen = op {
@@ -2198,7 +2231,7 @@ fn run_concurrent(seed: u64, threads: u64, ops: u64) -> Vec<Runner> {
             .expect("mkdir");
         runners.push(Runner::new(
             seed.wrapping_add(t * 1_000_003),
-            Model::new(top.ino, ROOT, &top),
+            Model::new(top.ino.get(), ROOT.get(), &top),
             false,
         ));
     }

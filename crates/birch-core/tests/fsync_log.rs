@@ -20,6 +20,7 @@ use birch_core::device::{BlockDevice, MemDevice};
 use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::superblock::SUPER_OFFSETS;
+use birch_format::{InodeNo, ROOT_INO};
 use birch_testkit::{run_matrix, Workload};
 
 mod common;
@@ -40,7 +41,7 @@ fn append_and_fsync_is_one_flush_and_no_superblock_write() {
     let dev = fresh();
     let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
     let (f, _) = fs
-        .create(Caller::default(), 1, b"db", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"db", 0o644, 0)
         .expect("create");
     fs.write(f.ino, 0, &[1u8; 8192], false).expect("write");
     fs.sync().expect("commit the file first");
@@ -76,7 +77,7 @@ fn appends_from_many_threads_continue_one_extent_and_log_a_few_records() {
     Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
     let fs = Arc::new(Filesystem::open_device(dev.clone(), opts()).expect("open"));
     let (f, _) = fs
-        .create(Caller::default(), 1, b"wal", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"wal", 0o644, 0)
         .expect("create");
     // Every appender thread has its own preferred allocation group; the file still grows
     // contiguously on disk, so its extents merge and each fsync logs a couple of items,
@@ -101,8 +102,8 @@ fn appends_from_many_threads_continue_one_extent_and_log_a_few_records() {
     let extents = fs
         .engine()
         .range(
-            &Key::new(f.ino, ItemType::ExtentData, 0),
-            &Key::new(f.ino, ItemType::ExtentData, u64::MAX),
+            &Key::new(f.ino.get(), ItemType::ExtentData, 0),
+            &Key::new(f.ino.get(), ItemType::ExtentData, u64::MAX),
             usize::MAX,
         )
         .expect("extents");
@@ -122,7 +123,7 @@ fn fdatasync_of_an_overwrite_skips_the_inode_item() {
     let dev = fresh();
     let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
     let (f, _) = fs
-        .create(Caller::default(), 1, b"data", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"data", 0o644, 0)
         .expect("create");
     fs.write(f.ino, 0, &[1u8; 8192], false).expect("write");
     fs.sync().expect("commit");
@@ -171,8 +172,8 @@ fn a_name_reused_after_rename_survives_a_crash_consistently() {
         let dev = fresh();
         let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
         let c = Caller::default();
-        let a = fs.mkdir(c, 1, b"A", 0o755).expect("mkdir A");
-        let b = fs.mkdir(c, 1, b"B", 0o755).expect("mkdir B");
+        let a = fs.mkdir(c, ROOT_INO, b"A", 0o755).expect("mkdir A");
+        let b = fs.mkdir(c, ROOT_INO, b"B", 0o755).expect("mkdir B");
         fs.sync().expect("commit dirs");
         let (x, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create x");
         fs.write(x.ino, 0, b"first", false).expect("write x");
@@ -226,8 +227,8 @@ fn a_file_renamed_away_is_logged_with_the_new_file_under_its_name() {
         let dev = fresh();
         let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
         let c = Caller::default();
-        let a = fs.mkdir(c, 1, b"A", 0o755).expect("mkdir A");
-        let b = fs.mkdir(c, 1, b"B", 0o755).expect("mkdir B");
+        let a = fs.mkdir(c, ROOT_INO, b"A", 0o755).expect("mkdir A");
+        let b = fs.mkdir(c, ROOT_INO, b"B", 0o755).expect("mkdir B");
         fs.sync().expect("commit dirs");
         let (x, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create x");
         fs.write(x.ino, 0, b"first", false).expect("write x");
@@ -314,7 +315,7 @@ fn a_moved_file_deleted_later_is_logged_as_deleted() {
     let dev = fresh();
     let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
     let c = Caller::default();
-    let d = fs.mkdir(c, 1, b"D", 0o755).expect("mkdir");
+    let d = fs.mkdir(c, ROOT_INO, b"D", 0o755).expect("mkdir");
     let (o, ofh) = fs.create(c, d.ino, b"a", 0o644, 0).expect("create o");
     fs.write(o.ino, 0, b"old", false).expect("write o");
     fs.release(o.ino, ofh).expect("release o");
@@ -370,7 +371,7 @@ fn a_name_renamed_away_and_linked_back_survives_a_crash_consistently() {
         let dev = fresh();
         let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
         let c = Caller::default();
-        let b = fs.mkdir(c, 1, b"B", 0o755).expect("mkdir B");
+        let b = fs.mkdir(c, ROOT_INO, b"B", 0o755).expect("mkdir B");
         fs.sync().expect("commit dir");
         let (x, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create");
         fs.write(x.ino, 0, b"data", false).expect("write");
@@ -408,7 +409,7 @@ fn fsync_after_a_rename_and_a_restored_ctime_still_sees_the_rename() {
     let dev = fresh();
     let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
     let c = Caller::default();
-    let b = fs.mkdir(c, 1, b"B", 0o755).expect("mkdir B");
+    let b = fs.mkdir(c, ROOT_INO, b"B", 0o755).expect("mkdir B");
     fs.sync().expect("commit dir");
     let (x, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create");
     fs.write(x.ino, 0, &[5u8; 4096], false).expect("write");
@@ -439,7 +440,7 @@ fn fsynced_data_survives_power_loss_through_replay() {
     {
         let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
         let c = Caller::default();
-        let d = fs.mkdir(c, 1, b"dir", 0o755).expect("mkdir");
+        let d = fs.mkdir(c, ROOT_INO, b"dir", 0o755).expect("mkdir");
         fs.sync().expect("commit dir");
         let (f, _) = fs.create(c, d.ino, b"new", 0o644, 0).expect("create");
         fs.write(f.ino, 0, b"hello log", false).expect("write");
@@ -466,7 +467,7 @@ fn fsynced_data_survives_power_loss_through_replay() {
     assert_eq!(&data[100_000..], &[7u8; 10_000][..]);
     let ino = fs.resolve("/dir/new").expect("resolve");
     assert_eq!(fs.getxattr(ino, b"user.x").expect("xattr"), b"y");
-    fs.mkdir(Caller::default(), 1, b"after", 0o755)
+    fs.mkdir(Caller::default(), ROOT_INO, b"after", 0o755)
         .expect("creates work after replay");
     fs.close().expect("close");
     drop(fs);
@@ -481,7 +482,7 @@ fn atime_only_change_costs_no_log_write() {
     let dev = fresh();
     let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
     let (f, _) = fs
-        .create(Caller::default(), 1, b"r", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"r", 0o644, 0)
         .expect("create");
     fs.write(f.ino, 0, b"data", false).expect("write");
     // An atime older than mtime, so the read moves it (times come from a coarse clock: create,
@@ -523,7 +524,7 @@ fn a_value_changed_back_after_a_commit_is_logged_again() {
     {
         let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
         let (f, _) = fs
-            .create(Caller::default(), 1, b"flip", 0o644, 0)
+            .create(Caller::default(), ROOT_INO, b"flip", 0o644, 0)
             .expect("create");
         fs.sync().expect("commit the file");
         fs.setxattr(f.ino, b"user.k", b"one", 0).expect("set one");
@@ -593,7 +594,7 @@ fn a_crash_during_replay_replays_again() {
     {
         let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
         let c = Caller::default();
-        let d = fs.mkdir(c, 1, b"d", 0o755).expect("mkdir");
+        let d = fs.mkdir(c, ROOT_INO, b"d", 0o755).expect("mkdir");
         fs.sync().expect("commit dir");
         for i in 0..6u8 {
             let name = format!("f{i}");
@@ -632,7 +633,9 @@ fn a_logged_preallocated_extent_keeps_its_blocks_after_replay() {
     {
         let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
         let c = Caller::default();
-        let (f, _) = fs.create(c, 1, b"prealloc", 0o644, 0).expect("create");
+        let (f, _) = fs
+            .create(c, ROOT_INO, b"prealloc", 0o644, 0)
+            .expect("create");
         fs.sync().expect("commit the empty file");
         fs.fallocate(f.ino, 0, 8 << 20, 0).expect("fallocate 8 MiB");
         fs.write(f.ino, 0, b"head", false)
@@ -661,7 +664,7 @@ fn a_logged_preallocated_extent_keeps_its_blocks_after_replay() {
         );
         // Fill the device: a replayed range left free would be handed out again.
         let (g, _) = fs
-            .create(Caller::default(), 1, b"after", 0o644, 0)
+            .create(Caller::default(), ROOT_INO, b"after", 0o644, 0)
             .expect("create after replay");
         let chunk = vec![0x5au8; 1 << 20];
         let mut written = 0u64;
@@ -693,7 +696,7 @@ fn setattr_of_times_keeps_a_log_clean_file_clean() {
     let dev = fresh();
     let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
     let (f, _) = fs
-        .create(Caller::default(), 1, b"db", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"db", 0o644, 0)
         .expect("create");
     fs.write(f.ino, 0, &[1u8; 16 * 4096], false).expect("write");
     fs.sync().expect("commit the file");
@@ -749,7 +752,7 @@ fn setattr_of_times_keeps_a_log_clean_file_clean() {
 /// an fsync that marks it log-clean again.
 fn log_clean_file(fs: &Filesystem, name: &[u8]) -> u64 {
     let (f, _) = fs
-        .create(Caller::default(), 1, name, 0o644, 0)
+        .create(Caller::default(), ROOT_INO, name, 0o644, 0)
         .expect("create");
     fs.write(f.ino, 0, &[1u8; 12288], false).expect("write");
     fs.fsync(f.ino, false).expect("fsync");
@@ -761,7 +764,7 @@ fn log_clean_file(fs: &Filesystem, name: &[u8]) -> u64 {
         .incompat_durable(birch_format::superblock::INCOMPAT_LOG_DATA));
     fs.write(f.ino, 4096, &[1u8; 4096], false).expect("write");
     fs.fsync(f.ino, false).expect("fsync: log-clean again");
-    f.ino
+    f.ino.get()
 }
 
 /// A small append to a log-clean file puts its bytes in the log (a data record) instead of
@@ -782,8 +785,9 @@ fn a_small_synchronous_append_logs_its_bytes_and_survives_a_crash() {
         let ino = log_clean_file(&fs, b"db");
         let dev_before = dev.counters().values();
         let eng_before = fs.engine().counters().values();
-        fs.write(ino, 16384, &[7u8; 8192], false).expect("append");
-        fs.fsync(ino, false).expect("fsync");
+        fs.write(InodeNo::new(ino), 16384, &[7u8; 8192], false)
+            .expect("append");
+        fs.fsync(InodeNo::new(ino), false).expect("fsync");
         let dev_after = dev.counters().values().since(&dev_before);
         let eng_after = fs.engine().counters().values().since(&eng_before);
         assert_eq!(
@@ -797,13 +801,16 @@ fn a_small_synchronous_append_logs_its_bytes_and_survives_a_crash() {
             "one batch write and one flush: {dev_after}"
         );
         assert_eq!(eng_after.fsync_clean, 1, "{eng_after}");
-        let got = fs.read(ino, 16384, 8192).expect("read before the commit");
+        let got = fs
+            .read(InodeNo::new(ino), 16384, 8192)
+            .expect("read before the commit");
         assert!(got.iter().all(|&b| b == 7));
         // An overwrite carries no data record: its placed block is written in place by the
         // batch's leader, before the batch.
         let before = fs.engine().counters().values();
-        fs.write(ino, 0, &[6u8; 4096], false).expect("overwrite");
-        fs.fsync(ino, false).expect("fsync");
+        fs.write(InodeNo::new(ino), 0, &[6u8; 4096], false)
+            .expect("overwrite");
+        fs.fsync(InodeNo::new(ino), false).expect("fsync");
         let after = fs.engine().counters().values().since(&before);
         assert_eq!(after.log_data_records, 0, "{after}");
         assert_eq!(after.log_placed_written, 1, "{after}");
@@ -811,7 +818,9 @@ fn a_small_synchronous_append_logs_its_bytes_and_survives_a_crash() {
             fs.sync().expect("commit writes the placed blocks");
         }
         let (crashed, fs) = common::crash_and_reopen(fs, &dev);
-        let got = fs.read(ino, 0, 24576).expect("read after the crash");
+        let got = fs
+            .read(InodeNo::new(ino), 0, 24576)
+            .expect("read after the crash");
         assert!(got[..4096].iter().all(|&b| b == 6), "{commit_before_cut}");
         assert!(
             got[4096..16384].iter().all(|&b| b == 1),
@@ -832,9 +841,14 @@ fn appends_logged_with_their_bytes_replay_whole() {
     let ino = log_clean_file(&fs, b"wal");
     let before = dev.counters().values();
     for n in 0..20u8 {
-        fs.write(ino, 16384 + u64::from(n) * 4096, &[n + 10; 4096], false)
-            .expect("append");
-        fs.fsync(ino, true).expect("fdatasync");
+        fs.write(
+            InodeNo::new(ino),
+            16384 + u64::from(n) * 4096,
+            &[n + 10; 4096],
+            false,
+        )
+        .expect("append");
+        fs.fsync(InodeNo::new(ino), true).expect("fdatasync");
     }
     let after = dev.counters().values().since(&before);
     assert_eq!(after.device_writes, 20, "one batch per append: {after}");
@@ -843,7 +857,7 @@ fn appends_logged_with_their_bytes_replay_whole() {
     let (crashed, fs) = common::crash_and_reopen(fs, &dev);
     for n in 0..20u8 {
         let got = fs
-            .read(ino, 16384 + u64::from(n) * 4096, 4096)
+            .read(InodeNo::new(ino), 16384 + u64::from(n) * 4096, 4096)
             .expect("read");
         assert!(got.iter().all(|&b| b == n + 10), "append {n}");
     }
@@ -859,27 +873,38 @@ fn placed_blocks_an_fsync_logs_without_their_bytes_are_written_first() {
     let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
     let ino = log_clean_file(&fs, b"suid");
     fs.setattr(
-        ino,
+        InodeNo::new(ino),
         &birch_core::vfs::SetAttr {
             mode: Some(0o4755),
             ..Default::default()
         },
     )
     .expect("chmod u+s");
-    fs.write(ino, 0, &[1u8; 4096], false).expect("write");
-    fs.fsync(ino, false)
+    fs.write(InodeNo::new(ino), 0, &[1u8; 4096], false)
+        .expect("write");
+    fs.fsync(InodeNo::new(ino), false)
         .expect("fsync: log-clean with the mode");
     let before = fs.engine().counters().values();
-    fs.write_mode(ino, 16384, &[9u8; 4096], false, Some(&[]), false)
-        .expect("append that kills suid");
-    fs.fsync(ino, false).expect("fsync");
+    fs.write_mode(
+        InodeNo::new(ino),
+        16384,
+        &[9u8; 4096],
+        false,
+        Some(&[]),
+        false,
+    )
+    .expect("append that kills suid");
+    fs.fsync(InodeNo::new(ino), false).expect("fsync");
     let after = fs.engine().counters().values().since(&before);
     assert_eq!(after.log_placed_written, 1, "{after}");
     assert_eq!(after.log_data_records, 0, "{after}");
     let (crashed, fs) = common::crash_and_reopen(fs, &dev);
-    let got = fs.read(ino, 16384, 4096).expect("read");
+    let got = fs.read(InodeNo::new(ino), 16384, 4096).expect("read");
     assert!(got.iter().all(|&b| b == 9));
-    assert_eq!(fs.getattr(ino).expect("getattr").perm & 0o7777, 0o755);
+    assert_eq!(
+        fs.getattr(InodeNo::new(ino)).expect("getattr").perm & 0o7777,
+        0o755
+    );
     common::close_and_check_clean(fs, &crashed, "suid");
 }
 
@@ -893,8 +918,9 @@ fn a_placed_block_freed_after_the_freeze_is_still_written_by_the_frozen_commit()
     let dev = fresh();
     let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
     let ino = log_clean_file(&fs, b"wal");
-    fs.write(ino, 16384, &[7u8; 4096], false).expect("append");
-    fs.fsync(ino, false).expect("fsync");
+    fs.write(InodeNo::new(ino), 16384, &[7u8; 4096], false)
+        .expect("append");
+    fs.fsync(InodeNo::new(ino), false).expect("fsync");
     assert_eq!(
         fs.engine().counters().values().log_data_records,
         1,
@@ -904,7 +930,7 @@ fn a_placed_block_freed_after_the_freeze_is_still_written_by_the_frozen_commit()
     fs.engine()
         .commit_then(|| {
             fs.setattr(
-                ino,
+                InodeNo::new(ino),
                 &birch_core::vfs::SetAttr {
                     size: Some(16384),
                     ..Default::default()
@@ -916,7 +942,7 @@ fn a_placed_block_freed_after_the_freeze_is_still_written_by_the_frozen_commit()
     // Power cut: G is durable, the truncate (G+1, never fsync'd) is not.
     let (crashed, fs) = common::crash_and_reopen(fs, &dev);
     let got = fs
-        .read(ino, 16384, 4096)
+        .read(InodeNo::new(ino), 16384, 4096)
         .expect("the fsync'd append reads back after commit G");
     assert!(got.iter().all(|&b| b == 7));
     common::close_and_check_clean(fs, &crashed, "placed block freed after the freeze");
@@ -932,10 +958,11 @@ fn a_deferred_fsync_is_answered_when_a_shutdown_comes_before_its_leader() {
         let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
         let ino = log_clean_file(&fs, b"db");
         // A synchronous write queues the file's records (no leader yet).
-        fs.write(ino, 0, &[3u8; 4096], false).expect("overwrite");
+        fs.write(InodeNo::new(ino), 0, &[3u8; 4096], false)
+            .expect("overwrite");
         let (tx, rx) = std::sync::mpsc::channel();
         let lead = match fs.fsync_defer(
-            ino,
+            InodeNo::new(ino),
             false,
             Box::new(move |outcome| {
                 let _ = tx.send(outcome.map(|_| ()).map_err(|e| e.to_string()));
@@ -968,7 +995,7 @@ fn overwrites_of_a_log_clean_file_leave_the_image_without_the_log_data_flag() {
     let dev = fresh();
     let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
     let (f, _) = fs
-        .create(Caller::default(), 1, b"db", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"db", 0o644, 0)
         .expect("create");
     fs.write(f.ino, 0, &[1u8; 16384], false).expect("write");
     fs.fsync(f.ino, false).expect("fsync: log-clean");
@@ -995,13 +1022,14 @@ fn a_deferred_fsync_is_answered_by_the_batch_that_makes_it_durable() {
     let a = log_clean_file(&fs, b"a");
     let b = log_clean_file(&fs, b"b");
     // The commit inside `log_clean_file(b)` ended a's mark: log-clean again.
-    fs.write(a, 8192, &[1u8; 4096], false).expect("write a");
-    fs.fsync(a, false).expect("fsync a");
+    fs.write(InodeNo::new(a), 8192, &[1u8; 4096], false)
+        .expect("write a");
+    fs.fsync(InodeNo::new(a), false).expect("fsync a");
     let defer = |ino: u64| {
         let (tx, rx) = std::sync::mpsc::channel();
         let lead = fs
             .fsync_defer(
-                ino,
+                InodeNo::new(ino),
                 false,
                 Box::new(move |outcome| {
                     let _ = tx.send(outcome.map_err(|e| e.to_string()));
@@ -1011,7 +1039,8 @@ fn a_deferred_fsync_is_answered_by_the_batch_that_makes_it_durable() {
         (lead, rx)
     };
     // Led by the caller, as FUSE does when `fsync_defer` says no leader is active.
-    fs.write(a, 0, &[4u8; 4096], false).expect("write a");
+    fs.write(InodeNo::new(a), 0, &[4u8; 4096], false)
+        .expect("write a");
     let (lead, rx) = defer(a);
     let ticket = lead.expect("no leader: the caller leads");
     assert!(rx.try_recv().is_err(), "not answered before its batch");
@@ -1021,16 +1050,18 @@ fn a_deferred_fsync_is_answered_by_the_batch_that_makes_it_durable() {
         Ok(DeferredOutcome::Logged)
     );
     // Answered by another fsync's wait whose batch covers it.
-    fs.write(a, 4096, &[5u8; 4096], false).expect("write a");
+    fs.write(InodeNo::new(a), 4096, &[5u8; 4096], false)
+        .expect("write a");
     let (_, rx) = defer(a);
-    fs.write(b, 0, &[6u8; 4096], false).expect("write b");
-    fs.fsync(b, false).expect("fsync b");
+    fs.write(InodeNo::new(b), 0, &[6u8; 4096], false)
+        .expect("write b");
+    fs.fsync(InodeNo::new(b), false).expect("fsync b");
     assert_eq!(
         rx.try_recv().expect("answered"),
         Ok(DeferredOutcome::Logged)
     );
     let (crashed, fs) = common::crash_and_reopen(fs, &dev);
-    let got = fs.read(a, 0, 8192).expect("read a");
+    let got = fs.read(InodeNo::new(a), 0, 8192).expect("read a");
     assert!(got[..4096].iter().all(|&x| x == 4) && got[4096..].iter().all(|&x| x == 5));
     common::close_and_check_clean(fs, &crashed, "deferred fsyncs");
 }
@@ -1042,9 +1073,10 @@ fn crashed_with_pending_log() -> Arc<MemDevice> {
     {
         let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
         let c = Caller::default();
-        fs.create(c, 1, b"committed", 0o644, 0).expect("create");
+        fs.create(c, ROOT_INO, b"committed", 0o644, 0)
+            .expect("create");
         fs.sync().expect("commit");
-        let (f, _) = fs.create(c, 1, b"logged", 0o644, 0).expect("create");
+        let (f, _) = fs.create(c, ROOT_INO, b"logged", 0o644, 0).expect("create");
         fs.write(f.ino, 0, b"fsync'd bytes", false).expect("write");
         fs.fsync(f.ino, false).expect("fsync");
         fs.power_cut();
@@ -1174,11 +1206,16 @@ fn a_deferred_fsync_on_a_full_log_is_sampled_whole() {
     // with no commit the log area (4 MiB here) fills up.
     let mut full = None;
     for round in 0..1024u64 {
-        fs.write(ino, (round % 64) * 32768, &[round as u8; 32768], false)
-            .expect("overwrite");
+        fs.write(
+            InodeNo::new(ino),
+            (round % 64) * 32768,
+            &[round as u8; 32768],
+            false,
+        )
+        .expect("overwrite");
         let (tx, rx) = std::sync::mpsc::channel();
         let deferred = fs.fsync_defer(
-            ino,
+            InodeNo::new(ino),
             false,
             Box::new(move |outcome| {
                 let _ = tx.send(outcome);
@@ -1188,7 +1225,7 @@ fn a_deferred_fsync_on_a_full_log_is_sampled_whole() {
             Ok(Some(ticket)) => fs.fsync_lead(ticket),
             Ok(None) => {}
             Err(_) => {
-                fs.fsync(ino, false).expect("fsync");
+                fs.fsync(InodeNo::new(ino), false).expect("fsync");
                 continue;
             }
         }
@@ -1334,14 +1371,18 @@ fn a_batch_and_the_placed_blocks_it_names_go_in_one_submission() {
     let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
     fs.set_atime_mode(birch_core::vfs::AtimeMode::NoAtime);
     let ino = log_clean_file(&fs, b"db");
-    fs.write(ino, 0, &[5u8; 4096], false).expect("overwrite");
-    fs.fsync(ino, false).expect("fsync: 5s durable");
+    fs.write(InodeNo::new(ino), 0, &[5u8; 4096], false)
+        .expect("overwrite");
+    fs.fsync(InodeNo::new(ino), false)
+        .expect("fsync: 5s durable");
     let before_cut = base.snapshot();
     dev.batches.lock().clear();
     base.start_recording();
     let flushes = base.counters().values().flushes;
-    fs.write(ino, 0, &[6u8; 4096], false).expect("overwrite");
-    fs.fsync(ino, false).expect("fsync: 6s durable");
+    fs.write(InodeNo::new(ino), 0, &[6u8; 4096], false)
+        .expect("overwrite");
+    fs.fsync(InodeNo::new(ino), false)
+        .expect("fsync: 6s durable");
     let after = fs.engine().counters().values();
     assert_eq!(
         after.log_data_records, 0,
@@ -1358,7 +1399,9 @@ fn a_batch_and_the_placed_blocks_it_names_go_in_one_submission() {
     for (keep_data, want) in [(false, 5u8), (true, 6u8)] {
         let crashed = writes.crashed(&before_cut, keep_data);
         let fs = common::open_quiet(&crashed);
-        let got = fs.read(ino, 0, 4096).expect("read after the cut");
+        let got = fs
+            .read(InodeNo::new(ino), 0, 4096)
+            .expect("read after the cut");
         assert!(
             got.iter().all(|&b| b == want),
             "data kept {keep_data}: {:?}",
@@ -1387,7 +1430,7 @@ fn batches_skip_to_object_boundaries_and_replay_finds_them() {
     let dev = CountBatches::new(&base, false, unit);
     let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
     assert!(!fs.engine().incompat_durable(INCOMPAT_LOG_ALIGNED));
-    fs.create(Caller::default(), 1, b"first", 0o644, 0)
+    fs.create(Caller::default(), ROOT_INO, b"first", 0o644, 0)
         .expect("create");
     fs.sync().expect("first commit");
     assert!(fs.engine().incompat_durable(INCOMPAT_LOG_ALIGNED));
@@ -1397,7 +1440,7 @@ fn batches_skip_to_object_boundaries_and_replay_finds_them() {
     for n in 0..40u32 {
         let name = format!("f{n}");
         let (f, _) = fs
-            .create(Caller::default(), 1, name.as_bytes(), 0o644, 0)
+            .create(Caller::default(), ROOT_INO, name.as_bytes(), 0o644, 0)
             .expect("create");
         // Batches of varied sizes: a few xattrs of varied length each.
         for x in 0..(n % 5) {
@@ -1453,7 +1496,7 @@ fn an_fsync_on_rbd_places_its_buffered_data_for_the_batch() {
         let dev = CountBatches::new(&base, fatal, 0);
         let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
         let (f, _) = fs
-            .create(Caller::default(), 1, b"f", 0o644, 0)
+            .create(Caller::default(), ROOT_INO, b"f", 0o644, 0)
             .expect("create");
         fs.write(f.ino, 0, &[1u8; 16384], false).expect("write");
         fs.sync()
@@ -1511,8 +1554,8 @@ fn a_rename_over_a_freed_target_replays_in_every_variant() {
                     let dev = fresh();
                     let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
                     let c = Caller::default();
-                    let a = fs.mkdir(c, 1, b"A", 0o755).expect("mkdir A");
-                    let b = fs.mkdir(c, 1, b"B", 0o755).expect("mkdir B");
+                    let a = fs.mkdir(c, ROOT_INO, b"A", 0o755).expect("mkdir A");
+                    let b = fs.mkdir(c, ROOT_INO, b"B", 0o755).expect("mkdir B");
                     fs.sync().expect("commit dirs");
                     let to = if cross { a.ino } else { b.ino };
                     let mut x = None;
@@ -1586,8 +1629,8 @@ fn chained_renames_over_freed_targets_take_the_log_and_replay() {
         let dev = fresh();
         let fs = Filesystem::open_device(dev.clone(), opts()).expect("open");
         let c = Caller::default();
-        let a = fs.mkdir(c, 1, b"A", 0o755).expect("mkdir A");
-        let b = fs.mkdir(c, 1, b"B", 0o755).expect("mkdir B");
+        let a = fs.mkdir(c, ROOT_INO, b"A", 0o755).expect("mkdir A");
+        let b = fs.mkdir(c, ROOT_INO, b"B", 0o755).expect("mkdir B");
         let to = if cross { a.ino } else { b.ino };
         let (x, _) = fs.create(c, b.ino, b"foo", 0o644, 0).expect("create x");
         fs.write(x.ino, 0, b"first", false).expect("write x");

@@ -13,10 +13,11 @@ use std::sync::Arc;
 use birch_core::device::MemDevice;
 use birch_core::vfs::{Caller, CommitReason, FsyncMode, OpenOptions};
 use birch_core::{Filesystem, MkfsOptions};
+use birch_format::InodeNo;
 
 mod common;
 
-const ROOT: u64 = 1;
+const ROOT: birch_format::InodeNo = birch_format::ROOT_INO;
 
 fn fresh() -> (Arc<MemDevice>, Filesystem) {
     common::fresh(96 << 20)
@@ -26,7 +27,7 @@ fn fresh() -> (Arc<MemDevice>, Filesystem) {
 /// broader one went up by one, no other `fsync_fallback_*` counter moved.
 fn fsync_commits_for(fs: &Filesystem, ino: u64, reason: CommitReason) {
     let before = fs.engine().counters().values();
-    fs.fsync(ino, false).expect("fsync");
+    fs.fsync(InodeNo::new(ino), false).expect("fsync");
     let after = fs.engine().counters().values().since(&before);
     assert_eq!(
         (after.fsync_commits, after.fsync_log),
@@ -117,7 +118,7 @@ fn commit_mode() {
         .create(Caller::default(), ROOT, b"f", 0o644, 0)
         .expect("create");
     fs.write(f.ino, 0, b"durable", false).expect("write");
-    fsync_commits_for(&fs, f.ino, CommitReason::CommitMode);
+    fsync_commits_for(&fs, f.ino.get(), CommitReason::CommitMode);
     after_a_crash(fs, &dev, "commit_mode", |fs| {
         assert_eq!(fs.read_file("/f").expect("f"), b"durable");
     });
@@ -142,7 +143,7 @@ fn log_full() {
         .expect("create");
     fs.sync().expect("commit");
     fs.write(f.ino, 0, b"durable", false).expect("write");
-    fsync_commits_for(&fs, f.ino, CommitReason::LogFull);
+    fsync_commits_for(&fs, f.ino.get(), CommitReason::LogFull);
     after_a_crash(fs, &dev, "log_full", |fs| {
         assert_eq!(fs.read_file("/f").expect("f"), b"durable");
     });
@@ -156,7 +157,7 @@ fn directory() {
     fs.sync().expect("commit");
     // A name created without its file's fsync: the directory's fsync must make it durable.
     fs.create(c, d.ino, b"f", 0o644, 0).expect("create");
-    fsync_commits_for(&fs, d.ino, CommitReason::Directory);
+    fsync_commits_for(&fs, d.ino.get(), CommitReason::Directory);
     after_a_crash(fs, &dev, "directory", |fs| {
         fs.resolve("/d/f").expect("the name the fsyncdir covered");
     });
@@ -173,7 +174,7 @@ fn cloned() {
     let (b, _) = fs.create(c, ROOT, b"b", 0o644, 0).expect("create b");
     fs.copy_file_range(a.ino, 0, b.ino, 0, data.len() as u64)
         .expect("clone");
-    fsync_commits_for(&fs, b.ino, CommitReason::Cloned);
+    fsync_commits_for(&fs, b.ino.get(), CommitReason::Cloned);
     after_a_crash(fs, &dev, "cloned", |fs| {
         assert_eq!(fs.read_file("/b").expect("b"), data);
     });
@@ -190,7 +191,7 @@ fn unlinked() {
     // Unlinked while open: link count 0, an orphan item.
     fs.unlink(ROOT, b"f").expect("unlink");
     fs.write(f.ino, 0, b"second", false).expect("write");
-    fsync_commits_for(&fs, f.ino, CommitReason::Unlinked);
+    fsync_commits_for(&fs, f.ino.get(), CommitReason::Unlinked);
     after_a_crash(fs, &dev, "unlinked", |fs| {
         assert!(fs.resolve("/f").is_err(), "the name's removal is durable");
     });
@@ -206,7 +207,7 @@ fn incompat_pending() {
     // The first out-of-line xattr value wants INCOMPAT_XATTR_CHUNKS, which no commit set yet.
     let big = vec![0x5a; 20_000];
     fs.setxattr(f.ino, b"user.big", &big, 0).expect("setxattr");
-    fsync_commits_for(&fs, f.ino, CommitReason::IncompatPending);
+    fsync_commits_for(&fs, f.ino.get(), CommitReason::IncompatPending);
     after_a_crash(fs, &dev, "incompat_pending", |fs| {
         let ino = fs.resolve("/f").expect("f");
         assert_eq!(fs.getxattr(ino, b"user.big").expect("xattr"), big);
@@ -222,7 +223,7 @@ fn name_removed() {
     fs.write(f.ino, 0, b"data", false).expect("write");
     fs.sync().expect("commit");
     fs.rename(ROOT, b"a", ROOT, b"b", 0).expect("rename");
-    fsync_commits_for(&fs, f.ino, CommitReason::NameRemoved);
+    fsync_commits_for(&fs, f.ino.get(), CommitReason::NameRemoved);
     after_a_crash(fs, &dev, "name_removed", |fs| {
         assert!(fs.resolve("/a").is_err(), "old name gone");
         assert_eq!(fs.read_file("/b").expect("b"), b"data");
@@ -241,7 +242,7 @@ fn name_held() {
     fs.unlink(ROOT, b"foo").expect("unlink x");
     let (y, _) = fs.create(c, ROOT, b"foo", 0o644, 0).expect("create y");
     fs.write(y.ino, 0, b"second", false).expect("write y");
-    fsync_commits_for(&fs, y.ino, CommitReason::NameHeld);
+    fsync_commits_for(&fs, y.ino.get(), CommitReason::NameHeld);
     after_a_crash(fs, &dev, "name_held", |fs| {
         assert_eq!(fs.read_file("/foo").expect("foo"), b"second");
     });
@@ -254,7 +255,7 @@ fn new_parent() {
     let d = fs.mkdir(c, ROOT, b"d", 0o755).expect("mkdir");
     let (f, _) = fs.create(c, d.ino, b"f", 0o644, 0).expect("create");
     fs.write(f.ino, 0, b"data", false).expect("write");
-    fsync_commits_for(&fs, f.ino, CommitReason::NewParent);
+    fsync_commits_for(&fs, f.ino.get(), CommitReason::NewParent);
     after_a_crash(fs, &dev, "new_parent", |fs| {
         assert_eq!(fs.read_file("/d/f").expect("d/f"), b"data");
     });
@@ -284,7 +285,7 @@ fn hash_collision() {
         .create(c, ROOT, COLLIDING[1], 0o644, 0)
         .expect("create b");
     fs.write(b.ino, 0, b"second", false).expect("write b");
-    fsync_commits_for(&fs, b.ino, CommitReason::HashCollision);
+    fsync_commits_for(&fs, b.ino.get(), CommitReason::HashCollision);
     after_a_crash(fs, &dev, "hash_collision", |fs| {
         let a = fs.lookup(ROOT, COLLIDING[0]).expect("a").ino;
         let b = fs.lookup(ROOT, COLLIDING[1]).expect("b").ino;

@@ -30,6 +30,7 @@ use birch_core::check::{check, CheckOptions};
 use birch_core::device::{BlockDevice, MemDevice, Recorded};
 use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Filesystem, MkfsOptions};
+use birch_format::{InodeNo, ROOT_INO};
 
 const KIB: u64 = 1024;
 
@@ -43,7 +44,7 @@ fn opts() -> OpenOptions {
 /// A file of `bytes` laid out in blocks and committed.
 fn laid_out(fs: &Filesystem, name: &[u8], bytes: u64) -> u64 {
     let (f, _) = fs
-        .create(Caller::default(), 1, name, 0o644, 0)
+        .create(Caller::default(), ROOT_INO, name, 0o644, 0)
         .expect("create");
     let chunk = vec![0xeeu8; (256 * KIB) as usize];
     let mut at = 0;
@@ -52,7 +53,7 @@ fn laid_out(fs: &Filesystem, name: &[u8], bytes: u64) -> u64 {
         at += chunk.len() as u64;
     }
     fs.sync().expect("commit");
-    f.ino
+    f.ino.get()
 }
 
 /// The block pattern of writer `t`'s `i`-th write.
@@ -80,9 +81,14 @@ fn synchronous_writers_of_one_file_share_flushes() {
                 for i in 0..rounds {
                     // Each writer owns 256 KiB; its writes move around inside it.
                     let at = t * 256 * KIB + (i % 4) * 64 * KIB;
-                    fs.write(ino, at, &pattern(t, i, (64 * KIB) as usize), false)
-                        .expect("write");
-                    fs.fsync(ino, false).expect("fsync");
+                    fs.write(
+                        InodeNo::new(ino),
+                        at,
+                        &pattern(t, i, (64 * KIB) as usize),
+                        false,
+                    )
+                    .expect("write");
+                    fs.fsync(InodeNo::new(ino), false).expect("fsync");
                 }
             });
         }
@@ -106,7 +112,9 @@ fn synchronous_writers_of_one_file_share_flushes() {
         for slot in 0..4 {
             let last = (0..rounds).rev().find(|i| i % 4 == slot).expect("round");
             let at = t * 256 * KIB + slot * 64 * KIB;
-            let got = fs.read(ino, at, (64 * KIB) as usize).expect("read");
+            let got = fs
+                .read(InodeNo::new(ino), at, (64 * KIB) as usize)
+                .expect("read");
             assert!(
                 got == pattern(t, last, (64 * KIB) as usize),
                 "writer {t} slot {slot}"
@@ -133,9 +141,14 @@ fn fsyncs_of_different_files_share_flushes() {
             s.spawn(move || {
                 for i in 0..rounds {
                     // Unaligned: the general write path, then a scanning fsync.
-                    fs.write(ino, 100 + i * 5000, &pattern(t as u64, i, 3000), false)
-                        .expect("write");
-                    fs.fsync(ino, i % 2 == 0).expect("fsync");
+                    fs.write(
+                        InodeNo::new(ino),
+                        100 + i * 5000,
+                        &pattern(t as u64, i, 3000),
+                        false,
+                    )
+                    .expect("write");
+                    fs.fsync(InodeNo::new(ino), i % 2 == 0).expect("fsync");
                 }
             });
         }
@@ -170,9 +183,9 @@ fn acknowledged_synchronous_writes_survive_a_power_cut() {
                     } else {
                         t * 128 * KIB + (i % 2) * 64 * KIB
                     };
-                    fs.write(ino, at, &pattern(t, i, block), false)
+                    fs.write(InodeNo::new(ino), at, &pattern(t, i, block), false)
                         .expect("write");
-                    fs.fsync(ino, t % 2 == 1).expect("fsync");
+                    fs.fsync(InodeNo::new(ino), t % 2 == 1).expect("fsync");
                 }
             });
         }
@@ -182,7 +195,7 @@ fn acknowledged_synchronous_writes_survive_a_power_cut() {
     let crashed = Arc::new(dev.crash());
     let fs = Filesystem::open_device(crashed.clone(), opts()).expect("replay");
     assert_eq!(
-        fs.getattr(ino).expect("getattr").size,
+        fs.getattr(InodeNo::new(ino)).expect("getattr").size,
         size + rounds * 64 * KIB,
         "the extending writes' size"
     );
@@ -196,7 +209,7 @@ fn acknowledged_synchronous_writes_survive_a_power_cut() {
             if !latest {
                 continue;
             }
-            let got = fs.read(ino, at, block).expect("read");
+            let got = fs.read(InodeNo::new(ino), at, block).expect("read");
             assert!(got == pattern(t, i, block), "writer {t} write {i} lost");
         }
     }
@@ -275,7 +288,7 @@ fn every_crash_state_of_synchronous_writes_keeps_acknowledged_data() {
         },
     ];
     // The content after each acknowledged step, and the device's flush count at its answer.
-    let mut model = fs.read(ino, 0, size as usize).expect("read");
+    let mut model = fs.read(InodeNo::new(ino), 0, size as usize).expect("read");
     let mut acked: Vec<(u64, Vec<u8>)> = vec![(0, model.clone())];
     let mut flushes = 0u64;
     let flush_base = dev.counters().values().flushes;
@@ -283,8 +296,9 @@ fn every_crash_state_of_synchronous_writes_keeps_acknowledged_data() {
         match *step {
             Step::Write { at, len, datasync } => {
                 let bytes = pattern(n as u64, 0, len);
-                fs.write(ino, at, &bytes, false).expect("write");
-                fs.fsync(ino, datasync).expect("fsync");
+                fs.write(InodeNo::new(ino), at, &bytes, false)
+                    .expect("write");
+                fs.fsync(InodeNo::new(ino), datasync).expect("fsync");
                 let end = at as usize + len;
                 if model.len() < end {
                     model.resize(end, 0);
@@ -331,8 +345,8 @@ fn every_crash_state_of_synchronous_writes_keeps_acknowledged_data() {
             }
             let crashed = Arc::new(MemDevice::from_bytes(state));
             let fs = Filesystem::open_device(crashed.clone(), opts()).expect("open crash state");
-            let len = fs.getattr(ino).expect("getattr").size as usize;
-            let got = fs.read(ino, 0, len).expect("read");
+            let len = fs.getattr(InodeNo::new(ino)).expect("getattr").size as usize;
+            let got = fs.read(InodeNo::new(ino), 0, len).expect("read");
             assert!(
                 allowed.iter().any(|m| **m == got),
                 "crash after flush {j} and {k} more writes: the file is neither step {} \
@@ -362,14 +376,15 @@ fn records_of_writes_nobody_fsyncs_are_dropped_by_a_commit() {
     let (_dev, fs) = common::fresh(96 << 20);
     let ino = laid_out(&fs, b"f", 2 << 20);
     let (g, _) = fs
-        .create(Caller::default(), 1, b"g", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"g", 0o644, 0)
         .expect("create");
     fs.sync().expect("commit");
     // An O_SYNC write makes the file log-clean; the writes after it queue their own records.
-    fs.write(ino, 0, &[1u8; 65536], false).expect("write");
-    fs.fsync(ino, false).expect("fsync");
+    fs.write(InodeNo::new(ino), 0, &[1u8; 65536], false)
+        .expect("write");
+    fs.fsync(InodeNo::new(ino), false).expect("fsync");
     for i in 1..32u64 {
-        fs.write(ino, i * 64 * KIB, &[2u8; 65536], false)
+        fs.write(InodeNo::new(ino), i * 64 * KIB, &[2u8; 65536], false)
             .expect("write");
     }
     fs.sync().expect("commit covers them");
@@ -382,7 +397,7 @@ fn records_of_writes_nobody_fsyncs_are_dropped_by_a_commit() {
         "the batch carries only g's records, not the committed writes of f: {after}"
     );
     assert_eq!(
-        fs.read(ino, 31 * 64 * KIB, 4).expect("read"),
+        fs.read(InodeNo::new(ino), 31 * 64 * KIB, 4).expect("read"),
         vec![2u8; 4],
         "the data itself is committed"
     );

@@ -11,24 +11,26 @@ mod common;
 
 use birch_core::vfs::Caller;
 use birch_core::Filesystem;
-use birch_format::LINK_MAX;
+use birch_format::{LINK_MAX, ROOT_INO};
 
 #[test]
 fn hard_links_stop_at_link_max_with_emlink() {
     let (_dev, fs) = common::fresh(256 << 20);
     let c = Caller::default();
-    let (file, _) = fs.create(c, 1, b"f", 0o644, 0).expect("create");
+    let (file, _) = fs.create(c, ROOT_INO, b"f", 0o644, 0).expect("create");
     for i in 1..LINK_MAX {
-        fs.link(file.ino, 1, format!("l{i}").as_bytes())
+        fs.link(file.ino, ROOT_INO, format!("l{i}").as_bytes())
             .expect("link below the limit");
     }
     assert_eq!(fs.getattr(file.ino).expect("getattr").nlink, LINK_MAX);
     let err = fs
-        .link(file.ino, 1, b"one-too-many")
+        .link(file.ino, ROOT_INO, b"one-too-many")
         .expect_err("past the limit");
     assert_eq!(err.errno(), libc::EMLINK, "{err}");
     assert_eq!(
-        fs.lookup(1, b"one-too-many").expect_err("no name").errno(),
+        fs.lookup(ROOT_INO, b"one-too-many")
+            .expect_err("no name")
+            .errno(),
         libc::ENOENT
     );
 }
@@ -37,7 +39,7 @@ fn hard_links_stop_at_link_max_with_emlink() {
 fn subdirectories_stop_at_link_max_with_emlink() {
     let (_dev, fs) = common::fresh(512 << 20);
     let c = Caller::default();
-    let top = fs.mkdir(c, 1, b"top", 0o755).expect("mkdir");
+    let top = fs.mkdir(c, ROOT_INO, b"top", 0o755).expect("mkdir");
     // A directory's link count is 2 + its subdirectories.
     for i in 0..LINK_MAX - 2 {
         fs.mkdir(c, top.ino, format!("d{i}").as_bytes(), 0o755)
@@ -56,7 +58,10 @@ fn subdirectories_stop_at_link_max_with_emlink() {
 /// reads (cache hits and misses) the listing made and its entry count.
 fn list_cost(fs: &Filesystem, name: &str, n: u64) -> (u64, usize) {
     let c = Caller::default();
-    let dir = fs.mkdir(c, 1, name.as_bytes(), 0o755).expect("mkdir").ino;
+    let dir = fs
+        .mkdir(c, ROOT_INO, name.as_bytes(), 0o755)
+        .expect("mkdir")
+        .ino;
     for i in 0..n {
         let (attr, fh) = fs
             .create(c, dir, format!("entry-{i:08}").as_bytes(), 0o644, 0)

@@ -24,6 +24,7 @@ use birch_core::check::{check, CheckOptions};
 use birch_core::device::{MemDevice, Recorded};
 use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::Filesystem;
+use birch_format::{InodeNo, ROOT_INO};
 use birch_testkit::{check_recording, History};
 
 mod common;
@@ -82,7 +83,7 @@ fn transaction(
 ) {
     let c = Caller::default();
     let (j, fh) = fs
-        .create(c, dir, b"db-journal", 0o644, 0)
+        .create(c, InodeNo::new(dir), b"db-journal", 0o644, 0)
         .expect("create journal");
     let journal = journal_content(k);
     fs.write(j.ino, 0, &journal, false).expect("write journal");
@@ -94,23 +95,31 @@ fn transaction(
     };
     after_fsync(fs, &journal, &old_db);
     if p.dirsync {
-        fs.fsync(dir, false).expect("fsync the directory");
+        fs.fsync(InodeNo::new(dir), false)
+            .expect("fsync the directory");
         after_fsync(fs, &journal, &old_db);
     }
     if p.commit_every.is_some_and(|n| k % n == n - 1) {
         fs.sync().expect("commit");
     }
     let db_now = db_content(k);
-    fs.write(db, (k * 4096) as u64, &db_now[k * 4096..], false)
-        .expect("write db");
-    fs.fsync(db, true).expect("fdatasync db");
+    fs.write(
+        InodeNo::new(db),
+        (k * 4096) as u64,
+        &db_now[k * 4096..],
+        false,
+    )
+    .expect("write db");
+    fs.fsync(InodeNo::new(db), true).expect("fdatasync db");
     after_fsync(fs, &journal, &db_now);
     if p.unlink_open {
-        fs.unlink(dir, b"db-journal").expect("unlink journal");
+        fs.unlink(InodeNo::new(dir), b"db-journal")
+            .expect("unlink journal");
         fs.release(j.ino, fh).expect("close journal");
     } else {
         fs.release(j.ino, fh).expect("close journal");
-        fs.unlink(dir, b"db-journal").expect("unlink journal");
+        fs.unlink(InodeNo::new(dir), b"db-journal")
+            .expect("unlink journal");
     }
     // The kernel forgets the unlinked inode: it is freed now.
     fs.forget(j.ino, 1);
@@ -119,11 +128,11 @@ fn transaction(
 /// A filesystem with directory `/D` and an empty `/D/db`, committed. Returns (dir, db).
 fn setup(fs: &Filesystem) -> (u64, u64) {
     let c = Caller::default();
-    let d = fs.mkdir(c, 1, b"D", 0o755).expect("mkdir");
+    let d = fs.mkdir(c, ROOT_INO, b"D", 0o755).expect("mkdir");
     let (db, fh) = fs.create(c, d.ino, b"db", 0o644, 0).expect("create db");
     fs.release(db.ino, fh).expect("close db");
     fs.sync().expect("commit");
-    (d.ino, db.ino)
+    (d.ino.get(), db.ino.get())
 }
 
 #[test]
@@ -173,11 +182,16 @@ fn every_fsync_of_the_journal_pattern_takes_the_log() {
 
     // A previous journal still open (unlinked, not freed) is not gone: that fsync commits.
     let c = Caller::default();
-    let (j1, fh1) = fs.create(c, dir, b"db-journal", 0o644, 0).expect("create");
+    let (j1, fh1) = fs
+        .create(c, InodeNo::new(dir), b"db-journal", 0o644, 0)
+        .expect("create");
     fs.write(j1.ino, 0, b"open", false).expect("write");
     fs.fsync(j1.ino, false).expect("fsync");
-    fs.unlink(dir, b"db-journal").expect("unlink while open");
-    let (j2, fh2) = fs.create(c, dir, b"db-journal", 0o644, 0).expect("create");
+    fs.unlink(InodeNo::new(dir), b"db-journal")
+        .expect("unlink while open");
+    let (j2, fh2) = fs
+        .create(c, InodeNo::new(dir), b"db-journal", 0o644, 0)
+        .expect("create");
     fs.write(j2.ino, 0, b"next", false).expect("write");
     let before = fs.engine().counters().values();
     fs.fsync(j2.ino, false).expect("fsync");
@@ -337,7 +351,7 @@ fn a_directory_fsync_commits_unless_its_changed_entries_are_logged() {
     let c = Caller::default();
     // (what, counters): judged after the crash checks, so those run first.
     let mut costs = Vec::new();
-    let d = fs.mkdir(c, 1, b"D", 0o755).expect("mkdir");
+    let d = fs.mkdir(c, ROOT_INO, b"D", 0o755).expect("mkdir");
     let (gone, fh) = fs.create(c, d.ino, b"gone", 0o644, 0).expect("create");
     fs.release(gone.ino, fh).expect("close");
     fs.sync().expect("commit");

@@ -20,7 +20,7 @@ use birch_core::counters::Counters;
 use birch_core::device::{BlockDevice, MemDevice};
 use birch_format::node::{Node, NodeBody};
 use birch_format::superblock::RootPtr;
-use birch_format::{BlockAddr, BlockCount, Key, NODE_SIZE};
+use birch_format::{BlockAddr, BlockCount, Generation, Key, NODE_SIZE, ROOT_INO};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -99,7 +99,7 @@ impl Tree {
             fsid: FSID,
             owner: OWNER,
         };
-        let mut w = TreeWriter::create(ctx, &alloc, 1).expect("create");
+        let mut w = TreeWriter::create(ctx, &alloc, Generation::new(1)).expect("create");
         let mut order: Vec<u64> = (0..count).collect();
         let mut rng = SmallRng::seed_from_u64(21);
         for i in (1..order.len()).rev() {
@@ -157,7 +157,9 @@ impl Tree {
         let mut items = Vec::new();
         let mut stack = vec![(self.root.addr, self.root.generation, self.root.level)];
         while let Some((addr, generation, level)) = stack.pop() {
-            let node: Arc<Node> = ctx.read(addr, generation, level).expect("node");
+            let node: Arc<Node> = ctx
+                .read(BlockAddr::new(addr), Generation::new(generation), level)
+                .expect("node");
             nodes.push((addr, level));
             match &node.body {
                 NodeBody::Leaf(leaf) => items.extend(leaf.iter().cloned()),
@@ -442,7 +444,7 @@ fn a_failed_read_in_a_batch_fails_only_a_scan_that_needs_that_node() {
 fn a_cold_directory_listing_reads_leaves_in_batches() {
     let (mem, fs) = common::fresh(256 << 20);
     let dir = fs
-        .mkdir(Default::default(), 1, b"d", 0o755)
+        .mkdir(Default::default(), ROOT_INO, b"d", 0o755)
         .expect("mkdir")
         .ino;
     let n = 20_000usize;
@@ -525,7 +527,7 @@ fn a_cold_listing_on_an_image_file_lists_every_name() {
     birch_core::Filesystem::mkfs(dev.clone(), &Default::default()).expect("mkfs");
     let fs = common::open_quiet(&dev);
     let d = fs
-        .mkdir(Default::default(), 1, b"d", 0o755)
+        .mkdir(Default::default(), ROOT_INO, b"d", 0o755)
         .expect("mkdir")
         .ino;
     let n = 8_000usize;

@@ -15,6 +15,7 @@ use birch_core::check::{check, CheckOptions};
 use birch_core::device::MemDevice;
 use birch_core::vfs::Caller;
 use birch_core::{Filesystem, MkfsOptions};
+use birch_format::{InodeNo, ROOT_INO};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -39,7 +40,7 @@ fn worker(fs: &Filesystem, dir: u64, seed: u64, rounds: usize) -> BTreeMap<Strin
                     let name = format!("f{next:06}");
                     next += 1;
                     let (attr, fh) = fs
-                        .create(c, dir, name.as_bytes(), 0o644, 0)
+                        .create(c, InodeNo::new(dir), name.as_bytes(), 0o644, 0)
                         .expect("create");
                     let data = vec![rng.gen::<u8>(); rng.gen_range(0..5000)];
                     fs.write(attr.ino, 0, &data, false).expect("write");
@@ -51,7 +52,8 @@ fn worker(fs: &Filesystem, dir: u64, seed: u64, rounds: usize) -> BTreeMap<Strin
                     let Some(name) = model.keys().nth(pick).cloned() else {
                         continue;
                     };
-                    fs.unlink(dir, name.as_bytes()).expect("unlink");
+                    fs.unlink(InodeNo::new(dir), name.as_bytes())
+                        .expect("unlink");
                     model.remove(&name);
                 }
                 8 if !model.is_empty() => {
@@ -61,8 +63,14 @@ fn worker(fs: &Filesystem, dir: u64, seed: u64, rounds: usize) -> BTreeMap<Strin
                     };
                     let to = format!("r{next:06}");
                     next += 1;
-                    fs.rename(dir, name.as_bytes(), dir, to.as_bytes(), 0)
-                        .expect("rename");
+                    fs.rename(
+                        InodeNo::new(dir),
+                        name.as_bytes(),
+                        InodeNo::new(dir),
+                        to.as_bytes(),
+                        0,
+                    )
+                    .expect("rename");
                     let data = model.remove(&name).expect("renamed file in the model");
                     model.insert(to, data);
                 }
@@ -76,7 +84,10 @@ fn worker(fs: &Filesystem, dir: u64, seed: u64, rounds: usize) -> BTreeMap<Strin
 
 fn verify(fs: &Filesystem, models: &[BTreeMap<String, Vec<u8>>], what: &str) {
     for (t, model) in models.iter().enumerate() {
-        let dir = fs.lookup(1, format!("t{t}").as_bytes()).expect("dir").ino;
+        let dir = fs
+            .lookup(ROOT_INO, format!("t{t}").as_bytes())
+            .expect("dir")
+            .ino;
         let mut names = Vec::new();
         let mut offset = 0;
         loop {
@@ -106,9 +117,9 @@ fn concurrent_syncs_help_parallel_commits() {
     Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
     let fs = open(&dev);
     let c = Caller::default();
-    let dirs: Vec<u64> = (0..THREADS)
+    let dirs: Vec<InodeNo> = (0..THREADS)
         .map(|t| {
-            fs.mkdir(c, 1, format!("t{t}").as_bytes(), 0o755)
+            fs.mkdir(c, ROOT_INO, format!("t{t}").as_bytes(), 0o755)
                 .expect("mkdir")
                 .ino
         })
@@ -126,7 +137,7 @@ fn concurrent_syncs_help_parallel_commits() {
                 .enumerate()
                 .map(|(t, &dir)| {
                     let fs = &fs;
-                    s.spawn(move || worker(fs, dir, seed.wrapping_add(t as u64), 12))
+                    s.spawn(move || worker(fs, dir.get(), seed.wrapping_add(t as u64), 12))
                 })
                 .collect();
             handles
@@ -148,8 +159,14 @@ fn concurrent_syncs_help_parallel_commits() {
             let mut renamed = BTreeMap::new();
             for name in names {
                 let to = format!("a{attempt:02}-{name}");
-                fs.rename(dir, name.as_bytes(), dir, to.as_bytes(), 0)
-                    .expect("rename");
+                fs.rename(
+                    InodeNo::new(dir.get()),
+                    name.as_bytes(),
+                    InodeNo::new(dir.get()),
+                    to.as_bytes(),
+                    0,
+                )
+                .expect("rename");
                 if let Some(data) = models[t].remove(&name) {
                     renamed.insert(to, data);
                 }

@@ -15,6 +15,7 @@ mod common;
 
 use birch_core::vfs::Caller;
 use birch_core::Filesystem;
+use birch_format::{InodeNo, ROOT_INO};
 
 const FILES: usize = 2000;
 
@@ -22,12 +23,14 @@ const FILES: usize = 2000;
 /// stop at the end the directory had at the start. Returns the entries read (at most
 /// 3 * FILES + 1: the reader gives up there) and the distinct names.
 fn list_while_renaming(fs: &Filesystem, dir: u64, bounded: bool) -> (usize, usize) {
-    let end = bounded.then(|| fs.readdir_end(dir).expect("readdir_end"));
+    let end = bounded.then(|| fs.readdir_end(InodeNo::new(dir)).expect("readdir_end"));
     let mut offset = 0;
     let mut seen = 0;
     let mut names = std::collections::BTreeSet::new();
     loop {
-        let page = fs.readdir_until(dir, offset, 64, end).expect("readdir");
+        let page = fs
+            .readdir_until(InodeNo::new(dir), offset, 64, end)
+            .expect("readdir");
         let Some(last) = page.last() else { break };
         offset = last.next_offset;
         for e in page {
@@ -38,10 +41,22 @@ fn list_while_renaming(fs: &Filesystem, dir: u64, bounded: bool) -> (usize, usiz
             if e.name == b"." || e.name == b".." {
                 continue;
             }
-            fs.rename(dir, &e.name, dir, b"TEMPFILE", 0)
-                .expect("rename away");
-            fs.rename(dir, b"TEMPFILE", dir, &e.name, 0)
-                .expect("rename back");
+            fs.rename(
+                InodeNo::new(dir),
+                &e.name,
+                InodeNo::new(dir),
+                b"TEMPFILE",
+                0,
+            )
+            .expect("rename away");
+            fs.rename(
+                InodeNo::new(dir),
+                b"TEMPFILE",
+                InodeNo::new(dir),
+                &e.name,
+                0,
+            )
+            .expect("rename back");
             names.insert(e.name);
         }
     }
@@ -52,12 +67,12 @@ fn list_while_renaming(fs: &Filesystem, dir: u64, bounded: bool) -> (usize, usiz
 fn listing_ends_while_entries_are_renamed_away_and_back() {
     let (dev, fs) = common::fresh(256 << 20);
     let c = Caller::default();
-    let dir = fs.mkdir(c, 1, b"d", 0o755).expect("mkdir").ino;
+    let dir = fs.mkdir(c, ROOT_INO, b"d", 0o755).expect("mkdir").ino;
     for i in 1..=FILES {
         fs.create(c, dir, i.to_string().as_bytes(), 0o644, 0)
             .expect("create");
     }
-    let (seen, names) = list_while_renaming(&fs, dir, true);
+    let (seen, names) = list_while_renaming(&fs, dir.get(), true);
     assert!(
         seen <= 3 * FILES,
         "listing does not end: {seen} entries for {FILES} files"
@@ -65,7 +80,7 @@ fn listing_ends_while_entries_are_renamed_away_and_back() {
     assert_eq!(names, FILES, "every name listed at least once");
     assert!(seen >= FILES + 2, "{seen} entries");
     // Without the end the same loop goes on (what generic/736 met).
-    let (seen, _) = list_while_renaming(&fs, dir, false);
+    let (seen, _) = list_while_renaming(&fs, dir.get(), false);
     assert!(
         seen > 3 * FILES,
         "an unbounded listing ended after {seen} entries"
@@ -100,7 +115,7 @@ fn listing_ends_while_entries_are_renamed_away_and_back() {
 fn a_listed_entry_answers_and_counts_as_a_lookup() {
     let (dev, fs) = common::fresh(64 << 20);
     let c = Caller::default();
-    let dir = fs.mkdir(c, 1, b"d", 0o755).expect("mkdir").ino;
+    let dir = fs.mkdir(c, ROOT_INO, b"d", 0o755).expect("mkdir").ino;
     for name in [&b"a"[..], b"b", b"c"] {
         let (attr, fh) = fs.create(c, dir, name, 0o640, 0).expect("create");
         fs.release(attr.ino, fh).expect("release");

@@ -17,6 +17,7 @@ use birch_core::check::{check, CheckOptions};
 use birch_core::device::MemDevice;
 use birch_core::vfs::{Caller, FsyncMode, OpenOptions};
 use birch_core::{Filesystem, MkfsOptions, ReadOnlyCause};
+use birch_format::ROOT_INO;
 
 fn image() -> Arc<MemDevice> {
     let dev = Arc::new(MemDevice::new(64 << 20));
@@ -100,7 +101,7 @@ fn a_failed_log_write_is_read_only_for_good() {
     )
     .expect("open");
     let (file, _) = fs
-        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"f", 0o644, 0)
         .expect("create");
     fs.sync()
         .expect("commit the name, so the fsync below may use the log");
@@ -123,7 +124,7 @@ fn a_failed_log_write_is_read_only_for_good() {
         .expect_err("no remount rw after a failed log write");
     assert_eq!(err.errno(), libc::EROFS, "{err}");
     let err = fs
-        .mkdir(Caller::default(), 1, b"d", 0o755)
+        .mkdir(Caller::default(), ROOT_INO, b"d", 0o755)
         .expect_err("read-only");
     assert_eq!(err.errno(), libc::EROFS, "{err}");
     fs.power_cut();

@@ -17,7 +17,7 @@ use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::items::{ExtentKind, FileExtent, InodeItem};
 use birch_format::node::{Expect, Node, NodeBody};
 use birch_format::superblock::RootPtr;
-use birch_format::{name_hash, BlockCount, InodeNo, ItemType, Key};
+use birch_format::{name_hash, BlockCount, InodeNo, ItemType, Key, ROOT_INO};
 
 mod common;
 
@@ -34,7 +34,8 @@ fn image() -> (Arc<MemDevice>, u64, u64) {
     let dev = Arc::new(MemDevice::new(64 << 20));
     Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
     let fs = open(&dev);
-    fs.mkdir(Default::default(), 1, b"a", 0o755).expect("mkdir");
+    fs.mkdir(Default::default(), ROOT_INO, b"a", 0o755)
+        .expect("mkdir");
     fs.write_file("/a/small", b"small file").expect("small");
     fs.write_file("/a/big", &big()).expect("big");
     fs.sync().expect("sync");
@@ -46,7 +47,7 @@ fn image() -> (Arc<MemDevice>, u64, u64) {
     let big = fs.resolve("/a/big").expect("big");
     fs.close().expect("close");
     assert_clean(&dev, "as made");
-    (dev, small, big)
+    (dev, small.get(), big.get())
 }
 
 fn open(dev: &Arc<MemDevice>) -> Filesystem {
@@ -558,9 +559,9 @@ fn an_xattr_with_a_missing_chunk_is_removed_and_reported() {
     let (dev, small, _) = image();
     let fs = open(&dev);
     let value: Vec<u8> = (0..20_000u32).map(|i| (i % 253) as u8).collect();
-    fs.setxattr(small, b"user.big", &value, 0)
+    fs.setxattr(InodeNo::new(small), b"user.big", &value, 0)
         .expect("big xattr");
-    fs.setxattr(small, b"user.small", b"v", 0)
+    fs.setxattr(InodeNo::new(small), b"user.small", b"v", 0)
         .expect("small xattr");
     fs.close().expect("close");
     assert_clean(&dev, "with the xattrs");
@@ -580,8 +581,12 @@ fn an_xattr_with_a_missing_chunk_is_removed_and_reported() {
     let report = repaired(&dev, "xattr chunk");
     assert_lost(&report, &["/a/small", "user.big"]);
     let fs = open(&dev);
-    assert!(fs.getxattr(small, b"user.big").is_err());
-    assert_eq!(fs.getxattr(small, b"user.small").expect("small"), b"v");
+    assert!(fs.getxattr(InodeNo::new(small), b"user.big").is_err());
+    assert_eq!(
+        fs.getxattr(InodeNo::new(small), b"user.small")
+            .expect("small"),
+        b"v"
+    );
 }
 
 /// The root directory's inode item deleted: made anew with its entries, everything under it
@@ -658,13 +663,14 @@ fn with_no_whole_backup_the_readable_leaves_are_salvaged() {
     let dev = Arc::new(MemDevice::new(64 << 20));
     Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
     let fs = open(&dev);
-    fs.mkdir(Default::default(), 1, b"many", 0o755)
+    fs.mkdir(Default::default(), ROOT_INO, b"many", 0o755)
         .expect("mkdir");
     for i in 0..300 {
         fs.write_file(&format!("/many/f{i:03}"), format!("file {i}").as_bytes())
             .expect("write");
     }
-    fs.mkdir(Default::default(), 1, b"a", 0o755).expect("mkdir");
+    fs.mkdir(Default::default(), ROOT_INO, b"a", 0o755)
+        .expect("mkdir");
     fs.write_file("/a/big", &big()).expect("big");
     fs.sync().expect("sync");
     for round in 0..4u8 {
@@ -673,40 +679,40 @@ fn with_no_whole_backup_the_readable_leaves_are_salvaged() {
     }
     let victim = fs.resolve("/many/f150").expect("f150");
     let b = fs.resolve("/b").expect("b");
-    let inos: Vec<(usize, u64)> = (0..300)
+    let inos: Vec<(usize, InodeNo)> = (0..300)
         .map(|i| (i, fs.resolve(&format!("/many/f{i:03}")).expect("resolve")))
         .collect();
     fs.close().expect("close");
     let (sb, _) = Engine::read_superblock(&*dev).expect("superblock");
     assert_eq!(sb.backup_roots.len(), 3);
     let key = |ino| Key::new(ino, ItemType::InodeItem, 0);
-    let shared = leaf_of(&dev, sb.fsid, sb.fs_root, key(victim));
+    let shared = leaf_of(&dev, sb.fsid, sb.fs_root, key(victim.get()));
     for backup in &sb.backup_roots {
         assert_eq!(
-            leaf_of(&dev, sb.fsid, backup.fs_root, key(victim)),
+            leaf_of(&dev, sb.fsid, backup.fs_root, key(victim.get())),
             shared,
             "the leaf is in every backup"
         );
     }
-    let newest_b = leaf_of(&dev, sb.fsid, sb.fs_root, key(b));
+    let newest_b = leaf_of(&dev, sb.fsid, sb.fs_root, key(b.get()));
     assert_ne!(newest_b, shared);
     assert_ne!(
-        leaf_of(&dev, sb.fsid, sb.backup_roots[0].fs_root, key(b)),
+        leaf_of(&dev, sb.fsid, sb.backup_roots[0].fs_root, key(b.get())),
         newest_b,
         "the newest backup has its own copy of /b's leaf"
     );
-    let kept: Vec<(usize, u64)> = inos
+    let kept: Vec<(usize, InodeNo)> = inos
         .iter()
         .copied()
         .filter(|(_, ino)| {
             // All of its items: the first and the last key it may have.
             let first = Key {
-                objectid: *ino,
+                objectid: ino.get(),
                 item_type: 0,
                 offset: 0,
             };
             let last = Key {
-                objectid: *ino,
+                objectid: ino.get(),
                 item_type: u8::MAX,
                 offset: u64::MAX,
             };
@@ -780,7 +786,7 @@ fn chunks_without_their_flag_get_the_flag_back() {
     let (dev, small, _) = image();
     let fs = open(&dev);
     let value: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
-    fs.setxattr(small, b"user.big", &value, 0)
+    fs.setxattr(InodeNo::new(small), b"user.big", &value, 0)
         .expect("big xattr");
     fs.close().expect("close");
     let (mut sb, _) = Engine::read_superblock(&*dev).expect("superblock");
@@ -794,7 +800,10 @@ fn chunks_without_their_flag_get_the_flag_back() {
     let (sb, _) = Engine::read_superblock(&*dev).expect("superblock");
     assert_ne!(sb.incompat & INCOMPAT_XATTR_CHUNKS, 0);
     let fs = open(&dev);
-    assert_eq!(fs.getxattr(small, b"user.big").expect("kept"), value);
+    assert_eq!(
+        fs.getxattr(InodeNo::new(small), b"user.big").expect("kept"),
+        value
+    );
 }
 
 /// Contents of a file of `len` bytes stamped with each 8-byte word's offset and `version`,

@@ -51,7 +51,7 @@ use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Engine, Error, Filesystem, MkfsOptions};
 use birch_format::items::{ExtentKind, FileExtent};
 use birch_format::node::{Expect, Node, NodeBody};
-use birch_format::{ItemType, Key, BLOCK_SIZE, FS_TREE_ID, NODE_SIZE};
+use birch_format::{ItemType, Key, BLOCK_SIZE, FS_TREE_ID, NODE_SIZE, ROOT_INO};
 
 const IMAGE_BYTES: u64 = 32 << 20;
 const MANY_FILES: usize = 3000;
@@ -75,14 +75,14 @@ fn build_image() -> Image {
     Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
     let fs = Filesystem::open_device(dev.clone(), quiet()).expect("open");
     let c = Caller::default();
-    fs.mkdir(c, 1, b"dir", 0o755).expect("mkdir dir");
-    fs.mkdir(c, 1, b"many", 0o755).expect("mkdir many");
+    fs.mkdir(c, ROOT_INO, b"dir", 0o755).expect("mkdir dir");
+    fs.mkdir(c, ROOT_INO, b"many", 0o755).expect("mkdir many");
     let big: Vec<u8> = (0..BIG_BYTES as u32)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
         .collect();
     fs.write_file("/dir/big", &big).expect("big");
     let big_ino = fs.resolve("/dir/big").expect("resolve big");
-    fs.link(big_ino, 1, b"big-link").expect("link");
+    fs.link(big_ino, ROOT_INO, b"big-link").expect("link");
     fs.write_file("/dir/medium", &[7u8; 20_000])
         .expect("medium");
     for n in 0..MANY_FILES {
@@ -94,8 +94,8 @@ fn build_image() -> Image {
     drop(fs);
     Image {
         bytes: dev.snapshot(),
-        big_ino,
-        many_ino,
+        big_ino: big_ino.get(),
+        many_ino: many_ino.get(),
     }
 }
 
@@ -277,7 +277,7 @@ fn an_online_scrub_under_writes_and_deletes_reports_no_false_damage() {
     Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
     let fs = Arc::new(Filesystem::open_device(dev.clone(), quiet()).expect("open"));
     let c = Caller::default();
-    fs.mkdir(c, 1, b"w", 0o755).expect("mkdir");
+    fs.mkdir(c, ROOT_INO, b"w", 0o755).expect("mkdir");
     for n in 0..400 {
         fs.write_file(&format!("/w/f{n}"), &vec![n as u8; 4096 * (1 + n % 20)])
             .expect("write");
@@ -477,7 +477,7 @@ fn the_online_job_starts_refuses_a_second_start_cancels_and_reports() {
     // More data than one chunk (8 MiB) holds, so a rate-limited job is still sleeping between
     // chunks when the cancel comes, however fast the first chunk went.
     let (big, fh) = fs
-        .create(Caller::default(), 1, b"big", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"big", 0o644, 0)
         .expect("create big");
     fs.write(big.ino, 0, &vec![0x5cu8; 12 << 20], false)
         .expect("write big");
@@ -561,7 +561,7 @@ fn build_snap_image() -> SnapImage {
     Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
     let fs = Filesystem::open_device(dev.clone(), quiet()).expect("open");
     let c = Caller::default();
-    fs.mkdir(c, 1, b"many", 0o755).expect("mkdir many");
+    fs.mkdir(c, ROOT_INO, b"many", 0o755).expect("mkdir many");
     fs.write_file("/keep", &stamped(KEEP_BYTES, 1, 11))
         .expect("keep");
     fs.write_file("/changed", &stamped(CHANGED_BYTES, 1, 22))
@@ -576,7 +576,7 @@ fn build_snap_image() -> SnapImage {
     let changed_ino = fs.resolve("/changed").expect("changed");
     let gone_ino = fs.resolve("/gone").expect("gone");
     fs.create_snapshot("s1").expect("s1");
-    fs.unlink(1, b"gone").expect("unlink gone");
+    fs.unlink(ROOT_INO, b"gone").expect("unlink gone");
     fs.forget(gone_ino, u64::MAX);
     for version in 2..=4u32 {
         fs.write_file("/changed", &stamped(CHANGED_BYTES, version, 22))
@@ -602,9 +602,9 @@ fn build_snap_image() -> SnapImage {
     drop(fs);
     SnapImage {
         bytes: dev.snapshot(),
-        keep_ino,
-        changed_ino,
-        gone_ino,
+        keep_ino: keep_ino.get(),
+        changed_ino: changed_ino.get(),
+        gone_ino: gone_ino.get(),
         snapshots,
     }
 }

@@ -16,6 +16,7 @@ use birch_core::check::{check, CheckOptions};
 use birch_core::device::{BlockDevice, MemDevice};
 use birch_core::vfs::{Caller, ShutdownMode};
 use birch_core::{Error, Filesystem};
+use birch_format::ROOT_INO;
 
 mod common;
 
@@ -25,7 +26,8 @@ mod common;
 fn workload() -> (Arc<MemDevice>, Filesystem) {
     let (dev, fs) = common::fresh(96 << 20);
     fs.write_file("/old", &vec![1u8; 1 << 20]).expect("old");
-    fs.mkdir(Caller::default(), 1, b"d", 0o755).expect("mkdir");
+    fs.mkdir(Caller::default(), ROOT_INO, b"d", 0o755)
+        .expect("mkdir");
     fs.sync().expect("commit");
     fs.write_file("/d/synced", &vec![2u8; 300_000])
         .expect("synced");
@@ -132,18 +134,21 @@ fn after_shutdown_every_operation_fails_with_eio() {
     };
     let c = Caller::default();
     eio("getattr", fs.getattr(old).map(drop));
-    eio("lookup", fs.lookup(1, b"old").map(drop));
-    eio("lookup of a missing name", fs.lookup(1, b"nope").map(drop));
+    eio("lookup", fs.lookup(ROOT_INO, b"old").map(drop));
+    eio(
+        "lookup of a missing name",
+        fs.lookup(ROOT_INO, b"nope").map(drop),
+    );
     eio("read", fs.read(old, 0, 4096).map(drop));
     eio("write", fs.write(old, 0, b"x", false).map(drop));
-    eio("create", fs.create(c, 1, b"new", 0o644, 0).map(drop));
-    eio("mkdir", fs.mkdir(c, 1, b"nd", 0o755).map(drop));
-    eio("symlink", fs.symlink(c, 1, b"sl", b"old").map(drop));
+    eio("create", fs.create(c, ROOT_INO, b"new", 0o644, 0).map(drop));
+    eio("mkdir", fs.mkdir(c, ROOT_INO, b"nd", 0o755).map(drop));
+    eio("symlink", fs.symlink(c, ROOT_INO, b"sl", b"old").map(drop));
     eio("link", fs.link(old, d, b"l").map(drop));
-    eio("unlink", fs.unlink(1, b"old"));
-    eio("rmdir", fs.rmdir(1, b"d"));
-    eio("rename", fs.rename(1, b"old", 1, b"o2", 0));
-    eio("readdir", fs.readdir(1, 0, 100).map(drop));
+    eio("unlink", fs.unlink(ROOT_INO, b"old"));
+    eio("rmdir", fs.rmdir(ROOT_INO, b"d"));
+    eio("rename", fs.rename(ROOT_INO, b"old", ROOT_INO, b"o2", 0));
+    eio("readdir", fs.readdir(ROOT_INO, 0, 100).map(drop));
     eio("setxattr", fs.setxattr(old, b"user.k", b"w", 0));
     eio("getxattr", fs.getxattr(old, b"user.k").map(drop));
     eio("listxattr", fs.listxattr(old).map(drop));
@@ -190,15 +195,18 @@ fn the_control_commands_shut_down() {
 fn an_open_unlinked_file_is_freed_at_the_next_open() {
     let (dev, fs) = common::fresh(64 << 20);
     let (f, _) = fs
-        .create(Caller::default(), 1, b"tmp", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"tmp", 0o644, 0)
         .expect("create");
     fs.write(f.ino, 0, &[7u8; 100_000], false).expect("write");
     fs.sync().expect("commit");
-    fs.unlink(1, b"tmp").expect("unlink while open");
+    fs.unlink(ROOT_INO, b"tmp").expect("unlink while open");
     fs.shutdown(ShutdownMode::Commit).expect("shutdown");
     fs.close().expect("close");
     drop(fs);
     let fs = common::open_quiet(&dev);
-    assert!(matches!(fs.lookup(1, b"tmp"), Err(Error::NotFound(_))));
+    assert!(matches!(
+        fs.lookup(ROOT_INO, b"tmp"),
+        Err(Error::NotFound(_))
+    ));
     common::close_and_check_clean(fs, &dev, "orphan after shutdown");
 }

@@ -9,6 +9,7 @@ use birch_core::check::{check, CheckOptions};
 use birch_core::device::{BlockDevice, MemDevice};
 use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Filesystem, MkfsOptions};
+use birch_format::ROOT_INO;
 
 fn quiet() -> OpenOptions {
     OpenOptions {
@@ -31,15 +32,16 @@ fn files_survive_reopen_and_fsck_is_clean() {
     {
         let fs = Filesystem::open_device(dev.clone(), quiet()).expect("open");
         let c = Caller::default();
-        let d = fs.mkdir(c, 1, b"dir", 0o755).expect("mkdir");
+        let d = fs.mkdir(c, ROOT_INO, b"dir", 0o755).expect("mkdir");
         fs.write_file("/dir/small", b"hello").expect("small");
         fs.write_file("/big", &big).expect("big");
         let (f, _) = fs.create(c, d.ino, b"sparse", 0o644, 0).expect("create");
         fs.write(f.ino, 10 << 20, b"tail", false)
             .expect("sparse write");
         fs.write(f.ino, 5000, b"middle", false).expect("overwrite");
-        fs.symlink(c, 1, b"link", b"/dir/small").expect("symlink");
-        fs.link(f.ino, 1, b"hard").expect("link");
+        fs.symlink(c, ROOT_INO, b"link", b"/dir/small")
+            .expect("symlink");
+        fs.link(f.ino, ROOT_INO, b"hard").expect("link");
         fs.setxattr(f.ino, b"user.k", b"v", 0).expect("xattr");
         fs.sync().expect("commit");
         assert_eq!(fs.read_file("/dir/small").expect("read"), b"hello");
@@ -63,7 +65,7 @@ fn files_survive_reopen_and_fsck_is_clean() {
     assert_eq!(fs.getattr(ino).expect("attr").nlink, 2);
     assert_eq!(fs.getxattr(ino, b"user.k").expect("xattr"), b"v");
     let names: Vec<Vec<u8>> = fs
-        .readdir(1, 0, 100)
+        .readdir(ROOT_INO, 0, 100)
         .expect("readdir")
         .into_iter()
         .map(|e| e.name)
@@ -79,8 +81,9 @@ fn files_survive_reopen_and_fsck_is_clean() {
             b"hard".to_vec()
         ]
     );
-    fs.unlink(1, b"big").expect("unlink");
-    fs.rename(1, b"hard", 1, b"renamed", 0).expect("rename");
+    fs.unlink(ROOT_INO, b"big").expect("unlink");
+    fs.rename(ROOT_INO, b"hard", ROOT_INO, b"renamed", 0)
+        .expect("rename");
     fs.close().expect("close");
     drop(fs);
     assert_clean(&dev);
@@ -98,7 +101,7 @@ fn the_same_inode_number_in_two_filesystems_has_different_generations() {
         Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
         let fs = Filesystem::open_device(dev.clone(), quiet()).expect("open");
         let c = Caller::default();
-        fs.mkdir(c, 1, b"d", 0o755).expect("mkdir");
+        fs.mkdir(c, ROOT_INO, b"d", 0o755).expect("mkdir");
         fs.write_file("/d/f", b"x").expect("write");
         let ino = fs.resolve("/d/f").expect("resolve");
         let generation = fs.getattr(ino).expect("getattr").generation;

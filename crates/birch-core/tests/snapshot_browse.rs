@@ -14,9 +14,9 @@ use birch_core::device::{BlockDevice, MemDevice};
 use birch_core::items::{self, Changes, Link};
 use birch_core::vfs::{snapshot_ino, Caller, SetAttr};
 use birch_core::{Error, Filesystem, OpenOptions};
-use birch_format::{InodeNo, Key, SNAPSHOT_DIR_OBJECTID};
+use birch_format::{InodeNo, Key, SNAPSHOT_DIR_INO, SNAPSHOT_DIR_OBJECTID};
 
-const ROOT: u64 = 1;
+const ROOT: birch_format::InodeNo = birch_format::ROOT_INO;
 const MIB: u64 = 1 << 20;
 const BLOCK: u64 = birch_format::BLOCK_SIZE;
 
@@ -28,7 +28,7 @@ fn errno(result: Result<impl std::fmt::Debug, Error>) -> i32 {
 }
 
 fn names(fs: &Filesystem, dir: u64) -> Vec<String> {
-    fs.readdir(dir, 0, usize::MAX)
+    fs.readdir(InodeNo::new(dir), 0, usize::MAX)
         .expect("readdir")
         .into_iter()
         .map(|e| String::from_utf8_lossy(&e.name).into_owned())
@@ -71,34 +71,25 @@ fn a_snapshot_is_browsable_under_the_hidden_directory() {
     let id = fs.engine().snapshots()[0].id;
 
     // Hidden from the root's listing, found by name.
-    assert!(!names(&fs, ROOT).contains(&".snapshot".to_string()));
+    assert!(!names(&fs, ROOT.get()).contains(&".snapshot".to_string()));
     let dir = fs.lookup(ROOT, b".snapshot").expect("lookup .snapshot");
-    assert_eq!(dir.ino, SNAPSHOT_DIR_OBJECTID);
+    assert_eq!(dir.ino, SNAPSHOT_DIR_INO);
     assert_eq!(dir.perm, 0o555);
     assert_eq!(names(&fs, SNAPSHOT_DIR_OBJECTID), [".", "..", "s1"]);
-    let listed = fs.readdir(SNAPSHOT_DIR_OBJECTID, 0, 10).expect("readdir");
+    let listed = fs.readdir(SNAPSHOT_DIR_INO, 0, 10).expect("readdir");
     assert_eq!(listed[1].ino, ROOT, "`..` of /.snapshot is the root");
-    assert_eq!(
-        fs.lookup(SNAPSHOT_DIR_OBJECTID, b"..").expect("..").ino,
-        ROOT
-    );
+    assert_eq!(fs.lookup(SNAPSHOT_DIR_INO, b"..").expect("..").ino, ROOT);
 
     // The snapshot's root: inode numbers with the snapshot id in bits 48..63.
-    let s1 = fs.lookup(SNAPSHOT_DIR_OBJECTID, b"s1").expect("lookup s1");
+    let s1 = fs.lookup(SNAPSHOT_DIR_INO, b"s1").expect("lookup s1");
     assert_eq!(s1.ino, snapshot_ino(id, ROOT));
-    assert_eq!(s1.ino >> 48, id);
+    assert_eq!(s1.ino.get() >> 48, id);
     assert_eq!(listed[2].ino, s1.ino, "d_ino is st_ino");
-    assert_eq!(names(&fs, s1.ino), [".", "..", "a", "d", "l"]);
+    assert_eq!(names(&fs, s1.ino.get()), [".", "..", "a", "d", "l"]);
     let entries = fs.readdir(s1.ino, 0, 10).expect("readdir s1");
-    assert_eq!(
-        entries[1].ino, SNAPSHOT_DIR_OBJECTID,
-        "`..` of a snapshot root"
-    );
-    assert_eq!(fs.parent_of(s1.ino).expect("parent"), SNAPSHOT_DIR_OBJECTID);
-    assert_eq!(
-        fs.lookup(s1.ino, b"..").expect("..").ino,
-        SNAPSHOT_DIR_OBJECTID
-    );
+    assert_eq!(entries[1].ino, SNAPSHOT_DIR_INO, "`..` of a snapshot root");
+    assert_eq!(fs.parent_of(s1.ino).expect("parent"), SNAPSHOT_DIR_INO);
+    assert_eq!(fs.lookup(s1.ino, b"..").expect("..").ino, SNAPSHOT_DIR_INO);
 
     // Files as they were, the live tree as it is.
     let live_a = fs.resolve("/a").expect("live a");
@@ -148,7 +139,7 @@ fn a_snapshot_is_browsable_under_the_hidden_directory() {
 fn every_change_in_a_snapshot_is_erofs() {
     let (dev, fs, _) = with_snapshot();
     let c = Caller::default();
-    let s1 = fs.lookup(SNAPSHOT_DIR_OBJECTID, b"s1").expect("s1");
+    let s1 = fs.lookup(SNAPSHOT_DIR_INO, b"s1").expect("s1");
     let a = fs.lookup(s1.ino, b"a").expect("a");
     let d = fs.lookup(s1.ino, b"d").expect("d");
     let erofs = libc::EROFS;
@@ -209,11 +200,8 @@ fn every_change_in_a_snapshot_is_erofs() {
     );
     assert_eq!(errno(fs.copy_file_range(live_a, 0, a.ino, 0, 5)), erofs);
     // The snapshot directory itself.
-    assert_eq!(
-        errno(fs.create(c, SNAPSHOT_DIR_OBJECTID, b"x", 0o644, 0)),
-        erofs
-    );
-    assert_eq!(errno(fs.rmdir(SNAPSHOT_DIR_OBJECTID, b"s1")), erofs);
+    assert_eq!(errno(fs.create(c, SNAPSHOT_DIR_INO, b"x", 0o644, 0)), erofs);
+    assert_eq!(errno(fs.rmdir(SNAPSHOT_DIR_INO, b"s1")), erofs);
     assert_eq!(errno(fs.rmdir(ROOT, b".snapshot")), erofs);
     assert_eq!(errno(fs.rename(ROOT, b".snapshot", ROOT, b"y", 0)), erofs);
     // Copying out of a snapshot is a read of it.
@@ -261,15 +249,15 @@ fn the_reserved_name_cannot_be_made_in_the_root() {
 /// made by a build that did not reserve the name would have it.
 fn rename_raw(fs: &Filesystem, name: &[u8], new: &[u8]) {
     let engine = fs.engine();
-    let entry = items::find_entry(&**engine, InodeNo::new(ROOT), name)
+    let entry = items::find_entry(&**engine, InodeNo::new(ROOT.get()), name)
         .expect("find")
         .expect("entry");
     let mut changes = Changes::new(&**engine);
-    items::remove_link(&mut changes, InodeNo::new(ROOT), &entry).expect("remove");
+    items::remove_link(&mut changes, InodeNo::new(ROOT.get()), &entry).expect("remove");
     items::add_link(
         &mut changes,
         &Link {
-            parent: InodeNo::new(ROOT),
+            parent: InodeNo::new(ROOT.get()),
             name: new,
             child: InodeNo::new(entry.child),
             file_type: entry.file_type,
@@ -291,7 +279,7 @@ fn an_image_with_a_snapshot_entry_in_the_root_refuses_the_upgrade() {
     let fs = common::open_quiet(&dev);
     // The real entry is served as it is.
     let own = fs.lookup(ROOT, b".snapshot").expect("lookup");
-    assert_ne!(own.ino, SNAPSHOT_DIR_OBJECTID);
+    assert_ne!(own.ino.get(), SNAPSHOT_DIR_OBJECTID);
     assert_eq!(fs.read(own.ino, 0, 10).expect("read"), b"mine");
     let refused = fs.create_snapshot("s1").expect_err("upgrade refused");
     assert_eq!(refused.errno(), libc::EEXIST);
@@ -303,7 +291,7 @@ fn an_image_with_a_snapshot_entry_in_the_root_refuses_the_upgrade() {
     fs.create_snapshot("s1").expect("snapshot");
     assert_eq!(
         fs.lookup(ROOT, b".snapshot").expect("lookup").ino,
-        SNAPSHOT_DIR_OBJECTID
+        SNAPSHOT_DIR_INO
     );
     common::close_and_check_clean(fs, &dev, "upgrade");
 }
@@ -311,8 +299,8 @@ fn an_image_with_a_snapshot_entry_in_the_root_refuses_the_upgrade() {
 #[test]
 fn deleting_a_snapshot_with_a_file_open_in_it_is_ebusy() {
     let (dev, fs, _) = with_snapshot();
-    let s1 = fs.lookup(SNAPSHOT_DIR_OBJECTID, b"s1").expect("s1");
-    let id = s1.ino >> 48;
+    let s1 = fs.lookup(SNAPSHOT_DIR_INO, b"s1").expect("s1");
+    let id = s1.ino.get() >> 48;
     let a = fs.lookup(s1.ino, b"a").expect("a");
     let fh = fs.open_file(a.ino, libc::O_RDONLY).expect("open");
     assert_eq!(fs.snapshot_open_files(id), 1);
@@ -329,14 +317,14 @@ fn deleting_a_snapshot_with_a_file_open_in_it_is_ebusy() {
 #[test]
 fn a_deleted_snapshots_inodes_answer_an_error_not_data() {
     let (dev, fs, big) = with_snapshot();
-    let s1 = fs.lookup(SNAPSHOT_DIR_OBJECTID, b"s1").expect("s1");
+    let s1 = fs.lookup(SNAPSHOT_DIR_INO, b"s1").expect("s1");
     let d = fs.lookup(s1.ino, b"d").expect("d");
     let b = fs.lookup(d.ino, b"b").expect("b");
-    let id = s1.ino >> 48;
+    let id = s1.ino.get() >> 48;
     // A reader of the snapshot's tree that started before the deletion (`/d/b` only the
     // snapshot holds: the live tree unlinked it).
     let view = fs.engine().snapshot_view(id).expect("view");
-    let b_obj = b.ino & ((1 << 48) - 1);
+    let b_obj = b.ino.get() & ((1 << 48) - 1);
     let lo = Key::new(b_obj, birch_format::ItemType::ExtentData, 0);
     let hi = Key::new(b_obj, birch_format::ItemType::ExtentData, u64::MAX);
     let mut blocks = Vec::new();
@@ -370,7 +358,7 @@ fn a_deleted_snapshots_inodes_answer_an_error_not_data() {
     }
     assert_eq!(errno(fs.read(b.ino, 0, 10)), libc::ENOENT);
     assert_eq!(errno(fs.open_file(b.ino, libc::O_RDONLY)), libc::ENOENT);
-    assert_eq!(errno(fs.lookup(SNAPSHOT_DIR_OBJECTID, b"s1")), libc::ENOENT);
+    assert_eq!(errno(fs.lookup(SNAPSHOT_DIR_INO, b"s1")), libc::ENOENT);
     assert_eq!(names(&fs, SNAPSHOT_DIR_OBJECTID), [".", ".."]);
     assert_eq!(
         errno(fs.engine().snapshot_view(id).map(|_| ())),
@@ -397,7 +385,7 @@ fn a_deleted_snapshots_inodes_answer_an_error_not_data() {
 
     // Snapshot ids are never reused: a new snapshot's inodes are not the old one's.
     fs.create_snapshot("s1").expect("again");
-    let again = fs.lookup(SNAPSHOT_DIR_OBJECTID, b"s1").expect("s1 again");
+    let again = fs.lookup(SNAPSHOT_DIR_INO, b"s1").expect("s1 again");
     assert_ne!(again.ino, s1.ino);
     assert_eq!(errno(fs.getattr(b.ino)), libc::ENOENT);
     common::close_and_check_clean(fs, &dev, "after delete");
@@ -597,12 +585,12 @@ fn one_snapshot_is_served_alone_as_the_root_of_a_read_only_open() {
     assert_eq!(fs.snapshot_alone(), Some(id));
     let root = fs.getattr(ROOT).expect("root");
     assert_eq!(root.ino, ROOT);
-    assert_eq!(names(&fs, ROOT), [".", "..", "a", "d", "l"]);
+    assert_eq!(names(&fs, ROOT.get()), [".", "..", "a", "d", "l"]);
     let entries = fs.readdir(ROOT, 0, 10).expect("readdir");
     assert_eq!(entries[1].ino, ROOT, "`..` of the root is the root");
     assert_eq!(errno(fs.lookup(ROOT, b".snapshot")), libc::ENOENT);
     let a = fs.lookup(ROOT, b"a").expect("a");
-    assert_eq!(a.ino >> 48, id);
+    assert_eq!(a.ino.get() >> 48, id);
     assert_eq!(fs.read(a.ino, 0, 10).expect("read"), b"alpha");
     let d = fs.lookup(ROOT, b"d").expect("d");
     assert_eq!(fs.lookup(d.ino, b"..").expect("..").ino, ROOT);
@@ -628,7 +616,7 @@ fn object_ids_stop_below_the_subvolume_bits() {
     let last = fs
         .mkdir(Caller::default(), ROOT, b"last", 0o755)
         .expect("the last batch below 2^48");
-    assert!(last.ino < birch_format::OBJECTID_LIMIT);
+    assert!(last.ino < InodeNo::new(birch_format::OBJECTID_LIMIT));
     let refused = fs
         .mkdir(Caller::default(), ROOT, b"past", 0o755)
         .expect_err("an id at 2^48");
@@ -805,7 +793,7 @@ fn reads_racing_a_deletion_get_the_data_or_enoent() {
         fs.setattr(live, &truncate).expect("truncate");
         fs.sync().expect("sync");
         let ino = fs.resolve("/.snapshot/s/big").expect("snapshot's big");
-        let blocks = snapshot_file_blocks(&fs, ino >> 48, ino & ((1 << 48) - 1));
+        let blocks = snapshot_file_blocks(&fs, ino.get() >> 48, ino.get() & ((1 << 48) - 1));
         let held: u64 = blocks.iter().map(|(from, to)| (to - from) / BLOCK).sum();
         assert_eq!(held, 4 * MIB / BLOCK);
         gate.arm(blocks.clone());
@@ -886,13 +874,13 @@ fn lookup_listed_answers_in_snapshots_as_lookup_does() {
     let mut dirs = vec![SNAPSHOT_DIR_OBJECTID];
     let mut seen = 0;
     while let Some(dir) = dirs.pop() {
-        for e in fs.readdir(dir, 0, 100).expect("readdir") {
+        for e in fs.readdir(InodeNo::new(dir), 0, 100).expect("readdir") {
             if e.name == b"." || e.name == b".." {
                 continue;
             }
-            let by_name = fs.lookup(dir, &e.name).expect("lookup");
+            let by_name = fs.lookup(InodeNo::new(dir), &e.name).expect("lookup");
             let listed = fs
-                .lookup_listed(dir, &e.name, e.ino)
+                .lookup_listed(InodeNo::new(dir), &e.name, e.ino)
                 .expect("lookup_listed");
             assert_eq!(
                 by_name,
@@ -903,7 +891,7 @@ fn lookup_listed_answers_in_snapshots_as_lookup_does() {
             assert_eq!(listed.ino, e.ino);
             seen += 1;
             if listed.kind == birch_core::vfs::FileKind::Dir {
-                dirs.push(e.ino);
+                dirs.push(e.ino.get());
             }
         }
     }

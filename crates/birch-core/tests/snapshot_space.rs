@@ -13,9 +13,9 @@ mod common;
 use birch_core::space::SpaceReport;
 use birch_core::vfs::Caller;
 use birch_core::{Error, Filesystem};
-use birch_format::BLOCK_SIZE;
+use birch_format::{InodeNo, BLOCK_SIZE};
 
-const ROOT: u64 = 1;
+const ROOT: birch_format::InodeNo = birch_format::ROOT_INO;
 const DEVICE_BYTES: u64 = 64 << 20;
 /// One write of the fill (and the probe that must find no space).
 const CHUNK: usize = 256 << 10;
@@ -32,7 +32,7 @@ fn put(fs: &Filesystem, name: &str, content: &[u8]) -> u64 {
     if !content.is_empty() {
         fs.write(attr.ino, 0, content, false).expect("write");
     }
-    attr.ino
+    attr.ino.get()
 }
 
 /// Unlinks `name` and forgets the kernel's lookups of it: its data is freed then.
@@ -150,7 +150,8 @@ fn the_space_report_accounts_for_shared_and_snapshot_held_blocks() {
     let a = put(&fs, "a", &data);
     let b = put(&fs, "b", b"");
     assert_eq!(
-        fs.copy_file_range(a, 0, b, 0, 1 << 20).expect("clone"),
+        fs.copy_file_range(InodeNo::new(a), 0, InodeNo::new(b), 0, 1 << 20)
+            .expect("clone"),
         1 << 20
     );
     fs.sync().expect("sync");
@@ -316,7 +317,7 @@ fn cloned_blocks_a_snapshot_holds_come_back_at_its_deletion() {
     let a = put(&fs, "a", &big);
     let b = put(&fs, "b", b"");
     assert_eq!(
-        fs.copy_file_range(a, 0, b, 0, big.len() as u64)
+        fs.copy_file_range(InodeNo::new(a), 0, InodeNo::new(b), 0, big.len() as u64)
             .expect("clone"),
         big.len() as u64
     );

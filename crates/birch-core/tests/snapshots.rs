@@ -20,11 +20,11 @@ use birch_core::vfs::Caller;
 use birch_core::{Error, Filesystem};
 use birch_format::items::{decode_dir_entries, ExtentKind, FileExtent, InodeItem};
 use birch_format::superblock::INCOMPAT_SNAPSHOTS;
-use birch_format::{ItemType, Key, BLOCK_SIZE};
+use birch_format::{InodeNo, ItemType, Key, BLOCK_SIZE};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-const ROOT: u64 = 1;
+const ROOT: birch_format::InodeNo = birch_format::ROOT_INO;
 const DEVICE_BYTES: u64 = 64 << 20;
 
 type Files = BTreeMap<String, Vec<u8>>;
@@ -74,8 +74,8 @@ fn live_files(fs: &Filesystem) -> Files {
             .map(|(k, v)| (k, v.to_vec()))
             .collect()
     }) {
-        let size = fs.getattr(ino).expect("getattr").size;
-        let data = fs.read(ino, 0, size as usize).expect("read");
+        let size = fs.getattr(InodeNo::new(ino)).expect("getattr").size;
+        let data = fs.read(InodeNo::new(ino), 0, size as usize).expect("read");
         files.insert(name, data);
     }
     files
@@ -87,8 +87,8 @@ type RangeReader<'a> = dyn Fn(&Key, &Key) -> Vec<(Key, Vec<u8>)> + 'a;
 /// The (name, inode) entries of the root directory, from a range reader; `fill` (the model
 /// test's directory of filler files) left out.
 fn root_entries(range: &RangeReader<'_>) -> Vec<(String, u64)> {
-    let lo = Key::new(ROOT, ItemType::DirIndex, 0);
-    let hi = Key::new(ROOT, ItemType::DirIndex, u64::MAX);
+    let lo = Key::new(ROOT.get(), ItemType::DirIndex, 0);
+    let hi = Key::new(ROOT.get(), ItemType::DirIndex, u64::MAX);
     range(&lo, &hi)
         .into_iter()
         .flat_map(|(_, v)| decode_dir_entries(&v).expect("dir index"))
@@ -611,13 +611,19 @@ fn tree(fs: &Filesystem) -> BTreeMap<String, common::Seen> {
 
 fn mkfile(fs: &Filesystem, parent: u64, name: &str, data: &[u8]) -> u64 {
     let (attr, fh) = fs
-        .create(Caller::default(), parent, name.as_bytes(), 0o644, 0)
+        .create(
+            Caller::default(),
+            InodeNo::new(parent),
+            name.as_bytes(),
+            0o644,
+            0,
+        )
         .expect("create");
     if !data.is_empty() {
         fs.write(attr.ino, 0, data, false).expect("write");
     }
     fs.release(attr.ino, fh).expect("release");
-    attr.ino
+    attr.ino.get()
 }
 
 /// `birch rollback` on the unmounted image on `dev`: an engine of its own, dropped after.
@@ -662,11 +668,12 @@ fn rollback_restores_the_snapshot_exactly() {
         .mkdir(Caller::default(), d, b"e", 0o700)
         .expect("mkdir")
         .ino;
-    let a = mkfile(&fs, ROOT, "a", &[1u8; 20000]);
-    mkfile(&fs, d, "b", &[2u8; 9000]);
-    mkfile(&fs, e, "c", b"small");
-    fs.link(a, d, b"a-link").expect("link");
-    fs.setxattr(a, b"user.one", b"first", 0).expect("setxattr");
+    let a = mkfile(&fs, ROOT.get(), "a", &[1u8; 20000]);
+    mkfile(&fs, d.get(), "b", &[2u8; 9000]);
+    mkfile(&fs, e.get(), "c", b"small");
+    fs.link(InodeNo::new(a), d, b"a-link").expect("link");
+    fs.setxattr(InodeNo::new(a), b"user.one", b"first", 0)
+        .expect("setxattr");
     fs.setxattr(d, b"user.dir", &[7u8; 300], 0)
         .expect("setxattr");
     // A file unlinked while open when the snapshot is made: an orphan in its tree.
@@ -692,15 +699,17 @@ fn rollback_restores_the_snapshot_exactly() {
     fs.release(orphan.ino, fh).expect("release");
     // Change everything after it.
     put(&fs, "a", &[9u8; 40000]);
-    fs.setxattr(a, b"user.one", b"second", 0).expect("setxattr");
-    fs.setxattr(a, b"user.two", b"new", 0).expect("setxattr");
+    fs.setxattr(InodeNo::new(a), b"user.one", b"second", 0)
+        .expect("setxattr");
+    fs.setxattr(InodeNo::new(a), b"user.two", b"new", 0)
+        .expect("setxattr");
     fs.removexattr(d, b"user.dir").expect("removexattr");
     fs.unlink(e, b"c").expect("unlink");
     fs.rmdir(d, b"e").expect("rmdir");
     fs.rename(d, b"b", ROOT, b"b-moved", 0).expect("rename");
     let mut max_ino = a;
     for i in 0..30 {
-        max_ino = max_ino.max(mkfile(&fs, ROOT, &format!("n{i}"), &[i as u8; 16384]));
+        max_ino = max_ino.max(mkfile(&fs, ROOT.get(), &format!("n{i}"), &[i as u8; 16384]));
     }
     common::close_and_check_clean(fs, &dev, "before the rollback");
     let free_before_rollback = {
@@ -741,7 +750,7 @@ fn rollback_restores_the_snapshot_exactly() {
     );
     assert_eq!(fs.engine().snapshots().len(), 1, "the snapshot stays");
     // Ids are never reused.
-    let fresh = mkfile(&fs, ROOT, "after", &[5u8; 8192]);
+    let fresh = mkfile(&fs, ROOT.get(), "after", &[5u8; 8192]);
     assert!(
         fresh > max_ino,
         "ino {fresh} after the rollback, {max_ino} used before"

@@ -10,6 +10,7 @@ use birch_core::counters::LATENCY_BUCKETS;
 use birch_core::device::MemDevice;
 use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Filesystem, MkfsOptions};
+use birch_format::ROOT_INO;
 
 /// The number after `"name": ` in the stats JSON.
 fn number(json: &str, name: &str) -> u64 {
@@ -62,7 +63,7 @@ fn gauges_and_latencies_move_with_writes_fsyncs_and_commits() {
     }
 
     let (file, _) = fs
-        .create(Caller::default(), 1, b"f", 0o644, 0)
+        .create(Caller::default(), ROOT_INO, b"f", 0o644, 0)
         .expect("create");
     fs.write(file.ino, 0, &vec![7u8; 64 << 10], false)
         .expect("buffered write");

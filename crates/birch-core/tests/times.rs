@@ -9,6 +9,7 @@ use birch_core::device::MemDevice;
 use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Filesystem, MkfsOptions};
 use birch_format::items::Timespec;
+use birch_format::ROOT_INO;
 
 fn fresh() -> Filesystem {
     let dev = Arc::new(MemDevice::new(64 << 20));
@@ -49,7 +50,9 @@ fn stamped_times_never_run_ahead_of_the_kernels_clock() {
     let c = Caller::default();
     for i in 0..200u32 {
         let name = format!("f{i}");
-        let (f, _) = fs.create(c, 1, name.as_bytes(), 0o644, 0).expect("create");
+        let (f, _) = fs
+            .create(c, ROOT_INO, name.as_bytes(), 0o644, 0)
+            .expect("create");
         let later = kernel_clock();
         let a = fs.getattr(f.ino).expect("getattr");
         for (what, t) in [
@@ -63,7 +66,7 @@ fn stamped_times_never_run_ahead_of_the_kernels_clock() {
                 "create {i}: {what} {t:?} is after the kernel's clock read afterwards {later:?}"
             );
         }
-        let root = fs.getattr(1).expect("root");
+        let root = fs.getattr(ROOT_INO).expect("root");
         assert!(
             root.mtime <= later && root.ctime <= later,
             "create {i}: root times"
@@ -85,7 +88,7 @@ fn after(t: Timespec) {
 fn atime_follows_the_mode_set_by_the_mount() {
     let fs = fresh();
     let c = Caller::default();
-    let (f, _) = fs.create(c, 1, b"f", 0o644, 0).expect("create");
+    let (f, _) = fs.create(c, ROOT_INO, b"f", 0o644, 0).expect("create");
     fs.write(f.ino, 0, b"data", false).expect("write");
     let atime = |fs: &Filesystem| fs.getattr(f.ino).expect("getattr").atime;
 

@@ -11,7 +11,7 @@
 
 use birch_core::vfs::Caller;
 use birch_core::Filesystem;
-use birch_format::{ItemType, Key, ORPHAN_OBJECTID};
+use birch_format::{ItemType, Key, ORPHAN_OBJECTID, ROOT_INO};
 
 mod common;
 
@@ -32,7 +32,7 @@ fn orphans(fs: &Filesystem) -> Vec<u64> {
 
 /// The root directory's names, without `.` and `..`.
 fn names(fs: &Filesystem) -> Vec<Vec<u8>> {
-    fs.readdir(1, 0, 100)
+    fs.readdir(ROOT_INO, 0, 100)
         .expect("readdir")
         .into_iter()
         .map(|e| e.name)
@@ -51,11 +51,15 @@ fn tmpfile_is_an_unnamed_orphan_and_its_last_close_frees_it() {
     fs.sync().expect("commit");
     let used_before = used_blocks(&fs);
     let (a, fh) = fs
-        .tmpfile(Caller::default(), 1, 0o600, libc::O_RDWR)
+        .tmpfile(Caller::default(), ROOT_INO, 0o600, libc::O_RDWR)
         .expect("tmpfile");
     assert_eq!(a.nlink, 0);
     assert_eq!(a.kind, birch_core::vfs::FileKind::File);
-    assert_eq!(orphans(&fs), vec![a.ino], "orphan item from the start");
+    assert_eq!(
+        orphans(&fs),
+        vec![a.ino.get()],
+        "orphan item from the start"
+    );
     assert!(names(&fs).is_empty());
     fs.write(a.ino, 0, &[7u8; MIB], false).expect("write");
     fs.fsync(a.ino, false).expect("fsync");
@@ -81,7 +85,7 @@ fn tmpfile_never_linked_leaves_nothing_after_a_power_cut() {
     fs.sync().expect("commit");
     let used_before = used_blocks(&fs);
     let (a, _fh) = fs
-        .tmpfile(Caller::default(), 1, 0o600, libc::O_RDWR)
+        .tmpfile(Caller::default(), ROOT_INO, 0o600, libc::O_RDWR)
         .expect("tmpfile");
     fs.write(a.ino, 0, &[3u8; 2 * MIB], false).expect("write");
     // fsync of a nameless file commits: the inode, its data and its orphan item are durable.
@@ -108,13 +112,13 @@ fn tmpfile_never_linked_leaves_nothing_after_a_power_cut() {
 fn linked_and_fsynced_survives(commit_nameless: bool) {
     let (dev, fs) = common::fresh(64 << 20);
     let (a, _fh) = fs
-        .tmpfile(Caller::default(), 1, 0o640, libc::O_RDWR)
+        .tmpfile(Caller::default(), ROOT_INO, 0o640, libc::O_RDWR)
         .expect("tmpfile");
     fs.write(a.ino, 0, b"journal", false).expect("write");
     if commit_nameless {
         fs.sync().expect("commit the nameless file");
     }
-    let linked = fs.link(a.ino, 1, b"named").expect("linkat");
+    let linked = fs.link(a.ino, ROOT_INO, b"named").expect("linkat");
     assert_eq!(linked.nlink, 1);
     assert!(orphans(&fs).is_empty(), "the link removes the orphan item");
     let before = fs.engine().counters().values();
@@ -149,26 +153,34 @@ fn only_a_tmpfile_never_named_and_not_o_excl_can_be_linked() {
     let enoent = Some(libc::ENOENT);
     // O_EXCL: never linkable.
     let (x, _) = fs
-        .tmpfile(Caller::default(), 1, 0o600, libc::O_RDWR | libc::O_EXCL)
+        .tmpfile(
+            Caller::default(),
+            ROOT_INO,
+            0o600,
+            libc::O_RDWR | libc::O_EXCL,
+        )
         .expect("tmpfile");
-    assert_eq!(fs.link(x.ino, 1, b"x").map_err(|e| e.errno()).err(), enoent);
+    assert_eq!(
+        fs.link(x.ino, ROOT_INO, b"x").map_err(|e| e.errno()).err(),
+        enoent
+    );
     // Linked, then unlinked to 0: no longer linkable.
     let (t, _) = fs
-        .tmpfile(Caller::default(), 1, 0o600, libc::O_RDWR)
+        .tmpfile(Caller::default(), ROOT_INO, 0o600, libc::O_RDWR)
         .expect("tmpfile");
-    fs.link(t.ino, 1, b"t").expect("first link");
-    fs.unlink(1, b"t").expect("unlink");
+    fs.link(t.ino, ROOT_INO, b"t").expect("first link");
+    fs.unlink(ROOT_INO, b"t").expect("unlink");
     assert_eq!(
-        fs.link(t.ino, 1, b"t2").map_err(|e| e.errno()).err(),
+        fs.link(t.ino, ROOT_INO, b"t2").map_err(|e| e.errno()).err(),
         enoent
     );
     // An ordinary file unlinked while open: ENOENT.
     let (f, _) = fs
-        .create(Caller::default(), 1, b"f", 0o600, libc::O_RDWR)
+        .create(Caller::default(), ROOT_INO, b"f", 0o600, libc::O_RDWR)
         .expect("create");
-    fs.unlink(1, b"f").expect("unlink");
+    fs.unlink(ROOT_INO, b"f").expect("unlink");
     assert_eq!(
-        fs.link(f.ino, 1, b"f2").map_err(|e| e.errno()).err(),
+        fs.link(f.ino, ROOT_INO, b"f2").map_err(|e| e.errno()).err(),
         enoent
     );
     assert!(names(&fs).is_empty());
@@ -176,7 +188,7 @@ fn only_a_tmpfile_never_named_and_not_o_excl_can_be_linked() {
     left.sort_unstable();
     assert_eq!(
         left,
-        vec![x.ino, t.ino, f.ino],
+        vec![x.ino.get(), t.ino.get(), f.ino.get()],
         "all three still open orphans"
     );
     common::close_and_check_clean(fs, &dev, "after the link refusals");
@@ -185,7 +197,9 @@ fn only_a_tmpfile_never_named_and_not_o_excl_can_be_linked() {
 #[test]
 fn tmpfile_takes_the_default_acl_and_setgid_group_of_its_directory() {
     let (dev, fs) = common::fresh(64 << 20);
-    let dir = fs.mkdir(Caller::default(), 1, b"d", 0o2775).expect("mkdir");
+    let dir = fs
+        .mkdir(Caller::default(), ROOT_INO, b"d", 0o2775)
+        .expect("mkdir");
     fs.setattr(
         dir.ino,
         &birch_core::vfs::SetAttr {

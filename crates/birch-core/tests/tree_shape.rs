@@ -19,7 +19,7 @@ use birch_core::counters::Counters;
 use birch_core::device::{BlockDevice, MemDevice};
 use birch_core::{Engine, MkfsOptions};
 use birch_format::node::{ChildPtr, Node, NodeBody, MAX_PTRS};
-use birch_format::{Key, FS_TREE_ID};
+use birch_format::{BlockAddr, Generation, Key, FS_TREE_ID};
 
 fn k(n: u64, offset: u64) -> Key {
     Key {
@@ -53,7 +53,7 @@ impl<'e> Probe<'e> {
             fsid: self.engine.fsid(),
             owner: FS_TREE_ID,
         }
-        .read(addr, generation, level)
+        .read(BlockAddr::new(addr), Generation::new(generation), level)
         .expect("node reads")
     }
 

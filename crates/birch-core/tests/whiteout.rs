@@ -15,6 +15,7 @@ use std::sync::Arc;
 use birch_core::check::{check, CheckOptions};
 use birch_core::device::{MemDevice, Recorded};
 use birch_core::vfs::{Caller, FileKind};
+use birch_format::ROOT_INO;
 
 mod common;
 
@@ -34,32 +35,34 @@ fn user() -> Caller {
 fn rename_whiteout_leaves_a_character_device_0_0_with_mode_0() {
     let (dev, fs) = common::fresh(64 << 20);
     fs.write_file("/a", b"upper").expect("write");
-    fs.rename_as(user(), 1, b"a", 1, b"b", RENAME_WHITEOUT)
+    fs.rename_as(user(), ROOT_INO, b"a", ROOT_INO, b"b", RENAME_WHITEOUT)
         .expect("rename whiteout");
     assert_eq!(fs.read_file("/b").expect("read"), b"upper");
-    let w = fs.lookup(1, b"a").expect("whiteout");
+    let w = fs.lookup(ROOT_INO, b"a").expect("whiteout");
     assert_eq!(w.kind, FileKind::CharDevice);
     assert_eq!((w.perm, w.rdev, w.nlink), (0, 0, 1));
     assert_eq!((w.uid, w.gid), (1000, 1000));
     // Into another directory, over an existing file, with a whiteout.
-    let d = fs.mkdir(Caller::default(), 1, b"d", 0o755).expect("mkdir");
+    let d = fs
+        .mkdir(Caller::default(), ROOT_INO, b"d", 0o755)
+        .expect("mkdir");
     fs.write_file("/c", b"new").expect("write");
     fs.write_file("/d/c", b"old").expect("write");
-    fs.rename_as(user(), 1, b"c", d.ino, b"c", RENAME_WHITEOUT)
+    fs.rename_as(user(), ROOT_INO, b"c", d.ino, b"c", RENAME_WHITEOUT)
         .expect("rename over a file");
     assert_eq!(fs.read_file("/d/c").expect("read"), b"new");
     assert_eq!(
-        fs.lookup(1, b"c").expect("whiteout").kind,
+        fs.lookup(ROOT_INO, b"c").expect("whiteout").kind,
         FileKind::CharDevice
     );
     // A directory can be renamed with a whiteout too.
-    fs.mkdir(Caller::default(), 1, b"sub", 0o755)
+    fs.mkdir(Caller::default(), ROOT_INO, b"sub", 0o755)
         .expect("mkdir");
-    fs.rename_as(user(), 1, b"sub", d.ino, b"sub", RENAME_WHITEOUT)
+    fs.rename_as(user(), ROOT_INO, b"sub", d.ino, b"sub", RENAME_WHITEOUT)
         .expect("rename a dir");
     assert_eq!(fs.lookup(d.ino, b"sub").expect("moved").kind, FileKind::Dir);
     assert_eq!(
-        fs.lookup(1, b"sub").expect("whiteout").kind,
+        fs.lookup(ROOT_INO, b"sub").expect("whiteout").kind,
         FileKind::CharDevice
     );
     common::close_and_check_clean(fs, &dev, "after whiteout renames");
@@ -72,39 +75,71 @@ fn whiteout_flags_combine_as_linux() {
     fs.write_file("/b", b"b").expect("write");
     let err = |r: birch_core::Result<()>| r.map_err(|e| e.errno()).err();
     assert_eq!(
-        err(fs.rename_as(user(), 1, b"a", 1, b"b", RENAME_WHITEOUT | RENAME_EXCHANGE)),
+        err(fs.rename_as(
+            user(),
+            ROOT_INO,
+            b"a",
+            ROOT_INO,
+            b"b",
+            RENAME_WHITEOUT | RENAME_EXCHANGE
+        )),
         Some(libc::EINVAL)
     );
     assert_eq!(
-        err(fs.rename_as(user(), 1, b"a", 1, b"b", RENAME_WHITEOUT | RENAME_NOREPLACE)),
+        err(fs.rename_as(
+            user(),
+            ROOT_INO,
+            b"a",
+            ROOT_INO,
+            b"b",
+            RENAME_WHITEOUT | RENAME_NOREPLACE
+        )),
         Some(libc::EEXIST)
     );
     assert_eq!(
-        err(fs.rename_as(user(), 1, b"x", 1, b"y", RENAME_WHITEOUT)),
+        err(fs.rename_as(user(), ROOT_INO, b"x", ROOT_INO, b"y", RENAME_WHITEOUT)),
         Some(libc::ENOENT)
     );
-    fs.rename_as(user(), 1, b"a", 1, b"c", RENAME_WHITEOUT | RENAME_NOREPLACE)
-        .expect("whiteout with noreplace to a free name");
+    fs.rename_as(
+        user(),
+        ROOT_INO,
+        b"a",
+        ROOT_INO,
+        b"c",
+        RENAME_WHITEOUT | RENAME_NOREPLACE,
+    )
+    .expect("whiteout with noreplace to a free name");
     assert_eq!(fs.read_file("/c").expect("read"), b"a");
-    assert_eq!(fs.lookup(1, b"a").expect("wh").kind, FileKind::CharDevice);
+    assert_eq!(
+        fs.lookup(ROOT_INO, b"a").expect("wh").kind,
+        FileKind::CharDevice
+    );
     // Renaming the whiteout itself away with another whiteout: a new one takes its place.
-    fs.rename_as(user(), 1, b"a", 1, b"w", RENAME_WHITEOUT)
+    fs.rename_as(user(), ROOT_INO, b"a", ROOT_INO, b"w", RENAME_WHITEOUT)
         .expect("rename a whiteout");
-    assert_eq!(fs.lookup(1, b"a").expect("wh").kind, FileKind::CharDevice);
-    assert_eq!(fs.lookup(1, b"w").expect("wh").kind, FileKind::CharDevice);
+    assert_eq!(
+        fs.lookup(ROOT_INO, b"a").expect("wh").kind,
+        FileKind::CharDevice
+    );
+    assert_eq!(
+        fs.lookup(ROOT_INO, b"w").expect("wh").kind,
+        FileKind::CharDevice
+    );
     common::close_and_check_clean(fs, &dev, "after the flag checks");
 }
 
 #[test]
 fn a_whiteout_rename_is_atomic_in_every_crash_state() {
     let (dev, fs) = common::fresh(64 << 20);
-    let d = fs.mkdir(Caller::default(), 1, b"d", 0o755).expect("mkdir");
+    let d = fs
+        .mkdir(Caller::default(), ROOT_INO, b"d", 0o755)
+        .expect("mkdir");
     fs.write_file("/src", b"the file").expect("write");
     fs.write_file("/d/dst", b"replaced").expect("write");
     fs.sync().expect("commit the old state");
     let base = dev.snapshot();
     dev.start_recording();
-    fs.rename_as(user(), 1, b"src", d.ino, b"dst", RENAME_WHITEOUT)
+    fs.rename_as(user(), ROOT_INO, b"src", d.ino, b"dst", RENAME_WHITEOUT)
         .expect("rename whiteout");
     fs.sync().expect("commit the rename");
     let events = dev.take_recording();
@@ -148,7 +183,7 @@ fn a_whiteout_rename_is_atomic_in_every_crash_state() {
         let crashed = Arc::new(MemDevice::from_bytes(bytes));
         let fs = common::open_quiet(&crashed);
         let src = fs
-            .lookup(1, b"src")
+            .lookup(ROOT_INO, b"src")
             .expect("src name exists in either state");
         let dst = fs.read_file("/d/dst").expect("dst exists in either state");
         if src.kind == FileKind::CharDevice {

@@ -11,6 +11,7 @@ use birch_core::check::{check, CheckOptions, FindingKind};
 use birch_core::vfs::Caller;
 use birch_core::Error;
 use birch_format::superblock::INCOMPAT_XATTR_CHUNKS;
+use birch_format::ROOT_INO;
 
 fn value(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -22,7 +23,7 @@ fn value(len: usize, seed: u8) -> Vec<u8> {
 fn a_65536_byte_value_round_trips_and_sets_the_flag_at_its_commit() {
     let (dev, fs) = common::fresh(96 << 20);
     let c = Caller::default();
-    let (f, _) = fs.create(c, 1, b"f", 0o644, 0).expect("create");
+    let (f, _) = fs.create(c, ROOT_INO, b"f", 0o644, 0).expect("create");
     fs.setxattr(f.ino, b"user.small", b"v", 0).expect("small");
     fs.sync().expect("commit");
     assert_eq!(
@@ -58,8 +59,8 @@ fn a_65536_byte_value_round_trips_and_sets_the_flag_at_its_commit() {
 fn replacing_and_removing_big_values_leaves_no_chunk_behind() {
     let (dev, fs) = common::fresh(96 << 20);
     let c = Caller::default();
-    let (f, _) = fs.create(c, 1, b"f", 0o644, 0).expect("create");
-    let (g, _) = fs.create(c, 1, b"g", 0o644, 0).expect("create");
+    let (f, _) = fs.create(c, ROOT_INO, b"f", 0o644, 0).expect("create");
+    let (g, _) = fs.create(c, ROOT_INO, b"g", 0o644, 0).expect("create");
     // 16 chunks, then 3, then inline, then 2, then removed.
     for (len, seed) in [(65536, 1u8), (9000, 2), (100, 3), (7169, 4)] {
         let v = value(len, seed);
@@ -75,7 +76,7 @@ fn replacing_and_removing_big_values_leaves_no_chunk_behind() {
     fs.setxattr(g.ino, b"trusted.big", &value(30000, 5), 0)
         .expect("set");
     fs.sync().expect("commit");
-    fs.unlink(1, b"g").expect("unlink");
+    fs.unlink(ROOT_INO, b"g").expect("unlink");
     common::close_and_check_clean(fs, &dev, "after replace, remove and unlink");
 }
 
@@ -83,7 +84,7 @@ fn replacing_and_removing_big_values_leaves_no_chunk_behind() {
 fn fsync_of_a_big_value_commits_first_then_logs() {
     let (dev, fs) = common::fresh(96 << 20);
     let c = Caller::default();
-    let (f, _) = fs.create(c, 1, b"f", 0o644, 0).expect("create");
+    let (f, _) = fs.create(c, ROOT_INO, b"f", 0o644, 0).expect("create");
     fs.sync().expect("commit");
     let first = value(20000, 7);
     fs.setxattr(f.ino, b"user.a", &first, 0).expect("set");
@@ -114,7 +115,7 @@ fn fsync_of_a_big_value_commits_first_then_logs() {
 fn fsck_finds_a_missing_chunk() {
     let (dev, fs) = common::fresh(96 << 20);
     let c = Caller::default();
-    let (f, _) = fs.create(c, 1, b"f", 0o644, 0).expect("create");
+    let (f, _) = fs.create(c, ROOT_INO, b"f", 0o644, 0).expect("create");
     fs.setxattr(f.ino, b"user.big", &value(10000, 9), 0)
         .expect("set");
     fs.sync().expect("commit");
@@ -122,7 +123,7 @@ fn fsck_finds_a_missing_chunk() {
     {
         let txn = fs.engine().begin().expect("txn");
         txn.delete(birch_format::Key::new(
-            f.ino,
+            f.ino.get(),
             birch_format::ItemType::XattrChunk,
             birch_format::items::xattr_chunk_hash(b"user.big", 1),
         ));

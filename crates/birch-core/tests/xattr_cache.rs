@@ -14,6 +14,7 @@ use birch_core::check::{check, CheckOptions};
 use birch_core::device::MemDevice;
 use birch_core::vfs::{Caller, SetAttr};
 use birch_core::{Error, Filesystem};
+use birch_format::ROOT_INO;
 
 const ACL_ACCESS: &[u8] = b"system.posix_acl_access";
 const ACL_DEFAULT: &[u8] = b"system.posix_acl_default";
@@ -50,7 +51,7 @@ fn finish(dev: &MemDevice, fs: Filesystem) {
 fn default_acl_set_after_creates_is_inherited() {
     let (dev, fs) = setup();
     let c = Caller::default();
-    let d = fs.mkdir(c, 1, b"d", 0o755).expect("mkdir").ino;
+    let d = fs.mkdir(c, ROOT_INO, b"d", 0o755).expect("mkdir").ino;
     let (before, _) = fs.create(c, d, b"before", 0o666, 0).expect("create");
     assert!(matches!(
         fs.getxattr(before.ino, ACL_ACCESS),
@@ -86,7 +87,7 @@ fn default_acl_set_after_creates_is_inherited() {
 fn capability_set_after_writes_is_still_dropped() {
     let (dev, fs) = setup();
     let c = Caller::default();
-    let (f, _) = fs.create(c, 1, b"f", 0o755, 0).expect("create");
+    let (f, _) = fs.create(c, ROOT_INO, b"f", 0o755, 0).expect("create");
     let groups = [1000u32];
     fs.write_with(f.ino, 0, b"one", false, Some(&groups))
         .expect("unprivileged write");
@@ -119,7 +120,7 @@ fn capability_set_after_writes_is_still_dropped() {
 fn access_acl_set_after_chmod_follows_the_next_chmod() {
     let (dev, fs) = setup();
     let c = Caller::default();
-    let (f, _) = fs.create(c, 1, b"f", 0o644, 0).expect("create");
+    let (f, _) = fs.create(c, ROOT_INO, b"f", 0o644, 0).expect("create");
     let chmod = |mode| SetAttr {
         mode: Some(mode),
         ..Default::default()

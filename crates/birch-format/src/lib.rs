@@ -75,6 +75,8 @@ pub const SNAPSHOT_TREE_ID: u64 = 7;
 
 /// Object id of the root directory. FUSE requires node id 1 for the root.
 pub const ROOT_OBJECTID: u64 = 1;
+/// [`ROOT_OBJECTID`] as an inode number.
+pub const ROOT_INO: InodeNo = InodeNo::new(ROOT_OBJECTID);
 /// The first object id handed to new inodes.
 pub const FIRST_FREE_OBJECTID: u64 = 256;
 /// Bits 48..63 of an inode number (FUSE node id, `st_ino`, `d_ino`) are a subvolume id: 0 is
@@ -88,6 +90,8 @@ pub const SNAPSHOT_ID_LIMIT: u64 = 1 << (64 - SUBVOLUME_SHIFT);
 /// Reserved object id of the hidden snapshot directory `/.snapshot` (node id 2 of the live
 /// subvolume; never an inode in any tree).
 pub const SNAPSHOT_DIR_OBJECTID: u64 = 2;
+/// [`SNAPSHOT_DIR_OBJECTID`] as an inode number.
+pub const SNAPSHOT_DIR_INO: InodeNo = InodeNo::new(SNAPSHOT_DIR_OBJECTID);
 /// Object id under which orphan items are keyed: (ORPHAN_OBJECTID, Orphan, inode).
 pub const ORPHAN_OBJECTID: u64 = u64::MAX - 5;
 

@@ -17,7 +17,8 @@ use fuser::{
     Request, TimeOrNow,
 };
 
-use crate::BirchFuse;
+use crate::{ino_of, node_of, BirchFuse};
+use birch_format::InodeNo;
 
 /// Counters of the LOOKUPs the kernel sends to resolve a file handle: LOOKUP(node id, ".")
 /// when it no longer caches the inode the handle names (any kind of inode), and
@@ -100,7 +101,7 @@ pub(crate) fn file_type(kind: FileKind) -> FileType {
 
 pub(crate) fn file_attr(a: &Attr) -> FileAttr {
     FileAttr {
-        ino: INodeNo(a.ino),
+        ino: node_of(a.ino),
         size: a.size,
         blocks: a.blocks,
         atime: system_time(a.atime),
@@ -176,7 +177,7 @@ impl BirchFuse {
     /// LOOKUP of `name` in `parent`, counting the lookups of "." and ".." (see
     /// [`HandleLookups`]).
     pub(crate) fn lookup_counted(&self, parent: u64, name: &[u8]) -> birch_core::Result<Attr> {
-        let found = self.fs.lookup(parent, name);
+        let found = self.fs.lookup(InodeNo::new(parent), name);
         self.handle_lookups.count(name, &found);
         found
     }
@@ -187,7 +188,7 @@ impl BirchFuse {
     pub(crate) fn caller_groups(&self, req: &Request, ino: u64) -> Vec<u32> {
         let needs_all = self
             .fs
-            .getattr(ino)
+            .getattr(InodeNo::new(ino))
             .is_ok_and(|a| a.perm & libc::S_ISGID != 0 && a.perm & libc::S_IXGRP == 0);
         if needs_all {
             self.all_groups(req)
@@ -202,7 +203,8 @@ impl BirchFuse {
     /// goes, and sgid as for a write. The caller invalidates the kernel's attributes.
     pub(crate) fn kill_privs_of_modify(&self, req: &Request, ino: u64) -> birch_core::Result<()> {
         if self.killpriv && req.uid() != 0 {
-            self.fs.kill_privs(ino, &self.caller_groups(req, ino))?;
+            self.fs
+                .kill_privs(InodeNo::new(ino), &self.caller_groups(req, ino))?;
         }
         Ok(())
     }
@@ -243,7 +245,7 @@ impl BirchFuse {
             reply.error(Errno::ENOSPC);
             return;
         }
-        match self.fs.getattr(ino.0) {
+        match self.fs.getattr(ino_of(ino)) {
             Ok(a) => reply.attr(&self.options.ttl, &file_attr(&a)),
             Err(e) => reply.error(errno("getattr", &e)),
         }
@@ -281,7 +283,7 @@ impl BirchFuse {
             caller_groups: (req.uid() != 0 && (size.is_some() || uid.is_some() || gid.is_some()))
                 .then(|| self.caller_groups(req, ino.0)),
         };
-        match self.fs.setattr(ino.0, &set) {
+        match self.fs.setattr(ino_of(ino), &set) {
             Ok(a) => reply.attr(&self.options.ttl, &file_attr(&a)),
             Err(e) => reply.error(errno("setattr", &e)),
         }
@@ -289,7 +291,7 @@ impl BirchFuse {
 
     pub(crate) fn op_readlink(&self, ino: INodeNo, reply: ReplyData) {
         refuse_if_down!(self, reply);
-        match self.fs.readlink(ino.0) {
+        match self.fs.readlink(ino_of(ino)) {
             Ok(target) => reply.data(&target),
             Err(e) => reply.error(errno("readlink", &e)),
         }
@@ -301,6 +303,7 @@ mod tests {
     use std::sync::Arc;
 
     use birch_core::Filesystem;
+    use birch_format::ROOT_INO;
 
     use super::*;
     use crate::xattrs::stats_with_transport;
@@ -322,7 +325,7 @@ mod tests {
         };
         let fs = Arc::new(Filesystem::open_device(dev, options)?);
         let c = Caller::default();
-        let dir = fs.mkdir(c, 1, b"d", 0o755)?;
+        let dir = fs.mkdir(c, ROOT_INO, b"d", 0o755)?;
         let sub = fs.mkdir(c, dir.ino, b"e", 0o755)?;
         fs.write_file("/d/e/f", b"data")?;
         fs.write_file("/d/gone", b"x")?;
@@ -331,13 +334,13 @@ mod tests {
         fs.unlink(dir.ino, b"gone")?;
         let adapter = BirchFuse::new(fs.clone(), FuseOptions::default());
 
-        assert_eq!(adapter.lookup_counted(file, b".")?.ino, file);
-        assert_eq!(adapter.lookup_counted(sub.ino, b".")?.ino, sub.ino);
-        assert_eq!(adapter.lookup_counted(sub.ino, b"..")?.ino, dir.ino);
-        assert_eq!(adapter.lookup_counted(dir.ino, b"..")?.ino, 1);
-        assert_eq!(adapter.lookup_counted(dir.ino, b"e")?.ino, sub.ino);
+        assert_eq!(adapter.lookup_counted(file.get(), b".")?.ino, file);
+        assert_eq!(adapter.lookup_counted(sub.ino.get(), b".")?.ino, sub.ino);
+        assert_eq!(adapter.lookup_counted(sub.ino.get(), b"..")?.ino, dir.ino);
+        assert_eq!(adapter.lookup_counted(dir.ino.get(), b"..")?.ino, ROOT_INO);
+        assert_eq!(adapter.lookup_counted(dir.ino.get(), b"e")?.ino, sub.ino);
         assert!(matches!(
-            adapter.lookup_counted(gone, b"."),
+            adapter.lookup_counted(gone.get(), b"."),
             Err(Error::NotFound(_))
         ));
         let stats = stats_with_transport(fs.stats_json(), &adapter.handle_lookups.pairs());

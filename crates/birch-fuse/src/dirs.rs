@@ -13,7 +13,8 @@ use fuser::{
 };
 
 use crate::attrs::{caller, errno, file_attr, file_type};
-use crate::BirchFuse;
+use crate::{ino_of, node_of, BirchFuse};
+use birch_format::InodeNo;
 
 /// Readdir cookies that carry where their listing ends.
 ///
@@ -58,7 +59,7 @@ impl BirchFuse {
     /// says ([`dir_cookie`]).
     pub(crate) fn dir_range(&self, ino: u64, offset: u64) -> (u64, Option<u64>) {
         if offset == 0 {
-            (0, self.fs.readdir_end(ino).ok())
+            (0, self.fs.readdir_end(InodeNo::new(ino)).ok())
         } else {
             dir_cookie::decode(offset)
         }
@@ -81,7 +82,7 @@ impl BirchFuse {
         refuse_if_down!(self, reply);
         match self.fs.mknod(
             caller(req, self.umask(umask)),
-            parent.0,
+            ino_of(parent),
             name.as_bytes(),
             mode,
             u64::from(rdev),
@@ -103,7 +104,7 @@ impl BirchFuse {
         refuse_if_down!(self, reply);
         match self.fs.mkdir(
             caller(req, self.umask(umask)),
-            parent.0,
+            ino_of(parent),
             name.as_bytes(),
             mode,
         ) {
@@ -114,7 +115,7 @@ impl BirchFuse {
 
     pub(crate) fn op_unlink(&self, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         refuse_if_down!(self, reply);
-        match self.fs.unlink(parent.0, name.as_bytes()) {
+        match self.fs.unlink(ino_of(parent), name.as_bytes()) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("unlink", &e)),
         }
@@ -122,7 +123,7 @@ impl BirchFuse {
 
     pub(crate) fn op_rmdir(&self, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         refuse_if_down!(self, reply);
-        match self.fs.rmdir(parent.0, name.as_bytes()) {
+        match self.fs.rmdir(ino_of(parent), name.as_bytes()) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("rmdir", &e)),
         }
@@ -139,7 +140,7 @@ impl BirchFuse {
         refuse_if_down!(self, reply);
         match self.fs.symlink(
             caller(req, 0),
-            parent.0,
+            ino_of(parent),
             link_name.as_bytes(),
             target.as_os_str().as_bytes(),
         ) {
@@ -165,9 +166,9 @@ impl BirchFuse {
         refuse_if_down!(self, reply);
         match self.fs.rename_as(
             caller(req, 0),
-            parent.0,
+            ino_of(parent),
             name.as_bytes(),
-            newparent.0,
+            ino_of(newparent),
             newname.as_bytes(),
             flags.bits(),
         ) {
@@ -184,7 +185,10 @@ impl BirchFuse {
         reply: ReplyEntry,
     ) {
         refuse_if_down!(self, reply);
-        match self.fs.link(ino.0, newparent.0, newname.as_bytes()) {
+        match self
+            .fs
+            .link(ino_of(ino), ino_of(newparent), newname.as_bytes())
+        {
             Ok(a) => reply.entry(&self.options.ttl, &file_attr(&a), Generation(a.generation)),
             Err(e) => reply.error(errno("link", &e)),
         }
@@ -198,7 +202,7 @@ impl BirchFuse {
         // changes through it; the daemon never changes a directory behind the kernel. Where a
         // listing ends travels in its cookies instead (`dir_cookie`). An inode that is gone
         // still answers as before (ENOENT), and a non-directory ENOTDIR.
-        match self.fs.readdir_end(ino.0) {
+        match self.fs.readdir_end(ino_of(ino)) {
             Ok(_) => reply.error(Errno::ENOSYS),
             Err(e) => reply.error(errno("opendir", &e)),
         }
@@ -207,11 +211,11 @@ impl BirchFuse {
     pub(crate) fn op_readdir(&self, ino: INodeNo, offset: u64, mut reply: ReplyDirectory) {
         refuse_if_down!(self, reply);
         let (pos, end) = self.dir_range(ino.0, offset);
-        match self.fs.readdir_until(ino.0, pos, 512, end) {
+        match self.fs.readdir_until(ino_of(ino), pos, 512, end) {
             Ok(entries) => {
                 for e in entries {
                     if reply.add(
-                        INodeNo(e.ino),
+                        node_of(e.ino),
                         dir_cookie::encode(e.next_offset, end),
                         file_type(e.kind),
                         OsStr::from_bytes(&e.name),
@@ -228,18 +232,18 @@ impl BirchFuse {
     pub(crate) fn op_readdirplus(&self, ino: INodeNo, offset: u64, mut reply: ReplyDirectoryPlus) {
         refuse_if_down!(self, reply);
         let (pos, end) = self.dir_range(ino.0, offset);
-        match self.fs.readdir_until(ino.0, pos, 256, end) {
+        match self.fs.readdir_until(ino_of(ino), pos, 256, end) {
             Ok(entries) => {
                 for e in entries {
                     // Entries other than "." and ".." count as lookups the kernel later forgets.
                     let attr = if e.name == b"." || e.name == b".." {
                         self.fs.getattr(e.ino)
                     } else {
-                        self.fs.lookup_listed(ino.0, &e.name, e.ino)
+                        self.fs.lookup_listed(ino_of(ino), &e.name, e.ino)
                     };
                     let Ok(a) = attr else { continue };
                     if reply.add(
-                        INodeNo(e.ino),
+                        node_of(e.ino),
                         dir_cookie::encode(e.next_offset, end),
                         OsStr::from_bytes(&e.name),
                         &self.options.ttl,
@@ -261,7 +265,7 @@ impl BirchFuse {
     pub(crate) fn op_fsyncdir(&self, ino: INodeNo, datasync: bool, reply: ReplyEmpty) {
         refuse_if_down!(self, reply);
         let fs = self.fs.clone();
-        let job = move || match fs.fsync(ino.0, datasync) {
+        let job = move || match fs.fsync(ino_of(ino), datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("fsyncdir", &e)),
         };

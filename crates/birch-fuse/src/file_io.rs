@@ -21,7 +21,8 @@ use fuser::{
 use crate::attrs::{caller, errno, file_attr};
 use crate::full_disk::{WaitSlot, WriteVerdict, MAX_WRITE_WAITS};
 use crate::invalidate::{invalidate_attrs, Invalidator};
-use crate::BirchFuse;
+use crate::{ino_of, BirchFuse};
+use birch_format::InodeNo;
 
 /// Open write handles per inode, in shards so that opens of different files rarely meet.
 pub(crate) struct WriteOpens {
@@ -90,13 +91,13 @@ pub(crate) fn write_now(
     through: bool,
     sync: Option<bool>,
 ) -> birch_core::Result<u32> {
-    let (n, dropped) = fs.write_mode(ino, offset, data, append, kill, through)?;
+    let (n, dropped) = fs.write_mode(InodeNo::new(ino), offset, data, append, kill, through)?;
     if dropped {
         // The kernel keeps the old mode cached after a write: make it ask again.
         invalidate_attrs(notifier, ino);
     }
     if let Some(datasync) = sync {
-        fs.fsync(ino, datasync)?;
+        fs.fsync(InodeNo::new(ino), datasync)?;
     }
     Ok(n)
 }
@@ -111,7 +112,7 @@ pub(crate) fn read_now(
     offset: u64,
     size: u32,
 ) -> birch_core::Result<Vec<u8>> {
-    let (data, atime_moved) = fs.read_noting_atime(ino, offset, size as usize)?;
+    let (data, atime_moved) = fs.read_noting_atime(InodeNo::new(ino), offset, size as usize)?;
     if atime_moved {
         invalidate_attrs(notifier, ino);
     }
@@ -146,7 +147,7 @@ impl BirchFuse {
 
     pub(crate) fn op_open(&self, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         refuse_if_down!(self, reply);
-        match self.fs.open_file(ino.0, flags.0) {
+        match self.fs.open_file(ino_of(ino), flags.0) {
             Ok(fh) => {
                 if writes(flags.0) {
                     self.write_opens.opened(ino.0);
@@ -160,7 +161,7 @@ impl BirchFuse {
                     // only. Not at a read-write open: tools open files O_RDWR to fsync or
                     // fallocate them without reading (xfstests generic/392, 468 expect atime
                     // to stay).
-                    match self.fs.atime_at_open(ino.0) {
+                    match self.fs.atime_at_open(ino_of(ino)) {
                         Ok(true) => self.invalidate_attrs(ino.0),
                         Ok(false) => {}
                         Err(e) => log::debug!("atime at open of inode {}: {e}", ino.0),
@@ -354,7 +355,7 @@ impl BirchFuse {
         if writes(flags.0) && self.write_opens.released(ino.0) {
             self.lost_writes.take(ino.0);
         }
-        match self.fs.release(ino.0, fh.0 & !DIRECT_FH) {
+        match self.fs.release(ino_of(ino), fh.0 & !DIRECT_FH) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("release", &e)),
         }
@@ -379,7 +380,7 @@ impl BirchFuse {
             }
             Err(e) => reply.error(errno("fsync", &e)),
         });
-        match self.fs.fsync_defer(ino.0, datasync, done) {
+        match self.fs.fsync_defer(ino_of(ino), datasync, done) {
             Ok(None) => {}
             Ok(Some(ticket)) => {
                 // No batch is being written: lead one (here when a loop stays free to read,
@@ -395,7 +396,7 @@ impl BirchFuse {
             }
             Err(done) => {
                 let fs = self.fs.clone();
-                self.serve_waiting(move || match fs.fsync(ino.0, datasync) {
+                self.serve_waiting(move || match fs.fsync(ino_of(ino), datasync) {
                     Ok(()) => done(Ok(DeferredOutcome::Logged)),
                     Err(e) => done(Err(e)),
                 });
@@ -420,14 +421,14 @@ impl BirchFuse {
         refuse_if_down!(self, reply);
         match self.fs.create(
             caller(req, self.umask(umask)),
-            parent.0,
+            ino_of(parent),
             name.as_bytes(),
             mode,
             flags,
         ) {
             Ok((a, fh)) => {
                 if writes(flags) {
-                    self.write_opens.opened(a.ino);
+                    self.write_opens.opened(a.ino.get());
                 }
                 let (fh, open_flags) = self.opened(fh, flags);
                 reply.created(
@@ -454,11 +455,11 @@ impl BirchFuse {
         refuse_if_down!(self, reply);
         match self
             .fs
-            .tmpfile(caller(req, self.umask(umask)), parent.0, mode, flags)
+            .tmpfile(caller(req, self.umask(umask)), ino_of(parent), mode, flags)
         {
             Ok((a, fh)) => {
                 if writes(flags) {
-                    self.write_opens.opened(a.ino);
+                    self.write_opens.opened(a.ino.get());
                 }
                 let (fh, open_flags) = self.opened(fh, flags);
                 reply.created(
@@ -489,9 +490,9 @@ impl BirchFuse {
         let fs = self.fs.clone();
         let notifier = self.notifier.clone();
         let work = move || -> birch_core::Result<()> {
-            fs.fallocate(ino.0, offset, length, mode)?;
+            fs.fallocate(ino_of(ino), offset, length, mode)?;
             if let Some(groups) = &kill {
-                fs.kill_privs(ino.0, groups)?;
+                fs.kill_privs(ino_of(ino), groups)?;
             }
             Ok(())
         };
@@ -530,9 +531,9 @@ impl BirchFuse {
     ) {
         refuse_if_down!(self, reply);
         match self.fs.copy_file_range(
-            ino_in.0,
+            ino_of(ino_in),
             offset_in,
-            ino_out.0,
+            ino_of(ino_out),
             offset_out,
             len.min(COPY_MAX),
         ) {
@@ -577,14 +578,14 @@ impl BirchFuse {
                     reply.error(Errno::EIO);
                     return;
                 }
-                match fs.lseek(ino.0, offset, whence) {
+                match fs.lseek(ino_of(ino), offset, whence) {
                     Ok(at) => reply.offset(at as i64),
                     Err(e) => reply.error(errno("lseek", &e)),
                 }
             });
             return;
         }
-        match self.fs.lseek(ino.0, offset, whence) {
+        match self.fs.lseek(ino_of(ino), offset, whence) {
             Ok(at) => reply.offset(at as i64),
             Err(e) => reply.error(errno("lseek", &e)),
         }

@@ -53,6 +53,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use birch_core::Filesystem;
+use birch_format::InodeNo;
 use fuser::{
     Errno, FileHandle, INodeNo, InitFlags, IoctlFlags, KernelConfig, LockOwner, OpenFlags,
     RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty,
@@ -103,6 +104,18 @@ pub struct FuseOptions {
     /// file are serialized in the daemon for the write and its flush.
     #[cfg(feature = "seed-before")]
     pub bench_serialize_sync_writes: bool,
+}
+
+/// The filesystem's inode number of a FUSE node id. The two are the same number: FUSE's root
+/// node id (1) is the filesystem's root inode, and every other id the kernel holds is one a
+/// reply gave it ([`node_of`]).
+pub(crate) fn ino_of(node: INodeNo) -> InodeNo {
+    InodeNo::new(node.0)
+}
+
+/// The FUSE node id of an inode number ([`ino_of`]'s inverse).
+pub(crate) fn node_of(ino: InodeNo) -> INodeNo {
+    INodeNo(ino.get())
 }
 
 impl Default for FuseOptions {
@@ -285,7 +298,7 @@ impl fuser::Filesystem for BirchFuse {
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
-        self.fs.forget(ino.0, nlookup);
+        self.fs.forget(ino_of(ino), nlookup);
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {

@@ -15,7 +15,7 @@ use fuser::{Errno, INodeNo, ReplyEmpty, ReplyXattr, Request};
 use crate::attrs::errno;
 use crate::daemon::control_socket::ControlHandler;
 use crate::invalidate::{invalidate_attrs, Invalidator};
-use crate::BirchFuse;
+use crate::{ino_of, BirchFuse};
 
 /// The root xattr through which the mount helper reaches the daemon (remount ro/rw, sync).
 pub const CONTROL_XATTR: &[u8] = b"trusted.birch.control";
@@ -188,10 +188,13 @@ impl BirchFuse {
         // CAP_FSETID (the kernel says so only with FUSE_SETXATTR_EXT, which fuser 0.18 does
         // not parse): for us a caller other than root, as for truncate.
         let groups = (acl && req.uid() != 0).then(|| self.all_groups(req));
-        match self
-            .fs
-            .setxattr_by(ino.0, name.as_bytes(), value, flags, groups.as_deref())
-        {
+        match self.fs.setxattr_by(
+            ino_of(ino),
+            name.as_bytes(),
+            value,
+            flags,
+            groups.as_deref(),
+        ) {
             Ok(()) => {
                 if acl {
                     // An access ACL sets the mode (the kernel refreshes it after SETXATTR of
@@ -236,7 +239,7 @@ impl BirchFuse {
             }
             return;
         }
-        match self.fs.getxattr(ino.0, name.as_bytes()) {
+        match self.fs.getxattr(ino_of(ino), name.as_bytes()) {
             Ok(value) => xattr_reply(reply, size, &value),
             Err(e) => reply.error(errno("getxattr", &e)),
         }
@@ -244,7 +247,7 @@ impl BirchFuse {
 
     pub(crate) fn op_listxattr(&self, ino: INodeNo, size: u32, reply: ReplyXattr) {
         refuse_if_down!(self, reply);
-        match self.fs.listxattr(ino.0) {
+        match self.fs.listxattr(ino_of(ino)) {
             Ok(names) => xattr_reply(reply, size, &names),
             Err(e) => reply.error(errno("listxattr", &e)),
         }
@@ -252,7 +255,7 @@ impl BirchFuse {
 
     pub(crate) fn op_removexattr(&self, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         refuse_if_down!(self, reply);
-        match self.fs.removexattr(ino.0, name.as_bytes()) {
+        match self.fs.removexattr(ino_of(ino), name.as_bytes()) {
             Ok(()) => {
                 if name.as_bytes() == ACL_ACCESS {
                     self.invalidate_attrs(ino.0);

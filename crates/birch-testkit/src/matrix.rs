@@ -10,6 +10,7 @@ use std::sync::Arc;
 use birch_core::device::{MemDevice, Recorded};
 use birch_core::vfs::{Caller, OpenOptions, SetAttr, ShutdownMode};
 use birch_core::{Engine, Error, Filesystem, MkfsOptions, Result};
+use birch_format::ROOT_INO;
 
 use crate::oracle::{check_recording, CrashReport, History, RolledBack};
 use crate::rng::Rng;
@@ -405,7 +406,7 @@ fn run_workload(
                 ("write", fs.write_file(paths[1], &[0xEE; 5000]).err()),
                 ("resolve", fs.resolve(paths[0]).err()),
                 ("sync", fs.sync().err()),
-                ("mkdir", fs.mkdir(c, 1, b"late", 0o755).err()),
+                ("mkdir", fs.mkdir(c, ROOT_INO, b"late", 0o755).err()),
             ];
             for (what, err) in after {
                 if err.is_none_or(|e| e.errno() != libc::EIO) {
@@ -894,8 +895,8 @@ pub fn run_matrix(
     Filesystem::mkfs(dev.clone(), &MkfsOptions::default())?;
     let base = {
         let fs = Filesystem::open_device(dev.clone(), quiet())?;
-        fs.mkdir(Caller::default(), 1, b"A", 0o755)?;
-        fs.mkdir(Caller::default(), 1, b"B", 0o755)?;
+        fs.mkdir(Caller::default(), ROOT_INO, b"A", 0o755)?;
+        fs.mkdir(Caller::default(), ROOT_INO, b"B", 0o755)?;
         fs.close()?;
         dev.snapshot()
     };

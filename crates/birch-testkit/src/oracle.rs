@@ -20,6 +20,7 @@ use birch_core::check::{check, CheckOptions};
 use birch_core::device::{BlockDevice, MemDevice, OverlayDevice, Recorded};
 use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::Filesystem;
+use birch_format::ROOT_INO;
 
 use crate::rng::Rng;
 
@@ -353,7 +354,7 @@ fn check_state(
         }
     }
     check_snapshots(&fs, history, cut, durable_upto)?;
-    fs.mkdir(Caller::default(), 1, b"new-after-crash", 0o755)
+    fs.mkdir(Caller::default(), ROOT_INO, b"new-after-crash", 0o755)
         .map_err(|e| format!("create after recovery: {e}"))?;
     fs.close().map_err(|e| format!("close: {e}"))?;
     drop(fs);
@@ -462,7 +463,7 @@ fn live_files(
 ) -> std::result::Result<std::collections::BTreeMap<String, Vec<u8>>, String> {
     use birch_core::vfs::FileKind;
     let mut files = std::collections::BTreeMap::new();
-    let mut dirs = vec![(String::new(), 1u64)];
+    let mut dirs = vec![(String::new(), ROOT_INO)];
     while let Some((path, dir)) = dirs.pop() {
         let entries = fs
             .readdir(dir, 0, usize::MAX)

@@ -26,6 +26,7 @@ use std::time::Duration;
 use birch_core::device::{MemDevice, Recorded};
 use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Filesystem, MkfsOptions};
+use birch_format::ROOT_INO;
 use birch_testkit::{check_recording, CrashReport, History, Rng};
 
 use birch_fuse::daemon::InProcessMount;
@@ -412,8 +413,11 @@ fn record(seed: u64, variant: Variant) -> Result<Recording, String> {
     let base = {
         let fs = Filesystem::open_device(dev.clone(), quiet.clone()).map_err(|e| e.to_string())?;
         let c = Caller::default();
-        let a = fs.mkdir(c, 1, b"A", 0o755).map_err(|e| e.to_string())?;
-        fs.mkdir(c, 1, b"B", 0o755).map_err(|e| e.to_string())?;
+        let a = fs
+            .mkdir(c, ROOT_INO, b"A", 0o755)
+            .map_err(|e| e.to_string())?;
+        fs.mkdir(c, ROOT_INO, b"B", 0o755)
+            .map_err(|e| e.to_string())?;
         fs.mkdir(c, a.ino, b"C", 0o755).map_err(|e| e.to_string())?;
         fs.close().map_err(|e| e.to_string())?;
         dev.snapshot()

@@ -15,7 +15,7 @@ use birch_core::vfs::OpenOptions;
 use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::items::{decode_dir_entries, InodeItem};
 use birch_format::superblock::COMPAT_BACKUP_ROOTS;
-use birch_format::{name_hash, ItemType, Key};
+use birch_format::{name_hash, ItemType, Key, ROOT_INO};
 
 /// A fresh directory under the system temp dir, removed on drop.
 struct Scratch(PathBuf);
@@ -89,7 +89,8 @@ fn image(dir: &Path) -> PathBuf {
         .expect("image file");
     Filesystem::mkfs(device(&path), &MkfsOptions::default()).expect("mkfs");
     let fs = Filesystem::open_device(device(&path), quiet()).expect("open");
-    fs.mkdir(Default::default(), 1, b"d", 0o755).expect("mkdir");
+    fs.mkdir(Default::default(), ROOT_INO, b"d", 0o755)
+        .expect("mkdir");
     for round in 0..4u8 {
         fs.write_file("/d/f", &[round; 5000]).expect("write");
         fs.sync().expect("sync");

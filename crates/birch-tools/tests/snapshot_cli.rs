@@ -11,6 +11,7 @@ use std::sync::Arc;
 use birch_core::device::{BlockDevice, FileDevice, OpenMode};
 use birch_core::vfs::OpenOptions;
 use birch_core::{Filesystem, MkfsOptions};
+use birch_format::ROOT_INO;
 
 struct Scratch(PathBuf);
 
@@ -46,7 +47,7 @@ fn open(path: &Path) -> Filesystem {
 }
 
 fn read(fs: &Filesystem, dir: &str, name: &str) -> Option<Vec<u8>> {
-    let d = fs.lookup(1, dir.as_bytes()).ok()?.ino;
+    let d = fs.lookup(ROOT_INO, dir.as_bytes()).ok()?.ino;
     let attr = fs.lookup(d, name.as_bytes()).ok()?;
     Some(fs.read(attr.ino, 0, attr.size as usize).expect("read"))
 }
@@ -66,7 +67,8 @@ fn list_diff_and_rollback_on_an_image() {
     Filesystem::mkfs(device, &MkfsOptions::default()).expect("mkfs");
     let path = img.to_str().expect("utf-8 path");
     let fs = open(&img);
-    fs.mkdir(Default::default(), 1, b"d", 0o755).expect("mkdir");
+    fs.mkdir(Default::default(), ROOT_INO, b"d", 0o755)
+        .expect("mkdir");
     fs.write_file("/d/f", &[1u8; 5000]).expect("write");
     fs.close().expect("close");
     drop(fs);
@@ -169,8 +171,8 @@ fn inspect_space_accounts_for_clones_and_snapshots() {
     fs.write_file("/a", &[7u8; 1 << 20]).expect("write a");
     fs.write_file("/b", b"").expect("write b");
     fs.write_file("/c", &[8u8; 1 << 20]).expect("write c");
-    let a = fs.lookup(1, b"a").expect("a").ino;
-    let b = fs.lookup(1, b"b").expect("b").ino;
+    let a = fs.lookup(ROOT_INO, b"a").expect("a").ino;
+    let b = fs.lookup(ROOT_INO, b"b").expect("b").ino;
     assert_eq!(
         fs.copy_file_range(a, 0, b, 0, 1 << 20).expect("clone"),
         1 << 20
@@ -179,7 +181,7 @@ fn inspect_space_accounts_for_clones_and_snapshots() {
     drop(fs);
     assert_eq!(birch(&["snapshot", "create", path, "s1"]).0, 0);
     let fs = open(&img);
-    fs.unlink(1, b"c").expect("unlink c");
+    fs.unlink(ROOT_INO, b"c").expect("unlink c");
     fs.close().expect("close");
     drop(fs);
 
@@ -236,7 +238,7 @@ fn inspect_space_accounts_for_clones_and_snapshots() {
     // A pending fsync log is replayed in memory: its data is the live tree's.
     let fs = open(&img);
     let (attr, _) = fs
-        .create(Default::default(), 1, b"d", 0o644, 0)
+        .create(Default::default(), ROOT_INO, b"d", 0o644, 0)
         .expect("create d");
     fs.write(attr.ino, 0, &[9u8; 65536], false)
         .expect("write d");

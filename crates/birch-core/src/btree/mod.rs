@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use birch_format::node::{ChildPtr, Expect, Node, NodeBody, ITEM_HEADER_BYTES, LEAF_SPACE};
 use birch_format::superblock::RootPtr;
-use birch_format::Key;
+use birch_format::{BlockAddr, Generation, Key};
 
 use crate::cache::NodeCache;
 use crate::counters::Counters;
@@ -42,12 +42,13 @@ pub struct TreeCtx<'a> {
 }
 
 impl<'a> TreeCtx<'a> {
-    /// Reads the node a pointer leads to, verified. May do device I/O.
-    pub fn read(&self, addr: u64, generation: u64, level: u8) -> Result<Arc<Node>> {
+    /// Reads the node a pointer leads to (its address, the generation the pointer records,
+    /// its level), verified. May do device I/O.
+    pub fn read(&self, addr: BlockAddr, generation: Generation, level: u8) -> Result<Arc<Node>> {
         let expect = Expect {
             fsid: self.fsid,
-            addr,
-            generation,
+            addr: addr.get(),
+            generation: generation.get(),
             owner: self.owner,
             level: Some(level),
         };
@@ -56,18 +57,31 @@ impl<'a> TreeCtx<'a> {
 
     /// Reads a root node.
     pub fn read_root(&self, root: &RootPtr) -> Result<Arc<Node>> {
-        self.read(root.addr, root.generation, root.level)
+        self.read(
+            BlockAddr::new(root.addr),
+            Generation::new(root.generation),
+            root.level,
+        )
+    }
+
+    /// Reads the child `ptr` leads to, at `level`.
+    pub fn read_child(&self, ptr: &ChildPtr, level: u8) -> Result<Arc<Node>> {
+        self.read(
+            BlockAddr::new(ptr.addr),
+            Generation::new(ptr.generation),
+            level,
+        )
     }
 
     /// Reads the nodes of `children` (address, generation, level) the cache does not hold in
     /// one batch and caches those that verify ([`NodeCache::prefetch`]). May do device I/O.
-    pub fn prefetch(&self, children: &[(u64, u64, u8)]) -> Result<()> {
+    pub fn prefetch(&self, children: &[(BlockAddr, Generation, u8)]) -> Result<()> {
         let expects: Vec<Expect> = children
             .iter()
             .map(|&(addr, generation, level)| Expect {
                 fsid: self.fsid,
-                addr,
-                generation,
+                addr: addr.get(),
+                generation: generation.get(),
                 owner: self.owner,
                 level: Some(level),
             })
@@ -85,24 +99,42 @@ pub(crate) fn child_slot(ptrs: &[ChildPtr], key: &Key) -> usize {
 /// Something that yields nodes: the committed tree, or a writer's mix of dirty and clean nodes.
 pub(crate) trait NodeSource {
     /// The node a pointer leads to (address, generation, level), verified.
-    fn node(&self, addr: u64, generation: u64, level: u8) -> Result<Arc<Node>>;
+    fn node(&self, addr: BlockAddr, generation: Generation, level: u8) -> Result<Arc<Node>>;
+
+    /// The root node `root` names.
+    fn root_node(&self, root: &RootPtr) -> Result<Arc<Node>> {
+        self.node(
+            BlockAddr::new(root.addr),
+            Generation::new(root.generation),
+            root.level,
+        )
+    }
+
+    /// The child `ptr` leads to, at `level`.
+    fn child(&self, ptr: &ChildPtr, level: u8) -> Result<Arc<Node>> {
+        self.node(
+            BlockAddr::new(ptr.addr),
+            Generation::new(ptr.generation),
+            level,
+        )
+    }
 
     /// A hint that `node` will soon be asked for each of `children` (address, generation,
     /// level), in order: a source with a cache may read the ones it lacks together. Changes
     /// no answer of `node`; an error is a device error reading them. The default does
     /// nothing.
-    fn prefetch(&self, children: &[(u64, u64, u8)]) -> Result<()> {
+    fn prefetch(&self, children: &[(BlockAddr, Generation, u8)]) -> Result<()> {
         let _ = children;
         Ok(())
     }
 }
 
 impl NodeSource for TreeCtx<'_> {
-    fn node(&self, addr: u64, generation: u64, level: u8) -> Result<Arc<Node>> {
+    fn node(&self, addr: BlockAddr, generation: Generation, level: u8) -> Result<Arc<Node>> {
         self.read(addr, generation, level)
     }
 
-    fn prefetch(&self, children: &[(u64, u64, u8)]) -> Result<()> {
+    fn prefetch(&self, children: &[(BlockAddr, Generation, u8)]) -> Result<()> {
         TreeCtx::prefetch(self, children)
     }
 }
@@ -146,7 +178,7 @@ pub(crate) fn lookup(
     root: &RootPtr,
     key: &Key,
 ) -> Result<Option<Vec<u8>>> {
-    let mut node = source.node(root.addr, root.generation, root.level)?;
+    let mut node = source.root_node(root)?;
     loop {
         let next = match &node.body {
             NodeBody::Leaf(items) => {
@@ -157,7 +189,7 @@ pub(crate) fn lookup(
             }
             NodeBody::Internal(ptrs) => {
                 let p = ptrs[child_slot(ptrs, key)];
-                source.node(p.addr, p.generation, node.header.level - 1)?
+                source.child(&p, node.header.level - 1)?
             }
         };
         node = next;
@@ -174,7 +206,7 @@ pub(crate) fn scan(
 ) -> Result<Vec<(Key, Vec<u8>)>> {
     let mut out = Vec::new();
     if lo < hi && limit > 0 {
-        let node = source.node(root.addr, root.generation, root.level)?;
+        let node = source.root_node(root)?;
         scan_node(source, &node, lo, hi, limit, &mut out)?;
     }
     Ok(out)
@@ -204,7 +236,7 @@ fn last_in_node(
             }
             let end = ptrs.partition_point(|p| p.key <= *key).clamp(1, ptrs.len());
             for p in ptrs[..end].iter().rev() {
-                let child = source.node(p.addr, p.generation, node.header.level - 1)?;
+                let child = source.child(p, node.header.level - 1)?;
                 if let Some(found) = last_in_node(source, &child, floor, key)? {
                     return Ok(Some(found));
                 }
@@ -250,9 +282,9 @@ fn scan_node(
                 if i == fetched {
                     let upto = end.min(i + window);
                     if upto - i > 1 {
-                        let children: Vec<(u64, u64, u8)> = ptrs[i..upto]
+                        let children: Vec<(BlockAddr, Generation, u8)> = ptrs[i..upto]
                             .iter()
-                            .map(|c| (c.addr, c.generation, level))
+                            .map(|c| (BlockAddr::new(c.addr), Generation::new(c.generation), level))
                             .collect();
                         // Best effort: a failed batch (a device error on a child this scan
                         // may never reach, past its limit) is left to the read of each child
@@ -264,7 +296,7 @@ fn scan_node(
                     fetched = upto;
                     window = (window * 2).min(PREFETCH_WINDOW);
                 }
-                let child = source.node(p.addr, p.generation, level)?;
+                let child = source.child(p, level)?;
                 scan_node(source, &child, lo, hi, limit, out)?;
             }
         }
@@ -298,9 +330,7 @@ impl TreeReader<'_> {
         if floor > key {
             return Ok(None);
         }
-        let node = self
-            .ctx
-            .node(self.root.addr, self.root.generation, self.root.level)?;
+        let node = self.ctx.root_node(&self.root)?;
         last_in_node(&self.ctx, &node, floor, key)
     }
 
@@ -374,7 +404,8 @@ mod tests {
     }
 
     impl NodeSource for Recorder {
-        fn node(&self, addr: u64, generation: u64, level: u8) -> Result<Arc<Node>> {
+        fn node(&self, addr: BlockAddr, generation: Generation, level: u8) -> Result<Arc<Node>> {
+            let (addr, generation) = (addr.get(), generation.get());
             self.calls.borrow_mut().push(Call::Node(addr));
             let node = self.nodes[&addr].clone();
             assert_eq!(
@@ -384,8 +415,9 @@ mod tests {
             Ok(node)
         }
 
-        fn prefetch(&self, children: &[(u64, u64, u8)]) -> Result<()> {
+        fn prefetch(&self, children: &[(BlockAddr, Generation, u8)]) -> Result<()> {
             for &(addr, generation, level) in children {
+                let (addr, generation) = (addr.get(), generation.get());
                 let node = &self.nodes[&addr];
                 assert_eq!(
                     (node.header.generation, node.header.level),
@@ -394,7 +426,7 @@ mod tests {
             }
             self.calls
                 .borrow_mut()
-                .push(Call::Prefetch(children.iter().map(|c| c.0).collect()));
+                .push(Call::Prefetch(children.iter().map(|c| c.0.get()).collect()));
             Ok(())
         }
     }

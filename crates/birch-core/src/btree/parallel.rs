@@ -16,11 +16,11 @@ use std::sync::Arc;
 
 use birch_format::node::{ChildPtr, Node, NodeBody};
 use birch_format::superblock::RootPtr;
-use birch_format::Key;
+use birch_format::{BlockAddr, Generation, Key};
 
 use super::writer::TreeWriter;
 use super::TreeCtx;
-use crate::alloc::Allocator;
+use crate::alloc::{Allocator, Birth};
 use crate::error::{Error, Result};
 
 /// One piece of a parallel apply: a run of sibling subtrees (or one piece of a cut leaf) and
@@ -84,7 +84,7 @@ impl Planner<'_, '_> {
     /// Parts for the children of the committed internal node `node_ptr` at `level`, which owns
     /// `[lo, hi)`.
     fn expand(&mut self, node_ptr: ChildPtr, level: u8, lo: Key, hi: Option<Key>) -> Result<Part> {
-        let node = self.ctx.read(node_ptr.addr, node_ptr.generation, level)?;
+        let node = self.ctx.read_child(&node_ptr, level)?;
         let NodeBody::Internal(ptrs) = &node.body else {
             return Err(Error::bug(format!(
                 "parallel apply plan: node {:#x} at level {level} is a leaf",
@@ -143,7 +143,7 @@ impl Planner<'_, '_> {
     /// into pieces of about `target` changes; each piece starts as a new leaf holding the old
     /// leaf's items of its range.
     fn cut_leaf(&mut self, ptr: ChildPtr, lo: Key, hi: Option<Key>, count: usize) -> Result<Part> {
-        let node = self.ctx.read(ptr.addr, ptr.generation, 0)?;
+        let node = self.ctx.read_child(&ptr, 0)?;
         let NodeBody::Leaf(items) = &node.body else {
             return Err(Error::bug(format!(
                 "parallel apply plan: node {:#x} at level 0 is internal",
@@ -230,7 +230,7 @@ pub fn plan(
 pub fn run_job(
     ctx: TreeCtx<'_>,
     alloc: &Allocator,
-    generation: u64,
+    generation: Generation,
     job: Job,
     changes: &[(Key, Option<&[u8]>)],
 ) -> Result<JobOutput> {
@@ -272,12 +272,13 @@ pub fn assemble(
     };
     let generation = writer.generation();
     while level > 0 {
-        let node = if let Some(node) = writer.dirty_node(root.addr) {
+        let addr = BlockAddr::new(root.addr);
+        let node = if let Some(node) = writer.dirty_node(addr) {
             node
         } else if let Some(node) = written.get(&root.addr) {
             node.clone()
         } else {
-            writer.ctx().read(root.addr, root.generation, level)?
+            writer.ctx().read_child(&root, level)?
         };
         let NodeBody::Internal(ptrs) = &node.body else {
             break;
@@ -285,12 +286,12 @@ pub fn assemble(
         let [only] = ptrs.as_slice() else {
             break;
         };
-        if root.generation < generation {
-            writer.retire(root.addr, root.generation);
-        } else if writer.dirty_node(root.addr).is_some() {
-            writer.discard(root.addr);
+        if root.generation < generation.get() {
+            writer.retire(addr, Birth::new(root.generation));
+        } else if writer.dirty_node(addr).is_some() {
+            writer.discard(addr);
         } else if written.remove(&root.addr).is_some() {
-            writer.free_new(root.addr);
+            writer.free_new(addr);
         }
         root = *only;
         level -= 1;
@@ -320,7 +321,7 @@ fn assemble_part(
     match part {
         Part::Job(index) => take_output(outputs, index),
         Part::Pieces { old, jobs } => {
-            writer.retire(old.addr, old.generation);
+            writer.retire(BlockAddr::new(old.addr), Birth::new(old.generation));
             let mut run = Vec::new();
             for index in jobs {
                 run.extend(take_output(outputs, index)?);
@@ -328,7 +329,7 @@ fn assemble_part(
             Ok(run)
         }
         Part::Expand { old, level, parts } => {
-            writer.retire(old.addr, old.generation);
+            writer.retire(BlockAddr::new(old.addr), Birth::new(old.generation));
             let mut children = Vec::new();
             for part in parts {
                 children.extend(assemble_part(writer, part, outputs)?);

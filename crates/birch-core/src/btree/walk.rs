@@ -12,7 +12,9 @@ use std::collections::HashMap;
 use birch_format::items::FileExtent;
 use birch_format::node::NodeBody;
 use birch_format::superblock::RootPtr;
-use birch_format::{BlockAddr, BlockCount, FormatError, ItemType, Key, FS_TREE_ID, NODE_BLOCKS};
+use birch_format::{
+    BlockAddr, BlockCount, FormatError, Generation, ItemType, Key, FS_TREE_ID, NODE_BLOCKS,
+};
 
 use crate::alloc::Allocator;
 use crate::cache::NodeCache;
@@ -39,7 +41,7 @@ pub(crate) fn walk_tree(
         if !node(addr, generation)? {
             continue;
         }
-        let read = ctx.read(addr, generation, level)?;
+        let read = ctx.read(BlockAddr::new(addr), Generation::new(generation), level)?;
         match &read.body {
             NodeBody::Internal(ptrs) => {
                 stack.extend(ptrs.iter().map(|p| (p.addr, p.generation, level - 1)))

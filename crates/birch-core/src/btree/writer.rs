@@ -25,7 +25,7 @@ const INTERNAL_UNDERFLOW_PTRS: usize = MAX_PTRS / 4;
 
 /// Address of a subtree writer's top node: never allocated (addresses are block-aligned) and
 /// never written.
-const SUBTREE_TOP: u64 = u64::MAX;
+const SUBTREE_TOP: BlockAddr = BlockAddr::new(u64::MAX);
 
 /// What one descent does when it reaches its leaf.
 enum LeafOp<'c> {
@@ -64,9 +64,9 @@ pub(crate) type PremadeLeaf = (Key, Vec<(Key, Vec<u8>)>);
 pub struct TreeWriter<'a> {
     ctx: TreeCtx<'a>,
     alloc: &'a Allocator,
-    generation: u64,
+    generation: Generation,
     root: RootPtr,
-    dirty: HashMap<u64, Arc<Node>>,
+    dirty: HashMap<BlockAddr, Arc<Node>>,
 }
 
 struct WriterSource<'w, 'a> {
@@ -74,13 +74,13 @@ struct WriterSource<'w, 'a> {
 }
 
 impl NodeSource for WriterSource<'_, '_> {
-    fn node(&self, addr: u64, generation: u64, level: u8) -> Result<Arc<Node>> {
+    fn node(&self, addr: BlockAddr, generation: Generation, level: u8) -> Result<Arc<Node>> {
         self.writer.load(addr, generation, level)
     }
 
-    fn prefetch(&self, children: &[(u64, u64, u8)]) -> Result<()> {
+    fn prefetch(&self, children: &[(BlockAddr, Generation, u8)]) -> Result<()> {
         // Dirty nodes are in memory already; the others come through the cache.
-        let clean: Vec<(u64, u64, u8)> = children
+        let clean: Vec<(BlockAddr, Generation, u8)> = children
             .iter()
             .filter(|(addr, generation, _)| {
                 *generation != self.writer.generation || !self.writer.dirty.contains_key(addr)
@@ -96,10 +96,13 @@ impl<'a> TreeWriter<'a> {
     pub fn new(
         ctx: TreeCtx<'a>,
         alloc: &'a Allocator,
-        generation: u64,
+        generation: Generation,
         root: RootPtr,
     ) -> TreeWriter<'a> {
-        assert!(root.generation <= generation, "a tree root from the future");
+        assert!(
+            root.generation <= generation.get(),
+            "a tree root from the future"
+        );
         TreeWriter {
             ctx,
             alloc,
@@ -110,7 +113,7 @@ impl<'a> TreeWriter<'a> {
     }
 
     /// A writer with no root yet and nothing dirty; its constructors give it one.
-    fn rootless(ctx: TreeCtx<'a>, alloc: &'a Allocator, generation: u64) -> TreeWriter<'a> {
+    fn rootless(ctx: TreeCtx<'a>, alloc: &'a Allocator, generation: Generation) -> TreeWriter<'a> {
         TreeWriter {
             ctx,
             alloc,
@@ -124,15 +127,11 @@ impl<'a> TreeWriter<'a> {
     pub fn create(
         ctx: TreeCtx<'a>,
         alloc: &'a Allocator,
-        generation: u64,
+        generation: Generation,
     ) -> Result<TreeWriter<'a>> {
         let mut w = TreeWriter::rootless(ctx, alloc, generation);
         let addr = w.new_node(0, NodeBody::Leaf(Vec::new()))?;
-        w.root = RootPtr {
-            addr,
-            generation,
-            level: 0,
-        };
+        w.root = w.root_at(addr, 0);
         Ok(w)
     }
 
@@ -142,8 +141,31 @@ impl<'a> TreeWriter<'a> {
     }
 
     /// The generation this writer writes.
-    pub(crate) fn generation(&self) -> u64 {
+    pub(crate) fn generation(&self) -> Generation {
         self.generation
+    }
+
+    /// A root at the node `addr` of this generation, at `level`.
+    fn root_at(&self, addr: BlockAddr, level: u8) -> RootPtr {
+        RootPtr {
+            addr: addr.get(),
+            generation: self.generation.get(),
+            level,
+        }
+    }
+
+    /// A pointer, under `key`, to the node `addr` of this generation.
+    fn ptr_to(&self, key: Key, addr: BlockAddr) -> ChildPtr {
+        ChildPtr {
+            key,
+            addr: addr.get(),
+            generation: self.generation.get(),
+        }
+    }
+
+    /// The root node's address.
+    fn root_addr(&self) -> BlockAddr {
+        BlockAddr::new(self.root.addr)
     }
 
     /// How this writer reads nodes.
@@ -156,7 +178,7 @@ impl<'a> TreeWriter<'a> {
         self.dirty.len()
     }
 
-    fn load(&self, addr: u64, generation: u64, level: u8) -> Result<Arc<Node>> {
+    fn load(&self, addr: BlockAddr, generation: Generation, level: u8) -> Result<Arc<Node>> {
         if generation == self.generation {
             if let Some(node) = self.dirty.get(&addr) {
                 return Ok(node.clone());
@@ -165,13 +187,12 @@ impl<'a> TreeWriter<'a> {
         self.ctx.read(addr, generation, level)
     }
 
-    fn new_node(&mut self, level: u8, body: NodeBody) -> Result<u64> {
+    fn new_node(&mut self, level: u8, body: NodeBody) -> Result<BlockAddr> {
         let (addr, _) = self.alloc.allocate(NODE_RUN, NODE_RUN, Purpose::Metadata)?;
-        let addr = addr.get();
         let header = NodeHeader {
             fsid: self.ctx.fsid,
-            addr,
-            generation: self.generation,
+            addr: addr.get(),
+            generation: self.generation.get(),
             owner: self.ctx.owner,
             level,
         };
@@ -181,37 +202,33 @@ impl<'a> TreeWriter<'a> {
 
     /// Drops a node made in this generation that nothing references any more. No committed
     /// state has seen it, so its space is free at once.
-    fn drop_dirty(&mut self, addr: u64) {
+    fn drop_dirty(&mut self, addr: BlockAddr) {
         if self.dirty.remove(&addr).is_some() {
-            self.alloc.free_now(BlockAddr::new(addr), NODE_RUN);
+            self.alloc.free_now(addr, NODE_RUN);
         }
     }
 
     /// Returns the address of a copy of the node that this generation may change, copying
     /// it on first change and pinning the old copy's space.
-    fn cow(&mut self, addr: u64, generation: u64, level: u8) -> Result<u64> {
-        if generation == self.generation && self.dirty.contains_key(&addr) {
+    /// `birth` is the generation the node's pointer records.
+    fn cow(&mut self, addr: BlockAddr, birth: Birth, level: u8) -> Result<BlockAddr> {
+        if birth.generation() == self.generation && self.dirty.contains_key(&addr) {
             return Ok(addr);
         }
-        let old = self.ctx.read(addr, generation, level)?;
+        let old = self.ctx.read(addr, birth.generation(), level)?;
         let (new_addr, _) = self.alloc.allocate(NODE_RUN, NODE_RUN, Purpose::Metadata)?;
-        let new_addr = new_addr.get();
         let mut node = (*old).clone();
-        node.header.addr = new_addr;
-        node.header.generation = self.generation;
+        node.header.addr = new_addr.get();
+        node.header.generation = self.generation.get();
         self.dirty.insert(new_addr, Arc::new(node));
         // Through the sharing-aware free: a snapshot may still hold the old copy.
-        self.alloc.free_recorded(
-            Generation::new(self.generation),
-            Birth::new(generation),
-            BlockAddr::new(addr),
-            NODE_RUN,
-        );
+        self.alloc
+            .free_recorded(self.generation, birth, addr, NODE_RUN);
         self.ctx.counters.add(|c| &c.btree_cows, 1);
         Ok(new_addr)
     }
 
-    fn node_mut(&mut self, addr: u64) -> &mut Node {
+    fn node_mut(&mut self, addr: BlockAddr) -> &mut Node {
         let slot = self
             .dirty
             .get_mut(&addr)
@@ -219,7 +236,7 @@ impl<'a> TreeWriter<'a> {
         Arc::make_mut(slot)
     }
 
-    fn node_ref(&self, addr: u64) -> &Node {
+    fn node_ref(&self, addr: BlockAddr) -> &Node {
         self.dirty
             .get(&addr)
             .unwrap_or_else(|| panic!("node {addr:#x} is not dirty in generation"))
@@ -332,42 +349,27 @@ impl<'a> TreeWriter<'a> {
     /// splitting or merging on the way back up.
     fn descend(&mut self, search: Key, op: &mut LeafOp<'_>) -> Result<()> {
         self.ctx.counters.add(|c| &c.btree_descents, 1);
-        let root = self.cow(self.root.addr, self.root.generation, self.root.level)?;
-        self.root.addr = root;
-        self.root.generation = self.generation;
+        let root = self.cow(
+            self.root_addr(),
+            Birth::new(self.root.generation),
+            self.root.level,
+        )?;
+        self.root = self.root_at(root, self.root.level);
         let split = self.descend_node(root, search, Key::MAX, op)?;
         if let Some((sep, right)) = split {
             let left_key = self.node_ref(root).first_key().unwrap_or(Key::MIN);
             let level = self.root.level + 1;
-            let ptrs = vec![
-                ChildPtr {
-                    key: left_key,
-                    addr: root,
-                    generation: self.generation,
-                },
-                ChildPtr {
-                    key: sep,
-                    addr: right,
-                    generation: self.generation,
-                },
-            ];
+            let ptrs = vec![self.ptr_to(left_key, root), self.ptr_to(sep, right)];
             let new_root = self.new_node(level, NodeBody::Internal(ptrs))?;
-            self.root = RootPtr {
-                addr: new_root,
-                generation: self.generation,
-                level,
-            };
+            self.root = self.root_at(new_root, level);
         }
         self.collapse_root();
-        let root_emptied = self.root.level > 0 && self.node_ref(self.root.addr).is_empty();
+        let root_emptied = self.root.level > 0 && self.node_ref(self.root_addr()).is_empty();
         if root_emptied {
             // Every item is gone (its last leaf was removed, and with it each emptied parent).
-            let old = self.root.addr;
-            self.root = RootPtr {
-                addr: self.new_node(0, NodeBody::Leaf(Vec::new()))?,
-                generation: self.generation,
-                level: 0,
-            };
+            let old = self.root_addr();
+            let leaf = self.new_node(0, NodeBody::Leaf(Vec::new()))?;
+            self.root = self.root_at(leaf, 0);
             self.drop_dirty(old);
         }
         Ok(())
@@ -376,7 +378,7 @@ impl<'a> TreeWriter<'a> {
     /// An internal root with one child gives way to the child.
     fn collapse_root(&mut self) {
         loop {
-            let node = self.node_ref(self.root.addr);
+            let node = self.node_ref(self.root_addr());
             let NodeBody::Internal(ptrs) = &node.body else {
                 return;
             };
@@ -384,9 +386,9 @@ impl<'a> TreeWriter<'a> {
                 return;
             }
             let child = ptrs[0];
-            let old = self.root.addr;
+            let old = self.root_addr();
             // The child was changed in this descent, so it is dirty and of this generation.
-            if child.generation != self.generation {
+            if child.generation != self.generation.get() {
                 return;
             }
             self.root = RootPtr {
@@ -402,11 +404,11 @@ impl<'a> TreeWriter<'a> {
     /// `upper` is the smallest key known to belong to a later subtree.
     fn descend_node(
         &mut self,
-        addr: u64,
+        addr: BlockAddr,
         search: Key,
         upper: Key,
         op: &mut LeafOp<'_>,
-    ) -> Result<Option<(Key, u64)>> {
+    ) -> Result<Option<(Key, BlockAddr)>> {
         if self.node_ref(addr).header.level == 0 {
             self.apply_leaf(addr, upper, op);
         } else {
@@ -421,7 +423,7 @@ impl<'a> TreeWriter<'a> {
     /// caller (a subtree writer's top never splits).
     fn descend_child(
         &mut self,
-        addr: u64,
+        addr: BlockAddr,
         search: Key,
         upper: Key,
         op: &mut LeafOp<'_>,
@@ -435,28 +437,22 @@ impl<'a> TreeWriter<'a> {
             let child_upper = ptrs.get(slot + 1).map_or(upper, |p| p.key);
             (slot, ptrs[slot], child_upper)
         };
-        let new_child = self.cow(child.addr, child.generation, level - 1)?;
+        let new_child = self.cow(
+            BlockAddr::new(child.addr),
+            Birth::new(child.generation),
+            level - 1,
+        )?;
         let split = self.descend_node(new_child, search, child_upper, op)?;
         let child_first = self.node_ref(new_child).first_key();
-        let generation = self.generation;
+        let new_ptr = self.ptr_to(child_first.unwrap_or(child.key), new_child);
+        let right_ptr = split.map(|(sep, right)| self.ptr_to(sep, right));
         {
             let NodeBody::Internal(ptrs) = &mut self.node_mut(addr).body else {
                 unreachable!("level > 0 is internal")
             };
-            ptrs[slot].addr = new_child;
-            ptrs[slot].generation = generation;
-            if let Some(first) = child_first {
-                ptrs[slot].key = first;
-            }
-            if let Some((sep, right)) = split {
-                ptrs.insert(
-                    slot + 1,
-                    ChildPtr {
-                        key: sep,
-                        addr: right,
-                        generation,
-                    },
-                );
+            ptrs[slot] = new_ptr;
+            if let Some(right) = right_ptr {
+                ptrs.insert(slot + 1, right);
             }
         }
         if split.is_none() {
@@ -465,7 +461,7 @@ impl<'a> TreeWriter<'a> {
         Ok(())
     }
 
-    fn apply_leaf(&mut self, addr: u64, upper: Key, op: &mut LeafOp<'_>) {
+    fn apply_leaf(&mut self, addr: BlockAddr, upper: Key, op: &mut LeafOp<'_>) {
         let NodeBody::Leaf(items) = &mut self.node_mut(addr).body else {
             unreachable!("level 0 is a leaf")
         };
@@ -536,7 +532,7 @@ impl<'a> TreeWriter<'a> {
     }
 
     /// Splits an overfull dirty node in two; returns (first key of the right half, its address).
-    fn split_if_needed(&mut self, addr: u64) -> Result<Option<(Key, u64)>> {
+    fn split_if_needed(&mut self, addr: BlockAddr) -> Result<Option<(Key, BlockAddr)>> {
         let node = self.node_ref(addr);
         let level = node.header.level;
         let right_body = match &node.body {
@@ -573,14 +569,14 @@ impl<'a> TreeWriter<'a> {
 
     /// After a descent through child `slot` of the dirty node `addr`, merges that child with a
     /// neighbour when it has become small, and drops it when it is empty.
-    fn merge_if_underfull(&mut self, addr: u64, slot: usize, level: u8) -> Result<()> {
+    fn merge_if_underfull(&mut self, addr: BlockAddr, slot: usize, level: u8) -> Result<()> {
         let (count, child) = {
             let NodeBody::Internal(ptrs) = &self.node_ref(addr).body else {
                 unreachable!("internal")
             };
             (ptrs.len(), ptrs[slot])
         };
-        let child_node = self.node_ref(child.addr);
+        let child_node = self.node_ref(BlockAddr::new(child.addr));
         let underfull = match &child_node.body {
             NodeBody::Leaf(_) => child_node.used_bytes() < LEAF_UNDERFLOW_BYTES,
             NodeBody::Internal(ptrs) => ptrs.len() < INTERNAL_UNDERFLOW_PTRS,
@@ -593,7 +589,7 @@ impl<'a> TreeWriter<'a> {
                 unreachable!("internal")
             };
             ptrs.remove(slot);
-            self.drop_dirty(child.addr);
+            self.drop_dirty(BlockAddr::new(child.addr));
             return Ok(());
         }
         if !underfull || count < 2 {
@@ -611,8 +607,16 @@ impl<'a> TreeWriter<'a> {
             (ptrs[left_slot], ptrs[right_slot])
         };
         // Only merge when the two fit one node, so a merge never needs a split.
-        let left_peek = self.load(left_ptr.addr, left_ptr.generation, level - 1)?;
-        let right_peek = self.load(right_ptr.addr, right_ptr.generation, level - 1)?;
+        let left_peek = self.load(
+            BlockAddr::new(left_ptr.addr),
+            Generation::new(left_ptr.generation),
+            level - 1,
+        )?;
+        let right_peek = self.load(
+            BlockAddr::new(right_ptr.addr),
+            Generation::new(right_ptr.generation),
+            level - 1,
+        )?;
         let fits = match (&left_peek.body, &right_peek.body) {
             (NodeBody::Leaf(_), NodeBody::Leaf(_)) => {
                 left_peek.used_bytes() + right_peek.used_bytes() <= LEAF_SPACE
@@ -623,8 +627,16 @@ impl<'a> TreeWriter<'a> {
         if !fits {
             return Ok(());
         }
-        let left = self.cow(left_ptr.addr, left_ptr.generation, level - 1)?;
-        let right = self.cow(right_ptr.addr, right_ptr.generation, level - 1)?;
+        let left = self.cow(
+            BlockAddr::new(left_ptr.addr),
+            Birth::new(left_ptr.generation),
+            level - 1,
+        )?;
+        let right = self.cow(
+            BlockAddr::new(right_ptr.addr),
+            Birth::new(right_ptr.generation),
+            level - 1,
+        )?;
         let right_body =
             std::mem::replace(&mut self.node_mut(right).body, NodeBody::Leaf(Vec::new()));
         match (&mut self.node_mut(left).body, right_body) {
@@ -633,12 +645,11 @@ impl<'a> TreeWriter<'a> {
             _ => unreachable!("siblings share a level"),
         }
         self.drop_dirty(right);
-        let generation = self.generation;
+        let left_ptr = self.ptr_to(left_ptr.key, left);
         let NodeBody::Internal(ptrs) = &mut self.node_mut(addr).body else {
             unreachable!("internal")
         };
-        ptrs[left_slot].addr = left;
-        ptrs[left_slot].generation = generation;
+        ptrs[left_slot] = left_ptr;
         ptrs.remove(right_slot);
         self.ctx.counters.add(|c| &c.btree_merges, 1);
         Ok(())
@@ -652,7 +663,7 @@ impl<'a> TreeWriter<'a> {
     pub(crate) fn subtree(
         ctx: TreeCtx<'a>,
         alloc: &'a Allocator,
-        generation: u64,
+        generation: Generation,
         level: u8,
         ptrs: Vec<ChildPtr>,
         premade: Option<PremadeLeaf>,
@@ -662,11 +673,7 @@ impl<'a> TreeWriter<'a> {
             Some((lo, items)) => {
                 let key = items.first().map_or(lo, |(k, _)| *k);
                 let addr = w.new_node(0, NodeBody::Leaf(items))?;
-                vec![ChildPtr {
-                    key,
-                    addr,
-                    generation,
-                }]
+                vec![w.ptr_to(key, addr)]
             }
             None => ptrs,
         };
@@ -675,8 +682,8 @@ impl<'a> TreeWriter<'a> {
         }
         let header = NodeHeader {
             fsid: ctx.fsid,
-            addr: SUBTREE_TOP,
-            generation,
+            addr: SUBTREE_TOP.get(),
+            generation: generation.get(),
             owner: ctx.owner,
             level: level + 1,
         };
@@ -687,11 +694,7 @@ impl<'a> TreeWriter<'a> {
                 body: NodeBody::Internal(ptrs),
             }),
         );
-        w.root = RootPtr {
-            addr: SUBTREE_TOP,
-            generation,
-            level: level + 1,
-        };
+        w.root = w.root_at(SUBTREE_TOP, level + 1);
         Ok(w)
     }
 
@@ -709,10 +712,11 @@ impl<'a> TreeWriter<'a> {
         // can be empty here.
         let mut kept = Vec::with_capacity(ptrs.len());
         for ptr in ptrs {
-            let empty = ptr.generation == self.generation
-                && self.dirty.get(&ptr.addr).is_some_and(|n| n.is_empty());
+            let addr = BlockAddr::new(ptr.addr);
+            let empty = ptr.generation == self.generation.get()
+                && self.dirty.get(&addr).is_some_and(|n| n.is_empty());
             if empty {
-                self.drop_dirty(ptr.addr);
+                self.drop_dirty(addr);
             } else {
                 kept.push(*ptr);
             }
@@ -722,19 +726,19 @@ impl<'a> TreeWriter<'a> {
     }
 
     /// A node this writer made in this generation and still holds, if `addr` is one.
-    pub(crate) fn dirty_node(&self, addr: u64) -> Option<Arc<Node>> {
+    pub(crate) fn dirty_node(&self, addr: BlockAddr) -> Option<Arc<Node>> {
         self.dirty.get(&addr).cloned()
     }
 
     /// Drops a node this writer made (`dirty_node`); its space is free at once.
-    pub(crate) fn discard(&mut self, addr: u64) {
+    pub(crate) fn discard(&mut self, addr: BlockAddr) {
         self.drop_dirty(addr);
     }
 
     /// Frees a node made in this generation by another writer (a job of a parallel apply) that
     /// nothing will reference: no committed state has seen it.
-    pub(crate) fn free_new(&mut self, addr: u64) {
-        self.alloc.free_now(BlockAddr::new(addr), NODE_RUN);
+    pub(crate) fn free_new(&mut self, addr: BlockAddr) {
+        self.alloc.free_now(addr, NODE_RUN);
     }
 
     /// New internal nodes at `level` over `children` (in key order), as few as hold them and
@@ -753,25 +757,20 @@ impl<'a> TreeWriter<'a> {
             let chunk: Vec<ChildPtr> = rest.by_ref().take(take).collect();
             let key = chunk[0].key;
             let addr = self.new_node(level, NodeBody::Internal(chunk))?;
-            out.push(ChildPtr {
-                key,
-                addr,
-                generation: self.generation,
-            });
+            out.push(self.ptr_to(key, addr));
         }
         Ok(out)
     }
 
-    /// Frees a committed node that this generation replaces without copying it (pinned until
-    /// the commit is durable).
-    pub(crate) fn retire(&mut self, addr: u64, generation: u64) {
-        debug_assert!(generation < self.generation, "retire of a dirty node");
-        self.alloc.free_recorded(
-            Generation::new(self.generation),
-            Birth::new(generation),
-            BlockAddr::new(addr),
-            NODE_RUN,
+    /// Frees a committed node, born in `birth`, that this generation replaces without copying
+    /// it (pinned until the commit is durable).
+    pub(crate) fn retire(&mut self, addr: BlockAddr, birth: Birth) {
+        debug_assert!(
+            birth.generation() < self.generation,
+            "retire of a dirty node"
         );
+        self.alloc
+            .free_recorded(self.generation, birth, addr, NODE_RUN);
     }
 
     /// Makes `root` the tree's root (assembly of a parallel apply); `None` makes it one new
@@ -779,11 +778,10 @@ impl<'a> TreeWriter<'a> {
     pub(crate) fn set_root(&mut self, root: Option<RootPtr>) -> Result<()> {
         self.root = match root {
             Some(root) => root,
-            None => RootPtr {
-                addr: self.new_node(0, NodeBody::Leaf(Vec::new()))?,
-                generation: self.generation,
-                level: 0,
-            },
+            None => {
+                let leaf = self.new_node(0, NodeBody::Leaf(Vec::new()))?;
+                self.root_at(leaf, 0)
+            }
         };
         Ok(())
     }
@@ -799,7 +797,7 @@ impl<'a> TreeWriter<'a> {
         /// Encoded bytes handed to the device in one batch, at most (about).
         const BATCH_BYTES: usize = 32 << 20;
         let mut written = Vec::with_capacity(self.dirty.len());
-        let mut addrs: Vec<u64> = self.dirty.keys().copied().collect();
+        let mut addrs: Vec<BlockAddr> = self.dirty.keys().copied().collect();
         addrs.sort_unstable();
         // Runs of adjacent nodes: (start, bytes).
         let mut runs: Vec<(u64, Vec<u8>)> = Vec::new();
@@ -811,7 +809,7 @@ impl<'a> TreeWriter<'a> {
                 .map_err(|e| Error::corrupt(format!("encode node {addr:#x} for commit"), e))?;
             debug_assert_eq!(bytes.len(), NODE_SIZE);
             let contiguous = runs.last().is_some_and(|(start, run)| {
-                start + run.len() as u64 == addr && run.len() + NODE_SIZE <= WRITE_RUN_BYTES
+                start + run.len() as u64 == addr.get() && run.len() + NODE_SIZE <= WRITE_RUN_BYTES
             });
             if !contiguous {
                 if batch_bytes >= BATCH_BYTES {
@@ -819,7 +817,7 @@ impl<'a> TreeWriter<'a> {
                     runs.clear();
                     batch_bytes = 0;
                 }
-                runs.push((addr, Vec::with_capacity(NODE_SIZE)));
+                runs.push((addr.get(), Vec::with_capacity(NODE_SIZE)));
             }
             if let Some((_, run)) = runs.last_mut() {
                 run.extend_from_slice(&bytes);
@@ -862,7 +860,7 @@ impl<'a> TreeWriter<'a> {
                 check_item(key, v)?;
             }
         }
-        let below_top = self.root.addr == SUBTREE_TOP;
+        let below_top = self.root_addr() == SUBTREE_TOP;
         let mut done = 0;
         while done < changes.len() {
             let mut op = LeafOp::Batch {

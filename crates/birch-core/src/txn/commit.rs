@@ -22,6 +22,7 @@ use birch_format::superblock::{
 use birch_format::{BlockCount, Generation, NODE_BLOCKS, NODE_SIZE};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
+use crate::alloc::SnapshotHold;
 use crate::btree::parallel::{self, Job, JobOutput};
 use crate::btree::TreeWriter;
 use crate::delta::FrozenDelta;
@@ -53,7 +54,7 @@ struct Board {
     outputs: Mutex<Vec<Option<Result<JobOutput>>>>,
     done: Condvar,
     frozen: Arc<FrozenDelta>,
-    generation: u64,
+    generation: Generation,
 }
 
 impl Board {
@@ -181,14 +182,14 @@ fn apply_per_item(
 /// The backup roots the commit after `previous` names: `previous`'s own root, then its
 /// backups, newest first, at most [`BACKUP_ROOTS`], none below `floor` (a tree a reclaim may
 /// have broken, DESIGN §13.2).
-fn backups_after(previous: &Superblock, floor: u64) -> Vec<BackupRoot> {
+fn backups_after(previous: &Superblock, floor: Generation) -> Vec<BackupRoot> {
     let newest = BackupRoot {
         generation: previous.generation,
         fs_root: previous.fs_root,
     };
     std::iter::once(newest)
         .chain(previous.backup_roots.iter().copied())
-        .filter(|b| b.generation >= floor && b.generation > 0)
+        .filter(|b| b.generation >= floor.get() && b.generation > 0)
         .take(BACKUP_ROOTS)
         .collect()
 }
@@ -197,7 +198,7 @@ fn backups_after(previous: &Superblock, floor: u64) -> Vec<BackupRoot> {
 /// snapshot ops it carries.
 struct Frozen {
     delta: Arc<FrozenDelta>,
-    generation: u64,
+    generation: Generation,
     committed: Arc<CommittedRoot>,
     ops: Vec<SnapshotOp>,
 }
@@ -322,12 +323,12 @@ impl Engine {
         let result = match self.write_commit(&frozen, generation, &committed, &ops) {
             Ok(()) => {
                 self.commit_latency.record(started.elapsed());
-                Ok(Generation::new(generation))
+                Ok(generation)
             }
             Err(_) if self.is_shut_down() => Err(Error::Shutdown),
             Err(e) => {
                 self.set_read_only(ReadOnlyCause::CommitFailed {
-                    generation,
+                    generation: generation.get(),
                     error: e.to_string(),
                 });
                 Err(e)
@@ -348,7 +349,7 @@ impl Engine {
     /// nothing to commit.
     fn freeze(&self) -> Result<Option<Frozen>> {
         let _gate = self.gate.write();
-        let generation = self.running_generation.load(Ordering::SeqCst);
+        let generation = Generation::new(self.running_generation.load(Ordering::SeqCst));
         let mut snapshots = self.snapshots.lock();
         let idle = self.active.is_empty()
             && self.alloc.pinned_blocks() == BlockCount::new(0)
@@ -377,11 +378,13 @@ impl Engine {
         let ops = std::mem::take(&mut snapshots.pending);
         for op in &ops {
             match op {
-                SnapshotOp::Create { .. } => self.alloc.add_hold(Generation::new(generation)),
+                SnapshotOp::Create { .. } => self.alloc.add_hold(generation),
                 SnapshotOp::Delete { id } => {
                     if let Some(s) = snapshots.by_id(*id) {
-                        self.alloc
-                            .drop_hold(Generation::new(s.generation), Generation::new(generation));
+                        self.alloc.drop_hold(SnapshotHold {
+                            generation: Generation::new(s.generation),
+                            dropped_in: generation,
+                        });
                     }
                 }
                 // Frees nothing through the allocator's holds: the replaced tree's blocks
@@ -392,7 +395,7 @@ impl Engine {
         drop(snapshots);
         let frozen = Arc::new(self.active.take());
         self.running_generation
-            .store(generation + 1, Ordering::SeqCst);
+            .store(generation.next().get(), Ordering::SeqCst);
         let mut state = self.state.write();
         state.each(|s| s.frozen = Some(frozen.clone()));
         Ok(Some(Frozen {
@@ -470,7 +473,7 @@ impl Engine {
         &self,
         writer: &mut TreeWriter<'_>,
         frozen: &Arc<FrozenDelta>,
-        generation: u64,
+        generation: Generation,
     ) -> Result<Vec<Arc<Node>>> {
         #[cfg(feature = "seed-before")]
         if self.commits.bench_apply_per_item.load(Ordering::Relaxed) {
@@ -522,7 +525,7 @@ impl Engine {
     fn write_commit(
         &self,
         frozen: &Arc<FrozenDelta>,
-        generation: u64,
+        generation: Generation,
         committed: &CommittedRoot,
         ops: &[SnapshotOp],
     ) -> Result<()> {
@@ -552,7 +555,7 @@ impl Engine {
         };
         self.flush_commit(generation, "flush nodes")?;
         self.fill_superblock(&mut sb, generation, root);
-        let (log_head, log_seq) = self.log.retire(Generation::new(generation));
+        let (log_head, log_seq) = self.log.retire(generation);
         sb.log_head = log_head.get();
         sb.log_generation = log_seq;
         self.write_superblock(&sb)?;
@@ -585,7 +588,7 @@ impl Engine {
     }
 
     /// Writes in place the data blocks whose bytes only the fsync log holds.
-    fn write_log_placed(&self, generation: u64) -> Result<()> {
+    fn write_log_placed(&self, generation: Generation) -> Result<()> {
         self.pending().write_out(&*self.device).map_err(|e| {
             Error::io(
                 format!("commit {generation}: write data blocks placed by the log"),
@@ -599,7 +602,7 @@ impl Engine {
     fn rollback_tree(
         &self,
         id: u64,
-        generation: u64,
+        generation: Generation,
         committed: &CommittedRoot,
     ) -> Result<NewTree> {
         let target = self.snapshots.lock().by_id(id).cloned();
@@ -627,7 +630,7 @@ impl Engine {
     fn apply_and_write(
         &self,
         frozen: &Arc<FrozenDelta>,
-        generation: u64,
+        generation: Generation,
         committed: &CommittedRoot,
     ) -> Result<NewTree> {
         let mut writer = TreeWriter::new(self.ctx(), &self.alloc, generation, committed.root);
@@ -641,19 +644,19 @@ impl Engine {
     }
 
     /// Flushes the device; `what` names the step in the error.
-    fn flush_commit(&self, generation: u64, what: &str) -> Result<()> {
+    fn flush_commit(&self, generation: Generation, what: &str) -> Result<()> {
         self.device
             .flush()
             .map_err(|e| Error::io(format!("commit {generation}: {what}"), e))
     }
 
     /// Fills in the superblock of `generation` naming `root` (all but its log head).
-    fn fill_superblock(&self, sb: &mut Superblock, generation: u64, root: RootPtr) {
+    fn fill_superblock(&self, sb: &mut Superblock, generation: Generation, root: RootPtr) {
         let (sec, nsec) = now();
         sb.incompat |= self.incompat_wanted.load(Ordering::SeqCst);
-        sb.backup_roots = backups_after(sb, self.alloc.backup_floor().get());
+        sb.backup_roots = backups_after(sb, self.alloc.backup_floor());
         sb.compat |= COMPAT_BACKUP_ROOTS;
-        sb.generation = generation;
+        sb.generation = generation.get();
         sb.fs_root = root;
         sb.next_objectid = self.ids.high_water();
         sb.bytes_used = (self.alloc.total_blocks() - self.alloc.free_blocks()).bytes();
@@ -666,7 +669,7 @@ impl Engine {
     fn publish(
         &self,
         sb: Superblock,
-        generation: u64,
+        generation: Generation,
         root: RootPtr,
         nodes: Vec<Arc<Node>>,
         release: &Arc<ReleaseOnDrop>,
@@ -678,7 +681,7 @@ impl Engine {
         *self.superblock.lock() = sb;
         let new_root = Arc::new(CommittedRoot {
             root,
-            generation: Generation::new(generation),
+            generation,
             release: release.clone(),
         });
         // The new list before the new root: a snapshot view that still finds a deleted
@@ -700,7 +703,7 @@ impl Engine {
     /// a rollback's replaced tree) alone held, and forgets their holds.
     fn give_back_snapshots(
         &self,
-        generation: u64,
+        generation: Generation,
         root: RootPtr,
         list_change: Option<ListChange>,
         replaced: Option<Snapshot>,
@@ -718,27 +721,27 @@ impl Engine {
             deleted.push(replaced);
         }
         self.give_back_deleted(generation, root, &before, &deleted);
-        self.alloc.forget_holds(Generation::new(generation));
+        self.alloc.forget_holds(generation);
     }
 
     /// Hands `old` the space this commit freed: pinned until then, it is released once the
     /// old root's last reader drops it.
-    fn release_freed(&self, generation: u64, old: &CommittedRoot) {
-        let freed = self.alloc.take_pinned(Generation::new(generation));
+    fn release_freed(&self, generation: Generation, old: &CommittedRoot) {
+        let freed = self.alloc.take_pinned(generation);
         self.alloc.unpin_count(freed.iter().map(|(_, b)| b).sum());
-        old.release.freed_by.store(generation, Ordering::SeqCst);
+        old.release
+            .freed_by
+            .store(generation.get(), Ordering::SeqCst);
         old.release.ranges.lock().extend(freed);
     }
 
     /// Discards the space no committed root references any more now that `generation` is
     /// durable; a failure is logged and leaves it deferred.
-    fn discard_unreferenced(&self, generation: u64) {
+    fn discard_unreferenced(&self, generation: Generation) {
         let device = &self.device;
         let discarded = self
             .alloc
-            .commit_durable_with(Generation::new(generation), |ranges| {
-                device.discard(&discard_ranges(ranges))
-            });
+            .commit_durable_with(generation, |ranges| device.discard(&discard_ranges(ranges)));
         if let Err(e) = discarded {
             log::warn!("commit {generation}: discarding freed space: {e}");
         }

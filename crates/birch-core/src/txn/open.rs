@@ -240,7 +240,7 @@ impl Engine {
                 fsid,
                 owner: FS_TREE_ID,
             };
-            let mut writer = TreeWriter::create(ctx, &alloc, 1)?;
+            let mut writer = TreeWriter::create(ctx, &alloc, Generation::new(1))?;
             for (key, value) in initial {
                 writer.insert(key, value)?;
             }

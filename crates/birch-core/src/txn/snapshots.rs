@@ -252,7 +252,7 @@ impl Engine {
     ) -> Result<Vec<u64>> {
         let mut out = Vec::with_capacity(list.len());
         for (i, victim) in list.iter().enumerate() {
-            let older = if i == 0 { 0 } else { list[i - 1].generation };
+            let older = Generation::new(if i == 0 { 0 } else { list[i - 1].generation });
             let newer = list.get(i + 1).map_or(committed.root, |s| s.root);
             let frees =
                 snapshot::deletion_frees(self.ctx(), victim, older, newer).map_err(|e| {
@@ -323,7 +323,7 @@ impl Engine {
     pub(super) fn write_snapshot_list(
         &self,
         ops: &[SnapshotOp],
-        generation: u64,
+        generation: Generation,
         fs_root: RootPtr,
         sb: &mut Superblock,
         nodes: &mut Vec<Arc<Node>>,
@@ -338,7 +338,7 @@ impl Engine {
                     list.push(Snapshot {
                         id: next_id,
                         name: name.clone(),
-                        generation,
+                        generation: generation.get(),
                         root: fs_root,
                         created: *created,
                     });
@@ -358,7 +358,7 @@ impl Engine {
             let (_, old_nodes) = snapshot::read_list(self.ctx(), sb.snapshots)?;
             for addr in old_nodes {
                 self.alloc.free_pinned(
-                    Generation::new(generation),
+                    generation,
                     BlockAddr::new(addr),
                     BlockCount::new(NODE_BLOCKS),
                 );
@@ -381,7 +381,7 @@ impl Engine {
     /// leak, never damage); it is logged.
     pub(super) fn give_back_deleted(
         &self,
-        generation: u64,
+        generation: Generation,
         fs_root: RootPtr,
         before: &[Snapshot],
         deleted: &[Snapshot],
@@ -397,9 +397,9 @@ impl Engine {
             let older = standing
                 .iter()
                 .filter(|s| age(s) < age(&victim))
-                .map(|s| s.generation)
+                .map(|s| Generation::new(s.generation))
                 .max()
-                .unwrap_or(0);
+                .unwrap_or_default();
             let newer = standing
                 .iter()
                 .filter(|s| age(s) > age(&victim))
@@ -411,8 +411,7 @@ impl Engine {
                     let blocks: u64 = frees.iter().map(|(_, n)| n.get()).sum();
                     for (addr, count) in frees {
                         self.alloc.forget_shared(addr, count);
-                        self.alloc
-                            .free_pinned(Generation::new(generation), addr, count);
+                        self.alloc.free_pinned(generation, addr, count);
                     }
                     log::debug!(
                         "commit {generation}: snapshot {:?} (id {}) gave back {blocks} blocks",

@@ -18,7 +18,7 @@ use crate::items::{self, Changes, Link, LiveChanges};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DirEntryOut {
     /// Inode number the entry names.
-    pub ino: u64,
+    pub ino: InodeNo,
     /// The offset of the entry after this one (the cookie to continue from).
     pub next_offset: u64,
     /// File type of the child, as stored in the entry (the d_type).
@@ -59,7 +59,8 @@ impl Filesystem {
     }
 
     /// Looks up `name` in `parent`; counts a lookup.
-    pub fn lookup(&self, parent: u64, name: &[u8]) -> Result<Attr> {
+    pub fn lookup(&self, parent: InodeNo, name: &[u8]) -> Result<Attr> {
+        let parent = parent.get();
         check_name_or_dots(name)?;
         if let Some(node) = self.snap_node(parent) {
             return self.snap_lookup(node, name);
@@ -86,7 +87,7 @@ impl Filesystem {
         }
         let ino = match name {
             b"." => parent,
-            b".." => self.parent_of(parent)?,
+            b".." => self.parent_of_raw(parent)?,
             _ => {
                 let _d = dir.data.read();
                 match self.find_entry(parent, name)? {
@@ -95,7 +96,7 @@ impl Filesystem {
                     // image made before the name was reserved keeps its own).
                     None if self.is_snapshot_dir_name(parent, name) => {
                         drop(_d);
-                        return self.getattr(birch_format::SNAPSHOT_DIR_OBJECTID);
+                        return self.getattr(birch_format::SNAPSHOT_DIR_INO);
                     }
                     None => {
                         return Err(Error::NotFound(format!(
@@ -118,26 +119,33 @@ impl Filesystem {
     /// create in it can come between the listing and this. Counts a lookup as
     /// [`Filesystem::lookup`] does, and falls back to it for ".", "..", snapshots, the
     /// snapshot directory and an inode that has lost its last name.
-    pub fn lookup_listed(&self, parent: u64, name: &[u8], ino: u64) -> Result<Attr> {
+    pub fn lookup_listed(&self, parent: InodeNo, name: &[u8], ino: InodeNo) -> Result<Attr> {
+        let parent = parent.get();
+        let ino = ino.get();
         if name == b"."
             || name == b".."
             || ino == birch_format::SNAPSHOT_DIR_OBJECTID
             || self.snap_node(parent).is_some()
         {
-            return self.lookup(parent, name);
+            return self.lookup(InodeNo::new(parent), name);
         }
         let state = self.inode(ino)?;
         let data = state.data.read();
         if data.item.nlink == 0 {
             drop(data);
-            return self.lookup(parent, name);
+            return self.lookup(InodeNo::new(parent), name);
         }
         self.remember(&state);
         Ok(attr_of(ino, &data.item))
     }
 
     /// The parent of a directory (its one inode ref), or itself for the root.
-    pub fn parent_of(&self, dir: u64) -> Result<u64> {
+    pub fn parent_of(&self, dir: InodeNo) -> Result<InodeNo> {
+        self.parent_of_raw(dir.get()).map(InodeNo::new)
+    }
+
+    /// [`Filesystem::parent_of`] of the bare number `dir`.
+    fn parent_of_raw(&self, dir: u64) -> Result<u64> {
         if let Some(node) = self.snap_node(dir) {
             return self.snap_parent_of(node);
         }
@@ -308,10 +316,11 @@ impl Filesystem {
     pub fn tmpfile(
         &self,
         caller: Caller,
-        parent: u64,
+        parent: InodeNo,
         mode: u32,
         flags: i32,
     ) -> Result<(Attr, u64)> {
+        let parent = parent.get();
         self.refuse_snapshot_change("tmpfile", &[parent])?;
         self.admit(true)?;
         let dir = self.dir_state(parent)?;
@@ -344,7 +353,7 @@ impl Filesystem {
         self.remember(&state);
         let attr = attr_of(ino, &c.item);
         drop(c);
-        let fh = self.open_file(ino, flags & !libc::O_TMPFILE)?;
+        let fh = self.open_file(InodeNo::new(ino), flags & !libc::O_TMPFILE)?;
         self.maybe_commit();
         Ok((attr, fh))
     }
@@ -353,11 +362,12 @@ impl Filesystem {
     pub fn mknod(
         &self,
         caller: Caller,
-        parent: u64,
+        parent: InodeNo,
         name: &[u8],
         mode: u32,
         rdev: u64,
     ) -> Result<Attr> {
+        let parent = parent.get();
         let kind = mode & libc::S_IFMT;
         let mode = if kind == 0 {
             mode | libc::S_IFREG
@@ -376,7 +386,8 @@ impl Filesystem {
     }
 
     /// mkdir.
-    pub fn mkdir(&self, caller: Caller, parent: u64, name: &[u8], mode: u32) -> Result<Attr> {
+    pub fn mkdir(&self, caller: Caller, parent: InodeNo, name: &[u8], mode: u32) -> Result<Attr> {
+        let parent = parent.get();
         self.make_node(
             caller,
             parent,
@@ -388,7 +399,14 @@ impl Filesystem {
     }
 
     /// symlink: `name` in `parent` pointing at `target`.
-    pub fn symlink(&self, caller: Caller, parent: u64, name: &[u8], target: &[u8]) -> Result<Attr> {
+    pub fn symlink(
+        &self,
+        caller: Caller,
+        parent: InodeNo,
+        name: &[u8],
+        target: &[u8],
+    ) -> Result<Attr> {
+        let parent = parent.get();
         if target.len() >= libc::PATH_MAX as usize {
             return Err(Error::NameTooLong(format!(
                 "symlink target of {} bytes",
@@ -402,7 +420,8 @@ impl Filesystem {
     }
 
     /// readlink.
-    pub fn readlink(&self, ino: u64) -> Result<Vec<u8>> {
+    pub fn readlink(&self, ino: InodeNo) -> Result<Vec<u8>> {
+        let ino = ino.get();
         if let Some(node) = self.snap_node(ino) {
             return self.snap_readlink(node);
         }
@@ -415,7 +434,9 @@ impl Filesystem {
     }
 
     /// link: a new name for `ino`.
-    pub fn link(&self, ino: u64, newparent: u64, newname: &[u8]) -> Result<Attr> {
+    pub fn link(&self, ino: InodeNo, newparent: InodeNo, newname: &[u8]) -> Result<Attr> {
+        let ino = ino.get();
+        let newparent = newparent.get();
         check_name_or_dots(newname)?;
         self.refuse_snapshot_change("link", &[ino, newparent])?;
         self.refuse_reserved_name(newparent, newname)?;
@@ -498,7 +519,8 @@ impl Filesystem {
     }
 
     /// unlink a non-directory.
-    pub fn unlink(&self, parent: u64, name: &[u8]) -> Result<()> {
+    pub fn unlink(&self, parent: InodeNo, name: &[u8]) -> Result<()> {
+        let parent = parent.get();
         self.refuse_snapshot_change("unlink", &[parent])?;
         self.refuse_snapshot_dir_change("unlink", parent, name)?;
         self.admit(false)?;
@@ -506,7 +528,8 @@ impl Filesystem {
     }
 
     /// rmdir an empty directory.
-    pub fn rmdir(&self, parent: u64, name: &[u8]) -> Result<()> {
+    pub fn rmdir(&self, parent: InodeNo, name: &[u8]) -> Result<()> {
+        let parent = parent.get();
         check_name_or_dots(name)?;
         self.refuse_snapshot_change("rmdir", &[parent])?;
         self.refuse_snapshot_dir_change("rmdir", parent, name)?;
@@ -617,9 +640,9 @@ impl Filesystem {
     /// whiteout is owned by root ([`Filesystem::rename_as`] names its owner).
     pub fn rename(
         &self,
-        parent: u64,
+        parent: InodeNo,
         name: &[u8],
-        newparent: u64,
+        newparent: InodeNo,
         newname: &[u8],
         flags: u32,
     ) -> Result<()> {
@@ -635,12 +658,14 @@ impl Filesystem {
     pub fn rename_as(
         &self,
         caller: Caller,
-        parent: u64,
+        parent: InodeNo,
         name: &[u8],
-        newparent: u64,
+        newparent: InodeNo,
         newname: &[u8],
         flags: u32,
     ) -> Result<()> {
+        let parent = parent.get();
+        let newparent = newparent.get();
         check_rename_flags(flags)?;
         check_name_or_dots(name)?;
         check_name_or_dots(newname)?;
@@ -847,7 +872,7 @@ impl Filesystem {
             if dir == ROOT_OBJECTID {
                 return Ok(false);
             }
-            dir = self.parent_of(dir)?;
+            dir = self.parent_of_raw(dir)?;
         }
         Err(Error::Loop("directory tree deeper than 4096 levels".into()))
     }
@@ -909,13 +934,14 @@ impl Filesystem {
 
     /// Up to `limit` entries of `dir` from cookie `offset` ("." is 0, ".." is 1, then the
     /// dir index order). Lists to the end of the directory as it is at each call.
-    pub fn readdir(&self, dir: u64, offset: u64, limit: usize) -> Result<Vec<DirEntryOut>> {
+    pub fn readdir(&self, dir: InodeNo, offset: u64, limit: usize) -> Result<Vec<DirEntryOut>> {
         self.readdir_until(dir, offset, limit, None)
     }
 
     /// The end of `dir`'s listing as it is now, for [`Filesystem::readdir_until`]: the
     /// position the next name made in it (created, or renamed into it or within it) will take.
-    pub fn readdir_end(&self, dir: u64) -> Result<u64> {
+    pub fn readdir_end(&self, dir: InodeNo) -> Result<u64> {
+        let dir = dir.get();
         if let Some(node) = self.snap_node(dir) {
             return self.snap_readdir_end(node);
         }
@@ -931,11 +957,12 @@ impl Filesystem {
     /// generic/736; btrfs does the same). The FUSE adapter keeps one end per open directory.
     pub fn readdir_until(
         &self,
-        dir: u64,
+        dir: InodeNo,
         offset: u64,
         limit: usize,
         end: Option<u64>,
     ) -> Result<Vec<DirEntryOut>> {
+        let dir = dir.get();
         if let Some(node) = self.snap_node(dir) {
             return self.snap_readdir(node, offset, limit, end);
         }
@@ -944,7 +971,7 @@ impl Filesystem {
         let mut out = Vec::new();
         if offset == 0 {
             out.push(DirEntryOut {
-                ino: dir,
+                ino: InodeNo::new(dir),
                 next_offset: 1,
                 kind: FileKind::Dir,
                 name: b".".to_vec(),
@@ -952,7 +979,7 @@ impl Filesystem {
         }
         if offset <= 1 && out.len() < limit {
             out.push(DirEntryOut {
-                ino: self.parent_of(dir)?,
+                ino: self.parent_of(InodeNo::new(dir))?,
                 next_offset: 2,
                 kind: FileKind::Dir,
                 name: b"..".to_vec(),
@@ -972,7 +999,7 @@ impl Filesystem {
         )?;
         for (index, e) in listed {
             out.push(DirEntryOut {
-                ino: e.child,
+                ino: InodeNo::new(e.child),
                 next_offset: index + 1,
                 kind: FileKind::from_dtype(e.file_type),
                 name: e.name,
@@ -984,7 +1011,8 @@ impl Filesystem {
     /// [`Filesystem::read`] without touching atime: for a `noatime` mount, where no read
     /// moves it (Linux: `MNT_NOATIME`, which the kernel cannot apply for a FUSE filesystem:
     /// its inodes are `S_NOATIME` and atime is the filesystem's).
-    pub fn read_without_atime(&self, ino: u64, offset: u64, size: usize) -> Result<Vec<u8>> {
+    pub fn read_without_atime(&self, ino: InodeNo, offset: u64, size: usize) -> Result<Vec<u8>> {
+        let ino = ino.get();
         if let Some(node) = self.snap_node(ino) {
             return self.snap_read(node, offset, size);
         }
@@ -998,17 +1026,22 @@ impl Filesystem {
 
     /// Resolves an absolute path inside the filesystem to an inode (embedded use). Follows no
     /// symlinks.
-    pub fn resolve(&self, path: &str) -> Result<u64> {
+    pub fn resolve(&self, path: &str) -> Result<InodeNo> {
+        self.resolve_raw(path).map(InodeNo::new)
+    }
+
+    /// [`Filesystem::resolve`], as the bare number.
+    fn resolve_raw(&self, path: &str) -> Result<u64> {
         let mut ino = ROOT_OBJECTID;
         for part in path.split('/').filter(|p| !p.is_empty()) {
             if let Some(node) = self.snap_node(ino) {
-                ino = self.snap_lookup(node, part.as_bytes())?.ino;
+                ino = self.snap_lookup(node, part.as_bytes())?.ino.get();
                 continue;
             }
             let entry = match part.as_bytes() {
                 b"." => continue,
                 b".." => {
-                    ino = self.parent_of(ino)?;
+                    ino = self.parent_of_raw(ino)?;
                     continue;
                 }
                 name => match self.find_entry(ino, name)? {

@@ -129,7 +129,8 @@ struct Moved {
 impl Filesystem {
     /// fsync / fdatasync: makes the file's data and metadata durable. Reports EIO for ever
     /// after a failed write of this file. Holds no inode lock while the device flushes.
-    pub fn fsync(&self, ino: u64, datasync: bool) -> Result<()> {
+    pub fn fsync(&self, ino: InodeNo, datasync: bool) -> Result<()> {
+        let ino = ino.get();
         if self.snap_node(ino).is_some() {
             // A snapshot is durable since its commit.
             return Ok(());
@@ -154,10 +155,11 @@ impl Filesystem {
     /// switches and a thread, where the batch's leader can answer them all.
     pub fn fsync_defer(
         &self,
-        ino: u64,
+        ino: InodeNo,
         datasync: bool,
         done: FsyncDone,
     ) -> std::result::Result<Option<u64>, FsyncDone> {
+        let ino = ino.get();
         if self.inner.fsync_mode != FsyncMode::Log
             || self.snap_node(ino).is_some()
             || self.fsync_after_failure().is_err()

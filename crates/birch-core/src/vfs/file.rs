@@ -107,7 +107,8 @@ impl Filesystem {
 
     /// Opens `ino`; returns a handle number. A file of a snapshot opens for reading only
     /// (`EROFS` otherwise) and counts as open in it until its release.
-    pub fn open_file(&self, ino: u64, flags: i32) -> Result<u64> {
+    pub fn open_file(&self, ino: InodeNo, flags: i32) -> Result<u64> {
+        let ino = ino.get();
         if let Some(node) = self.snap_node(ino) {
             return self.snap_open(node, flags);
         }
@@ -117,7 +118,8 @@ impl Filesystem {
     }
 
     /// Closes a handle; the inode is freed here if this was its last use and it has no names.
-    pub fn release(&self, ino: u64, _fh: u64) -> Result<()> {
+    pub fn release(&self, ino: InodeNo, _fh: u64) -> Result<()> {
+        let ino = ino.get();
         if let Some(node) = self.snap_node(ino) {
             self.snap_release(node);
             return Ok(());
@@ -139,14 +141,20 @@ impl Filesystem {
     }
 
     /// Reads up to `size` bytes at `offset`.
-    pub fn read(&self, ino: u64, offset: u64, size: usize) -> Result<Vec<u8>> {
+    pub fn read(&self, ino: InodeNo, offset: u64, size: usize) -> Result<Vec<u8>> {
         self.read_noting_atime(ino, offset, size)
             .map(|(out, _)| out)
     }
 
     /// [`Filesystem::read`], and whether it moved atime (a cache in front of the filesystem,
     /// such as the kernel's attributes, then holds a stale one).
-    pub fn read_noting_atime(&self, ino: u64, offset: u64, size: usize) -> Result<(Vec<u8>, bool)> {
+    pub fn read_noting_atime(
+        &self,
+        ino: InodeNo,
+        offset: u64,
+        size: usize,
+    ) -> Result<(Vec<u8>, bool)> {
+        let ino = ino.get();
         if let Some(node) = self.snap_node(ino) {
             // A snapshot never changes: no atime.
             return Ok((self.snap_read(node, offset, size)?, false));
@@ -165,7 +173,8 @@ impl Filesystem {
 
     /// Applies relatime as a read would, for an open for reading whose reads a page cache
     /// in front of the filesystem may serve without asking it. Returns whether atime moved.
-    pub fn atime_at_open(&self, ino: u64) -> Result<bool> {
+    pub fn atime_at_open(&self, ino: InodeNo) -> Result<bool> {
+        let ino = ino.get();
         if self.snap_node(ino).is_some() {
             return Ok(false);
         }
@@ -243,7 +252,7 @@ impl Filesystem {
     }
 
     /// Writes `bytes` at `offset` (or at the end with `append`); returns bytes written.
-    pub fn write(&self, ino: u64, offset: u64, bytes: &[u8], append: bool) -> Result<u32> {
+    pub fn write(&self, ino: InodeNo, offset: u64, bytes: &[u8], append: bool) -> Result<u32> {
         Ok(self.write_with(ino, offset, bytes, append, None)?.0)
     }
 
@@ -254,7 +263,7 @@ impl Filesystem {
     /// privileges were dropped (a cached mode is stale then).
     pub fn write_with(
         &self,
-        ino: u64,
+        ino: InodeNo,
         offset: u64,
         bytes: &[u8],
         append: bool,
@@ -269,13 +278,14 @@ impl Filesystem {
     /// file or dirty limit.
     pub fn write_mode(
         &self,
-        ino: u64,
+        ino: InodeNo,
         offset: u64,
         bytes: &[u8],
         append: bool,
         kill_privs: Option<&[u32]>,
         through: bool,
     ) -> Result<(u32, bool)> {
+        let ino = ino.get();
         self.refuse_snapshot_change("write", &[ino])?;
         self.retry_on_full(true, || {
             self.write_once(ino, offset, bytes, append, kill_privs, through)
@@ -823,7 +833,8 @@ impl Filesystem {
     }
 
     /// setattr: mode, owner, size, times. ctime moves on every change.
-    pub fn setattr(&self, ino: u64, set: &SetAttr) -> Result<Attr> {
+    pub fn setattr(&self, ino: InodeNo, set: &SetAttr) -> Result<Attr> {
+        let ino = ino.get();
         self.refuse_snapshot_change("setattr", &[ino])?;
         self.retry_on_full(false, || self.setattr_once(ino, set))
     }
@@ -911,7 +922,8 @@ impl Filesystem {
 
     /// fallocate with Linux modes: default, KEEP_SIZE, PUNCH_HOLE (with KEEP_SIZE) and
     /// ZERO_RANGE. Preallocated blocks read as zeros.
-    pub fn fallocate(&self, ino: u64, offset: u64, len: u64, mode: i32) -> Result<()> {
+    pub fn fallocate(&self, ino: InodeNo, offset: u64, len: u64, mode: i32) -> Result<()> {
+        let ino = ino.get();
         self.refuse_snapshot_change("fallocate", &[ino])?;
         // Punching a hole frees space: allowed on a full filesystem, as unlink is.
         let grows = mode & libc::FALLOC_FL_PUNCH_HOLE == 0;
@@ -1031,7 +1043,8 @@ impl Filesystem {
     }
 
     /// SEEK_DATA (3) and SEEK_HOLE (4).
-    pub fn lseek(&self, ino: u64, offset: u64, whence: i32) -> Result<u64> {
+    pub fn lseek(&self, ino: InodeNo, offset: u64, whence: i32) -> Result<u64> {
+        let ino = ino.get();
         if let Some(node) = self.snap_node(ino) {
             return self.snap_lseek(node, offset, whence);
         }
@@ -1057,15 +1070,17 @@ impl Filesystem {
     /// `Invalid` (`EINVAL`), as the kernel answers before such a call reaches a FUSE server.
     pub fn copy_file_range(
         &self,
-        ino_in: u64,
+        ino_in: InodeNo,
         offset_in: u64,
-        ino_out: u64,
+        ino_out: InodeNo,
         offset_out: u64,
         len: u64,
     ) -> Result<u64> {
+        let ino_in = ino_in.get();
+        let ino_out = ino_out.get();
         // A snapshot may be the source (its reads are routed), never the destination.
         self.refuse_snapshot_change("copy_file_range", &[ino_out])?;
-        let size_in = self.getattr(ino_in)?.size;
+        let size_in = self.getattr(InodeNo::new(ino_in))?.size;
         if len == 0 || offset_in >= size_in {
             return Ok(0);
         }
@@ -1256,14 +1271,14 @@ impl Filesystem {
         let mut done = 0u64;
         while done < len {
             let step = (len - done).min(STEP);
-            let data = match self.read(ino_in, offset_in + done, step as usize) {
+            let data = match self.read(InodeNo::new(ino_in), offset_in + done, step as usize) {
                 Ok(data) => data,
                 Err(e) => return short_count(done, e),
             };
             if data.is_empty() {
                 break;
             }
-            if let Err(e) = self.write(ino_out, offset_out + done, &data, false) {
+            if let Err(e) = self.write(InodeNo::new(ino_out), offset_out + done, &data, false) {
                 return short_count(done, e);
             }
             done += data.len() as u64;
@@ -1282,11 +1297,12 @@ impl Filesystem {
     pub fn create(
         &self,
         caller: super::Caller,
-        parent: u64,
+        parent: InodeNo,
         name: &[u8],
         mode: u32,
         flags: i32,
     ) -> Result<(Attr, u64)> {
+        let parent = parent.get();
         let attr = self.make_node(
             caller,
             parent,
@@ -1302,9 +1318,9 @@ impl Filesystem {
     /// Convenience for embedded use: writes a whole file at `path` (created if missing).
     pub fn write_file(&self, path: &str, bytes: &[u8]) -> Result<()> {
         let (dir, name) = path.rsplit_once('/').unwrap_or(("", path));
-        let parent = self.resolve(dir)?;
+        let parent = self.resolve(dir)?.get();
         let ino = match self.find_entry(parent, name.as_bytes())? {
-            Some(e) => e.child,
+            Some(e) => InodeNo::new(e.child),
             None => {
                 self.make_node(
                     super::Caller::default(),

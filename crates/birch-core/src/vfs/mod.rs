@@ -28,7 +28,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use birch_format::items::{InodeItem, Timespec};
-use birch_format::{BlockCount, InodeNo, ItemType, Key, BLOCK_SIZE, ROOT_OBJECTID};
+use birch_format::{BlockCount, InodeNo, ItemType, Key, BLOCK_SIZE, ROOT_INO, ROOT_OBJECTID};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::control::ControlCommand;
@@ -183,7 +183,7 @@ impl FileKind {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Attr {
     /// Inode number.
-    pub ino: u64,
+    pub ino: InodeNo,
     /// Size in bytes (st_size); for a symlink, the target's length.
     pub size: u64,
     /// 512-byte blocks allocated.
@@ -623,7 +623,7 @@ impl Filesystem {
             snaps: snapview::SnapState::default(),
         });
         let fs = Filesystem { inner, view: false };
-        match fs.getattr(ROOT_OBJECTID) {
+        match fs.getattr(ROOT_INO) {
             Ok(_) => {}
             Err(Error::NotFound(_)) => {
                 return Err(Error::corrupt(
@@ -1157,7 +1157,8 @@ impl Filesystem {
 
     /// The kernel forgets `n` lookups of `ino` (nothing to do for a snapshot's nodes: none
     /// is in the inode table).
-    pub fn forget(&self, ino: u64, n: u64) {
+    pub fn forget(&self, ino: InodeNo, n: u64) {
+        let ino = ino.get();
         let Some(state) = self.shard(ino).lock().get(&ino).cloned() else {
             return;
         };
@@ -1372,7 +1373,8 @@ impl Filesystem {
     }
 
     /// Attributes of `ino`.
-    pub fn getattr(&self, ino: u64) -> Result<Attr> {
+    pub fn getattr(&self, ino: InodeNo) -> Result<Attr> {
+        let ino = ino.get();
         if let Some(node) = self.snap_node(ino) {
             return self.snap_getattr(node);
         }
@@ -1429,7 +1431,7 @@ pub(crate) fn new_generation(fsid: &[u8; 16], ino: u64) -> u64 {
 /// Builds stat attributes from an inode item.
 pub(crate) fn attr_of(ino: u64, item: &InodeItem) -> Attr {
     Attr {
-        ino,
+        ino: InodeNo::new(ino),
         size: item.size,
         blocks: item.nbytes / 512,
         atime: item.atime,
@@ -1476,10 +1478,16 @@ mod tests {
 
     fn file_with_data(fs: &Filesystem, name: &[u8]) -> (u64, u64) {
         let (attr, fh) = fs
-            .create(Caller::default(), ROOT_OBJECTID, name, 0o644, libc::O_RDWR)
+            .create(
+                Caller::default(),
+                InodeNo::new(ROOT_OBJECTID),
+                name,
+                0o644,
+                libc::O_RDWR,
+            )
             .expect("create");
         fs.write(attr.ino, 0, &[7; 64 << 10], false).expect("write");
-        (attr.ino, fh)
+        (attr.ino.get(), fh)
     }
 
     /// The unlinked set follows the states that matter, and the answer follows it: an open
@@ -1492,22 +1500,30 @@ mod tests {
         assert!(!fs.release_may_free_space(), "nothing unlinked");
         let (a, fh_a) = file_with_data(&fs, b"a");
         let (empty, fh_empty) = fs
-            .create(Caller::default(), root, b"empty", 0o644, libc::O_RDWR)
+            .create(
+                Caller::default(),
+                InodeNo::new(root),
+                b"empty",
+                0o644,
+                libc::O_RDWR,
+            )
             .map(|(attr, fh)| (attr.ino, fh))
             .expect("create empty");
-        fs.mkdir(Caller::default(), root, b"d", 0o755)
+        fs.mkdir(Caller::default(), InodeNo::new(root), b"d", 0o755)
             .expect("mkdir");
         assert!(!fs.release_may_free_space(), "everything has a name");
         assert_eq!(fs.unlinked_count(), 0);
 
-        fs.unlink(root, b"empty").expect("unlink empty");
-        fs.rmdir(root, b"d").expect("rmdir");
+        fs.unlink(InodeNo::new(root), b"empty")
+            .expect("unlink empty");
+        fs.rmdir(InodeNo::new(root), b"d").expect("rmdir");
         assert!(!fs.release_may_free_space(), "an empty file frees nothing");
-        fs.unlink(root, b"a").expect("unlink a while open");
+        fs.unlink(InodeNo::new(root), b"a")
+            .expect("unlink a while open");
         assert!(fs.release_may_free_space(), "a's release frees its data");
-        fs.release(a, fh_a).expect("release a");
+        fs.release(InodeNo::new(a), fh_a).expect("release a");
         assert!(fs.release_may_free_space(), "a is still looked up");
-        fs.forget(a, 1);
+        fs.forget(InodeNo::new(a), 1);
         assert!(!fs.release_may_free_space(), "a was freed");
         fs.release(empty, fh_empty).expect("release empty");
         fs.forget(empty, 1);
@@ -1515,23 +1531,24 @@ mod tests {
 
         // A rename over an open file drops its last name.
         let (c, fh_c) = file_with_data(&fs, b"c");
-        fs.create(Caller::default(), root, b"e", 0o644, 0)
+        fs.create(Caller::default(), InodeNo::new(root), b"e", 0o644, 0)
             .expect("create e");
-        fs.rename(root, b"e", root, b"c", 0).expect("rename over c");
+        fs.rename(InodeNo::new(root), b"e", InodeNo::new(root), b"c", 0)
+            .expect("rename over c");
         assert!(fs.release_may_free_space(), "c lost its last name");
-        fs.release(c, fh_c).expect("release c");
-        fs.forget(c, 1);
+        fs.release(InodeNo::new(c), fh_c).expect("release c");
+        fs.forget(InodeNo::new(c), 1);
         assert!(!fs.release_may_free_space(), "c was freed");
 
         // A tmpfile has no name until linked.
         let (t, fh_t) = fs
-            .tmpfile(Caller::default(), root, 0o644, libc::O_RDWR)
+            .tmpfile(Caller::default(), InodeNo::new(root), 0o644, libc::O_RDWR)
             .map(|(attr, fh)| (attr.ino, fh))
             .expect("tmpfile");
         fs.write(t, 0, &[1; 64 << 10], false)
             .expect("write tmpfile");
         assert!(fs.release_may_free_space(), "an unnamed tmpfile holds data");
-        fs.link(t, root, b"t").expect("link tmpfile");
+        fs.link(t, InodeNo::new(root), b"t").expect("link tmpfile");
         assert!(!fs.release_may_free_space(), "the tmpfile has a name");
         assert_eq!(fs.unlinked_count(), 0, "a linked tmpfile leaves the set");
         fs.release(t, fh_t).expect("release t");

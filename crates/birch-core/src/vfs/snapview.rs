@@ -21,7 +21,8 @@ use std::sync::Arc;
 
 use birch_format::items::InodeItem;
 use birch_format::{
-    Generation, InodeNo, BLOCK_SIZE, ROOT_OBJECTID, SNAPSHOT_DIR_OBJECTID, SUBVOLUME_SHIFT,
+    Generation, InodeNo, BLOCK_SIZE, ROOT_INO, ROOT_OBJECTID, SNAPSHOT_DIR_INO,
+    SNAPSHOT_DIR_OBJECTID, SUBVOLUME_SHIFT,
 };
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,9 +38,10 @@ pub const SNAPSHOT_DIR_NAME: &[u8] = b".snapshot";
 
 const OBJECT_MASK: u64 = (1 << SUBVOLUME_SHIFT) - 1;
 
-/// The inode number of object `obj` of snapshot `id` (a subvolume) under `/.snapshot`.
-pub fn snapshot_ino(id: u64, obj: u64) -> u64 {
-    (id << SUBVOLUME_SHIFT) | (obj & OBJECT_MASK)
+/// The inode number of object `obj` (its inode number in the snapshot's tree) of snapshot `id`
+/// (a subvolume) under `/.snapshot`.
+pub fn snapshot_ino(id: u64, obj: InodeNo) -> InodeNo {
+    InodeNo::new((id << SUBVOLUME_SHIFT) | (obj.get() & OBJECT_MASK))
 }
 
 /// A node of the snapshot namespace.
@@ -181,7 +183,7 @@ impl Filesystem {
         if obj == ROOT_OBJECTID && self.alone() == Some(id) {
             ROOT_OBJECTID
         } else {
-            snapshot_ino(id, obj)
+            snapshot_ino(id, InodeNo::new(obj)).get()
         }
     }
 
@@ -200,11 +202,11 @@ impl Filesystem {
     /// The attributes of `/.snapshot`: a directory of mode 0555 owned by root, its times those
     /// of the newest snapshot (the root's when there is none).
     fn snapshot_dir_attr(&self) -> Result<Attr> {
-        let root = self.getattr(ROOT_OBJECTID)?;
+        let root = self.getattr(ROOT_INO)?;
         let list = self.inner.engine.snapshots();
         let t = list.last().map(|s| s.created).unwrap_or(root.ctime);
         Ok(Attr {
-            ino: SNAPSHOT_DIR_OBJECTID,
+            ino: SNAPSHOT_DIR_INO,
             size: 0,
             blocks: 0,
             atime: t,
@@ -277,7 +279,7 @@ impl Filesystem {
         }
         if name == b".." {
             let up = self.snap_parent_of(parent)?;
-            return self.getattr(up);
+            return self.getattr(InodeNo::new(up));
         }
         match parent {
             SnapNode::Dir => {
@@ -345,7 +347,7 @@ impl Filesystem {
         };
         if offset == 0 {
             out.push(DirEntryOut {
-                ino: this,
+                ino: InodeNo::new(this),
                 next_offset: 1,
                 kind: FileKind::Dir,
                 name: b".".to_vec(),
@@ -353,7 +355,7 @@ impl Filesystem {
         }
         if offset <= 1 && out.len() < limit {
             out.push(DirEntryOut {
-                ino: self.snap_parent_of(node)?,
+                ino: InodeNo::new(self.snap_parent_of(node)?),
                 next_offset: 2,
                 kind: FileKind::Dir,
                 name: b"..".to_vec(),
@@ -370,7 +372,7 @@ impl Filesystem {
                     items::listing(&view, InodeNo::new(obj), lo, hi, limit - out.len())?
                 {
                     out.push(DirEntryOut {
-                        ino: self.shown_ino(id, e.child),
+                        ino: InodeNo::new(self.shown_ino(id, e.child)),
                         next_offset: index + 1,
                         kind: FileKind::from_dtype(e.file_type),
                         name: e.name,
@@ -384,7 +386,7 @@ impl Filesystem {
                         continue;
                     }
                     out.push(DirEntryOut {
-                        ino: snapshot_ino(s.id, ROOT_OBJECTID),
+                        ino: snapshot_ino(s.id, ROOT_INO),
                         next_offset: at + 1,
                         kind: FileKind::Dir,
                         name: s.name.into_bytes(),

@@ -77,7 +77,7 @@ impl Filesystem {
     /// Sets an xattr (XATTR_CREATE: must not exist; XATTR_REPLACE: must exist). Setting the
     /// access ACL also sets the mode, as [`Filesystem::setxattr_by`] does for a caller with
     /// CAP_FSETID.
-    pub fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: i32) -> Result<()> {
+    pub fn setxattr(&self, ino: InodeNo, name: &[u8], value: &[u8], flags: i32) -> Result<()> {
         self.setxattr_by(ino, name, value, flags, None)
     }
 
@@ -90,12 +90,13 @@ impl Filesystem {
     /// file's group and lacks CAP_FSETID.
     pub fn setxattr_by(
         &self,
-        ino: u64,
+        ino: InodeNo,
         name: &[u8],
         value: &[u8],
         flags: i32,
         caller_groups: Option<&[u32]>,
     ) -> Result<()> {
+        let ino = ino.get();
         check_xattr_name(name)?;
         self.refuse_snapshot_change("setxattr", &[ino])?;
         if value.len() > XATTR_SIZE_MAX {
@@ -167,7 +168,8 @@ impl Filesystem {
     }
 
     /// The value of an xattr.
-    pub fn getxattr(&self, ino: u64, name: &[u8]) -> Result<Vec<u8>> {
+    pub fn getxattr(&self, ino: InodeNo, name: &[u8]) -> Result<Vec<u8>> {
+        let ino = ino.get();
         check_xattr_name(name)?;
         if let Some(node) = self.snap_node(ino) {
             return self.snap_getxattr(node, name);
@@ -185,7 +187,8 @@ impl Filesystem {
     }
 
     /// Every xattr name, each followed by a NUL byte.
-    pub fn listxattr(&self, ino: u64) -> Result<Vec<u8>> {
+    pub fn listxattr(&self, ino: InodeNo) -> Result<Vec<u8>> {
+        let ino = ino.get();
         if let Some(node) = self.snap_node(ino) {
             return self.snap_listxattr(node);
         }
@@ -240,7 +243,8 @@ impl Filesystem {
     /// by a caller without CAP_FSETID (its groups, primary first, in `caller_groups`), which
     /// Linux's `file_modified` treats as a write. Sets ctime when something was dropped.
     /// Returns whether anything was dropped (a mode the kernel cached is stale then).
-    pub fn kill_privs(&self, ino: u64, caller_groups: &[u32]) -> Result<bool> {
+    pub fn kill_privs(&self, ino: InodeNo, caller_groups: &[u32]) -> Result<bool> {
+        let ino = ino.get();
         self.refuse_snapshot_change("write", &[ino])?;
         let state = self.inode(ino)?;
         let mut data = state.data.write();
@@ -261,7 +265,8 @@ impl Filesystem {
     }
 
     /// Removes an xattr.
-    pub fn removexattr(&self, ino: u64, name: &[u8]) -> Result<()> {
+    pub fn removexattr(&self, ino: InodeNo, name: &[u8]) -> Result<()> {
+        let ino = ino.get();
         check_xattr_name(name)?;
         self.refuse_snapshot_change("removexattr", &[ino])?;
         self.admit(false)?;

@@ -13,7 +13,7 @@ use birch_core::check::{check, CheckOptions};
 use birch_core::device::{BlockDevice, MemDevice};
 use birch_core::vfs::OpenOptions;
 use birch_core::{Filesystem, MkfsOptions};
-use birch_format::BLOCK_SIZE;
+use birch_format::{InodeNo, BLOCK_SIZE};
 use parking_lot::Mutex;
 
 /// Opens the filesystem on `dev` with no background commits.
@@ -78,23 +78,34 @@ pub fn tree(fs: &Filesystem, times: bool) -> BTreeMap<String, Seen> {
     let mut out = BTreeMap::new();
     let mut stack = vec![("/".to_string(), 1u64)];
     while let Some((path, ino)) = stack.pop() {
-        let attr = fs.getattr(ino).expect("getattr");
+        let attr = fs.getattr(InodeNo::new(ino)).expect("getattr");
         let mut xattrs = Vec::new();
-        for name in fs.listxattr(ino).expect("listxattr").split(|b| *b == 0) {
+        for name in fs
+            .listxattr(InodeNo::new(ino))
+            .expect("listxattr")
+            .split(|b| *b == 0)
+        {
             if !name.is_empty() {
-                xattrs.push((name.to_vec(), fs.getxattr(ino, name).expect("getxattr")));
+                xattrs.push((
+                    name.to_vec(),
+                    fs.getxattr(InodeNo::new(ino), name).expect("getxattr"),
+                ));
             }
         }
         xattrs.sort();
         let mut data = if attr.kind == FileKind::File {
-            fs.read(ino, 0, attr.size as usize).expect("read")
+            fs.read(InodeNo::new(ino), 0, attr.size as usize)
+                .expect("read")
         } else {
             Vec::new()
         };
         if attr.kind == FileKind::Dir {
             // A directory's bytes: its entries (name and inode), sorted.
             let mut entries = Vec::new();
-            for entry in fs.readdir(ino, 0, usize::MAX).expect("readdir") {
+            for entry in fs
+                .readdir(InodeNo::new(ino), 0, usize::MAX)
+                .expect("readdir")
+            {
                 if entry.name == b"." || entry.name == b".." {
                     continue;
                 }
@@ -105,7 +116,7 @@ pub fn tree(fs: &Filesystem, times: bool) -> BTreeMap<String, Seen> {
                 } else {
                     format!("{path}/{name}")
                 };
-                stack.push((child, entry.ino));
+                stack.push((child, entry.ino.get()));
             }
             entries.sort();
             for (name, ino) in entries {
