@@ -396,9 +396,19 @@ impl BirchFuse {
             }
             Err(done) => {
                 let fs = self.fs.clone();
+                let invalidator = self.invalidator.clone();
                 self.serve_waiting(move || match fs.fsync(ino_of(ino), datasync) {
                     Ok(()) => done(Ok(DeferredOutcome::Logged)),
-                    Err(e) => done(Err(e)),
+                    Err(e) => {
+                        if matches!(e, birch_core::Error::StickyIo(_)) {
+                            // The file lost data: before the caller hears it, the kernel
+                            // drops the pages that still hold the lost bytes (the hook asked
+                            // already; this waits for it), so a read after the failed fsync
+                            // reads what the filesystem holds.
+                            invalidator.write_back(ino.0, WRITE_BACK_WAIT);
+                        }
+                        done(Err(e))
+                    }
                 });
             }
         }

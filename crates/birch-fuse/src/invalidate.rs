@@ -77,6 +77,13 @@ impl Invalidator {
         wait.recv_timeout(limit).is_ok()
     }
 
+    /// Has the kernel drop the pages of `ino` (dirty ones written back first), without
+    /// waiting: for data the filesystem lost, whose bytes the kernel's cache still holds.
+    pub(crate) fn drop_pages(&self, ino: u64) {
+        let (done, _) = mpsc::channel();
+        let _ = self.queue.send((Inval::Pages(ino), done));
+    }
+
     /// Has the kernel drop its cached listing of `/.snapshot` and its entry `name` there
     /// (a snapshot made or deleted through the control xattr, which the kernel cannot see),
     /// without waiting: the entry's invalidation locks `/.snapshot`, which a request being

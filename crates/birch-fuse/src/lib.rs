@@ -206,13 +206,18 @@ impl BirchFuse {
         // Only workers wait for releases at ENOSPC; a request loop hands the request to one.
         fs.set_release_wait(Arc::new(waiters::on_worker));
         let notifier = Arc::new(OnceLock::new());
+        let invalidator = Invalidator::start(notifier.clone());
+        // The kernel's cache keeps the pages of data the filesystem lost (a failed write or
+        // flush): they go, so that reads serve what the filesystem holds (SEMANTICS §2).
+        let dropper = invalidator.clone();
+        fs.set_data_lost_hook(Arc::new(move |ino| dropper.drop_pages(ino.get())));
         let sync_writes = Arc::new(sync_writes::SyncWriteGate::for_options(&options));
         BirchFuse {
             fs,
             options,
             posix_acl: false,
             killpriv: false,
-            invalidator: Invalidator::start(notifier.clone()),
+            invalidator,
             notifier,
             writeback: false,
             write_opens: WriteOpens::new(),

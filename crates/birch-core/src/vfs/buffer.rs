@@ -509,6 +509,7 @@ impl Filesystem {
         // the reservation): the file's fsync must report the loss, every time.
         data.write_error = true;
         self.inner.lost_flushes.fetch_add(1, Ordering::SeqCst);
+        self.data_lost(ino);
         log::error!("inode {ino}: flushing {count} buffered blocks failed, data lost: {e}");
         if let Some(size) = size_before {
             // The lost writes grew the file: its size goes back, so no commit holds

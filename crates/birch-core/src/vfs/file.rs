@@ -465,6 +465,7 @@ impl Filesystem {
         written.inspect_err(|e| {
             if matches!(e, Error::Io { .. }) {
                 state.data.write().write_error = true;
+                self.data_lost(ino);
             }
         })
     }
@@ -695,6 +696,7 @@ impl Filesystem {
         let runs = self.data().write_new(ino, offset, buf).inspect_err(|e| {
             if matches!(e, Error::Io { .. }) {
                 data.write_error = true;
+                self.data_lost(ino);
             }
         })?;
         self.record_new_blocks(ino, data, offset, buf.len() as u64, runs, false)

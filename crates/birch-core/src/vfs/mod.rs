@@ -405,6 +405,9 @@ pub(crate) struct Inner {
     /// Whether the calling thread may wait for releases ([`Filesystem::set_release_wait`]);
     /// any thread may when unset.
     release_wait: RwLock<Option<ReleaseWaitGate>>,
+    /// Told the inode whose written data was lost (a failed write or flush of it): see
+    /// [`Filesystem::set_data_lost_hook`].
+    data_lost: RwLock<Option<DataLostHook>>,
     /// The snapshot namespace: `/.snapshot`, open files per snapshot (snapview.rs).
     pub(crate) snaps: snapview::SnapState,
 }
@@ -412,6 +415,9 @@ pub(crate) struct Inner {
 /// Says whether the calling thread may wait for another request of the embedder (a FUSE
 /// RELEASE or FORGET) to free space: see [`Filesystem::set_release_wait`].
 pub type ReleaseWaitGate = Arc<dyn Fn() -> bool + Send + Sync>;
+
+/// Told the inode whose written data was lost: see [`Filesystem::set_data_lost_hook`].
+pub type DataLostHook = Arc<dyn Fn(InodeNo) + Send + Sync>;
 
 /// How long an operation at ENOSPC waits for unlinked files the kernel still holds to be
 /// released and forgotten before it answers ENOSPC ([`Filesystem::wait_for_releases`]).
@@ -620,6 +626,7 @@ impl Filesystem {
             unlinked: Mutex::new(HashSet::new()),
             fruitless: Mutex::new(None),
             release_wait: RwLock::new(None),
+            data_lost: RwLock::new(None),
             snaps: snapview::SnapState::default(),
         });
         let fs = Filesystem { inner, view: false };
@@ -1250,6 +1257,22 @@ impl Filesystem {
     /// RELEASE the kernel queued behind it would wait for itself.
     pub fn set_release_wait(&self, gate: ReleaseWaitGate) {
         *self.inner.release_wait.write() = Some(gate);
+    }
+
+    /// Sets what is told, with the inode, when data written to a file is lost (a failed
+    /// device write of it, or of its buffered blocks at a flush; the file's fsync reports it
+    /// from then on). The FUSE adapter has the kernel drop that file's cached pages, which
+    /// still hold the lost bytes: reads must serve what the filesystem holds. Called with the
+    /// inode's lock held: it must not block or call back into the filesystem.
+    pub fn set_data_lost_hook(&self, hook: DataLostHook) {
+        *self.inner.data_lost.write() = Some(hook);
+    }
+
+    /// Tells the hook (if any) that `ino`'s written data was lost.
+    pub(crate) fn data_lost(&self, ino: u64) {
+        if let Some(hook) = self.inner.data_lost.read().as_ref() {
+            hook(InodeNo::new(ino));
+        }
     }
 
     /// Whether the calling thread may wait for releases (see [`Filesystem::set_release_wait`]).
