@@ -153,8 +153,12 @@ enum Command {
         #[arg(long, short = 'c', value_name = "N", requires = "watch")]
         count: Option<u64>,
         /// JSON for scripts: one object, or one per line with --watch.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "prometheus")]
         json: bool,
+        /// The Prometheus text format (node_exporter's textfile collector): counters as
+        /// birch_NAME_total, gauges as birch_NAME, latency percentiles; one reading.
+        #[arg(long, conflicts_with = "watch")]
+        prometheus: bool,
     },
     /// Check an image (read-only unless --repair or -p). Refuses an image a live mount
     /// holds. Each finding is printed with its kind and stable number, e.g.
@@ -459,7 +463,15 @@ fn main() -> ExitCode {
             watch,
             count,
             json,
-        } => stats::stats_main(&mountpoint, watch, count, json),
+            prometheus,
+        } => {
+            let format = match (json, prometheus) {
+                (_, true) => stats::Format::Prometheus,
+                (true, false) => stats::Format::Json,
+                (false, false) => stats::Format::Table,
+            };
+            stats::stats_main(&mountpoint, watch, count, format)
+        }
         Command::Shutdown {
             mountpoint,
             log,

@@ -263,6 +263,9 @@ pub(crate) struct Interval {
     pub(crate) latencies: BTreeMap<String, LatencyValues>,
 }
 
+/// Gauges of the fault state (0 or 1), beside [`GAUGES`]; they have no rate either.
+const FAULT_GAUGES: [&str; 1] = ["read_only_failure"];
+
 /// Gauges: values that are levels, not counts, so they have no rate.
 const GAUGES: [&str; 6] = [
     "dirty_bytes",
@@ -278,7 +281,9 @@ pub(crate) fn interval(start: &Sample, end: &Sample, secs: f64) -> Interval {
     let rates = end
         .values
         .iter()
-        .filter(|(name, _)| !GAUGES.contains(&name.as_str()))
+        .filter(|(name, _)| {
+            !GAUGES.contains(&name.as_str()) && !FAULT_GAUGES.contains(&name.as_str())
+        })
         .map(|(name, value)| {
             let before = start.values.get(name).copied().unwrap_or(0);
             (name.clone(), value.saturating_sub(before) as f64 / secs)
@@ -375,6 +380,53 @@ pub(crate) fn sample_json(mountpoint: &str, s: &Sample) -> Value {
     })
 }
 
+/// A label value in the Prometheus text format: `\`, `"` and newlines escaped.
+fn prometheus_label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// `birch stats --prometheus MNT`: the Prometheus text exposition format, as node_exporter's
+/// textfile collector reads it (write it to a `.prom` file there, e.g. from a timer): every
+/// counter as `birch_NAME_total` (type counter), every gauge as `birch_NAME` (type gauge), and
+/// the commit and fsync latency percentiles as `birch_commit_latency_seconds{quantile="…"}`
+/// (type gauge: the upper bound of the log2 bucket holding it, so within a factor of two),
+/// each with the label `mountpoint`.
+pub(crate) fn sample_prometheus(mountpoint: &str, s: &Sample) -> String {
+    let label = format!("mountpoint=\"{}\"", prometheus_label(mountpoint));
+    let mut out = String::new();
+    for (name, value) in &s.values {
+        let (metric, kind) =
+            if GAUGES.contains(&name.as_str()) || FAULT_GAUGES.contains(&name.as_str()) {
+                (format!("birch_{name}"), "gauge")
+            } else {
+                (format!("birch_{name}_total"), "counter")
+            };
+        let _ = writeln!(out, "# TYPE {metric} {kind}");
+        let _ = writeln!(out, "{metric}{{{label}}} {value}");
+    }
+    for (label_name, field) in HISTOGRAMS {
+        let values = s.histogram(field);
+        let metric = format!("birch_{label_name}_latency_seconds");
+        let _ = writeln!(out, "# TYPE {metric} gauge");
+        for p in PERCENTILES {
+            if let Some(bound) = values.percentile_micros(p) {
+                let _ = writeln!(
+                    out,
+                    "{metric}{{{label},quantile=\"{}\"}} {}",
+                    p / 100.0,
+                    bound as f64 / 1e6
+                );
+            }
+        }
+        let _ = writeln!(out, "# TYPE {metric}_count counter");
+        let _ = writeln!(out, "{metric}_count{{{label}}} {}", values.count());
+    }
+    out
+}
+
 /// `birch stats --json --watch`: one object per interval.
 pub(crate) fn interval_json(mountpoint: &str, i: &Interval) -> Value {
     let latencies: serde_json::Map<String, Value> = i
@@ -393,18 +445,34 @@ pub(crate) fn interval_json(mountpoint: &str, i: &Interval) -> Value {
     })
 }
 
-/// `birch stats MNT [--watch [SECS]] [--count N] [--json]`.
+/// How `birch stats` prints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// The table (or rows with `--watch`).
+    Table,
+    /// JSON.
+    Json,
+    /// The Prometheus text format (one reading; not with `--watch`).
+    Prometheus,
+}
+
+/// `birch stats MNT [--watch [SECS]] [--count N] [--json | --prometheus]`.
 pub fn stats_main(
     mountpoint: &Path,
     watch: Option<f64>,
     count: Option<u64>,
-    json: bool,
+    format: Format,
 ) -> ExitCode {
+    let json = format == Format::Json;
     let shown = mountpoint.display().to_string();
     let first = match read(mountpoint) {
         Ok(s) => s,
         Err(e) => return fail(e),
     };
+    if format == Format::Prometheus {
+        print!("{}", sample_prometheus(&shown, &first));
+        return ExitCode::SUCCESS;
+    }
     let Some(secs) = watch else {
         if json {
             println!("{}", sample_json(&shown, &first));
@@ -470,6 +538,44 @@ mod tests {
         match Sample::parse(text) {
             Ok(s) => s,
             Err(e) => panic!("{e}: {text}"),
+        }
+    }
+
+    #[test]
+    fn prometheus_output_types_counters_and_gauges_and_escapes_the_label() {
+        let text = sample(3, 10, 0, &[(4, 9), (9, 1)]).replace(
+            "\"fuse_dev_requests\": 5",
+            "\"fuse_dev_requests\": 5, \"device_write_errors\": 2, \"read_only_failure\": 1",
+        );
+        let out = sample_prometheus("/mnt/a\"b", &parsed(&text));
+        let label = "{mountpoint=\"/mnt/a\\\"b\"}";
+        for line in [
+            "# TYPE birch_commits_total counter".to_string(),
+            format!("birch_commits_total{label} 3"),
+            "# TYPE birch_device_write_errors_total counter".to_string(),
+            format!("birch_device_write_errors_total{label} 2"),
+            "# TYPE birch_read_only_failure gauge".to_string(),
+            format!("birch_read_only_failure{label} 1"),
+            "# TYPE birch_free_bytes gauge".to_string(),
+            format!("birch_free_bytes{label} 536870912"),
+            format!("birch_fsync_latency_seconds_count{label} 10"),
+        ] {
+            assert!(
+                out.lines().any(|l| l == line),
+                "{line:?} missing from:\n{out}"
+            );
+        }
+        // p50 of 9 calls in bucket 4 (16..31 µs) and 1 in bucket 9: that bucket's top, 31 µs.
+        assert!(
+            out.contains(
+                "birch_fsync_latency_seconds{mountpoint=\"/mnt/a\\\"b\",quantile=\"0.5\"} 0.000031"
+            ),
+            "{out}"
+        );
+        // Every sample line is NAME{LABELS} VALUE with a numeric value.
+        for l in out.lines().filter(|l| !l.starts_with('#')) {
+            let value = l.rsplit(' ').next().unwrap_or_default();
+            assert!(value.parse::<f64>().is_ok(), "{l}");
         }
     }
 

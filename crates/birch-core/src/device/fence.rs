@@ -2,14 +2,15 @@
 //! every I/O with `EIO` after.
 //!
 //! Owns: the shut-down flag of one open filesystem and the wait for I/O in flight when it is
-//! set. Must not touch: what is written; it decides nothing but "before" or "after".
+//! set, and the count of the errors the device returned ([`DeviceErrors`], for `birch stats`).
+//! Must not touch: what is written; it decides nothing but "before" or "after".
 //!
 //! The engine reaches its device only through its fence, so once [`Fence::shut_down`] returns
 //! nothing more reaches the image: each write or flush either completed before (as before a
 //! power cut) or fails. Reads fail too: a shut-down filesystem answers nothing.
 
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,6 +24,19 @@ pub struct Fence {
     /// counter, not a lock: nothing is held across the device's I/O or flush.
     in_flight: AtomicUsize,
     down: AtomicBool,
+    errors: DeviceErrors,
+}
+
+/// Errors the device returned since the open, by request kind (not the fence's own refusals
+/// after a shutdown).
+#[derive(Debug, Default)]
+pub struct DeviceErrors {
+    /// Failed reads (a batch counts once).
+    pub reads: AtomicU64,
+    /// Failed writes (a batch counts once).
+    pub writes: AtomicU64,
+    /// Failed flushes.
+    pub flushes: AtomicU64,
 }
 
 impl Fence {
@@ -32,7 +46,13 @@ impl Fence {
             base,
             in_flight: AtomicUsize::new(0),
             down: AtomicBool::new(false),
+            errors: DeviceErrors::default(),
         }
+    }
+
+    /// The errors the device returned since the open.
+    pub fn errors(&self) -> &DeviceErrors {
+        &self.errors
     }
 
     /// The device behind the fence.
@@ -58,12 +78,20 @@ impl Fence {
         self.down.load(Ordering::SeqCst)
     }
 
-    fn pass<T>(&self, io: impl FnOnce(&dyn BlockDevice) -> io::Result<T>) -> io::Result<T> {
+    fn pass<T>(
+        &self,
+        errors: Option<&AtomicU64>,
+        io: impl FnOnce(&dyn BlockDevice) -> io::Result<T>,
+    ) -> io::Result<T> {
         self.in_flight.fetch_add(1, Ordering::SeqCst);
         let result = if self.down.load(Ordering::SeqCst) {
             Err(io::Error::other("the filesystem is shut down"))
         } else {
-            io(&*self.base)
+            let result = io(&*self.base);
+            if let (Err(_), Some(count)) = (&result, errors) {
+                count.fetch_add(1, Ordering::Relaxed);
+            }
+            result
         };
         self.in_flight.fetch_sub(1, Ordering::SeqCst);
         result
@@ -72,23 +100,23 @@ impl Fence {
 
 impl BlockDevice for Fence {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.pass(|d| d.read_at(buf, offset))
+        self.pass(Some(&self.errors.reads), |d| d.read_at(buf, offset))
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        self.pass(|d| d.write_at(buf, offset))
+        self.pass(Some(&self.errors.writes), |d| d.write_at(buf, offset))
     }
 
     fn write_many(&self, writes: &[(u64, &[u8])]) -> io::Result<()> {
         // One pass for the batch: the shutdown waits for all of it, and nothing of a batch
         // begun after the shutdown reaches the device.
-        self.pass(|d| d.write_many(writes))
+        self.pass(Some(&self.errors.writes), |d| d.write_many(writes))
     }
 
     fn read_many(&self, reads: &mut [(u64, &mut [u8])]) -> io::Result<()> {
         // One pass for the batch, as for writes: the device gets it whole (RBD: in flight
         // together).
-        self.pass(|d| d.read_many(reads))
+        self.pass(Some(&self.errors.reads), |d| d.read_many(reads))
     }
 
     fn can_trim(&self) -> bool {
@@ -96,15 +124,15 @@ impl BlockDevice for Fence {
     }
 
     fn trim(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
-        self.pass(|d| d.trim(ranges))
+        self.pass(None, |d| d.trim(ranges))
     }
 
     fn discard(&self, ranges: &[(u64, u64)]) -> io::Result<()> {
-        self.pass(|d| d.discard(ranges))
+        self.pass(None, |d| d.discard(ranges))
     }
 
     fn flush(&self) -> io::Result<()> {
-        self.pass(|d| d.flush())
+        self.pass(Some(&self.errors.flushes), |d| d.flush())
     }
 
     fn size_bytes(&self) -> u64 {
@@ -128,6 +156,26 @@ impl BlockDevice for Fence {
 mod tests {
     use super::*;
     use crate::device::MemDevice;
+
+    #[test]
+    fn device_errors_are_counted_and_the_fences_own_refusals_are_not() {
+        let mem = Arc::new(MemDevice::new(1 << 20));
+        let fence = Fence::new(mem.clone());
+        let block = vec![7u8; 4096];
+        fence.write_at(&block, 0).expect("write");
+        mem.fail_writes(true);
+        assert!(fence.write_at(&block, 0).is_err());
+        assert!(fence.write_many(&[(4096, &block[..])]).is_err());
+        assert!(fence.flush().is_err());
+        mem.fail_writes(false);
+        fence.shut_down();
+        assert!(fence.write_at(&block, 0).is_err());
+        assert!(fence.flush().is_err());
+        let errors = fence.errors();
+        assert_eq!(errors.writes.load(Ordering::Relaxed), 2);
+        assert_eq!(errors.flushes.load(Ordering::Relaxed), 1);
+        assert_eq!(errors.reads.load(Ordering::Relaxed), 0);
+    }
 
     #[test]
     fn io_passes_until_shut_down_and_fails_after() {

@@ -21,7 +21,7 @@ mod rbd;
 mod rbd_ffi;
 mod rbd_spec;
 
-pub use fence::Fence;
+pub use fence::{DeviceErrors, Fence};
 pub use file::{FileDevice, OpenMode};
 pub use mem::{MemDevice, Recorded};
 pub use overlay::OverlayDevice;

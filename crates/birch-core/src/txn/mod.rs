@@ -264,6 +264,11 @@ impl Engine {
         &self.device
     }
 
+    /// The errors the device returned since the open (reads, writes, flushes).
+    pub fn device_errors(&self) -> &crate::device::DeviceErrors {
+        self.fence.errors()
+    }
+
     /// Discards the space free now in device bytes `[start, start + len)`, in free runs of
     /// at least `minlen` bytes (`fstrim`, the `FITRIM` ioctl; DESIGN §14.4): the space free at
     /// mount, and any freed since, is otherwise never discarded. Runs are taken out of the

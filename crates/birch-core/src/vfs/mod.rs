@@ -757,6 +757,10 @@ impl Filesystem {
 
     /// Every counter of the engine and the device, as one JSON object (the live-mount stats
     /// interface: `getfattr -n trusted.birch.stats MNT`, which `birch stats` reads), then the
+    /// fault counters (`device_read_errors`, `device_write_errors`, `device_flush_errors`:
+    /// requests the device failed since the mount; `lost_data_flushes`: buffered flushes
+    /// whose data was lost, their files' fsyncs failing) and the gauge `read_only_failure` (1
+    /// when a failed commit or log write made the filesystem read-only); the
     /// gauges: `dirty_bytes` (buffered, not yet written), `log_used_bytes` of
     /// `log_size_bytes`, `free_bytes` (what statfs calls available) of `size_bytes`,
     /// `shared_bytes` (blocks that more than one extent names, by clones, each once), and the
@@ -803,6 +807,25 @@ impl Filesystem {
             ),
         ];
         parts.extend(gauges.iter().map(|(n, v)| format!("\"{n}\": {v}")));
+        // Faults: what the device failed since the mount, the buffered flushes whose data was
+        // lost, and whether a failure turned the filesystem read-only (a gauge, 0 or 1).
+        let errors = engine.device_errors();
+        let failed = engine.read_only_cause().is_some_and(|c| !c.is_chosen());
+        for (name, value) in [
+            ("device_read_errors", errors.reads.load(Ordering::Relaxed)),
+            ("device_write_errors", errors.writes.load(Ordering::Relaxed)),
+            (
+                "device_flush_errors",
+                errors.flushes.load(Ordering::Relaxed),
+            ),
+            (
+                "lost_data_flushes",
+                self.inner.lost_flushes.load(Ordering::Relaxed),
+            ),
+            ("read_only_failure", u64::from(failed)),
+        ] {
+            parts.push(format!("\"{name}\": {value}"));
+        }
         for (name, histogram) in [
             ("commit_latency_us_log2", engine.commit_latency()),
             ("fsync_latency_us_log2", engine.fsync_latency()),
