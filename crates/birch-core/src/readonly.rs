@@ -42,9 +42,9 @@ pub enum ReadOnlyCause {
         /// The log's error, as text.
         error: String,
     },
-    /// The device failed outside a commit and the log. No path of the engine sets it today
-    /// (data write errors stick to their inode instead, SEMANTICS §2); it is here so that a
-    /// future one cannot be mistaken for a chosen state. Only a fresh open clears it.
+    /// The device failed outside a commit and the log: a file's written data was lost and
+    /// the mount says `errors=remount-ro` (by default such an error sticks to its file only,
+    /// SEMANTICS §2). Only a fresh open clears it.
     DeviceError {
         /// The device's error, as text.
         error: String,

@@ -32,6 +32,7 @@ pub(crate) const MOUNT_OPTIONS: &[(&str, &str)] = &[
     ("ttl=SECS", "How long the kernel caches attributes, entries and negative entries (default 60). attr_timeout= and entry_timeout= are accepted as aliases."),
     ("fsync=log", "fsync makes a file durable through the log: one device flush, no commit (the default)."),
     ("fsync=commit", "Every fsync commits the whole filesystem."),
+    ("errors=continue", "What a device error that loses written data does: continue (the default) fails that file's fsyncs for ever and lets every other file go on; errors=remount-ro turns the whole filesystem read-only; errors=panic stops the daemon (the mount then answers ENOTCONN; what was durable stays, as after a power cut). A failed commit or log write always turns the filesystem read-only, or with errors=panic stops the daemon."),
     ("writeback=on", "The kernel's writeback cache: writes are gathered in the page cache (default on; writeback=off sends each write to the daemon)."),
     ("keep_cache=on", "Keep a file's pages in the page cache across opens (default on)."),
     ("buffer=on", "The daemon buffers writes that are neither direct nor synchronous until the next commit or fsync (default on)."),
@@ -71,6 +72,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         atime: None,
         nodiratime: None,
         fsync: FsyncMode::Log,
+        errors: Default::default(),
         writeback: true,
         keep_cache: true,
         buffer: true,
@@ -118,6 +120,13 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
                 Some("commit") => c.fsync = FsyncMode::Commit,
                 _ => return Err(format!("option {opt}: expected fsync=log or fsync=commit")),
             },
+            "errors" => {
+                c.errors = value
+                    .and_then(birch_core::vfs::ErrorPolicy::parse)
+                    .ok_or_else(|| {
+                        format!("option {opt}: expected errors=continue, remount-ro or panic")
+                    })?
+            }
             "writeback" => c.writeback = on_off(opt, value)?,
             "buffer" => c.buffer = on_off(opt, value)?,
             "uring" => c.uring = Some(value.is_none() || on_off(opt, value)?),
@@ -798,6 +807,30 @@ mod tests {
     /// Without the `seed-before` feature (the shipped binary) the seeds' "before" switches
     /// are unknown options, refused like any other, and the man page does not list them.
     #[cfg(not(feature = "seed-before"))]
+    #[test]
+    fn errors_takes_three_policies_and_refuses_others() {
+        use birch_core::vfs::ErrorPolicy;
+        for (text, want) in [
+            ("errors=continue", ErrorPolicy::Continue),
+            ("errors=remount-ro", ErrorPolicy::RemountRo),
+            ("errors=panic", ErrorPolicy::Panic),
+        ] {
+            let c = parse_options(&[text.to_string()]).expect(text);
+            assert_eq!(c.errors, want, "{text}");
+        }
+        assert_eq!(
+            parse_options(&[]).expect("defaults").errors,
+            ErrorPolicy::Continue
+        );
+        for bad in ["errors", "errors=", "errors=ignore"] {
+            let e = parse_options(&[bad.to_string()]).err().unwrap_or_default();
+            assert!(
+                e.contains("errors=continue, remount-ro or panic"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
     #[test]
     fn benchmark_switches_are_unknown_options_without_the_feature() {
         for switch in [

@@ -124,6 +124,8 @@ struct ReadOnlyState {
     /// Whether `cause` holds one, or the engine is shut down: every mutation asks, so the
     /// common answer (no) costs one load instead of a lock on a line every core writes.
     flagged: AtomicBool,
+    /// `errors=panic`: a failure aborts the process instead of turning read-only.
+    abort_on_failure: AtomicBool,
 }
 
 impl ReadOnlyState {
@@ -131,6 +133,7 @@ impl ReadOnlyState {
         ReadOnlyState {
             cause: RwLock::new(None),
             flagged: AtomicBool::new(false),
+            abort_on_failure: AtomicBool::new(false),
         }
     }
 
@@ -156,6 +159,10 @@ impl ReadOnlyState {
             None => true,
             Some(current) => cause.replaces(current),
         };
+        if replace && !cause.is_chosen() && self.abort_on_failure.load(Ordering::SeqCst) {
+            log::error!("birchfs stops the process (errors=panic): {cause}");
+            std::process::abort();
+        }
         if replace {
             log::log!(cause.log_level(), "birchfs is now read-only: {cause}");
             *ro = Some(cause);
@@ -414,6 +421,16 @@ impl Engine {
     /// [`Engine::is_shut_down`] tells it, and [`Engine::read_only_cause`] includes it).
     pub fn read_only_reason(&self) -> Option<String> {
         self.read_only.cause().map(|cause| cause.to_string())
+    }
+
+    /// `errors=panic`: from now on a failure (a failed commit or log write, a device error
+    /// the policy turns into one) aborts the process, as ext4's `errors=panic` panics the
+    /// kernel, instead of turning the engine read-only. What was durable stays so; what was
+    /// not acknowledged is lost, as at a power cut.
+    pub fn abort_on_failure(&self, abort: bool) {
+        self.read_only
+            .abort_on_failure
+            .store(abort, Ordering::SeqCst);
     }
 
     /// Turns the engine read-only (a failed commit or log write; or a read-only mount). A

@@ -65,6 +65,8 @@ pub struct OpenOptions {
     /// is kept in memory and written at the next commit, fsync of its file or dirty limit.
     /// Off: every write goes to the device before it returns.
     pub buffered: bool,
+    /// What a device error does (`errors=`): see [`ErrorPolicy`].
+    pub errors: ErrorPolicy,
     /// Benchmark only, off by default (seed 002's "before"; only with the `seed-before`
     /// feature): one mutex on the object id counter for every create, no batch of ids per
     /// thread ([`Engine::set_bench_global_objectid_lock`]).
@@ -85,10 +87,42 @@ impl Default for OpenOptions {
             wait_for_lock: false,
             fsync: FsyncMode::Log,
             buffered: true,
+            errors: ErrorPolicy::Continue,
             #[cfg(feature = "seed-before")]
             bench_global_objectid_lock: false,
             #[cfg(feature = "seed-before")]
             bench_apply_per_item: false,
+        }
+    }
+}
+
+/// What a device error does (the `errors=` mount option, after ext4's). A failed commit or
+/// log write always turns the filesystem read-only (or, with `Panic`, stops the process):
+/// the in-memory state is then ahead of the disk. The policy decides what a lost data write
+/// does beyond failing its file's fsyncs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ErrorPolicy {
+    /// `errors=continue` (the default): the file that lost data fails its fsyncs for ever;
+    /// every other file goes on.
+    #[default]
+    Continue,
+    /// `errors=remount-ro`: the first lost data write turns the whole filesystem read-only
+    /// (`ReadOnlyCause::DeviceError`), as ext4 does at an error.
+    RemountRo,
+    /// `errors=panic`: the first lost data write, failed commit or failed log write aborts
+    /// the process (a FUSE mount then answers ENOTCONN until unmounted); what was durable
+    /// stays, as after a power cut.
+    Panic,
+}
+
+impl ErrorPolicy {
+    /// Parses `continue`, `remount-ro` or `panic`.
+    pub fn parse(text: &str) -> Option<ErrorPolicy> {
+        match text {
+            "continue" => Some(ErrorPolicy::Continue),
+            "remount-ro" => Some(ErrorPolicy::RemountRo),
+            "panic" => Some(ErrorPolicy::Panic),
+            _ => None,
         }
     }
 }
@@ -371,6 +405,8 @@ pub(crate) struct Inner {
     next_fh: AtomicU64,
     closed: AtomicBool,
     pub(crate) fsync_mode: FsyncMode,
+    /// `errors=`: what a lost data write does beyond its file.
+    errors: ErrorPolicy,
     /// Keys some fsync logged that a later fsync of another inode must know of, with an
     /// inode and the generation they were logged in: dir items (the inode the entry names: a
     /// later fsync under the same key would make replay drop that entry while the inode keeps
@@ -596,6 +632,7 @@ impl Filesystem {
         if options.read_only {
             engine.set_read_only(ReadOnlyCause::Mounted);
         }
+        engine.abort_on_failure(options.errors == ErrorPolicy::Panic);
         #[cfg(feature = "seed-before")]
         {
             engine.set_bench_global_objectid_lock(options.bench_global_objectid_lock);
@@ -617,6 +654,7 @@ impl Filesystem {
             next_fh: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             fsync_mode: options.fsync,
+            errors: options.errors,
             logged_names: Mutex::new(HashMap::new()),
             buffers: buffer::Buffers::new(options.buffered, device_bytes),
             atime: AtomicU8::new(AtimeMode::Relatime as u8),
@@ -1295,6 +1333,15 @@ impl Filesystem {
     pub(crate) fn data_lost(&self, ino: u64) {
         if let Some(hook) = self.inner.data_lost.read().as_ref() {
             hook(InodeNo::new(ino));
+        }
+        match self.inner.errors {
+            ErrorPolicy::Continue => {}
+            ErrorPolicy::RemountRo | ErrorPolicy::Panic => {
+                // With `Panic` the engine aborts here (`Engine::abort_on_failure`).
+                self.inner.engine.set_read_only(ReadOnlyCause::DeviceError {
+                    error: format!("written data of inode {ino} was lost"),
+                });
+            }
         }
     }
 

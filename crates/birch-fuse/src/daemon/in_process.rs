@@ -54,6 +54,7 @@ impl InProcessMount {
             atime: None,
             nodiratime: None,
             fsync: FsyncMode::Log,
+            errors: Default::default(),
             writeback,
             keep_cache: caches,
             buffer: true,

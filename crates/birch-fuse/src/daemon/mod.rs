@@ -46,6 +46,8 @@ pub struct MountConfig {
     pub nodiratime: Option<bool>,
     /// `fsync=log|commit`.
     pub fsync: FsyncMode,
+    /// `errors=continue|remount-ro|panic`: what a device error does.
+    pub errors: birch_core::vfs::ErrorPolicy,
     /// `writeback=on|off`: the kernel's writeback cache.
     pub writeback: bool,
     /// `keep_cache=on|off`: pages kept across opens.

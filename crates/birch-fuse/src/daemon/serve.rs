@@ -34,6 +34,7 @@ pub fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> Result<()
         wait_for_lock: true,
         fsync: config.fsync,
         buffered: config.buffer,
+        errors: config.errors,
         #[cfg(feature = "seed-before")]
         bench_global_objectid_lock: config.bench_global_objectid_lock,
         #[cfg(feature = "seed-before")]
