@@ -120,7 +120,8 @@ fn a_drain_of_many_small_files_writes_them_in_a_few_batches() {
 }
 
 /// A device write that fails inside a drain batch: only the files whose blocks it carried are
-/// lost (their fsync reports EIO every time, their size goes back to before the lost write);
+/// lost (their fsync reports EIO every time, their size goes back to before the lost write;
+/// the sync reports the loss, once);
 /// every other file of the batch commits whole; the lost files' space comes back (the free
 /// count equals what a fresh mount computes from the tree) and fsck finds nothing.
 #[test]
@@ -144,8 +145,14 @@ fn a_failed_write_in_a_batch_loses_only_its_files() {
     }
     dev.poison.store(true, Ordering::SeqCst);
     let before = fs.engine().counters().values();
-    fs.sync()
-        .expect("the commit goes on without the lost files");
+    // The commit goes on without the lost files, and says that data was lost (once, as
+    // syncfs reports a writeback error).
+    let synced = fs.sync();
+    assert!(
+        matches!(synced, Err(birch_core::Error::StickyIo(_))),
+        "the sync reports the lost files: {synced:?}"
+    );
+    fs.sync().expect("a loss is reported once");
     let counted = fs.engine().counters().values().since(&before);
     assert!(counted.drain_batches >= 1, "{counted}");
     assert!(

@@ -391,8 +391,8 @@ pub(crate) struct Inner {
     /// shared extent commits (the per-inode mark goes with an evicted inode's state).
     pub(crate) last_clone: AtomicU64,
     /// Buffered flushes whose data was lost (a failed write or allocation: the file's fsync
-    /// reports it), ever, and as many as `sync` or `close` last reported: a sync reports the
-    /// losses since the one before, as syncfs(2) reports writeback errors.
+    /// reports it), ever, and as many as `sync` last reported: a sync reports the losses
+    /// since the one before, as syncfs(2) reports writeback errors.
     pub(crate) lost_flushes: AtomicU64,
     lost_reported: AtomicU64,
     /// The background committer, while one runs, and its interval.
@@ -749,7 +749,7 @@ impl Filesystem {
     }
 
     /// Commits everything now (`birch sync`). Fails with `StickyIo` when the buffered data
-    /// of some file was lost since the last `sync` or `close` (at this commit or before it:
+    /// of some file was lost since the last `sync` (at this commit or before it:
     /// that file's fsync reports EIO every time), as syncfs(2) reports a writeback error once
     /// to each caller after it: a successful sync means every file written before it is
     /// durable. The commit itself is made either way.
@@ -1057,8 +1057,9 @@ impl Filesystem {
             // The kernel sends no forgets at unmount: orphans of open-then-unlinked files go now.
             self.reclaim_orphans()?;
         }
-        self.commit_now()?;
-        self.report_lost_data("close")
+        // The final commit does not report data lost since the last sync: the files that
+        // lost it have failed their fsyncs, and an unmount has no caller to tell.
+        self.commit_now().map(|_| ())
     }
 
     /// Wakes the committer if the delta has grown large. Counting the delta reads a line of
