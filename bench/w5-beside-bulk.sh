@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # W5's append + fsync latency on a fresh birch mount, alone and then beside a bulk writer (dd of
 # 2.5 GB to another file of the same mount): the check that the daemon's dirty limit keeps
-# fsync latency bounded (docs/BENCHMARKS.md, issue 18 session 6). Needs root.
+# fsync latency bounded (docs/BENCHMARKS-HISTORY.md, issue 18 session 6). Needs root.
 #   bench/w5-beside-bulk.sh [BIRCH] [MOUNT_OPTS]      e.g. bench/w5-beside-bulk.sh target/release/birch buffer=off
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Counts the FUSE requests of each W6 step (unpack, walk twice, read all, rm -rf) for birchfs
-# and memfs_ll, by opcode, from their debug logs. docs/BENCHMARKS.md "Issue 18, session 8".
+# and memfs_ll, by opcode, from their debug logs. docs/BENCHMARKS-HISTORY.md "Issue 18, session 8".
 # Usage: sudo bench/tools/reqcount.sh [BIRCH]; needs the W6 tree and memfs_ll the harness builds.
 # requests per step for birch (RUST_LOG=fuser=debug) and memfs_ll (-d): unpack, sync, warm walk, read all, rm -rf
 T=/var/tmp/birchbench/w6/tree-10000-s6-v1.tar
