@@ -62,7 +62,8 @@ for gz in "$HERE"/*.img.gz; do
         bad "$name" "dir/sub/random.bin content"
       [[ $(stat -c %Y "$MNT/dir/hello.txt") == 1577934245 ]] || bad "$name" "dir/hello.txt mtime"
       [[ $(getfattr --only-values -n user.note "$MNT/dir/hello.txt" 2>/dev/null) == "small value" ]] || bad "$name" "xattr user.note"
-      getfacl -pn "$MNT/dir/hello.txt" 2>/dev/null | grep -q '^user:1000:r--' || bad "$name" "ACL user:1000:r--"
+      getfacl -pn "$MNT/dir/hello.txt" 2>/dev/null >"$WORK/acl"
+      grep -q '^user:1000:r--' "$WORK/acl" || bad "$name" "ACL user:1000:r--"
       [[ $(readlink "$MNT/link") == dir/hello.txt ]] || bad "$name" "symlink target"
       [[ $(stat -c %s "$MNT/sparse") == 10000001 && $(stat -c %b "$MNT/sparse") -lt 100 ]] || bad "$name" "sparse file"
       ;;
@@ -73,7 +74,10 @@ for gz in "$HERE"/*.img.gz; do
   setfattr -n user.big -v "$(cat "$WORK/big")" "$MNT/dir/hello.txt" || bad "$name" "a 20,000-byte xattr value"
   "$BIRCH" umount "$MNT" || bad "$name" "umount"
   fsck_clean "$img" "after this build wrote" || continue
-  "$BIRCH" inspect "$img" super | grep -q "incompat 0x1 " || bad "$name" "incompat flag 0x1 not set after the big xattr"
+  # Read whole before matching: under pipefail, `grep -q` leaving early would fail the
+  # pipeline with inspect's SIGPIPE (seen once in CI under load).
+  "$BIRCH" inspect "$img" super >"$WORK/super" 2>&1 || bad "$name" "inspect super failed"
+  grep -q "incompat 0x1 " "$WORK/super" || bad "$name" "incompat flag 0x1 not set after the big xattr: $(grep incompat "$WORK/super")"
   "$BIRCH" mount "$img" "$MNT" || { bad "$name" "second mount failed"; continue; }
   [[ $(cat "$MNT/new") == "written by this build" ]] || bad "$name" "new file after remount"
   [[ $(getfattr --only-values -n user.big "$MNT/dir/hello.txt" 2>/dev/null | wc -c) == 20000 ]] || bad "$name" "big xattr after remount"

@@ -21,12 +21,12 @@
 //!    committed before the clock starts; with `--overwrite-snapshot` a snapshot of it is taken
 //!    then, so the overwrites pay what sharing costs the COW path). The MemDevice's pages are mapped before the clock,
 //!    and it writes in place (`MemDevice::for_benchmarks`).
-//! 4. **Open walk with snapshots** (`--only open`, never in the default run; DESIGN §15.5): an
+//! 4. **Open walk with snapshots** (`--only open`, never in the default run; docs/DECISIONS.md, "Measurements behind the reference-tracking decision"): an
 //!    image of `--open-files` files of one 4 KiB block (1,000,000 by default); `Engine::open`
 //!    and the union walk (`txn::union_walk`) of the newest tree, then of the newest tree and
 //!    `--open-snapshots` kept older roots (each kept before 1% of the files are overwritten at
 //!    random), against the trees walked one by one; the COW-path costs of the candidates of
-//!    DESIGN §15.3 (an extra item per freed extent in a random leaf and appended; look-ups in
+//!    docs/DECISIONS.md, "Reference tracking for snapshots and clones" (an extra item per freed extent in a random leaf and appended; look-ups in
 //!    an in-memory reference-count map).
 //! 5. **Diff of two snapshots** (`--only diff`, never in the default run; DESIGN §15.8): an
 //!    image of `--diff-files` files of 100 bytes (1,000 to a directory), snapshot `before`,
@@ -983,7 +983,7 @@ fn bench_diff(target: &Target, args: &Args, rows: &mut Vec<Row>) -> Res<()> {
     Ok(())
 }
 
-// 4. Open walk with retained older roots (DESIGN §15.5)
+// 4. Open walk with retained older roots (docs/DECISIONS.md, "Measurements behind the reference-tracking decision")
 
 /// Times `f` `OPEN_REPEATS` times and returns the median seconds and the last result.
 fn timed<T>(mut f: impl FnMut() -> Res<T>) -> Res<(f64, T)> {
@@ -1264,7 +1264,7 @@ fn extra_items_row(engine: &Engine, keys: &[Key], name: &str) -> Res<Row> {
     })
 }
 
-/// The COW-path cost of an in-memory reference-count map (DESIGN §15.3): a look-up per freed
+/// The COW-path cost of an in-memory reference-count map (docs/DECISIONS.md, "Reference tracking for snapshots and clones"): a look-up per freed
 /// extent in a `HashMap<u64, u32>` of 1,000 and of 1,000,000 counted blocks, for absent keys
 /// (the common case: the block is not shared) and for present ones (a decrement).
 fn bench_refcount_map(rows: &mut Vec<Row>) {

@@ -1,4 +1,4 @@
-//! Faults of the device under a running filesystem (issue 41), through the fault-injecting
+//! Faults of the device under a running filesystem, through the fault-injecting
 //! device of the test kit ([`FaultDevice`]): EIO on writes, flushes and reads, a full device,
 //! slow requests. Each case runs a seeded workload of several files (stamped block writes,
 //! fsyncs, commits, reads) with one kind of fault armed, checks as it goes what the

@@ -20,7 +20,7 @@
 //!   many commits) while other threads create, rewrite and delete files and commit all the
 //!   time reports no damage: a block freed between chunks is never read as bad.
 //!
-//! With snapshots (issue 41), on an image with snapshots `s1`..`s3` whose files are stamped
+//! With snapshots, on an image with snapshots `s1`..`s3` whose files are stamped
 //! with offset, version and a pseudo-random word, scrubbed offline and online:
 //!
 //! - a clean image scrubs clean, walking every snapshot, reading each distinct node and data
@@ -515,7 +515,7 @@ fn the_online_job_starts_refuses_a_second_start_cancels_and_reports() {
     fs.close().expect("close");
 }
 
-// ---- Snapshots (issue 41): blocks only snapshots hold, shared blocks, resume. ----
+// ---- Snapshots: blocks only snapshots hold, shared blocks, resume. ----
 
 /// A file's bytes, every 16 bytes stamped with their offset, the file's version and a
 /// pseudo-random word of `seed`: a block read from the wrong place or version is seen.

@@ -1,6 +1,6 @@
 //! A fault-injecting device: wraps any [`BlockDevice`] and makes chosen requests fail, lie,
 //! land elsewhere, stall or hang, as a dying disk, a lying write cache or a thin-provisioned
-//! pool does (issue 41; xfstests' dm-error, dm-flakey and dm-dust, ZFS's ztest).
+//! pool does (after xfstests' dm-error, dm-flakey and dm-dust, ZFS's ztest).
 //!
 //! Owns: the rules ([`Rule`]: which requests, from when, how often, with what effect), the
 //! decision per request, and the count of what it injected ([`FaultStats`]). Rules can be

@@ -1,4 +1,4 @@
-//! Device faults through a real FUSE mount with the kernel's writeback cache (issue 41): a
+//! Device faults through a real FUSE mount with the kernel's writeback cache: a
 //! birchfs over the test kit's fault-injecting device is mounted in this process, writers make
 //! real system calls on it, and the device fails every write of one file's data (its blocks
 //! carry a stamp the fault rule recognises, wherever the allocator puts them). Checked: that

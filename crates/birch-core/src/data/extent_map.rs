@@ -311,7 +311,7 @@ impl DataLayer<'_> {
         keep: bool,
     ) -> Result<(BlockDelta, Option<Vec<ItemChange>>)> {
         // One look-up from the byte before `offset` serves both the extents the new runs
-        // replace and the one the first run may join (seed 004: one search per replace).
+        // replace and the one the first run may join (seed 003: one search per replace).
         let mut found = self.extents(ino, offset.saturating_sub(1), offset + len)?;
         let prev = found.first().filter(|(start, _)| *start < offset).cloned();
         found.retain(|(start, extent)| start + extent.len_bytes() > offset);
