@@ -95,6 +95,9 @@ pub struct BackupRoot {
     pub fs_root: RootPtr,
 }
 
+/// Generations stay below this (2^63), so that adding to one never wraps.
+pub const GENERATION_LIMIT: u64 = 1 << 63;
+
 /// The decoded superblock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Superblock {
@@ -365,6 +368,17 @@ impl Superblock {
                 "a block multiple of at least 192 KiB",
             ));
         }
+        // Every commit adds one, and the engine's arithmetic on generations must not wrap: a
+        // re-sealed slot claiming generation u64::MAX opened and then panicked at its first
+        // commit ("a tree root from the future"; found by the image_open_walk fuzz target).
+        // No image commits 2^63 times.
+        if self.generation >= GENERATION_LIMIT {
+            return Err(FormatError::invalid(
+                format!("{what} generation"),
+                self.generation,
+                format!("< {GENERATION_LIMIT}"),
+            ));
+        }
         let root = self.fs_root;
         if root.addr % BLOCK_SIZE != 0
             || root.addr < RESERVED_HEAD_BYTES
@@ -573,6 +587,17 @@ impl fmt::Display for Superblock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A sealed slot whose generation leaves no room for the next commit is refused.
+    #[test]
+    fn a_generation_at_the_limit_is_refused() {
+        let mut sb = sample();
+        sb.generation = u64::MAX;
+        let err = Superblock::decode(&sb.encode(), "slot").expect_err("u64::MAX");
+        assert!(err.to_string().contains("generation"), "{err}");
+        sb.generation = GENERATION_LIMIT - 1;
+        assert!(Superblock::decode(&sb.encode(), "slot").is_ok());
+    }
 
     pub(crate) fn sample() -> Superblock {
         Superblock {
