@@ -50,13 +50,13 @@ core_tests() {
 tier "core tests, checked" core_tests
 # Structure-aware fuzzing, short (crates/birch-fuzz; docs/TESTING.md, "Fuzzing"): each of the
 # six targets (node, item, superblock and log-batch decoding, log replay, open + walk + fsck of
-# a whole image) runs 15 s from its corpus with a fresh seed (printed; a panic or a hang saves
+# a whole image) runs 10 s from its corpus with a fresh seed (printed; a panic or a hang saves
 # the input under crates/birch-fuzz/crashes/ and fails the tier). The corpus itself is replayed
 # by the "cargo test" tier. Built in the `checked` profile (overflow checks and debug
 # assertions are findings too), reusing the core tier's artifacts: about 2 minutes in all.
 fuzz_short() {
   cargo build --profile checked --locked -p birch-fuzz &&
-    ./target/checked/birch-fuzz run --seconds "${BIRCH_FUZZ_SECONDS:-15}"
+    ./target/checked/birch-fuzz run --seconds "${BIRCH_FUZZ_SECONDS:-10}"
 }
 tier "fuzz (short)" fuzz_short
 tier "bench unit tests" python3 -m unittest discover bench/tests
