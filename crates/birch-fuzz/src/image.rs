@@ -311,7 +311,8 @@ fn walk(fs: &Filesystem) -> usize {
 
 /// Opens the image (replaying its log), walks it, closes it, and runs fsck on what is left.
 /// With `BIRCH_FUZZ_DUMP=PATH` set, the damaged image is first written to PATH (to replay a
-/// finding with `birch fsck` or the printers).
+/// finding with `birch fsck` or the printers); with `BIRCH_FUZZ_VERBOSE` set, fsck's findings
+/// are printed.
 fn open_walk_check(image: Vec<u8>) -> String {
     if let Some(path) = std::env::var_os("BIRCH_FUZZ_DUMP") {
         if let Err(e) = std::fs::write(&path, &image) {
@@ -329,6 +330,11 @@ fn open_walk_check(image: Vec<u8>) -> String {
     };
     let checked = match check(&*dev, CheckOptions { data: true }) {
         Ok(report) => {
+            if std::env::var_os("BIRCH_FUZZ_VERBOSE").is_some() {
+                for f in &report.findings {
+                    eprintln!("finding: {f:?}");
+                }
+            }
             let mut kinds: Vec<String> = report
                 .findings
                 .iter()
