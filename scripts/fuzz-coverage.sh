@@ -17,7 +17,7 @@ filter=(corpus_and_fixed_crashes_replay_without_a_panic)
 [[ ${1:-} == --mutate ]] && filter=()
 out=${BIRCH_COVERAGE_OUT:-target/fuzz-coverage.txt}
 mkdir -p "$(dirname "$out")"
-cargo llvm-cov --release --locked -p birch-fuzz --test corpus --summary-only \
+cargo llvm-cov --release --locked -p birch-fuzz -p birch-format -p birch-core --test corpus --summary-only \
   -- --exact "${filter[@]}" >"$out.full" 2>"$out.log" || {
   cat "$out.log"; exit 1; }
 # The decoders (birch-format) and replay (birch-core's log reading and the replay at open).

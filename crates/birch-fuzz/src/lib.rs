@@ -20,6 +20,7 @@
 //! - `birch-fuzz replay TARGET FILE|-` runs one input, from a file or standard input: the
 //!   entry point for an external coverage-guided engine (docs/TESTING.md, "Fuzzing").
 
+pub mod coverage;
 pub mod format;
 pub mod image;
 pub mod runner;

@@ -106,9 +106,13 @@ fn run(args: &[String]) -> ExitCode {
                         saved += usize::from(save(&corpus_dir(t.name), "", input).is_some());
                     }
                 }
+                let guided = stats
+                    .coverage
+                    .map(|(hit, all)| format!(", edges {hit} of {all}"))
+                    .unwrap_or_default();
                 println!(
                     "{:<18} {:>8} inputs in {:>5.1} s ({:>7.0}/s), corpus {corpus}, {} outcome \
-                     classes, {} new inputs{}",
+                     classes{guided}, {} new inputs{}",
                     t.name,
                     stats.iterations,
                     stats.seconds,

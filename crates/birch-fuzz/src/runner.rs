@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+use crate::coverage::Coverage;
 use crate::Target;
 
 /// Longest input the mutator makes; the scripts use far fewer bytes.
@@ -105,6 +106,8 @@ pub struct Stats {
     pub kept: Vec<Vec<u8>>,
     /// Seconds taken.
     pub seconds: f64,
+    /// With an instrumented build: counters hit during the run, and counters in all.
+    pub coverage: Option<(usize, usize)>,
 }
 
 /// A watchdog for hangs: the running input and when it started; a thread checks every
@@ -248,6 +251,12 @@ pub fn fuzz(
     };
     let mut classes = HashSet::new();
     let mut stats = Stats::default();
+    // With an instrumented build, an input that reaches new coverage is kept too.
+    let mut coverage = Coverage::enabled().then(Coverage::new);
+    if let Some(c) = coverage.as_mut() {
+        // What ran before the first input (startup, an image built by an earlier target).
+        c.collect();
+    }
     // The pool itself first: its classes are known, not new.
     let mut queue: Vec<Vec<u8>> = pool.clone();
     queue.reverse();
@@ -263,9 +272,11 @@ pub fn fuzz(
         let outcome = run_one(target, &input);
         dog.end();
         stats.iterations += 1;
+        let new_edges = coverage.as_mut().map_or(0, |c| c.collect());
         match outcome {
             Ok(class) => {
-                if classes.insert(class) && is_new_input && pool.len() < MAX_POOL {
+                let new_class = classes.insert(class);
+                if (new_class || new_edges > 0) && is_new_input && pool.len() < MAX_POOL {
                     pool.push(input.clone());
                     stats.kept.push(input);
                 }
@@ -285,6 +296,7 @@ pub fn fuzz(
         }
     }
     stats.classes = classes.len();
+    stats.coverage = coverage.map(|c| (c.hit(), c.counters()));
     stats.seconds = start.elapsed().as_secs_f64();
     Ok(stats)
 }
