@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every birchfs test tier and prints the time of each:
-#   1. fmt and clippy          2. unit, property and library tests (cargo test), bench/tests
+#   1. fmt and clippy          2. unit, property and library tests (cargo test), bench/tests,
+#      a short structure-aware fuzz run of the format decoders, log replay and image open
 #   2b. the Debian package: build, install, mkfs/mount -a/fsck through it, purge
 #   3. mount tests on a real FUSE mount, the NFS export through ganesha   4. pjdfstest (birch and the kernel ext4 baseline)
 #   5. fsx (3 seeds x 20,000 ops), xfstests generic/quick, the differential test against ext4
@@ -47,6 +48,17 @@ core_tests() {
       --lib --test bench_switches -- objectid_lock_switch apply_per_item_costs
 }
 tier "core tests, checked" core_tests
+# Structure-aware fuzzing, short (crates/birch-fuzz; docs/TESTING.md, "Fuzzing"): each of the
+# six targets (node, item, superblock and log-batch decoding, log replay, open + walk + fsck of
+# a whole image) runs 10 s from its corpus with a fresh seed (printed; a panic or a hang saves
+# the input under crates/birch-fuzz/crashes/ and fails the tier). The corpus itself is replayed
+# by the "cargo test" tier. Built in the `checked` profile (overflow checks and debug
+# assertions are findings too), reusing the core tier's artifacts: about 2 minutes in all.
+fuzz_short() {
+  cargo build --profile checked --locked -p birch-fuzz &&
+    ./target/checked/birch-fuzz run --seconds "${BIRCH_FUZZ_SECONDS:-10}"
+}
+tier "fuzz (short)" fuzz_short
 tier "bench unit tests" python3 -m unittest discover bench/tests
 # The mount tiers need the birch binary itself (cargo test does not build it).
 tier "build birch" cargo build --release --locked -p birch-tools

@@ -95,6 +95,13 @@ pub struct BackupRoot {
     pub fs_root: RootPtr,
 }
 
+/// Generations stay below this (2^63), so that adding to one never wraps.
+pub const GENERATION_LIMIT: u64 = 1 << 63;
+
+/// Log positions (`log_head`) and the log area's size stay below this (2^62 bytes), so that
+/// adding laps and lengths to them never wraps.
+pub const LSN_LIMIT: u64 = 1 << 62;
+
 /// The decoded superblock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Superblock {
@@ -365,6 +372,17 @@ impl Superblock {
                 "a block multiple of at least 192 KiB",
             ));
         }
+        // Every commit adds one, and the engine's arithmetic on generations must not wrap: a
+        // re-sealed slot claiming generation u64::MAX opened and then panicked at its first
+        // commit ("a tree root from the future"; found by the image_open_walk fuzz target).
+        // No image commits 2^63 times.
+        if self.generation >= GENERATION_LIMIT {
+            return Err(FormatError::invalid(
+                format!("{what} generation"),
+                self.generation,
+                format!("< {GENERATION_LIMIT}"),
+            ));
+        }
         let root = self.fs_root;
         if root.addr % BLOCK_SIZE != 0
             || root.addr < RESERVED_HEAD_BYTES
@@ -403,6 +421,23 @@ impl Superblock {
             above = backup.generation;
         }
         self.validate_snapshots(what)?;
+        // Replay and the log writer add laps and lengths to these: they must not wrap (a
+        // re-sealed slot with a log head near u64::MAX overflowed in replay; found by the
+        // log_replay fuzz target). No log writes 2^62 bytes or 2^63 batches.
+        if self.log_head >= LSN_LIMIT || self.log_bytes >= LSN_LIMIT {
+            return Err(FormatError::invalid(
+                format!("{what} log head and size"),
+                format!("{:#x}, {:#x}", self.log_head, self.log_bytes),
+                format!("< {LSN_LIMIT:#x}"),
+            ));
+        }
+        if self.log_generation >= GENERATION_LIMIT {
+            return Err(FormatError::invalid(
+                format!("{what} log sequence"),
+                self.log_generation,
+                format!("< {GENERATION_LIMIT}"),
+            ));
+        }
         let log_end = self.log_start.checked_add(self.log_bytes);
         if self.log_bytes != 0
             && (self.log_start < RESERVED_HEAD_BYTES
@@ -573,6 +608,31 @@ impl fmt::Display for Superblock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A sealed slot whose generation leaves no room for the next commit is refused.
+    #[test]
+    fn a_generation_at_the_limit_is_refused() {
+        let mut sb = sample();
+        sb.generation = u64::MAX;
+        let err = Superblock::decode(&sb.encode(), "slot").expect_err("u64::MAX");
+        assert!(err.to_string().contains("generation"), "{err}");
+        sb.generation = GENERATION_LIMIT - 1;
+        assert!(Superblock::decode(&sb.encode(), "slot").is_ok());
+    }
+
+    /// A sealed slot whose log head or sequence leaves no room to add to is refused.
+    #[test]
+    fn a_log_head_or_sequence_at_the_limit_is_refused() {
+        let mut sb = sample();
+        sb.log_head = u64::MAX - 4096;
+        let err = Superblock::decode(&sb.encode(), "slot").expect_err("huge head");
+        assert!(err.to_string().contains("log head"), "{err}");
+        sb.log_head = LSN_LIMIT - 4096;
+        assert!(Superblock::decode(&sb.encode(), "slot").is_ok());
+        sb.log_generation = u64::MAX;
+        let err = Superblock::decode(&sb.encode(), "slot").expect_err("huge sequence");
+        assert!(err.to_string().contains("log sequence"), "{err}");
+    }
 
     pub(crate) fn sample() -> Superblock {
         Superblock {
