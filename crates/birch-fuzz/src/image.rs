@@ -16,7 +16,7 @@ use birch_core::{Engine, Filesystem, MkfsOptions};
 use birch_format::log::{decode_batch, decode_header, encode_batch, LogRecord};
 use birch_format::node::{Expect, Node, NodeBody};
 use birch_format::superblock::{Superblock, SUPER_BYTES, SUPER_OFFSETS};
-use birch_format::{Key, BLOCK_SIZE, FS_TREE_ID, NODE_SIZE};
+use birch_format::{Key, BLOCK_SIZE, FS_TREE_ID, NODE_SIZE, ROOT_INO};
 
 use crate::format::{
     batch_fields, item_payload, node_fields, reseal_batch, reseal_node, reseal_super, KINDS,
@@ -84,15 +84,16 @@ fn build() -> Result<Base, String> {
     Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).map_err(err("mkfs"))?;
     let fs = Filesystem::open_device(dev.clone(), quiet()).map_err(err("open"))?;
     let c = Caller::default();
-    fs.mkdir(c, 1, b"dir", 0o755).map_err(err("mkdir"))?;
-    fs.mkdir(c, 1, b"many", 0o755).map_err(err("mkdir"))?;
+    fs.mkdir(c, ROOT_INO, b"dir", 0o755).map_err(err("mkdir"))?;
+    fs.mkdir(c, ROOT_INO, b"many", 0o755)
+        .map_err(err("mkdir"))?;
     fs.write_file("/dir/small", b"hello")
         .map_err(err("small"))?;
     fs.write_file("/dir/medium", &[7u8; 20_000])
         .map_err(err("medium"))?;
     let big: Vec<u8> = (0..300_000u32).map(|i| (i * 7 + i / 4096) as u8).collect();
     fs.write_file("/big", &big).map_err(err("big"))?;
-    fs.symlink(c, 1, b"link", b"/dir/small")
+    fs.symlink(c, ROOT_INO, b"link", b"/dir/small")
         .map_err(err("symlink"))?;
     let small = fs.resolve("/dir/small").map_err(err("resolve"))?;
     fs.setxattr(small, b"user.k", b"v", 0)
@@ -109,7 +110,9 @@ fn build() -> Result<Base, String> {
     fs.write(medium, 20_000, &[9u8; 5000], false)
         .map_err(err("append"))?;
     fs.fsync(medium, false).map_err(err("fsync"))?;
-    let (f, _) = fs.create(c, 1, b"fresh", 0o644, 0).map_err(err("create"))?;
+    let (f, _) = fs
+        .create(c, ROOT_INO, b"fresh", 0o644, 0)
+        .map_err(err("create"))?;
     fs.write(f.ino, 0, b"fresh data", false)
         .map_err(err("write"))?;
     fs.fsync(f.ino, false).map_err(err("fsync"))?;
@@ -256,7 +259,7 @@ fn mutate_record(r: &mut LogRecord, s: &mut Script<'_>) {
 /// symlink targets and xattrs. Errors are answers too; only panics and hangs are findings.
 fn walk(fs: &Filesystem) -> usize {
     let mut seen = HashSet::new();
-    let mut stack = vec![(1u64, 0usize)];
+    let mut stack = vec![(ROOT_INO, 0usize)];
     let mut errors = 0;
     let mut visited = 0;
     while let Some((dir, depth)) = stack.pop() {
