@@ -27,7 +27,14 @@ files='birch-format/src/(node|items|superblock|log|key|bytes)\.rs|birch-core/src
   grep -E "$files" "$out.full"
   grep '^TOTAL' "$out.full"
 } | tee "$out"
-# Lines of the chosen files together.
-grep -E "$files" "$out.full" | awk '{ lines += $8; missed += $9 }
-  END { if (lines) printf "decoders and replay: %d of %d lines covered (%.1f%%)\n",
-        lines - missed, lines, 100 * (lines - missed) / lines }' | tee -a "$out"
+# Lines of the decoders, of replay, and of both together.
+sum() {
+  grep -E "$1" "$out.full" | awk -v what="$2" '{ lines += $8; missed += $9 }
+    END { if (lines) printf "%s: %d of %d lines covered (%.1f%%)\n", what,
+          lines - missed, lines, 100 * (lines - missed) / lines }'
+}
+{
+  sum 'birch-format/src/(node|items|superblock|log|key|bytes)\.rs' 'decoders (birch-format)'
+  sum 'birch-core/src/(log|vfs/durability)\.rs' 'replay (birch-core log.rs, vfs/durability.rs)'
+  sum "$files" 'decoders and replay'
+} | tee -a "$out"

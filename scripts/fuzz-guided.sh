@@ -2,8 +2,8 @@
 # Coverage-guided fuzzing on the stable toolchain (docs/TESTING.md, "Fuzzing"): builds
 # birch-fuzz with SanitizerCoverage's inline 8-bit counters (stable codegen flags; no nightly,
 # no external engine) in its own target directory, and runs every target, or those named, for
-# SECONDS each from the corpus. The runner then keeps each input that reaches an edge (or an
-# edge's hit-count bucket) no earlier input reached; a panic or hang is saved under
+# SECONDS each from the corpus. The runner then keeps each input that reaches an edge no
+# earlier input reached; a panic or hang is saved under
 # crates/birch-fuzz/crashes/ and fails the run. --save adds the kept inputs to the corpus.
 #   scripts/fuzz-guided.sh [SECONDS] [--save] [TARGET...]
 # The first build takes about 5 minutes on 2 cores (the workspace, instrumented).

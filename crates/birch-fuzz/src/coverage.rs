@@ -78,8 +78,9 @@ impl Coverage {
         self.seen.iter().filter(|b| **b != 0).count()
     }
 
-    /// Reads and clears the counters since the last call; returns how many (counter, bucket)
-    /// pairs are new. Other threads of the engine count into the same bytes: a count read
+    /// Reads and clears the counters since the last call; returns how many counters were hit
+    /// for the first time (new edges; the buckets reached are recorded, not counted, which
+    /// keeps the corpus to inputs that reach code no earlier one did). Other threads of the engine count into the same bytes: a count read
     /// while one writes is off by one at worst, which only nudges a bucket.
     pub fn collect(&mut self) -> usize {
         let mut new = 0;
@@ -105,10 +106,10 @@ impl Coverage {
                     if count != 0 {
                         let b = bucket(count);
                         let slot = &mut self.seen[index + j];
-                        if *slot & b == 0 {
-                            *slot |= b;
+                        if *slot == 0 {
                             new += 1;
                         }
+                        *slot |= b;
                         // SAFETY: as above.
                         unsafe { base.add(j).write_volatile(0) };
                     }

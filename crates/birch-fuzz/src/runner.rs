@@ -251,7 +251,7 @@ pub fn fuzz(
     };
     let mut classes = HashSet::new();
     let mut stats = Stats::default();
-    // With an instrumented build, an input that reaches new coverage is kept too.
+    // With an instrumented build, an input that reaches a new edge is kept too.
     let mut coverage = Coverage::enabled().then(Coverage::new);
     if let Some(c) = coverage.as_mut() {
         // What ran before the first input (startup, an image built by an earlier target).
