@@ -410,9 +410,13 @@ impl Engine {
 
     /// Why the engine is read-only, if it is: the shutdown, else the cause recorded by
     /// [`Engine::set_read_only`].
+    /// One atomic load in the common case (nothing recorded, not shut down): every fsync asks.
     pub fn read_only_cause(&self) -> Option<ReadOnlyCause> {
         if self.is_shut_down() {
             return Some(ReadOnlyCause::Shutdown);
+        }
+        if !self.read_only.flagged() {
+            return None;
         }
         self.read_only.cause()
     }
