@@ -506,3 +506,66 @@ fn an_inline_file_that_cannot_grow_keeps_its_bytes() {
     );
     common::close_and_check_clean(fs, &dev, "inline file on a full filesystem");
 }
+
+/// A full filesystem can be emptied while commits run beside the deletes (the background
+/// committer, woken by the deletes themselves, starts a commit of its own right after the one
+/// an unlink forced; while it runs, both deltas count their top nodes). Every unlink must
+/// succeed: `admit` commits again while a commit has something to do. One forced commit was
+/// not enough: an unlink on a full 64 MiB mount answered ENOSPC in a CI run.
+#[test]
+fn a_full_filesystem_empties_while_commits_run_beside_the_deletes() {
+    let (dev, fs) = fresh(16 << 20);
+    let long = "n".repeat(200);
+    let mut made = 0u32;
+    loop {
+        let name = format!("{made:06}{long}");
+        match fs.mknod(
+            Caller::default(),
+            ROOT_INO,
+            name.as_bytes(),
+            libc::S_IFREG | 0o644,
+            0,
+        ) {
+            Ok(_) => made += 1,
+            Err(e) => {
+                assert_eq!(e.errno(), libc::ENOSPC, "{e}");
+                break;
+            }
+        }
+        assert!(made < 1_000_000, "never full");
+    }
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        // The committer: a commit after every few deletes, racing the ones they force.
+        s.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                fs.sync().expect("a commit beside the deletes");
+            }
+        });
+        // Two deleters: one refills the delta between the commit the other forced and its
+        // second look.
+        let deleters: Vec<_> = (0..2u32)
+            .map(|t| {
+                let (fs, long, stop) = (&fs, &long, &stop);
+                s.spawn(move || {
+                    for i in (t..made).step_by(2) {
+                        let name = format!("{i:06}{long}");
+                        if let Err(e) = fs.unlink(ROOT_INO, name.as_bytes()) {
+                            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                            return Err(format!("unlink {i} of {made}: {e}"));
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        let results: Vec<_> = deleters.into_iter().map(|h| h.join()).collect();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for r in results {
+            if let Err(e) = r.expect("a deleter panicked") {
+                panic!("on a full filesystem with commits beside the deletes: {e}");
+            }
+        }
+    });
+    common::close_and_check_clean(fs, &dev, "emptied with commits beside the deletes");
+}

@@ -247,6 +247,12 @@ impl Engine {
         self.active.len()
     }
 
+    /// Whether a commit's frozen delta is still being written (its blocks count in
+    /// [`Engine::commit_estimate_blocks`] until it is durable).
+    pub fn commit_in_flight(&self) -> bool {
+        self.state.read().frozen.is_some()
+    }
+
     /// An upper bound on the blocks the commits of the running delta (and of a frozen one
     /// still being written) take: each changed item may copy its own leaf and that leaf's
     /// parent, new bytes fill leaves at least half, and the levels above take at most

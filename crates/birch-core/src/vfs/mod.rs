@@ -49,6 +49,8 @@ pub use snapview::{snapshot_ino, SNAPSHOT_DIR_NAME};
 
 /// Changed items after which the background committer is woken early, bounding memory.
 const DELTA_ITEMS_COMMIT: usize = 200_000;
+/// Commits [`Filesystem::admit`] makes at most before it answers ENOSPC.
+const ADMIT_COMMITS: usize = 3;
 
 /// Options for opening a filesystem.
 #[derive(Debug, Clone)]
@@ -1105,10 +1107,24 @@ impl Filesystem {
             }
             return Ok(());
         }
-        engine.counters().add(|c| &c.metadata_full_commits, 1);
-        self.commit_now()?;
-        if engine.metadata_fits(keep) {
-            return Ok(());
+        // One commit is not always enough: the committer this call (or another) woke may start
+        // a commit of its own right after ours, and while it runs its delta is counted with
+        // ours (each with its top nodes); a FORGET's orphan reclaim or another delete may
+        // refill the delta meanwhile, and the space they free is pinned until the next
+        // commit. Commit again while a commit still has something to do, a few times at most;
+        // a filesystem that is full with nothing pending answers ENOSPC after one.
+        for _ in 0..ADMIT_COMMITS {
+            engine.counters().add(|c| &c.metadata_full_commits, 1);
+            self.commit_now()?;
+            if engine.metadata_fits(keep) {
+                return Ok(());
+            }
+            if engine.pending_items() == 0
+                && !engine.commit_in_flight()
+                && alloc.pinned_blocks().get() == 0
+            {
+                break;
+            }
         }
         Err(Error::NoSpace(format!(
             "no room for more metadata: {} blocks free, {} kept for deletes and the commit",
