@@ -129,6 +129,10 @@ if [[ $can_mount == 1 ]]; then
   # birch scrub offline and online: clean and damaged (a data byte, a leaf byte) images,
   # exit codes 0/1/2, JSON fields, inodes and paths of damaged blocks (about 5 s).
   tier "scrub" bash tests/mount/scrub-test.sh
+  # A device that stops answering: the image on ext4 frozen with fsfreeze under a mount with
+  # -o io_timeout=1 (fsyncs fail in bounded time, read-only with the cause, stat/readdir/cached
+  # reads served, fsync'd files intact, fsck clean; about 10 s).
+  tier "hung device (io_timeout)" bash tests/mount/io-timeout-test.sh
   # FUSE over io_uring: the default with enable_uring N (over /dev/fuse, the setting left
   # alone) and Y (over the ring), -o uring, -o uring=off, and the fallback when registration
   # fails; skips (77) on a kernel without it. Leaves enable_uring as it found it.

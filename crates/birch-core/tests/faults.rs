@@ -521,3 +521,103 @@ fn with_errors_remount_ro_a_lost_data_write_turns_the_filesystem_read_only() {
         .expect("fsck")
         .is_clean());
 }
+
+/// A device that stops answering (`io_timeout=`, [`TimeoutDevice`]): the flush of the fsync
+/// in flight hangs; that fsync, and the fsyncs of two other threads waiting meanwhile, answer
+/// an error within a bounded time (none waits for the device), the filesystem turns read-only
+/// naming the hang, and what needs no device I/O (attributes, names) is still served; a read
+/// that needs the device answers EIO. After a power cut the image holds every fsync acknowledged before the hang, and
+/// fsck is clean.
+#[test]
+fn a_hung_device_is_given_up_after_its_io_timeout() {
+    use birch_core::device::TimeoutDevice;
+    use birch_core::ReadOnlyCause;
+    use std::time::Instant;
+
+    let mem = Arc::new(MemDevice::new(32 << 20));
+    Filesystem::mkfs(mem.clone(), &MkfsOptions::default()).expect("mkfs");
+    let fault = Arc::new(FaultDevice::new(mem.clone(), 1));
+    let timed = TimeoutDevice::new(fault.clone(), Duration::from_millis(300));
+    let fs = Arc::new(mount(timed.clone()).expect("mount"));
+    let weak = Arc::downgrade(&fs);
+    timed.on_give_up(Box::new(move |why| {
+        if let Some(fs) = weak.upgrade() {
+            fs.engine().set_read_only(ReadOnlyCause::DeviceError {
+                error: why.to_string(),
+            });
+        }
+    }));
+    let names = ["/kept", "/a", "/b", "/c"];
+    let mut inos = Vec::new();
+    for name in names {
+        fs.write_file(name, b"").expect("create");
+        inos.push(fs.resolve(name).expect("resolve"));
+    }
+    fs.sync().expect("commit");
+    // Acknowledged before the hang: must survive.
+    fs.write(inos[0], 0, &stamp(0, 0, 1), false)
+        .expect("write kept");
+    fs.fsync(inos[0], false).expect("fsync kept");
+    let cached = fs.read(inos[0], 0, BS).expect("read kept");
+    // Every flush from here on hangs until released.
+    fault.add(Rule::always(Op::Flush, Effect::Hang));
+    let started = Instant::now();
+    let results: Vec<(usize, Result<(), Error>, Duration)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (1..4)
+            .map(|i| {
+                let fs = &fs;
+                let ino = inos[i];
+                s.spawn(move || {
+                    fs.write(ino, 0, &stamp(i, 0, 2), false)
+                        .expect("a buffered write");
+                    let r = fs.fsync(ino, false);
+                    (i, r, started.elapsed())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("an fsync thread panicked"))
+            .collect()
+    });
+    for (i, r, took) in &results {
+        assert!(r.is_err(), "file {i}: an fsync on a hung device succeeded");
+        assert!(
+            *took < Duration::from_secs(10),
+            "file {i}: its fsync waited {took:?} for a device given up after 0.3 s"
+        );
+    }
+    match fs.engine().read_only_cause() {
+        Some(ReadOnlyCause::DeviceError { error }) => {
+            assert!(error.contains("io_timeout"), "cause: {error}")
+        }
+        other => panic!("not read-only for the hang: {other:?}"),
+    }
+    assert!(timed.given_up().is_some());
+    // Served with no device I/O: attributes, names, cached data.
+    fs.getattr(inos[0]).expect("getattr after the give-up");
+    assert_eq!(fs.resolve("/kept").expect("lookup"), inos[0]);
+    // The core keeps no data cache (the kernel's page cache does, through a mount): a read
+    // that needs the device answers EIO, never other bytes.
+    match fs.read(inos[0], 0, BS) {
+        Ok(bytes) => assert_eq!(bytes, cached, "a read after the give-up"),
+        Err(e) => assert_eq!(e.errno(), libc::EIO, "{e}"),
+    }
+    let err = fs.write_file("/new", b"x").expect_err("a change");
+    assert_eq!(err.errno(), libc::EROFS, "{err}");
+    // The device answers again, too late: the power goes.
+    fault.release_hangs();
+    fault.clear();
+    let crashed = Arc::new(mem.crash());
+    drop(fs);
+    let fs = mount(crashed.clone()).expect("reopen");
+    let kept = fs.resolve("/kept").expect("kept");
+    assert_eq!(
+        version_of(&fs.read(kept, 0, BS).expect("read"), 0, 0),
+        Some(1),
+        "the fsync acknowledged before the hang"
+    );
+    fs.close().expect("close");
+    let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
+    assert!(report.is_clean(), "{:#?}", report.findings);
+}

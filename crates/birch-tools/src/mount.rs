@@ -33,6 +33,7 @@ pub(crate) const MOUNT_OPTIONS: &[(&str, &str)] = &[
     ("fsync=log", "fsync makes a file durable through the log: one device flush, no commit (the default)."),
     ("fsync=commit", "Every fsync commits the whole filesystem."),
     ("errors=continue", "What a device error that loses written data does: continue (the default) fails that file's fsyncs for ever and lets every other file go on; errors=remount-ro turns the whole filesystem read-only; errors=panic stops the daemon (the mount then answers ENOTCONN; what was durable stays, as after a power cut). A failed commit or log write always turns the filesystem read-only, or with errors=panic stops the daemon."),
+    ("io_timeout=SECS", "Image files and block devices: a read, write or flush the device has not answered in SECS seconds (0.1 to 86400; off by default) gives the device up: that request and every later one that needs the device answer EIO, the filesystem turns read-only (the cause in the log and in birch stats), and what needs no device I/O (cached attributes, names and data) is still served. Each request then costs a copy of its bytes and a hand-off to an I/O thread. rbd: images have rbd_timeout= instead."),
     ("writeback=on", "The kernel's writeback cache: writes are gathered in the page cache (default on; writeback=off sends each write to the daemon)."),
     ("keep_cache=on", "Keep a file's pages in the page cache across opens (default on)."),
     ("buffer=on", "The daemon buffers writes that are neither direct nor synchronous until the next commit or fsync (default on)."),
@@ -73,6 +74,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         nodiratime: None,
         fsync: FsyncMode::Log,
         errors: Default::default(),
+        io_timeout: None,
         writeback: true,
         keep_cache: true,
         buffer: true,
@@ -126,6 +128,18 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
                     .ok_or_else(|| {
                         format!("option {opt}: expected errors=continue, remount-ro or panic")
                     })?
+            }
+            "io_timeout" => {
+                let secs = number(value)?;
+                c.io_timeout = if secs == 0.0 {
+                    None
+                } else if (0.1..=86400.0).contains(&secs) {
+                    Some(Duration::from_secs_f64(secs))
+                } else {
+                    return Err(format!(
+                        "option {opt}: io_timeout takes 0 (off) or 0.1 to 86400 seconds"
+                    ));
+                }
             }
             "writeback" => c.writeback = on_off(opt, value)?,
             "buffer" => c.buffer = on_off(opt, value)?,
@@ -804,9 +818,6 @@ mod tests {
         Ok(())
     }
 
-    /// Without the `seed-before` feature (the shipped binary) the seeds' "before" switches
-    /// are unknown options, refused like any other, and the man page does not list them.
-    #[cfg(not(feature = "seed-before"))]
     #[test]
     fn errors_takes_three_policies_and_refuses_others() {
         use birch_core::vfs::ErrorPolicy;
@@ -831,6 +842,37 @@ mod tests {
         }
     }
 
+    #[test]
+    fn io_timeout_takes_seconds_and_zero_turns_it_off() {
+        assert_eq!(parse_options(&[]).expect("defaults").io_timeout, None);
+        for (text, want) in [
+            ("io_timeout=1", Some(Duration::from_secs(1))),
+            ("io_timeout=0.5", Some(Duration::from_millis(500))),
+            ("io_timeout=86400", Some(Duration::from_secs(86400))),
+            ("io_timeout=0", None),
+        ] {
+            assert_eq!(
+                parse_options(&[text.into()]).expect(text).io_timeout,
+                want,
+                "{text}"
+            );
+        }
+        for bad in [
+            "io_timeout",
+            "io_timeout=",
+            "io_timeout=-1",
+            "io_timeout=0.05",
+            "io_timeout=86401",
+            "io_timeout=x",
+        ] {
+            let e = parse_options(&[bad.into()]).err().unwrap_or_default();
+            assert!(e.contains("option io_timeout"), "{bad}: {e}");
+        }
+    }
+
+    /// Without the `seed-before` feature (the shipped binary) the seeds' "before" switches
+    /// are unknown options, refused like any other, and the man page does not list them.
+    #[cfg(not(feature = "seed-before"))]
     #[test]
     fn benchmark_switches_are_unknown_options_without_the_feature() {
         for switch in [

@@ -34,6 +34,8 @@ const WATCH_HEADER_EVERY: u64 = 20;
 pub(crate) struct Sample {
     pub(crate) values: BTreeMap<String, u64>,
     pub(crate) histograms: BTreeMap<String, LatencyValues>,
+    /// Why the filesystem is read-only (`read_only_cause`), if it is.
+    pub(crate) read_only_cause: Option<String>,
 }
 
 impl Sample {
@@ -67,6 +69,9 @@ impl Sample {
                             .ok_or_else(|| format!("stats field {name}: {item} is not a count"))?;
                     }
                     snapshot.histograms.insert(name, LatencyValues { buckets });
+                }
+                Value::String(text) if name == "read_only_cause" => {
+                    snapshot.read_only_cause = Some(text);
                 }
                 // Fields of kinds this version does not know are left out, not fatal.
                 _ => {}
@@ -206,6 +211,9 @@ pub(crate) fn render_table(mountpoint: &str, s: &Sample) -> String {
     let log_size = s.get("log_size_bytes");
     let log_used = s.get("log_used_bytes");
     let _ = writeln!(out, "birchfs stats of {mountpoint}");
+    if let Some(cause) = &s.read_only_cause {
+        let _ = writeln!(out, "  {:<12} {cause}", "read-only");
+    }
     let _ = writeln!(
         out,
         "  {:<12} {} available of {} ({})",
@@ -377,6 +385,7 @@ pub(crate) fn sample_json(mountpoint: &str, s: &Sample) -> Value {
         "log_fill": ratio(s.get("log_used_bytes"), s.get("log_size_bytes")),
         "free_fraction": ratio(s.get("free_bytes"), s.get("size_bytes")),
         "latency": latencies,
+        "read_only_cause": s.read_only_cause,
     })
 }
 
@@ -590,6 +599,24 @@ mod tests {
         assert!(Sample::parse("{\"x\": -1}").is_err());
         assert!(Sample::parse("{\"x\": [1, 2]}").is_err());
         assert!(Sample::parse("not json").is_err());
+        assert_eq!(s.read_only_cause, None);
+    }
+
+    #[test]
+    fn the_read_only_cause_is_read_and_shown() {
+        let text = sample(3, 99, 1, &[(6, 9)]).replacen(
+            '{',
+            "{\"read_only_cause\": \"device error: the device did not answer a flush\", ",
+            1,
+        );
+        let s = parsed(&text);
+        let cause = "device error: the device did not answer a flush";
+        assert_eq!(s.read_only_cause.as_deref(), Some(cause));
+        assert!(render_table("/m", &s).contains("read-only    device error: the device"));
+        assert_eq!(
+            sample_json("/m", &s)["read_only_cause"],
+            Value::String(cause.to_string())
+        );
     }
 
     #[test]

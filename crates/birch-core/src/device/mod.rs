@@ -20,6 +20,7 @@ mod rbd;
 #[cfg(feature = "rbd")]
 mod rbd_ffi;
 mod rbd_spec;
+mod timeout;
 
 pub use fence::{DeviceErrors, Fence};
 pub use file::{FileDevice, OpenMode};
@@ -31,6 +32,7 @@ pub use rbd_spec::{
     check_rbd_layout, is_rbd_path, CephOptions, LocalLock, LockState, RbdSpec, Takeover,
     DEFAULT_RBD_TIMEOUT, DEFAULT_TAKEOVER_WAIT, RBD_PREFIX,
 };
+pub use timeout::TimeoutDevice;
 
 use std::io;
 use std::path::Path;

@@ -799,8 +799,9 @@ impl Filesystem {
     /// interface: `getfattr -n trusted.birch.stats MNT`, which `birch stats` reads), then the
     /// fault counters (`device_read_errors`, `device_write_errors`, `device_flush_errors`:
     /// requests the device failed since the mount; `lost_data_flushes`: buffered flushes
-    /// whose data was lost, their files' fsyncs failing) and the gauge `read_only_failure` (1
-    /// when a failed commit or log write made the filesystem read-only); the
+    /// whose data was lost, their files' fsyncs failing), the gauge `read_only_failure` (1
+    /// when a failure made the filesystem read-only) and, while it is read-only, the string
+    /// `read_only_cause` (why); the
     /// gauges: `dirty_bytes` (buffered, not yet written), `log_used_bytes` of
     /// `log_size_bytes`, `free_bytes` (what statfs calls available) of `size_bytes`,
     /// `shared_bytes` (blocks that more than one extent names, by clones, each once), and the
@@ -865,6 +866,13 @@ impl Filesystem {
             ("read_only_failure", u64::from(failed)),
         ] {
             parts.push(format!("\"{name}\": {value}"));
+        }
+        // Why it is read-only, as text (absent while writable).
+        if let Some(cause) = engine.read_only_cause() {
+            parts.push(format!(
+                "\"read_only_cause\": {}",
+                crate::scrub::json_string(&cause.to_string())
+            ));
         }
         for (name, histogram) in [
             ("commit_latency_us_log2", engine.commit_latency()),

@@ -55,6 +55,7 @@ impl InProcessMount {
             nodiratime: None,
             fsync: FsyncMode::Log,
             errors: Default::default(),
+            io_timeout: None,
             writeback,
             keep_cache: caches,
             buffer: true,

@@ -48,6 +48,9 @@ pub struct MountConfig {
     pub fsync: FsyncMode,
     /// `errors=continue|remount-ro|panic`: what a device error does.
     pub errors: birch_core::vfs::ErrorPolicy,
+    /// `io_timeout=SECS`: a request the device has not answered in that time gives it up
+    /// (image files and block devices; `None`: no timeout).
+    pub io_timeout: Option<std::time::Duration>,
     /// `writeback=on|off`: the kernel's writeback cache.
     pub writeback: bool,
     /// `keep_cache=on|off`: pages kept across opens.

@@ -11,9 +11,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
-use birch_core::device::{open_image, DeviceEvents, ImageOptions, OpenMode, RbdSpec};
+use birch_core::device::{
+    open_image, BlockDevice, DeviceEvents, ImageOptions, OpenMode, RbdSpec, TimeoutDevice,
+};
 use birch_core::vfs::ShutdownMode;
-use birch_core::{Filesystem, OpenOptions};
+use birch_core::{Filesystem, OpenOptions, ReadOnlyCause};
 use fuser::{Config, SessionACL};
 
 use super::control_socket::{socket_path_for, ControlHandler, ControlSocket};
@@ -84,11 +86,40 @@ pub fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> Result<()
             })
         }
     };
+    // `io_timeout=`: requests go through a device that gives up one its device has not
+    // answered in time (an RBD image has its own watchdog, `rbd_timeout=`).
+    let timed = match config.io_timeout {
+        Some(timeout) if !matches!(RbdSpec::from_path(image), Ok(Some(_))) => {
+            Some(TimeoutDevice::new(device.clone(), timeout))
+        }
+        _ => None,
+    };
+    let device: Arc<dyn BlockDevice> = match &timed {
+        Some(t) => t.clone(),
+        None => device,
+    };
     let fs = match Filesystem::open_device(device, options) {
         Ok(fs) => Arc::new(fs),
         Err(e) => return Err(format!("{}: {e}", image.display())),
     };
     events.attach(&fs);
+    if let Some(timed) = &timed {
+        // A hung device turns the filesystem read-only: the request that hung and every later
+        // one that needs the device answer EIO, the rest is served (SEMANTICS §2).
+        let weak = Arc::downgrade(&fs);
+        let mountpoint = canonical(mountpoint);
+        timed.on_give_up(Box::new(move |why| {
+            log::error!(
+                "{}: {why}; the filesystem is read-only until it is unmounted",
+                mountpoint.display()
+            );
+            if let Some(fs) = weak.upgrade() {
+                fs.engine().set_read_only(ReadOnlyCause::DeviceError {
+                    error: why.to_string(),
+                });
+            }
+        }));
+    }
     if snapshot {
         fs.pin_read_only("it serves an RBD snapshot, which cannot be written");
     }
