@@ -26,6 +26,7 @@ pub mod matrix;
 pub mod oracle;
 pub mod rng;
 pub mod seeds;
+pub mod stamp;
 
 pub use fault::{Effect, FaultDevice, Op, Rule};
 pub use matrix::{run_matrix, Workload};
