@@ -88,7 +88,10 @@ impl NodeCache {
         device
             .read_at(&mut bytes, expect.addr)
             .map_err(|e| Error::io(format!("read node {:#x}", expect.addr), e))?;
-        self.verify_and_insert(&bytes, expect)
+        // A node that does not verify counts once, here (a prefetch leaves it to this read).
+        self.verify_and_insert(&bytes, expect).inspect_err(|_| {
+            counters.add(|c| &c.checksum_errors, 1);
+        })
     }
 
     /// Reads every node of `expects` the cache does not hold with one

@@ -111,6 +111,7 @@ counters! {
     btree_merges: "Node merges.",
     cache_hits: "Node cache hits.",
     cache_misses: "Node cache misses (device reads of nodes).",
+    checksum_errors: "Blocks read whole that failed verification: a data block whose crc32c did not match its extent's, or a node whose checksum, address, generation, owner or level was not what its parent names.",
     fsyncs: "fsync and fdatasync calls.",
     buffered_blocks: "Blocks that entered a file's write buffer (buffered writes).",
     buffer_flushes: "Flushes of a file's write buffer (commit drain, fsync, dirty limit).",

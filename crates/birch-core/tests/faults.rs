@@ -621,3 +621,66 @@ fn a_hung_device_is_given_up_after_its_io_timeout() {
     let report = check(&*crashed, CheckOptions { data: true }).expect("fsck");
     assert!(report.is_clean(), "{:#?}", report.findings);
 }
+
+/// The device's error counts outlive the mount (`COMPAT_DEVICE_STATS`, as `btrfs device
+/// stats`): read errors and a checksum failure counted in one mount are in the superblock
+/// its commits write, and the next mount starts from them and adds its own.
+#[test]
+fn device_error_counts_are_kept_across_mounts() {
+    let mem = Arc::new(MemDevice::new(32 << 20));
+    Filesystem::mkfs(mem.clone(), &MkfsOptions::default()).expect("mkfs");
+    let fault = Arc::new(FaultDevice::new(mem.clone(), 7));
+    let fs = mount(fault.clone()).expect("mount");
+    fs.write_file("/f", b"").expect("create");
+    let ino = fs.resolve("/f").expect("resolve");
+    fs.write(ino, 0, &stamp(0, 0, 1), false).expect("write");
+    fs.sync().expect("commit");
+    assert_eq!(
+        fs.engine().device_stats(),
+        Default::default(),
+        "nothing yet"
+    );
+    fault.add(Rule::always(Op::Read, Effect::Eio).times(2));
+    assert!(fs.read(ino, 0, BS).is_err(), "an injected read error");
+    assert!(fs.read(ino, 0, BS).is_err(), "and another");
+    fault.clear();
+    let stats = fs.engine().device_stats();
+    assert_eq!(
+        (stats.read_errors, stats.checksum_errors),
+        (2, 0),
+        "{stats:?}"
+    );
+    fs.write_file("/g", b"x").expect("a change to commit");
+    fs.close().expect("close");
+    drop(fs);
+    // Damage the file's block on the image: the next mount's read fails its checksum.
+    let fs = mount(mem.clone()).expect("remount");
+    let stats = fs.engine().device_stats();
+    assert_eq!(stats.read_errors, 2, "kept across the remount: {stats:?}");
+    let image = mem.snapshot();
+    let want = stamp(0, 0, 1);
+    let addr = (0..image.len() / BS)
+        .map(|b| b * BS)
+        .find(|at| image[*at..*at + BS] == want[..])
+        .expect("the file's block on the image") as u64;
+    mem.corrupt(addr + 100, &[0xde, 0xad]);
+    assert!(fs.read(ino, 0, BS).is_err(), "a checksum failure");
+    let stats = fs.engine().device_stats();
+    assert_eq!(
+        (stats.read_errors, stats.checksum_errors),
+        (2, 1),
+        "{stats:?}"
+    );
+    assert!(fs.stats_json().contains("\"lifetime_checksum_errors\": 1"));
+    fs.write_file("/h", b"y").expect("a change to commit");
+    fs.close().expect("close");
+    drop(fs);
+    let fs = mount(mem.clone()).expect("third mount");
+    let stats = fs.engine().device_stats();
+    assert_eq!(
+        (stats.read_errors, stats.checksum_errors),
+        (2, 1),
+        "both kinds kept: {stats:?}"
+    );
+    fs.close().expect("close");
+}

@@ -58,7 +58,13 @@ pub const INCOMPAT_LOG_ALIGNED: u64 = 16;
 /// Byte offset of the snapshot list fields in the superblock (with [`INCOMPAT_SNAPSHOTS`]).
 pub const SNAPSHOTS_OFFSET: usize = 336;
 /// Compatible feature flags this build understands. Unknown bits are ignored.
-pub const COMPAT_SUPPORTED: u64 = COMPAT_BACKUP_ROOTS;
+pub const COMPAT_SUPPORTED: u64 = COMPAT_BACKUP_ROOTS | COMPAT_DEVICE_STATS;
+/// Compat bit 1: the superblock carries the device's error counts over its lifetime
+/// ([`DeviceStats`], bytes 368 .. 400). A build without the bit ignores those bytes and
+/// writes them as zero (it keeps the bit: the counts start again from zero). Informational.
+pub const COMPAT_DEVICE_STATS: u64 = 2;
+/// Byte offset of the device error counts (with [`COMPAT_DEVICE_STATS`]).
+pub const DEVICE_STATS_OFFSET: usize = 368;
 /// Compat bit 0: the superblock carries [`BACKUP_ROOTS`] backup roots (bytes 240 .. 336) and
 /// the trees they name are kept whole (reuse of freed space deferred, DESIGN §13.1). A build
 /// without the bit reads those bytes as zero and writes them as zero: it loses the safety
@@ -101,6 +107,21 @@ pub const GENERATION_LIMIT: u64 = 1 << 63;
 /// Log positions (`log_head`) and the log area's size stay below this (2^62 bytes), so that
 /// adding laps and lengths to them never wraps.
 pub const LSN_LIMIT: u64 = 1 << 62;
+
+/// Errors of the device over the filesystem's life (since mkfs, or since they were last
+/// reset), as of a commit: what `btrfs device stats` keeps. Informational: nothing reads
+/// them to decide anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DeviceStats {
+    /// Reads the device failed.
+    pub read_errors: u64,
+    /// Writes the device failed.
+    pub write_errors: u64,
+    /// Flushes the device failed.
+    pub flush_errors: u64,
+    /// Blocks (data or node) read whole whose checksum did not match.
+    pub checksum_errors: u64,
+}
 
 /// The decoded superblock.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -157,6 +178,8 @@ pub struct Superblock {
     /// The id the next snapshot gets; ids are never reused. Stored only with
     /// [`INCOMPAT_SNAPSHOTS`] (0 otherwise; the first snapshot gets 1).
     pub next_snapshot_id: u64,
+    /// The device's error counts; stored only with [`COMPAT_DEVICE_STATS`] (zero otherwise).
+    pub device_stats: DeviceStats,
 }
 
 const LABEL_BYTES: usize = 64;
@@ -221,6 +244,20 @@ impl Superblock {
             w.u64(self.next_snapshot_id);
             let fields = w.into_bytes();
             bytes[SNAPSHOTS_OFFSET..SNAPSHOTS_OFFSET + fields.len()].copy_from_slice(&fields);
+        }
+        if self.compat & COMPAT_DEVICE_STATS != 0 {
+            let mut w = Writer::with_capacity(32);
+            let d = &self.device_stats;
+            for count in [
+                d.read_errors,
+                d.write_errors,
+                d.flush_errors,
+                d.checksum_errors,
+            ] {
+                w.u64(count);
+            }
+            let fields = w.into_bytes();
+            bytes[DEVICE_STATS_OFFSET..DEVICE_STATS_OFFSET + fields.len()].copy_from_slice(&fields);
         }
         let sum = checksum(&bytes[4..]);
         bytes[..4].copy_from_slice(&sum.to_le_bytes());
@@ -307,7 +344,17 @@ impl Superblock {
             backup_roots: Vec::new(),
             snapshots: RootPtr::default(),
             next_snapshot_id: 0,
+            device_stats: DeviceStats::default(),
         };
+        if sb.compat & COMPAT_DEVICE_STATS != 0 {
+            let mut d = Reader::new(&bytes[DEVICE_STATS_OFFSET..], "superblock device stats");
+            sb.device_stats = DeviceStats {
+                read_errors: d.u64()?,
+                write_errors: d.u64()?,
+                flush_errors: d.u64()?,
+                checksum_errors: d.u64()?,
+            };
+        }
         if sb.incompat & INCOMPAT_SNAPSHOTS != 0 {
             let mut s = Reader::new(&bytes[SNAPSHOTS_OFFSET..], "superblock snapshot list");
             sb.snapshots.addr = s.u64()?;
@@ -662,7 +709,35 @@ mod tests {
             backup_roots: Vec::new(),
             snapshots: RootPtr::default(),
             next_snapshot_id: 0,
+            device_stats: DeviceStats::default(),
         }
+    }
+
+    #[test]
+    fn device_stats_round_trip_with_their_bit_and_are_ignored_without_it() {
+        let mut sb = sample();
+        sb.compat |= COMPAT_DEVICE_STATS;
+        sb.device_stats = DeviceStats {
+            read_errors: 1,
+            write_errors: 2,
+            flush_errors: 3,
+            checksum_errors: 4,
+        };
+        let bytes = sb.encode();
+        assert_eq!(
+            bytes[DEVICE_STATS_OFFSET..DEVICE_STATS_OFFSET + 8],
+            1u64.to_le_bytes()
+        );
+        assert_eq!(Superblock::decode(&bytes, "s").expect("decode"), sb);
+        // Without the bit the bytes are neither written nor read.
+        let mut plain = sb.clone();
+        plain.compat &= !COMPAT_DEVICE_STATS;
+        let bytes = plain.encode();
+        assert!(bytes[DEVICE_STATS_OFFSET..DEVICE_STATS_OFFSET + 32]
+            .iter()
+            .all(|b| *b == 0));
+        let back = Superblock::decode(&bytes, "s").expect("decode");
+        assert_eq!(back.device_stats, DeviceStats::default());
     }
 
     fn with_backups() -> Superblock {

@@ -146,7 +146,8 @@ impl DataLayer<'_> {
             let span = &mut buf.0[at_buf..at_buf + len];
             at_buf += len;
             PendingData::lay_over(*at, span, placed);
-            verify_blocks(ino, p.start, *first_block, *at, p.csums, span)?;
+            verify_blocks(ino, p.start, *first_block, *at, p.csums, span)
+                .inspect_err(|_| self.engine.counters().add(|c| &c.checksum_errors, 1))?;
             let buf_start = p.start + first_block * BLOCK_SIZE;
             out[(p.from - offset) as usize..(p.to - offset) as usize]
                 .copy_from_slice(&span[(p.from - buf_start) as usize..(p.to - buf_start) as usize]);
@@ -186,7 +187,8 @@ impl DataLayer<'_> {
             .read_at(&mut buf.0, at)
             .map_err(|e| Error::io(format!("read inode {ino} offset {from} block {at:#x}"), e))?;
         PendingData::lay_over(at, &mut buf.0, &placed);
-        verify_blocks(ino, start, first_block, at, csums, &buf.0)?;
+        verify_blocks(ino, start, first_block, at, csums, &buf.0)
+            .inspect_err(|_| self.engine.counters().add(|c| &c.checksum_errors, 1))?;
         let buf_start = start + first_block * BLOCK_SIZE;
         out.copy_from_slice(&buf.0[(from - buf_start) as usize..(to - buf_start) as usize]);
         Ok(())

@@ -17,7 +17,8 @@ use std::sync::Arc;
 
 use birch_format::node::Node;
 use birch_format::superblock::{
-    BackupRoot, RootPtr, Superblock, BACKUP_ROOTS, COMPAT_BACKUP_ROOTS, INCOMPAT_LOG_ALIGNED,
+    BackupRoot, RootPtr, Superblock, BACKUP_ROOTS, COMPAT_BACKUP_ROOTS, COMPAT_DEVICE_STATS,
+    INCOMPAT_LOG_ALIGNED,
 };
 use birch_format::{BlockCount, Generation, NODE_BLOCKS, NODE_SIZE};
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -661,7 +662,8 @@ impl Engine {
         let (sec, nsec) = now();
         sb.incompat |= self.incompat_wanted.load(Ordering::SeqCst);
         sb.backup_roots = backups_after(sb, self.alloc.backup_floor());
-        sb.compat |= COMPAT_BACKUP_ROOTS;
+        sb.compat |= COMPAT_BACKUP_ROOTS | COMPAT_DEVICE_STATS;
+        sb.device_stats = self.device_stats();
         sb.generation = generation.get();
         sb.fs_root = root;
         sb.next_objectid = self.ids.high_water();

@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use birch_format::superblock::{Superblock, INCOMPAT_LOG_ALIGNED};
+use birch_format::superblock::{DeviceStats, Superblock, INCOMPAT_LOG_ALIGNED};
 use birch_format::{BlockAddr, BlockCount, Generation, Key, FS_TREE_ID};
 use parking_lot::{Mutex, RwLock};
 
@@ -80,6 +80,9 @@ pub struct Engine {
     /// The commit lock, its waiters, the parallel apply in progress and the commit switches.
     commits: CommitQueue,
     superblock: Mutex<Superblock>,
+    /// The device's lifetime error counts as the superblock read at open held them; each
+    /// commit writes them plus this mount's ([`Engine::device_stats`]).
+    device_stats_at_open: DeviceStats,
     /// Incompat feature flags the next commit sets (a change that needs one was recorded).
     incompat_wanted: AtomicU64,
     /// The object-id counter (and its benchmark-only global lock).
@@ -274,6 +277,21 @@ impl Engine {
     /// The errors the device returned since the open (reads, writes, flushes).
     pub fn device_errors(&self) -> &crate::device::DeviceErrors {
         self.fence.errors()
+    }
+
+    /// The device's error counts over the filesystem's life: those the superblock held at
+    /// open plus this mount's (device errors, checksum failures). What the next commit
+    /// writes (compat flag `COMPAT_DEVICE_STATS`, FORMAT.md §3).
+    pub fn device_stats(&self) -> DeviceStats {
+        let base = self.device_stats_at_open;
+        let now = self.fence.errors();
+        let checksums = self.counters.values().checksum_errors;
+        DeviceStats {
+            read_errors: base.read_errors + now.reads.load(Ordering::Relaxed),
+            write_errors: base.write_errors + now.writes.load(Ordering::Relaxed),
+            flush_errors: base.flush_errors + now.flushes.load(Ordering::Relaxed),
+            checksum_errors: base.checksum_errors + checksums,
+        }
     }
 
     /// Discards the space free now in device bytes `[start, start + len)`, in free runs of

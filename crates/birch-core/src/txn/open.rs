@@ -229,6 +229,7 @@ impl Engine {
             backup_roots: Vec::new(),
             snapshots: RootPtr::default(),
             next_snapshot_id: 0,
+            device_stats: Default::default(),
         };
         let counters = Counters::default();
         let cache = NodeCache::new(4096);
@@ -314,6 +315,7 @@ impl Engine {
             }),
             commits: CommitQueue::new(),
             ids: ObjectIds::new(superblock.next_objectid),
+            device_stats_at_open: superblock.device_stats,
             superblock: Mutex::new(superblock),
             // A device with an atomic unit (RBD) asks for the flag that lets log batches start
             // at its boundaries; the first commit of a writable mount sets it.

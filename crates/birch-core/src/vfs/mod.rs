@@ -799,7 +799,10 @@ impl Filesystem {
     /// interface: `getfattr -n trusted.birch.stats MNT`, which `birch stats` reads), then the
     /// fault counters (`device_read_errors`, `device_write_errors`, `device_flush_errors`:
     /// requests the device failed since the mount; `lost_data_flushes`: buffered flushes
-    /// whose data was lost, their files' fsyncs failing), the gauge `read_only_failure` (1
+    /// whose data was lost, their files' fsyncs failing; `lifetime_device_read_errors`,
+    /// `lifetime_device_write_errors`, `lifetime_device_flush_errors` and
+    /// `lifetime_checksum_errors`: the same over the filesystem's life, as the superblock keeps
+    /// them), the gauge `read_only_failure` (1
     /// when a failure made the filesystem read-only) and, while it is read-only, the string
     /// `read_only_cause` (why); the
     /// gauges: `dirty_bytes` (buffered, not yet written), `log_used_bytes` of
@@ -851,6 +854,7 @@ impl Filesystem {
         // Faults: what the device failed since the mount, the buffered flushes whose data was
         // lost, and whether a failure turned the filesystem read-only (a gauge, 0 or 1).
         let errors = engine.device_errors();
+        let lifetime = engine.device_stats();
         let failed = engine.read_only_cause().is_some_and(|c| !c.is_chosen());
         for (name, value) in [
             ("device_read_errors", errors.reads.load(Ordering::Relaxed)),
@@ -864,6 +868,11 @@ impl Filesystem {
                 self.inner.lost_flushes.load(Ordering::Relaxed),
             ),
             ("read_only_failure", u64::from(failed)),
+            // Over the filesystem's life (kept in the superblock by each commit).
+            ("lifetime_device_read_errors", lifetime.read_errors),
+            ("lifetime_device_write_errors", lifetime.write_errors),
+            ("lifetime_device_flush_errors", lifetime.flush_errors),
+            ("lifetime_checksum_errors", lifetime.checksum_errors),
         ] {
             parts.push(format!("\"{name}\": {value}"));
         }
