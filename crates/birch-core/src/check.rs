@@ -114,11 +114,17 @@ pub enum FindingKind {
     /// free blocks the live tree uses, so a mount refuses snapshot changes while it exists;
     /// `fsck --repair` deletes it.
     SnapshotOutsideLineage = 31,
+    /// Log replay stops at a batch that verifies but names a data block that fails its
+    /// checksum (or lies outside the data area), and a valid batch follows it. The writer
+    /// starts a batch only after the previous one's flush, so the rejected batch was durable
+    /// and the fsyncs of it and of every later batch were answered: replay drops them. The
+    /// block was lost or overwritten after the flush (a device that loses writes, or a bug).
+    LogBatchesLost = 32,
 }
 
 impl FindingKind {
     /// Every kind, in number order.
-    pub const ALL: [FindingKind; 31] = [
+    pub const ALL: [FindingKind; 32] = [
         FindingKind::SuperblockSlotBad,
         FindingKind::NodeUnreadable,
         FindingKind::NodeKeyOutOfRange,
@@ -150,6 +156,7 @@ impl FindingKind {
         FindingKind::SnapshotBlockConflict,
         FindingKind::SharedExtentConflict,
         FindingKind::SnapshotOutsideLineage,
+        FindingKind::LogBatchesLost,
     ];
 
     /// The kind's stable number (see [`FindingKind`]).
@@ -291,8 +298,8 @@ pub const PASSES: [Pass; 10] = [
         id: PassId::Log,
         name: "log",
         depends_on: &[PassId::Superblocks],
-        checks: "counts the log batches the next read-write mount replays (no findings; with batches, birch fsck also checks the log replayed in memory)",
-        finds: &[],
+        checks: "counts the log batches the next read-write mount replays, and finds a batch replay must stop at (it names data that fails its checksum) with a valid batch after it: acknowledged fsyncs replay would drop (with batches, birch fsck also checks the log replayed in memory)",
+        finds: &[FindingKind::LogBatchesLost],
     },
     Pass {
         id: PassId::Snapshots,
@@ -479,6 +486,18 @@ pub fn check_with_root(
         .iter()
         .filter(|r| r.generation > sb.generation)
         .count() as u64;
+    if let Some(next) = replay.followed_by {
+        report.add(
+            FindingKind::LogBatchesLost,
+            replay.rejected_at,
+            "fsync log",
+            format!(
+                "replay stops ({}) and batch {next} follows: it and every later batch were acknowledged",
+                replay.stop
+            ),
+            "every batch followed by another names only blocks that verify",
+        );
+    }
     report.log_stop = replay.stop;
     report.superblock = Some(sb);
     Ok(report)

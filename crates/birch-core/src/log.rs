@@ -547,6 +547,13 @@ pub struct Replay {
     /// may go elsewhere (a skip, a wrap), and once a commit covers this one's generation its
     /// data is no longer checked, so replay would take it in that batch's place.
     pub rejected_at: Option<u64>,
+    /// When replay stopped at a batch that verified but was rejected (`rejected_at`): the
+    /// sequence number of a valid batch right after it. The writer starts a batch only after
+    /// the previous one's flush, so the rejected batch was durable and its fsyncs answered:
+    /// its data was lost or overwritten since (a device that lost writes, or a bug), and the
+    /// batches after it, fsync'd too, are not replayed. fsck reports it
+    /// (`FindingKind::LogBatchesLost`).
+    pub followed_by: Option<u64>,
 }
 
 /// Reads every batch from the superblock's log head while each verifies, has the next
@@ -569,32 +576,7 @@ pub fn read_log(device: &dyn BlockDevice, sb: &Superblock) -> Replay {
             out.stop = "read a whole lap".into();
             return out;
         }
-        let next_lap = (lsn / sb.log_bytes + 1) * sb.log_bytes;
-        // The writer skips to the next lap when a batch would straddle the end, and with
-        // `INCOMPAT_LOG_ALIGNED` to the next boundary of the device's atomic unit when a batch
-        // would cross one. A batch is taken only where its header names that very lsn and the
-        // expected sequence, so trying several places never takes a stale one.
-        let aligned = sb.incompat & INCOMPAT_LOG_ALIGNED != 0;
-        let batch = read_batch(device, sb, lsn, out.next_seq)
-            .or_else(|| {
-                if !aligned {
-                    return None;
-                }
-                unit_boundaries(sb, lsn, next_lap)
-                    .find_map(|at| read_batch(device, sb, at, out.next_seq))
-            })
-            .or_else(|| {
-                if lsn % sb.log_bytes == 0 {
-                    return None;
-                }
-                read_batch(device, sb, next_lap, out.next_seq).or_else(|| {
-                    if !aligned {
-                        return None;
-                    }
-                    unit_boundaries(sb, next_lap, next_lap + sb.log_bytes)
-                        .find_map(|at| read_batch(device, sb, at, out.next_seq))
-                })
-            });
+        let batch = find_batch(device, sb, lsn, out.next_seq);
         let Some((at, (len, records))) = batch else {
             out.stop = format!("no valid batch with sequence {} at lsn {lsn}", out.next_seq);
             return out;
@@ -608,6 +590,8 @@ pub fn read_log(device: &dyn BlockDevice, sb: &Superblock) -> Replay {
         {
             out.stop = format!("batch {} has {bad}", out.next_seq);
             out.rejected_at = Some(sb.log_start + at % sb.log_bytes);
+            out.followed_by =
+                find_batch(device, sb, at + len, out.next_seq + 1).map(|_| out.next_seq + 1);
             return out;
         }
         // Only records replay will apply need their data: older ones are covered by the commit
@@ -631,6 +615,8 @@ pub fn read_log(device: &dyn BlockDevice, sb: &Superblock) -> Replay {
         {
             out.stop = format!("batch {} references {bad}", out.next_seq);
             out.rejected_at = Some(sb.log_start + at % sb.log_bytes);
+            out.followed_by =
+                find_batch(device, sb, at + len, out.next_seq + 1).map(|_| out.next_seq + 1);
             return out;
         }
         out.records.extend(records);
@@ -640,6 +626,40 @@ pub fn read_log(device: &dyn BlockDevice, sb: &Superblock) -> Replay {
         out.tail_lsn = Lsn::new(lsn);
         out.next_seq += 1;
     }
+}
+
+/// The batch with sequence `seq` that the writer put at `lsn` or where it skips to from
+/// there: to the next lap when a batch would straddle the end, and with `INCOMPAT_LOG_ALIGNED`
+/// to the next boundary of the device's atomic unit when a batch would cross one. A batch is
+/// taken only where its header names that very lsn and the expected sequence, so trying
+/// several places never takes a stale one.
+fn find_batch(
+    device: &dyn BlockDevice,
+    sb: &Superblock,
+    lsn: u64,
+    seq: u64,
+) -> Option<(u64, (u64, Vec<LogRecord>))> {
+    let next_lap = (lsn / sb.log_bytes + 1) * sb.log_bytes;
+    let aligned = sb.incompat & INCOMPAT_LOG_ALIGNED != 0;
+    read_batch(device, sb, lsn, seq)
+        .or_else(|| {
+            if !aligned {
+                return None;
+            }
+            unit_boundaries(sb, lsn, next_lap).find_map(|at| read_batch(device, sb, at, seq))
+        })
+        .or_else(|| {
+            if lsn % sb.log_bytes == 0 {
+                return None;
+            }
+            read_batch(device, sb, next_lap, seq).or_else(|| {
+                if !aligned {
+                    return None;
+                }
+                unit_boundaries(sb, next_lap, next_lap + sb.log_bytes)
+                    .find_map(|at| read_batch(device, sb, at, seq))
+            })
+        })
 }
 
 /// The log positions after `lsn` and before `next_lap` where a batch skipped to the next

@@ -72,6 +72,28 @@ impl PendingData {
         gone.len()
     }
 
+    /// Forgets the placed blocks in `[addr, addr + len)` whose bytes a queued data record
+    /// carries ([`PendingData::mark_logged`]): freed, they need no write in place, as the log
+    /// has their bytes for any batch naming them. The others stay: an extent record naming
+    /// them may sit in the log's queue or in a batch a leader has taken and not yet written,
+    /// and that leader must still find them (`write_named_with`). Returns how many it forgot.
+    pub(crate) fn forget_logged(&self, addr: u64, len: u64) -> usize {
+        if self.count.load(Ordering::SeqCst) == 0 {
+            return 0;
+        }
+        let mut blocks = self.blocks.lock();
+        let gone: Vec<u64> = blocks
+            .range(addr..addr + len)
+            .filter(|(_, (_, logged))| *logged)
+            .map(|(a, _)| *a)
+            .collect();
+        for at in &gone {
+            blocks.remove(at);
+            self.count.fetch_sub(1, Ordering::SeqCst);
+        }
+        gone.len()
+    }
+
     /// The placed blocks in `[addr, addr + len)`, to lay over a device read of that range
     /// ([`PendingData::lay_over`]). Take them before the device read: a block that is not
     /// placed then was written in place before it left.

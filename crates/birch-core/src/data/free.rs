@@ -98,21 +98,27 @@ impl DataLayer<'_> {
     /// [`Seen::Unrecorded`] frees them at once.
     pub(crate) fn free(&self, run: BlockRun, birth: u64, seen: Seen<'_, '_>) {
         let alloc = self.engine.allocator();
-        // Placed bytes of freed blocks are never written when no tree a commit will still
-        // write names the blocks: unrecorded ones, and ones born in the freeing transaction.
-        // A block an older generation recorded may be named by the frozen transaction whose
-        // commit has not written its placed blocks yet (the free runs after the freeze): its
-        // bytes stay placed, and a commit writes them (the blocks stay pinned until then).
-        let forget = match &seen {
-            Seen::Recorded(txn) => birth >= txn.generation().get(),
-            Seen::Unrecorded => true,
+        // Placed bytes of freed blocks need no write in place when nothing will read them
+        // there. Unrecorded blocks: no record ever named them, forgotten. Recorded blocks born
+        // in the freeing transaction: only those whose bytes a queued data record carries are
+        // forgotten (`forget_logged`); the others may be named by an extent record in the
+        // log's queue, or in a batch a leader took and has not written yet, and that leader
+        // writes them with the batch (forgetting them there sent a batch out without its
+        // blocks: replay stopped at it and dropped every later, acknowledged batch; found by
+        // the soak, tests/placed_race.rs). A block an older generation recorded may be named
+        // by the frozen transaction whose commit has not written its placed blocks yet (the
+        // free runs after the freeze): its bytes stay placed too. What stays placed is written
+        // by a leader naming it or by the next commit; the blocks stay pinned until then.
+        let pending = self.engine.pending();
+        let (at, len) = (run.disk_addr().get(), run.block_count().get() * BLOCK_SIZE);
+        let was_placed = match &seen {
+            Seen::Unrecorded => pending.forget(at, len) > 0,
+            Seen::Recorded(txn) if birth >= txn.generation().get() => {
+                pending.forget_logged(at, len);
+                false
+            }
+            Seen::Recorded(_) => false,
         };
-        let was_placed = forget
-            && self
-                .engine
-                .pending()
-                .forget(run.disk_addr().get(), run.block_count().get() * BLOCK_SIZE)
-                > 0;
         match seen {
             // A commit's `write_out` may have taken these placed bytes already and be about
             // to write them: freed at once, the blocks could be taken and written by another
@@ -156,6 +162,34 @@ mod tests {
     use super::*;
     use crate::data::test_support::{pattern, setup, INO};
     use crate::data::BlockDelta;
+
+    /// A placed block whose extent the running transaction drops stays placed (a leader may
+    /// have taken a batch naming it) unless a queued data record carries its bytes; the commit
+    /// writes what stayed, before the blocks come back.
+    #[test]
+    fn freed_placed_blocks_stay_until_written_unless_the_log_carries_them() {
+        let (mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        engine.commit().expect("commit");
+        let runs = data.place_new(INO, 0, &pattern(2, 3)).expect("place");
+        let (addr, len) = (runs[0].addr, 2 * BLOCK_SIZE);
+        // The second block's bytes go to the log in a data record.
+        engine.pending().mark_logged(addr + BLOCK_SIZE, BLOCK_SIZE);
+        data.replace_range(INO, 0, len, runs, false)
+            .expect("record");
+        data.drop_range(INO, 0, len).expect("drop");
+        let over = engine.pending().overlay(addr, len);
+        assert_eq!(
+            over.iter().map(|(a, _)| *a).collect::<Vec<_>>(),
+            vec![addr],
+            "only the block no data record carries stays placed"
+        );
+        engine.commit().expect("commit");
+        assert_eq!(engine.pending().blocks(), 0, "the commit writes it");
+        let mut on_disk = vec![0u8; BLOCK_SIZE as usize];
+        crate::device::BlockDevice::read_at(&*mem, &mut on_disk, addr).expect("read");
+        assert_eq!(on_disk, pattern(2, 3)[..BLOCK_SIZE as usize]);
+    }
 
     #[test]
     fn freed_blocks_stay_pinned_until_the_commit() {

@@ -1312,6 +1312,14 @@ impl Filesystem {
         let Some(replay) = engine.log().take_replay() else {
             return Ok(false);
         };
+        if let Some(next) = replay.followed_by {
+            // Not a torn last batch: this one was durable and answered its fsyncs, and so
+            // were the batches from `next` on, which replay drops (`FindingKind::LogBatchesLost`).
+            log::error!(
+                "log replay stops at a durable batch ({}) with batch {next} after it: fsyncs answered by those batches are lost",
+                replay.stop
+            );
+        }
         let committed = engine.committed_generation().get();
         let live: Vec<LogRecord> = replay
             .records
