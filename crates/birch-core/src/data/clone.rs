@@ -122,8 +122,7 @@ mod tests {
     //! append contiguous with it is not merged into it.
 
     use super::*;
-    use crate::data::test_support::{pattern, setup, INO};
-    use crate::data::WrittenRun;
+    use crate::data::test_support::{setup, two_contiguous_runs, INO};
 
     /// An append contiguous on disk with a shared extent is not merged into it (DESIGN §15.6:
     /// a shared extent's blocks are counted; a merge would make new blocks look shared).
@@ -131,18 +130,7 @@ mod tests {
     fn an_append_is_not_merged_into_a_shared_extent() {
         let (_mem, engine) = setup();
         let data = DataLayer::new(&engine);
-        let runs = data.write_new(INO, 0, &pattern(2, 1)).expect("write");
-        let run = &runs[0];
-        let first = WrittenRun {
-            csums: run.csums[..1].to_vec(),
-            ..run.clone()
-        };
-        let second = WrittenRun {
-            file_offset: BLOCK_SIZE,
-            addr: run.addr + BLOCK_SIZE,
-            csums: run.csums[1..].to_vec(),
-            birth: run.birth,
-        };
+        let (first, second) = two_contiguous_runs(&data);
         data.replace_range(INO, 0, BLOCK_SIZE, vec![first], false)
             .expect("record");
         // Clone the first block into another inode: the source extent becomes shared.

@@ -503,7 +503,7 @@ mod tests {
     use birch_format::{BlockCount, Generation};
 
     use super::*;
-    use crate::data::test_support::{pattern, setup, INO};
+    use crate::data::test_support::{pattern, setup, two_contiguous_runs, INO};
 
     #[test]
     fn layout_and_continuation_goal_answer_from_one_lookup() {
@@ -602,19 +602,7 @@ mod tests {
         let data = DataLayer::new(&engine);
         // Two blocks written together (contiguous on disk); the first is recorded in one
         // generation, the second, appended, in the next, and merges into the first's extent.
-        let runs = data.write_new(INO, 0, &pattern(2, 1)).expect("write");
-        assert_eq!(runs.len(), 1);
-        let run = &runs[0];
-        let first = WrittenRun {
-            csums: run.csums[..1].to_vec(),
-            ..run.clone()
-        };
-        let second = WrittenRun {
-            file_offset: BLOCK_SIZE,
-            addr: run.addr + BLOCK_SIZE,
-            csums: run.csums[1..].to_vec(),
-            birth: run.birth,
-        };
+        let (first, second) = two_contiguous_runs(&data);
         data.replace_range(INO, 0, BLOCK_SIZE, vec![first], false)
             .expect("record");
         let born = engine.running_generation().get();
@@ -634,18 +622,7 @@ mod tests {
         let data = DataLayer::new(&engine);
         // As in merged_extent_keeps_the_older_birth, but a snapshot of the first block's
         // commit stands between the two (DESIGN §15.6 rule 1).
-        let runs = data.write_new(INO, 0, &pattern(2, 1)).expect("write");
-        let run = &runs[0];
-        let first = WrittenRun {
-            csums: run.csums[..1].to_vec(),
-            ..run.clone()
-        };
-        let second = WrittenRun {
-            file_offset: BLOCK_SIZE,
-            addr: run.addr + BLOCK_SIZE,
-            csums: run.csums[1..].to_vec(),
-            birth: run.birth,
-        };
+        let (first, second) = two_contiguous_runs(&data);
         data.replace_range(INO, 0, BLOCK_SIZE, vec![first], false)
             .expect("record");
         let born = engine.running_generation().get();

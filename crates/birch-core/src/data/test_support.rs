@@ -46,3 +46,22 @@ pub(super) fn read_back(data: &DataLayer<'_>, runs: &[WrittenRun]) -> Result<Vec
     }
     Ok(out)
 }
+
+/// Two blocks written together (contiguous on disk) and split into two runs: the file's
+/// first block and its second, to record separately (an append that may merge).
+pub(super) fn two_contiguous_runs(data: &DataLayer<'_>) -> (WrittenRun, WrittenRun) {
+    let runs = data.write_new(INO, 0, &pattern(2, 1)).expect("write");
+    assert_eq!(runs.len(), 1, "two blocks written together are one run");
+    let run = &runs[0];
+    let first = WrittenRun {
+        csums: run.csums[..1].to_vec(),
+        ..run.clone()
+    };
+    let second = WrittenRun {
+        file_offset: BLOCK_SIZE,
+        addr: run.addr + BLOCK_SIZE,
+        csums: run.csums[1..].to_vec(),
+        birth: run.birth,
+    };
+    (first, second)
+}
