@@ -99,6 +99,17 @@ expect_rc 1 "online scrub finds the flipped data byte" -- "$BIRCH" scrub --json 
 json_check "$WORK/out" \
   "r['damaged'] == 1 and r['damage'][0]['block'] == $BAD and '/d/e/big' in r['damage'][0]['owners'][0]['paths']" \
   "online data damage: block and path"
+# The list of files with errors (`birch errors`): the scrub's damaged block, then a read that
+# fails its checksum, both on the file with its two paths.
+expect_rc 1 "birch errors after the online scrub" -- "$BIRCH" errors --json "$MNT"
+json_check "$WORK/out" \
+  "len(r['files']) == 1 and r['files'][0]['inode'] == $BIG_INO and sorted(r['files'][0]['paths']) == ['/big-link', '/d/e/big'] and r['files'][0]['scrub_damaged_blocks'] == 1" \
+  "errors: the damaged file, both paths, one damaged block"
+echo 3 >/proc/sys/vm/drop_caches
+if cat "$MNT/d/e/big" >/dev/null 2>"$WORK/err"; then bad "a read of the damaged file succeeded"; else ok "a read of the damaged file fails"; fi
+expect_rc 1 "birch errors after the failed read" -- "$BIRCH" errors "$MNT"
+grep -q "inode $BIG_INO: .*checksum error" "$WORK/out" && grep -q "/big-link" "$WORK/out" && grep -q "/d/e/big" "$WORK/out" \
+  && ok "errors (text): paths and the checksum error" || bad "errors (text): $(cat "$WORK/out")"
 "$BIRCH" umount "$MNT" || { echo "scrub-test: umount failed"; exit 1; }
 
 # One byte of a leaf holding the small files' items, flipped (in a copy of the clean image).

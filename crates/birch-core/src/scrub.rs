@@ -1627,6 +1627,14 @@ impl ScrubJob {
         self.outcome.lock().is_none()
     }
 
+    /// The report once the scrub is done (`None` while it runs or when it failed).
+    pub fn report(&self) -> Option<ScrubReport> {
+        match self.outcome.lock().as_ref() {
+            Some(Ok(report)) => Some(report.clone()),
+            _ => None,
+        }
+    }
+
     /// Asks the scrub to stop at its next block.
     pub fn cancel(&self) {
         self.progress.cancel.store(true, Ordering::SeqCst);

@@ -20,9 +20,9 @@ use std::time::Duration;
 
 use birch_core::check::{check, CheckOptions};
 use birch_core::device::{BlockDevice, MemDevice};
-use birch_core::vfs::OpenOptions;
+use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Error, Filesystem, MkfsOptions};
-use birch_format::InodeNo;
+use birch_format::{InodeNo, ROOT_INO};
 use birch_testkit::{Effect, FaultDevice, Op, Rng, Rule};
 
 const BS: usize = birch_format::BLOCK_SIZE as usize;
@@ -443,6 +443,15 @@ fn an_eio_on_one_files_data_costs_only_that_file() {
     );
     fault.clear();
     assert!(fs.fsync(victim, false).is_err(), "errors stick");
+    // The list of files with errors names the victim, by its path, and only it.
+    let (listed, not_listed) = fs.files_with_errors();
+    assert_eq!(not_listed, 0);
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(
+        (listed[0].ino, listed[0].paths.clone()),
+        (victim, vec!["/victim".to_string()])
+    );
+    assert!(listed[0].errors.lost_writes >= 1, "{listed:?}");
     fs.write(other, 0, &stamp(1, 0, 2), false)
         .expect("other write");
     match fs.fsync(other, false) {
@@ -650,25 +659,60 @@ fn device_error_counts_are_kept_across_mounts() {
         (2, 0),
         "{stats:?}"
     );
+    let (listed, _) = fs.files_with_errors();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].paths, vec!["/f".to_string()]);
+    assert_eq!(
+        (listed[0].errors.read_errors, listed[0].errors.first_offset),
+        (2, Some(0))
+    );
+    // A file under a directory, by its full path; and the cap on the text.
+    let d = fs
+        .mkdir(Caller::default(), ROOT_INO, b"d", 0o755)
+        .expect("mkdir")
+        .ino;
+    fs.mkdir(Caller::default(), d, b"e", 0o755).expect("mkdir");
+    fs.write_file("/d/e/g", b"").expect("create");
+    let g = fs.resolve("/d/e/g").expect("resolve");
+    fs.write(g, 0, &stamp(1, 0, 1), false).expect("write");
+    fs.sync().expect("commit");
+    fault.add(Rule::always(Op::Read, Effect::Eio).times(1));
+    assert!(fs.read(g, 0, BS).is_err(), "an injected read error");
+    fault.clear();
+    let (listed, _) = fs.files_with_errors();
+    assert_eq!(
+        listed.iter().map(|f| f.paths.clone()).collect::<Vec<_>>(),
+        vec![vec!["/f".to_string()], vec!["/d/e/g".to_string()]]
+    );
+    assert!(fs.files_with_errors_json(300).contains("\"not_listed\": 1"));
     fs.write_file("/g", b"x").expect("a change to commit");
     fs.close().expect("close");
     drop(fs);
     // Damage the file's block on the image: the next mount's read fails its checksum.
     let fs = mount(mem.clone()).expect("remount");
     let stats = fs.engine().device_stats();
-    assert_eq!(stats.read_errors, 2, "kept across the remount: {stats:?}");
+    assert_eq!(stats.read_errors, 3, "kept across the remount: {stats:?}");
     let image = mem.snapshot();
     let want = stamp(0, 0, 1);
     let addr = (0..image.len() / BS)
         .map(|b| b * BS)
         .find(|at| image[*at..*at + BS] == want[..])
         .expect("the file's block on the image") as u64;
+    assert!(
+        fs.files_with_errors().0.is_empty(),
+        "the list is the mount's"
+    );
     mem.corrupt(addr + 100, &[0xde, 0xad]);
     assert!(fs.read(ino, 0, BS).is_err(), "a checksum failure");
+    let json = fs.files_with_errors_json(60_000);
+    assert!(
+        json.contains("\"paths\": [\"/f\"]") && json.contains("\"checksum_errors\": 1"),
+        "{json}"
+    );
     let stats = fs.engine().device_stats();
     assert_eq!(
         (stats.read_errors, stats.checksum_errors),
-        (2, 1),
+        (3, 1),
         "{stats:?}"
     );
     assert!(fs.stats_json().contains("\"lifetime_checksum_errors\": 1"));
@@ -679,7 +723,7 @@ fn device_error_counts_are_kept_across_mounts() {
     let stats = fs.engine().device_stats();
     assert_eq!(
         (stats.read_errors, stats.checksum_errors),
-        (2, 1),
+        (3, 1),
         "both kinds kept: {stats:?}"
     );
     fs.close().expect("close");

@@ -69,8 +69,8 @@ use invalidate::Invalidator;
 pub use full_disk::DEFAULT_WRITE_THROUGH_BELOW;
 pub use ioctls::{FITRIM, FS_IOC_SHUTDOWN};
 pub use xattrs::{
-    diff_xattr_name, ALONE_XATTR, CONTROL_XATTR, DIFF_CHUNK, DIFF_XATTR_PREFIX, SCRUB_XATTR,
-    SNAPSHOTS_XATTR, STATS_XATTR,
+    diff_xattr_name, ALONE_XATTR, CONTROL_XATTR, DIFF_CHUNK, DIFF_XATTR_PREFIX, ERRORS_XATTR,
+    SCRUB_XATTR, SNAPSHOTS_XATTR, STATS_XATTR,
 };
 
 /// Adapter settings.

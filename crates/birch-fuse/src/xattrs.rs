@@ -30,6 +30,10 @@ pub const STATS_XATTR: &[u8] = b"trusted.birch.stats";
 /// (`Filesystem::scrub_status`); `scrub-start` and `scrub-cancel` on [`CONTROL_XATTR`] drive it.
 pub const SCRUB_XATTR: &[u8] = b"trusted.birch.scrub";
 
+/// The root xattr that lists the files this mount found damaged as JSON
+/// (`Filesystem::files_with_errors_json`, at most [`DIFF_CHUNK`] bytes; `birch errors MNT`).
+pub const ERRORS_XATTR: &[u8] = b"trusted.birch.errors";
+
 /// The root xattr that lists the snapshots, a line each (`Filesystem::snapshots_text`);
 /// `snapshot-create NAME` and `snapshot-delete NAME` on [`CONTROL_XATTR`] change them.
 pub const SNAPSHOTS_XATTR: &[u8] = b"trusted.birch.snapshots";
@@ -219,6 +223,14 @@ impl BirchFuse {
         }
         if ino.0 == 1 && name.as_bytes() == SCRUB_XATTR {
             xattr_reply(reply, size, self.fs.scrub_status().as_bytes());
+            return;
+        }
+        if ino.0 == 1 && name.as_bytes() == ERRORS_XATTR {
+            xattr_reply(
+                reply,
+                size,
+                self.fs.files_with_errors_json(DIFF_CHUNK).as_bytes(),
+            );
             return;
         }
         if ino.0 == 1 && name.as_bytes() == SNAPSHOTS_XATTR {

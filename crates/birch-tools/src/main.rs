@@ -12,6 +12,7 @@
 //! error.
 
 mod docs;
+mod errors;
 mod fusecrash;
 mod mount;
 mod scrub;
@@ -235,6 +236,18 @@ enum Command {
         /// (`live@OBJECTID:TYPE:OFFSET` or `snapshot-ID@OBJECTID:TYPE:OFFSET`).
         #[arg(long, value_name = "POSITION")]
         resume: Option<String>,
+    },
+    /// List the files a mount found damaged: data reads that failed (device error or checksum),
+    /// written data the device lost, blocks the last online scrub found damaged (what `zpool
+    /// status -v` calls permanent errors). The list lasts for the mount; the device's error
+    /// counts across mounts are in `birch stats` (lifetime_*). Exit codes: 0 none, 1 some, 2
+    /// the list could not be read. Root only.
+    Errors {
+        /// The mount point.
+        mountpoint: PathBuf,
+        /// Print the daemon's JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Run the crash matrix: each workload on a recording in-memory device, then every crash
     /// state (each flush point, plus seeded subsets of unflushed writes, some torn) recovered,
@@ -512,6 +525,7 @@ fn main() -> ExitCode {
             force,
             resume,
         } => scrub::scrub_main(&target, rate, json, force, resume.as_deref()),
+        Command::Errors { mountpoint, json } => errors::errors_main(&mountpoint, json),
         Command::Inspect { image, what, ceph } => inspect(&image, &what, &ceph),
         Command::Snapshot { action } => snapshot(action),
         Command::Diff {

@@ -1022,6 +1022,7 @@ impl Filesystem {
             return Err(Error::IsDir(format!("read of dir {ino}")));
         }
         self.read_locked(ino, &data, offset, size)
+            .inspect_err(|e| self.inner.error_files.note_read(ino, offset, e))
     }
 
     /// Resolves an absolute path inside the filesystem to an inode (embedded use). Follows no

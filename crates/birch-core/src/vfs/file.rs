@@ -165,7 +165,8 @@ impl Filesystem {
             if data.item.mode & libc::S_IFMT == libc::S_IFDIR {
                 return Err(Error::IsDir(format!("read of dir {ino}")));
             }
-            self.read_locked(ino, &data, offset, size)?
+            self.read_locked(ino, &data, offset, size)
+                .inspect_err(|e| self.inner.error_files.note_read(ino, offset, e))?
         };
         let moved = self.touch_atime(ino, &state);
         Ok((out, moved))

@@ -15,6 +15,7 @@ pub mod acl;
 mod buffer;
 mod dir;
 mod durability;
+pub mod errfiles;
 mod file;
 mod fsync_rules;
 mod snapview;
@@ -448,6 +449,8 @@ pub(crate) struct Inner {
     data_lost: RwLock<Option<DataLostHook>>,
     /// The snapshot namespace: `/.snapshot`, open files per snapshot (snapview.rs).
     pub(crate) snaps: snapview::SnapState,
+    /// The files this mount found damaged (errfiles.rs).
+    pub(crate) error_files: errfiles::ErrorFiles,
 }
 
 /// Says whether the calling thread may wait for another request of the embedder (a FUSE
@@ -668,6 +671,7 @@ impl Filesystem {
             release_wait: RwLock::new(None),
             data_lost: RwLock::new(None),
             snaps: snapview::SnapState::default(),
+            error_files: errfiles::ErrorFiles::default(),
         });
         let fs = Filesystem { inner, view: false };
         match fs.getattr(ROOT_INO) {
@@ -1365,6 +1369,9 @@ impl Filesystem {
 
     /// Tells the hook (if any) that `ino`'s written data was lost.
     pub(crate) fn data_lost(&self, ino: u64) {
+        self.inner
+            .error_files
+            .note(ino, errfiles::ErrorKind::LostWrite, None);
         if let Some(hook) = self.inner.data_lost.read().as_ref() {
             hook(InodeNo::new(ino));
         }
