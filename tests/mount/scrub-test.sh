@@ -110,6 +110,10 @@ if cat "$MNT/d/e/big" >/dev/null 2>"$WORK/err"; then bad "a read of the damaged 
 expect_rc 1 "birch errors after the failed read" -- "$BIRCH" errors "$MNT"
 grep -q "inode $BIG_INO: .*checksum error" "$WORK/out" && grep -q "/big-link" "$WORK/out" && grep -q "/d/e/big" "$WORK/out" \
   && ok "errors (text): paths and the checksum error" || bad "errors (text): $(cat "$WORK/out")"
+expect_rc 0 "birch errors --clear" -- "$BIRCH" errors --clear "$MNT"
+expect_rc 0 "birch errors after the clear: none" -- "$BIRCH" errors "$MNT"
+"$BIRCH" stats --json "$MNT" >"$WORK/stats.json"
+json_check "$WORK/stats.json" "r['counters']['lifetime_checksum_errors'] == 0" "lifetime checksum errors cleared"
 "$BIRCH" umount "$MNT" || { echo "scrub-test: umount failed"; exit 1; }
 
 # One byte of a leaf holding the small files' items, flipped (in a copy of the clean image).

@@ -47,6 +47,9 @@ pub enum ControlCommand {
     SnapshotDelete(String),
     /// `atime=noatime|relatime|strictatime`: when reads move atime (after a remount).
     Atime(AtimeMode),
+    /// `errors-clear`: forget the files with errors this mount listed and set the lifetime
+    /// device error counts to zero (`birch errors --clear`), then commit.
+    ErrorsClear,
 }
 
 impl ControlCommand {
@@ -60,6 +63,7 @@ impl ControlCommand {
             b"ro" => ControlCommand::ReadOnly,
             b"rw" => ControlCommand::ReadWrite,
             b"sync" => ControlCommand::Sync,
+            b"errors-clear" => ControlCommand::ErrorsClear,
             b"scrub-cancel" => ControlCommand::ScrubCancel,
             other if other.starts_with(b"scrub-start") => scrub_start(other)?,
             other if other.starts_with(b"snapshot-create ") => {
@@ -110,6 +114,7 @@ impl fmt::Display for ControlCommand {
             ControlCommand::SnapshotCreate(name) => write!(f, "snapshot-create {name}"),
             ControlCommand::SnapshotDelete(name) => write!(f, "snapshot-delete {name}"),
             ControlCommand::Atime(mode) => write!(f, "atime={}", mode.option()),
+            ControlCommand::ErrorsClear => f.write_str("errors-clear"),
         }
     }
 }
@@ -202,6 +207,7 @@ mod tests {
                 "atime=strictatime",
                 ControlCommand::Atime(AtimeMode::StrictAtime),
             ),
+            ("errors-clear", ControlCommand::ErrorsClear),
         ];
         for (wire, command) in cases {
             assert_eq!(

@@ -726,5 +726,27 @@ fn device_error_counts_are_kept_across_mounts() {
         (3, 1),
         "both kinds kept: {stats:?}"
     );
+    // `birch errors --clear`: a read error listed, then cleared; the zeros are in the
+    // superblock the clear's commit writes (no other change), and only new errors count.
+    assert!(fs.read(ino, 0, BS).is_err(), "still damaged");
+    assert_eq!(fs.files_with_errors().0.len(), 1);
+    fs.control(b"errors-clear").expect("clear");
+    assert!(fs.files_with_errors().0.is_empty(), "list cleared");
+    assert_eq!(fs.engine().device_stats(), Default::default());
+    assert!(fs.read(ino, 0, BS).is_err(), "a new checksum failure");
+    assert_eq!(
+        fs.engine().device_stats().checksum_errors,
+        1,
+        "counted anew"
+    );
+    fs.control(b"errors-clear").expect("clear again");
+    fs.close().expect("close");
+    drop(fs);
+    let fs = mount(mem.clone()).expect("fourth mount");
+    assert_eq!(
+        fs.engine().device_stats(),
+        Default::default(),
+        "the clear is durable"
+    );
     fs.close().expect("close");
 }

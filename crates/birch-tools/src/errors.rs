@@ -6,14 +6,28 @@
 use std::path::Path;
 use std::process::ExitCode;
 
+use birch_core::control::ControlCommand;
 use serde_json::Value;
 
 const ERRORS_XATTR: &str = "trusted.birch.errors";
 
 /// Prints the list (a line a file, or the JSON with `json`). Exit 0 when no file has an
-/// error, 1 when some do, 2 when the list cannot be read.
-pub(crate) fn errors_main(mountpoint: &Path, json: bool) -> ExitCode {
+/// error, 1 when some do, 2 when the list cannot be read. With `clear`, clears the list and
+/// the lifetime counts instead (exit 0, or 2).
+pub(crate) fn errors_main(mountpoint: &Path, json: bool, clear: bool) -> ExitCode {
     let show = mountpoint.display();
+    if clear {
+        return match crate::mount::control(mountpoint, &ControlCommand::ErrorsClear) {
+            Ok(()) => {
+                println!("{show}: the list of files with errors and the lifetime device error counts are cleared");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("birch: {show}: errors --clear: {e}");
+                ExitCode::from(2)
+            }
+        };
+    }
     let raw = match crate::stats::getxattr(mountpoint, ERRORS_XATTR) {
         Ok(raw) => raw,
         Err(e) => {

@@ -246,8 +246,13 @@ enum Command {
         /// The mount point.
         mountpoint: PathBuf,
         /// Print the daemon's JSON.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "clear")]
         json: bool,
+        /// Forget the listed files and set the lifetime device error counts to zero (after
+        /// the damage was dealt with: files restored, disk replaced), as `zpool clear` and
+        /// `btrfs device stats -z` do; written by a commit before this returns.
+        #[arg(long)]
+        clear: bool,
     },
     /// Run the crash matrix: each workload on a recording in-memory device, then every crash
     /// state (each flush point, plus seeded subsets of unflushed writes, some torn) recovered,
@@ -525,7 +530,11 @@ fn main() -> ExitCode {
             force,
             resume,
         } => scrub::scrub_main(&target, rate, json, force, resume.as_deref()),
-        Command::Errors { mountpoint, json } => errors::errors_main(&mountpoint, json),
+        Command::Errors {
+            mountpoint,
+            json,
+            clear,
+        } => errors::errors_main(&mountpoint, json, clear),
         Command::Inspect { image, what, ceph } => inspect(&image, &what, &ceph),
         Command::Snapshot { action } => snapshot(action),
         Command::Diff {

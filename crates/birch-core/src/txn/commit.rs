@@ -361,10 +361,12 @@ impl Engine {
         let idle = self.active.is_empty()
             && self.alloc.pinned_blocks() == BlockCount::new(0)
             && self.ids.high_water() == self.superblock.lock().next_objectid
-            && snapshots.pending.is_empty();
+            && snapshots.pending.is_empty()
+            && !self.superblock_changed.load(Ordering::SeqCst);
         if idle {
             return Ok(None);
         }
+        self.superblock_changed.store(false, Ordering::SeqCst);
         let rollback = snapshots
             .pending
             .iter()

@@ -80,9 +80,13 @@ pub struct Engine {
     /// The commit lock, its waiters, the parallel apply in progress and the commit switches.
     commits: CommitQueue,
     superblock: Mutex<Superblock>,
-    /// The device's lifetime error counts as the superblock read at open held them; each
-    /// commit writes them plus this mount's ([`Engine::device_stats`]).
-    device_stats_at_open: DeviceStats,
+    /// The device's lifetime error counts: what the superblock held at open (zero after a
+    /// clear), and this mount's counts at the last clear, to take off. Each commit writes the
+    /// first plus this mount's counts less the second ([`Engine::device_stats`]).
+    device_stats_base: Mutex<(DeviceStats, DeviceStats)>,
+    /// Something only the superblock holds changed (the device counts were cleared): the next
+    /// commit writes a superblock even with no other change.
+    superblock_changed: AtomicBool,
     /// Incompat feature flags the next commit sets (a change that needs one was recorded).
     incompat_wanted: AtomicU64,
     /// The object-id counter (and its benchmark-only global lock).
@@ -283,15 +287,35 @@ impl Engine {
     /// open plus this mount's (device errors, checksum failures). What the next commit
     /// writes (compat flag `COMPAT_DEVICE_STATS`, FORMAT.md §3).
     pub fn device_stats(&self) -> DeviceStats {
-        let base = self.device_stats_at_open;
-        let now = self.fence.errors();
-        let checksums = self.counters.values().checksum_errors;
+        let (add, sub) = *self.device_stats_base.lock();
+        let now = self.mount_device_stats();
         DeviceStats {
-            read_errors: base.read_errors + now.reads.load(Ordering::Relaxed),
-            write_errors: base.write_errors + now.writes.load(Ordering::Relaxed),
-            flush_errors: base.flush_errors + now.flushes.load(Ordering::Relaxed),
-            checksum_errors: base.checksum_errors + checksums,
+            read_errors: (add.read_errors + now.read_errors).saturating_sub(sub.read_errors),
+            write_errors: (add.write_errors + now.write_errors).saturating_sub(sub.write_errors),
+            flush_errors: (add.flush_errors + now.flush_errors).saturating_sub(sub.flush_errors),
+            checksum_errors: (add.checksum_errors + now.checksum_errors)
+                .saturating_sub(sub.checksum_errors),
         }
+    }
+
+    /// This mount's device error counts.
+    fn mount_device_stats(&self) -> DeviceStats {
+        let now = self.fence.errors();
+        DeviceStats {
+            read_errors: now.reads.load(Ordering::Relaxed),
+            write_errors: now.writes.load(Ordering::Relaxed),
+            flush_errors: now.flushes.load(Ordering::Relaxed),
+            checksum_errors: self.counters.values().checksum_errors,
+        }
+    }
+
+    /// Sets the lifetime device error counts to zero (`birch errors --clear`, as `btrfs
+    /// device stats -z` and `zpool clear` do); the next commit writes them, and writes a
+    /// superblock for it even when nothing else changed. This mount's own counts (`birch
+    /// stats`' `device_*_errors`) are left as they are.
+    pub fn clear_device_stats(&self) {
+        *self.device_stats_base.lock() = (DeviceStats::default(), self.mount_device_stats());
+        self.superblock_changed.store(true, Ordering::SeqCst);
     }
 
     /// Discards the space free now in device bytes `[start, start + len)`, in free runs of

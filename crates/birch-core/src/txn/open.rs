@@ -315,7 +315,8 @@ impl Engine {
             }),
             commits: CommitQueue::new(),
             ids: ObjectIds::new(superblock.next_objectid),
-            device_stats_at_open: superblock.device_stats,
+            device_stats_base: Mutex::new((superblock.device_stats, Default::default())),
+            superblock_changed: std::sync::atomic::AtomicBool::new(false),
             superblock: Mutex::new(superblock),
             // A device with an atomic unit (RBD) asks for the flag that lets log batches start
             // at its boundaries; the first commit of a writable mount sets it.

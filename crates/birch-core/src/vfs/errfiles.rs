@@ -125,6 +125,21 @@ impl Filesystem {
         (out, dropped)
     }
 
+    /// Forgets the files with errors (a finished online scrub's report with them) and sets
+    /// the lifetime device error counts to zero, written by the next commit
+    /// ([`crate::Engine::clear_device_stats`]): `birch errors --clear`, after the damage was
+    /// dealt with (the files restored, the disk replaced), as `zpool clear` does.
+    pub fn clear_errors(&self) {
+        self.inner.error_files.files.lock().clear();
+        *self.inner.error_files.dropped.lock() = 0;
+        let mut scrub = self.inner.scrub.lock();
+        if scrub.as_ref().is_some_and(|job| !job.is_running()) {
+            *scrub = None;
+        }
+        drop(scrub);
+        self.inner.engine.clear_device_stats();
+    }
+
     /// [`Filesystem::files_with_errors`] as JSON: `files` (each `inode`, `paths`,
     /// `read_errors`, `checksum_errors`, `lost_writes`, `scrub_damaged_blocks`,
     /// `first_offset` or null) and `not_listed`; files are left out (and counted there) to

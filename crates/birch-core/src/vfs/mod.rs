@@ -944,6 +944,10 @@ impl Filesystem {
                 Ok(())
             }
             ControlCommand::Sync => self.sync(),
+            ControlCommand::ErrorsClear => {
+                self.clear_errors();
+                self.sync()
+            }
             ControlCommand::ScrubCancel => {
                 if let Some(job) = self.inner.scrub.lock().as_ref() {
                     job.cancel();
