@@ -3,7 +3,10 @@
 //! Owns: placing batches in the circular log area, group commit (the first fsync that finds no
 //! batch in flight becomes the leader, writes everything queued so far as one batch, flushes
 //! once, and wakes every fsync whose records it carried), retiring batches once a commit covers
-//! them, and reading the log back for replay.
+//! them, and reading the log back for replay. The group-commit protocol itself (tickets, the
+//! leader, deferred waits, the lock and condition variables) is `group`'s (`log/group.rs`);
+//! this module is its `Writer` (taking the queue, encoding and placing a batch, whether it
+//! fits, the write and the flush) and keeps its position and queue under the protocol's lock.
 //!
 //! Must not touch: the trees, the delta, inodes. It is handed records (item changes with the
 //! delta generation they belong to) and writes them; no lock is held while the device writes
@@ -102,7 +105,7 @@ pub enum LogOutcome {
 
 /// The fsync log of one filesystem.
 pub struct FsyncLog {
-    /// Tickets, leader, deferred waits ([`group`]), over the log's position and queue.
+    /// Tickets, leader, deferred waits (`group`), over the log's position and queue.
     group: GroupCommit<LogQueue, Deferred>,
     start: u64,
     bytes: u64,
