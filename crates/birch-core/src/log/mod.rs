@@ -3,7 +3,10 @@
 //! Owns: placing batches in the circular log area, group commit (the first fsync that finds no
 //! batch in flight becomes the leader, writes everything queued so far as one batch, flushes
 //! once, and wakes every fsync whose records it carried), retiring batches once a commit covers
-//! them, and reading the log back for replay.
+//! them, and reading the log back for replay. The group-commit protocol itself (tickets, the
+//! leader, deferred waits, the lock and condition variables) is `group`'s (`log/group.rs`);
+//! this module is its `Writer` (taking the queue, encoding and placing a batch, whether it
+//! fits, the write and the flush) and keeps its position and queue under the protocol's lock.
 //!
 //! Must not touch: the trees, the delta, inodes. It is handed records (item changes with the
 //! delta generation they belong to) and writes them; no lock is held while the device writes
@@ -36,13 +39,17 @@ use birch_format::items::{ExtentKind, FileExtent};
 use birch_format::log::{decode_batch, decode_header, encode_batch, LogRecord};
 use birch_format::superblock::{Superblock, INCOMPAT_LOG_ALIGNED};
 use birch_format::{Generation, ItemType, Key, Lsn, BLOCK_SIZE};
-use parking_lot::{Condvar, Mutex};
 
 use crate::counters::Counters;
 use crate::device::BlockDevice;
 use crate::error::{Error, Result};
 use crate::pending::PendingData;
 use crate::readonly::ReadOnlyCause;
+
+mod group;
+
+pub use group::HandOff;
+use group::{Answer, Deferral, GroupCommit, Writer};
 
 /// A batch written and not yet retired by a commit.
 #[derive(Debug, Clone, Copy)]
@@ -52,80 +59,39 @@ struct LiveBatch {
     max_generation: Generation,
 }
 
-struct LogState {
+/// What the log keeps under the group-commit protocol's lock: its position in the area and
+/// the records queued for the next batch.
+struct LogQueue {
     /// Next byte position to write at.
     tail_lsn: Lsn,
     next_seq: u64,
     /// Space before this position may be overwritten (a durable superblock starts past it).
     reusable_lsn: Lsn,
     live: VecDeque<LiveBatch>,
-    /// Records queued for the next batch, and that batch's ticket.
+    /// Records queued for the next batch.
     queued: Vec<LogRecord>,
     /// Where each key's record sits in `queued`: a later record of a key replaces the earlier
     /// one in place (replay would apply both in order; only the last value survives).
     queued_at: HashMap<Key, usize>,
-    open_ticket: u64,
-    durable_ticket: u64,
-    /// The last ticket whose batch did not fit: its fsyncs fall back to a commit.
-    full_ticket: u64,
-    leader: bool,
-    failed: Option<String>,
-    /// The generation of the last commit that retired batches; once its superblock is
-    /// durable (`set_reusable`), queued records of that generation or older are dropped.
-    retired_generation: Generation,
-    /// The newest generation a durable commit covers (set by `set_reusable`).
-    durable_generation: Generation,
-    /// The newest record generation of a batch the log refused (its records are dropped and
-    /// its fsyncs commit). Until a durable commit covers it, every wait answers `Full`: an
-    /// fsync whose earlier records went into that batch (queued by a write, not waited for)
-    /// must not return on a later batch alone.
-    refused_generation: Generation,
-    /// Waits deferred by [`FsyncLog::defer`]: their tickets and what to call once each is
-    /// answered. Non-empty only while a leader is active or about to be started by the thread
-    /// that deferred (the leader leads on while any is left).
-    deferred: Vec<(u64, Deferred)>,
-    /// A [`FsyncLog::lead`] is arranged (by `hand_off`) and has not started yet.
-    lead_scheduled: bool,
-    /// See [`FsyncLog::set_hand_off`].
-    hand_off: Option<HandOff>,
 }
-
-/// Arranges a call of [`FsyncLog::lead`] elsewhere ([`FsyncLog::set_hand_off`]).
-pub type HandOff = std::sync::Arc<dyn Fn() + Send + Sync>;
 
 /// What a deferred wait calls with its outcome ([`FsyncLog::defer`]).
 pub type Deferred = Box<dyn FnOnce(Result<LogOutcome>) + Send>;
 
-/// The outcome of a wait for `ticket` if the log's state decides it already.
-fn outcome_of(st: &LogState, ticket: u64) -> Option<Result<LogOutcome>> {
-    if let Some(reason) = &st.failed {
-        return Some(Err(Error::ReadOnly(ReadOnlyCause::LogWriteFailed {
-            error: reason.clone(),
-        })));
+impl Deferral for Deferred {
+    fn answer(self, answer: Answer) {
+        self(outcome(answer))
     }
-    if (st.full_ticket >= ticket && st.durable_ticket < ticket)
-        || st.refused_generation > st.durable_generation
-    {
-        return Some(Ok(LogOutcome::Full));
-    }
-    (st.durable_ticket >= ticket).then_some(Ok(LogOutcome::Logged))
 }
 
-/// Takes the deferred waits whose outcome is decided, with their outcomes.
-fn take_answered(st: &mut LogState) -> Vec<(Result<LogOutcome>, Deferred)> {
-    if st.deferred.is_empty() {
-        return Vec::new();
+/// The outcome a wait returns for the protocol's answer.
+fn outcome(answer: Answer) -> Result<LogOutcome> {
+    match answer {
+        Answer::Logged => Ok(LogOutcome::Logged),
+        Answer::Full => Ok(LogOutcome::Full),
+        Answer::Failed(error) => Err(Error::ReadOnly(ReadOnlyCause::LogWriteFailed { error })),
+        Answer::Shutdown => Err(Error::Shutdown),
     }
-    let mut answered = Vec::new();
-    let mut left = Vec::new();
-    for (ticket, done) in std::mem::take(&mut st.deferred) {
-        match outcome_of(st, ticket) {
-            Some(outcome) => answered.push((outcome, done)),
-            None => left.push((ticket, done)),
-        }
-    }
-    st.deferred = left;
-    answered
 }
 
 /// What became of an fsync's records.
@@ -139,11 +105,8 @@ pub enum LogOutcome {
 
 /// The fsync log of one filesystem.
 pub struct FsyncLog {
-    state: Mutex<LogState>,
-    /// Waiters sleep on the condition variable of their ticket's parity: only two tickets are
-    /// ever waited for (the batch in flight and the open one), so a finished batch wakes its
-    /// own waiters and one waiter of the next batch to lead it, not everyone.
-    wake: [Condvar; 2],
+    /// Tickets, leader, deferred waits (`group`), over the log's position and queue.
+    group: GroupCommit<LogQueue, Deferred>,
     start: u64,
     bytes: u64,
     fsid: [u8; 16],
@@ -155,31 +118,131 @@ pub struct FsyncLog {
     align: AtomicU64,
 }
 
+/// A batch taken from the queue: its records and where the log stood.
+struct Taken {
+    records: Vec<LogRecord>,
+    seq: u64,
+    tail_lsn: u64,
+}
+
+/// A batch encoded for where it goes.
+struct Encoded {
+    records: Vec<LogRecord>,
+    seq: u64,
+    lsn: u64,
+    bytes: Vec<u8>,
+    max_generation: Generation,
+}
+
+/// The leader's device work for one wait: [`FsyncLog`]'s side of [`GroupCommit`].
+struct LogWriter<'a> {
+    log: &'a FsyncLog,
+    device: &'a dyn BlockDevice,
+    counters: &'a Counters,
+}
+
+impl Writer for LogWriter<'_> {
+    type Queue = LogQueue;
+    type Taken = Taken;
+    type Batch = Encoded;
+    /// Bytes of placed data blocks written with the batch.
+    type Written = u64;
+
+    fn take(&self, q: &mut LogQueue) -> Option<Taken> {
+        let records = std::mem::take(&mut q.queued);
+        q.queued_at.clear();
+        if records.is_empty() {
+            return None;
+        }
+        Some(Taken {
+            records,
+            seq: q.next_seq,
+            tail_lsn: q.tail_lsn.get(),
+        })
+    }
+
+    fn encode(&self, taken: Taken) -> Encoded {
+        // Only the leader moves the tail and the sequence, and the reusable point only grows.
+        let log = self.log;
+        let Taken {
+            records,
+            seq,
+            tail_lsn,
+        } = taken;
+        let max_generation =
+            Generation::new(records.iter().map(|r| r.generation).max().unwrap_or(0));
+        let mut bytes = encode_batch(log.fsid, seq, tail_lsn, &records);
+        let len = bytes.len() as u64;
+        let lsn = log.place_batch(tail_lsn, len);
+        if lsn != tail_lsn {
+            bytes = encode_batch(log.fsid, seq, lsn, &records);
+            if lsn % log.bytes != 0 {
+                self.counters.add(|c| &c.log_aligned_skips, 1);
+            }
+        }
+        Encoded {
+            records,
+            seq,
+            lsn,
+            bytes,
+            max_generation,
+        }
+    }
+
+    fn fits(&self, q: &LogQueue, batch: &Encoded) -> std::result::Result<(), u64> {
+        let reusable_lsn = q.reusable_lsn.get();
+        let (lsn, len, area) = (batch.lsn, batch.bytes.len() as u64, self.log.bytes);
+        let fits = lsn + len - reusable_lsn <= area && len <= area / 2;
+        if fits {
+            Ok(())
+        } else {
+            Err(batch.max_generation.get())
+        }
+    }
+
+    fn write(&self, batch: &Encoded) -> std::result::Result<u64, String> {
+        // The batch and the placed blocks it names go in one submission (one round trip),
+        // then one flush. They may land in any order: replay checks every block an extent
+        // record of a batch names and stops at the first batch that fails, and that can
+        // only be this one, which no fsync was told is durable (one batch in flight).
+        let log = self.log;
+        let at = log.start + batch.lsn % log.bytes;
+        log.placed
+            .write_named_with(self.device, &batch.records, (at, &batch.bytes))
+            .and_then(|placed| self.device.flush().map(|()| placed))
+            .map_err(|e| format!("write or flush of batch {} at {at:#x}: {e}", batch.seq))
+    }
+
+    fn written(&self, q: &mut LogQueue, batch: Encoded, placed: u64) {
+        let counters = self.counters;
+        let len = batch.bytes.len() as u64;
+        counters.add(|c| &c.log_placed_written, placed / BLOCK_SIZE);
+        q.live.push_back(LiveBatch {
+            lsn: Lsn::new(batch.lsn),
+            seq: batch.seq,
+            max_generation: batch.max_generation,
+        });
+        q.tail_lsn = Lsn::new(batch.lsn + len);
+        q.next_seq = batch.seq + 1;
+        counters.add(|c| &c.log_batches, 1);
+        counters.add(|c| &c.log_records, batch.records.len() as u64);
+        counters.add(|c| &c.log_bytes, len);
+    }
+}
+
 impl FsyncLog {
     /// A log continuing after `tail_lsn` / `next_seq` (the end of what replay read), with
     /// space before `head_lsn` reusable.
     pub fn new(sb: &Superblock, tail_lsn: Lsn, next_seq: u64) -> FsyncLog {
         FsyncLog {
-            state: Mutex::new(LogState {
+            group: GroupCommit::new(LogQueue {
                 tail_lsn,
                 next_seq,
                 reusable_lsn: Lsn::new(sb.log_head),
                 live: VecDeque::new(),
                 queued: Vec::new(),
                 queued_at: HashMap::new(),
-                open_ticket: 1,
-                durable_ticket: 0,
-                full_ticket: 0,
-                leader: false,
-                failed: None,
-                retired_generation: Generation::default(),
-                durable_generation: Generation::default(),
-                refused_generation: Generation::default(),
-                deferred: Vec::new(),
-                lead_scheduled: false,
-                hand_off: None,
             }),
-            wake: [Condvar::new(), Condvar::new()],
             start: sb.log_start,
             bytes: sb.log_bytes,
             fsid: sb.fsid,
@@ -236,14 +299,13 @@ impl FsyncLog {
     /// Bytes between the space a durable commit made reusable and the next write position
     /// (batches replay would still read), capped at the area's size; and the area's size.
     pub fn fill_bytes(&self) -> (u64, u64) {
-        let st = self.state.lock();
-        (
-            st.tail_lsn
+        let used = self.group.with_queue(|q| {
+            q.tail_lsn
                 .get()
-                .saturating_sub(st.reusable_lsn.get())
-                .min(self.bytes),
-            self.bytes,
-        )
+                .saturating_sub(q.reusable_lsn.get())
+                .min(self.bytes)
+        });
+        (used, self.bytes)
     }
 
     /// Queues `records` and returns once they are durable (or the log is full). Concurrent
@@ -263,21 +325,20 @@ impl FsyncLog {
     /// Without a log area, or once the log failed, the records are dropped: the ticket's wait
     /// answers `Full` or the error.
     pub fn enqueue(&self, records: Vec<LogRecord>) -> u64 {
-        let mut st = self.state.lock();
-        if self.bytes == 0 || st.failed.is_some() {
-            return st.open_ticket;
-        }
-        for record in records {
-            let st = &mut *st;
-            match st.queued_at.get(&record.key) {
-                Some(&at) => st.queued[at] = record,
-                None => {
-                    st.queued_at.insert(record.key, st.queued.len());
-                    st.queued.push(record);
+        self.group.enqueue(|q| {
+            if self.bytes == 0 {
+                return;
+            }
+            for record in records {
+                match q.queued_at.get(&record.key) {
+                    Some(&at) => q.queued[at] = record,
+                    None => {
+                        q.queued_at.insert(record.key, q.queued.len());
+                        q.queued.push(record);
+                    }
                 }
             }
-        }
-        st.open_ticket
+        })
     }
 
     /// Waits until the batch of `ticket` is durable, leading the write if no one else is.
@@ -288,132 +349,15 @@ impl FsyncLog {
         counters: &Counters,
         ticket: u64,
     ) -> Result<LogOutcome> {
-        self.run(device, counters, ticket, false)
-    }
-
-    /// [`FsyncLog::wait`], or with `dedicated` the loop of [`FsyncLog::lead`].
-    fn run(
-        &self,
-        device: &dyn BlockDevice,
-        counters: &Counters,
-        ticket: u64,
-        dedicated: bool,
-    ) -> Result<LogOutcome> {
         if self.bytes == 0 {
             return Ok(LogOutcome::Full);
         }
-        let mut st = self.state.lock();
-        if dedicated {
-            st.lead_scheduled = false;
-        }
-        loop {
-            let answered = take_answered(&mut st);
-            if !answered.is_empty() {
-                drop(st);
-                for (outcome, done) in answered {
-                    done(outcome);
-                }
-                st = self.state.lock();
-                continue;
-            }
-            if let Some(outcome) = outcome_of(&st, ticket) {
-                if st.leader || st.deferred.is_empty() || st.lead_scheduled {
-                    return outcome;
-                }
-                // Deferred waits are left and no one leads: the thread that deferred them
-                // counted on a leader to come. A dedicated leader leads on; a caller whose
-                // own wait is answered hands the leading over when it can (so it is never
-                // kept from returning by others' fsyncs), else leads on.
-                if !dedicated {
-                    if let Some(hand_off) = st.hand_off.clone() {
-                        st.lead_scheduled = true;
-                        drop(st);
-                        hand_off();
-                        return outcome;
-                    }
-                }
-            } else if st.leader {
-                self.wake[(ticket & 1) as usize].wait(&mut st);
-                continue;
-            }
-            // Become the leader for everything queued so far. Records queued while this
-            // batch is written and flushed go into the next one.
-            st.leader = true;
-            let batch_ticket = st.open_ticket;
-            st.open_ticket += 1;
-            let records = std::mem::take(&mut st.queued);
-            st.queued_at.clear();
-            if records.is_empty() {
-                // Everything this ticket queued was dropped by a durable commit that covers
-                // it (`set_reusable`): nothing to write. Earlier batches are durable already
-                // (one leader at a time).
-                st.durable_ticket = batch_ticket;
-                st.leader = false;
-                self.wake_all();
-                continue;
-            }
-            let seq = st.next_seq;
-            let tail_lsn = st.tail_lsn.get();
-            drop(st);
-            // Encode with no lock held: only the leader moves the tail and the sequence, and
-            // the reusable point only grows.
-            let max_generation =
-                Generation::new(records.iter().map(|r| r.generation).max().unwrap_or(0));
-            let mut bytes = encode_batch(self.fsid, seq, tail_lsn, &records);
-            let len = bytes.len() as u64;
-            let lsn = self.place_batch(tail_lsn, len);
-            if lsn != tail_lsn {
-                bytes = encode_batch(self.fsid, seq, lsn, &records);
-                if lsn % self.bytes != 0 {
-                    counters.add(|c| &c.log_aligned_skips, 1);
-                }
-            }
-            let reusable_lsn = self.state.lock().reusable_lsn.get();
-            let fits = lsn + len - reusable_lsn <= self.bytes && len <= self.bytes / 2;
-            if !fits {
-                st = self.state.lock();
-                st.full_ticket = batch_ticket;
-                st.refused_generation = st.refused_generation.max(max_generation);
-                st.leader = false;
-                self.wake_all();
-                continue;
-            }
-            // The batch and the placed blocks it names go in one submission (one round trip),
-            // then one flush. They may land in any order: replay checks every block an extent
-            // record of a batch names and stops at the first batch that fails, and that can
-            // only be this one, which no fsync was told is durable (one batch in flight).
-            let at = self.start + lsn % self.bytes;
-            let written = self
-                .placed
-                .write_named_with(device, &records, (at, &bytes))
-                .and_then(|placed| device.flush().map(|()| placed));
-            st = self.state.lock();
-            st.leader = false;
-            match written {
-                Ok(placed) => {
-                    counters.add(|c| &c.log_placed_written, placed / BLOCK_SIZE);
-                    st.live.push_back(LiveBatch {
-                        lsn: Lsn::new(lsn),
-                        seq,
-                        max_generation,
-                    });
-                    st.tail_lsn = Lsn::new(lsn + len);
-                    st.next_seq = seq + 1;
-                    st.durable_ticket = batch_ticket;
-                    counters.add(|c| &c.log_batches, 1);
-                    counters.add(|c| &c.log_records, records.len() as u64);
-                    counters.add(|c| &c.log_bytes, len);
-                }
-                Err(e) => {
-                    st.failed = Some(format!("write or flush of batch {seq} at {at:#x}: {e}"));
-                    self.wake_all();
-                    continue;
-                }
-            }
-            // This batch's waiters return; one waiter of the next ticket leads it.
-            self.wake[(batch_ticket & 1) as usize].notify_all();
-            self.wake[((batch_ticket + 1) & 1) as usize].notify_one();
-        }
+        let writer = LogWriter {
+            log: self,
+            device,
+            counters,
+        };
+        outcome(self.group.run(&writer, ticket, false))
     }
 
     /// Waits for `ticket` without blocking the caller: `done` is called with the outcome
@@ -430,28 +374,28 @@ impl FsyncLog {
             done(Ok(LogOutcome::Full));
             return false;
         }
-        let mut st = self.state.lock();
-        if let Some(outcome) = outcome_of(&st, ticket) {
-            drop(st);
-            done(outcome);
-            return false;
-        }
-        st.deferred.push((ticket, done));
-        !st.leader && !st.lead_scheduled
+        self.group.defer(ticket, done)
     }
 
     /// Leads batches until no deferred wait is left unanswered (or another leader took over),
     /// answering them. What a [`FsyncLog::defer`] that returned true asks for.
     pub fn lead(&self, device: &dyn BlockDevice, counters: &Counters) -> Result<LogOutcome> {
-        // Ticket 0 is answered from the start: this call only leads for the deferred waits.
-        self.run(device, counters, 0, true)
+        if self.bytes == 0 {
+            return Ok(LogOutcome::Full);
+        }
+        let writer = LogWriter {
+            log: self,
+            device,
+            counters,
+        };
+        outcome(self.group.lead(&writer))
     }
 
     /// Sets how a waiter whose own wait is answered hands the leading of deferred waits over
     /// (it must arrange a call of [`FsyncLog::lead`] on a thread that may block, such as a
     /// worker of the FUSE adapter's pool). Without it such a waiter leads on itself.
     pub fn set_hand_off(&self, hand_off: HandOff) {
-        self.state.lock().hand_off = Some(hand_off);
+        self.group.set_hand_off(hand_off);
     }
 
     /// The placed data blocks ([`PendingData`]).
@@ -464,65 +408,46 @@ impl FsyncLog {
     /// leader may come any more, and a deferred wait left unanswered is a caller blocked for
     /// good (its callback holds the FUSE reply). Calls them with no lock held.
     pub fn abandon_deferred(&self) {
-        let taken = {
-            let mut st = self.state.lock();
-            st.lead_scheduled = false;
-            let taken = std::mem::take(&mut st.deferred);
-            taken
-                .into_iter()
-                .map(|(ticket, done)| (outcome_of(&st, ticket), done))
-                .collect::<Vec<_>>()
-        };
-        for (outcome, done) in taken {
-            done(outcome.unwrap_or(Err(Error::Shutdown)));
-        }
+        self.group.abandon_deferred();
     }
 
     /// Why the log failed (a batch's write or flush), if it did: every wait answers an error.
     pub fn failure(&self) -> Option<String> {
-        self.state.lock().failed.clone()
-    }
-
-    fn wake_all(&self) {
-        for wake in &self.wake {
-            wake.notify_all();
-        }
+        self.group.failure()
     }
 
     /// Called by commit `generation` before it writes its superblock: drops the batches the
     /// commit covers and returns where the live log starts (lsn, seq).
     pub fn retire(&self, generation: Generation) -> (Lsn, u64) {
-        let mut st = self.state.lock();
-        st.retired_generation = st.retired_generation.max(generation);
-        while st
-            .live
-            .front()
-            .is_some_and(|b| b.max_generation <= generation)
-        {
-            st.live.pop_front();
-        }
-        match st.live.front() {
-            Some(b) => (b.lsn, b.seq),
-            None => (st.tail_lsn, st.next_seq),
-        }
+        self.group.retire(generation.get(), |q| {
+            while q
+                .live
+                .front()
+                .is_some_and(|b| b.max_generation <= generation)
+            {
+                q.live.pop_front();
+            }
+            match q.live.front() {
+                Some(b) => (b.lsn, b.seq),
+                None => (q.tail_lsn, q.next_seq),
+            }
+        })
     }
 
     /// Called once the superblock naming `head_lsn` is durable: space before it is reusable,
     /// and queued records the commit covers (generation at most the retiring commit's) are
     /// dropped: replay would skip them, and the durable tree holds their values or newer.
     pub fn set_reusable(&self, head_lsn: Lsn) {
-        let mut st = self.state.lock();
-        st.reusable_lsn = st.reusable_lsn.max(head_lsn);
-        let covered = st.retired_generation;
-        st.durable_generation = st.durable_generation.max(covered);
-        if st.queued.iter().any(|r| r.generation <= covered.get()) {
-            let st = &mut *st;
-            st.queued.retain(|r| r.generation > covered.get());
-            st.queued_at.clear();
-            for (at, r) in st.queued.iter().enumerate() {
-                st.queued_at.insert(r.key, at);
+        self.group.set_reusable(|q, covered| {
+            q.reusable_lsn = q.reusable_lsn.max(head_lsn);
+            if q.queued.iter().any(|r| r.generation <= covered) {
+                q.queued.retain(|r| r.generation > covered);
+                q.queued_at.clear();
+                for (at, r) in q.queued.iter().enumerate() {
+                    q.queued_at.insert(r.key, at);
+                }
             }
-        }
+        });
     }
 }
 
