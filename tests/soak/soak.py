@@ -932,7 +932,8 @@ class Soak:
             except Failure as e:
                 self.failures.append(f"final: {e}")
         self.summary()
-        if not self.failures and not a.keep_work:
+        # the work dir goes (a failure's evidence was copied out); never while it has a mount
+        if not a.keep_work and not self.mounted():
             shutil.rmtree(self.work, ignore_errors=True)
         return 1 if self.failures else 0
 
