@@ -4,7 +4,8 @@
 #      a short structure-aware fuzz run of the format decoders, log replay and image open
 #   2b. the Debian package: build, install, mkfs/mount -a/fsck through it, purge
 #   3. mount tests on a real FUSE mount, the NFS export through ganesha   4. pjdfstest (birch and the kernel ext4 baseline)
-#   5. fsx (3 seeds x 20,000 ops), xfstests generic/quick, the differential test against ext4
+#   5. fsx (3 seeds x 20,000 ops), xfstests generic/quick, the soak (short), the differential test
+#      against ext4
 #   6. benchmark harness in quick mode   7. birch on a Ceph RBD image (single-node cluster)
 # Installs what the suites need (tests/posix/setup.sh). Needs root for tiers 3-6; without
 # /dev/fuse or root those tiers are skipped with a printed reason.
@@ -149,6 +150,15 @@ if [[ $can_mount == 1 ]]; then
   # into /var/tmp/birch-xfstests. BIRCH_XFSTESTS=0 leaves it out.
   if [[ ${BIRCH_XFSTESTS:-1} == 1 ]]; then
     tier "xfstests generic/quick" bash tests/xfstests/run.sh --ci
+  fi
+  # The soak, short (tests/soak/soak.py; docs/TESTING.md, "Soak"): fsx, fsstress and oracle
+  # writers on a mount for 2.5 minutes of cycles ended by kill -9, birch shutdown (commit,
+  # --log, --now) or umount; after each, fsck --data and every acknowledged write checked.
+  # A fixed seed; about 3 minutes. After xfstests, which builds the fsstress and the C fsx
+  # (O_DIRECT) it uses (without them it says so and runs the rest). The long run:
+  # sudo python3 tests/soak/soak.py --minutes 30. BIRCH_SOAK=0 leaves it out.
+  if [[ ${BIRCH_SOAK:-1} == 1 ]]; then
+    tier "soak (short)" python3 tests/soak/soak.py --minutes 2.5 --seed 20261202
   fi
   tier "differential birch vs ext4" bash tests/posix/differential.sh
   # The benchmark harness in quick mode keeps it from rotting: it checks that every target
