@@ -513,11 +513,8 @@ pub fn read_log(device: &dyn BlockDevice, sb: &Superblock) -> Replay {
             .filter(|r| r.is_data())
             .find_map(|r| bad_data_address(sb, r))
         {
-            out.stop = format!("batch {} has {bad}", out.next_seq);
-            out.rejected_at = Some(sb.log_start + at % sb.log_bytes);
-            out.followed_by =
-                find_batch(device, sb, at + len, out.next_seq + 1).map(|_| out.next_seq + 1);
-            return out;
+            let stop = format!("batch {} has {bad}", out.next_seq);
+            return rejected(out, device, sb, (at, len), stop);
         }
         // Only records replay will apply need their data: older ones are covered by the commit
         // and their blocks may have been reused since. A block a data record of this batch or
@@ -538,11 +535,8 @@ pub fn read_log(device: &dyn BlockDevice, sb: &Superblock) -> Replay {
             .filter(|r| r.generation > sb.generation)
             .find_map(|r| bad_data(device, r, &placed))
         {
-            out.stop = format!("batch {} references {bad}", out.next_seq);
-            out.rejected_at = Some(sb.log_start + at % sb.log_bytes);
-            out.followed_by =
-                find_batch(device, sb, at + len, out.next_seq + 1).map(|_| out.next_seq + 1);
-            return out;
+            let stop = format!("batch {} references {bad}", out.next_seq);
+            return rejected(out, device, sb, (at, len), stop);
         }
         out.records.extend(records);
         out.batches += 1;
@@ -551,6 +545,22 @@ pub fn read_log(device: &dyn BlockDevice, sb: &Superblock) -> Replay {
         out.tail_lsn = Lsn::new(lsn);
         out.next_seq += 1;
     }
+}
+
+/// Ends a read at the batch at lsn `at` (`len` bytes), which verified but is rejected for
+/// `stop`: where it is, and whether a valid batch follows it ([`Replay::followed_by`]).
+fn rejected(
+    mut out: Replay,
+    device: &dyn BlockDevice,
+    sb: &Superblock,
+    (at, len): (u64, u64),
+    stop: String,
+) -> Replay {
+    out.stop = stop;
+    out.rejected_at = Some(sb.log_start + at % sb.log_bytes);
+    let next = out.next_seq + 1;
+    out.followed_by = find_batch(device, sb, at + len, next).map(|_| next);
+    out
 }
 
 /// The batch with sequence `seq` that the writer put at `lsn` or where it skips to from

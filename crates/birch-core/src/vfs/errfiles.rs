@@ -103,7 +103,8 @@ impl Filesystem {
     pub fn files_with_errors(&self) -> (Vec<ErrorFile>, u64) {
         let mut files = self.inner.error_files.files.lock().clone();
         let mut dropped = *self.inner.error_files.dropped.lock();
-        if let Some(report) = self.inner.scrub.lock().as_ref().and_then(|j| j.report()) {
+        let report = self.inner.scrub.lock().as_ref().and_then(|j| j.report());
+        if let Some(report) = report {
             for damage in &report.damage {
                 for owner in damage.owners.iter().filter(|o| o.snapshot.is_none()) {
                     if !files.contains_key(&owner.inode) && files.len() >= ERROR_FILES_MAX {
