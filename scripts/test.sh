@@ -4,7 +4,8 @@
 #      a short structure-aware fuzz run of the format decoders, log replay and image open
 #   2b. the Debian package: build, install, mkfs/mount -a/fsck through it, purge
 #   3. mount tests on a real FUSE mount, the NFS export through ganesha   4. pjdfstest (birch and the kernel ext4 baseline)
-#   5. fsx (3 seeds x 20,000 ops), xfstests generic/quick, the soak (short), the differential test
+#   5. fsx (3 seeds x 20,000 ops), xfstests generic/quick, the soak (short) and under device
+#      faults, the differential test
 #      against ext4
 #   6. benchmark harness in quick mode   7. birch on a Ceph RBD image (single-node cluster)
 # Installs what the suites need (tests/posix/setup.sh). Needs root for tiers 3-6; without
@@ -33,9 +34,10 @@ tier "clippy" cargo clippy --all-targets --release --locked -- -D warnings
 # The Ceph RBD backend (birch-core's `rbd` feature) is linted too: checking needs no Ceph
 # libraries (its FFI is declared by hand), only linking does. The same run lints the seeds'
 # "before" switches (the `seed-before` feature, benchmark builds only: docs/BENCHMARKS.md,
-# "The seeds, reproduced"); the two features touch different code, so one run covers both.
+# "The seeds, reproduced") and the fault device under a mount (`fault-injection`, test builds
+# only); the features touch different code, so one run covers them all.
 tier "clippy rbd + seed-before" cargo clippy --all-targets --release --locked \
-  --features birch-tools/rbd,birch-tools/seed-before,birch-bench/seed-before -- -D warnings
+  --features birch-tools/rbd,birch-tools/seed-before,birch-tools/fault-injection,birch-bench/seed-before -- -D warnings
 # Every crate's tests in release, but the core's: those run in the `checked` profile (release
 # speed with debug assertions, Error::bug's assertion and overflow checks; Cargo.toml), so a
 # debug_assert! in the engine fires in CI. Model and crash tests run fixed seeds plus one
@@ -159,6 +161,9 @@ if [[ $can_mount == 1 ]]; then
   # sudo python3 tests/soak/soak.py --minutes 30. BIRCH_SOAK=0 leaves it out.
   if [[ ${BIRCH_SOAK:-1} == 1 ]]; then
     tier "soak (short)" python3 tests/soak/soak.py --minutes 2.5 --seed 20261202
+    # The same under device faults (one fault kind a cycle, through a build with the
+    # fault-injection feature in target/fault-injection): about 3.5 minutes with its build.
+    tier "fault soak (short)" bash tests/soak/fault-soak.sh
   fi
   tier "differential birch vs ext4" bash tests/posix/differential.sh
   # The benchmark harness in quick mode keeps it from rotting: it checks that every target

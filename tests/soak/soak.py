@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import errno
 import hashlib
 import json
 import mmap
@@ -88,6 +89,20 @@ END_WEIGHTS = [30, 15, 15, 15, 25]
 OVERHEAD = 10         # seconds a cycle takes beyond its load: end, fsck, two mounts, checks
 MOUNT_OPTS = ["", "", "", "fsync=commit", "buffer=off", "writeback=off", "commit=1",
               "uring=off", "keep_cache=off", "threads=2"]
+# --faults: one kind a cycle, armed through `birch fault MNT RULE` while the load runs (a birch
+# built with the fault-injection feature: the test kit's FaultDevice between the image and the
+# filesystem). Lost and misdirected writes and lying flushes are not here: no single-copy
+# filesystem keeps acknowledged data through them (tests/lying_device.rs covers what birch
+# promises there). (name, rules, seconds after which hung requests are released or None)
+FAULT_KINDS = [
+    ("write-eio-once", ["write:eio,times=1"], None),
+    ("write-eio-some", ["write:eio,percent=3,times=8"], None),
+    ("flush-eio-once", ["flush:eio,times=1"], None),
+    ("read-eio-some", ["read:eio,percent=10,times=20"], None),
+    ("device-full", ["write:nospace,percent=20,times=20"], None),
+    ("slow-device", ["write:delay=20,percent=25", "flush:delay=50,percent=50"], None),
+    ("hang-released", ["write:hang,times=1"], 1.5),
+]
 
 
 # --------------------------------------------------------------------------- stamped content
@@ -477,6 +492,9 @@ class Soak:
         self.kind = ""
         self.evidence_root = args.evidence
         self.tools = self.find_tools()
+        # --faults: per fault kind, what was injected and what the load and daemon saw.
+        self.fault_seen: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.fault_kind = "none"
 
     # ------------------------------------------------------------------- helpers
 
@@ -667,7 +685,11 @@ class Soak:
                                                 "shutdown-now": ["--now"]}[kind] + [self.mnt]
             t = time.monotonic()
             rc, out, err = self.cmd(argv, 120, " ".join(argv[1:]))
-            if rc != 0:
+            if rc != 0 and self.a.faults:
+                # A filesystem a fault turned read-only cannot commit: the shutdown says so,
+                # and the unmount below ends the cycle.
+                self.log(f"  {' '.join(argv[1:])}: rc={rc} {err.strip()[-200:]}")
+            elif rc != 0:
                 raise Failure(f"{' '.join(argv[1:])}: rc={rc} {err.strip()[-300:]}")
             self.stop_load(False)
             self.unmount(kind)
@@ -679,6 +701,30 @@ class Soak:
         self.unmount("clean umount")
         self.reap_daemon(False)
         return t
+
+    def fault_command(self, text: str) -> None:
+        rc, out, err = self.cmd([self.birch, "fault", self.mnt, text], 30, f"birch fault {text}")
+        if rc != 0:
+            raise Failure(f"birch fault {self.mnt} {text!r}: rc={rc} {err.strip()[-300:]} (a birch "
+                          f"built with --features fault-injection is needed: --birch)")
+
+    def note_fault_cycle(self, name: str, early: list[str]) -> None:
+        """Counts this cycle's injections (the daemon logs the device's totals at each `birch
+        fault` command; a mount's first rule is armed in this cycle) and the load that stopped."""
+        self.fault_kind = name
+        seen = self.fault_seen[name]
+        seen["cycles"] += 1
+        try:
+            with open(self.daemon_log, "rb") as f:
+                text = f.read().decode(errors="replace")
+        except OSError:
+            text = ""
+        lines = [l for l in text.splitlines() if "injected so far:" in l]
+        if lines:
+            for part in lines[-1].split("injected so far:")[1].split(","):
+                what, n = part.split()
+                seen[f"injected {what}"] += int(n)
+        seen["load stopped early"] += len(early)
 
     def check_panics(self) -> None:
         try:
@@ -696,6 +742,13 @@ class Soak:
         # after a shutdown, those that say the filesystem is shut down are expected.
         errors = [l for l in text.splitlines() if " ERROR birch_" in l
                   and not (self.kind.startswith("shutdown") and "shut down" in l)]
+        if errors and self.a.faults:
+            # Under faults the engine's errors are what a user sees: counted, not failures
+            # (a panic above still is).
+            self.fault_seen[self.fault_kind]["daemon ERROR lines"] += len(errors)
+            self.fault_seen[self.fault_kind]["cycles turned read-only"] += any(
+                "read-only" in l for l in errors)
+            errors = []
         if errors:
             self.daemon_errors += len(errors)
             raise Failure(f"the daemon logged {len(errors)} errors: {errors[0][:300]}")
@@ -712,15 +765,51 @@ class Soak:
         self.ends[kind] += 1
         t_end = time.monotonic() + seconds
         early = []
+        fault = None
+        if self.a.faults:
+            fault = self.crng.choice(FAULT_KINDS)
+            t_arm = time.monotonic() + seconds * self.crng.uniform(0.15, 0.5)
+        armed_at = None
         while time.monotonic() < t_end:
             time.sleep(0.25)
+            if fault and armed_at is None and time.monotonic() >= t_arm:
+                armed_at = time.monotonic()
+                for rule in fault[1]:
+                    self.fault_command(rule)
+                self.log(f"  fault {fault[0]} armed: {' + '.join(fault[1])}")
+            if fault and fault[2] is not None and armed_at is not None \
+                    and time.monotonic() - armed_at >= fault[2]:
+                self.fault_command("release")
+                fault = (fault[0], fault[1], None)
             early = self.load_early_exits()
-            if early:
+            if early and not self.a.faults:
                 break
+        if self.a.faults:
+            # What the device injected, from the daemon's log line of this command; then the
+            # end runs without faults (but kill -9, which meets the device as it is).
+            if kind != "kill9":
+                self.fault_command("clear")
+            self.fault_command("release")
+            self.note_fault_cycle(fault[0] if fault else "none", early)
+            early = []
         t_action = time.monotonic()
         cut = self.end_cycle(kind)
+        if self.a.faults:
+            # A write that failed on its way to the device is lost unless it was acknowledged:
+            # only acknowledged writes are owed.
+            cut = None
         self.oracle.read_journals(c)
         errs = [f"writer {w}: {msg}" for w, t, msg in self.oracle.errors if t < t_action]
+        if self.a.faults:
+            # Under faults a writer stops at its first failed call (EIO, ENOSPC, EROFS): what
+            # it saw is counted, not a failure.
+            for _, t, msg in self.oracle.errors:
+                if t >= t_action:   # the end of the cycle (a killed daemon), not the fault
+                    continue
+                code = msg.split()[0] if msg else "?"
+                name = errno.errorcode.get(int(code), code) if code.isdigit() else code
+                self.fault_seen[self.fault_kind][f"writer stopped by {name}"] += 1
+            errs = []
         acks = self.oracle.acks_this_cycle
         self.stats["acked_blocks"] += acks["blocks"]
         self.stats["acked_records"] += acks["records"]
@@ -949,6 +1038,11 @@ class Soak:
               f"completed-before-cut lost {s['written_lost']}")
         print(f"fsck clean {self.fsck_clean}/{self.fsck_runs}, daemon panics {self.panics}, daemon "
               f"errors {self.daemon_errors}, hangs {self.hangs}")
+        if self.a.faults:
+            print("faults (per kind: cycles, injections, what the load saw; the checks above "
+                  "cover every cycle):")
+            for name, seen in sorted(self.fault_seen.items()):
+                print(f"  {name}: " + ", ".join(f"{k} {v}" for k, v in sorted(seen.items()) if v))
         for f in self.failures:
             print(f"FAILURE {f}")
         print("soak: " + ("FAILED" if self.failures else "ok"), flush=True)
@@ -983,8 +1077,16 @@ def main(argv=None) -> int:
     p.add_argument("--image-size", default="2G")
     p.add_argument("--workdir", default=None)
     p.add_argument("--keep-work", action="store_true", help="keep the work dir after a clean run")
-    p.add_argument("--birch", default=os.environ.get("BIRCH") or os.path.join(REPO, "target", "release", "birch"))
+    p.add_argument("--faults", action="store_true",
+                   help="arm one device fault a cycle (FAULT_KINDS) through `birch fault`; needs a "
+                        "birch built with --features fault-injection (default --birch: "
+                        "target/fault-injection/birch)")
+    p.add_argument("--birch", default=None)
     args = p.parse_args(argv)
+    if args.birch is None:
+        default = ("fault-injection" if args.faults else "release")
+        args.birch = (os.environ.get("BIRCH_FAULT" if args.faults else "BIRCH")
+                      or os.path.join(REPO, "target", default, "birch"))
     if args.seed is None:
         args.seed = int.from_bytes(os.urandom(4), "little")
     if os.geteuid() != 0:

@@ -50,6 +50,10 @@ pub enum ControlCommand {
     /// `errors-clear`: forget the files with errors this mount listed and set the lifetime
     /// device error counts to zero (`birch errors --clear`), then commit.
     ErrorsClear,
+    /// `fault TEXT`: a command for the daemon's fault-injecting device (`birch fault`): a
+    /// rule to add, `clear` or `release`. Only a daemon built with the `fault-injection`
+    /// feature (test builds) runs it; the filesystem itself answers EOPNOTSUPP.
+    Fault(String),
 }
 
 impl ControlCommand {
@@ -66,6 +70,11 @@ impl ControlCommand {
             b"errors-clear" => ControlCommand::ErrorsClear,
             b"scrub-cancel" => ControlCommand::ScrubCancel,
             other if other.starts_with(b"scrub-start") => scrub_start(other)?,
+            other if other.starts_with(b"fault ") => ControlCommand::Fault(
+                std::str::from_utf8(&other[6..])
+                    .map_err(|_| Error::Invalid("control command fault: not UTF-8".into()))?
+                    .to_string(),
+            ),
             other if other.starts_with(b"snapshot-create ") => {
                 ControlCommand::SnapshotCreate(snapshot_name(&other[16..])?)
             }
@@ -115,6 +124,7 @@ impl fmt::Display for ControlCommand {
             ControlCommand::SnapshotDelete(name) => write!(f, "snapshot-delete {name}"),
             ControlCommand::Atime(mode) => write!(f, "atime={}", mode.option()),
             ControlCommand::ErrorsClear => f.write_str("errors-clear"),
+            ControlCommand::Fault(text) => write!(f, "fault {text}"),
         }
     }
 }
@@ -196,6 +206,10 @@ mod tests {
             (
                 "snapshot-create s1",
                 ControlCommand::SnapshotCreate("s1".into()),
+            ),
+            (
+                "fault write:eio,percent=5",
+                ControlCommand::Fault("write:eio,percent=5".into()),
             ),
             (
                 "snapshot-delete s1",

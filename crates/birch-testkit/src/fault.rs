@@ -246,6 +246,24 @@ pub struct FaultStats {
     pub hung: AtomicU64,
 }
 
+impl std::fmt::Display for FaultStats {
+    /// `eio N, nospace N, lost N, misdirected N, lied N, delayed N, hung N`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        write!(
+            f,
+            "eio {}, nospace {}, lost {}, misdirected {}, lied {}, delayed {}, hung {}",
+            n(&self.eio),
+            n(&self.nospace),
+            n(&self.lost),
+            n(&self.misdirected),
+            n(&self.lied),
+            n(&self.delayed),
+            n(&self.hung)
+        )
+    }
+}
+
 impl FaultStats {
     /// Every injection, whatever its effect.
     pub fn total(&self) -> u64 {
@@ -339,6 +357,27 @@ impl FaultDevice {
         let mut generation = self.release.lock().unwrap_or_else(|e| e.into_inner());
         *generation += 1;
         self.released.notify_all();
+    }
+
+    /// Runs a command in the text form a mount's control channel carries (`birch fault MNT
+    /// TEXT` on a test build): a rule in [`Rule::parse`]'s form is added, `clear` removes
+    /// every rule, `release` lets hung requests go on. Returns what was done, for the log.
+    pub fn command(&self, text: &str) -> Result<String, String> {
+        match text.trim() {
+            "clear" => {
+                self.clear();
+                Ok("fault rules cleared".into())
+            }
+            "release" => {
+                self.release_hangs();
+                Ok("hung requests released".into())
+            }
+            rule => {
+                let parsed = Rule::parse(rule)?;
+                self.add(parsed);
+                Ok(format!("fault rule added: {rule}"))
+            }
+        }
     }
 
     /// The device the faults are injected in front of.
@@ -512,6 +551,27 @@ mod tests {
         let mut buf = block(0);
         dev.read_at(&mut buf, at).expect("read");
         buf
+    }
+
+    /// The text commands of a mount's control channel: a rule arms, `clear` disarms, a bad
+    /// rule is refused with its reason and changes nothing.
+    #[test]
+    fn text_commands_add_and_clear_rules() {
+        let (_mem, dev) = device();
+        dev.command("write:eio,times=1").expect("rule");
+        assert!(dev.write_at(&block(1), 0).is_err(), "the rule fires once");
+        dev.write_at(&block(1), 0).expect("then passes");
+        dev.command("flush:eio").expect("rule");
+        dev.command("clear").expect("clear");
+        dev.flush().expect("cleared");
+        let e = dev.command("flush:lose").expect_err("lose is for writes");
+        assert!(e.contains("does not apply"), "{e}");
+        dev.flush().expect("nothing armed by a refused rule");
+        dev.command("release").expect("release");
+        assert_eq!(
+            dev.stats.to_string(),
+            "eio 1, nospace 0, lost 0, misdirected 0, lied 0, delayed 0, hung 0"
+        );
     }
 
     #[test]

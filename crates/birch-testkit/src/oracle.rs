@@ -50,6 +50,8 @@ pub struct History {
     /// Rollbacks, in order: each is atomic with one commit, so a crash state shows the whole
     /// state before it or the whole rolled-back one, never a mix.
     rollbacks: Vec<RolledBack>,
+    /// The device failed a request during the workload ([`History::faulted`]).
+    faulted: bool,
 }
 
 /// A rollback a workload made (`Engine::rollback` on the closed image, as `birch rollback`
@@ -120,6 +122,16 @@ impl History {
             self.versions.insert(path.to_string(), v);
         }
         self.links.push((from.to_string(), path.to_string()));
+    }
+
+    /// The device failed a request (a fault-injecting device's EIO or ENOSPC): written data a
+    /// failed write carried may be gone from any file without its fsync ever succeeding, so
+    /// from here on file contents are judged block by block, not whole. Each byte must be
+    /// that byte of an allowed version (for a file fsync'd before the crash, the fsync'd
+    /// version or a later one), or zero, and the length one of theirs: acknowledged data is
+    /// still owed, garbage and older data still fail.
+    pub fn faulted(&mut self) {
+        self.faulted = true;
     }
 
     /// An fsync of `path` returned once `mark` device events were recorded: its current
@@ -314,7 +326,7 @@ fn check_state(
             .read_file(path)
             .map_err(|e| format!("fsync'd {path} missing: {e}"))?;
         let allowed = &history.versions[path][*version..];
-        if !allowed.contains(&got) {
+        if !(allowed.contains(&got) || history.faulted && made_of(&got, allowed, true)) {
             return Err(format!(
                 "{path} has {} bytes, not a version at or after the fsync'd one",
                 got.len()
@@ -336,7 +348,8 @@ fn check_state(
             if !(got.is_empty()
                 || versions
                     .iter()
-                    .any(|v| v.starts_with(&got) || got.starts_with(v)))
+                    .any(|v| v.starts_with(&got) || got.starts_with(v))
+                || history.faulted && made_of(&got, versions, false))
             {
                 let mut runs: Vec<(u8, usize)> = Vec::new();
                 for b in &got {
@@ -371,6 +384,23 @@ fn check_state(
         ));
     }
     Ok(())
+}
+
+/// Whether `got` is made of the `allowed` versions byte by byte (each byte that byte of one
+/// of them, or zero), as a file whose failed writes lost some blocks reads: with `whole_length`
+/// its length must also be one of theirs, else at most the longest.
+fn made_of(got: &[u8], allowed: &[Vec<u8>], whole_length: bool) -> bool {
+    let longest = allowed.iter().map(Vec::len).max().unwrap_or(0);
+    let length_fits = if whole_length {
+        allowed.iter().any(|v| v.len() == got.len())
+    } else {
+        got.len() <= longest
+    };
+    length_fits
+        && got
+            .iter()
+            .enumerate()
+            .all(|(i, b)| *b == 0 || allowed.iter().any(|v| v.get(i) == Some(b)))
 }
 
 /// Judges the rollbacks of a crash state cut at event `cut`, durable up to `durable_upto`, as
@@ -647,6 +677,31 @@ mod tests {
         h.version("/B/foo", vec![1; 2]);
         assert_eq!(h.versions["/B/bar"].len(), 2);
         assert_eq!(h.versions["/B/foo"].len(), 3);
+    }
+
+    /// After a device fault, content is judged block by block: bytes of allowed versions or
+    /// zeros pass, a byte of an older (un-allowed) version or one never written fails, and a
+    /// fsync'd file's length must be one of its allowed versions'.
+    #[test]
+    fn a_faulted_file_is_judged_byte_by_byte() {
+        let (v3, v4) = (vec![3u8; 8], vec![4u8; 12]);
+        let allowed = [v3.clone(), v4.clone()];
+        let mixed: Vec<u8> = [vec![3u8; 4], vec![4u8; 4], vec![0u8; 4]].concat();
+        assert!(
+            made_of(&mixed, &allowed, true),
+            "mixed allowed bytes and zeros"
+        );
+        assert!(
+            !made_of(&mixed[..10], &allowed, true),
+            "a length no version had"
+        );
+        assert!(
+            made_of(&mixed[..10], &allowed, false),
+            "shorter, not fsync'd"
+        );
+        let older = [vec![2u8; 4], vec![4u8; 8]].concat();
+        assert!(!made_of(&older, &allowed, true), "an older version's bytes");
+        assert!(!made_of(&[9u8; 12], &allowed, false), "never written");
     }
 
     /// A rename leaves the old name's versions valid for it: a crash before the rename is

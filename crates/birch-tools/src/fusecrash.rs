@@ -5,7 +5,11 @@
 //! writes, O_APPEND, O_DIRECT|O_SYNC writes whose WRITE must be durable when it returns,
 //! truncate, hole punching, links, renames, unlinks, xattrs; then fsync, fdatasync, a
 //! directory fsync or a commit; in one run of three, `FS_IOC_SHUTDOWN` on the mount mid-way,
-//! after which every request must fail and nothing reach the device), so the kernel's side (its page cache with `writeback=on`,
+//! after which every request must fail and nothing reach the device; in one run of four, the
+//! test kit's fault device fails a write or a flush with EIO or ENOSPC, the workload ends at the
+//! first call that fails, and the oracle then judges contents block by block
+//! ([`History::faulted`]): acknowledged data is still owed, garbage still fails), so the
+//! kernel's side (its page cache with `writeback=on`,
 //! the FSYNC after writeback, FSYNCDIR, direct-I/O handles) is in the recording too. The
 //! crash states, the oracle and the generator are the library matrix's, from `birch-testkit`
 //! ([`check_recording`], [`History`], [`Rng`]).
@@ -20,14 +24,16 @@ use std::ffi::CString;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use birch_core::device::BlockDevice;
 use birch_core::device::{MemDevice, Recorded};
 use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Filesystem, MkfsOptions};
 use birch_format::ROOT_INO;
-use birch_testkit::{check_recording, CrashReport, History, Rng};
+use birch_testkit::{check_recording, CrashReport, Effect, FaultDevice, History, Op, Rng, Rule};
 
 use birch_fuse::daemon::InProcessMount;
 
@@ -375,6 +381,8 @@ pub struct Variant {
     pub buffered: bool,
     /// FUSE over io_uring (`uring`).
     pub uring: bool,
+    /// A device fault during the workload ([`fault_rule`] draws it from the seed).
+    pub faults: bool,
 }
 
 impl Variant {
@@ -391,8 +399,50 @@ impl Variant {
         if self.uring {
             name.push_str(",uring");
         }
+        if self.faults {
+            name.push_str(" +device fault");
+        }
         name
     }
+}
+
+/// The fault of a run with [`Variant::faults`], drawn from its seed: EIO on a few writes, on one
+/// write or one flush after some pass, or ENOSPC from the device (a thin pool that filled).
+pub fn fault_rule(seed: u64) -> Rule {
+    let mut rng = Rng::new(seed ^ 0xFA17);
+    // A run makes a few dozen device writes and a few flushes: these odds put a fault in
+    // most runs.
+    match rng.below(4) {
+        0 => Rule::always(Op::Write, Effect::Eio).percent(15).times(2),
+        1 => Rule::always(Op::Flush, Effect::Eio)
+            .after(rng.below(3))
+            .times(1),
+        2 => Rule::always(Op::Write, Effect::Eio)
+            .after(rng.below(20))
+            .times(1),
+        _ => Rule::always(Op::Write, Effect::NoSpace)
+            .percent(15)
+            .times(3),
+    }
+}
+
+/// Faulty runs so far: those whose fault was injected, and those a failed call ended (for the
+/// crashtest's summary line).
+pub static FAULTS_INJECTED: AtomicU64 = AtomicU64::new(0);
+/// See [`FAULTS_INJECTED`].
+pub static ENDED_BY_FAULT: AtomicU64 = AtomicU64::new(0);
+
+/// Whether `error` (a failed call's message) is what a device fault makes a call answer.
+fn from_a_fault(error: &str) -> bool {
+    // The kernel's words for a call's errno, and the engine's for the in-process commit.
+    [
+        "Input/output error",
+        "Read-only file system",
+        "No space left on device",
+        "I/O error",
+    ]
+    .iter()
+    .any(|e| error.contains(e))
 }
 
 fn record(seed: u64, variant: Variant) -> Result<Recording, String> {
@@ -401,6 +451,7 @@ fn record(seed: u64, variant: Variant) -> Result<Recording, String> {
         caches,
         buffered,
         uring,
+        faults,
     } = variant;
     let mut rng = Rng::new(seed);
     let quiet = OpenOptions {
@@ -429,7 +480,17 @@ fn record(seed: u64, variant: Variant) -> Result<Recording, String> {
             .then(|| Duration::from_millis(5 + rng.below(40))),
         ..quiet
     };
-    let fs = Arc::new(Filesystem::open_device(dev.clone(), options).map_err(|e| e.to_string())?);
+    // A faulty run's filesystem sees the device through the fault device, armed once the
+    // filesystem is open (the recording below it keeps only what reached the device).
+    let fault = faults.then(|| Arc::new(FaultDevice::new(dev.clone(), seed)));
+    let device: Arc<dyn BlockDevice> = match &fault {
+        Some(f) => f.clone(),
+        None => dev.clone(),
+    };
+    let fs = Arc::new(Filesystem::open_device(device, options).map_err(|e| e.to_string())?);
+    if let Some(f) = &fault {
+        f.add(fault_rule(seed));
+    }
     let mnt = std::env::temp_dir().join(format!("birch-crashtest-{}-{seed}", std::process::id()));
     std::fs::create_dir_all(&mnt).map_err(|e| io("mkdir", &mnt.display().to_string(), e))?;
     let mount = InProcessMount::start(fs.clone(), &mnt, writeback, caches, uring)?;
@@ -443,8 +504,9 @@ fn record(seed: u64, variant: Variant) -> Result<Recording, String> {
     };
     let steps = 4 + rng.below(7);
     // One run in three shuts down after a step (its own generator: other seeds replay as
-    // before).
-    let shutdown_after = (seed % 3 == 0).then(|| Rng::new(seed ^ 0x5D).below(steps));
+    // before). Not a faulty run: a shutdown commits, and makes every file's content durable
+    // as the workload sees it, which a write lost to the fault no longer is.
+    let shutdown_after = (seed % 3 == 0 && !faults).then(|| Rng::new(seed ^ 0x5D).below(steps));
     let trace = std::env::var_os("BIRCH_CRASH_TRACE").is_some();
     let mut result = Ok(());
     for step in 0..steps {
@@ -459,6 +521,20 @@ fn record(seed: u64, variant: Variant) -> Result<Recording, String> {
         result = run
             .operation(&mut rng, step as u8, path)
             .and_then(|()| run.durability(&mut rng, path, writeback));
+        if let Some(f) = &fault {
+            if f.stats.total() > 0 {
+                run.history.faulted();
+            }
+            // A call that failed because of the fault ends the workload; it is not a failure.
+            if matches!(&result, Err(e) if f.stats.total() > 0 && from_a_fault(e)) {
+                if trace {
+                    eprintln!("fuse step {step}: ended by the device fault: {result:?}");
+                }
+                ENDED_BY_FAULT.fetch_add(1, Ordering::Relaxed);
+                result = Ok(());
+                break;
+            }
+        }
         if result.is_err() {
             break;
         }
@@ -477,6 +553,10 @@ fn record(seed: u64, variant: Variant) -> Result<Recording, String> {
     }
     // Power cut: what reached the device so far is all a crash can keep.
     run.mark();
+    if fault.as_ref().is_some_and(|f| f.stats.total() > 0) {
+        run.history.faulted();
+        FAULTS_INJECTED.fetch_add(1, Ordering::Relaxed);
+    }
     let Run {
         events, history, ..
     } = run;

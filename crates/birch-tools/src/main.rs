@@ -254,6 +254,17 @@ enum Command {
         #[arg(long)]
         clear: bool,
     },
+    /// Test builds only (a daemon built with the `fault-injection` feature): tell the mount's
+    /// fault-injecting device to add RULE (`OP:EFFECT[,range=START-END][,after=N][,percent=P]
+    /// [,times=N]`; OP read, write or flush; EFFECT eio, nospace, lose, misdirect=DELTA, lie,
+    /// delay=MS or hang), `clear` every rule, or `release` hung requests.
+    #[command(hide = true)]
+    Fault {
+        /// The mount point.
+        mountpoint: PathBuf,
+        /// A rule, `clear` or `release`.
+        command: String,
+    },
     /// Run the crash matrix: each workload on a recording in-memory device, then every crash
     /// state (each flush point, plus seeded subsets of unflushed writes, some torn) recovered,
     /// fsck'd and judged. Exit 0 when every state passes.
@@ -535,6 +546,10 @@ fn main() -> ExitCode {
             json,
             clear,
         } => errors::errors_main(&mountpoint, json, clear),
+        Command::Fault {
+            mountpoint,
+            command,
+        } => fault(&mountpoint, command),
         Command::Inspect { image, what, ceph } => inspect(&image, &what, &ceph),
         Command::Snapshot { action } => snapshot(action),
         Command::Diff {
@@ -719,6 +734,22 @@ fn mkfs_rbd(
             ExitCode::SUCCESS
         }
         Err(e) => fail(format!("{spec}: {e}")),
+    }
+}
+
+/// `birch fault MNT COMMAND`: a command for a test build's fault-injecting device.
+fn fault(mountpoint: &Path, command: String) -> ExitCode {
+    match mount::control(mountpoint, &ControlCommand::Fault(command.clone())) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => fail(format!(
+            "{}: fault {command:?}: the mount's daemon was built without fault injection",
+            mountpoint.display()
+        )),
+        Err(e) => fail(format!(
+            "{}: fault {command:?}: {e} (a rule is OP:EFFECT[,range=START-END][,after=N]\
+             [,percent=P][,times=N]; the daemon's log says why it refused)",
+            mountpoint.display()
+        )),
     }
 }
 
@@ -1622,6 +1653,7 @@ fn crashtest(
             caches: i % 2 == 0,
             buffered: i % 4 != 3,
             uring: uring_was.is_some() && matches!(i % 5, 1 | 2 | 4),
+            faults: i % 4 == 1,
         };
         bar.set_message(variant.name());
         let run_seed = seed.wrapping_add(1_000_000 + i);
@@ -1637,8 +1669,12 @@ fn crashtest(
         println!("birch crashtest: FUSE-level runs skipped: {reason}");
     } else if fuse_runs > 0 {
         println!(
-            "birch crashtest: {fuse_runs} FUSE-level runs (seeds {} ..)",
-            seed.wrapping_add(1_000_000)
+            "birch crashtest: {fuse_runs} FUSE-level runs (seeds {} ..); {} with a device \
+             fault, injected in {}, the workload ended by a failed call in {}",
+            seed.wrapping_add(1_000_000),
+            (0..fuse_runs).filter(|i| i % 4 == 1).count(),
+            fusecrash::FAULTS_INJECTED.load(std::sync::atomic::Ordering::Relaxed),
+            fusecrash::ENDED_BY_FAULT.load(std::sync::atomic::Ordering::Relaxed),
         );
     }
     for f in &failures {

@@ -87,6 +87,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         bench_apply_per_item: false,
         ceph: CephOptions::default(),
         snapshot: None,
+        faults: Vec::new(),
     };
     for opt in raw
         .iter()
@@ -157,6 +158,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
             "bench_apply_per_item" => {
                 c.bench_apply_per_item = value.is_none() || on_off(opt, value)?
             }
+            "fault" => c.faults.push(fault_rule(opt, value)?),
             "noatime" | "atime" | "relatime" | "strictatime" => {
                 c.atime = AtimeMode::from_option(key);
             }
@@ -188,6 +190,24 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         }
     }
     Ok(c)
+}
+
+/// The rule of a `fault=RULE` option: the test kit's rule text with `+` for its commas (mount
+/// options are split at commas), e.g. `fault=write:eio+percent=5+after=100`. Only a build with
+/// the `fault-injection` feature takes it; the shipped binary says so.
+fn fault_rule(opt: &str, value: Option<&str>) -> Result<String, String> {
+    let Some(text) = value.filter(|v| !v.is_empty()) else {
+        return Err(format!("option {opt}: expected fault=RULE"));
+    };
+    let text = text.replace('+', ",");
+    if !cfg!(feature = "fault-injection") {
+        return Err(format!(
+            "option {opt}: this birch was built without fault injection (a test build: cargo \
+             build --release -p birch-tools --features fault-injection)"
+        ));
+    }
+    birch_testkit::Rule::parse(&text).map_err(|e| format!("option {opt}: {e}"))?;
+    Ok(text)
 }
 
 /// The atime mode the kernel's mount table gives the mount at `mountpoint` (its per-mount
@@ -840,6 +860,24 @@ mod tests {
                 "{bad}: {e}"
             );
         }
+    }
+
+    #[test]
+    fn fault_rules_only_in_a_test_build() {
+        let given = parse_options(&["fault=write:eio+percent=5+times=2,fault=flush:lie".into()]);
+        if cfg!(feature = "fault-injection") {
+            let c = given.expect("a test build takes fault rules");
+            assert_eq!(c.faults, ["write:eio,percent=5,times=2", "flush:lie"]);
+            let e = parse_options(&["fault=flush:lose".into()]).expect_err("lose is for writes");
+            assert!(e.contains("option fault=flush:lose"), "{e}");
+        } else {
+            let e = match given {
+                Err(e) => e,
+                Ok(_) => panic!("the shipped build took a fault rule"),
+            };
+            assert!(e.contains("built without fault injection"), "{e}");
+        }
+        assert!(parse_options(&["fault=".into()]).is_err());
     }
 
     #[test]

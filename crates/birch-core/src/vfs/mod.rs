@@ -961,6 +961,13 @@ impl Filesystem {
                 self.set_atime_mode(mode);
                 Ok(())
             }
+            // The device below is the daemon's business: one built with fault injection
+            // answers this before it reaches the filesystem.
+            ControlCommand::Fault(_) => Err(Error::NotSupported(
+                "fault injection: this daemon was built without the fault-injection feature \
+                 (test builds only)"
+                    .into(),
+            )),
         }
     }
 

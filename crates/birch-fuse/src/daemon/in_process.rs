@@ -68,6 +68,7 @@ impl InProcessMount {
             bench_apply_per_item: false,
             ceph: CephOptions::default(),
             snapshot: None,
+            faults: Vec::new(),
         };
         let mut fuse_config = Config::default();
         fuse_config.acl = SessionACL::Owner;

@@ -10,6 +10,8 @@
 //! rest of this crate); filesystem logic (birch-core).
 
 pub mod control_socket;
+#[cfg(feature = "fault-injection")]
+mod faults;
 mod in_process;
 pub mod mountinfo;
 mod serve;
@@ -77,6 +79,11 @@ pub struct MountConfig {
     pub ceph: CephOptions,
     /// `snapshot=NAME`: serve that snapshot alone as the mount's root (read-only).
     pub snapshot: Option<String>,
+    /// `fault=RULE` (each one given; test builds only, the `fault-injection` feature): rules
+    /// of the test kit's fault-injecting device, in `birch_testkit::Rule::parse`'s form,
+    /// armed between the image and the filesystem from the mount on. A daemon built without
+    /// the feature refuses to serve with any.
+    pub faults: Vec<String>,
 }
 
 /// Default number of FUSE request loops (`threads=`): one per CPU, at least 2, at most 8.

@@ -86,6 +86,23 @@ pub fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> Result<()
             })
         }
     };
+    // Test builds only: the test kit's fault device sits right above the image, armed with
+    // the `fault=` rules, and `birch fault` adds more while the mount serves.
+    #[cfg(feature = "fault-injection")]
+    let (device, fault) = {
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        super::faults::arm(device, &config.faults, seed)
+            .map_err(|e| format!("{}: {e}", image.display()))?
+    };
+    #[cfg(not(feature = "fault-injection"))]
+    if !config.faults.is_empty() {
+        return Err(format!(
+            "{}: fault= rules need a daemon built with the fault-injection feature",
+            image.display()
+        ));
+    }
     // `io_timeout=`: requests go through a device that gives up one its device has not
     // answered in time (an RBD image has its own watchdog, `rbd_timeout=`).
     let timed = match config.io_timeout {
@@ -154,6 +171,8 @@ pub fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> Result<()
     let (fuse_opts, dirty_cap) = fuse_options(config, &fs, mountpoint);
     let adapter = BirchFuse::new(fs.clone(), fuse_opts);
     let control_handler = adapter.control_handler();
+    #[cfg(feature = "fault-injection")]
+    let control_handler = super::faults::handler(fault, control_handler);
     let acl = fuse_config.acl;
     let notifier_slot = adapter.notifier_slot();
     let session = match fuser::Session::from_fd(adapter, fuse_fd, acl, fuse_config) {
