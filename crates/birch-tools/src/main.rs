@@ -794,6 +794,14 @@ fn shutdown(mountpoint: &Path, log: bool, now: bool) -> ExitCode {
     };
     match mount::control(mountpoint, &command) {
         Ok(()) => ExitCode::SUCCESS,
+        // The daemon shuts down even when the step before it fails (a filesystem an error
+        // already turned read-only cannot commit or write its log).
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EROFS | libc::EIO)) => fail(format!(
+            "{}: shutdown: the filesystem is shut down, but the {} before it failed ({e}): \
+             what fsync acknowledged is durable, later changes are not",
+            mountpoint.display(),
+            if log { "log write" } else { "commit" }
+        )),
         Err(e) => fail(format!("{}: shutdown: {e}", mountpoint.display())),
     }
 }
