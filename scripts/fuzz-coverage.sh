@@ -21,7 +21,7 @@ cargo llvm-cov --release --locked -p birch-fuzz -p birch-format -p birch-core --
   -- --exact "${filter[@]}" >"$out.full" 2>"$out.log" || {
   cat "$out.log"; exit 1; }
 # The decoders (birch-format) and replay (birch-core's log reading and the replay at open).
-files='birch-format/src/(node|items|superblock|log|key|bytes)\.rs|birch-core/src/log/(mod|group_commit)\.rs|birch-core/src/vfs/durability\.rs'
+files='birch-format/src/(node|items|superblock|log|key|bytes)\.rs|birch-core/src/log/(mod|group|group_commit)\.rs|birch-core/src/vfs/durability\.rs'
 {
   grep -m1 '^Filename' "$out.full"
   grep -E "$files" "$out.full"
@@ -35,6 +35,6 @@ sum() {
 }
 {
   sum 'birch-format/src/(node|items|superblock|log|key|bytes)\.rs' 'decoders (birch-format)'
-  sum 'birch-core/src/(log/(mod|group_commit)|vfs/durability)\.rs' 'replay (birch-core log/, vfs/durability.rs)'
+  sum 'birch-core/src/(log/(mod|group|group_commit)|vfs/durability)\.rs' 'replay (birch-core log/, vfs/durability.rs)'
   sum "$files" 'decoders and replay'
 } | tee -a "$out"

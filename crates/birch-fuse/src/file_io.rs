@@ -229,7 +229,7 @@ impl BirchFuse {
                     data,
                     append,
                     kill.as_deref(),
-                    false,
+                    through,
                     sync,
                 )
             };
@@ -294,7 +294,7 @@ impl BirchFuse {
                                 &data,
                                 append,
                                 kill.as_deref(),
-                                false,
+                                through,
                                 sync,
                             )
                         };
