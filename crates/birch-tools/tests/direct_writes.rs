@@ -8,26 +8,16 @@
 
 #![allow(clippy::expect_used)]
 
+mod common;
+
 use std::fs::OpenOptions as FileOptions;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::Path;
 use std::sync::Arc;
 
 use birch_core::device::MemDevice;
 use birch_core::vfs::OpenOptions;
 use birch_core::{Filesystem, MkfsOptions};
 use birch_fuse::daemon::InProcessMount;
-
-fn skip_reason() -> Option<&'static str> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("needs root (mount(2))");
-    }
-    if !Path::new("/dev/fuse").exists() {
-        return Some("/dev/fuse is absent");
-    }
-    None
-}
 
 fn dirty_bytes(fs: &Filesystem) -> u64 {
     let stats: serde_json::Value = serde_json::from_str(&fs.stats_json()).expect("stats JSON");
@@ -36,7 +26,7 @@ fn dirty_bytes(fs: &Filesystem) -> u64 {
 
 #[test]
 fn direct_and_synchronous_writes_are_not_buffered_in_the_daemon() {
-    if let Some(why) = skip_reason() {
+    if let Some(why) = common::mount_unavailable() {
         eprintln!("skipped: {why}");
         return;
     }

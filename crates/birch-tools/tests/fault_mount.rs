@@ -9,9 +9,11 @@
 
 #![allow(clippy::expect_used)]
 
+mod common;
+
 use std::fs::OpenOptions as FileOptions;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -62,17 +64,6 @@ fn victim_bytes(bytes: &[u8]) -> bool {
         .any(|b| b.get(..8) == Some(&(MAGIC | VICTIM).to_le_bytes()[..]))
 }
 
-fn skip_reason() -> Option<&'static str> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("needs root (mount(2))");
-    }
-    if !Path::new("/dev/fuse").exists() {
-        return Some("/dev/fuse is absent");
-    }
-    None
-}
-
 /// One other writer: stamped writes at random blocks of its own file, an fsync every few;
 /// returns the version each block's last successful fsync covered, and the newest written.
 fn writer(path: PathBuf, file: u64, seed: u64) -> (Vec<u64>, Vec<u64>) {
@@ -106,7 +97,7 @@ fn writer(path: PathBuf, file: u64, seed: u64) -> (Vec<u64>, Vec<u64>) {
 
 #[test]
 fn a_data_write_error_costs_only_its_file() {
-    if let Some(why) = skip_reason() {
+    if let Some(why) = common::mount_unavailable() {
         eprintln!("skipped: {why}");
         return;
     }
