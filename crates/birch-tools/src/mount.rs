@@ -312,11 +312,22 @@ fn preflight(image: &Path, mountpoint: &Path) -> Result<Option<String>, String> 
             "/dev/fuse is missing: load the fuse module (modprobe fuse) or install fuse3".into(),
         );
     }
-    if mounted_source(mountpoint).is_some() {
-        return Err(format!(
-            "{}: something is already mounted there",
-            mountpoint.display()
-        ));
+    if let Some(source) = mounted_source(mountpoint) {
+        // This image's own mount there may be on its way out: an unmount run in the background
+        // and a mount at once (xfstests generic/604) meet it still in the mount table for the
+        // moment the kernel takes to detach it. Waited for a little; anything else mounted
+        // there is refused at once.
+        let ours = Path::new(&source) == canonical(image).as_path();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while ours && mounted_source(mountpoint).is_some() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if !ours || mounted_source(mountpoint).is_some() {
+            return Err(format!(
+                "{}: something is already mounted there",
+                mountpoint.display()
+            ));
+        }
     }
     // A live mount of this image (its daemon holds the image lock) is shared: the new mount is
     // a bind mount of it, since the kernel cannot give one FUSE connection a second superblock.
