@@ -10,7 +10,8 @@
 #
 # What it does (ganesha on 127.0.0.1:2049, the export /birch with a fixed Filesystem_Id):
 #   1. mkfs + mount an image (mount A), a file and a directory in it; their NFSv3 handles, in hex
-#      and decoded (export id, fsid type, fsid), and the mount's st_dev;
+#      and decoded (export id, fsid type, fsid), and the mount's st_dev (and the file's NFSv4
+#      handle, presented with PUTFH + READ at each step below);
 #   2. ganesha stopped, birch unmounted, a throw-away birch image mounted (it takes the freed
 #      st_dev and stays mounted), the first image mounted again at the same path (mount B,
 #      another st_dev: asserted), ganesha started with the same configuration; the saved handles
@@ -205,10 +206,19 @@ present() { # label
   dl=$(client v3ls "$FH_DIR" || echo "transport error")
   show "  $1: file handle: GETATTR -> $fg; GETATTR+READ -> $fr"
   show "  $1: dir handle:  GETATTR -> $dg; READDIR -> $dl"
+  ANS_V4=$(client v4read "$FH4_FILE" || echo "transport error")
+  show "  $1: NFSv4 file handle: PUTFH+READ -> $ANS_V4"
   ANS_FILE="$fg / $fr" ANS_DIR="$dg / $dl"
 }
 
 # A summary of the four answers: NFS3ERR_STALE, OK (the right file: fileid and bytes), or what came.
+v4verdict() {
+  case $ANS_V4 in
+    "ERR STALE 70") echo "NFS4ERR_STALE" ;;
+    "OK $DATA") echo "OK" ;;
+    *) echo "other ($ANS_V4)" ;;
+  esac
+}
 verdict() {
   local want_f="OK $INO_FILE / OK $DATA" want_d="OK $INO_DIR / OK inside"
   if [[ $ANS_FILE == "ERR STALE 70 / ERR STALE 70" && $ANS_DIR == "ERR STALE 70 / ERR STALE 70" ]]; then
@@ -245,6 +255,9 @@ show "mount A st_dev: $(dev_of "$DIR/birch"); statfs f_fsid: $(stat -f -c %i "$D
 show "file inode $INO_FILE, dir inode $INO_DIR"
 FH_FILE=$(client v3fh /birch file) FH_DIR=$(client v3fh /birch dir)
 [[ $FH_FILE =~ ^[0-9a-f]+$ && $FH_DIR =~ ^[0-9a-f]+$ ]] || fail "no handles: file '$FH_FILE', dir '$FH_DIR'"
+FH4_FILE=$(client v4fh /birch file)
+[[ $FH4_FILE =~ ^[0-9a-f]+$ ]] || fail "no NFSv4 handle: '$FH4_FILE'"
+show "NFSv4 file handle A: $FH4_FILE"
 show "file handle A: $FH_FILE"
 show "               $(decode "$FH_FILE")"
 show "dir handle A:  $FH_DIR"
@@ -271,7 +284,7 @@ start_ganesha || fail "ganesha did not start again"
 sync
 echo 3 >/proc/sys/vm/drop_caches
 present "mount B, ganesha restarted"
-RES_B=$(verdict)
+RES_B=$(verdict) V4_B=$(v4verdict)
 NB_FILE=$(client v3fh /birch file) NB_DIR=$(client v3fh /birch dir)
 show "fresh file handle B: $NB_FILE"
 show "                     $(decode "$NB_FILE")"
@@ -299,7 +312,7 @@ start_ganesha || fail "ganesha did not start again"
 sync
 echo 3 >/proc/sys/vm/drop_caches
 present "mount C, ganesha restarted"
-RES_C=$(verdict)
+RES_C=$(verdict) V4_C=$(v4verdict)
 
 # --- mount D: another image at the export path --------------------------------------------------
 # What keeps a handle from reaching another filesystem that the export path now holds: with the
@@ -316,12 +329,13 @@ start_ganesha || fail "ganesha did not start again"
 sync
 echo 3 >/proc/sys/vm/drop_caches
 present "mount D (another image), ganesha restarted"
-RES_D=$(verdict)
+RES_D=$(verdict) V4_D=$(v4verdict)
 stop_ganesha
 
 if [[ $DEV_C == "$DEV_A" ]]; then same="with the same st_dev ($DEV_A -> $DEV_C)"; else same="with st_dev $DEV_A -> $DEV_C (the same could not be had)"; fi
 echo
 echo "RESULT: handle after a remount with a different st_dev ($DEV_A -> $DEV_B): $RES_B; $same: $RES_C;" \
   "another image at the export path (st_dev $DEV_D): $RES_D" \
+  "(NFSv4 file handle: $V4_B; $V4_C; $V4_D)" \
   "(Export_Id 1, Filesystem_Id $FSID, fsid_type ${FSID_TYPE:-not set})"
 exit 0
