@@ -11,6 +11,7 @@
 #![warn(missing_docs)]
 
 pub mod bytes;
+pub mod codec;
 pub mod items;
 pub mod key;
 pub mod log;
