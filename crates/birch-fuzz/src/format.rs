@@ -631,3 +631,93 @@ pub fn log_batch_decode(data: &[u8]) -> String {
         Err(e) => class(&e),
     }
 }
+
+/// A blob's stored bytes (DESIGN §16, `birch_format::codec`): a chunk of 2 to 32 blocks (each
+/// a header, random bytes and text, never a constant fill) encoded by a codec the script picks,
+/// then sometimes damaged (bytes changed, cut, extended), decoded as another codec, or decoded
+/// into another declared length. Anything may come back but a panic; a decode that succeeds
+/// gives exactly the declared length, and the chunk itself when nothing was changed.
+pub fn blob_decode(data: &[u8]) -> String {
+    use birch_format::codec::{decode, encode, Codec};
+    let mut s = Script::new(data);
+    let blocks = 2 + s.below(31);
+    let bs = BLOCK_SIZE as usize;
+    let mut chunk = Vec::with_capacity(blocks * bs);
+    let text_share = s.below(bs + 1);
+    for b in 0..blocks {
+        let start = chunk.len();
+        chunk.extend_from_slice(&(b as u64).to_le_bytes());
+        while chunk.len() < start + bs - text_share {
+            chunk.push(s.u8());
+        }
+        while chunk.len() < start + bs {
+            chunk.push(b"a blob of text "[chunk.len() % 15]);
+        }
+    }
+    let wanted = match s.u8() % 3 {
+        0 => Codec::None,
+        1 => Codec::Zstd(1 + i32::from(s.u8() % 9)),
+        _ => Codec::Lz4,
+    };
+    let mut stored = Vec::new();
+    let codec = match wanted {
+        Codec::None => None,
+        other => encode(other, &chunk, &mut stored).map(|_| other),
+    }
+    .unwrap_or_else(|| {
+        stored = chunk.clone();
+        Codec::None
+    });
+    let mut changed = false;
+    for _ in 0..s.below(4) {
+        changed = true;
+        match s.u8() % 4 {
+            0 if !stored.is_empty() => {
+                let at = s.below(stored.len());
+                stored[at] ^= s.u8() | 1;
+            }
+            1 => {
+                let cut = s.below(stored.len() + 1);
+                stored.truncate(cut);
+            }
+            2 => {
+                let n = 1 + s.below(64);
+                let more = s.bytes(n);
+                stored.extend_from_slice(&more);
+            }
+            _ => {
+                let at = s.below(stored.len() + 1);
+                let byte = s.u8();
+                stored.insert(at.min(stored.len()), byte);
+            }
+        }
+    }
+    let read_as = if s.u8() % 8 == 0 {
+        changed = true;
+        Codec::from_byte(s.u8() % 3).unwrap_or(Codec::None)
+    } else {
+        codec
+    };
+    let declared = if s.u8() % 8 == 0 {
+        changed = true;
+        (1 + s.below(33)) * bs
+    } else {
+        chunk.len()
+    };
+    let mut out = vec![0u8; declared];
+    match decode(read_as, &stored, &mut out) {
+        Ok(()) => {
+            if !changed {
+                assert!(out == chunk, "an unchanged blob decodes to other bytes");
+            }
+            format!("ok {read_as:?}").replace(|c: char| c.is_ascii_digit(), "")
+        }
+        Err(e) => e
+            .to_string()
+            .split_whitespace()
+            .filter(|w| !w.chars().any(|c| c.is_ascii_digit()))
+            .take(8)
+            .collect::<Vec<_>>()
+            .join(" "),
+    }
+}

@@ -40,7 +40,7 @@ pub struct Target {
 }
 
 /// Every target.
-pub const TARGETS: [Target; 6] = [
+pub const TARGETS: [Target; 7] = [
     Target {
         name: "node_decode",
         run: format::node_decode,
@@ -59,6 +59,11 @@ pub const TARGETS: [Target; 6] = [
     Target {
         name: "log_batch_decode",
         run: format::log_batch_decode,
+        whole_image: false,
+    },
+    Target {
+        name: "blob_decode",
+        run: format::blob_decode,
         whole_image: false,
     },
     Target {
