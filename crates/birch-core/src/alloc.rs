@@ -1302,6 +1302,37 @@ mod tests {
         assert_eq!(pinned, 5);
     }
 
+    /// Deleting the newer of two snapshots drops its hold, not the older one's (found by
+    /// cargo-mutants: no test had two kept snapshots of different commits).
+    #[test]
+    fn deleting_a_snapshot_drops_its_own_hold_only() {
+        let a = Allocator::new(64 * GROUP_BLOCKS * BLOCK_SIZE);
+        let (addr, _) = a.allocate(b(2), b(2), Purpose::Data).expect("space");
+        a.add_hold(g(4));
+        a.add_hold(g(6));
+        a.drop_hold(SnapshotHold {
+            generation: g(6),
+            dropped_in: g(8),
+        });
+        assert_eq!(
+            a.holds(),
+            vec![
+                SnapshotHold {
+                    generation: g(4),
+                    dropped_in: SnapshotHold::KEPT,
+                },
+                SnapshotHold {
+                    generation: g(6),
+                    dropped_in: g(8),
+                },
+            ]
+        );
+        // Born after 4, freed after the deletion of 6: no snapshot holds it.
+        assert!(a.free_recorded(g(9), Birth::new(5), addr, b(1)));
+        // Born before 4: the older snapshot still holds it.
+        assert!(!a.free_recorded(g(9), Birth::new(3), addr + b(1), b(1)));
+    }
+
     #[test]
     fn allocate_near_takes_the_goal_when_free_and_falls_back_when_not() {
         let a = Allocator::new(64 * GROUP_BLOCKS * BLOCK_SIZE);

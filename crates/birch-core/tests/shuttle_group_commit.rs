@@ -518,3 +518,65 @@ fn refused() {
 fn a_refused_batch_answers_full_until_a_commit_covers_it_pct() {
     shuttle::check_pct(refused, iterations(), 3);
 }
+
+/// One thread, in order: ticket 1 written, ticket 2 refused (a big record), a commit covering
+/// the refusal; then a wait for ticket 1 again (a waiter woken late, or a deferred wait)
+/// answers `Logged`: a ticket whose batch is durable is `Full` only while a refusal is
+/// uncovered; and no failure is reported. (Found by cargo-mutants: `durable_ticket <= ticket`
+/// in `outcome_of`, and a `failure` always `Some`, passed every schedule above.)
+fn durable_after_a_covered_refusal() {
+    let rig = Rig::new(0);
+    let mut mine = Mine::default();
+    let first = rig.enqueue(&mut mine, 1, false);
+    assert_eq!(rig.wait(&mine, first), Answer::Logged);
+    let mut big = Mine::default();
+    let second = rig.enqueue(&mut big, 1, true);
+    assert_eq!(rig.wait(&big, second), Answer::Full);
+    assert_eq!(
+        rig.wait(&mine, first),
+        Answer::Full,
+        "the refusal is uncovered"
+    );
+    rig.group.retire(1, |_| ());
+    rig.group.set_reusable(|q, covered| {
+        rig.covered.store(covered, Ordering::SeqCst);
+        q.queued.retain(|r| r.generation > covered);
+    });
+    assert_eq!(rig.wait(&mine, first), Answer::Logged);
+    // No write failed (`lead` turns the engine read-only on a failure it reports).
+    assert_eq!(rig.group.failure(), None);
+    rig.check_end();
+}
+
+#[test]
+fn a_durable_ticket_answers_logged_once_a_later_refusal_is_covered() {
+    shuttle::check_random(durable_after_a_covered_refusal, 1);
+}
+
+/// A deferred wait no leader came for is answered `Shutdown` by `abandon_deferred`, once.
+/// (Found by cargo-mutants: an `abandon_deferred` doing nothing passed every test.)
+fn abandoned() {
+    let rig = Rig::new(0);
+    let mut mine = Mine::default();
+    let ticket = rig.enqueue(&mut mine, 1, false);
+    rig.deferred.lock().expect("deferred").push(Vec::new());
+    let done = Done {
+        id: 0,
+        mine,
+        rig: rig.clone(),
+    };
+    assert!(
+        rig.group.defer(ticket, done),
+        "no leader: the caller must bring one"
+    );
+    rig.group.abandon_deferred();
+    assert_eq!(
+        rig.deferred.lock().expect("deferred")[0],
+        vec![Answer::Shutdown]
+    );
+}
+
+#[test]
+fn an_abandoned_deferred_wait_answers_shutdown() {
+    shuttle::check_random(abandoned, 1);
+}

@@ -191,6 +191,59 @@ mod tests {
         assert_eq!(on_disk, pattern(2, 3)[..BLOCK_SIZE as usize]);
     }
 
+    /// The forgetting covers the whole run, in bytes: with a run of three blocks whose last
+    /// two a data record carries, only the first stays placed. (Found by cargo-mutants: the
+    /// two-block run above cannot tell `blocks * BLOCK_SIZE` from `blocks + BLOCK_SIZE`.)
+    #[test]
+    fn freed_placed_blocks_are_forgotten_to_the_end_of_the_run() {
+        let (_mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        engine.commit().expect("commit");
+        let runs = data.place_new(INO, 0, &pattern(3, 5)).expect("place");
+        assert_eq!(runs.len(), 1, "three blocks placed together are one run");
+        let (addr, len) = (runs[0].addr, 3 * BLOCK_SIZE);
+        engine
+            .pending()
+            .mark_logged(addr + BLOCK_SIZE, 2 * BLOCK_SIZE);
+        data.replace_range(INO, 0, len, runs, false)
+            .expect("record");
+        data.drop_range(INO, 0, len).expect("drop");
+        let over = engine.pending().overlay(addr, len);
+        assert_eq!(
+            over.iter().map(|(a, _)| *a).collect::<Vec<_>>(),
+            vec![addr],
+            "the logged blocks are forgotten, the third too"
+        );
+    }
+
+    /// Placed runs given back unrecorded (a failed write) are forgotten whole, the third block
+    /// of a run too, and their blocks are pinned, not free at once.
+    #[test]
+    fn placed_runs_given_back_are_forgotten_whole_and_pinned() {
+        let (_mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        engine.commit().expect("commit");
+        let runs = data.place_new(INO, 0, &pattern(3, 7)).expect("place");
+        assert_eq!(runs.len(), 1, "three blocks placed together are one run");
+        let addr = runs[0].addr;
+        let pinned_before = engine.allocator().pinned_blocks();
+        data.give_back(&runs);
+        assert_eq!(engine.pending().blocks(), 0, "every placed block forgotten");
+        assert_eq!(
+            engine.allocator().pinned_blocks(),
+            pinned_before + BlockCount::new(3),
+            "pinned to the running transaction"
+        );
+        assert!(engine.allocator().is_used(BlockAddr::new(addr)));
+        // Written in place instead (never placed): free at once, nothing pinned.
+        let runs = data.write_new(INO, 0, &pattern(3, 8)).expect("write");
+        let addr = runs[0].addr;
+        let pinned_before = engine.allocator().pinned_blocks();
+        data.give_back(&runs);
+        assert_eq!(engine.allocator().pinned_blocks(), pinned_before);
+        assert!(!engine.allocator().is_used(BlockAddr::new(addr)));
+    }
+
     #[test]
     fn freed_blocks_stay_pinned_until_the_commit() {
         let (_mem, engine) = setup();
