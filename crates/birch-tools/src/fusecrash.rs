@@ -24,7 +24,6 @@ use std::ffi::CString;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -331,20 +330,55 @@ impl Run<'_> {
 
 /// One FUSE-level run: a seeded sequence of 4–10 operations, each followed by a durability
 /// call, on a mount over a recording device; then `states` crash states checked.
-pub fn run(seed: u64, variant: Variant, states: usize, progress: &mut dyn FnMut()) -> CrashReport {
+pub fn run(seed: u64, variant: Variant, states: usize, progress: &mut dyn FnMut()) -> FuseRun {
     let name = variant.name();
     match record(seed, variant) {
-        Ok((base, events, history)) => {
-            check_recording(&name, seed, &base, &events, &history, states, progress)
-        }
-        Err(e) => CrashReport {
-            states: 0,
-            failures: vec![format!("{name} seed {seed}: workload failed: {e}")],
+        Ok(recording) => FuseRun {
+            report: check_recording(
+                &name,
+                seed,
+                &recording.base,
+                &recording.events,
+                &recording.history,
+                states,
+                progress,
+            ),
+            fault: recording.fault,
+        },
+        Err(e) => FuseRun {
+            report: CrashReport {
+                states: 0,
+                failures: vec![format!("{name} seed {seed}: workload failed: {e}")],
+            },
+            fault: FaultOutcome::default(),
         },
     }
 }
 
-type Recording = (Vec<u8>, Vec<Recorded>, History);
+/// What a FUSE-level run gives: the crash states' verdicts, and what its device fault did.
+pub struct FuseRun {
+    /// The crash states checked and their failures.
+    pub report: CrashReport,
+    /// The run's device fault, if it had one.
+    pub fault: FaultOutcome,
+}
+
+/// What the device fault of a run with [`Variant::faults`] did (all false without one).
+#[derive(Default, Clone, Copy)]
+pub struct FaultOutcome {
+    /// The fault was injected before the power cut.
+    pub injected: bool,
+    /// A call it failed ended the workload.
+    pub ended_the_workload: bool,
+}
+
+/// A run's base image, its device events, what its workload did, and what its fault did.
+struct Recording {
+    base: Vec<u8>,
+    events: Vec<Recorded>,
+    history: History,
+    fault: FaultOutcome,
+}
 
 /// Whether the mount at `mnt` served requests over FUSE over io_uring (its stats counter).
 fn served_over_ring(mnt: &Path) -> Result<(), String> {
@@ -426,12 +460,6 @@ pub fn fault_rule(seed: u64) -> Rule {
     }
 }
 
-/// Faulty runs so far: those whose fault was injected, and those a failed call ended (for the
-/// crashtest's summary line).
-pub static FAULTS_INJECTED: AtomicU64 = AtomicU64::new(0);
-/// See [`FAULTS_INJECTED`].
-pub static ENDED_BY_FAULT: AtomicU64 = AtomicU64::new(0);
-
 /// Whether `error` (a failed call's message) is what a device fault makes a call answer.
 fn from_a_fault(error: &str) -> bool {
     // The kernel's words for a call's errno, and the engine's for the in-process commit.
@@ -509,6 +537,7 @@ fn record(seed: u64, variant: Variant) -> Result<Recording, String> {
     let shutdown_after = (seed % 3 == 0 && !faults).then(|| Rng::new(seed ^ 0x5D).below(steps));
     let trace = std::env::var_os("BIRCH_CRASH_TRACE").is_some();
     let mut result = Ok(());
+    let mut outcome = FaultOutcome::default();
     for step in 0..steps {
         let path = PATHS[rng.below(PATHS.len() as u64) as usize];
         if trace {
@@ -521,19 +550,15 @@ fn record(seed: u64, variant: Variant) -> Result<Recording, String> {
         result = run
             .operation(&mut rng, step as u8, path)
             .and_then(|()| run.durability(&mut rng, path, writeback));
-        if let Some(f) = &fault {
-            if f.stats.total() > 0 {
-                run.history.faulted();
+        // A call that failed because of the fault ends the workload; it is not a failure.
+        let injected = fault.as_ref().is_some_and(|f| f.stats.total() > 0);
+        if matches!(&result, Err(e) if injected && from_a_fault(e)) {
+            if trace {
+                eprintln!("fuse step {step}: ended by the device fault: {result:?}");
             }
-            // A call that failed because of the fault ends the workload; it is not a failure.
-            if matches!(&result, Err(e) if f.stats.total() > 0 && from_a_fault(e)) {
-                if trace {
-                    eprintln!("fuse step {step}: ended by the device fault: {result:?}");
-                }
-                ENDED_BY_FAULT.fetch_add(1, Ordering::Relaxed);
-                result = Ok(());
-                break;
-            }
+            outcome.ended_the_workload = true;
+            result = Ok(());
+            break;
         }
         if result.is_err() {
             break;
@@ -553,14 +578,19 @@ fn record(seed: u64, variant: Variant) -> Result<Recording, String> {
     }
     // Power cut: what reached the device so far is all a crash can keep.
     run.mark();
-    if fault.as_ref().is_some_and(|f| f.stats.total() > 0) {
+    outcome.injected = fault.as_ref().is_some_and(|f| f.stats.total() > 0);
+    if outcome.injected {
         run.history.faulted();
-        FAULTS_INJECTED.fetch_add(1, Ordering::Relaxed);
     }
     let Run {
         events, history, ..
     } = run;
     mount.stop();
     let _ = std::fs::remove_dir(&mnt);
-    result.map(|()| (base, events, history))
+    result.map(|()| Recording {
+        base,
+        events,
+        history,
+        fault: outcome,
+    })
 }

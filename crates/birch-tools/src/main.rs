@@ -1652,6 +1652,7 @@ fn crashtest(
     } else {
         None
     };
+    let (mut faulty, mut injected, mut ended_by_fault) = (0u64, 0u64, 0u64);
     for i in 0..fuse_runs {
         // Every setting of the mount's caches in turn: the writeback cache in two runs of
         // three, the name/attribute and page caches (ttl, keep_cache) in every other run, the
@@ -1665,9 +1666,12 @@ fn crashtest(
         };
         bar.set_message(variant.name());
         let run_seed = seed.wrapping_add(1_000_000 + i);
-        let report = fusecrash::run(run_seed, variant, states, &mut || bar.inc(1));
-        total += report.states;
-        failures.extend(report.failures);
+        let run = fusecrash::run(run_seed, variant, states, &mut || bar.inc(1));
+        faulty += u64::from(variant.faults);
+        injected += u64::from(run.fault.injected);
+        ended_by_fault += u64::from(run.fault.ended_the_workload);
+        total += run.report.states;
+        failures.extend(run.report.failures);
     }
     if uring_was == Some(false) {
         birch_fuse::daemon::uring_setup::set_uring_param(false);
@@ -1680,9 +1684,9 @@ fn crashtest(
             "birch crashtest: {fuse_runs} FUSE-level runs (seeds {} ..); {} with a device \
              fault, injected in {}, the workload ended by a failed call in {}",
             seed.wrapping_add(1_000_000),
-            (0..fuse_runs).filter(|i| i % 4 == 1).count(),
-            fusecrash::FAULTS_INJECTED.load(std::sync::atomic::Ordering::Relaxed),
-            fusecrash::ENDED_BY_FAULT.load(std::sync::atomic::Ordering::Relaxed),
+            faulty,
+            injected,
+            ended_by_fault,
         );
     }
     for f in &failures {
