@@ -30,6 +30,9 @@ tier() {
   esac
 }
 tier "fmt" cargo fmt --all -- --check
+# The planted defects (scripts/sabotage.py, docs/TESTING.md "8. Planted defects") still apply to
+# the code: each case's text to replace is found exactly once (seconds; running them is not CI's).
+tier "planted defects apply" python3 scripts/sabotage.py --check
 tier "clippy" cargo clippy --all-targets --release --locked -- -D warnings
 # The Ceph RBD backend (birch-core's `rbd` feature) is linted too: checking needs no Ceph
 # libraries (its FFI is declared by hand), only linking does. The same run lints the seeds'
