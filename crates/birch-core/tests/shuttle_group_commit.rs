@@ -125,6 +125,9 @@ struct Rig {
     tickets: Mutex<Vec<(u64, u64)>>,
     /// The answers each deferred wait got, by its id.
     deferred: Mutex<Vec<Vec<Answer>>>,
+    /// Called once, by the next write, with no lock held, before the batch is written: what
+    /// other threads do while a leader's batch is in flight, made deterministic.
+    on_write: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
 /// A deferred wait.
@@ -154,6 +157,7 @@ impl Rig {
             covered: AtomicU64::new(0),
             tickets: Mutex::new(Vec::new()),
             deferred: Mutex::new(Vec::new()),
+            on_write: Mutex::new(None),
         })
     }
 
@@ -191,6 +195,14 @@ impl Rig {
 
     /// Defers a wait for `ticket`; leads if asked to.
     fn defer(self: &Arc<Rig>, mine: &Mine, ticket: u64) {
+        if self.defer_only(mine, ticket) {
+            self.group.lead(&**self);
+        }
+    }
+
+    /// Defers a wait for `ticket` (its id is the next in `deferred`); returns whether the
+    /// caller must bring a leader ([`GroupCommit::defer`]), without leading.
+    fn defer_only(self: &Arc<Rig>, mine: &Mine, ticket: u64) -> bool {
         let id = {
             let mut deferred = self.deferred.lock().expect("deferred");
             deferred.push(Vec::new());
@@ -201,9 +213,7 @@ impl Rig {
             mine: mine.clone(),
             rig: self.clone(),
         };
-        if self.group.defer(ticket, done) {
-            self.group.lead(&**self);
-        }
+        self.group.defer(ticket, done)
     }
 
     /// A `Logged` answer: every record the thread queued is written or covered by a durable
@@ -302,6 +312,10 @@ impl Writer for Rig {
     fn write(&self, batch: &Vec<Rec>) -> Result<(), String> {
         self.no_lock_held();
         let n = self.writes.fetch_add(1, Ordering::SeqCst) + 1;
+        let hook = self.on_write.lock().expect("on_write").take();
+        if let Some(hook) = hook {
+            hook();
+        }
         shuttle::thread::yield_now();
         if n == self.fail_write {
             self.in_flight.store(false, Ordering::SeqCst);
@@ -579,4 +593,104 @@ fn abandoned() {
 #[test]
 fn an_abandoned_deferred_wait_answers_shutdown() {
     shuttle::check_random(abandoned, 1);
+}
+
+/// A hand-off that only counts its calls (the test calls `lead` itself, when it chooses).
+fn counting_hand_off(rig: &Rig) -> Arc<AtomicUsize> {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    rig.group.set_hand_off(std::sync::Arc::new(move || {
+        counted.fetch_add(1, Ordering::SeqCst);
+    }));
+    calls
+}
+
+/// Who leads, in one thread: a waiter leads ticket 1; while its batch is written, a second
+/// record is queued and its wait deferred (a leader is active: nobody is asked to come). The
+/// waiter's own wait is then answered with the deferred one left: with a hand-off set, it
+/// hands the leading over once and returns, without writing ticket 2. Then `lead` (what the
+/// hand-off arranges) writes it and answers the deferred wait, leading on itself rather than
+/// handing off again. (Found by cargo-mutants: a `set_hand_off` doing nothing, and `!`
+/// deleted before `dedicated` in `run`, passed every test above, which check the answers,
+/// not who leads.)
+fn answered_waiter_hands_off() {
+    let rig = Rig::new(0);
+    let hand_offs = counting_hand_off(&rig);
+    let weak = Arc::downgrade(&rig);
+    *rig.on_write.lock().expect("on_write") = Some(Box::new(move || {
+        let rig = weak.upgrade().expect("the rig");
+        let mut mine = Mine::default();
+        let ticket = rig.enqueue(&mut mine, 1, false);
+        assert_eq!(ticket, 2, "queued behind the batch in flight");
+        assert!(
+            !rig.defer_only(&mine, ticket),
+            "a leader is active: the deferring thread need not bring one"
+        );
+    }));
+    let mut mine = Mine::default();
+    let first = rig.enqueue(&mut mine, 1, false);
+    assert_eq!(rig.wait(&mine, first), Answer::Logged);
+    assert_eq!(
+        hand_offs.load(Ordering::SeqCst),
+        1,
+        "the answered waiter hands the leading of the deferred wait over"
+    );
+    assert_eq!(
+        rig.writes.load(Ordering::SeqCst),
+        1,
+        "the answered waiter did not lead on"
+    );
+    assert_eq!(
+        rig.deferred.lock().expect("deferred")[0],
+        Vec::<Answer>::new(),
+        "the deferred wait waits for the lead handed over"
+    );
+    assert_eq!(rig.group.lead(&*rig), Answer::Logged);
+    assert_eq!(
+        rig.writes.load(Ordering::SeqCst),
+        2,
+        "`lead` wrote ticket 2"
+    );
+    assert_eq!(
+        hand_offs.load(Ordering::SeqCst),
+        1,
+        "a dedicated leader leads on, it does not hand off"
+    );
+    rig.check_end();
+    assert_eq!(
+        rig.deferred.lock().expect("deferred")[0],
+        vec![Answer::Logged]
+    );
+}
+
+#[test]
+fn an_answered_waiter_hands_the_leading_of_deferred_waits_over() {
+    shuttle::check_random(answered_waiter_hands_off, 1);
+}
+
+/// A wait deferred with no leader active asks its caller for one; `lead` then writes the
+/// batch and answers it itself, with a hand-off set: it never hands the leading off. (Found
+/// by cargo-mutants: `!` deleted before `dedicated` in `run` made `lead` hand off and return.)
+fn dedicated_leader_leads() {
+    let rig = Rig::new(0);
+    let hand_offs = counting_hand_off(&rig);
+    let mut mine = Mine::default();
+    let ticket = rig.enqueue(&mut mine, 1, false);
+    assert!(
+        rig.defer_only(&mine, ticket),
+        "no leader: the caller must bring one"
+    );
+    assert_eq!(rig.group.lead(&*rig), Answer::Logged);
+    assert_eq!(hand_offs.load(Ordering::SeqCst), 0, "`lead` handed off");
+    assert_eq!(rig.writes.load(Ordering::SeqCst), 1);
+    rig.check_end();
+    assert_eq!(
+        rig.deferred.lock().expect("deferred")[0],
+        vec![Answer::Logged]
+    );
+}
+
+#[test]
+fn a_dedicated_leader_leads_deferred_waits_itself() {
+    shuttle::check_random(dedicated_leader_leads, 1);
 }

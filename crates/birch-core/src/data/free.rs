@@ -191,6 +191,47 @@ mod tests {
         assert_eq!(on_disk, pattern(2, 3)[..BLOCK_SIZE as usize]);
     }
 
+    /// A placed block born in an older generation and freed while that generation's commit
+    /// is frozen but has not written its placed blocks yet stays placed, logged or not: the
+    /// frozen transaction names it, and its commit must write it before its superblock does.
+    /// [`crate::txn::Engine::commit_then`] runs the drop right after the freeze, before the
+    /// commit's write-out. (Found by cargo-mutants: the guard `birth >= txn.generation()` as
+    /// `true` forgot the block there, and the commit left it unwritten.)
+    #[test]
+    fn a_placed_block_the_frozen_commit_names_stays_placed_when_freed_after_the_freeze() {
+        let (mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        engine.commit().expect("commit");
+        let runs = data.place_new(INO, 0, &pattern(1, 11)).expect("place");
+        let addr = runs[0].addr;
+        // A data record carries its bytes: only the birth spares it from `forget_logged`.
+        engine.pending().mark_logged(addr, BLOCK_SIZE);
+        data.replace_range(INO, 0, BLOCK_SIZE, runs, false)
+            .expect("record");
+        let frozen = engine.running_generation();
+        let mut dropped = None;
+        engine
+            .commit_then(|| {
+                assert!(engine.running_generation() > frozen, "frozen already");
+                dropped = Some(data.drop_range(INO, 0, BLOCK_SIZE).expect("drop"));
+                assert_eq!(
+                    engine.pending().overlay(addr, BLOCK_SIZE).len(),
+                    1,
+                    "the frozen commit has not written it: it stays placed"
+                );
+            })
+            .expect("commit");
+        assert_eq!(dropped, Some(BlockDelta { added: 0, freed: 1 }));
+        assert_eq!(engine.pending().blocks(), 0, "the frozen commit wrote it");
+        let mut on_disk = vec![0u8; BLOCK_SIZE as usize];
+        crate::device::BlockDevice::read_at(&*mem, &mut on_disk, addr).expect("read");
+        assert_eq!(
+            on_disk,
+            pattern(1, 11),
+            "the block the committed tree names holds its bytes"
+        );
+    }
+
     /// The forgetting covers the whole run, in bytes: with a run of three blocks whose last
     /// two a data record carries, only the first stays placed. (Found by cargo-mutants: the
     /// two-block run above cannot tell `blocks * BLOCK_SIZE` from `blocks + BLOCK_SIZE`.)
