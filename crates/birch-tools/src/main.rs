@@ -758,12 +758,23 @@ fn sync(mountpoint: &Path) -> ExitCode {
         Ok(f) => f,
         Err(e) => return fail(format!("{}: sync: {e}", mountpoint.display())),
     };
-    // syncfs(2) writes back the pages the kernel holds dirty for the mount; then an fsync of
-    // the root directory reaches the daemon as FSYNCDIR, which commits. The commit goes ahead
-    // after a failed writeback: what was written back is committed.
+    // syncfs(2) writes back the pages the kernel holds dirty for the mount (it never reaches
+    // the daemon itself); then the control command `sync` commits everything the daemon holds,
+    // its write buffer included. (An fsync of the root directory would not: it logs or commits
+    // the root's own changes only, and with none it does nothing.) The commit goes ahead after
+    // a failed writeback: what was written back is committed.
     let written_back = mount::syncfs(mountpoint);
-    if let Err(e) = dir.sync_all() {
-        return fail(format!("{}: sync: commit: {e}", mountpoint.display()));
+    drop(dir);
+    match mount::control(mountpoint, &ControlCommand::Sync) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EIO) => {
+            return fail(format!(
+                "{}: sync: committed, but the buffered data of some file was lost since the \
+                 last sync ({e}; the daemon's log names the inodes, whose fsync reports EIO)",
+                mountpoint.display()
+            ))
+        }
+        Err(e) => return fail(format!("{}: sync: commit: {e}", mountpoint.display())),
     }
     match written_back {
         Ok(()) => ExitCode::SUCCESS,

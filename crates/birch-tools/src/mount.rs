@@ -4,6 +4,8 @@
 //! The daemon itself (serving, signals, io_uring setup, the dirty cap, the final commit) is
 //! birch-fuse's [`birch_fuse::daemon`]; this file must not grow it back.
 
+use std::io::Read;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -13,6 +15,7 @@ use birch_core::device::{
     is_rbd_path, CephOptions, FileDevice, LocalLock, OpenMode, RbdSpec, RBD_SUPPORTED,
 };
 use birch_core::vfs::{AtimeMode, FsyncMode};
+use birch_fuse::daemon::front_end::{READY, READY_FD_ENV};
 use birch_fuse::daemon::mountinfo::{canonical, mounts_of_source, unescape};
 use birch_fuse::daemon::{default_threads, lazy_unmount, MountConfig};
 
@@ -469,6 +472,16 @@ pub fn mount_main(image: &Path, mountpoint: &Path, raw: &[String], foreground: b
     spawn_daemon(image, mountpoint, raw, Duration::from_secs(120) + takeover)
 }
 
+/// How long a mount command that gives up waits for its daemon to stop (the daemon ends
+/// itself once it sees the command's end of the pipe closed: `birch_fuse::daemon::front_end`).
+const STOP_WAIT: Duration = Duration::from_secs(5);
+
+/// Starts the daemon (`birch mount -f`, re-executed, in its own process group) and waits for
+/// *its* mount: success only when the daemon says on the pipe it inherits
+/// (`front_end::READY_FD_ENV`) that its mount is live, never because something else got
+/// mounted at the mount point meanwhile. Giving up (the daemon exited, or `limit` passed)
+/// closes the pipe, which makes a daemon still waiting for the image stop instead of mounting
+/// later, unasked.
 fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String], limit: Duration) -> ExitCode {
     use std::os::unix::process::CommandExt;
     let exe = match std::env::current_exe() {
@@ -480,6 +493,11 @@ fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String], limit: Duration
         Ok(f) => f,
         Err(e) => return fail(format!("{}: {e}", log_path.display())),
     };
+    let (mut ready, daemon_end) = match ready_pipe() {
+        Ok(p) => p,
+        Err(e) => return fail(format!("cannot make the mount daemon's pipe: {e}")),
+    };
+    let daemon_fd = daemon_end.as_raw_fd();
     let mut cmd = Command::new(exe);
     // argv[0] "birch": when this runs as mount.fuse.birch, the daemon must still parse as birch.
     cmd.arg0("birch");
@@ -487,20 +505,44 @@ fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String], limit: Duration
     for o in raw {
         cmd.arg("-o").arg(o);
     }
+    cmd.env(READY_FD_ENV, daemon_fd.to_string());
     cmd.stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::from(log))
         .process_group(0);
+    // SAFETY: between fork and exec only fcntl runs (async-signal-safe): the daemon's end of
+    // the pipe, made close-on-exec, is kept open across the exec in the child alone.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::fcntl(daemon_fd, libc::F_SETFD, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
     let mut child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => return fail(format!("cannot start the mount daemon: {e}")),
     };
+    drop(daemon_end);
     let started = Instant::now();
     // What the daemon said so far is passed on while it waits (for a lock, or for a dead RBD
     // holder's watch to expire), so a slow mount says why.
     let mut shown = 0;
+    let mut said = Vec::new();
     loop {
-        if mounted_source(mountpoint).is_some() {
+        let mut buf = [0u8; 64];
+        match ready.read(&mut buf) {
+            Ok(n) => said.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                drop(ready);
+                stop_daemon(&mut child);
+                return fail(format!("mount daemon's pipe: {e}; the daemon was stopped"));
+            }
+        }
+        if said.starts_with(READY) {
             let _ = std::fs::remove_file(&log_path);
             return ExitCode::SUCCESS;
         }
@@ -513,8 +555,10 @@ fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String], limit: Duration
             ));
         }
         if started.elapsed() > limit {
+            drop(ready);
+            let stopped = stop_daemon(&mut child);
             return fail(format!(
-                "mount of {} did not come up in {} s; daemon log: {}",
+                "mount of {} did not come up in {} s; {stopped}; daemon log: {}",
                 image.display(),
                 limit.as_secs(),
                 log_path.display()
@@ -530,6 +574,40 @@ fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String], limit: Duration
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The pipe between a mount command and its daemon: (this end, non-blocking; the daemon's
+/// end), both close-on-exec (the daemon's is let through to the one child that needs it).
+fn ready_pipe() -> std::io::Result<(std::fs::File, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 fills the two-element array it is given.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors were just made and are owned here alone.
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // pipe2 made both ends non-blocking; the daemon's end blocks, as a pipe's usually does.
+    // SAFETY: F_SETFL on a descriptor owned here.
+    if unsafe { libc::fcntl(write.as_raw_fd(), libc::F_SETFL, 0) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok((std::fs::File::from(read), write))
+}
+
+/// After the mount command gave up (its end of the pipe is closed): waits up to
+/// [`STOP_WAIT`] for the daemon to end itself, and says what became of it.
+fn stop_daemon(child: &mut std::process::Child) -> String {
+    let until = Instant::now() + STOP_WAIT;
+    while Instant::now() < until {
+        if let Ok(Some(status)) = child.try_wait() {
+            return format!("its daemon stopped ({status})");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    format!(
+        "its daemon (pid {}) has not stopped yet; it will not mount (its command is gone)",
+        child.id()
+    )
 }
 /// How long `birch umount` retries an unmount the kernel answers EBUSY.
 const UMOUNT_BUSY_WAIT: Duration = Duration::from_secs(5);

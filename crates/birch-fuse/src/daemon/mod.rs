@@ -12,6 +12,7 @@
 pub mod control_socket;
 #[cfg(feature = "fault-injection")]
 mod faults;
+pub mod front_end;
 mod in_process;
 pub mod mountinfo;
 mod serve;

@@ -19,6 +19,7 @@ use birch_core::{Filesystem, OpenOptions, ReadOnlyCause};
 use fuser::{Config, SessionACL};
 
 use super::control_socket::{socket_path_for, ControlHandler, ControlSocket};
+use super::front_end::FrontEnd;
 use super::mountinfo::{canonical, mount_device};
 use super::signals::{block_signals, wait_for_signal_then_unmount};
 use super::uring_setup::{ring_for, uring_allowed};
@@ -26,9 +27,18 @@ use super::MountConfig;
 use crate::full_disk::{self, DirtyCap};
 use crate::{BirchFuse, FuseOptions};
 
+/// Why a daemon does not mount: the `birch mount` that started it is gone.
+const GONE: &str =
+    "the mount command that started this daemon is gone (it gave up or was killed): not mounting";
+
 /// Runs the filesystem in this process until unmount or SIGTERM/SIGINT/SIGHUP. An error is
 /// what the daemon reports before it exits with status 1 (the image already named in it).
+/// Started by `birch mount` (not `-f`), it says on the command's pipe when its mount is live
+/// and does not mount once the command is gone ([`super::front_end`]).
 pub fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> Result<(), String> {
+    // First, before any thread: the pipe of the `birch mount` that started this daemon, if one
+    // did (its variable is removed from the environment).
+    let front = FrontEnd::from_env();
     block_signals();
     let options = OpenOptions {
         commit_interval: (config.commit_secs > 0).then(|| Duration::from_secs(config.commit_secs)),
@@ -72,8 +82,18 @@ pub fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> Result<()
         holder: format!("mount at {}", canonical(mountpoint).display()),
         events: Some(events.clone()),
     };
+    // Waiting for the image's lock (a mount after umount waits for the final flush; an RBD
+    // takeover for the holder's watch): if the mount command goes meanwhile, so does this
+    // daemon, instead of mounting when the wait is over.
+    if let Some(front) = &front {
+        front.watch_while_waiting();
+    }
+    let opened = open_image(image, mode, &image_options);
+    if let Some(front) = &front {
+        front.done_waiting();
+    }
     // The device's errors name the image already (path or rbd: spec).
-    let device = match open_image(image, mode, &image_options) {
+    let device = match opened {
         Ok(d) => d,
         Err(e) => {
             return Err(match &config.snapshot {
@@ -158,6 +178,10 @@ pub fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> Result<()
     // The kernel offers FUSE_OVER_IO_URING in INIT (sent during mount(2)) only if the fuse
     // module's enable_uring is on; without it no ring is made (its buffers would go unused).
     fuse_config.uring = ring_for(config.uring, mountpoint, uring_allowed);
+    if front.as_ref().is_some_and(FrontEnd::gone) {
+        let _ = fs.close();
+        return Err(GONE.to_string());
+    }
     let fuse_fd = match kernel_mount(image, mountpoint, config) {
         Ok(fd) => fd,
         Err(e) => {
@@ -191,6 +215,15 @@ pub fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> Result<()
     let control = start_control_socket(mountpoint, control_handler);
     let target = canonical(mountpoint);
     let source = canonical(image);
+    // The mount is live: the command that started this daemon may report success. If it went
+    // in the meantime, nobody asked for this mount any more: it is taken down again (the
+    // session then ends at once, and the filesystem closes as at any unmount).
+    if let Some(front) = front {
+        if let Err(e) = front.ready() {
+            log::error!("{GONE} ({e}); unmounting {}", target.display());
+            lazy_unmount(&target);
+        }
+    }
     std::thread::spawn(move || wait_for_signal_then_unmount(&target, &source));
     let stop_cap = Arc::new(AtomicBool::new(false));
     if let Some(cap) = dirty_cap {
