@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `birch scrub` on images and on a real mount: a clean image scrubs clean offline and online
-# (exit 0, --json with its fields); an image in use is refused offline (exit 2); one flipped
+# (exit 0, --json with its fields); Ctrl-C of an online scrub cancels it (exit 2, the report and
+# the daemon's status say cancelled); an image in use is refused offline (exit 2); one flipped
 # byte in a data block is found offline and online (exit 1) with the file's inode and both
 # of its paths (it has a hard link); one flipped byte in a leaf is found offline with an
 # inode whose items the leaf holds and its path; the text output says scrub cannot heal; a
@@ -64,6 +65,35 @@ json_check "$WORK/online-clean.json" \
   "online clean JSON: clean, counts, healed false"
 expect_rc 0 "online scrub with the default rate (text)" -- "$BIRCH" scrub "$MNT"
 grep -q "0 damaged blocks" "$WORK/out" && ok "text summary" || bad "text summary: $(cat "$WORK/out")"
+
+# Ctrl-C of an online scrub: SIGINT to `birch scrub MNT` while the daemon's scrub runs (1 MB/s
+# over 8 MB, so it is still running) cancels it: exit 2, its report says cancelled with a
+# position to resume from, and so does the daemon's status afterwards.
+scrub_status() { python3 -c '
+import json, os, sys
+s = json.loads(os.getxattr(sys.argv[1], "trusted.birch.scrub"))
+r = s.get("report") or {}
+print(s.get("state"), s.get("bytes_done", 0), r.get("cancelled"), r.get("resume") is not None)' "$MNT"; }
+"$BIRCH" scrub --json --rate 1 "$MNT" >"$WORK/cancel.json" 2>"$WORK/cancel.err" &
+SCRUB_PID=$!
+running=0
+for _ in $(seq 100); do
+  read -r state done_bytes _ _ < <(scrub_status)
+  if [[ $state == running && $done_bytes -gt 0 ]]; then running=1; break; fi
+  sleep 0.1
+done
+if ((running)); then ok "online scrub at 1 MB/s running ($done_bytes bytes done)"; else bad "online scrub at 1 MB/s: not seen running (status: $(scrub_status))"; fi
+kill -INT "$SCRUB_PID"
+wait "$SCRUB_PID"
+rc=$?
+if [[ $rc == 2 ]]; then ok "Ctrl-C of an online scrub: exit 2"; else bad "Ctrl-C of an online scrub: exit $rc, expected 2: $(cat "$WORK/cancel.err")"; fi
+json_check "$WORK/cancel.json" 'r["cancelled"] and r["resume"] is not None' "Ctrl-C of an online scrub: its report says cancelled, with a position to resume from"
+read -r state _ cancelled resumable < <(scrub_status)
+if [[ $state == done && $cancelled == True && $resumable == True ]]; then
+  ok "Ctrl-C of an online scrub: the daemon's status says cancelled"
+else
+  bad "Ctrl-C of an online scrub: the daemon's status: state $state, cancelled $cancelled, resume given $resumable"
+fi
 
 # Offline while mounted: refused like fsck.
 expect_rc 2 "offline scrub of a mounted image is refused" -- "$BIRCH" scrub "$IMG"
