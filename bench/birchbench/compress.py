@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fcntl
 import hashlib
 import json
 import os
+import platform
 import random
 import shutil
 import sqlite3
@@ -566,7 +568,7 @@ def render(results: dict) -> str:
     status = {t["name"]: t for t in results["targets"]}
     lines = [f"# Compression benchmark ({results['started']}{', quick' if results['config']['quick'] else ''})", ""]
     lines.append(f"Command: `{results['command']}`  ")
-    lines.append(f"Repeats {results['config']['repeats']} (medians; min–max in results.json), images "
+    lines.append(f"Repeats {results['config']['repeats']} (medians, with min–max after them when more than one), images "
                  f"{human(results['config']['image_size'])} each on {results['machine'].get('image_fs', '?')}, "
                  f"{results['machine'].get('cores')} cores, kernel {results['machine'].get('kernel')}.")
     lines.append("")
@@ -578,7 +580,7 @@ def render(results: dict) -> str:
         if not man:
             continue
         lines += ["", f"## {CORPUS_TITLES[cname]}", "",
-                  f"{man['files']:,} files, {man['bytes'] / MiB:.1f} MiB (`{man['key']}`)", ""]
+                  f"{man['files']:,} file{'s' if man['files'] != 1 else ''}, {man['bytes'] / MiB:.1f} MiB (`{man['key']}`)", ""]
         cols = [c for c in COLUMNS if any(k[0] == cname and c[0] in v for k, v in meds.items())]
         ref = meds.get((cname, REF_TARGET), {})
         rats = [r for r in RATIOS if r[0] in ref]
@@ -597,11 +599,16 @@ def render(results: dict) -> str:
                 continue
             cells = []
             for key, _, conv in cols:
-                v = m.get(key, {}).get("median")
+                f = m.get(key, {})
+                v = f.get("median")
                 if v is None:
                     cells.append("n/a (kernel)" if key.startswith("daemon_") and not tn.startswith("birch") else "—")
-                else:
-                    cells.append(fmt_num(conv(v) if conv else v))
+                    continue
+                cv = conv or (lambda x: x)
+                cell = fmt_num(cv(v))
+                if f["n"] > 1:  # the spread over the repeats
+                    cell += f" ({fmt_num(cv(f['min']))}–{fmt_num(cv(f['max']))})"
+                cells.append(cell)
             for key, _ in rats:
                 v, rv = m.get(key, {}).get("median"), ref.get(key, {}).get("median")
                 cells.append(f"{v / rv:.2f}" if v is not None and rv else "—")
@@ -762,6 +769,12 @@ def main(argv=None) -> int:
         print("compress: needs root (loop devices, mounts, drop_caches): run bench/compress.sh with sudo", file=sys.stderr)
         return 2
     os.makedirs(cfg.image_dir, exist_ok=True)
+    lock = open(os.path.join(cfg.image_dir, "lock"), "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        print(f"compress: another run holds {cfg.image_dir}/lock (or use --image-dir)", file=sys.stderr)
+        return 2
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H%M%S")
     out = cfg.out or (os.path.join(cfg.image_dir, "results", stamp + "-quick") if cfg.quick
                       else os.path.join(REPO, "bench", "results", "compress-" + stamp))
@@ -774,7 +787,6 @@ def main(argv=None) -> int:
     mounts.STATE = mounts.State(state_path)
     mounts.STATE.save()
     rc_fs, fs_out, _ = run(["findmnt", "-n", "-o", "FSTYPE,SOURCE", "--target", cfg.image_dir], timeout=10)
-    import platform
     results = {"started": stamp, "command": "bench/compress.sh " + " ".join(sys.argv[1:] if argv is None else argv),
                "config": {k: v for k, v in vars(cfg).items() if isinstance(v, (int, str, list, bool, type(None)))},
                "machine": {"cores": os.cpu_count(), "kernel": platform.release(),

@@ -170,7 +170,7 @@ class Report(unittest.TestCase):
                    "corpora": {"L": {"files": 3, "bytes": 100 << 20, "key": "L-x"}},
                    "targets": [{"name": n, "status": "ok", "error": ""} for n in ("btrfs-zstd1", "btrfs", "birchfs")]
                    + [{"name": "birchfs-lz4", "status": "skipped", "error": "no"}],
-                   "runs": [run("btrfs-zstd1", 30, 50.0), run("btrfs", 100, 100.0),
+                   "runs": [run("btrfs-zstd1", 30, 50.0), run("btrfs", 100, 100.0), run("btrfs", 100, 120.0),
                             run("birchfs", 100, 75.0, daemon_cpu_s_per_gib_w=2.0),
                             {"target": "birchfs", "corpus": "L", "repeat": 2, "error": "boom"}]}
         md = compress.render(results)
@@ -179,6 +179,7 @@ class Report(unittest.TestCase):
         self.assertIn("| 3.33 | 1.50 | 1.00 | 1.00 |", row[0])  # stored, write, read, IOPS x btrfs-zstd1
         btrfs_row = [ln for ln in md.splitlines() if ln.startswith("| btrfs |")][0]
         self.assertIn("n/a (kernel)", btrfs_row)
+        self.assertIn("| 110 (100–120) |", btrfs_row)  # two repeats: the median, then the spread
         self.assertIn("| birchfs-lz4 | skipped", md)
         self.assertIn("boom", md)
 
