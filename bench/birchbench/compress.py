@@ -368,6 +368,22 @@ class CompressTarget(Target):
             return self.mnt
         return super().mount()
 
+    def sync(self, path: str, check: bool = False) -> None:
+        """To durable.  btrfs: `sync -f` (syncfs(2)).  birch: `sync -f` writes the kernel's dirty
+        pages back to the daemon (syncfs goes no further on FUSE), then the daemon's control
+        command `sync` (the root's trusted.birch.control xattr), which commits everything it
+        buffers.  Not `birch sync`: that is syncfs plus an fsync of the root directory, which
+        finds nothing to do and commits nothing when the root itself did not change, leaving
+        the data of files in subdirectories buffered (found here, 2026-12-03: a file written
+        in a subdirectory after a `birch sync` is gone after a kill -9 of the daemon)."""
+        if not self.is_birch:
+            return super().sync(path, check)
+        code = "import os,sys; os.setxattr(sys.argv[1], 'trusted.birch.control', b'sync')"
+        for cmd in (["sync", "-f", self.mnt], [sys.executable, "-c", code, self.mnt]):
+            rc, out, err = run(cmd, timeout=1800)
+            if rc != 0 and check:
+                raise RuntimeError(f"{' '.join(cmd)} rc={rc}: {(err or out).strip()[-300:]}")
+
     def daemon_pid(self) -> int | None:
         if not self.is_birch:
             return None
@@ -456,7 +472,7 @@ def measure(t: CompressTarget, man: dict, cfg, raw_dir: str, tag: str) -> dict:
         s0 = proc_sys_seconds()
         t0 = time.monotonic()
         copy_in(man, wd)
-        t.sync(mnt, check=True)  # sync -f, then `birch sync` on birch (syncfs never reaches FUSE)
+        t.sync(mnt, check=True)  # sync -f, then on birch the daemon's commit (CompressTarget.sync)
         dt = time.monotonic() - t0
         s1 = proc_sys_seconds()
         d1 = proc_cpu_seconds(pid) if pid else None
@@ -612,9 +628,12 @@ def render(results: dict) -> str:
             for key, _ in rats:
                 v, rv = m.get(key, {}).get("median"), ref.get(key, {}).get("median")
                 cells.append(f"{v / rv:.2f}" if v is not None and rv else "—")
-            lines.append(f"| {tn}{' (1 of %d runs failed)' % len(errs) if errs else ''} | " + " | ".join(cells) + " |")
+            nruns = sum(1 for r in results["runs"] if r["corpus"] == cname and r["target"] == tn)
+            failed = f" ({len(errs)} of {nruns} runs failed)" if errs else ""
+            lines.append(f"| {tn}{failed} | " + " | ".join(cells) + " |")
     lines += ["", "Columns: *write MiB/s* the corpus copied in (1 MiB writes) until durable (`sync -f`; on birch "
-              "then `birch sync`, since syncfs(2) never reaches a FUSE daemon), over its logical size. "
+              "then the daemon's commit, its control command `sync`, since syncfs(2) never reaches a FUSE daemon and "
+              "`birch sync` commits nothing when the root directory did not change), over its logical size. "
               "*stored data* = data blocks only: btrfs `compsize -b` (Disk Usage), birch `birch inspect IMAGE "
               "space` (\"data\", each block once). *statfs Δ* = used bytes after the sync minus before the copy, "
               "metadata included (btrfs keeps metadata twice, DUP, so its Δ has two copies of every tree block; "

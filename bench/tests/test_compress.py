@@ -174,7 +174,7 @@ class Report(unittest.TestCase):
                             run("birchfs", 100, 75.0, daemon_cpu_s_per_gib_w=2.0),
                             {"target": "birchfs", "corpus": "L", "repeat": 2, "error": "boom"}]}
         md = compress.render(results)
-        row = [ln for ln in md.splitlines() if ln.startswith("| birchfs (1 of 1 runs failed)")]
+        row = [ln for ln in md.splitlines() if ln.startswith("| birchfs (1 of 2 runs failed)")]
         self.assertEqual(len(row), 1, md)
         self.assertIn("| 3.33 | 1.50 | 1.00 | 1.00 |", row[0])  # stored, write, read, IOPS x btrfs-zstd1
         btrfs_row = [ln for ln in md.splitlines() if ln.startswith("| btrfs |")][0]
