@@ -134,9 +134,10 @@ class CommandLine(unittest.TestCase):
     def test_dry_run_plan(self):
         p = self.run_entry("--dry-run", "--quick", "--birch", "/bin/true")
         self.assertEqual(p.returncode, 0, p.stderr)
-        for name in ("btrfs-zstd1", "btrfs-lzo", "btrfs", "birchfs"):
+        for name in ("btrfs-zstd1", "btrfs-zstd1-force", "btrfs-lzo", "btrfs", "birchfs"):
             self.assertIn(f"target {name}:", p.stdout)
         self.assertIn("-o compress=zstd:1", p.stdout)
+        self.assertIn("btrfs-zstd1-force: btrfs -o compress-force=zstd:1", p.stdout)
         self.assertIn("corpus L: L-log16M-db8M-vm32M-s37-v1", p.stdout)
         self.assertEqual(p.stdout.count("run: repeat 1 corpus"), 3)
 
