@@ -54,6 +54,11 @@ BASE_TARGETS = [("btrfs-zstd1", "btrfs", "compress=zstd:1"),
                 ("btrfs-lzo", "btrfs", "compress=lzo"),
                 ("btrfs", "btrfs", None),
                 ("birchfs", "birchfs", None)]
+# birch keeps a file of at most this many bytes inside its extent item, in a tree node, not in a
+# data block (FORMAT.md INLINE_MAX_BYTES; btrfs's max_inline is the same 2048).  compsize counts
+# btrfs's inline extents in its Disk Usage; `birch inspect space` counts data blocks only, so
+# birch's stored data adds these bytes to count the same way.
+BIRCH_INLINE_MAX = 2048
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -429,6 +434,16 @@ def read_all(root: str) -> int:
     return n
 
 
+def inline_bytes(root: str, limit: int = BIRCH_INLINE_MAX) -> int:
+    """The bytes of the files under root of 1..limit bytes: those birch stores inline."""
+    total = 0
+    for rel in list_files(root):
+        n = os.path.getsize(os.path.join(root, rel))
+        if 0 < n <= limit:
+            total += n
+    return total
+
+
 def warm_source(man: dict) -> None:
     """Read the corpus once so its copy reads the host's page cache, not the host's disk."""
     read_all(man["dir"])
@@ -509,7 +524,8 @@ def measure(t: CompressTarget, man: dict, cfg, raw_dir: str, tag: str) -> dict:
             sp = parse_inspect_space(out)
             if rc != 0 or "data" not in sp:
                 raise RuntimeError(f"birch inspect space rc={rc}: {(err or out).strip()[-300:]}")
-            r["stored_data_bytes"] = sp["data"]
+            r["birch_inline_bytes"] = inline_bytes(man["dir"])
+            r["stored_data_bytes"] = sp["data"] + r["birch_inline_bytes"]
             r["inspect_space"] = sp
             drop_caches()
             mnt = t.mount()
@@ -644,8 +660,8 @@ def render(results: dict) -> str:
     lines += ["", "Columns: *write MiB/s* the corpus copied in (1 MiB writes) until durable (`sync -f`; on birch "
               "then the daemon's commit, its control command `sync`, since syncfs(2) never reaches a FUSE daemon and "
               "`birch sync` commits nothing when the root directory did not change), over its logical size. "
-              "*stored data* = data blocks only: btrfs `compsize -b` (Disk Usage), birch `birch inspect IMAGE "
-              "space` (\"data\", each block once). *statfs Δ* = used bytes after the sync minus before the copy, "
+              "*stored data* = data only: btrfs `compsize -b` (Disk Usage, its inline extents included), birch `birch inspect IMAGE "
+              "space` (\"data\", each block once) plus the bytes of the files of at most 2048 bytes, which birch keeps inline. *statfs Δ* = used bytes after the sync minus before the copy, "
               "metadata included (btrfs keeps metadata twice, DUP, so its Δ has two copies of every tree block; "
               "birch one). *cold read*: birch unmounted (the daemon and its caches gone) and mounted again, btrfs "
               "unmounted and mounted, the host page cache dropped, then every file read in 1 MiB reads. "

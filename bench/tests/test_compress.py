@@ -72,6 +72,13 @@ class Corpora(unittest.TestCase):
         self.assertEqual(self.make("a", "S", 5)["files"], TINY["files"])
         self.assertEqual(self.make("a", "R", 5)["bytes"], TINY["random"])
 
+    def test_inline_bytes_are_the_small_files(self):
+        for i, n in enumerate((0, 1, 2048, 2049, 70000)):
+            os.makedirs(os.path.join(self.tmp, "t", "d"), exist_ok=True)
+            with open(os.path.join(self.tmp, "t", "d" if i % 2 else "", f"f{i}"), "wb") as f:
+                f.write(b"x" * n)
+        self.assertEqual(compress.inline_bytes(os.path.join(self.tmp, "t")), 1 + 2048)
+
     def test_cached_corpus_is_reused(self):
         man = self.make("a", "R", 5)
         path = os.path.join(man["dir"], "random.bin")
