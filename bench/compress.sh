@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The compression benchmark (issue 37 item 7): install what it needs, then run bench/compress.py.
 #
-#   sudo bench/compress.sh --quick            # smoke run, a minute or two: every target gives numbers
+#   sudo bench/compress.sh --quick            # smoke run, ~40 s: every target gives numbers
 #   sudo bench/compress.sh                    # full sizes (L 1.75 GiB, S 10,000 files, R 512 MiB)
 #   sudo bench/compress.sh --repeats 3 --corpora L
 #   sudo BIRCH_COMPRESS=zstd:1,lz4 bench/compress.sh   # + birchfs -o compress=X (refused until birch has it)

@@ -4,10 +4,11 @@ installs its tools (fio, btrfs-progs, btrfs-compsize) and runs bench/compress.py
 
 Owns: the corpora (L: a log file, a SQLite database, a VM-image-like file; S: the W6 source
 tree; R: incompressible random data), made deterministically from a seed and cached under
-IMAGE_DIR/corpus/; the compression targets (btrfs with compress=zstd:1, compress=lzo and none,
-birchfs with compression off, and birchfs with `-o compress=X` for each --birch-compress X once
+IMAGE_DIR/corpus/; the compression targets (btrfs with compress=zstd:1, compress-force=zstd:1,
+compress=lzo and none, birchfs with compression off, and birchfs with `-o compress=X` for each --birch-compress X once
 birch has that option); one measurement per (repeat, corpus, target): a fresh mkfs, the copy to
-durable, stored bytes, a cold read, fio random 4 KiB reads (corpus L), CPU from /proc; and
+durable (on birch through the daemon's control command `sync`, see CompressTarget.sync),
+stored bytes (birch's inline files included), a cold read, fio random 4 KiB reads (corpus L), CPU from /proc; and
 its own report (summary.md, results.json).
 
 Reuses, and must not change: birchbench.targets.Target (images written out in full, loop
