@@ -14,6 +14,7 @@ use birch_format::ROOT_INO;
 
 use crate::oracle::{check_recording, CrashReport, History, RolledBack};
 use crate::rng::Rng;
+use crate::stamp::fill;
 
 /// The workloads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,15 +147,16 @@ fn run_workload(
     match w {
         Workload::Append => {
             let mut content = Vec::new();
-            for i in 0..6u8 {
-                content.extend(std::iter::repeat_n(i + 1, 3000 + i as usize * 1500));
+            for i in 0..6u64 {
+                let at = content.len() as u64;
+                content.extend(fill(0, at, i + 1, 3000 + i as usize * 1500));
                 write_version(fs, h, "/A/log", content.clone())?;
                 sync_path(fs, rec, h, "/A/log", i % 2 == 1)?;
             }
         }
         Workload::Wal => {
             let path = "/A/wal";
-            let mut content = vec![1u8; 8192];
+            let mut content = fill(0, 0, 1, 8192);
             write_version(fs, h, path, content.clone())?;
             sync_path(fs, rec, h, path, false)?;
             let ino = fs.resolve(path)?;
@@ -166,7 +168,7 @@ fn run_workload(
                           blocks: usize|
              -> Result<()> {
                 let at = content.len() as u64;
-                let bytes = vec![n; blocks * 4096];
+                let bytes = fill(0, at, u64::from(n), blocks * 4096);
                 fs.write(ino, at, &bytes, false)?;
                 content.extend_from_slice(&bytes);
                 h.version(path, content.clone());
@@ -184,7 +186,7 @@ fn run_workload(
                 append(fs, rec, h, &mut content, n, 1)?;
             }
             // An overwrite inside the file (in place), then more appends.
-            let page = vec![12u8; 4096];
+            let page = fill(0, 4096, 12, 4096);
             fs.write(ino, 4096, &page, false)?;
             content[4096..8192].copy_from_slice(&page);
             h.version(path, content.clone());
@@ -231,7 +233,7 @@ fn run_workload(
             let clone = |from: &str, at: u64, to: &str, to_at: u64, len: u64| -> Result<u64> {
                 fs.copy_file_range(fs.resolve(from)?, at, fs.resolve(to)?, to_at, len)
             };
-            let src: Vec<u8> = (0..200_000u32).map(|i| (i / 3) as u8 ^ 0x5a).collect();
+            let src = fill(1, 0, 1, 200_000);
             write_version(fs, h, "/A/src", src.clone())?;
             sync_path(fs, rec, h, "/A/src", false)?;
             write_version(fs, h, "/B/dst", Vec::new())?;
@@ -244,7 +246,7 @@ fn run_workload(
             h.removed("/A/src");
             fs.sync()?;
             let ino = fs.resolve("/B/dst")?;
-            let page = vec![0xEEu8; 8192];
+            let page = fill(2, 4096, 2, 8192);
             fs.write(ino, 4096, &page, false)?;
             dst[4096..12288].copy_from_slice(&page);
             h.version("/B/dst", dst.clone());
@@ -256,10 +258,10 @@ fn run_workload(
             h.version("/B/dst", dst.clone());
             sync_path(fs, rec, h, "/B/dst", false)?;
             // Over a committed file, unaligned head and tail copied.
-            write_version(fs, h, "/A/other", vec![7u8; 30_000])?;
+            write_version(fs, h, "/A/other", fill(3, 0, 1, 30_000))?;
             fs.sync()?;
             clone("/B/dst", 100, "/A/other", 100, 20_000)?;
-            let mut other = vec![7u8; 30_000];
+            let mut other = fill(3, 0, 1, 30_000);
             other[100..20_100].copy_from_slice(&dst[100..20_100]);
             h.version("/A/other", other);
             sync_path(fs, rec, h, "/A/other", false)?;
@@ -271,7 +273,7 @@ fn run_workload(
             }
         }
         Workload::Holes => {
-            let mut content = vec![5u8; 40_000];
+            let mut content = fill(0, 0, 1, 40_000);
             write_version(fs, h, "/B/sparse", content.clone())?;
             sync_path(fs, rec, h, "/B/sparse", false)?;
             let ino = fs.resolve("/B/sparse")?;
@@ -311,7 +313,7 @@ fn run_workload(
             for i in 0..600usize {
                 let path = format!("{}/t{i:04}", if i % 2 == 0 { "/A" } else { "/B" });
                 let len = 100 + rng.below(700) as usize;
-                write_version(fs, h, &path, vec![(i % 251) as u8 + 1; len])?;
+                write_version(fs, h, &path, fill(i as u64, 0, 1, len))?;
                 if i % 4 == 0 {
                     fs.setxattr(fs.resolve(&path)?, b"user.tag", &[i as u8; 40], 0)?;
                 }
@@ -339,7 +341,7 @@ fn run_workload(
         Workload::Many => {
             for i in 0..12 {
                 let path = format!("/A/f{i}");
-                write_version(fs, h, &path, vec![i as u8 + 1; 500 + i * 900])?;
+                write_version(fs, h, &path, fill(i as u64, 0, 1, 500 + i * 900))?;
                 if i % 3 == 0 {
                     sync_path(fs, rec, h, &path, false)?;
                 }
@@ -371,7 +373,7 @@ fn run_workload(
             let mut written = Vec::new();
             for (i, path) in paths.iter().enumerate() {
                 let len = 1 + rng.below(40_000) as usize;
-                write_version(fs, h, path, vec![i as u8 + 1; len])?;
+                write_version(fs, h, path, fill(i as u64, 0, 1, len))?;
                 written.push(*path);
                 match rng.below(4) {
                     0 => sync_path(fs, rec, h, path, false)?,
@@ -390,7 +392,7 @@ fn run_workload(
                         fs,
                         h,
                         path,
-                        vec![i as u8 + 101; 1 + rng.below(9000) as usize],
+                        fill(i as u64, 0, 2, 1 + rng.below(9000) as usize),
                     )?;
                 }
             }
@@ -435,7 +437,8 @@ fn run_workload(
             fs.mkdir(c, fs.resolve("/A")?, b"C", 0o755)?;
             let trace = std::env::var_os("BIRCH_CRASH_TRACE").is_some();
             for step in 0..(1 + rng.below(3)) {
-                let path = paths[rng.below(paths.len() as u64) as usize];
+                let file = rng.below(paths.len() as u64);
+                let path = paths[file as usize];
                 if trace {
                     eprintln!("ace step {step}: {path}");
                 }
@@ -443,9 +446,9 @@ fn run_workload(
                     0 | 1 => {
                         let len = 1 + rng.below(9000) as usize;
                         if trace {
-                            eprintln!("  write {len} bytes of {}", step + 7);
+                            eprintln!("  write {len} bytes, version {}", step + 1);
                         }
-                        write_version(fs, h, path, vec![step as u8 + 7; len])?;
+                        write_version(fs, h, path, fill(file, 0, step + 1, len))?;
                     }
                     2 => {
                         // link to another name, when the source exists and the target does not
@@ -553,8 +556,9 @@ impl SnapSteps {
         Ok(())
     }
 
-    /// One step (`choice`, 0..9) over a path the generator picks. `step` (below 150) tells
-    /// the bytes written apart.
+    /// One step (`choice`, 0..9) over a path the generator picks. `step` + 1 is the version
+    /// of the bytes it writes ([`fill`] of the path's index in `SNAP_PATHS`), which tells them
+    /// apart.
     fn step(
         &mut self,
         fs: &Filesystem,
@@ -566,12 +570,14 @@ impl SnapSteps {
         let trace = self.trace;
         let rng = &mut self.rng;
         let live = &mut self.live;
-        let path = SNAP_PATHS[rng.below(SNAP_PATHS.len() as u64) as usize];
+        let file = rng.below(SNAP_PATHS.len() as u64);
+        let path = SNAP_PATHS[file as usize];
+        let version = u64::from(step) + 1;
         match choice {
             // A whole new content (the file made if missing).
             0 | 1 => {
                 let len = 100 + rng.below(14_000) as usize;
-                let content = vec![step + 1; len];
+                let content = fill(file, 0, version, len);
                 if trace {
                     eprintln!("step {step}: write {path} ({len} bytes)");
                 }
@@ -590,7 +596,7 @@ impl SnapSteps {
                     if trace {
                         eprintln!("step {step}: overwrite {path} at {at} ({len} bytes)");
                     }
-                    let bytes = vec![step + 101; len];
+                    let bytes = fill(file, at as u64, version, len);
                     fs.write(fs.resolve(path)?, at as u64, &bytes, false)?;
                     content[at..at + len].copy_from_slice(&bytes);
                     h.version(path, content.clone());
@@ -773,8 +779,14 @@ fn rollback_round(
         fs.sync()?;
         rec.mark();
         for step in [first - 3, first - 4] {
-            let path = SNAP_PATHS[s.rng.below(SNAP_PATHS.len() as u64) as usize];
-            let content = vec![step + 1; 100 + s.rng.below(14_000) as usize];
+            let file = s.rng.below(SNAP_PATHS.len() as u64);
+            let path = SNAP_PATHS[file as usize];
+            let content = fill(
+                file,
+                0,
+                u64::from(step) + 1,
+                100 + s.rng.below(14_000) as usize,
+            );
             if s.trace {
                 eprintln!("step {step}: write {path} ({} bytes), fsync", content.len());
             }

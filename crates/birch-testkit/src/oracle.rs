@@ -328,8 +328,8 @@ fn check_state(
         let allowed = &history.versions[path][*version..];
         if !(allowed.contains(&got) || history.faulted && made_of(&got, allowed, true)) {
             return Err(format!(
-                "{path} has {} bytes, not a version at or after the fsync'd one",
-                got.len()
+                "{path} is not a version at or after the fsync'd one: {}",
+                departure(&got, allowed)
             ));
         }
     }
@@ -345,23 +345,10 @@ fn check_state(
     }
     for (path, versions) in &history.versions {
         if let Ok(got) = fs.read_file(path) {
-            if !(got.is_empty()
-                || versions
-                    .iter()
-                    .any(|v| v.starts_with(&got) || got.starts_with(v))
-                || history.faulted && made_of(&got, versions, false))
-            {
-                let mut runs: Vec<(u8, usize)> = Vec::new();
-                for b in &got {
-                    match runs.last_mut() {
-                        Some((v, n)) if v == b => *n += 1,
-                        _ => runs.push((*b, 1)),
-                    }
-                }
-                runs.truncate(6);
+            if !once_written(&got, versions, history.faulted) {
                 return Err(format!(
-                    "{path} holds content never written: {} bytes, runs (byte, count) {runs:?}",
-                    got.len()
+                    "{path} holds content never written: {}",
+                    departure(&got, versions)
                 ));
             }
         }
@@ -384,6 +371,57 @@ fn check_state(
         ));
     }
     Ok(())
+}
+
+/// Whether `got` is content a file with these `versions` may read back after a crash: nothing,
+/// a prefix of a version, or a version followed by bytes each that byte of some version or
+/// zero (a later version's data past an earlier size, or a size ahead of its data); after a
+/// device fault, made of them byte by byte ([`made_of`]). Every byte is compared with the
+/// versions' bytes at its own offset, so with content that differs from offset to offset
+/// ([`crate::stamp::fill`]) a block of the right file and version in the wrong place fails.
+fn once_written(got: &[u8], versions: &[Vec<u8>], faulted: bool) -> bool {
+    let at_its_offset =
+        |at: usize, b: &u8| *b == 0 || versions.iter().any(|w| w.get(at) == Some(b));
+    got.is_empty()
+        || versions.iter().any(|v| {
+            v.starts_with(got)
+                || got.starts_with(v)
+                    && got[v.len()..]
+                        .iter()
+                        .enumerate()
+                        .all(|(i, b)| at_its_offset(v.len() + i, b))
+        })
+        || faulted && made_of(got, versions, false)
+}
+
+/// For a failure message: how long `got` is, which of `versions` it follows longest and up to
+/// which offset, and what the 4 KiB block there holds (zeros, or the [`crate::stamp::fill`]
+/// piece its header names: file, offset, version).
+fn departure(got: &[u8], versions: &[Vec<u8>]) -> String {
+    let (index, common) = versions
+        .iter()
+        .enumerate()
+        .map(|(i, v)| (i, v.iter().zip(got).take_while(|(a, b)| a == b).count()))
+        .max_by_key(|(_, common)| *common)
+        .unwrap_or((0, 0));
+    let block = common / 4096 * 4096;
+    let bytes = &got[block.min(got.len())..(block + 4096).min(got.len())];
+    let holds = if bytes.is_empty() {
+        "nothing (past the end)".to_string()
+    } else if bytes.iter().all(|b| *b == 0) {
+        "zeros".to_string()
+    } else if let Some((file, offset, version)) = crate::stamp::fill_header(bytes) {
+        format!("the piece of file {file} at offset {offset}, version {version}")
+    } else {
+        "no piece header at its start".to_string()
+    };
+    format!(
+        "{} bytes; it follows version {index} of {} ({} bytes) up to offset {common}; the block \
+         at {block} holds {holds}",
+        got.len(),
+        versions.len(),
+        versions.get(index).map_or(0, Vec::len)
+    )
 }
 
 /// Whether `got` is made of the `allowed` versions byte by byte (each byte that byte of one
@@ -702,6 +740,39 @@ mod tests {
         let older = [vec![2u8; 4], vec![4u8; 8]].concat();
         assert!(!made_of(&older, &allowed, true), "an older version's bytes");
         assert!(!made_of(&[9u8; 12], &allowed, false), "never written");
+    }
+
+    /// With content stamped by offset, a block of the right file and version in the wrong place
+    /// fails every judgement: whole versions, once written (also past a version's end) and
+    /// byte by byte after a fault.
+    #[test]
+    fn a_block_from_another_offset_is_never_written_content() {
+        use crate::stamp::fill;
+        let v1 = fill(1, 0, 1, 3 * 4096);
+        let v2 = [v1.clone(), fill(1, 3 * 4096, 2, 2 * 4096)].concat();
+        let versions = [v1.clone(), v2.clone()];
+        for good in [&v1[..], &v2[..], &v2[..20_000], &v1[..100]] {
+            assert!(once_written(good, &versions, false));
+        }
+        // Past v1's end: zeros (a size ahead of its data) pass.
+        let grown = [v1.clone(), vec![0; 4096]].concat();
+        assert!(once_written(&grown, &versions, false));
+        // Block 1 swapped with block 2, in v2 and in the tail past v1.
+        let mut swapped = v2.clone();
+        swapped[4096..8192].copy_from_slice(&v2[8192..12288]);
+        assert!(!once_written(&swapped, &versions, false));
+        assert!(!once_written(&swapped, &versions, true));
+        assert!(!made_of(&swapped, &versions, true));
+        let mut tail = v2.clone();
+        tail[4 * 4096..].copy_from_slice(&v2[3 * 4096..4 * 4096]);
+        assert!(
+            !once_written(&tail, &versions, false),
+            "a wrong block past v1"
+        );
+        assert!(departure(&tail, &versions).contains("offset 12288, version 2"));
+        // Another version's block at the right offset, where no version had it.
+        let v3 = [v1.clone(), fill(1, 3 * 4096, 3, 2 * 4096)].concat();
+        assert!(!once_written(&v3, &versions, false));
     }
 
     /// A rename leaves the old name's versions valid for it: a crash before the rename is

@@ -32,6 +32,7 @@ use birch_core::device::{MemDevice, Recorded};
 use birch_core::vfs::{Caller, OpenOptions};
 use birch_core::{Filesystem, MkfsOptions};
 use birch_format::ROOT_INO;
+use birch_testkit::stamp::fill;
 use birch_testkit::{check_recording, CrashReport, Effect, FaultDevice, History, Op, Rng, Rule};
 
 use birch_fuse::daemon::InProcessMount;
@@ -68,14 +69,15 @@ impl Model {
         }
     }
 
-    /// `len` bytes of `fill` were written at `off` through `path` (creating it if new).
-    fn wrote(&mut self, h: &mut History, path: &'static str, off: usize, len: usize, fill: u8) {
+    /// `bytes` were written at `off` through `path` (creating it if new).
+    fn wrote(&mut self, h: &mut History, path: &'static str, off: usize, bytes: &[u8]) {
         let ino = self.inode_of(path, h);
         let c = &mut self.contents[ino];
-        if c.len() < off + len {
-            c.resize(off + len, 0);
+        let end = off + bytes.len();
+        if c.len() < end {
+            c.resize(end, 0);
         }
-        c[off..off + len].fill(fill);
+        c[off..end].copy_from_slice(bytes);
         self.changed(h, ino);
     }
 
@@ -125,8 +127,11 @@ impl Run<'_> {
     }
 
     /// One operation on `path`, chosen by the generator, recorded in the model and history.
+    /// The bytes it writes are the test kit's [`fill`] of the path's index in `PATHS`, at their
+    /// file offset, with `step` + 1 as the version.
     fn operation(&mut self, rng: &mut Rng, step: u8, path: &'static str) -> Result<(), String> {
-        let fill = step.wrapping_mul(37).wrapping_add(11) | 1;
+        let file = PATHS.iter().position(|p| *p == path).unwrap_or(PATHS.len()) as u64;
+        let version = u64::from(step) + 1;
         let op = rng.below(9);
         if std::env::var_os("BIRCH_CRASH_TRACE").is_some() {
             eprintln!("  operation {op} (0-1 pwrite, 2 append, 3 O_DIRECT|O_SYNC, 4 truncate, 5 link, 6 rename, 7 unlink/punch, 8 xattr)");
@@ -135,33 +140,36 @@ impl Run<'_> {
             0 | 1 => {
                 let off = rng.below(12_000) as usize;
                 let len = 1 + rng.below(9_000) as usize;
+                let bytes = fill(file, off as u64, version, len);
                 let f = self.open(path, 0)?;
-                f.write_all_at(&vec![fill; len], off as u64)
+                f.write_all_at(&bytes, off as u64)
                     .map_err(|e| io("pwrite", path, e))?;
-                self.model.wrote(&mut self.history, path, off, len, fill);
+                self.model.wrote(&mut self.history, path, off, &bytes);
             }
             2 => {
                 let len = 1 + rng.below(6_000) as usize;
                 let mut f = self.open(path, libc::O_APPEND)?;
-                std::io::Write::write_all(&mut f, &vec![fill; len])
-                    .map_err(|e| io("append", path, e))?;
                 let ino = self.model.inode_of(path, &mut self.history);
-                let c = &mut self.model.contents[ino];
-                c.resize(c.len() + len, fill);
-                self.model.changed(&mut self.history, ino);
+                // O_APPEND writes at the end: the model's size, which the file's is.
+                let at = self.model.contents[ino].len();
+                let bytes = fill(file, at as u64, version, len);
+                std::io::Write::write_all(&mut f, &bytes).map_err(|e| io("append", path, e))?;
+                self.model.wrote(&mut self.history, path, at, &bytes);
             }
             3 => {
                 // O_DIRECT|O_SYNC: the WRITE is durable before it is answered, with no fsync.
                 let off = 4096 * rng.below(4) as usize;
                 let len = 4096 * (1 + rng.below(2) as usize);
                 // O_DIRECT wants a 4 KiB-aligned buffer: take an aligned window of a larger one.
-                let backing = vec![fill; len + 4096];
+                let bytes = fill(file, off as u64, version, len);
+                let mut backing = vec![0u8; len + 4096];
                 let at = backing.as_ptr().align_offset(4096).min(4096);
+                backing[at..at + len].copy_from_slice(&bytes);
                 let f = self.open(path, libc::O_DIRECT | libc::O_SYNC)?;
                 f.write_all_at(&backing[at..at + len], off as u64)
                     .map_err(|e| io("O_DIRECT|O_SYNC pwrite", path, e))?;
                 drop(f);
-                self.model.wrote(&mut self.history, path, off, len, fill);
+                self.model.wrote(&mut self.history, path, off, &bytes);
                 let mark = self.mark();
                 self.history.synced(mark, path);
             }
@@ -232,7 +240,7 @@ impl Run<'_> {
                 // SAFETY: valid NUL-terminated strings and a buffer of the given length.
                 let rc = unsafe {
                     if rng.chance(60) {
-                        libc::setxattr(p.as_ptr(), name.as_ptr(), [fill].as_ptr().cast(), 1, 0)
+                        libc::setxattr(p.as_ptr(), name.as_ptr(), [step].as_ptr().cast(), 1, 0)
                     } else {
                         libc::removexattr(p.as_ptr(), name.as_ptr())
                     }
