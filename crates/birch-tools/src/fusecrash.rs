@@ -142,9 +142,12 @@ impl Run<'_> {
                 let len = 1 + rng.below(9_000) as usize;
                 let bytes = fill(file, off as u64, version, len);
                 let f = self.open(path, 0)?;
-                f.write_all_at(&bytes, off as u64)
-                    .map_err(|e| io("pwrite", path, e))?;
+                let written = f.write_all_at(&bytes, off as u64);
+                // Recorded before the result is looked at: a write a device fault failed may
+                // still have reached the device, whole or in part. Not owed (nothing vouched
+                // for it), but a crash state may hold it.
                 self.model.wrote(&mut self.history, path, off, &bytes);
+                written.map_err(|e| io("pwrite", path, e))?;
             }
             2 => {
                 let len = 1 + rng.below(6_000) as usize;
@@ -153,8 +156,10 @@ impl Run<'_> {
                 // O_APPEND writes at the end: the model's size, which the file's is.
                 let at = self.model.contents[ino].len();
                 let bytes = fill(file, at as u64, version, len);
-                std::io::Write::write_all(&mut f, &bytes).map_err(|e| io("append", path, e))?;
+                let written = std::io::Write::write_all(&mut f, &bytes);
+                // As for pwrite: recorded whether or not the fault failed it.
                 self.model.wrote(&mut self.history, path, at, &bytes);
+                written.map_err(|e| io("append", path, e))?;
             }
             3 => {
                 // O_DIRECT|O_SYNC: the WRITE is durable before it is answered, with no fsync.
@@ -166,21 +171,24 @@ impl Run<'_> {
                 let at = backing.as_ptr().align_offset(4096).min(4096);
                 backing[at..at + len].copy_from_slice(&bytes);
                 let f = self.open(path, libc::O_DIRECT | libc::O_SYNC)?;
-                f.write_all_at(&backing[at..at + len], off as u64)
-                    .map_err(|e| io("O_DIRECT|O_SYNC pwrite", path, e))?;
+                let written = f.write_all_at(&backing[at..at + len], off as u64);
                 drop(f);
+                // A failed one may have reached the device too (its data written, the flush
+                // or the commit after it failed): a possible version, owed only once answered.
                 self.model.wrote(&mut self.history, path, off, &bytes);
+                written.map_err(|e| io("O_DIRECT|O_SYNC pwrite", path, e))?;
                 let mark = self.mark();
                 self.history.synced(mark, path);
             }
             4 if self.model.names.contains_key(path) => {
                 let size = rng.below(15_000) as usize;
                 let f = self.open(path, 0)?;
-                f.set_len(size as u64)
-                    .map_err(|e| io("truncate", path, e))?;
+                let cut = f.set_len(size as u64);
+                // As for writes: a truncate the fault failed may have happened.
                 let ino = self.model.names[path];
                 self.model.contents[ino].resize(size, 0);
                 self.model.changed(&mut self.history, ino);
+                cut.map_err(|e| io("truncate", path, e))?;
             }
             5 if self.model.names.contains_key(path) => {
                 let other = PATHS[rng.below(PATHS.len() as u64) as usize];
