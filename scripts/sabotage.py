@@ -98,14 +98,16 @@ def planted(case, tree):
 
 
 def refresh(src):
-    """The scratch copy: the working tree without build outputs and VCS data."""
+    """The scratch copy: the working tree without build outputs and VCS data. Its files get
+    the time of the copy (tar -m), not the tree's: cargo rebuilds by mtime, and a file put back
+    with its old time would look older than a build made with the last run's defect in it."""
     src.mkdir(parents=True, exist_ok=True)
     for p in src.iterdir():
         if p.name != "target":
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     subprocess.run(
         f"tar -C {ROOT} --exclude=./target --exclude=./.git --exclude='*.img' "
-        f"--exclude=./bench/results -cf - . | tar -C {src} -xf -",
+        f"--exclude=./bench/results -cf - . | tar -C {src} -xmf -",
         shell=True,
         check=True,
     )

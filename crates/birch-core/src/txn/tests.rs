@@ -84,7 +84,8 @@ fn rewrite_all(engine: &Engine, count: u64, round: u8) -> u64 {
 /// generation N's tree is still whole on the device after each of them (no block of it
 /// was reused), is named among the superblock's backup roots, and survives a reopen (the
 /// open walk keeps it), its nodes never free in the allocator meanwhile. With
-/// `DEFER_COMMITS` at 0 (checked by hand) tree N's nodes are free after commit N+2.
+/// `DEFER_COMMITS` at 0 (`scripts/sabotage/backup-defer-zero.toml`) tree N's nodes are free
+/// after commit N+2.
 #[test]
 fn the_k_commits_after_n_leave_tree_n_whole() {
     // 6000 items of 300 bytes take about 960 blocks per tree (leaves half full after
