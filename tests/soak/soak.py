@@ -550,6 +550,11 @@ class Soak:
     def mount(self, opts: str, what: str) -> None:
         """`birch mount -f`: the daemon is our child, its stderr goes to daemon.log (`birch mount`
         without -f gives the daemon a log file that it deletes once the mount is live)."""
+        if self.a.faults:
+            # The fault device's chances come from the run's seed and the cycle, so a failing
+            # run replays with --seed (the daemon's log names the seed too).
+            seed = (self.a.seed * 1_000_003 + self.cycle) % (1 << 63)
+            opts = ",".join(o for o in (opts, f"fault_seed={seed}") if o)
         argv = [self.birch, "mount", "-f", self.img, self.mnt] + (["-o", opts] if opts else [])
         with open(self.daemon_log, "ab") as lf:
             lf.write(f"=== cycle {self.cycle}: {' '.join(argv[1:])} ({what})\n".encode())

@@ -91,6 +91,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         ceph: CephOptions::default(),
         snapshot: None,
         faults: Vec::new(),
+        fault_seed: None,
     };
     for opt in raw
         .iter()
@@ -162,6 +163,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
                 c.bench_apply_per_item = value.is_none() || on_off(opt, value)?
             }
             "fault" => c.faults.push(fault_rule(opt, value)?),
+            "fault_seed" => c.fault_seed = Some(fault_seed(opt, value)?),
             "noatime" | "atime" | "relatime" | "strictatime" => {
                 c.atime = AtimeMode::from_option(key);
             }
@@ -211,6 +213,19 @@ fn fault_rule(opt: &str, value: Option<&str>) -> Result<String, String> {
     }
     birch_testkit::Rule::parse(&text).map_err(|e| format!("option {opt}: {e}"))?;
     Ok(text)
+}
+
+/// The seed of a `fault_seed=N` option (the fault device's chances; test builds only).
+fn fault_seed(opt: &str, value: Option<&str>) -> Result<u64, String> {
+    if !cfg!(feature = "fault-injection") {
+        return Err(format!(
+            "option {opt}: this birch was built without fault injection (a test build: cargo \
+             build --release -p birch-tools --features fault-injection)"
+        ));
+    }
+    value
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| format!("option {opt}: expected fault_seed=N (an unsigned integer)"))
 }
 
 /// The atime mode the kernel's mount table gives the mount at `mountpoint` (its per-mount
@@ -959,7 +974,15 @@ mod tests {
             assert_eq!(c.faults, ["write:eio,percent=5,times=2", "flush:lie"]);
             let e = parse_options(&["fault=flush:lose".into()]).expect_err("lose is for writes");
             assert!(e.contains("option fault=flush:lose"), "{e}");
+            let c = parse_options(&["fault_seed=42".into()]).expect("a seed");
+            assert_eq!(c.fault_seed, Some(42));
+            for bad in ["fault_seed", "fault_seed=", "fault_seed=-1", "fault_seed=x"] {
+                let e = parse_options(&[bad.into()]).expect_err(bad);
+                assert!(e.contains("expected fault_seed=N"), "{bad}: {e}");
+            }
         } else {
+            let e = parse_options(&["fault_seed=42".into()]).expect_err("a seed, shipped");
+            assert!(e.contains("built without fault injection"), "{e}");
             let e = match given {
                 Err(e) => e,
                 Ok(_) => panic!("the shipped build took a fault rule"),

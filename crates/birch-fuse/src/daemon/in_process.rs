@@ -69,6 +69,7 @@ impl InProcessMount {
             ceph: CephOptions::default(),
             snapshot: None,
             faults: Vec::new(),
+            fault_seed: None,
         };
         let mut fuse_config = Config::default();
         fuse_config.acl = SessionACL::Owner;

@@ -85,6 +85,9 @@ pub struct MountConfig {
     /// armed between the image and the filesystem from the mount on. A daemon built without
     /// the feature refuses to serve with any.
     pub faults: Vec<String>,
+    /// `fault_seed=N` (test builds only): the seed the fault device draws its chances from,
+    /// so a run can be replayed; without it, from the clock (the daemon logs it either way).
+    pub fault_seed: Option<u64>,
 }
 
 /// Default number of FUSE request loops (`threads=`): one per CPU, at least 2, at most 8.

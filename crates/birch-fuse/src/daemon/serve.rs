@@ -110,16 +110,19 @@ pub fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> Result<()
     // the `fault=` rules, and `birch fault` adds more while the mount serves.
     #[cfg(feature = "fault-injection")]
     let (device, fault) = {
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| d.as_nanos() as u64);
+        let seed = config.fault_seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
+        log::warn!("fault injection: seed {seed} (replay with -o fault_seed={seed})");
         super::faults::arm(device, &config.faults, seed)
             .map_err(|e| format!("{}: {e}", image.display()))?
     };
     #[cfg(not(feature = "fault-injection"))]
-    if !config.faults.is_empty() {
+    if !config.faults.is_empty() || config.fault_seed.is_some() {
         return Err(format!(
-            "{}: fault= rules need a daemon built with the fault-injection feature",
+            "{}: fault= rules and fault_seed= need a daemon built with the fault-injection feature",
             image.display()
         ));
     }
