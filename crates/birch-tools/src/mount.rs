@@ -258,10 +258,12 @@ fn on_off(opt: &str, value: Option<&str>) -> Result<bool, String> {
 }
 
 /// The mountinfo line of a birch mount at `mountpoint`: returns its source (the image path).
+/// Of several FUSE mounts stacked there, the newest (the last line: the one umount(2) takes
+/// off first).
 fn mounted_source(mountpoint: &Path) -> Option<String> {
     let target = canonical(mountpoint);
     let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    for line in info.lines() {
+    for line in info.lines().rev() {
         let fields: Vec<&str> = line.split(' ').collect();
         let Some(dash) = fields.iter().position(|f| *f == "-") else {
             continue;

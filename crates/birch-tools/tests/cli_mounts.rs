@@ -213,20 +213,25 @@ fn a_mount_command_reports_only_its_own_daemons_mount() {
     wait_until("m2's daemon waiting", Duration::from_secs(10), || {
         daemon_of(s.img(), &m2).is_some()
     });
-    // Something else is mounted at m2 while the command's daemon waits for the image.
-    let status = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=1m", "other"])
-        .arg(&m2)
-        .status()
-        .expect("mount tmpfs");
-    assert!(status.success(), "tmpfs at m2");
+    // Another birch filesystem is mounted at m2 while the command's daemon waits for the
+    // image (before the fix, the command took any FUSE mount there for its own).
+    let other = s.path("other.img");
+    std::fs::File::create(&other)
+        .and_then(|f| f.set_len(64 << 20))
+        .expect("second image");
+    let other = other.to_str().expect("utf-8 path");
+    assert!(run(&["mkfs", other]).success(), "mkfs of the second image");
+    assert!(
+        run(&["mount", other, m2.to_str().expect("path")]).success(),
+        "the second image at m2"
+    );
     std::thread::sleep(Duration::from_secs(1));
     assert!(
         command.try_wait().expect("wait").is_none(),
-        "the command took the tmpfs at m2 for its mount"
+        "the command took the other image's mount at m2 for its own"
     );
-    // The holder goes: the command's daemon takes the image, mounts over the tmpfs, and only
-    // now does the command report success.
+    // The holder goes: the command's daemon takes the image, mounts over the other mount, and
+    // only now does the command report success.
     go_on(&mut s, holder);
     let start = Instant::now();
     let status = loop {
@@ -243,13 +248,22 @@ fn a_mount_command_reports_only_its_own_daemons_mount() {
         status.success(),
         "the command's own mount came up: {status}"
     );
-    assert_eq!(mounted_at(&m2).as_deref(), Some("fuse.birch"));
-    assert!(
-        run(&["umount", m2.to_str().expect("path")]).success(),
-        "umount"
+    assert_eq!(
+        daemon_of(s.img(), &m2).map(|_| mounted_at(&m2)),
+        Some(Some("fuse.birch".into())),
+        "the command's daemon serves the top mount at m2"
     );
-    let _ = Command::new("umount").arg(&m2).status();
+    for what in ["the command's mount", "the other image's mount"] {
+        assert!(
+            run(&["umount", m2.to_str().expect("path")]).success(),
+            "umount {what}"
+        );
+    }
     assert!(run(&["fsck", s.img()]).success(), "fsck clean");
+    assert!(
+        run(&["fsck", other]).success(),
+        "fsck of the second image clean"
+    );
 }
 
 #[test]
