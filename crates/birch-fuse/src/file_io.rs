@@ -436,21 +436,25 @@ impl BirchFuse {
             mode,
             flags,
         ) {
-            Ok((a, fh)) => {
-                if writes(flags) {
-                    self.write_opens.opened(a.ino.get());
-                }
-                let (fh, open_flags) = self.opened(fh, flags);
-                reply.created(
-                    &self.options.ttl,
-                    &file_attr(&a),
-                    Generation(a.generation),
-                    fh,
-                    open_flags,
-                )
-            }
+            Ok((a, fh)) => self.reply_created(&a, fh, flags, reply),
             Err(e) => reply.error(errno("create", &e)),
         }
+    }
+
+    /// The reply to CREATE and TMPFILE: a new inode opened with `flags` as handle `fh` (a
+    /// writing open counted for the dirty cap's wait).
+    fn reply_created(&self, a: &birch_core::vfs::Attr, fh: u64, flags: i32, reply: ReplyCreate) {
+        if writes(flags) {
+            self.write_opens.opened(a.ino.get());
+        }
+        let (fh, open_flags) = self.opened(fh, flags);
+        reply.created(
+            &self.options.ttl,
+            &file_attr(a),
+            Generation(a.generation),
+            fh,
+            open_flags,
+        )
     }
 
     pub(crate) fn op_tmpfile(
@@ -467,19 +471,7 @@ impl BirchFuse {
             .fs
             .tmpfile(caller(req, self.umask(umask)), ino_of(parent), mode, flags)
         {
-            Ok((a, fh)) => {
-                if writes(flags) {
-                    self.write_opens.opened(a.ino.get());
-                }
-                let (fh, open_flags) = self.opened(fh, flags);
-                reply.created(
-                    &self.options.ttl,
-                    &file_attr(&a),
-                    Generation(a.generation),
-                    fh,
-                    open_flags,
-                )
-            }
+            Ok((a, fh)) => self.reply_created(&a, fh, flags, reply),
             Err(e) => reply.error(errno("tmpfile", &e)),
         }
     }
