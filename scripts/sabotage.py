@@ -17,7 +17,8 @@ A case is a TOML file in scripts/sabotage/ (NAME.toml):
 
 The run works on a scratch copy of the working tree (BIRCH_SABOTAGE_SRC, default
 /var/tmp/birch-sabotage-src; refreshed at each run; its target/ is kept so rebuilds are
-incremental), never on the tree itself. For each case: the edits are applied, the command runs,
+incremental; BIRCH_SABOTAGE_TARGET moves it, CARGO_TARGET_DIR is ignored), never on the tree
+itself. A command that times out is killed with everything it started. For each case: the edits are applied, the command runs,
 the files are put back. Verdicts:
 
     caught     the command failed and its output matched `expect`
@@ -39,6 +40,7 @@ cases. Not run by CI (each case rebuilds what its command needs: minutes); `--ch
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -115,22 +117,31 @@ def refresh(src):
 
 def run(cmd, src, log, timeout):
     env = dict(os.environ)
-    env.setdefault("CARGO_TARGET_DIR", str(src / "target"))
+    # Always the scratch copy's own target (or BIRCH_SABOTAGE_TARGET): a CARGO_TARGET_DIR
+    # the caller exported may be the real tree's, which must never get a planted defect.
+    env["CARGO_TARGET_DIR"] = os.environ.get("BIRCH_SABOTAGE_TARGET", str(src / "target"))
     start = time.monotonic()
     with open(log, "w") as out:
         out.write(f"$ {cmd}\n")
         out.flush()
+        # In a session of its own, so a timeout ends the whole group (cargo, the tests, the
+        # mount daemons they start), not only the shell.
+        p = subprocess.Popen(
+            ["nice", "-n", "10", "bash", "-c", cmd],
+            cwd=src,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
-            p = subprocess.run(
-                ["nice", "-n", "10", "bash", "-c", cmd],
-                cwd=src,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                timeout=timeout,
-            )
-            rc = p.returncode
+            rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
             out.write(f"\nsabotage.py: timed out after {timeout} s\n")
             rc = None
     return rc, time.monotonic() - start
@@ -207,10 +218,10 @@ def main(argv):
         text = log.read_text(errors="replace")
         if rc == 0:
             verdict = "MISSED (the command passed)"
-        elif re.search(c["expect"], text, re.MULTILINE):
-            verdict = "caught"
         elif rc is None:
             verdict = "OTHER (timed out)"
+        elif re.search(c["expect"], text, re.MULTILINE):
+            verdict = "caught"
         else:
             verdict = f"OTHER (exit {rc}, no match for {c['expect']!r})"
         failed += verdict != "caught"

@@ -764,9 +764,21 @@ fn sync(mountpoint: &Path) -> ExitCode {
     // the root's own changes only, and with none it does nothing.) The commit goes ahead after
     // a failed writeback: what was written back is committed.
     let written_back = mount::syncfs(mountpoint);
-    drop(dir);
     match mount::control(mountpoint, &ControlCommand::Sync) {
         Ok(()) => {}
+        // Control commands need CAP_SYS_ADMIN (or, on a user's own mount, its owner). What an
+        // unprivileged caller can still do is fsync the root directory; it is said plainly
+        // that this does not make the other files durable.
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM | libc::EACCES)) => {
+            let _ = dir.sync_all();
+            return fail(format!(
+                "{}: sync: committing everything the daemon holds needs CAP_SYS_ADMIN (or, on \
+                 a user's own mount, its owner) ({e}); the kernel's cached pages were written \
+                 back to the daemon and the root directory was fsynced, but other files are \
+                 durable only at the next commit (commit= seconds) or their own fsync",
+                mountpoint.display()
+            ));
+        }
         Err(e) if e.raw_os_error() == Some(libc::EIO) => {
             return fail(format!(
                 "{}: sync: committed, but the buffered data of some file was lost since the \

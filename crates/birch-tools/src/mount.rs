@@ -15,7 +15,7 @@ use birch_core::device::{
     is_rbd_path, CephOptions, FileDevice, LocalLock, OpenMode, RbdSpec, RBD_SUPPORTED,
 };
 use birch_core::vfs::{AtimeMode, FsyncMode};
-use birch_fuse::daemon::front_end::{READY, READY_FD_ENV};
+use birch_fuse::daemon::front_end::{FrontEnd, GONE, READY, READY_FD_ENV};
 use birch_fuse::daemon::mountinfo::{canonical, mounts_of_source, unescape};
 use birch_fuse::daemon::{default_threads, lazy_unmount, MountConfig};
 
@@ -258,8 +258,8 @@ fn on_off(opt: &str, value: Option<&str>) -> Result<bool, String> {
 }
 
 /// The mountinfo line of a birch mount at `mountpoint`: returns its source (the image path).
-/// Of several FUSE mounts stacked there, the newest (the last line: the one umount(2) takes
-/// off first).
+/// Of several FUSE mounts stacked there, the newest (the last line; the one umount(2) takes
+/// off first unless something else is mounted above it).
 fn mounted_source(mountpoint: &Path) -> Option<String> {
     let target = canonical(mountpoint);
     let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
@@ -436,6 +436,13 @@ fn bind_mount(at: &str, mountpoint: &Path, config: &MountConfig) -> ExitCode {
 
 /// `birch mount IMAGE MNT [-o opts] [-f]`.
 pub fn mount_main(image: &Path, mountpoint: &Path, raw: &[String], foreground: bool) -> ExitCode {
+    // A daemon started by a mount command (`-f` with the command's pipe): taken first, while
+    // this process has no other thread (the variable is removed from the environment).
+    let front = if foreground {
+        FrontEnd::from_env()
+    } else {
+        None
+    };
     let config = match parse_options(raw) {
         Ok(c) => c,
         Err(e) => return fail(e),
@@ -468,12 +475,25 @@ pub fn mount_main(image: &Path, mountpoint: &Path, raw: &[String], foreground: b
                     String::from_utf8_lossy(&name)
                 ));
             }
-            return bind_mount(&at, mountpoint, &config);
+            // Mounted meanwhile elsewhere (this is the daemon of a command that found it
+            // unmounted): a bind mount of it, made only while the command waits, and then the
+            // command's success.
+            if front.as_ref().is_some_and(FrontEnd::gone) {
+                return fail(GONE);
+            }
+            let bound = bind_mount(&at, mountpoint, &config);
+            if let Some(front) = front {
+                if bound == ExitCode::SUCCESS && front.ready().is_err() {
+                    lazy_unmount(mountpoint);
+                    return fail(GONE);
+                }
+            }
+            return bound;
         }
         Ok(None) => {}
     }
     if foreground {
-        return match birch_fuse::daemon::serve(image, mountpoint, &config) {
+        return match birch_fuse::daemon::serve(image, mountpoint, &config, front) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => fail(e),
         };
@@ -555,8 +575,8 @@ fn spawn_daemon(image: &Path, mountpoint: &Path, raw: &[String], limit: Duration
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => {
                 drop(ready);
-                stop_daemon(&mut child);
-                return fail(format!("mount daemon's pipe: {e}; the daemon was stopped"));
+                let stopped = stop_daemon(&mut child);
+                return fail(format!("mount daemon's pipe: {e}; {stopped}"));
             }
         }
         if said.starts_with(READY) {
@@ -622,7 +642,8 @@ fn stop_daemon(child: &mut std::process::Child) -> String {
         std::thread::sleep(Duration::from_millis(20));
     }
     format!(
-        "its daemon (pid {}) has not stopped yet; it will not mount (its command is gone)",
+        "its daemon (pid {}) has not stopped yet; it sees its command gone and does not mount \
+         (or, if it is mounting right now, unmounts at once)",
         child.id()
     )
 }

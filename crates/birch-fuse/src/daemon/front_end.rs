@@ -24,6 +24,10 @@ pub const READY_FD_ENV: &str = "BIRCH_MOUNT_READY_FD";
 /// What the daemon writes once its mount is live.
 pub const READY: &[u8] = b"ready\n";
 
+/// Why a daemon does not mount: the `birch mount` that started it is gone.
+pub const GONE: &str =
+    "the mount command that started this daemon is gone (it gave up or was killed): not mounting";
+
 /// The daemon's end of the pipe to the command that started it.
 pub struct FrontEnd {
     pipe: File,
@@ -36,7 +40,8 @@ pub struct FrontEnd {
 impl FrontEnd {
     /// The front-end's pipe, if this daemon was started by a `birch mount` that passed one;
     /// the variable is removed, so nothing the daemon starts inherits it. `None` for a daemon
-    /// run by hand (`birch mount -f`): it mounts as it always did.
+    /// run by hand (`birch mount -f`): it mounts as it always did. Call it first thing in the
+    /// daemon's process, before any other thread exists (it changes the environment).
     pub fn from_env() -> Option<FrontEnd> {
         let value = std::env::var(READY_FD_ENV).ok()?;
         // SAFETY: removing a variable while no other thread reads the environment: this runs
@@ -100,11 +105,11 @@ impl FrontEnd {
                     return;
                 }
                 if gone {
-                    log::error!(
-                        "the mount command that started this daemon is gone (it gave up or \
-                         was killed): not mounting"
-                    );
-                    std::process::exit(1);
+                    log::error!("{GONE}");
+                    // _exit, not exit: no atexit handlers or library destructors while other
+                    // threads (librados's, mid-connect) still run.
+                    // SAFETY: _exit ends the process at once; nothing is touched after it.
+                    unsafe { libc::_exit(1) };
                 }
             });
         if let Err(e) = spawned {

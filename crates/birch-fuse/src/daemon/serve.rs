@@ -19,7 +19,7 @@ use birch_core::{Filesystem, OpenOptions, ReadOnlyCause};
 use fuser::{Config, SessionACL};
 
 use super::control_socket::{socket_path_for, ControlHandler, ControlSocket};
-use super::front_end::FrontEnd;
+use super::front_end::{FrontEnd, GONE};
 use super::mountinfo::{canonical, mount_device};
 use super::signals::{block_signals, wait_for_signal_then_unmount};
 use super::uring_setup::{ring_for, uring_allowed};
@@ -27,18 +27,17 @@ use super::MountConfig;
 use crate::full_disk::{self, DirtyCap};
 use crate::{BirchFuse, FuseOptions};
 
-/// Why a daemon does not mount: the `birch mount` that started it is gone.
-const GONE: &str =
-    "the mount command that started this daemon is gone (it gave up or was killed): not mounting";
-
 /// Runs the filesystem in this process until unmount or SIGTERM/SIGINT/SIGHUP. An error is
 /// what the daemon reports before it exits with status 1 (the image already named in it).
-/// Started by `birch mount` (not `-f`), it says on the command's pipe when its mount is live
-/// and does not mount once the command is gone ([`super::front_end`]).
-pub fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> Result<(), String> {
-    // First, before any thread: the pipe of the `birch mount` that started this daemon, if one
-    // did (its variable is removed from the environment).
-    let front = FrontEnd::from_env();
+/// `front`: the pipe of the `birch mount` that started this daemon, if one did
+/// ([`FrontEnd::from_env`]): the daemon says on it when its mount is live and does not mount
+/// once the command is gone ([`super::front_end`]).
+pub fn serve(
+    image: &Path,
+    mountpoint: &Path,
+    config: &MountConfig,
+    front: Option<FrontEnd>,
+) -> Result<(), String> {
     block_signals();
     let options = OpenOptions {
         commit_interval: (config.commit_secs > 0).then(|| Duration::from_secs(config.commit_secs)),
@@ -220,14 +219,19 @@ pub fn serve(image: &Path, mountpoint: &Path, config: &MountConfig) -> Result<()
     let source = canonical(image);
     // The mount is live: the command that started this daemon may report success. If it went
     // in the meantime, nobody asked for this mount any more: it is taken down again (the
-    // session then ends at once, and the filesystem closes as at any unmount).
-    if let Some(front) = front {
-        if let Err(e) = front.ready() {
+    // session then ends at once, and the filesystem closes as at any unmount), and no signal
+    // thread is started (its unmount could meet whatever is mounted below at that path).
+    let unasked = match front.map(FrontEnd::ready) {
+        Some(Err(e)) => {
             log::error!("{GONE} ({e}); unmounting {}", target.display());
             lazy_unmount(&target);
+            true
         }
+        _ => false,
+    };
+    if !unasked {
+        std::thread::spawn(move || wait_for_signal_then_unmount(&target, &source));
     }
-    std::thread::spawn(move || wait_for_signal_then_unmount(&target, &source));
     let stop_cap = Arc::new(AtomicBool::new(false));
     if let Some(cap) = dirty_cap {
         let (weak, stop) = (Arc::downgrade(&fs), stop_cap.clone());
