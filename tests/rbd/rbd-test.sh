@@ -36,7 +36,7 @@
 #      `timeout 10 birch mount` gives up and its daemon, waiting for the lock, ends with it; a
 #      `-o takeover` mount at the same mount point is then served by its own daemon (found by
 #      the mount's control socket) with the fsync'd data; after its umount nothing mounts the
-#      image again, unasked, and fsck is clean (about 30 s, most of it the watch's expiry);
+#      image again, unasked, and fsck is clean (about 35 s, most of it the watch's expiry);
 #  12. the mount tests (tests/mount/mount-tests.sh with BIRCH_SPEC=rbd:rbd/mount-tests) and
 #      pjdfstest (tests/posix/pjdfstest.sh with BIRCH_DEVICE_PREFIX=rbd:rbd/) on RBD-backed
 #      mounts;
