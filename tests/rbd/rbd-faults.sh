@@ -348,7 +348,7 @@ while kill -0 "$A" 2>/dev/null; do sleep 0.1; done
 # umount (a daemon still waiting would see the lock free within 0.5 s and mount within about 2).
 # The takeover mounts 20-21 s after the kill, 3-5 s later than in step 10: the abandoned daemon
 # ended with the image open, and its own watch on the image header lingers until it expires too
-# (seen with `rados listwatchers`); the new holder's first header updates wait for it.
+# (seen with `rados listwatchers`); the new holder's first header updates probably wait for it.
 say "--- 11. two mounts racing for the image after kill -9 of the holder"
 race_daemons() {  # every daemon for the image at $1 (or anywhere, without $1), whatever its options
   pgrep -f "birch mount -f $SPEC${1:+ $1}( |\$)"
