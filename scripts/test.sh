@@ -175,7 +175,7 @@ if [[ $can_mount == 1 ]]; then
     tier "bench quick" bash bench/run.sh --quick
   fi
   # birch on a Ceph RBD image (issue 21): a single-node cluster on loopback (tests/rbd/; about
-  # 1.7 GB of memory, 3 GiB of disk, 2-4 minutes with the --features rbd build), mkfs, mount,
+  # 1.7 GB of memory, 3 GiB of disk, 3-5 minutes with the --features rbd build), mkfs, mount,
   # fsync'd data across a remount and a kill -9, the second user refused, fsck. Last: it
   # rebuilds target/release/birch with the rbd feature. BIRCH_RBD=0 leaves it out.
   if [[ ${BIRCH_RBD:-1} == 1 ]]; then

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # birchfs on a Ceph RBD image (issue 21): mkfs, mount, fsync, remount, fsck, the second writer
 # refused, log replay after kill -9 of the daemon, and (tests/rbd/rbd-faults.sh) takeover,
-# fencing, the quiesce watch, an OSD restart and the watchdog, on a throw-away
-# single-node cluster (tests/rbd/single-node.sh: one monitor, one manager, one OSD with
-# BlueStore on a sparse file, cephx off, one copy per pool; about 1.7 GB of memory).
+# fencing, the quiesce watch, an OSD restart, the watchdog and two mounts racing for the
+# image, on a throw-away single-node cluster (tests/rbd/single-node.sh: one monitor, one
+# manager, one OSD with BlueStore on a sparse file, cephx off, one copy per pool; about 1.7 GB
+# of memory).
 #
 # What it proves, step by step (each prints its time):
 #   1. `birch mkfs rbd:rbd/birch --size 1G` creates the image with layering and exclusive-lock
@@ -31,10 +32,15 @@
 #      fsync in flight fails and every request answers EIO within the timeout plus a few
 #      seconds, the daemon's log names the cluster, and unmount takes under 10 s;
 #  10. `-o takeover` after kill -9 of the holder: the fsync'd data is there;
-#  11. the mount tests (tests/mount/mount-tests.sh with BIRCH_SPEC=rbd:rbd/mount-tests) and
+#  11. two mounts racing for the image after kill -9 of the holder (issue 42 item 4): a plain
+#      `timeout 10 birch mount` gives up and its daemon, waiting for the lock, ends with it; a
+#      `-o takeover` mount at the same mount point is then served by its own daemon (found by
+#      the mount's control socket) with the fsync'd data; after its umount nothing mounts the
+#      image again, unasked, and fsck is clean (about 35 s, most of it the watch's expiry);
+#  12. the mount tests (tests/mount/mount-tests.sh with BIRCH_SPEC=rbd:rbd/mount-tests) and
 #      pjdfstest (tests/posix/pjdfstest.sh with BIRCH_DEVICE_PREFIX=rbd:rbd/) on RBD-backed
 #      mounts;
-#  12. fsck clean at the end; the cluster is stopped by PID (also on failure).
+#  13. fsck clean at the end; the cluster is stopped by PID (also on failure).
 #
 # The cluster runs with cephx on (CEPHX=1), and every birch command runs as client.birch with
 # only `profile rbd` capabilities (mon 'profile rbd', osd 'profile rbd pool=rbd'), passed
@@ -242,7 +248,7 @@ say "umount took $((SECONDS - t)) s"
 
 source "$ROOT/tests/rbd/rbd-faults.sh"
 
-# --- 11. the mount tests and pjdfstest on RBD-backed mounts ---
+# --- 12. the mount tests and pjdfstest on RBD-backed mounts ---
 t=$SECONDS
 if BIRCH=$BIRCH BIRCH_SPEC=rbd:rbd/mount-tests bash "$ROOT/tests/mount/mount-tests.sh" >"$DIR/mount-tests.log" 2>&1; then
   say "ok: mount tests on rbd:rbd/mount-tests: $(tail -n 1 "$DIR/mount-tests.log") ($((SECONDS - t)) s)"
@@ -263,7 +269,7 @@ else
   say "note: pjdfstest is not installed (tests/posix/setup.sh installs it): skipped on RBD"
 fi
 
-# --- 12. fsck ---
+# --- 13. fsck ---
 t=$SECONDS
 if "$BIRCH" fsck "$SPEC"; then say "ok: fsck clean ($((SECONDS - t)) s)"; else fail "fsck"; fi
 
