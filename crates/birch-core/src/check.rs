@@ -948,6 +948,7 @@ impl SnapshotTreeCheck<'_> {
                         }
                         let csums = match &extent.kind {
                             ExtentKind::Regular { csums, .. } => csums.as_slice(),
+                            ExtentKind::Blob(blob) => blob.csums.as_slice(),
                             ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => &[],
                         };
                         for b in 0..blocks {
@@ -1456,6 +1457,44 @@ fn check_extents(
                     report.data_blocks += blocks;
                 }
             }
+            // A window over a blob: its stored blocks are claimed and verified as a regular
+            // extent's (a flagged blob's may be named again). That every item naming one blob
+            // agrees and the windows of one file do not overlap is DESIGN §16.12 step 5.
+            ExtentKind::Blob(blob) => {
+                if offset % BLOCK_SIZE != 0 {
+                    report.add(
+                        FindingKind::ExtentMisaligned,
+                        None,
+                        &location,
+                        offset,
+                        "a block-aligned offset",
+                    );
+                }
+                if *offset >= inode.size.div_ceil(BLOCK_SIZE) * BLOCK_SIZE {
+                    report.add(
+                        FindingKind::ExtentPastSize,
+                        None,
+                        &location,
+                        format!("start {offset}"),
+                        format!("< size {}", inode.size),
+                    );
+                }
+                let stored = blob.stored_blocks();
+                let fresh = (0..stored)
+                    .filter(|b| !used.contains_key(&(blob.disk_addr + b * BLOCK_SIZE)))
+                    .count() as u64;
+                let what = if extent.shared { SHARED_DATA } else { "data" };
+                if claim(sb, used, blob.disk_addr, stored, what, &location, report) {
+                    report.data_blocks += fresh;
+                    if options.data {
+                        for (n, csum) in blob.csums.iter().enumerate() {
+                            let at = blob.disk_addr + n as u64 * BLOCK_SIZE;
+                            let location = format!("{location}, stored block {n}");
+                            verify_block(device, at, *csum, &location, report);
+                        }
+                    }
+                }
+            }
         }
     }
 }
@@ -1583,6 +1622,87 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A blob window is claimed by its stored blocks and, with the data pass, verified block by
+    /// block; two unflagged items naming one blob are a block referenced twice, flagged ones
+    /// are not (DESIGN §16.5; the agreement of the items is step 5's).
+    #[test]
+    fn a_blob_window_is_claimed_and_verified_by_its_stored_blocks() {
+        use birch_format::codec::Codec;
+        use birch_format::items::Blob;
+
+        let device: Arc<dyn BlockDevice> = Arc::new(crate::device::MemDevice::new(64 << 20));
+        crate::Filesystem::mkfs(device.clone(), &crate::MkfsOptions::default()).expect("mkfs");
+        let sb = crate::txn::Engine::open(device.clone())
+            .expect("open")
+            .superblock();
+        let log_end = sb.log_start + sb.log_bytes;
+        let mut addr = RESERVED_HEAD_BYTES + (8 << 20);
+        if addr < log_end && addr + (1 << 20) > sb.log_start {
+            addr = log_end + (1 << 20);
+        }
+        let stored: Vec<u8> = (0..3 * BLOCK_SIZE).map(|i| (i % 251) as u8).collect();
+        device.write_at(&stored, addr).expect("write");
+        let csums: Vec<u32> = stored
+            .chunks(BLOCK_SIZE as usize)
+            .map(birch_format::checksum)
+            .collect();
+        let item = |shared: bool, window_offset: u32, csums: Vec<u32>| FileExtent {
+            generation: 1,
+            kind: ExtentKind::Blob(Blob {
+                disk_addr: addr,
+                codec: Codec::Zstd(0),
+                encoded_len: 3 * 4096 - 10,
+                logical: 8 * 4096,
+                window_offset,
+                window_len: 4096,
+                nonce: 0,
+                csums,
+            }),
+            shared,
+        };
+        let inode = InodeItem {
+            size: 1 << 20,
+            mode: libc::S_IFREG | 0o644,
+            ..Default::default()
+        };
+        let run = |extents: Vec<(u64, FileExtent)>, mut sb: Superblock| {
+            sb.incompat |= INCOMPAT_SHARED_EXTENTS;
+            let ctx = ExtentCheckCtx {
+                device: device.as_ref(),
+                sb: &sb,
+                options: CheckOptions { data: true },
+            };
+            let mut report = Report::default();
+            let mut used = HashMap::new();
+            check_extents(&ctx, 300, &inode, &extents, &mut used, &mut report);
+            report
+        };
+        let kinds = |r: &Report| r.findings.iter().map(|f| f.kind).collect::<Vec<_>>();
+        let clean = run(vec![(0, item(false, 0, csums.clone()))], sb.clone());
+        assert_eq!(kinds(&clean), vec![]);
+        assert_eq!(
+            clean.data_blocks, 3,
+            "stored blocks, not the window or logical"
+        );
+        let mut wrong = csums.clone();
+        wrong[1] ^= 1;
+        let damaged = run(vec![(0, item(false, 0, wrong))], sb.clone());
+        assert_eq!(kinds(&damaged), vec![FindingKind::DataChecksumMismatch]);
+        assert_eq!(damaged.findings[0].block, Some(addr + BLOCK_SIZE));
+        let twice = vec![
+            (0, item(false, 0, csums.clone())),
+            (8192, item(false, 4096, csums.clone())),
+        ];
+        assert!(kinds(&run(twice, sb.clone())).contains(&FindingKind::BlockReferencedTwice));
+        let flagged = vec![
+            (0, item(true, 0, csums.clone())),
+            (8192, item(true, 4096, csums.clone())),
+        ];
+        let flagged = run(flagged, sb.clone());
+        assert_eq!(kinds(&flagged), vec![]);
+        assert_eq!(flagged.data_blocks, 3, "a shared blob counts once");
     }
 
     #[test]

@@ -759,7 +759,7 @@ fn fix_extents(
                         data.len()
                     ));
                 }
-                ExtentKind::Regular { .. } | ExtentKind::Prealloc { .. }
+                ExtentKind::Regular { .. } | ExtentKind::Prealloc { .. } | ExtentKind::Blob(_)
                     if offset % BLOCK_SIZE != 0 =>
                 {
                     cuts.push((
@@ -770,7 +770,8 @@ fn fix_extents(
                 }
                 ExtentKind::Inline(_)
                 | ExtentKind::Regular { .. }
-                | ExtentKind::Prealloc { .. } => candidates.push((*offset, extent.clone())),
+                | ExtentKind::Prealloc { .. }
+                | ExtentKind::Blob(_) => candidates.push((*offset, extent.clone())),
             }
         }
         // Newest first: each extent keeps the blocks no newer extent holds.
@@ -793,6 +794,23 @@ fn fix_extents(
                     (*disk_addr, Some(csums.clone()), csums.len() as u64)
                 }
                 ExtentKind::Prealloc { disk_addr, blocks } => (*disk_addr, None, *blocks),
+                // A blob decodes whole or not at all: one bad stored block loses the window;
+                // a window a newer extent overlaps is kept only where not overlapped, as one
+                // narrower window (a second piece would be a second item on the blob, which
+                // only blob counting keeps, DESIGN §16.12 step 3: it is lost instead).
+                ExtentKind::Blob(blob) => {
+                    let bad = (0..blob.stored_blocks()).find_map(|n| {
+                        let at = blob.disk_addr + n * BLOCK_SIZE;
+                        bad_blocks.get(&at).map(|why| (at, why))
+                    });
+                    if let Some((at, why)) = bad {
+                        cuts.push((offset, end, Cut::Lost(format!("blob block {at:#x} {why}"))));
+                    } else {
+                        kept_blob_pieces(offset, &extent, blob, &claimed, &mut kept, &mut cuts);
+                    }
+                    claimed.push((offset, end));
+                    continue;
+                }
             };
             let mut run_start: Option<u64> = None;
             for i in 0..=blocks {
@@ -881,6 +899,54 @@ fn fix_extents(
     Ok(changed)
 }
 
+/// The part of a blob window (file offset `offset`) that no newer extent in `claimed` overlaps,
+/// kept as one narrower window on the same blob in `kept`; what is overlapped is cut as stale,
+/// and a second non-overlapped piece is cut as lost (one item per blob until blob counting).
+fn kept_blob_pieces(
+    offset: u64,
+    extent: &FileExtent,
+    blob: &birch_format::items::Blob,
+    claimed: &[(u64, u64)],
+    kept: &mut Vec<(u64, FileExtent)>,
+    cuts: &mut Vec<(u64, u64, Cut)>,
+) {
+    let blocks = extent.len_bytes() / BLOCK_SIZE;
+    let mut pieces: Vec<(u64, u64)> = Vec::new();
+    for i in 0..blocks {
+        let at = offset.saturating_add(i * BLOCK_SIZE);
+        let end = at.saturating_add(BLOCK_SIZE);
+        if claimed.iter().any(|(s, e)| *s < end && at < *e) {
+            cuts.push((at, end, Cut::Stale));
+        } else {
+            match pieces.last_mut() {
+                Some((_, hi)) if *hi == at => *hi = end,
+                _ => pieces.push((at, end)),
+            }
+        }
+    }
+    let mut pieces = pieces.into_iter();
+    if let Some((lo, hi)) = pieces.next() {
+        kept.push((
+            lo,
+            FileExtent {
+                generation: extent.generation,
+                kind: ExtentKind::Blob(blob.narrowed(lo - offset, hi - lo)),
+                shared: extent.shared,
+            },
+        ));
+    }
+    for (lo, hi) in pieces {
+        cuts.push((
+            lo,
+            hi,
+            Cut::Lost(format!(
+                "a second window on the blob at {:#x}",
+                blob.disk_addr
+            )),
+        ));
+    }
+}
+
 /// Whether an inline extent at `offset` among `count` extents is as the format wants it.
 fn inline_valid(offset: u64, data: &[u8], count: usize) -> bool {
     offset == 0 && data.len() <= INLINE_MAX_BYTES && count == 1
@@ -924,6 +990,21 @@ fn extent_problems(
             ExtentKind::Prealloc { .. } => {
                 if offset % BLOCK_SIZE != 0 {
                     problems.push(format!("the extent at {offset} is misaligned"));
+                }
+            }
+            ExtentKind::Blob(blob) => {
+                if offset % BLOCK_SIZE != 0 {
+                    problems.push(format!("the extent at {offset} is misaligned"));
+                }
+                for n in 0..blob.stored_blocks() {
+                    let at = blob.disk_addr + n * BLOCK_SIZE;
+                    if let Some(why) = bad_blocks.get(&at) {
+                        problems.push(format!(
+                            "bytes {}..{}: blob block {at:#x} {why}",
+                            offset,
+                            offset.saturating_add(extent.len_bytes()),
+                        ));
+                    }
                 }
             }
         }
@@ -1405,7 +1486,7 @@ fn extent_end(extents: Option<&Vec<(u64, FileExtent)>>) -> Option<(u64, u64, u64
     for (offset, extent) in extents? {
         let end = offset.saturating_add(extent.len_bytes());
         let (regular_start, inline_end) = match extent.kind {
-            ExtentKind::Regular { .. } => (offset.saturating_add(1), 0),
+            ExtentKind::Regular { .. } | ExtentKind::Blob(_) => (offset.saturating_add(1), 0),
             ExtentKind::Inline(_) => (0, end),
             ExtentKind::Prealloc { .. } => continue,
         };
@@ -1715,7 +1796,86 @@ fn salvage(device: &Arc<dyn BlockDevice>, out: &mut RepairReport) -> Result<bool
 
 #[cfg(test)]
 mod tests {
-    use super::Claims;
+    use std::collections::BTreeMap;
+
+    use birch_format::codec::Codec;
+    use birch_format::items::{Blob, ExtentKind, FileExtent};
+
+    use super::{extent_end, extent_problems, kept_blob_pieces, Claims, Cut};
+
+    const B: u64 = birch_format::BLOCK_SIZE;
+
+    fn blob_at(window_blocks: u32) -> FileExtent {
+        FileExtent {
+            generation: 3,
+            kind: ExtentKind::Blob(Blob {
+                disk_addr: 0x80000,
+                codec: Codec::Zstd(0),
+                encoded_len: 2 * 4096,
+                logical: 8 * 4096,
+                window_offset: 0,
+                window_len: window_blocks * 4096,
+                nonce: 0,
+                csums: vec![1, 2],
+            }),
+            shared: false,
+        }
+    }
+
+    /// Repair keeps the part of a blob window no newer extent overlaps as one narrower window
+    /// on the same blob; overlapped blocks are stale; a second free piece is lost, not kept.
+    #[test]
+    fn a_blob_window_keeps_one_unclaimed_piece() {
+        let extent = blob_at(8);
+        let ExtentKind::Blob(blob) = &extent.kind else {
+            unreachable!()
+        };
+        let (mut kept, mut cuts) = (Vec::new(), Vec::new());
+        // Newer extents over file blocks 2..3 and 6..8 (the window is at 0, 8 blocks).
+        kept_blob_pieces(
+            0,
+            &extent,
+            blob,
+            &[(2 * B, 3 * B), (6 * B, 8 * B)],
+            &mut kept,
+            &mut cuts,
+        );
+        assert_eq!(kept.len(), 1);
+        assert_eq!(kept[0].0, 0);
+        let ExtentKind::Blob(piece) = &kept[0].1.kind else {
+            unreachable!()
+        };
+        assert!(piece.same_blob(blob));
+        assert_eq!((piece.window_offset, piece.window_len), (0, 2 * 4096));
+        let stale = cuts
+            .iter()
+            .filter(|(_, _, c)| matches!(c, Cut::Stale))
+            .count();
+        let lost: Vec<_> = cuts
+            .iter()
+            .filter(|(_, _, c)| matches!(c, Cut::Lost(_)))
+            .map(|(lo, hi, _)| (*lo, *hi))
+            .collect();
+        assert_eq!(stale, 3);
+        assert_eq!(lost, vec![(3 * B, 6 * B)]);
+    }
+
+    /// A bad stored block of a blob is a problem for the whole window; a blob counts as data
+    /// for the file's end.
+    #[test]
+    fn a_bad_blob_block_names_the_window() {
+        let list = vec![(4 * B, blob_at(5))];
+        let mut bad = BTreeMap::new();
+        assert!(extent_problems(&list, &bad).is_empty());
+        bad.insert(0x81000, "fails its checksum");
+        let problems = extent_problems(&list, &bad);
+        assert_eq!(problems.len(), 1);
+        assert!(
+            problems[0].contains(&format!("bytes {}..{}", 4 * B, 9 * B)),
+            "{problems:?}"
+        );
+        assert_eq!(extent_end(Some(&list)), Some((4 * B + 1, 0, 9 * B)));
+    }
 
     #[test]
     fn claims_merge_and_find_any_overlap() {

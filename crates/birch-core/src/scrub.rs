@@ -1010,6 +1010,8 @@ impl Walk<'_> {
     fn scrub_extent(&mut self, place: &Place<'_>, key: &Key, extent: &FileExtent) -> Result<()> {
         let (disk_addr, csums) = match &extent.kind {
             ExtentKind::Regular { disk_addr, csums } => (disk_addr, csums),
+            // A blob's stored blocks carry a crc32c each: checked without decoding.
+            ExtentKind::Blob(blob) => (&blob.disk_addr, &blob.csums),
             // No data block with a checksum to read: inline bytes are in the leaf (checked
             // with it), preallocated blocks read as zeros.
             ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => return Ok(()),
@@ -1195,7 +1197,8 @@ fn confirm_data(
     };
     let (disk_addr, csums) = match &extent.kind {
         ExtentKind::Regular { disk_addr, csums } => (disk_addr, csums),
-        // Only a regular extent has a checksummed data block to fail.
+        ExtentKind::Blob(blob) => (&blob.disk_addr, &blob.csums),
+        // Only a regular extent or a blob has a checksummed data block to fail.
         ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => return false,
     };
     if disk_addr.saturating_add(index as u64 * BLOCK_SIZE) != at {

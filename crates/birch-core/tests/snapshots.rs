@@ -124,6 +124,7 @@ fn snapshot_files(fs: &Filesystem, dev: &dyn BlockDevice, id: u64) -> Files {
                     buf
                 }
                 ExtentKind::Prealloc { .. } => continue,
+                ExtentKind::Blob(blob) => panic!("no build writes blobs yet: {blob:?}"),
             };
             let end = (at + bytes.len()).min(data.len());
             if at < end {

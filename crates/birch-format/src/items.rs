@@ -4,6 +4,7 @@
 use std::fmt;
 
 use crate::bytes::{Reader, Writer};
+use crate::codec::Codec;
 use crate::key::ItemType;
 use crate::{
     FormatError, BLOCK_SIZE, EXTENT_MAX_BLOCKS, INLINE_MAX_BYTES, NAME_MAX, XATTR_CHUNK_BYTES,
@@ -369,6 +370,183 @@ pub enum ExtentKind {
         /// Length in blocks, 1 ..= [`EXTENT_MAX_BLOCKS`].
         blocks: u64,
     },
+    /// A window over a blob: stored blocks that decode to more file bytes than the item covers
+    /// (kind 4, DESIGN §16.2). No build writes or accepts one yet: [`FileExtent::decode`]
+    /// refuses kind 4 until reading, counting and cutting blobs exist (DESIGN §16.12).
+    Blob(Blob),
+}
+
+/// Integrity bytes per stored block of a blob (crc32c; a wider tag comes with encryption).
+pub const BLOB_INTEGRITY_WIDTH: u8 = 4;
+
+/// The most logical bytes one blob decodes to, as the format allows (DESIGN §16.3: a build
+/// writes at most 128 KiB; up to 1 MiB keeps every extent look-up's look-back valid).
+pub const BLOB_MAX_LOGICAL: u64 = EXTENT_MAX_BLOCKS * BLOCK_SIZE;
+
+/// Encoded size of a blob extent's fixed fields (before the integrity array).
+pub const BLOB_FIXED_BYTES: usize = 46;
+
+/// A blob and the window of it one extent item covers (DESIGN §16.2): file bytes
+/// `[key.offset, key.offset + window_len)` are decoded bytes
+/// `[window_offset, window_offset + window_len)` of the blob stored at `disk_addr`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Blob {
+    /// Byte address of the blob's first stored block: non-zero, block aligned.
+    pub disk_addr: u64,
+    /// How the stored bytes encode the logical ones. Decoding yields `Codec::Zstd(0)` for zstd
+    /// (the level is not stored).
+    pub codec: Codec,
+    /// Bytes of the codec's output: `(n-1)·4096 < encoded_len <= n·4096` for `n` stored
+    /// blocks; equal to `logical` for [`Codec::None`].
+    pub encoded_len: u32,
+    /// Bytes the blob decodes to: a multiple of 4096, 4096 ..= [`BLOB_MAX_LOGICAL`].
+    pub logical: u32,
+    /// First decoded byte of the window: a multiple of 4096, below `logical`.
+    pub window_offset: u32,
+    /// Bytes of the window: a non-zero multiple of 4096, `window_offset + window_len <=
+    /// logical`.
+    pub window_len: u32,
+    /// Nonce input of an encrypted blob; zero without encryption.
+    pub nonce: u64,
+    /// crc32c of each stored 4096-byte block (zero-padded past `encoded_len`), in order; its
+    /// length is the stored block count, 1 ..= the logical block count.
+    pub csums: Vec<u32>,
+}
+
+impl Blob {
+    /// Blocks the blob occupies on disk.
+    pub fn stored_blocks(&self) -> u64 {
+        self.csums.len() as u64
+    }
+
+    /// Blocks of decoded bytes.
+    pub fn logical_blocks(&self) -> u64 {
+        u64::from(self.logical) / BLOCK_SIZE
+    }
+
+    /// The same blob with the window `[window_offset + skip, .. + len)` of this one: the piece
+    /// a cut keeps (`skip` and `len` in bytes, block multiples, inside this window).
+    pub fn narrowed(&self, skip: u64, len: u64) -> Blob {
+        debug_assert!(skip % BLOCK_SIZE == 0 && len % BLOCK_SIZE == 0 && len > 0);
+        debug_assert!(skip + len <= u64::from(self.window_len));
+        Blob {
+            window_offset: self.window_offset + skip as u32,
+            window_len: len as u32,
+            ..self.clone()
+        }
+    }
+
+    /// Whether `other` names the same stored blob (every field but the window agrees).
+    pub fn same_blob(&self, other: &Blob) -> bool {
+        self.disk_addr == other.disk_addr
+            && self.codec.byte() == other.codec.byte()
+            && self.encoded_len == other.encoded_len
+            && self.logical == other.logical
+            && self.nonce == other.nonce
+            && self.csums == other.csums
+    }
+
+    fn encode(&self, shared: bool, w: &mut Writer) {
+        w.u8(u8::from(shared));
+        w.u8(self.codec.byte());
+        w.u8(BLOB_INTEGRITY_WIDTH);
+        w.u64(self.disk_addr);
+        w.u16(self.csums.len() as u16);
+        w.u32(self.encoded_len);
+        w.u32(self.logical);
+        w.u32(self.window_offset);
+        w.u32(self.window_len);
+        w.u64(self.nonce);
+        for c in &self.csums {
+            w.u32(*c);
+        }
+    }
+
+    /// Decodes the fields after the kind byte; returns the blob and its shared flag.
+    fn decode(r: &mut Reader<'_>) -> Result<(Blob, bool), FormatError> {
+        let flags = r.u8()?;
+        if flags & !1 != 0 {
+            return Err(FormatError::invalid("blob extent flags", flags, "0 or 1"));
+        }
+        let codec_byte = r.u8()?;
+        let codec = Codec::from_byte(codec_byte)
+            .ok_or_else(|| FormatError::invalid("blob codec", codec_byte, "0, 1 or 2"))?;
+        let width = r.u8()?;
+        if width != BLOB_INTEGRITY_WIDTH {
+            return Err(FormatError::invalid(
+                "blob integrity width",
+                width,
+                BLOB_INTEGRITY_WIDTH,
+            ));
+        }
+        let disk_addr = r.u64()?;
+        let stored = u64::from(r.u16()?);
+        let encoded_len = r.u32()?;
+        let logical = r.u32()?;
+        let window_offset = r.u32()?;
+        let window_len = r.u32()?;
+        let nonce = r.u64()?;
+        let bad = |what: &'static str, value: String, want: String| {
+            Err(FormatError::invalid(what, value, want))
+        };
+        if disk_addr == 0 || disk_addr % BLOCK_SIZE != 0 {
+            return bad(
+                "blob address",
+                format!("{disk_addr:#x}"),
+                "non-zero, block aligned".into(),
+            );
+        }
+        let logical64 = u64::from(logical);
+        if logical64 == 0 || logical64 % BLOCK_SIZE != 0 || logical64 > BLOB_MAX_LOGICAL {
+            return bad(
+                "blob logical bytes",
+                logical.to_string(),
+                format!("a multiple of {BLOCK_SIZE} in {BLOCK_SIZE}..={BLOB_MAX_LOGICAL}"),
+            );
+        }
+        if stored == 0 || stored > logical64 / BLOCK_SIZE {
+            return bad(
+                "blob stored blocks",
+                stored.to_string(),
+                format!("1..={}", logical64 / BLOCK_SIZE),
+            );
+        }
+        let encoded = u64::from(encoded_len);
+        let fits = (stored - 1) * BLOCK_SIZE < encoded && encoded <= stored * BLOCK_SIZE;
+        if !fits || (codec == Codec::None && encoded != logical64) {
+            return bad(
+                "blob encoded length",
+                format!("{encoded_len} in {stored} blocks, codec {codec_byte}"),
+                "more than the blocks before the last, at most all of them (= logical for codec 0)"
+                    .into(),
+            );
+        }
+        let (off, len) = (u64::from(window_offset), u64::from(window_len));
+        if off % BLOCK_SIZE != 0 || len == 0 || len % BLOCK_SIZE != 0 || off + len > logical64 {
+            return bad(
+                "blob window",
+                format!("{off}+{len} of {logical}"),
+                "block multiples, non-empty, inside the logical bytes".into(),
+            );
+        }
+        let mut csums = Vec::with_capacity(stored as usize);
+        for _ in 0..stored {
+            csums.push(r.u32()?);
+        }
+        Ok((
+            Blob {
+                disk_addr,
+                codec,
+                encoded_len,
+                logical,
+                window_offset,
+                window_len,
+                nonce,
+                csums,
+            },
+            flags & 1 == 1,
+        ))
+    }
 }
 
 impl ExtentKind {
@@ -377,7 +555,7 @@ impl ExtentKind {
     /// for the piece's kind. Exhaustive: a new kind decides here.
     pub fn may_be_shared(&self) -> bool {
         match self {
-            ExtentKind::Regular { .. } => true,
+            ExtentKind::Regular { .. } | ExtentKind::Blob(_) => true,
             ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => false,
         }
     }
@@ -390,9 +568,10 @@ pub struct FileExtent {
     pub generation: u64,
     /// Where the bytes are: inline, regular blocks or preallocated blocks.
     pub kind: ExtentKind,
-    /// Shared (regular extents only): its blocks may be named by other flagged extents too
-    /// (a clone made by `copy_file_range`), stored as kind 3 (FORMAT.md §6.6, incompat flag
-    /// `INCOMPAT_SHARED_EXTENTS`). A piece cut from a shared extent stays shared.
+    /// Shared (regular and blob extents only): its blocks may be named by other flagged
+    /// extents too (a clone made by `copy_file_range`), stored as kind 3 (FORMAT.md §6.6,
+    /// incompat flag `INCOMPAT_SHARED_EXTENTS`), or a blob's flag bit 0 (DESIGN §16.5). A
+    /// piece cut from a shared extent stays shared.
     pub shared: bool,
 }
 
@@ -403,6 +582,7 @@ impl FileExtent {
             ExtentKind::Inline(data) => data.len() as u64,
             ExtentKind::Regular { csums, .. } => csums.len() as u64 * BLOCK_SIZE,
             ExtentKind::Prealloc { blocks, .. } => blocks * BLOCK_SIZE,
+            ExtentKind::Blob(blob) => u64::from(blob.window_len),
         }
     }
 
@@ -412,15 +592,16 @@ impl FileExtent {
             ExtentKind::Inline(_) => None,
             ExtentKind::Regular { disk_addr, csums } => Some((*disk_addr, csums.len() as u64)),
             ExtentKind::Prealloc { disk_addr, blocks } => Some((*disk_addr, *blocks)),
+            ExtentKind::Blob(blob) => Some((blob.disk_addr, blob.stored_blocks())),
         }
     }
 
     /// Encodes the payload: 13 + len bytes inline, 21 + 4 x blocks regular (shared or not),
-    /// 25 prealloc.
+    /// 25 prealloc, 46 + 4 x stored blocks a blob.
     pub fn encode(&self) -> Vec<u8> {
         debug_assert!(
             !self.shared || self.kind.may_be_shared(),
-            "only a regular extent is shared"
+            "only a regular or blob extent is shared"
         );
         let mut w = Writer::default();
         w.u64(self.generation);
@@ -443,6 +624,10 @@ impl FileExtent {
                 w.u64(*disk_addr);
                 w.u64(*blocks);
             }
+            ExtentKind::Blob(blob) => {
+                w.u8(4);
+                blob.encode(self.shared, &mut w);
+            }
         }
         w.into_bytes()
     }
@@ -450,10 +635,19 @@ impl FileExtent {
     /// Decodes an extent payload. `Invalid` for an unknown kind, an inline length over
     /// [`INLINE_MAX_BYTES`], a zero or unaligned address, a block count outside
     /// 1 ..= [`EXTENT_MAX_BLOCKS`], or trailing bytes; `Truncated` if the payload is cut short.
+    /// A blob (kind 4) is refused (`Invalid`): no build reads, counts or cuts blobs yet
+    /// (DESIGN §16.12 step 4 accepts them).
     pub fn decode(bytes: &[u8]) -> Result<FileExtent, FormatError> {
+        Self::decode_kinds(bytes, false)
+    }
+
+    /// [`FileExtent::decode`], accepting a blob (kind 4) with every range check of DESIGN
+    /// §16.2 when `blobs` is set.
+    fn decode_kinds(bytes: &[u8], blobs: bool) -> Result<FileExtent, FormatError> {
         let mut r = Reader::new(bytes, "file extent");
         let generation = r.u64()?;
         let kind_byte = r.u8()?;
+        let mut shared = kind_byte == 3;
         let kind = match kind_byte {
             0 => {
                 let len = r.u32()? as usize;
@@ -502,6 +696,11 @@ impl FileExtent {
                 }
                 ExtentKind::Prealloc { disk_addr, blocks }
             }
+            4 if blobs => {
+                let (blob, flagged) = Blob::decode(&mut r)?;
+                shared = flagged;
+                ExtentKind::Blob(blob)
+            }
             other => return Err(FormatError::invalid("extent kind", other, "0, 1, 2 or 3")),
         };
         if r.remaining() != 0 {
@@ -514,7 +713,7 @@ impl FileExtent {
         Ok(FileExtent {
             generation,
             kind,
-            shared: kind_byte == 3,
+            shared,
         })
     }
 }
@@ -759,6 +958,7 @@ impl fmt::Display for Item {
                 ExtentKind::Inline(data) => write!(f, "extent inline {} bytes generation {}", data.len(), e.generation),
                 ExtentKind::Regular { disk_addr, csums } => write!(f, "extent regular{} disk {:#x} blocks {} generation {}", if e.shared { " shared" } else { "" }, disk_addr, csums.len(), e.generation),
                 ExtentKind::Prealloc { disk_addr, blocks } => write!(f, "extent prealloc disk {:#x} blocks {} generation {}", disk_addr, blocks, e.generation),
+                ExtentKind::Blob(b) => write!(f, "extent blob{} disk {:#x} stored {} encoded {} logical {} codec {} window {}+{} generation {}", if e.shared { " shared" } else { "" }, b.disk_addr, b.csums.len(), b.encoded_len, b.logical, b.codec.byte(), b.window_offset, b.window_len, e.generation),
             },
             Item::Orphan => f.write_str("orphan"),
             Item::Snapshot(s) => write!(f, "snapshot {:?} generation {} root {:#x} generation {} level {} created {}.{:09}", show_name(&s.name), s.generation, s.root.addr, s.root.generation, s.root.level, s.created.sec, s.created.nsec),
@@ -875,6 +1075,119 @@ mod tests {
         let mut bad = shared.clone();
         bad[8] = 4;
         assert!(FileExtent::decode(&bad).is_err());
+    }
+
+    fn blob(stored: usize, logical_blocks: u32, window: (u32, u32)) -> Blob {
+        Blob {
+            disk_addr: 0x40000,
+            codec: Codec::Zstd(0),
+            encoded_len: stored as u32 * 4096 - 100,
+            logical: logical_blocks * 4096,
+            window_offset: window.0 * 4096,
+            window_len: window.1 * 4096,
+            nonce: 0,
+            csums: (0..stored as u32).map(|i| 0x1000 + i).collect(),
+        }
+    }
+
+    /// A blob item round-trips, flagged or not, byte for byte as DESIGN §16.2's table says;
+    /// the public decoder refuses it until blobs are built (§16.12 step 4).
+    #[test]
+    fn blob_layout_and_round_trip() {
+        for shared in [false, true] {
+            let e = FileExtent {
+                generation: 0x0102_0304_0506_0708,
+                kind: ExtentKind::Blob(blob(3, 8, (2, 5))),
+                shared,
+            };
+            let bytes = e.encode();
+            assert_eq!(bytes.len(), BLOB_FIXED_BYTES + 3 * 4);
+            assert_eq!(bytes[0..8], 0x0102_0304_0506_0708u64.to_le_bytes());
+            assert_eq!(bytes[8], 4, "kind");
+            assert_eq!(bytes[9], u8::from(shared), "flags");
+            assert_eq!(bytes[10], 1, "codec zstd");
+            assert_eq!(bytes[11], 4, "integrity width");
+            assert_eq!(bytes[12..20], 0x40000u64.to_le_bytes());
+            assert_eq!(bytes[20..22], 3u16.to_le_bytes());
+            assert_eq!(bytes[22..26], (3u32 * 4096 - 100).to_le_bytes());
+            assert_eq!(bytes[26..30], (8u32 * 4096).to_le_bytes());
+            assert_eq!(bytes[30..34], (2u32 * 4096).to_le_bytes());
+            assert_eq!(bytes[34..38], (5u32 * 4096).to_le_bytes());
+            assert_eq!(bytes[38..46], [0u8; 8]);
+            assert_eq!(bytes[46..50], 0x1000u32.to_le_bytes());
+            assert_eq!(FileExtent::decode_kinds(&bytes, true), Ok(e.clone()));
+            assert!(FileExtent::decode(&bytes).is_err(), "refused until built");
+            assert_eq!(e.len_bytes(), 5 * 4096);
+            assert_eq!(e.disk_range(), Some((0x40000, 3)));
+            assert!(e.kind.may_be_shared());
+        }
+        // The longest blob item fits in an item with room to spare.
+        let longest = FileExtent {
+            generation: 1,
+            kind: ExtentKind::Blob(Blob {
+                codec: Codec::None,
+                encoded_len: BLOB_MAX_LOGICAL as u32,
+                ..blob(256, 256, (0, 256))
+            }),
+            shared: true,
+        };
+        let bytes = longest.encode();
+        assert!(bytes.len() <= crate::MAX_ITEM_BYTES);
+        assert_eq!(FileExtent::decode_kinds(&bytes, true), Ok(longest));
+    }
+
+    /// Every field out of range is refused, never accepted or a panic.
+    #[test]
+    fn blob_fields_out_of_range_are_refused() {
+        let good = FileExtent {
+            generation: 9,
+            kind: ExtentKind::Blob(blob(2, 4, (1, 2))),
+            shared: false,
+        }
+        .encode();
+        assert!(FileExtent::decode_kinds(&good, true).is_ok());
+        let patch = |at: usize, value: &[u8]| {
+            let mut b = good.clone();
+            b[at..at + value.len()].copy_from_slice(value);
+            b
+        };
+        let bad: Vec<(&str, Vec<u8>)> = vec![
+            ("flag bit 1", patch(9, &[2])),
+            ("codec 3", patch(10, &[3])),
+            ("width 16", patch(11, &[16])),
+            ("address 0", patch(12, &0u64.to_le_bytes())),
+            ("unaligned address", patch(12, &0x40001u64.to_le_bytes())),
+            ("no stored blocks", patch(20, &0u16.to_le_bytes())),
+            ("more stored than logical", patch(20, &5u16.to_le_bytes())),
+            (
+                "encoded fills a block less",
+                patch(22, &4096u32.to_le_bytes()),
+            ),
+            ("encoded over the blocks", patch(22, &8193u32.to_le_bytes())),
+            ("codec none, encoded not logical", patch(10, &[0])),
+            ("logical 0", patch(26, &0u32.to_le_bytes())),
+            ("logical unaligned", patch(26, &16385u32.to_le_bytes())),
+            (
+                "logical over the cap",
+                patch(26, &(BLOB_MAX_LOGICAL as u32 + 4096).to_le_bytes()),
+            ),
+            ("window offset unaligned", patch(30, &4097u32.to_le_bytes())),
+            ("window empty", patch(34, &0u32.to_le_bytes())),
+            ("window unaligned", patch(34, &5000u32.to_le_bytes())),
+            (
+                "window past logical",
+                patch(34, &(4u32 * 4096).to_le_bytes()),
+            ),
+            ("trailing byte", [good.clone(), vec![0]].concat()),
+            ("cut short", good[..good.len() - 1].to_vec()),
+            ("cut in the fixed fields", good[..30].to_vec()),
+        ];
+        for (what, bytes) in bad {
+            assert!(
+                FileExtent::decode_kinds(&bytes, true).is_err(),
+                "{what} accepted"
+            );
+        }
     }
 
     #[test]

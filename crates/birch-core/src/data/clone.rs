@@ -50,6 +50,14 @@ impl DataLayer<'_> {
                 }
                 // Preallocated: reads as zeros, and a hole in the clone does too.
                 ExtentKind::Prealloc { .. } => continue,
+                // A clone adds items on the blob, which only blob counting keeps (DESIGN
+                // §16.12 steps 3-4); the decoder refuses blob items until then.
+                ExtentKind::Blob(blob) => {
+                    return Err(Error::NotSupported(format!(
+                        "clone of inode {src}: the blob at {:#x} (extent at {start})",
+                        blob.disk_addr
+                    )));
+                }
             };
             let lo = start.max(src_off);
             let hi = (start + extent.len_bytes()).min(src_end);

@@ -15,7 +15,7 @@
 
 use std::collections::HashSet;
 
-use birch_format::items::{ExtentKind, FileExtent};
+use birch_format::items::{Blob, ExtentKind, FileExtent};
 use birch_format::{Key, BLOCK_SIZE, EXTENT_MAX_BLOCKS};
 
 use super::{
@@ -26,8 +26,14 @@ use crate::error::{Error, Result};
 
 /// Plans the removal of every extent byte in the block-aligned range `[from, to)` of `ino`,
 /// given the extents that overlap it, in order: pieces outside the range are kept (split),
-/// blocks inside are freed.
-fn plan_drop_of(ino: u64, from: u64, to: u64, found: Vec<(u64, FileExtent)>) -> ExtentChanges {
+/// blocks inside are freed. A blob's window is narrowed, never split into blocks: its stored
+/// blocks are freed only when no piece of the window is kept (DESIGN §16.5).
+fn plan_drop_of(
+    ino: u64,
+    from: u64,
+    to: u64,
+    found: Vec<(u64, FileExtent)>,
+) -> Result<ExtentChanges> {
     let mut changes = ExtentChanges::default();
     for (start, extent) in found {
         let len = extent.len_bytes();
@@ -35,11 +41,16 @@ fn plan_drop_of(ino: u64, from: u64, to: u64, found: Vec<(u64, FileExtent)>) -> 
         changes.set(extent_key(ino, start), None);
         changes.existed.insert(extent_key(ino, start));
         // An inline extent is only deleted (it holds no blocks). A piece of a regular extent
-        // takes its blocks' checksums, a piece of a preallocated one only its length.
+        // takes its blocks' checksums, a piece of a preallocated one only its length, a piece
+        // of a blob's window the same blob with a narrower window.
         let (disk_addr, csums) = match &extent.kind {
             ExtentKind::Inline(_) => continue,
             ExtentKind::Regular { disk_addr, csums } => (*disk_addr, Some(csums)),
             ExtentKind::Prealloc { disk_addr, .. } => (*disk_addr, None),
+            ExtentKind::Blob(blob) => {
+                plan_blob_cut(ino, from, to, start, &extent, blob, &mut changes)?;
+                continue;
+            }
         };
         let piece = |lo: u64, hi: u64| -> FileExtent {
             let skip = (lo - start) / BLOCK_SIZE;
@@ -80,7 +91,57 @@ fn plan_drop_of(ino: u64, from: u64, to: u64, found: Vec<(u64, FileExtent)>) -> 
             changes.delta.freed += blocks;
         }
     }
-    changes
+    Ok(changes)
+}
+
+/// The blob part of [`plan_drop_of`]: the window of `extent` (at file offset `start`) loses
+/// `[from, to)`. One piece kept narrows the window (nothing is freed: the bytes it no longer
+/// covers stay stored until the blob goes, §16.5 rule 5); none kept frees the blob's stored
+/// blocks. A cut that would leave two items on a blob, or drop an item of a blob other items
+/// name (flagged), changes the blob's item count, which only the blob counting of DESIGN
+/// §16.12 step 3 keeps: refused (`NotSupported`) until then; no image holds blobs yet.
+fn plan_blob_cut(
+    ino: u64,
+    from: u64,
+    to: u64,
+    start: u64,
+    extent: &FileExtent,
+    blob: &Blob,
+    changes: &mut ExtentChanges,
+) -> Result<()> {
+    let ext_end = start + extent.len_bytes();
+    let left = (start < from).then_some((start, from));
+    let right = (ext_end > to).then_some((to, ext_end));
+    let kept: Vec<(u64, u64)> = left.into_iter().chain(right).collect();
+    let refuse = |what: &str| {
+        Err(Error::NotSupported(format!(
+            "inode {ino}: {what} of the blob at {:#x} (extent at {start}) needs blob counting",
+            blob.disk_addr
+        )))
+    };
+    if kept.len() > 1 {
+        return refuse("a cut in the middle");
+    }
+    if extent.shared && kept.is_empty() {
+        return refuse("dropping a flagged window");
+    }
+    for (lo, hi) in &kept {
+        let piece = FileExtent {
+            generation: extent.generation,
+            kind: ExtentKind::Blob(blob.narrowed(lo - start, hi - lo)),
+            shared: extent.shared,
+        };
+        changes.set(extent_key(ino, *lo), Some(piece.encode()));
+    }
+    if kept.is_empty() {
+        let run = BlockRun {
+            addr: blob.disk_addr,
+            blocks: blob.stored_blocks(),
+        };
+        changes.frees.push((run, extent.generation, false));
+        changes.delta.freed += run.blocks;
+    }
+    Ok(())
 }
 
 /// Extents of `ino` that overlap `[from, to)` in a read view (a snapshot's committed tree),
@@ -201,9 +262,10 @@ impl DataLayer<'_> {
         Ok(match extent.kind {
             ExtentKind::Inline(data) if key.offset == 0 => Layout::Inline(data),
             // An inline extent anywhere else is invalid (fsck reports it): not inline data.
-            ExtentKind::Inline(_) | ExtentKind::Regular { .. } | ExtentKind::Prealloc { .. } => {
-                Layout::Blocks
-            }
+            ExtentKind::Inline(_)
+            | ExtentKind::Regular { .. }
+            | ExtentKind::Prealloc { .. }
+            | ExtentKind::Blob(_) => Layout::Blocks,
         })
     }
 
@@ -215,7 +277,9 @@ impl DataLayer<'_> {
                 .kind
             {
                 ExtentKind::Inline(data) => Ok(Some(data)),
-                ExtentKind::Regular { .. } | ExtentKind::Prealloc { .. } => Ok(None),
+                ExtentKind::Regular { .. } | ExtentKind::Prealloc { .. } | ExtentKind::Blob(_) => {
+                    Ok(None)
+                }
             },
             None => Ok(None),
         }
@@ -243,10 +307,16 @@ impl DataLayer<'_> {
             {
                 Some(disk_addr + (offset - start))
             }
-            // Ends before the block before `offset` (a hole between), or holds no blocks.
-            ExtentKind::Inline(_) | ExtentKind::Regular { .. } | ExtentKind::Prealloc { .. } => {
-                None
+            // A blob's stored blocks are not the file's blocks one for one: continue after
+            // the whole blob.
+            ExtentKind::Blob(ref blob) if start + extent.len_bytes() > before => {
+                Some(blob.disk_addr + blob.stored_blocks() * BLOCK_SIZE)
             }
+            // Ends before the block before `offset` (a hole between), or holds no blocks.
+            ExtentKind::Inline(_)
+            | ExtentKind::Regular { .. }
+            | ExtentKind::Prealloc { .. }
+            | ExtentKind::Blob(_) => None,
         })
     }
 
@@ -315,7 +385,7 @@ impl DataLayer<'_> {
         let mut found = self.extents(ino, offset.saturating_sub(1), offset + len)?;
         let prev = found.first().filter(|(start, _)| *start < offset).cloned();
         found.retain(|(start, extent)| start + extent.len_bytes() > offset);
-        let mut changes = plan_drop_of(ino, offset, offset + len, found);
+        let mut changes = plan_drop_of(ino, offset, offset + len, found)?;
         let generation = self.engine.running_generation().get();
         for run in runs {
             changes.delta.added += run.csums.len() as u64;
@@ -386,7 +456,7 @@ impl DataLayer<'_> {
     /// Computes removal of every extent byte in the block-aligned range `[from, to)`: pieces
     /// outside the range are kept (split), blocks inside are freed.
     pub(super) fn plan_drop(&self, ino: u64, from: u64, to: u64) -> Result<ExtentChanges> {
-        Ok(plan_drop_of(ino, from, to, self.extents(ino, from, to)?))
+        plan_drop_of(ino, from, to, self.extents(ino, from, to)?)
     }
 
     /// Joins the first new extent to the one before it when both are contiguous on disk; the
@@ -419,7 +489,7 @@ impl DataLayer<'_> {
         // Only a regular extent joins (`record_runs` sets regular, unshared ones).
         let (disk_addr, csums) = match first.kind {
             ExtentKind::Regular { disk_addr, csums } => (disk_addr, csums),
-            ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => return,
+            ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } | ExtentKind::Blob(_) => return,
         };
         let Some((prev_off, prev)) = prev else {
             return;
@@ -436,10 +506,10 @@ impl DataLayer<'_> {
             return;
         }
         // Only onto a regular extent: a preallocated one reads as zeros, an inline one is not
-        // followed by blocks.
+        // followed by blocks, a blob's window is not its stored blocks.
         let (prev_addr, prev_csums) = match prev.kind {
             ExtentKind::Regular { disk_addr, csums } => (disk_addr, csums),
-            ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => return,
+            ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } | ExtentKind::Blob(_) => return,
         };
         let prev_len = prev_csums.len() as u64 * BLOCK_SIZE;
         if prev_off + prev_len != offset
@@ -504,6 +574,78 @@ mod tests {
 
     use super::*;
     use crate::data::test_support::{pattern, setup, two_contiguous_runs, INO};
+
+    const B: u64 = BLOCK_SIZE;
+
+    /// A blob of 8 logical blocks in 3 stored ones at 0x50000, its window blocks 1..7.
+    fn blob_extent(shared: bool) -> FileExtent {
+        FileExtent {
+            generation: 5,
+            kind: ExtentKind::Blob(Blob {
+                disk_addr: 0x50000,
+                codec: birch_format::codec::Codec::Lz4,
+                encoded_len: 3 * 4096 - 7,
+                logical: 8 * 4096,
+                window_offset: 4096,
+                window_len: 6 * 4096,
+                nonce: 0,
+                csums: vec![11, 12, 13],
+            }),
+            shared,
+        }
+    }
+
+    /// The kept item at `offset` in planned changes, decoded (blob items are not accepted by
+    /// the public decoder yet, so the window is read from the bytes: offset 30, length 34).
+    fn kept_window(changes: &ExtentChanges, offset: u64) -> Option<(u32, u32, u8)> {
+        changes.items.iter().find_map(|(k, v)| {
+            let v = v.as_ref()?;
+            (*k == extent_key(INO, offset)).then(|| {
+                let word = |at: usize| u32::from_le_bytes(v[at..at + 4].try_into().expect("4"));
+                (word(30), word(34), v[9])
+            })
+        })
+    }
+
+    /// A cut narrows a blob's window and frees nothing while a piece is kept; a drop of the
+    /// whole window frees the blob's stored blocks (3, not the window's 6) with its birth; a
+    /// cut in the middle or a drop of a flagged window is refused until blob counting.
+    #[test]
+    fn blob_cuts_narrow_the_window_or_free_the_whole_blob() {
+        let start = 10 * B; // the window covers file blocks 10..16
+        let found = || vec![(start, blob_extent(false))];
+        // Truncate to 12 blocks: the left piece, window blocks 1..3 of the blob.
+        let c = plan_drop_of(INO, 12 * B, 100 * B, found()).expect("left piece");
+        assert_eq!(kept_window(&c, start), Some((4096, 2 * 4096, 0)));
+        assert!(c.frees.is_empty() && c.delta.freed == 0);
+        // Punch the head: the right piece starts at 13 blocks, blob bytes 4..7.
+        let c = plan_drop_of(INO, 8 * B, 13 * B, found()).expect("right piece");
+        assert_eq!(kept_window(&c, 13 * B), Some((4 * 4096, 3 * 4096, 0)));
+        assert_eq!(kept_window(&c, start), None, "the old key is deleted");
+        assert!(c.frees.is_empty());
+        // Everything: the stored run goes, once.
+        let c = plan_drop_of(INO, 0, 100 * B, found()).expect("whole");
+        assert_eq!(c.frees.len(), 1);
+        let (run, birth, shared) = c.frees[0];
+        assert_eq!(
+            (run.addr, run.blocks, birth, shared),
+            (0x50000, 3, 5, false)
+        );
+        assert_eq!(c.delta.freed, 3);
+        // The middle: two items on one blob.
+        assert!(matches!(
+            plan_drop_of(INO, 12 * B, 13 * B, found()),
+            Err(Error::NotSupported(_))
+        ));
+        // A flagged window: narrowing keeps its flag, dropping it is refused.
+        let flagged = || vec![(start, blob_extent(true))];
+        let c = plan_drop_of(INO, 15 * B, 100 * B, flagged()).expect("narrow flagged");
+        assert_eq!(kept_window(&c, start), Some((4096, 5 * 4096, 1)));
+        assert!(matches!(
+            plan_drop_of(INO, 0, 100 * B, flagged()),
+            Err(Error::NotSupported(_))
+        ));
+    }
 
     #[test]
     fn layout_and_continuation_goal_answer_from_one_lookup() {

@@ -51,6 +51,14 @@ impl DataLayer<'_> {
                     }
                 }
                 ExtentKind::Prealloc { .. } => {}
+                // Reading a window (verify the stored blocks, decode, copy) is DESIGN §16.12
+                // step 2; the decoder refuses blob items until then.
+                ExtentKind::Blob(blob) => {
+                    return Err(Error::NotSupported(format!(
+                        "inode {ino}: reading the blob at {:#x} (extent at {start})",
+                        blob.disk_addr
+                    )));
+                }
                 ExtentKind::Regular { disk_addr, csums } => {
                     let ext_end = start + csums.len() as u64 * BLOCK_SIZE;
                     let from = offset.max(start);

@@ -673,6 +673,8 @@ fn bad_data(
     let extent = FileExtent::decode(value).ok()?;
     let (disk_addr, csums) = match extent.kind {
         ExtentKind::Regular { disk_addr, csums } => (disk_addr, csums),
+        // A blob's stored blocks, each with its crc32c, as a regular extent's.
+        ExtentKind::Blob(blob) => (blob.disk_addr, blob.csums),
         // No block with a checksum: inline bytes are in the record, preallocated blocks read
         // as zeros.
         ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => return None,

@@ -348,10 +348,10 @@ impl Filesystem {
             let hi = (fresh[fresh.len() - 1] + 1) * BLOCK_SIZE;
             for (start, extent) in self.data().extents(ino, lo, hi)? {
                 match extent.kind {
-                    // Blocks counted in nbytes (regular and preallocated alike).
-                    ExtentKind::Regular { .. } | ExtentKind::Prealloc { .. } => {
-                        mapped.push((start, start + extent.len_bytes()))
-                    }
+                    // Blocks counted in nbytes (regular, preallocated and blob windows alike).
+                    ExtentKind::Regular { .. }
+                    | ExtentKind::Prealloc { .. }
+                    | ExtentKind::Blob(_) => mapped.push((start, start + extent.len_bytes())),
                     // No block (writes are buffered only for files in blocks, above).
                     ExtentKind::Inline(_) => {}
                 }

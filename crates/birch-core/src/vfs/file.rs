@@ -818,7 +818,9 @@ impl Filesystem {
                     .extents(ino, tail_start, tail_start + 1)?
                     .into_iter()
                     .any(|(_, e)| match e.kind {
-                        ExtentKind::Regular { .. } => true,
+                        // Bytes past the new end in the tail block are data to zero (a blob's
+                        // window too: its stored bytes are not cut).
+                        ExtentKind::Regular { .. } | ExtentKind::Blob(_) => true,
                         // Preallocated blocks read as zeros already; an inline file was cut
                         // above.
                         ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => false,
