@@ -55,6 +55,7 @@ use birch_format::{BlockAddr, BlockCount, ItemType, Key, BLOCK_SIZE, EXTENT_MAX_
 
 use crate::txn::{Engine, WriteTxn};
 
+mod blob_cache;
 mod clone;
 mod extent_map;
 mod free;
@@ -63,6 +64,7 @@ mod read;
 mod test_support;
 mod write;
 
+pub(crate) use blob_cache::BlobCache;
 pub(crate) use extent_map::{extents_in, seek_data_or_hole};
 pub(crate) use write::Staged;
 

@@ -94,6 +94,8 @@ pub struct Engine {
     /// The recorded read-only cause (a failed commit or log write, a read-only mount).
     read_only: ReadOnlyState,
     log: FsyncLog,
+    /// Decoded blobs read last (DESIGN §16.6); the data layer's read path fills and uses it.
+    blobs: crate::data::BlobCache,
     replay: Mutex<Option<Replay>>,
     /// The snapshots as of the last durable commit, and the changes the next commit makes.
     /// Taken only briefly (never across I/O); inside the gate at a freeze.
@@ -401,6 +403,11 @@ impl Engine {
             return Err(Error::Shutdown);
         }
         Ok(())
+    }
+
+    /// The decoded-blob cache of the data layer's reads.
+    pub(crate) fn blob_cache(&self) -> &crate::data::BlobCache {
+        &self.blobs
     }
 
     /// Data blocks placed by the log and not yet written in place ([`PendingData`]).

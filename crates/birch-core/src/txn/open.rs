@@ -327,6 +327,7 @@ impl Engine {
             }),
             read_only: ReadOnlyState::new(),
             log,
+            blobs: crate::data::BlobCache::default(),
             replay: Mutex::new(replay),
             snapshots: Mutex::new(SnapshotState::default()),
         })
