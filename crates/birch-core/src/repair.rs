@@ -795,9 +795,8 @@ fn fix_extents(
                 }
                 ExtentKind::Prealloc { disk_addr, blocks } => (*disk_addr, None, *blocks),
                 // A blob decodes whole or not at all: one bad stored block loses the window;
-                // a window a newer extent overlaps is kept only where not overlapped, as one
-                // narrower window (a second piece would be a second item on the blob, which
-                // only blob counting keeps, DESIGN §16.12 step 3: it is lost instead).
+                // a window a newer extent overlaps is kept only where not overlapped, as
+                // narrower windows on the blob.
                 ExtentKind::Blob(blob) => {
                     let bad = (0..blob.stored_blocks()).find_map(|n| {
                         let at = blob.disk_addr + n * BLOCK_SIZE;
@@ -899,9 +898,9 @@ fn fix_extents(
     Ok(changed)
 }
 
-/// The part of a blob window (file offset `offset`) that no newer extent in `claimed` overlaps,
-/// kept as one narrower window on the same blob in `kept`; what is overlapped is cut as stale,
-/// and a second non-overlapped piece is cut as lost (one item per blob until blob counting).
+/// The parts of a blob window (file offset `offset`) that no newer extent in `claimed`
+/// overlaps, kept as narrower windows on the same blob in `kept` (flagged when more than one);
+/// what is overlapped is cut as stale.
 fn kept_blob_pieces(
     offset: u64,
     extent: &FileExtent,
@@ -924,25 +923,16 @@ fn kept_blob_pieces(
             }
         }
     }
-    let mut pieces = pieces.into_iter();
-    if let Some((lo, hi)) = pieces.next() {
+    // Two pieces are two items on the blob: flagged, so the next open counts them.
+    let shared = extent.shared || pieces.len() > 1;
+    for (lo, hi) in pieces {
         kept.push((
             lo,
             FileExtent {
                 generation: extent.generation,
                 kind: ExtentKind::Blob(blob.narrowed(lo - offset, hi - lo)),
-                shared: extent.shared,
+                shared,
             },
-        ));
-    }
-    for (lo, hi) in pieces {
-        cuts.push((
-            lo,
-            hi,
-            Cut::Lost(format!(
-                "a second window on the blob at {:#x}",
-                blob.disk_addr
-            )),
         ));
     }
 }
@@ -1822,42 +1812,40 @@ mod tests {
         }
     }
 
-    /// Repair keeps the part of a blob window no newer extent overlaps as one narrower window
-    /// on the same blob; overlapped blocks are stale; a second free piece is lost, not kept.
+    /// Repair keeps the parts of a blob window no newer extent overlaps as narrower windows on
+    /// the same blob, flagged when there are two (the next open counts them); overlapped
+    /// blocks are stale.
     #[test]
-    fn a_blob_window_keeps_one_unclaimed_piece() {
+    fn a_blob_window_keeps_its_unclaimed_pieces() {
         let extent = blob_at(8);
         let ExtentKind::Blob(blob) = &extent.kind else {
             unreachable!()
         };
         let (mut kept, mut cuts) = (Vec::new(), Vec::new());
         // Newer extents over file blocks 2..3 and 6..8 (the window is at 0, 8 blocks).
-        kept_blob_pieces(
-            0,
-            &extent,
-            blob,
-            &[(2 * B, 3 * B), (6 * B, 8 * B)],
-            &mut kept,
-            &mut cuts,
-        );
-        assert_eq!(kept.len(), 1);
-        assert_eq!(kept[0].0, 0);
-        let ExtentKind::Blob(piece) = &kept[0].1.kind else {
-            unreachable!()
-        };
-        assert!(piece.same_blob(blob));
-        assert_eq!((piece.window_offset, piece.window_len), (0, 2 * 4096));
-        let stale = cuts
+        let claimed = [(2 * B, 3 * B), (6 * B, 8 * B)];
+        kept_blob_pieces(0, &extent, blob, &claimed, &mut kept, &mut cuts);
+        let windows: Vec<(u64, u32, u32, bool)> = kept
             .iter()
-            .filter(|(_, _, c)| matches!(c, Cut::Stale))
-            .count();
-        let lost: Vec<_> = cuts
-            .iter()
-            .filter(|(_, _, c)| matches!(c, Cut::Lost(_)))
-            .map(|(lo, hi, _)| (*lo, *hi))
+            .map(|(at, e)| match &e.kind {
+                ExtentKind::Blob(b) => {
+                    assert!(b.same_blob(blob));
+                    (*at, b.window_offset, b.window_len, e.shared)
+                }
+                other => panic!("{other:?}"),
+            })
             .collect();
-        assert_eq!(stale, 3);
-        assert_eq!(lost, vec![(3 * B, 6 * B)]);
+        assert_eq!(
+            windows,
+            vec![(0, 0, 2 * 4096, true), (3 * B, 3 * 4096, 3 * 4096, true)]
+        );
+        assert_eq!(cuts.len(), 3);
+        assert!(cuts.iter().all(|(_, _, c)| matches!(c, Cut::Stale)));
+        // One piece stays unflagged.
+        let (mut kept, mut cuts) = (Vec::new(), Vec::new());
+        kept_blob_pieces(0, &extent, blob, &claimed[1..], &mut kept, &mut cuts);
+        assert_eq!(kept.len(), 1);
+        assert!(!kept[0].1.shared);
     }
 
     /// A bad stored block of a blob is a problem for the whole window; a blob counts as data

@@ -436,6 +436,15 @@ impl Blob {
         }
     }
 
+    /// Blocks an item with this window charges to its inode's `st_blocks` (DESIGN §16.8):
+    /// `ceil(stored · window_len / logical)`, at least 1.
+    pub fn charged_blocks(&self) -> u64 {
+        let stored = self.stored_blocks();
+        (stored * u64::from(self.window_len))
+            .div_ceil(u64::from(self.logical).max(1))
+            .max(1)
+    }
+
     /// Whether `other` names the same stored blob (every field but the window agrees).
     pub fn same_blob(&self, other: &Blob) -> bool {
         self.disk_addr == other.disk_addr

@@ -40,6 +40,7 @@ impl DataLayer<'_> {
         let mut flags: Vec<(Key, FileExtent)> = Vec::new();
         let mut counts: Vec<((BlockAddr, BlockCount), (BlockAddr, BlockCount))> = Vec::new();
         let mut pieces: Vec<(u64, FileExtent)> = Vec::new();
+        let mut blob_pieces: Vec<(u64, FileExtent)> = Vec::new();
         for (start, extent) in self.extents(src, src_off, src_end)? {
             let (disk_addr, csums) = match &extent.kind {
                 ExtentKind::Regular { disk_addr, csums } => (disk_addr, csums),
@@ -50,13 +51,34 @@ impl DataLayer<'_> {
                 }
                 // Preallocated: reads as zeros, and a hole in the clone does too.
                 ExtentKind::Prealloc { .. } => continue,
-                // A clone adds items on the blob, which only blob counting keeps (DESIGN
-                // §16.12 steps 3-4); the decoder refuses blob items until then.
+                // A window over a blob: the clone's piece is a narrower window on the same
+                // blob, and the blob's stored run gets one more reference (DESIGN §16.5).
                 ExtentKind::Blob(blob) => {
-                    return Err(Error::NotSupported(format!(
-                        "clone of inode {src}: the blob at {:#x} (extent at {start})",
-                        blob.disk_addr
-                    )));
+                    let lo = start.max(src_off);
+                    let hi = (start + extent.len_bytes()).min(src_end);
+                    if lo >= hi {
+                        continue;
+                    }
+                    let window = blob.narrowed(lo - start, hi - lo);
+                    let run = (
+                        BlockAddr::new(blob.disk_addr),
+                        BlockCount::new(blob.stored_blocks()),
+                    );
+                    blob_pieces.push((
+                        dst_off + (lo - src_off),
+                        FileExtent {
+                            generation: extent.generation,
+                            kind: ExtentKind::Blob(window),
+                            shared: true,
+                        },
+                    ));
+                    counts.push((run, run));
+                    if !extent.shared {
+                        let mut flagged = extent.clone();
+                        flagged.shared = true;
+                        flags.push((extent_key(src, start), flagged));
+                    }
+                    continue;
                 }
             };
             let lo = start.max(src_off);
@@ -91,7 +113,7 @@ impl DataLayer<'_> {
                 flags.push((extent_key(src, start), flagged));
             }
         }
-        if pieces.is_empty() {
+        if pieces.is_empty() && blob_pieces.is_empty() {
             // Nothing to share (holes and preallocated space): the range reads as zeros.
             return Ok((self.drop_range(dst, dst_off, dst_off + len)?, 0));
         }
@@ -118,6 +140,18 @@ impl DataLayer<'_> {
             let blocks = piece.len_bytes() / BLOCK_SIZE;
             changes.delta.added += blocks;
             shared += blocks;
+            changes.set(extent_key(dst, offset), Some(piece.encode()));
+        }
+        // A blob window charges its share of the stored blocks (DESIGN §16.8).
+        for (offset, piece) in blob_pieces {
+            let charged = match &piece.kind {
+                ExtentKind::Blob(blob) => blob.charged_blocks(),
+                ExtentKind::Inline(_)
+                | ExtentKind::Regular { .. }
+                | ExtentKind::Prealloc { .. } => 0,
+            };
+            changes.delta.added += charged;
+            shared += charged;
             changes.set(extent_key(dst, offset), Some(piece.encode()));
         }
         Ok((self.apply(changes)?, shared))

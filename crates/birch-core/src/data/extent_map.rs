@@ -28,12 +28,7 @@ use crate::error::{Error, Result};
 /// given the extents that overlap it, in order: pieces outside the range are kept (split),
 /// blocks inside are freed. A blob's window is narrowed, never split into blocks: its stored
 /// blocks are freed only when no piece of the window is kept (DESIGN §16.5).
-fn plan_drop_of(
-    ino: u64,
-    from: u64,
-    to: u64,
-    found: Vec<(u64, FileExtent)>,
-) -> Result<ExtentChanges> {
+fn plan_drop_of(ino: u64, from: u64, to: u64, found: Vec<(u64, FileExtent)>) -> ExtentChanges {
     let mut changes = ExtentChanges::default();
     for (start, extent) in found {
         let len = extent.len_bytes();
@@ -48,7 +43,7 @@ fn plan_drop_of(
             ExtentKind::Regular { disk_addr, csums } => (*disk_addr, Some(csums)),
             ExtentKind::Prealloc { disk_addr, .. } => (*disk_addr, None),
             ExtentKind::Blob(blob) => {
-                plan_blob_cut(ino, from, to, start, &extent, blob, &mut changes)?;
+                plan_blob_cut(ino, from, to, start, &extent, blob, &mut changes);
                 continue;
             }
         };
@@ -91,15 +86,16 @@ fn plan_drop_of(
             changes.delta.freed += blocks;
         }
     }
-    Ok(changes)
+    changes
 }
 
 /// The blob part of [`plan_drop_of`]: the window of `extent` (at file offset `start`) loses
-/// `[from, to)`. One piece kept narrows the window (nothing is freed: the bytes it no longer
-/// covers stay stored until the blob goes, §16.5 rule 5); none kept frees the blob's stored
-/// blocks. A cut that would leave two items on a blob, or drop an item of a blob other items
-/// name (flagged), changes the blob's item count, which only the blob counting of DESIGN
-/// §16.12 step 3 keeps: refused (`NotSupported`) until then; no image holds blobs yet.
+/// `[from, to)` (DESIGN §16.5). Pieces kept are narrower windows on the same blob: the bytes
+/// they no longer cover stay stored until the blob goes (rule 5). One piece kept: nothing is
+/// freed and the blob's item count is unchanged. Two pieces (a cut in the middle): both are
+/// flagged and the blob gets one more reference (rule 2, counted per stored block as a clone's
+/// blocks are). No piece: the stored run is freed, through the counts if flagged. The delta
+/// is in charged blocks (§16.8: an item charges `ceil(stored · window / logical)`).
 fn plan_blob_cut(
     ino: u64,
     from: u64,
@@ -108,40 +104,33 @@ fn plan_blob_cut(
     extent: &FileExtent,
     blob: &Blob,
     changes: &mut ExtentChanges,
-) -> Result<()> {
+) {
     let ext_end = start + extent.len_bytes();
     let left = (start < from).then_some((start, from));
     let right = (ext_end > to).then_some((to, ext_end));
     let kept: Vec<(u64, u64)> = left.into_iter().chain(right).collect();
-    let refuse = |what: &str| {
-        Err(Error::NotSupported(format!(
-            "inode {ino}: {what} of the blob at {:#x} (extent at {start}) needs blob counting",
-            blob.disk_addr
-        )))
-    };
-    if kept.len() > 1 {
-        return refuse("a cut in the middle");
-    }
-    if extent.shared && kept.is_empty() {
-        return refuse("dropping a flagged window");
-    }
+    let shared = extent.shared || kept.len() > 1;
     for (lo, hi) in &kept {
+        let narrowed = blob.narrowed(lo - start, hi - lo);
+        changes.delta.added += narrowed.charged_blocks();
         let piece = FileExtent {
             generation: extent.generation,
-            kind: ExtentKind::Blob(blob.narrowed(lo - start, hi - lo)),
-            shared: extent.shared,
+            kind: ExtentKind::Blob(narrowed),
+            shared,
         };
         changes.set(extent_key(ino, *lo), Some(piece.encode()));
     }
-    if kept.is_empty() {
-        let run = BlockRun {
-            addr: blob.disk_addr,
-            blocks: blob.stored_blocks(),
-        };
-        changes.frees.push((run, extent.generation, false));
-        changes.delta.freed += run.blocks;
+    changes.delta.freed += blob.charged_blocks();
+    let run = BlockRun {
+        addr: blob.disk_addr,
+        blocks: blob.stored_blocks(),
+    };
+    if kept.len() > 1 {
+        changes.references.push(run);
     }
-    Ok(())
+    if kept.is_empty() {
+        changes.frees.push((run, extent.generation, extent.shared));
+    }
 }
 
 /// Extents of `ino` that overlap `[from, to)` in a read view (a snapshot's committed tree),
@@ -212,6 +201,9 @@ pub(super) struct ExtentChanges {
     /// Blocks no longer referenced, each with its recorded birth generation and whether its
     /// extent was shared (flagged).
     frees: Vec<(BlockRun, u64, bool)>,
+    /// Stored runs of blobs that gained an item (a cut in the middle): one more reference
+    /// each, counted before any free.
+    references: Vec<BlockRun>,
     pub(super) delta: BlockDelta,
     /// Keys that exist now (in the tree or the delta): only these need a deletion recorded.
     existed: HashSet<Key>,
@@ -385,7 +377,7 @@ impl DataLayer<'_> {
         let mut found = self.extents(ino, offset.saturating_sub(1), offset + len)?;
         let prev = found.first().filter(|(start, _)| *start < offset).cloned();
         found.retain(|(start, extent)| start + extent.len_bytes() > offset);
-        let mut changes = plan_drop_of(ino, offset, offset + len, found)?;
+        let mut changes = plan_drop_of(ino, offset, offset + len, found);
         let generation = self.engine.running_generation().get();
         for run in runs {
             changes.delta.added += run.csums.len() as u64;
@@ -456,7 +448,7 @@ impl DataLayer<'_> {
     /// Computes removal of every extent byte in the block-aligned range `[from, to)`: pieces
     /// outside the range are kept (split), blocks inside are freed.
     pub(super) fn plan_drop(&self, ino: u64, from: u64, to: u64) -> Result<ExtentChanges> {
-        plan_drop_of(ino, from, to, self.extents(ino, from, to)?)
+        Ok(plan_drop_of(ino, from, to, self.extents(ino, from, to)?))
     }
 
     /// Joins the first new extent to the one before it when both are contiguous on disk; the
@@ -550,6 +542,17 @@ impl DataLayer<'_> {
     /// freed through [`DataLayer::free`].
     pub(super) fn apply(&self, changes: ExtentChanges) -> Result<BlockDelta> {
         let txn = self.engine.begin()?;
+        if !changes.references.is_empty() {
+            // The first commit that records a flagged item sets the flag (FORMAT §9); the
+            // counts come first, as a clone's do (`clone.rs`).
+            self.engine
+                .want_incompat(birch_format::superblock::INCOMPAT_SHARED_EXTENTS);
+            let alloc = self.engine.allocator();
+            for run in &changes.references {
+                let whole = (run.disk_addr(), run.block_count());
+                alloc.add_shared(whole, whole);
+            }
+        }
         for (key, value) in changes.items {
             match value {
                 Some(v) => txn.put(key, v),
@@ -570,7 +573,7 @@ mod tests {
     //! snapshot; never into a shared extent: `clone.rs`), and runs that cannot be recorded
     //! going back.
 
-    use birch_format::{BlockCount, Generation};
+    use birch_format::{BlockAddr, BlockCount, Generation};
 
     use super::*;
     use crate::data::test_support::{pattern, setup, two_contiguous_runs, INO};
@@ -595,6 +598,14 @@ mod tests {
         }
     }
 
+    /// The blob of a blob extent (tests only build blob extents here).
+    fn the_blob(extent: &FileExtent) -> Blob {
+        let ExtentKind::Blob(blob) = &extent.kind else {
+            panic!("not a blob: {extent:?}");
+        };
+        blob.clone()
+    }
+
     /// The kept item at `offset` in planned changes, decoded (blob items are not accepted by
     /// the public decoder yet, so the window is read from the bytes: offset 30, length 34).
     fn kept_window(changes: &ExtentChanges, offset: u64) -> Option<(u32, u32, u8)> {
@@ -608,43 +619,102 @@ mod tests {
     }
 
     /// A cut narrows a blob's window and frees nothing while a piece is kept; a drop of the
-    /// whole window frees the blob's stored blocks (3, not the window's 6) with its birth; a
-    /// cut in the middle or a drop of a flagged window is refused until blob counting.
+    /// whole window frees the blob's stored blocks (3, not the window's 6) with its birth,
+    /// through the counts if flagged; a cut in the middle flags both pieces and adds one
+    /// reference to the stored run. Deltas are charged blocks: ceil(3 · window / 8).
     #[test]
     fn blob_cuts_narrow_the_window_or_free_the_whole_blob() {
         let start = 10 * B; // the window covers file blocks 10..16
         let found = || vec![(start, blob_extent(false))];
+        let delta = |c: &ExtentChanges| (c.delta.added, c.delta.freed);
         // Truncate to 12 blocks: the left piece, window blocks 1..3 of the blob.
-        let c = plan_drop_of(INO, 12 * B, 100 * B, found()).expect("left piece");
+        let c = plan_drop_of(INO, 12 * B, 100 * B, found());
         assert_eq!(kept_window(&c, start), Some((4096, 2 * 4096, 0)));
-        assert!(c.frees.is_empty() && c.delta.freed == 0);
+        assert!(c.frees.is_empty() && c.references.is_empty());
+        assert_eq!(
+            delta(&c),
+            (1, 3),
+            "ceil(3·2/8) charged now, ceil(3·6/8) before"
+        );
         // Punch the head: the right piece starts at 13 blocks, blob bytes 4..7.
-        let c = plan_drop_of(INO, 8 * B, 13 * B, found()).expect("right piece");
+        let c = plan_drop_of(INO, 8 * B, 13 * B, found());
         assert_eq!(kept_window(&c, 13 * B), Some((4 * 4096, 3 * 4096, 0)));
         assert_eq!(kept_window(&c, start), None, "the old key is deleted");
         assert!(c.frees.is_empty());
         // Everything: the stored run goes, once.
-        let c = plan_drop_of(INO, 0, 100 * B, found()).expect("whole");
+        let c = plan_drop_of(INO, 0, 100 * B, found());
         assert_eq!(c.frees.len(), 1);
         let (run, birth, shared) = c.frees[0];
         assert_eq!(
             (run.addr, run.blocks, birth, shared),
             (0x50000, 3, 5, false)
         );
-        assert_eq!(c.delta.freed, 3);
-        // The middle: two items on one blob.
-        assert!(matches!(
-            plan_drop_of(INO, 12 * B, 13 * B, found()),
-            Err(Error::NotSupported(_))
-        ));
-        // A flagged window: narrowing keeps its flag, dropping it is refused.
+        assert_eq!(delta(&c), (0, 3));
+        // The middle: two flagged items on one blob, one more reference, nothing freed.
+        let c = plan_drop_of(INO, 12 * B, 13 * B, found());
+        assert_eq!(kept_window(&c, start), Some((4096, 2 * 4096, 1)));
+        assert_eq!(kept_window(&c, 13 * B), Some((4 * 4096, 3 * 4096, 1)));
+        assert!(c.frees.is_empty());
+        assert_eq!(c.references.len(), 1);
+        assert_eq!((c.references[0].addr, c.references[0].blocks), (0x50000, 3));
+        assert_eq!(
+            delta(&c),
+            (1 + 2, 3),
+            "a cut blob may be charged a block more"
+        );
+        // A flagged window: narrowing keeps its flag; dropping it frees through the counts.
         let flagged = || vec![(start, blob_extent(true))];
-        let c = plan_drop_of(INO, 15 * B, 100 * B, flagged()).expect("narrow flagged");
+        let c = plan_drop_of(INO, 15 * B, 100 * B, flagged());
         assert_eq!(kept_window(&c, start), Some((4096, 5 * 4096, 1)));
-        assert!(matches!(
-            plan_drop_of(INO, 0, 100 * B, flagged()),
-            Err(Error::NotSupported(_))
-        ));
+        let c = plan_drop_of(INO, 0, 100 * B, flagged());
+        assert_eq!(c.frees.len(), 1);
+        assert!(c.frees[0].2, "dropped as shared: one reference less");
+    }
+
+    /// Over an engine: a middle cut of a blob window counts the stored run's references (2),
+    /// dropping one piece leaves 1 and frees nothing, dropping the other frees the run.
+    #[test]
+    fn blob_references_follow_its_items() {
+        let (_mem, engine) = setup();
+        let data = DataLayer::new(&engine);
+        let runs = data.write_new(INO, 0, &pattern(3, 2)).expect("write");
+        let blob = Blob {
+            disk_addr: runs[0].addr,
+            csums: runs[0].csums.clone(),
+            ..the_blob(&blob_extent(false))
+        };
+        let at = BlockAddr::new(blob.disk_addr);
+        let extent = FileExtent {
+            generation: engine.running_generation().get(),
+            kind: ExtentKind::Blob(blob),
+            shared: false,
+        };
+        let used_before = engine.allocator().free_blocks();
+        let middle = plan_drop_of(INO, 12 * B, 13 * B, vec![(10 * B, extent.clone())]);
+        data.apply(middle).expect("apply");
+        assert_eq!(engine.allocator().shared_references(at), 2);
+        assert!(engine.incompat_pending(), "the shared flag is wanted");
+        let left = FileExtent {
+            shared: true,
+            kind: ExtentKind::Blob(the_blob(&extent).narrowed(0, 2 * B)),
+            ..extent.clone()
+        };
+        let right = FileExtent {
+            shared: true,
+            kind: ExtentKind::Blob(the_blob(&extent).narrowed(3 * B, 3 * B)),
+            ..extent.clone()
+        };
+        data.apply(plan_drop_of(INO, 0, 12 * B, vec![(10 * B, left)]))
+            .expect("drop left");
+        assert_eq!(engine.allocator().shared_references(at), 1);
+        assert_eq!(
+            engine.allocator().free_blocks(),
+            used_before,
+            "nothing freed yet"
+        );
+        data.apply(plan_drop_of(INO, 0, 100 * B, vec![(13 * B, right)]))
+            .expect("drop right");
+        assert_eq!(engine.allocator().shared_references(at), 0);
     }
 
     #[test]
