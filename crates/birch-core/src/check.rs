@@ -1387,7 +1387,16 @@ fn check_extents(
                     );
                 }
             }
-            ExtentKind::Regular { disk_addr, csums } => {
+            // A regular extent's blocks, or a window over a blob, whose stored blocks are
+            // claimed and verified alike (a flagged blob's may be named again). That every
+            // item naming one blob agrees, and that windows of one file over one blob do not
+            // overlap, is DESIGN §16.12 step 5.
+            ExtentKind::Regular { .. } | ExtentKind::Blob(_) => {
+                let (disk_addr, csums, unit) = match &extent.kind {
+                    ExtentKind::Regular { disk_addr, csums } => (disk_addr, csums, "block"),
+                    ExtentKind::Blob(blob) => (&blob.disk_addr, &blob.csums, "stored block"),
+                    ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => continue,
+                };
                 if offset % BLOCK_SIZE != 0 {
                     report.add(
                         FindingKind::ExtentMisaligned,
@@ -1436,7 +1445,7 @@ fn check_extents(
                                 device,
                                 at,
                                 *csum,
-                                &format!("{location}, block {n}"),
+                                &format!("{location}, {unit} {n}"),
                                 report,
                             );
                         }
@@ -1455,44 +1464,6 @@ fn check_extents(
                 }
                 if claim(sb, used, *disk_addr, *blocks, "data", &location, report) {
                     report.data_blocks += blocks;
-                }
-            }
-            // A window over a blob: its stored blocks are claimed and verified as a regular
-            // extent's (a flagged blob's may be named again). That every item naming one blob
-            // agrees and the windows of one file do not overlap is DESIGN §16.12 step 5.
-            ExtentKind::Blob(blob) => {
-                if offset % BLOCK_SIZE != 0 {
-                    report.add(
-                        FindingKind::ExtentMisaligned,
-                        None,
-                        &location,
-                        offset,
-                        "a block-aligned offset",
-                    );
-                }
-                if *offset >= inode.size.div_ceil(BLOCK_SIZE) * BLOCK_SIZE {
-                    report.add(
-                        FindingKind::ExtentPastSize,
-                        None,
-                        &location,
-                        format!("start {offset}"),
-                        format!("< size {}", inode.size),
-                    );
-                }
-                let stored = blob.stored_blocks();
-                let fresh = (0..stored)
-                    .filter(|b| !used.contains_key(&(blob.disk_addr + b * BLOCK_SIZE)))
-                    .count() as u64;
-                let what = if extent.shared { SHARED_DATA } else { "data" };
-                if claim(sb, used, blob.disk_addr, stored, what, &location, report) {
-                    report.data_blocks += fresh;
-                    if options.data {
-                        for (n, csum) in blob.csums.iter().enumerate() {
-                            let at = blob.disk_addr + n as u64 * BLOCK_SIZE;
-                            let location = format!("{location}, stored block {n}");
-                            verify_block(device, at, *csum, &location, report);
-                        }
-                    }
                 }
             }
         }
