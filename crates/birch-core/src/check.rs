@@ -19,8 +19,8 @@ use birch_format::items::SnapshotItem;
 use birch_format::items::{self, ExtentKind, FileExtent, InodeItem};
 use birch_format::node::{Expect, Node, NodeBody};
 use birch_format::superblock::{
-    Superblock, INCOMPAT_SHARED_EXTENTS, INCOMPAT_SNAPSHOTS, RESERVED_HEAD_BYTES, SUPER_BYTES,
-    SUPER_OFFSETS,
+    Superblock, INCOMPAT_BLOB_EXTENTS, INCOMPAT_SHARED_EXTENTS, INCOMPAT_SNAPSHOTS,
+    RESERVED_HEAD_BYTES, SUPER_BYTES, SUPER_OFFSETS,
 };
 use birch_format::{
     ItemType, Key, BLOCK_SIZE, FS_TREE_ID, INLINE_MAX_BYTES, NODE_BLOCKS, NODE_SIZE, ROOT_OBJECTID,
@@ -120,11 +120,13 @@ pub enum FindingKind {
     /// and the fsyncs of it and of every later batch were answered: replay drops them. The
     /// block was lost or overwritten after the flush (a device that loses writes, or a bug).
     LogBatchesLost = 32,
+    /// A blob extent (kind 4) on an image without the `INCOMPAT_BLOB_EXTENTS` flag.
+    BlobExtentConflict = 33,
 }
 
 impl FindingKind {
     /// Every kind, in number order.
-    pub const ALL: [FindingKind; 32] = [
+    pub const ALL: [FindingKind; 33] = [
         FindingKind::SuperblockSlotBad,
         FindingKind::NodeUnreadable,
         FindingKind::NodeKeyOutOfRange,
@@ -157,6 +159,7 @@ impl FindingKind {
         FindingKind::SharedExtentConflict,
         FindingKind::SnapshotOutsideLineage,
         FindingKind::LogBatchesLost,
+        FindingKind::BlobExtentConflict,
     ];
 
     /// The kind's stable number (see [`FindingKind`]).
@@ -285,6 +288,7 @@ pub const PASSES: [Pass; 10] = [
             FindingKind::BlockOutOfBounds,
             FindingKind::BlockInReservedArea,
             FindingKind::SharedExtentConflict,
+            FindingKind::BlobExtentConflict,
         ],
     },
     Pass {
@@ -1397,6 +1401,15 @@ fn check_extents(
                     ExtentKind::Blob(blob) => (&blob.disk_addr, &blob.csums, "stored block"),
                     ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => continue,
                 };
+                if unit == "stored block" && sb.incompat & INCOMPAT_BLOB_EXTENTS == 0 {
+                    report.add(
+                        FindingKind::BlobExtentConflict,
+                        Some(*disk_addr),
+                        &location,
+                        "a blob extent",
+                        "the INCOMPAT_BLOB_EXTENTS flag in the superblock",
+                    );
+                }
                 if offset % BLOCK_SIZE != 0 {
                     report.add(
                         FindingKind::ExtentMisaligned,
@@ -1639,7 +1652,7 @@ mod tests {
             ..Default::default()
         };
         let run = |extents: Vec<(u64, FileExtent)>, mut sb: Superblock| {
-            sb.incompat |= INCOMPAT_SHARED_EXTENTS;
+            sb.incompat |= INCOMPAT_SHARED_EXTENTS | INCOMPAT_BLOB_EXTENTS;
             let ctx = ExtentCheckCtx {
                 device: device.as_ref(),
                 sb: &sb,
@@ -1674,6 +1687,25 @@ mod tests {
         let flagged = run(flagged, sb.clone());
         assert_eq!(kinds(&flagged), vec![]);
         assert_eq!(flagged.data_blocks, 3, "a shared blob counts once");
+        // Without the flag: finding 33.
+        let mut plain = sb.clone();
+        plain.incompat &= !INCOMPAT_BLOB_EXTENTS;
+        let ctx = ExtentCheckCtx {
+            device: device.as_ref(),
+            sb: &plain,
+            options: CheckOptions { data: false },
+        };
+        let mut report = Report::default();
+        let extents = vec![(0, item(false, 0, csums.clone()))];
+        check_extents(
+            &ctx,
+            300,
+            &inode,
+            &extents,
+            &mut HashMap::new(),
+            &mut report,
+        );
+        assert_eq!(kinds(&report), vec![FindingKind::BlobExtentConflict]);
     }
 
     #[test]

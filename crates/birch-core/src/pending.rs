@@ -150,8 +150,8 @@ impl PendingData {
         self.write_taken(device, &taken, Some(batch))
     }
 
-    /// The placed blocks, not carried by a queued data record, that the regular extent
-    /// records among `records` name, in address order with their bytes.
+    /// The placed blocks, not carried by a queued data record, that the regular and blob
+    /// extent records among `records` name, in address order with their bytes.
     fn named(&self, records: &[LogRecord]) -> Vec<(u64, Arc<[u8]>)> {
         if self.count.load(Ordering::SeqCst) == 0 {
             return Vec::new();
@@ -161,12 +161,19 @@ impl PendingData {
             let (Some(ItemType::ExtentData), Some(value)) = (r.key.kind(), &r.value) else {
                 continue;
             };
-            if let Ok(FileExtent {
-                kind: ExtentKind::Regular { disk_addr, csums },
-                ..
-            }) = FileExtent::decode(value)
-            {
-                ranges.push((disk_addr, csums.len() as u64 * BLOCK_SIZE));
+            let Ok(extent) = FileExtent::decode(value) else {
+                continue;
+            };
+            // Blocks whose bytes a placed write holds: a regular extent's, a blob's stored
+            // run (a compressed flush places them as the bytes a read verifies).
+            match extent.kind {
+                ExtentKind::Regular { disk_addr, csums } => {
+                    ranges.push((disk_addr, csums.len() as u64 * BLOCK_SIZE));
+                }
+                ExtentKind::Blob(blob) => {
+                    ranges.push((blob.disk_addr, blob.stored_blocks() * BLOCK_SIZE));
+                }
+                ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => {}
             }
         }
         if ranges.is_empty() {

@@ -371,8 +371,7 @@ pub enum ExtentKind {
         blocks: u64,
     },
     /// A window over a blob: stored blocks that decode to more file bytes than the item covers
-    /// (kind 4, DESIGN §16.2). No build writes or accepts one yet: [`FileExtent::decode`]
-    /// refuses kind 4 until reading, counting and cutting blobs exist (DESIGN §16.12).
+    /// (kind 4, FORMAT.md §6.6, DESIGN §16.2; incompat flag `INCOMPAT_BLOB_EXTENTS`).
     Blob(Blob),
 }
 
@@ -644,15 +643,8 @@ impl FileExtent {
     /// Decodes an extent payload. `Invalid` for an unknown kind, an inline length over
     /// [`INLINE_MAX_BYTES`], a zero or unaligned address, a block count outside
     /// 1 ..= [`EXTENT_MAX_BLOCKS`], or trailing bytes; `Truncated` if the payload is cut short.
-    /// A blob (kind 4) is refused (`Invalid`): no build reads, counts or cuts blobs yet
-    /// (DESIGN §16.12 step 4 accepts them).
+    /// A blob (kind 4) gets every range check of FORMAT.md §6.6.
     pub fn decode(bytes: &[u8]) -> Result<FileExtent, FormatError> {
-        Self::decode_kinds(bytes, false)
-    }
-
-    /// [`FileExtent::decode`], accepting a blob (kind 4) with every range check of DESIGN
-    /// §16.2 when `blobs` is set.
-    fn decode_kinds(bytes: &[u8], blobs: bool) -> Result<FileExtent, FormatError> {
         let mut r = Reader::new(bytes, "file extent");
         let generation = r.u64()?;
         let kind_byte = r.u8()?;
@@ -705,12 +697,12 @@ impl FileExtent {
                 }
                 ExtentKind::Prealloc { disk_addr, blocks }
             }
-            4 if blobs => {
+            4 => {
                 let (blob, flagged) = Blob::decode(&mut r)?;
                 shared = flagged;
                 ExtentKind::Blob(blob)
             }
-            other => return Err(FormatError::invalid("extent kind", other, "0, 1, 2 or 3")),
+            other => return Err(FormatError::invalid("extent kind", other, "0 ..= 4")),
         };
         if r.remaining() != 0 {
             return Err(FormatError::invalid(
@@ -1082,7 +1074,7 @@ mod tests {
         assert_eq!(plain[9..], shared[9..]);
         assert_eq!(FileExtent::decode(&shared), Ok(e));
         let mut bad = shared.clone();
-        bad[8] = 4;
+        bad[8] = 5;
         assert!(FileExtent::decode(&bad).is_err());
     }
 
@@ -1099,8 +1091,7 @@ mod tests {
         }
     }
 
-    /// A blob item round-trips, flagged or not, byte for byte as DESIGN §16.2's table says;
-    /// the public decoder refuses it until blobs are built (§16.12 step 4).
+    /// A blob item round-trips, flagged or not, byte for byte as FORMAT.md §6.6's table says.
     #[test]
     fn blob_layout_and_round_trip() {
         for shared in [false, true] {
@@ -1124,8 +1115,7 @@ mod tests {
             assert_eq!(bytes[34..38], (5u32 * 4096).to_le_bytes());
             assert_eq!(bytes[38..46], [0u8; 8]);
             assert_eq!(bytes[46..50], 0x1000u32.to_le_bytes());
-            assert_eq!(FileExtent::decode_kinds(&bytes, true), Ok(e.clone()));
-            assert!(FileExtent::decode(&bytes).is_err(), "refused until built");
+            assert_eq!(FileExtent::decode(&bytes), Ok(e.clone()));
             assert_eq!(e.len_bytes(), 5 * 4096);
             assert_eq!(e.disk_range(), Some((0x40000, 3)));
             assert!(e.kind.may_be_shared());
@@ -1142,7 +1132,7 @@ mod tests {
         };
         let bytes = longest.encode();
         assert!(bytes.len() <= crate::MAX_ITEM_BYTES);
-        assert_eq!(FileExtent::decode_kinds(&bytes, true), Ok(longest));
+        assert_eq!(FileExtent::decode(&bytes), Ok(longest));
     }
 
     /// Every field out of range is refused, never accepted or a panic.
@@ -1154,7 +1144,7 @@ mod tests {
             shared: false,
         }
         .encode();
-        assert!(FileExtent::decode_kinds(&good, true).is_ok());
+        assert!(FileExtent::decode(&good).is_ok());
         let patch = |at: usize, value: &[u8]| {
             let mut b = good.clone();
             b[at..at + value.len()].copy_from_slice(value);
@@ -1192,10 +1182,7 @@ mod tests {
             ("cut in the fixed fields", good[..30].to_vec()),
         ];
         for (what, bytes) in bad {
-            assert!(
-                FileExtent::decode_kinds(&bytes, true).is_err(),
-                "{what} accepted"
-            );
+            assert!(FileExtent::decode(&bytes).is_err(), "{what} accepted");
         }
     }
 

@@ -22,7 +22,8 @@ pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_XATTR_CHUNKS
     | INCOMPAT_LOG_DATA
     | INCOMPAT_SNAPSHOTS
     | INCOMPAT_SHARED_EXTENTS
-    | INCOMPAT_LOG_ALIGNED;
+    | INCOMPAT_LOG_ALIGNED
+    | INCOMPAT_BLOB_EXTENTS;
 /// Incompat bit 0: xattr values over `XATTR_VALUE_MAX` bytes are stored out of line, in
 /// `XattrChunk` items, and an xattr list entry may say so (value length `0xFFFF`). Set by the
 /// first commit that holds such a value; an image without one keeps the bit clear.
@@ -55,6 +56,12 @@ pub const INCOMPAT_SHARED_EXTENTS: u64 = 8;
 /// commit of a writable mount on a device with an atomic unit (RBD); the log skips only
 /// once it is in a durable superblock. Never cleared.
 pub const INCOMPAT_LOG_ALIGNED: u64 = 16;
+/// Incompat bit 5: file extents may be blob windows (kind 4, FORMAT.md §6.6): stored blocks
+/// that decode (zstd, lz4, or as they are) to more bytes than one item covers, several items
+/// naming one blob when flagged. A build without the bit would refuse kind 4 item by item, so
+/// it must refuse the image. Set by the first commit that records a blob; never cleared. An
+/// image without it is byte for byte what earlier builds write.
+pub const INCOMPAT_BLOB_EXTENTS: u64 = 32;
 /// Byte offset of the snapshot list fields in the superblock (with [`INCOMPAT_SNAPSHOTS`]).
 pub const SNAPSHOTS_OFFSET: usize = 336;
 /// Compatible feature flags this build understands. Unknown bits are ignored.

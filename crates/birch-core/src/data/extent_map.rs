@@ -396,6 +396,38 @@ impl DataLayer<'_> {
         Ok((self.apply(changes)?, kept))
     }
 
+    /// Replaces `[offset, offset + window)` of the file with a window over `blob`
+    /// ([`DataLayer::write_blob`] wrote it, `birth` its allocation's generation): one range
+    /// drop and the blob's item, unflagged; asks the next commit for `INCOMPAT_BLOB_EXTENTS`.
+    /// On failure nothing is recorded and the blob is given back.
+    pub(crate) fn replace_with_blob(
+        &self,
+        ino: u64,
+        offset: u64,
+        blob: Blob,
+        birth: u64,
+    ) -> Result<BlockDelta> {
+        let run = BlockRun {
+            addr: blob.disk_addr,
+            blocks: blob.stored_blocks(),
+        };
+        let len = u64::from(blob.window_len);
+        let recorded = self.plan_drop(ino, offset, offset + len).and_then(|mut changes| {
+            changes.delta.added += blob.charged_blocks();
+            let extent = FileExtent {
+                generation: self.engine.running_generation().get(),
+                kind: ExtentKind::Blob(blob),
+                shared: false,
+            };
+            changes.set(extent_key(ino, offset), Some(extent.encode()));
+            // The commit that records the blob sets the flag (FORMAT §9).
+            self.engine
+                .want_incompat(birch_format::superblock::INCOMPAT_BLOB_EXTENTS);
+            self.apply(changes)
+        });
+        recorded.inspect_err(|_| self.free(run, birth, Seen::Unrecorded))
+    }
+
     /// Allocates preallocated extents (read as zeros) for every unmapped block of the
     /// block-rounded range `[from, to)`. On failure gives back what it allocated.
     pub(crate) fn preallocate(&self, ino: u64, from: u64, to: u64) -> Result<BlockDelta> {

@@ -68,6 +68,10 @@ pub(crate) use blob_cache::BlobCache;
 pub(crate) use extent_map::{extents_in, seek_data_or_hole};
 pub(crate) use write::Staged;
 
+/// The most file bytes one blob holds when birch writes it (DESIGN §16.3); the format allows
+/// up to `birch_format::items::BLOB_MAX_LOGICAL`.
+pub(crate) const BLOB_CAP_BYTES: u64 = 128 * 1024;
+
 /// The longest extent in bytes: extent look-ups look back this far for one that reaches in.
 const EXTENT_MAX_BYTES: u64 = EXTENT_MAX_BLOCKS * BLOCK_SIZE;
 

@@ -11,10 +11,12 @@
 //! and blocks that any extent item referenced: a failure gives back only what this operation
 //! allocated, unrecorded ([`Seen::Unrecorded`], through [`DataLayer::free`]).
 
+use birch_format::codec::Codec;
+use birch_format::items::Blob;
 use birch_format::{BlockAddr, BlockCount, BLOCK_SIZE, EXTENT_MAX_BLOCKS};
 use parking_lot::Mutex;
 
-use super::{BlockRun, DataLayer, Seen, WrittenRun};
+use super::{BlockRun, DataLayer, Seen, WrittenRun, BLOB_CAP_BYTES};
 use crate::alloc::Purpose;
 use crate::error::{Error, Result};
 
@@ -126,6 +128,62 @@ impl DataLayer<'_> {
             goal = Some(run.addr + run.blocks * BLOCK_SIZE);
         }
         Ok(written)
+    }
+
+    /// Compresses `logical` (one chunk of a file: 2 ..= [`BLOB_CAP_BYTES`] / 4096 whole
+    /// blocks, at file offset `offset` of `ino`, for messages) with `codec` and, when that
+    /// saves at least 1/8 (DESIGN §16.4) and one contiguous run of the stored blocks is free,
+    /// writes the stored blocks there: returns the blob (its window all of it) and the birth
+    /// to give it back with. `None` when the chunk is to be stored as it is (it does not
+    /// compress enough, or no contiguous run is free): nothing is allocated then. Needs no
+    /// inode lock: the blocks are new. Does device I/O.
+    pub(crate) fn write_blob(
+        &self,
+        ino: u64,
+        offset: u64,
+        logical: &[u8],
+        codec: Codec,
+    ) -> Result<Option<(Blob, u64)>> {
+        debug_assert!(logical.len() as u64 % BLOCK_SIZE == 0);
+        debug_assert!(logical.len() as u64 <= BLOB_CAP_BYTES);
+        let mut encoded = Vec::new();
+        let Some(encoded_len) = birch_format::codec::encode(codec, logical, &mut encoded) else {
+            return Ok(None);
+        };
+        let stored = (encoded_len as u64).div_ceil(BLOCK_SIZE);
+        let birth = self.engine.running_generation().get();
+        let count = BlockCount::new(stored);
+        let addr = match self.engine.allocate_data(count, count) {
+            Ok((addr, _)) => addr.get(),
+            Err(Error::NoSpace(_)) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let mut stage = Stage::take((stored * BLOCK_SIZE) as usize);
+        stage.push(&encoded);
+        stage.push(&vec![0u8; (stored * BLOCK_SIZE) as usize - encoded_len]);
+        let run = BlockRun::new(BlockAddr::new(addr), count);
+        if let Err(e) = self.engine.device().write_at(stage.bytes(), addr) {
+            self.free(run, birth, Seen::Unrecorded);
+            return Err(Error::io(
+                format!("write inode {ino} offset {offset}: blob at {addr:#x}"),
+                e,
+            ));
+        }
+        let blob = Blob {
+            disk_addr: addr,
+            codec: Codec::from_byte(codec.byte()).unwrap_or(codec),
+            encoded_len: encoded_len as u32,
+            logical: logical.len() as u32,
+            window_offset: 0,
+            window_len: logical.len() as u32,
+            nonce: 0,
+            csums: stage
+                .bytes()
+                .chunks(BLOCK_SIZE as usize)
+                .map(birch_format::checksum)
+                .collect(),
+        };
+        Ok(Some((blob, birth)))
     }
 
     /// Allocates a run of 1 to `left` (at most a flush run) buffered blocks, at `goal` when

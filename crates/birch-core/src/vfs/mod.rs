@@ -13,6 +13,7 @@
 
 pub mod acl;
 mod buffer;
+mod defrag;
 mod dir;
 mod durability;
 pub mod errfiles;
@@ -42,6 +43,7 @@ use crate::items;
 use crate::readonly::ReadOnlyCause;
 use crate::txn::{Engine, MkfsOptions, OpenHead};
 
+pub use defrag::CompressReport;
 pub use dir::DirEntryOut;
 pub use durability::{DeferredOutcome, FsyncDone, FsyncMode, LogFull};
 pub use file::AtimeMode;

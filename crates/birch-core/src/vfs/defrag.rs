@@ -1,0 +1,114 @@
+//! Rewriting a file's data compressed (`birch defrag --compress`, DESIGN §16.4): each chunk of
+//! up to 128 KiB at a chunk-aligned offset, held whole in unshared regular extents, is read,
+//! compressed and, when that saves at least 1/8, written as one blob whose window replaces the
+//! chunk's extents. What the write paths leave uncompressed (small appends, placed overwrites,
+//! partial blocks) can be compressed this way later.
+//!
+//! Owns: the choice of chunks and the per-file report. Must not touch: extents, blocks and the
+//! allocator (the data layer writes the blob and replaces the range), the fsync log (the inode
+//! is stored, which makes its next fsync log or commit it whole). Holds the inode's write lock
+//! for the whole file, as a write of it would.
+
+use birch_format::codec::Codec;
+use birch_format::items::ExtentKind;
+use birch_format::{InodeNo, BLOCK_SIZE};
+
+use super::Filesystem;
+use crate::error::{Error, Result};
+
+/// What [`Filesystem::compress_file`] did to one file.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CompressReport {
+    /// Chunks written as blobs.
+    pub compressed: u64,
+    /// Chunks looked at and left as they were: they did not save 1/8, or no contiguous run of
+    /// the stored size was free.
+    pub kept: u64,
+    /// Chunks not looked at: holes, preallocated or shared (cloned) extents, blobs already,
+    /// or a single block.
+    pub skipped: u64,
+    /// File bytes of the chunks compressed.
+    pub logical_bytes: u64,
+    /// Bytes their blobs take on disk.
+    pub stored_bytes: u64,
+}
+
+impl Filesystem {
+    /// Rewrites the data of regular file `ino` compressed with `codec`, chunk by chunk
+    /// ([`CompressReport`]). The file reads the same before and after; its times do not
+    /// change; `st_blocks` follows the stored size. The old blocks are freed as an overwrite
+    /// frees them (kept for snapshots, reused after the next durable commit). `IsDir` for a
+    /// directory, `Invalid` for another non-regular file.
+    pub fn compress_file(&self, ino: InodeNo, codec: Codec) -> Result<CompressReport> {
+        let ino = ino.get();
+        self.refuse_snapshot_change("compress", &[ino])?;
+        let state = self.inode(ino)?;
+        let mut data = state.data.write();
+        match data.item.mode & libc::S_IFMT {
+            libc::S_IFREG => {}
+            libc::S_IFDIR => return Err(Error::IsDir(format!("compress dir {ino}"))),
+            _ => return Err(Error::Invalid(format!("compress of special file {ino}"))),
+        }
+        // Buffered data goes to disk first: the chunks are chosen from extents.
+        self.flush_locked(ino, &mut data)?;
+        let _op = self.inner.engine.hold()?;
+        let mut report = CompressReport::default();
+        if self.data().inline_data(ino)?.is_some() {
+            return Ok(report);
+        }
+        let cap = crate::data::BLOB_CAP_BYTES;
+        let end = data.item.size.div_ceil(BLOCK_SIZE) * BLOCK_SIZE;
+        let mut changed = false;
+        let mut start = 0;
+        while start < end {
+            let chunk_end = (start + cap).min(end);
+            let len = chunk_end - start;
+            let chunk = start;
+            start = chunk_end;
+            if len < 2 * BLOCK_SIZE || !self.chunk_is_plain(ino, chunk, chunk_end)? {
+                report.skipped += 1;
+                continue;
+            }
+            let mut bytes = self.read_locked(ino, &data, chunk, len as usize)?;
+            // Past the size the last block holds zeros (FORMAT §6.6).
+            bytes.resize(len as usize, 0);
+            let data_layer = self.data();
+            match data_layer.write_blob(ino, chunk, &bytes, codec)? {
+                Some((blob, birth)) => {
+                    let stored = blob.stored_blocks() * BLOCK_SIZE;
+                    let delta = data_layer.replace_with_blob(ino, chunk, blob, birth)?;
+                    data.item.nbytes = delta.apply_to(data.item.nbytes);
+                    changed = true;
+                    report.compressed += 1;
+                    report.logical_bytes += len;
+                    report.stored_bytes += stored;
+                }
+                None => report.kept += 1,
+            }
+        }
+        if changed {
+            self.store_inode(ino, &mut data)?;
+        }
+        Ok(report)
+    }
+
+    /// Whether `[from, to)` of `ino` is held whole by unshared regular extents: no hole, no
+    /// preallocated, inline or blob extent, and nothing cloned (rewriting a shared extent
+    /// would store its bytes twice).
+    fn chunk_is_plain(&self, ino: u64, from: u64, to: u64) -> Result<bool> {
+        let mut cursor = from;
+        for (start, extent) in self.data().extents(ino, from, to)? {
+            let plain = match extent.kind {
+                ExtentKind::Regular { .. } => !extent.shared,
+                ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } | ExtentKind::Blob(_) => {
+                    false
+                }
+            };
+            if !plain || start > cursor {
+                return Ok(false);
+            }
+            cursor = cursor.max(start + extent.len_bytes());
+        }
+        Ok(cursor >= to)
+    }
+}
