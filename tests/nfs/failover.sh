@@ -33,8 +33,9 @@
 #     COMMITted write); a COMMIT shows the write verifier changed, so the client resends the 8
 #     uncommitted blocks and COMMITs them; all 16 read back;
 #   - node a thawed: a write through its mount path fails (EIO: its daemon was fenced by the
-#     blocklist), a WRITE + COMMIT through its own ganesha (at a's own address) does not succeed,
-#     and neither reached the image (the blocks and the directory read back through b as before).
+#     blocklist), a WRITE + COMMIT and a READ through its own ganesha (at a's own address) do not
+#     succeed, its daemon's log says it was fenced, and nothing reached the image (the blocks and
+#     the directory read back through b as before).
 # Scenario 2, kill (b active, a standby; a's fenced mount unmounted and its processes gone):
 #   - 8 more blocks COMMITted (version 2), 8 more left uncommitted, through b;
 #   - node b killed as a whole (cgroup.kill: SIGKILL to every process of it);
@@ -468,6 +469,13 @@ if [[ $got == OK* ]]; then
   fail "WRITE + COMMIT through node a's ganesha (${ADDR[a]}) succeeded: $got"
 else
   say "ok: WRITE + COMMIT through node a's own ganesha (${ADDR[a]}) does not succeed: ${got:-no answer (exit $rc)}"
+fi
+got=$(CLIENT_TIMEOUT=20 client_at "${ADDR[a]}" v3read "$FH_NOTE")
+rc=$?
+if [[ $got == OK* ]]; then
+  fail "READ through node a's ganesha (${ADDR[a]}) still answers after the takeover: $got"
+else
+  say "ok: READ through node a's own ganesha does not answer with data either (a fenced node serves nothing stale): ${got:-no answer (exit $rc)}"
 fi
 fenced=$(grep -hoE 'the image is lost \([^)]*\)+|this client is blocklisted[^;]*|the image lock is no longer ours[^;]*' "$LOGS/a/birch.log" | head -n 1)
 [[ -n $fenced ]] && say "ok: node a's daemon says it was fenced: $fenced" \
