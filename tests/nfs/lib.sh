@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034  # CLIENT, rpcbind_pid, ganesha_pid: for the caller
 # Shared by the NFS scripts (tests/nfs/nfs-test.sh, handle-spike.sh, failover.sh): sourced, not
 # run. The caller is in the repository's root, defines skip() (prints a reason, exits 77) and sets
 # DIR (its working directory) and LOGS (its log directory).
@@ -28,7 +29,7 @@ nfs_setup() {
 #   recovery=DIR        NFSv4 RecoveryRoot (default @DIR@/recovery)
 # Returns 1 (with a message) when an edit did not apply.
 nfs_ganesha_conf() {
-  local out=$1 kv birch_only=0 fsid= fsid_type= export= bind= protocols= recovery=
+  local out=$1 kv birch_only=0 fsid='' fsid_type='' export='' bind='' protocols='' recovery=''
   shift
   for kv in "$@"; do
     case $kv in
