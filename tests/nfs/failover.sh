@@ -35,10 +35,9 @@
 #   - node a thawed: a write through its mount path fails (EIO: its daemon was fenced by the
 #     blocklist), a WRITE + COMMIT through its own ganesha (at a's own address) does not
 #     succeed, its daemon's log says it was fenced, and nothing reached the image (the blocks and
-#     the directory read back through b as before). Reads there are reported, not judged: a
-#     process of a that kept a file open, and a's ganesha (which keeps files open), may still
-#     read the pages the kernel cached before the takeover (a fenced birch answers EIO to every
-#     request, but cached pages need none); clients are kept away by the address.
+#     the directory read back through b as before); a process of a that kept a file open since
+#     before the freeze, and a READ through a's ganesha (which keeps files open), do not get
+#     the bytes the kernel cached before the takeover (a fenced birch has the kernel drop them).
 # Scenario 2, kill (b active, a standby; a's fenced mount unmounted and its processes gone):
 #   - 8 more blocks COMMITted (version 2), 8 more left uncommitted, through b;
 #   - node b killed as a whole (cgroup.kill: SIGKILL to every process of it);
@@ -491,20 +490,24 @@ if [[ $got == OK* ]]; then
 else
   say "ok: WRITE + COMMIT through node a's own ganesha (${ADDR[a]}) does not succeed: ${got:-no answer (exit $rc)}"
 fi
-# Reads on the fenced node: reported, not judged. A fenced birch answers EIO to every request
-# (an open, above), but pages the kernel cached for a file someone keeps open need no request:
-# ganesha keeps files open (its fd cache), so its READs may still answer with the bytes cached
-# before the takeover. Clients are kept away from a fenced node by the address (moved here; on
-# real machines, node fencing: DESIGN §17.2).
+# Reads on the fenced node. A fenced birch answers EIO to every request (an open, above), and
+# has the kernel drop the pages and attributes it cached, which need no request: a process of a
+# that kept the note open since before the freeze, and a's ganesha (which keeps files open in
+# its fd cache), must not read the bytes cached before the takeover.
 touch "$DIR/read-now"
 for ((i = 0; i < 100; i++)); do [[ -s $DIR/held-read.out ]] && break; sleep 0.1; done
-say "note: a process of node a that held the note open since before the freeze reads, after the fence: $(head -c 120 "$DIR/held-read.out")"
+got=$(head -c 200 "$DIR/held-read.out")
+if [[ $got == ERR* ]]; then
+  say "ok: a process of node a that held the note open since before the freeze cannot read it after the fence: $got"
+else
+  fail "a process of node a that held the note open since before the freeze reads after the fence: ${got:-nothing}"
+fi
 got=$(CLIENT_TIMEOUT=20 client_at "${ADDR[a]}" v3read "$FH_NOTE")
 rc=$?
 if [[ $got == OK* ]]; then
-  say "note: READ of the note through node a's own ganesha answers from the caches: $got"
+  fail "READ of the note through node a's own ganesha (${ADDR[a]}) answers after the fence: $got"
 else
-  say "note: READ of the note through node a's own ganesha: ${got:-no answer (exit $rc)}"
+  say "ok: READ of the note through node a's own ganesha does not answer with data: ${got:-no answer (exit $rc)}"
 fi
 fenced=$(grep -hoE 'the image is lost \([^)]*\)+|this client is blocklisted[^;]*|the image lock is no longer ours[^;]*' "$LOGS/a/birch.log" | head -n 1)
 [[ -n $fenced ]] && say "ok: node a's daemon says it was fenced: $fenced" \
