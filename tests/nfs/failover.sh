@@ -29,7 +29,7 @@
 #     device number, so b's cannot get it);
 #   - with the saved handles only: GETATTR of the file, the directory and the second file,
 #     READ of the second file, READDIR of the directory (a STALE answer counts as a stale
-#     handle); the 8 COMMITted blocks read back with their stamps (each one not is a lost
+#     handle); the 8 COMMITted blocks read back with their stamps (each one that does not is a lost
 #     COMMITted write); a COMMIT shows the write verifier changed, so the client resends the 8
 #     uncommitted blocks and COMMITs them; all 16 read back;
 #   - node a thawed: a write through its mount path fails (EIO: its daemon was fenced by the
@@ -64,8 +64,8 @@
 # Exit 0 when every check passes, 1 on a failure, 77 when it cannot run here (not root, no
 # /dev/fuse, no cgroup v2, no ip netns, no ganesha or libnfs, no Ceph packages, the addresses
 # 10.99.0.0/24 in use, another ganesha running). Cleans up everything it started (trap).
-# Works under NFS_FAILOVER_DIR (default /var/tmp/birch-nfs-failover). About 2 minutes with a
-# running cluster.
+# Works under NFS_FAILOVER_DIR (default /var/tmp/birch-nfs-failover). About 45 s with a
+# running cluster, 60 s with its own.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 ROOT=$(pwd)
