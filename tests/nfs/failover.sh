@@ -203,6 +203,8 @@ cleanup() {
   exit "$st"
 }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 if [[ -n $OWN_CLUSTER ]]; then
   say "bringing up a single-node cluster (tests/rbd/single-node.sh, BASE=$BASE)"
