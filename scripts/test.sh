@@ -7,7 +7,8 @@
 #   5. fsx (3 seeds x 20,000 ops), xfstests generic/quick, the soak (short) and under device
 #      faults, the differential test
 #      against ext4
-#   6. benchmark harness in quick mode   7. birch on a Ceph RBD image (single-node cluster)
+#   6. benchmark harness in quick mode   7. birch on a Ceph RBD image (single-node cluster), with
+#      NFS failover between two nodes on it
 # Installs what the suites need (tests/posix/setup.sh). Needs root for tiers 3-6; without
 # /dev/fuse or root those tiers are skipped with a printed reason.
 set -uo pipefail
@@ -176,10 +177,13 @@ if [[ $can_mount == 1 ]]; then
   fi
   # birch on a Ceph RBD image (issue 21): a single-node cluster on loopback (tests/rbd/; about
   # 1.7 GB of memory, 3 GiB of disk, 3-5 minutes with the --features rbd build), mkfs, mount,
-  # fsync'd data across a remount and a kill -9, the second user refused, fsck. Last: it
+  # fsync'd data across a remount and a kill -9, the second user refused, takeover and fencing,
+  # fsck; on the same cluster, NFS failover (tests/nfs/failover.sh, about 45 s: NFS-Ganesha on
+  # one of two namespace "nodes" moves to the other when the first is frozen or killed, the
+  # client carries on with its handles; BIRCH_NFS_FAILOVER=0 leaves it out). Last: it
   # rebuilds target/release/birch with the rbd feature. BIRCH_RBD=0 leaves it out.
   if [[ ${BIRCH_RBD:-1} == 1 ]]; then
-    tier "RBD on a single-node Ceph" bash tests/rbd/rbd-test.sh
+    tier "RBD on a single-node Ceph, NFS failover" bash tests/rbd/rbd-test.sh
   fi
 fi
 echo "=== summary"

@@ -47,14 +47,8 @@ fail() { echo "handle-spike: FAILED: $* (logs: $LOGS)"; exit 1; }
 [[ -x $BIRCH ]] || { echo "handle-spike: $BIRCH not built (cargo build --release -p birch-tools)"; exit 1; }
 if pgrep -x ganesha.nfsd >/dev/null; then skip "another ganesha.nfsd is running"; fi
 mkdir -p "$DIR"
-rc=0
-bash tests/nfs/setup.sh "$DIR/bin" || rc=$?
-case $rc in
-  0) ;;
-  77) skip "cannot install ganesha, rpcbind or libnfs" ;;
-  *) echo "handle-spike: the test client does not build"; exit 1 ;;
-esac
-CLIENT=$DIR/bin/nfs-client
+source tests/nfs/lib.sh
+nfs_setup handle-spike
 if ss -ltn 2>/dev/null | grep -q ':2049 '; then skip "port 2049 is in use"; fi
 
 LOGS=$DIR/logs
@@ -62,14 +56,8 @@ rm -rf "$LOGS"
 mkdir -p "$LOGS" "$DIR/recovery" "$DIR/birch" "$DIR/throwaway"
 # tests/nfs/ganesha.conf with its birch export only (the paragraph of Export_Id 2 dropped) and
 # a Filesystem_Id set, to show that it does not reach the handles.
-fsal_edit=
-[[ -n $FSID_TYPE ]] && fsal_edit="s#FSAL { Name = VFS; }#FSAL { Name = VFS; fsid_type = $FSID_TYPE; }#"
-awk 'BEGIN { RS = ""; ORS = "\n\n" } !/Export_Id = 2;/' tests/nfs/ganesha.conf |
-  sed -e "s#@DIR@#$DIR#g" -e "s#^\( *\)Export_Id = 1;#&\n\1Filesystem_Id = $FSID;#" \
-    -e "$fsal_edit" >"$DIR/ganesha.conf"
-grep -q "Filesystem_Id = $FSID;" "$DIR/ganesha.conf" || fail "ganesha.conf: no Export_Id = 1 to add Filesystem_Id to"
-grep -q "Export_Id = 2" "$DIR/ganesha.conf" && fail "ganesha.conf: the ext4 export is still in"
-[[ -z $FSID_TYPE ]] || grep -q "fsid_type = $FSID_TYPE;" "$DIR/ganesha.conf" || fail "ganesha.conf: fsid_type not added"
+nfs_ganesha_conf "$DIR/ganesha.conf" birch_only=1 fsid="$FSID" ${FSID_TYPE:+fsid_type="$FSID_TYPE"} \
+  || fail "ganesha.conf: an edit did not apply"
 
 ganesha_pid=
 birch_pid=
@@ -77,18 +65,7 @@ throw_pid=
 rpcbind_pid=
 holds=()
 
-stop_ganesha() {
-  [[ -n $ganesha_pid ]] || return 0
-  kill -TERM "$ganesha_pid" 2>/dev/null || true
-  local i
-  for ((i = 0; i < 100; i++)); do
-    kill -0 "$ganesha_pid" 2>/dev/null || break
-    sleep 0.1
-  done
-  kill -KILL "$ganesha_pid" 2>/dev/null || true
-  wait "$ganesha_pid" 2>/dev/null || true
-  ganesha_pid=
-}
+stop_ganesha() { nfs_stop_ganesha; }
 
 unmount_fuse() { # mountpoint
   mountpoint -q "$1" || return 0
@@ -113,16 +90,11 @@ trap cleanup EXIT
 
 client() { timeout 30 "$CLIENT" "$SERVER" "$@" 2>>"$LOGS/client.err"; }
 
+birch_served() { [[ $(client v4fh /birch "" || true) =~ ^[0-9a-f]+$ ]]; }
+
 start_ganesha() {
-  setsid ganesha.nfsd -F -f "$DIR/ganesha.conf" -L "$LOGS/ganesha.log" -p "$DIR/ganesha.pid" \
-    -N "${NFS_SPIKE_GANESHA_LOG:-NIV_EVENT}" </dev/null >>"$LOGS/ganesha.out" 2>&1 &
-  ganesha_pid=$!
-  local i
-  for ((i = 0; i < 100; i++)); do
-    if [[ $(client v4fh /birch "" || true) =~ ^[0-9a-f]+$ ]]; then return 0; fi
-    kill -0 "$ganesha_pid" 2>/dev/null || break
-    sleep 0.2
-  done
+  nfs_start_ganesha "$DIR/ganesha.conf" "$DIR/ganesha.pid" "${NFS_SPIKE_GANESHA_LOG:-NIV_EVENT}" birch_served \
+    && return 0
   echo "handle-spike: ganesha did not serve /birch; its log ends:"
   tail -20 "$LOGS/ganesha.log"
   return 1
@@ -232,10 +204,7 @@ verdict() {
 
 # --- rpcbind, mount A, ganesha -----------------------------------------------------------------
 if ! pgrep -x rpcbind >/dev/null; then
-  rpcbind -f </dev/null >>"$LOGS/rpcbind.log" 2>&1 &
-  rpcbind_pid=$!
-  for ((i = 0; i < 50; i++)); do rpcinfo -p 127.0.0.1 >/dev/null 2>&1 && break; sleep 0.1; done
-  rpcinfo -p 127.0.0.1 >/dev/null 2>&1 || skip "rpcbind does not start"
+  nfs_start_rpcbind "$LOGS/rpcbind.log" || skip "rpcbind does not start"
 fi
 "$BIRCH" mkfs --size 128M "$DIR/birch.img" >>"$LOGS/birch.log" 2>&1 || fail "mkfs"
 "$BIRCH" mkfs --size 64M "$DIR/throwaway.img" >>"$LOGS/birch.log" 2>&1 || fail "mkfs of the throw-away image"

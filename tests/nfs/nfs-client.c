@@ -1,5 +1,5 @@
 /*
- * The NFS tier's test client (tests/nfs/nfs-test.sh), on libnfs.
+ * The NFS tiers' test client (tests/nfs/nfs-test.sh, handle-spike.sh, failover.sh), on libnfs.
  *
  * File handles are what an NFS client holds across a server restart, so this client deals in
  * raw handles: it gets one (NFSv3 MOUNT + LOOKUP, or NFSv4 PUTROOTFH + LOOKUP + GETFH) and prints
@@ -32,6 +32,12 @@
  *   v3lookup FH NAME        LOOKUP of NAME in a directory handle: "OK <fileid>" or "ERR ..."
  *   v3fileid FH             GETATTR: "OK <fileid>"
  *   v3write FH DATA         WRITE UNSTABLE at offset 0, then COMMIT: "OK" or "ERR ..."
+ *   v3wstamp FH VER FIRST N commit|nocommit
+ *                           WRITE UNSTABLE of 4 KiB blocks FIRST.. stamped with their offset
+ *                           and VER, then COMMIT or not: "OK wverf=HEX [cverf=HEX]"
+ *   v3commit FH             COMMIT: "OK cverf=HEX" (the write verifier: a change says the
+ *                           server lost uncommitted writes and the client must resend them)
+ *   v3check FH VER FIRST N  READ of those blocks against their stamps: "OK good=G bad=B ..."
  *   v4read FH               PUTFH + READ (anonymous stateid): "OK <data>" or "ERR <status>"
  *   v4ls FH                 PUTFH + READDIR: "OK name..."
  * Exit status: 0 when the answer is OK or an NFS error (printed), 1 on a transport or usage error.
@@ -500,6 +506,152 @@ static int cmd_v3write(const char *hex, const char *text)
 	return 0;
 }
 
+/* --- stamped blocks (tests/nfs/failover.sh) ------------------------------------------------
+ * Block i of a file is 4 KiB of 32-byte records, each naming its own byte offset and a version:
+ * "o=<offset> v=<version>" padded with dots to 31 bytes and a newline. A block read back says
+ * which write put it there, so a lost or misplaced write is seen, not only a changed checksum. */
+
+#define STAMP_BLOCK 4096
+
+static void stamp(char *buf, unsigned long long block, unsigned version)
+{
+	for (unsigned r = 0; r < STAMP_BLOCK / 32; r++) {
+		char *rec = buf + 32 * r;
+		memset(rec, '.', 31);
+		int n = snprintf(rec, 31, "o=%llu v=%u", block * STAMP_BLOCK + 32ULL * r, version);
+		rec[n] = '.';
+		rec[31] = '\n';
+	}
+}
+
+static void hex8(const char *v, char *out)
+{
+	for (int i = 0; i < 8; i++)
+		sprintf(out + 2 * i, "%02x", (unsigned char)v[i]);
+}
+
+static int v3_commit(struct rpc_context *rpc, struct fh *fh, char *verf_hex)
+{
+	struct write_out cm = { 0 };
+	struct call c = { .copy = copy_commit3, .out = &cm };
+	COMMIT3args ca = { 0 };
+	ca.file.data.data_len = fh->len;
+	ca.file.data.data_val = fh->val;
+	if (rpc_nfs3_commit_async(rpc, called, &ca, &c))
+		die("COMMIT3", rpc_get_error(rpc));
+	wait_for(rpc, &c, "COMMIT3");
+	if (cm.status == NFS3_OK)
+		hex8(cm.verf, verf_hex);
+	return cm.status;
+}
+
+/* v3wstamp FH VERSION FIRST N commit|nocommit: WRITE UNSTABLE of blocks FIRST..FIRST+N-1 stamped
+ * with VERSION, then (commit) one COMMIT of the file. Prints "OK wverf=HEX" (the verifier of the
+ * last WRITE; "changed" if the WRITEs' verifiers differed) and " cverf=HEX" after a COMMIT. */
+static int cmd_v3wstamp(const char *hex, unsigned version, unsigned long long first, unsigned n,
+			int commit)
+{
+	struct fh fh = fh_parse(hex);
+	struct rpc_context *rpc = connect_program(NFS_PROGRAM, NFS_V3);
+	char buf[STAMP_BLOCK], wv[17] = "", cv[17] = "", prev[8];
+	int changed = 0;
+	for (unsigned i = 0; i < n; i++) {
+		struct write_out w = { 0 };
+		struct call c = { .copy = copy_write3, .out = &w };
+		WRITE3args a = { 0 };
+		stamp(buf, first + i, version);
+		a.file.data.data_len = fh.len;
+		a.file.data.data_val = fh.val;
+		a.offset = (first + i) * STAMP_BLOCK;
+		a.count = STAMP_BLOCK;
+		a.stable = UNSTABLE;
+		a.data.data_len = STAMP_BLOCK;
+		a.data.data_val = buf;
+		if (rpc_nfs3_write_async(rpc, called, &a, &c))
+			die("WRITE3", rpc_get_error(rpc));
+		wait_for(rpc, &c, "WRITE3");
+		if (w.status != NFS3_OK) {
+			print_err(w.status);
+			return 0;
+		}
+		if (w.count != STAMP_BLOCK)
+			die("WRITE3", "short write");
+		if (i && memcmp(prev, w.verf, 8))
+			changed = 1;
+		memcpy(prev, w.verf, 8);
+		hex8(w.verf, wv);
+	}
+	if (commit) {
+		int s = v3_commit(rpc, &fh, cv);
+		if (s != NFS3_OK) {
+			print_err(s);
+			return 0;
+		}
+	}
+	printf("OK wverf=%s%s%s%s\n", changed ? "changed" : wv, commit ? " cverf=" : "", cv,
+	       commit && strcmp(wv, cv) ? " (write and commit verifiers differ)" : "");
+	rpc_destroy_context(rpc);
+	return 0;
+}
+
+/* v3commit FH: COMMIT of the whole file: "OK cverf=HEX" or "ERR ...". */
+static int cmd_v3commit(const char *hex)
+{
+	struct fh fh = fh_parse(hex);
+	struct rpc_context *rpc = connect_program(NFS_PROGRAM, NFS_V3);
+	char cv[17] = "";
+	int s = v3_commit(rpc, &fh, cv);
+	if (s != NFS3_OK)
+		print_err(s);
+	else
+		printf("OK cverf=%s\n", cv);
+	rpc_destroy_context(rpc);
+	return 0;
+}
+
+/* v3check FH VERSION FIRST N: READ of blocks FIRST..FIRST+N-1, each compared with its stamp of
+ * VERSION: "OK good=G bad=B [blocks: i(what it holds) ...]" or "ERR ...". */
+static int cmd_v3check(const char *hex, unsigned version, unsigned long long first, unsigned n)
+{
+	struct fh fh = fh_parse(hex);
+	struct rpc_context *rpc = connect_program(NFS_PROGRAM, NFS_V3);
+	char want[STAMP_BLOCK], list[4096] = "";
+	unsigned good = 0, bad = 0;
+	for (unsigned i = 0; i < n; i++) {
+		struct read_out o = { 0 };
+		struct call c = { .copy = copy_read3, .out = &o };
+		READ3args a = { 0 };
+		a.file.data.data_len = fh.len;
+		a.file.data.data_val = fh.val;
+		a.offset = (first + i) * STAMP_BLOCK;
+		a.count = STAMP_BLOCK;
+		if (rpc_nfs3_read_async(rpc, called, &a, &c))
+			die("READ3", rpc_get_error(rpc));
+		wait_for(rpc, &c, "READ3");
+		if (o.status != NFS3_OK) {
+			print_err(o.status);
+			return 0;
+		}
+		stamp(want, first + i, version);
+		if (o.len == STAMP_BLOCK && !memcmp(o.data, want, STAMP_BLOCK)) {
+			good++;
+			continue;
+		}
+		bad++;
+		size_t l = strlen(list);
+		if (l < sizeof(list) - 64) {
+			char head[24] = "";
+			for (unsigned k = 0; k < o.len && k < 20 && o.data[k] != '.' && o.data[k] != '\n'; k++)
+				head[k] = o.data[k] ? o.data[k] : '0';
+			snprintf(list + l, sizeof(list) - l, " %llu(%u bytes: %s)", first + i, o.len,
+				 head[0] ? head : "-");
+		}
+	}
+	printf("OK good=%u bad=%u%s%s\n", good, bad, bad ? " blocks:" : "", list);
+	rpc_destroy_context(rpc);
+	return 0;
+}
+
 /* --- NFSv4: one COMPOUND on a fresh connection ---------------------------------------------- */
 
 struct v4_out {
@@ -949,6 +1101,13 @@ int main(int argc, char **argv)
 		return cmd_v3lookup(argv[3], argv[4]);
 	if (!strcmp(cmd, "v3write") && argc == 5)
 		return cmd_v3write(argv[3], argv[4]);
+	if (!strcmp(cmd, "v3wstamp") && argc == 8)
+		return cmd_v3wstamp(argv[3], atoi(argv[4]), strtoull(argv[5], NULL, 10), atoi(argv[6]),
+				    !strcmp(argv[7], "commit"));
+	if (!strcmp(cmd, "v3commit") && argc == 4)
+		return cmd_v3commit(argv[3]);
+	if (!strcmp(cmd, "v3check") && argc == 7)
+		return cmd_v3check(argv[3], atoi(argv[4]), strtoull(argv[5], NULL, 10), atoi(argv[6]));
 	if (!strcmp(cmd, "v4read") && argc == 4)
 		return cmd_v4read(argv[3]);
 	if (!strcmp(cmd, "v4ls") && argc == 4)

@@ -53,19 +53,14 @@ skip() { echo "nfs-test: SKIP: $*"; exit 77; }
 [[ -x $BIRCH ]] || { echo "nfs-test: $BIRCH not built"; exit 1; }
 if pgrep -x ganesha.nfsd >/dev/null; then skip "another ganesha.nfsd is running"; fi
 mkdir -p "$DIR"
-bash tests/nfs/setup.sh "$DIR/bin"
-case $? in
-  0) ;;
-  77) skip "cannot install ganesha, rpcbind or libnfs" ;;
-  *) echo "nfs-test: the test client does not build"; exit 1 ;;
-esac
-CLIENT=$DIR/bin/nfs-client
+source tests/nfs/lib.sh
+nfs_setup nfs-test
 if ss -ltn 2>/dev/null | grep -q ':2049 '; then skip "port 2049 is in use"; fi
 
 LOGS=$DIR/logs
 rm -rf "$LOGS"
 mkdir -p "$LOGS" "$DIR/recovery" "$DIR/birch" "$DIR/ext4"
-sed "s#@DIR@#$DIR#g" tests/nfs/ganesha.conf >"$DIR/ganesha.conf"
+nfs_ganesha_conf "$DIR/ganesha.conf" || exit 1
 
 ganesha_pid=
 birch_pid=
@@ -91,35 +86,17 @@ trap cleanup EXIT
 # --- the servers and the mounts -------------------------------------------------------------
 client() { timeout 30 "$CLIENT" "$SERVER" "$@" 2>>"$LOGS/client.err"; }
 
+both_exports_served() { [[ $(client v4fh /birch "") =~ ^[0-9a-f]+$ && $(client v4fh /ext4 "") =~ ^[0-9a-f]+$ ]]; }
+
 start_ganesha() {
-  setsid ganesha.nfsd -F -f "$DIR/ganesha.conf" -L "$LOGS/ganesha.log" -p "$DIR/ganesha.pid" \
-    -N "${NFS_TEST_GANESHA_LOG:-NIV_EVENT}" </dev/null >>"$LOGS/ganesha.out" 2>&1 &
-  ganesha_pid=$!
-  local i
-  for ((i = 0; i < 100; i++)); do
-    if [[ $(client v4fh /birch "") =~ ^[0-9a-f]+$ && $(client v4fh /ext4 "") =~ ^[0-9a-f]+$ ]]; then
-      return 0
-    fi
-    kill -0 "$ganesha_pid" 2>/dev/null || break
-    sleep 0.2
-  done
+  nfs_start_ganesha "$DIR/ganesha.conf" "$DIR/ganesha.pid" "${NFS_TEST_GANESHA_LOG:-NIV_EVENT}" both_exports_served \
+    && return 0
   echo "nfs-test: ganesha did not serve both exports; its log ends:"
   tail -20 "$LOGS/ganesha.log"
   return 1
 }
 
-stop_ganesha() {
-  [[ -n $ganesha_pid ]] || return 0
-  kill -TERM "$ganesha_pid" 2>/dev/null
-  local i
-  for ((i = 0; i < 100; i++)); do
-    kill -0 "$ganesha_pid" 2>/dev/null || break
-    sleep 0.1
-  done
-  kill -KILL "$ganesha_pid" 2>/dev/null
-  wait "$ganesha_pid" 2>/dev/null
-  ganesha_pid=
-}
+stop_ganesha() { nfs_stop_ganesha; }
 
 restart_ganesha() { stop_ganesha; start_ganesha; }
 
@@ -229,10 +206,7 @@ abort() {
 # --- setup ----------------------------------------------------------------------------------
 T0=$SECONDS
 if ! pgrep -x rpcbind >/dev/null; then
-  rpcbind -f </dev/null >>"$LOGS/rpcbind.log" 2>&1 &
-  rpcbind_pid=$!
-  for ((i = 0; i < 50; i++)); do rpcinfo -p 127.0.0.1 >/dev/null 2>&1 && break; sleep 0.1; done
-  rpcinfo -p 127.0.0.1 >/dev/null 2>&1 || skip "rpcbind does not start"
+  nfs_start_rpcbind "$LOGS/rpcbind.log" || skip "rpcbind does not start"
 fi
 truncate -s 128M "$DIR/ext4.img" && mkfs.ext4 -q -F "$DIR/ext4.img" && mount_ext4 || { echo "nfs-test: ext4 loop mount failed"; exit 1; }
 "$BIRCH" mkfs --size 256M "$DIR/birch.img" >/dev/null && mount_birch || { echo "nfs-test: birch mount failed"; exit 1; }

@@ -37,6 +37,11 @@
 #      `-o takeover` mount at the same mount point is then served by its own daemon (found by
 #      the mount's control socket) with the fsync'd data; after its umount nothing mounts the
 #      image again, unasked, and fsck is clean (about 35 s, most of it the watch's expiry);
+# 11b. NFS failover on this cluster (tests/nfs/failover.sh, issue 42 item 5): NFS-Ganesha on one
+#      of two nodes (namespaces and a cgroup each) moves to the other when the first is frozen
+#      or killed; the client's saved NFSv3 handles work, its COMMITted writes are there, it
+#      resends after the verifier change, the thawed old node is fenced (BIRCH_NFS_FAILOVER=0
+#      leaves it out);
 #  12. the mount tests (tests/mount/mount-tests.sh with BIRCH_SPEC=rbd:rbd/mount-tests) and
 #      pjdfstest (tests/posix/pjdfstest.sh with BIRCH_DEVICE_PREFIX=rbd:rbd/) on RBD-backed
 #      mounts;
@@ -97,7 +102,7 @@ if [[ -n ${BIRCH_RBD:-} ]]; then
 else
   say "building birch with --features rbd"
   cargo build --release --locked --features rbd -p birch-tools 2>&1 | tail -n 2
-  BIRCH=$ROOT/target/release/birch
+  BIRCH=${CARGO_TARGET_DIR:-$ROOT/target}/release/birch
 fi
 [[ -x $BIRCH ]] || { echo "rbd-test: $BIRCH not built"; exit 1; }
 BIRCH_BIN=$BIRCH
@@ -247,6 +252,27 @@ t=$SECONDS
 say "umount took $((SECONDS - t)) s"
 
 source "$ROOT/tests/rbd/rbd-faults.sh"
+
+# --- 11b. NFS failover on this cluster (issue 42 item 5) ---
+# tests/nfs/failover.sh with this cluster and birch (as client.birch): two nodes (network, mount
+# and UTS namespaces, a cgroup each), ganesha on the active one, a node frozen then one killed,
+# the other taking the image over; the client carries on with its handles. About 45 s.
+if [[ ${BIRCH_NFS_FAILOVER:-1} == 1 ]]; then
+  say "--- 11b. NFS failover (tests/nfs/failover.sh on this cluster)"
+  t=$SECONDS
+  FAILOVER_CEPH_BASE=$BASE BIRCH_RBD=$BIRCH NFS_FAILOVER_DIR=$DIR/nfs-failover \
+    bash "$ROOT/tests/nfs/failover.sh" >"$DIR/nfs-failover.log" 2>&1
+  rc=$?
+  result=$(grep '^RESULT:' "$DIR/nfs-failover.log")
+  case $rc in
+    0) say "ok: NFS failover ($((SECONDS - t)) s): ${result#RESULT: }" ;;
+    77) say "note: NFS failover skipped: $(grep 'SKIP' "$DIR/nfs-failover.log" | tail -n 1)" ;;
+    *)
+      grep -E 'FAIL' "$DIR/nfs-failover.log" | head -n 20
+      fail "NFS failover (rc $rc, log $DIR/nfs-failover.log): ${result:-no RESULT line}"
+      ;;
+  esac
+fi
 
 # --- 12. the mount tests and pjdfstest on RBD-backed mounts ---
 t=$SECONDS

@@ -250,6 +250,12 @@ impl BirchFuse {
         }
     }
 
+    /// What has the kernel drop an inode's pages without waiting (the invalidation thread's
+    /// queue), for the mount to use when its device is lost.
+    pub(crate) fn page_dropper(&self) -> Invalidator {
+        self.invalidator.clone()
+    }
+
     /// Where the mount puts the session's notifier once it exists.
     pub fn notifier_slot(&self) -> Arc<OnceLock<fuser::Notifier>> {
         self.notifier.clone()

@@ -1174,6 +1174,17 @@ impl Filesystem {
         cvar.notify_one();
     }
 
+    /// The inodes the in-memory table holds. Every inode the kernel holds (looked up or open),
+    /// so every one it may have cached pages or attributes of, is among them: a mount whose
+    /// device was lost has the kernel drop those (DESIGN §14.3).
+    pub fn cached_inodes(&self) -> Vec<InodeNo> {
+        let mut inodes = Vec::new();
+        for shard in self.inner.table.iter() {
+            inodes.extend(shard.lock().keys().map(|&ino| InodeNo::new(ino)));
+        }
+        inodes
+    }
+
     fn shard(&self, ino: u64) -> &Mutex<HashMap<u64, Arc<InodeState>>> {
         &self.inner.table[crate::delta::batch_shard(ino, TABLE_SHARDS)]
     }
@@ -1635,6 +1646,28 @@ mod tests {
             .expect("create");
         fs.write(attr.ino, 0, &[7; 64 << 10], false).expect("write");
         (attr.ino.get(), fh)
+    }
+
+    /// `cached_inodes` lists an inode while the kernel holds it (a create counts one lookup)
+    /// and no longer once it was forgotten and closed.
+    #[test]
+    fn cached_inodes_lists_the_inodes_the_kernel_holds() {
+        let fs = fresh();
+        let (a, fh) = file_with_data(&fs, b"a");
+        assert!(
+            fs.cached_inodes().contains(&InodeNo::new(a)),
+            "created and open"
+        );
+        fs.release(InodeNo::new(a), fh).expect("release");
+        assert!(
+            fs.cached_inodes().contains(&InodeNo::new(a)),
+            "still looked up"
+        );
+        fs.forget(InodeNo::new(a), 1);
+        assert!(
+            !fs.cached_inodes().contains(&InodeNo::new(a)),
+            "forgotten and closed"
+        );
     }
 
     /// The unlinked set follows the states that matter, and the answer follows it: an open

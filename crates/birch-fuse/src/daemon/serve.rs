@@ -75,6 +75,7 @@ pub fn serve(
         fs: OnceLock::new(),
         lost: AtomicBool::new(false),
         mountpoint: canonical(mountpoint),
+        drop_pages: OnceLock::new(),
     });
     let image_options = ImageOptions {
         ceph: config.ceph.clone(),
@@ -196,6 +197,10 @@ pub fn serve(
     };
     let (fuse_opts, dirty_cap) = fuse_options(config, &fs, mountpoint);
     let adapter = BirchFuse::new(fs.clone(), fuse_opts);
+    let dropper = adapter.page_dropper();
+    let _ = events
+        .drop_pages
+        .set(Box::new(move |ino| dropper.drop_pages(ino)));
     let control_handler = adapter.control_handler();
     #[cfg(feature = "fault-injection")]
     let control_handler = super::faults::handler(fault, control_handler);
@@ -286,12 +291,16 @@ fn start_control_socket(mountpoint: &Path, handler: Arc<ControlHandler>) -> Opti
 
 /// What a mount does when its device reports (an `rbd:` image, DESIGN §14.3): a lost device
 /// (lock taken over, client fenced, the cluster not answering within `rbd_timeout=`) shuts the
-/// filesystem down, so every request answers EIO, reads included; a snapshot's quiesce commits.
+/// filesystem down, so every request answers EIO, reads included, and has the kernel drop the
+/// pages and attributes it cached (those need no request); a snapshot's quiesce commits.
 struct MountEvents {
     fs: OnceLock<Weak<Filesystem>>,
     /// The device was lost, maybe before the filesystem was attached.
     lost: AtomicBool,
     mountpoint: PathBuf,
+    /// Has the kernel drop an inode's pages and attributes without waiting (set once the
+    /// adapter exists: before, the kernel holds nothing).
+    drop_pages: OnceLock<Box<dyn Fn(u64) + Send + Sync>>,
 }
 
 impl MountEvents {
@@ -313,6 +322,14 @@ impl DeviceEvents for MountEvents {
         if let Some(fs) = self.fs.get().and_then(Weak::upgrade) {
             if let Err(e) = fs.shutdown(ShutdownMode::Now) {
                 log::warn!("{}: shutdown: {e}", self.mountpoint.display());
+            }
+            // Pages the kernel cached need no request: a file kept open across the takeover
+            // (an NFS server's fd cache) would go on reading what the image held before it.
+            // Dropped after the shutdown, so that reading them again asks, and gets EIO.
+            if let Some(drop_pages) = self.drop_pages.get() {
+                for ino in fs.cached_inodes() {
+                    drop_pages(ino.get());
+                }
             }
         }
     }
@@ -419,5 +436,56 @@ pub fn lazy_unmount(mountpoint: &Path) {
     if let Ok(c) = std::ffi::CString::new(canonical(mountpoint).as_os_str().as_encoded_bytes()) {
         // SAFETY: umount2 with a valid NUL-terminated path.
         unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use birch_core::device::MemDevice;
+    use birch_core::vfs::Caller;
+    use birch_core::MkfsOptions;
+    use birch_format::InodeNo;
+
+    use super::*;
+
+    /// A lost device shuts the filesystem down and has the kernel drop the cached pages of
+    /// every inode it holds (issue 42 item 5: a fenced node's ganesha read them otherwise).
+    #[test]
+    fn a_lost_device_shuts_down_and_drops_every_held_inodes_pages() {
+        let dev = Arc::new(MemDevice::new(64 << 20));
+        Filesystem::mkfs(dev.clone(), &MkfsOptions::default()).expect("mkfs");
+        let fs = Arc::new(Filesystem::open_device(dev, OpenOptions::default()).expect("open"));
+        let (attr, _fh) = fs
+            .create(
+                Caller::default(),
+                InodeNo::new(1),
+                b"f",
+                0o644,
+                libc::O_RDWR,
+            )
+            .expect("create");
+        let events = MountEvents {
+            fs: OnceLock::new(),
+            lost: AtomicBool::new(false),
+            mountpoint: PathBuf::from("/mnt/test"),
+            drop_pages: OnceLock::new(),
+        };
+        events.attach(&fs);
+        let dropped = Arc::new(Mutex::new(Vec::new()));
+        let seen = dropped.clone();
+        let _ = events
+            .drop_pages
+            .set(Box::new(move |ino| seen.lock().unwrap().push(ino)));
+        assert!(!fs.is_shut_down());
+        events.device_lost("a test");
+        assert!(fs.is_shut_down(), "every request answers EIO");
+        assert!(events.lost_in_effect());
+        let dropped = dropped.lock().unwrap();
+        assert!(
+            dropped.contains(&attr.ino.get()),
+            "the open file's pages dropped: {dropped:?}"
+        );
     }
 }
