@@ -412,19 +412,21 @@ impl DataLayer<'_> {
             blocks: blob.stored_blocks(),
         };
         let len = u64::from(blob.window_len);
-        let recorded = self.plan_drop(ino, offset, offset + len).and_then(|mut changes| {
-            changes.delta.added += blob.charged_blocks();
-            let extent = FileExtent {
-                generation: self.engine.running_generation().get(),
-                kind: ExtentKind::Blob(blob),
-                shared: false,
-            };
-            changes.set(extent_key(ino, offset), Some(extent.encode()));
-            // The commit that records the blob sets the flag (FORMAT §9).
-            self.engine
-                .want_incompat(birch_format::superblock::INCOMPAT_BLOB_EXTENTS);
-            self.apply(changes)
-        });
+        let recorded = self
+            .plan_drop(ino, offset, offset + len)
+            .and_then(|mut changes| {
+                changes.delta.added += blob.charged_blocks();
+                let extent = FileExtent {
+                    generation: self.engine.running_generation().get(),
+                    kind: ExtentKind::Blob(blob),
+                    shared: false,
+                };
+                changes.set(extent_key(ino, offset), Some(extent.encode()));
+                // The commit that records the blob sets the flag (FORMAT §9).
+                self.engine
+                    .want_incompat(birch_format::superblock::INCOMPAT_BLOB_EXTENTS);
+                self.apply(changes)
+            });
         recorded.inspect_err(|_| self.free(run, birth, Seen::Unrecorded))
     }
 

@@ -100,9 +100,7 @@ impl Filesystem {
         for (start, extent) in self.data().extents(ino, from, to)? {
             let plain = match extent.kind {
                 ExtentKind::Regular { .. } => !extent.shared,
-                ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } | ExtentKind::Blob(_) => {
-                    false
-                }
+                ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } | ExtentKind::Blob(_) => false,
             };
             if !plain || start > cursor {
                 return Ok(false);
