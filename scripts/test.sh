@@ -77,12 +77,12 @@ tier "build birch" cargo build --release --locked -p birch-tools
 if [[ ${BIRCH_PACKAGE_TEST:-1} == 1 ]]; then
   tier "package" bash tests/package/package-test.sh
 fi
-# The crash matrix at CLI level, 250 crash states per run: 48 library runs (11 workloads:
+# The crash matrix at CLI level, 250 crash states per run: 49 library runs (12 workloads:
 # shutdown 3 runs, snapshots+fsync and snapshots+rollback 4 each, 30 ACE runs) + 15 FUSE-level
 # runs (real system calls on a mount of the recording device; skipped with a reason without
-# root or /dev/fuse): 15,750 crash states.
+# root or /dev/fuse): 16,000 crash states.
 # A fixed seed, so two CI runs of one commit check the same states, then a smaller run from a
-# fresh seed (printed: replay with --seed) so CI keeps exploring: 15,750 + 2,550 crash states.
+# fresh seed (printed: replay with --seed) so CI keeps exploring: 16,000 + 2,600 crash states.
 tier "crashtest" ./target/release/birch crashtest --seed 20261202 --states 250 --ace-runs 30 --fuse-runs 15
 tier "crashtest, fresh seed" ./target/release/birch crashtest --states 50 --ace-runs 30 --fuse-runs 3
 # pjdfstest on birch beside the kernel ext4 baseline: no failure, and no skip that ext4 does

@@ -60,11 +60,17 @@ pub enum Workload {
     /// filesystem goes on with more steps. A crash state shows the whole state before a
     /// rollback or the whole rolled-back one, never a mix.
     Rollback,
+    /// Blob extents (DESIGN §16): a file fsync'd, rewritten compressed
+    /// (`Filesystem::compress_file`) and fsync'd (its bytes never change), then a punch in the
+    /// middle of a blob, a partial overwrite inside one, a clone of a blob window into another
+    /// file and a truncate into a blob, each fsync'd. Every crash state reads each file as one
+    /// of its versions: never a window of the wrong blob or at the wrong place.
+    Blobs,
 }
 
 impl Workload {
     /// Every workload, in the order `birch crashtest` runs them.
-    pub const ALL: [Workload; 11] = [
+    pub const ALL: [Workload; 12] = [
         Workload::Append,
         Workload::Wal,
         Workload::LinkRename,
@@ -76,6 +82,7 @@ impl Workload {
         Workload::Snapshots,
         Workload::Clone,
         Workload::Rollback,
+        Workload::Blobs,
     ];
 
     /// The workload's display name, as reports and the command line use it.
@@ -92,6 +99,7 @@ impl Workload {
             Workload::Snapshots => "snapshots+fsync",
             Workload::Clone => "clone+fsync",
             Workload::Rollback => "snapshots+rollback",
+            Workload::Blobs => "blobs+fsync",
         }
     }
 
@@ -271,6 +279,46 @@ fn run_workload(
                     "clone workload: {clones} clones shared blocks, expected 3"
                 )));
             }
+        }
+        Workload::Blobs => {
+            let mut z = fill(4, 0, 1, 600_000);
+            write_version(fs, h, "/A/z", z.clone())?;
+            sync_path(fs, rec, h, "/A/z", false)?;
+            let ino = fs.resolve("/A/z")?;
+            let report = fs.compress_file(ino, birch_format::codec::Codec::Lz4)?;
+            if report.compressed < 3 {
+                return Err(Error::Invalid(format!(
+                    "blobs workload: {report:?}, expected at least 3 chunks compressed"
+                )));
+            }
+            sync_path(fs, rec, h, "/A/z", false)?;
+            // A punch in the middle of the second blob: two windows on it.
+            fs.fallocate(ino, 128 * 1024 + 8192, 8192, 3)?;
+            z[128 * 1024 + 8192..128 * 1024 + 16384].fill(0);
+            h.version("/A/z", z.clone());
+            sync_path(fs, rec, h, "/A/z", false)?;
+            // A partial overwrite inside the third blob, unaligned (logged).
+            let page = fill(4, 300_077, 2, 5000);
+            fs.write(ino, 300_077, &page, false)?;
+            z[300_077..305_077].copy_from_slice(&page);
+            h.version("/A/z", z.clone());
+            sync_path(fs, rec, h, "/A/z", true)?;
+            // A clone of a window of the third blob into another file (a commit).
+            write_version(fs, h, "/B/w", Vec::new())?;
+            fs.copy_file_range(ino, 256 * 1024, fs.resolve("/B/w")?, 0, 64 * 1024)?;
+            h.version("/B/w", z[256 * 1024..320 * 1024].to_vec());
+            sync_path(fs, rec, h, "/B/w", false)?;
+            // A truncate into the fourth blob.
+            fs.setattr(
+                ino,
+                &SetAttr {
+                    size: Some(400_123),
+                    ..Default::default()
+                },
+            )?;
+            z.truncate(400_123);
+            h.version("/A/z", z.clone());
+            sync_path(fs, rec, h, "/A/z", false)?;
         }
         Workload::Holes => {
             let mut content = fill(0, 0, 1, 40_000);

@@ -274,7 +274,8 @@ enum Command {
         /// shutdown (three runs: commit, log, now), snapshots+fsync (four seeded runs),
         /// clone+fsync, snapshots+rollback (four seeded runs: snapshot steps, two rollbacks
         /// of the closed image, one after a clean close and one with the fsync log pending,
-        /// then more steps) (default: all).
+        /// then more steps), blobs+fsync (a file compressed, then cut, overwritten in part,
+        /// cloned and truncated inside its blobs) (default: all).
         #[arg(long)]
         workload: Vec<String>,
         /// Seed (printed; the same seed replays the same states).
