@@ -11,6 +11,7 @@
 //! lets the filesystem replay a pending log into a memory overlay, then checks the result
 //! with the same passes; the image is never written.)
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
@@ -120,7 +121,9 @@ pub enum FindingKind {
     /// and the fsyncs of it and of every later batch were answered: replay drops them. The
     /// block was lost or overwritten after the flush (a device that loses writes, or a bug).
     LogBatchesLost = 32,
-    /// A blob extent (kind 4) on an image without the `INCOMPAT_BLOB_EXTENTS` flag.
+    /// A blob extent (kind 4) on an image without the `INCOMPAT_BLOB_EXTENTS` flag, or items
+    /// naming one blob (its address) that disagree on anything but their windows: codec,
+    /// lengths, stored blocks or their checksums.
     BlobExtentConflict = 33,
 }
 
@@ -1250,6 +1253,7 @@ fn check_items(
             "the root directory",
         );
     }
+    let blobs = RefCell::new(HashMap::new());
     for (ino, facts) in &inodes {
         let Some(inode) = &facts.item else {
             report.add(
@@ -1314,6 +1318,7 @@ fn check_items(
             device,
             sb,
             options,
+            blobs: &blobs,
         };
         check_extents(&ctx, *ino, inode, &facts.extents, used, report);
     }
@@ -1337,6 +1342,8 @@ struct ExtentCheckCtx<'a> {
     device: &'a dyn BlockDevice,
     sb: &'a Superblock,
     options: CheckOptions,
+    /// The first item seen naming each blob (by its address): every later one must agree.
+    blobs: &'a RefCell<HashMap<u64, items::Blob>>,
 }
 
 fn check_extents(
@@ -1351,6 +1358,7 @@ fn check_extents(
         device,
         sb,
         options,
+        blobs,
     } = *ctx;
     let mut end_prev = 0u64;
     for (offset, extent) in extents {
@@ -1396,12 +1404,14 @@ fn check_extents(
             // item naming one blob agrees, and that windows of one file over one blob do not
             // overlap, is DESIGN §16.12 step 5.
             ExtentKind::Regular { .. } | ExtentKind::Blob(_) => {
-                let (disk_addr, csums, unit) = match &extent.kind {
-                    ExtentKind::Regular { disk_addr, csums } => (disk_addr, csums, "block"),
-                    ExtentKind::Blob(blob) => (&blob.disk_addr, &blob.csums, "stored block"),
+                let (disk_addr, csums, unit, blob) = match &extent.kind {
+                    ExtentKind::Regular { disk_addr, csums } => (disk_addr, csums, "block", None),
+                    ExtentKind::Blob(blob) => {
+                        (&blob.disk_addr, &blob.csums, "stored block", Some(blob))
+                    }
                     ExtentKind::Inline(_) | ExtentKind::Prealloc { .. } => continue,
                 };
-                if unit == "stored block" && sb.incompat & INCOMPAT_BLOB_EXTENTS == 0 {
+                if blob.is_some() && sb.incompat & INCOMPAT_BLOB_EXTENTS == 0 {
                     report.add(
                         FindingKind::BlobExtentConflict,
                         Some(*disk_addr),
@@ -1409,6 +1419,9 @@ fn check_extents(
                         "a blob extent",
                         "the INCOMPAT_BLOB_EXTENTS flag in the superblock",
                     );
+                }
+                if let Some(blob) = blob {
+                    check_blob_agrees(blobs, blob, &location, report);
                 }
                 if offset % BLOCK_SIZE != 0 {
                     report.add(
@@ -1479,6 +1492,42 @@ fn check_extents(
                     report.data_blocks += blocks;
                 }
             }
+        }
+    }
+}
+
+/// Every item naming one blob agrees on everything but its window (DESIGN §16.5 rule 3): the
+/// first one seen stands for the blob; another that names its address with other fields is
+/// finding 33.
+fn check_blob_agrees(
+    blobs: &RefCell<HashMap<u64, items::Blob>>,
+    blob: &items::Blob,
+    location: &str,
+    report: &mut Report,
+) {
+    let mut seen = blobs.borrow_mut();
+    match seen.get(&blob.disk_addr) {
+        Some(first) if !first.same_blob(blob) => {
+            let show = |b: &items::Blob| {
+                format!(
+                    "codec {} encoded {} logical {} stored {} blocks",
+                    b.codec.byte(),
+                    b.encoded_len,
+                    b.logical,
+                    b.csums.len()
+                )
+            };
+            report.add(
+                FindingKind::BlobExtentConflict,
+                Some(blob.disk_addr),
+                location,
+                format!("the blob at {:#x} as {}", blob.disk_addr, show(blob)),
+                format!("as the other items name it: {}", show(first)),
+            );
+        }
+        Some(_) => {}
+        None => {
+            seen.insert(blob.disk_addr, blob.clone());
         }
     }
 }
@@ -1653,10 +1702,12 @@ mod tests {
         };
         let run = |extents: Vec<(u64, FileExtent)>, mut sb: Superblock| {
             sb.incompat |= INCOMPAT_SHARED_EXTENTS | INCOMPAT_BLOB_EXTENTS;
+            let blobs = RefCell::new(HashMap::new());
             let ctx = ExtentCheckCtx {
                 device: device.as_ref(),
                 sb: &sb,
                 options: CheckOptions { data: true },
+                blobs: &blobs,
             };
             let mut report = Report::default();
             let mut used = HashMap::new();
@@ -1690,10 +1741,12 @@ mod tests {
         // Without the flag: finding 33.
         let mut plain = sb.clone();
         plain.incompat &= !INCOMPAT_BLOB_EXTENTS;
+        let blobs = RefCell::new(HashMap::new());
         let ctx = ExtentCheckCtx {
             device: device.as_ref(),
             sb: &plain,
             options: CheckOptions { data: false },
+            blobs: &blobs,
         };
         let mut report = Report::default();
         let extents = vec![(0, item(false, 0, csums.clone()))];
@@ -1706,6 +1759,16 @@ mod tests {
             &mut report,
         );
         assert_eq!(kinds(&report), vec![FindingKind::BlobExtentConflict]);
+        // Two flagged items that disagree on the blob they name: finding 33 too.
+        let mut other = item(true, 4096, csums.clone());
+        if let ExtentKind::Blob(b) = &mut other.kind {
+            b.encoded_len -= 1;
+        }
+        let disagree = run(
+            vec![(0, item(true, 0, csums.clone())), (8192, other)],
+            sb.clone(),
+        );
+        assert_eq!(kinds(&disagree), vec![FindingKind::BlobExtentConflict]);
     }
 
     #[test]

@@ -518,6 +518,51 @@ mod tests {
         }
     }
 
+    /// Encoded garbage under valid checksums (each byte of the stored stream changed in turn,
+    /// the item's crc32c made to match): every read is an error or bytes of the right length,
+    /// never a panic or an allocation sized by the input.
+    #[test]
+    fn encoded_garbage_under_valid_checksums_never_panics() {
+        use crate::device::BlockDevice;
+        let bs = BLOCK_SIZE as usize;
+        for codec in [Codec::Zstd(1), Codec::Lz4] {
+            let (mem, engine) = setup();
+            let data = DataLayer::new(&engine);
+            let logical = logical_bytes(8);
+            let blob = blob_of(&data, codec, &logical, (1, 6));
+            let mut stored = vec![0u8; blob.csums.len() * bs];
+            mem.read_at(&mut stored, blob.disk_addr).expect("read");
+            let (mut errors, mut reads) = (0, 0);
+            for at in (0..blob.encoded_len as usize).step_by(3) {
+                let mut bad = stored.clone();
+                bad[at] ^= 0x5a ^ (at as u8);
+                mem.write_at(&bad, blob.disk_addr).expect("write");
+                let lying = Blob {
+                    csums: bad.chunks(bs).map(birch_format::checksum).collect(),
+                    ..blob.clone()
+                };
+                let extent = vec![(
+                    0,
+                    FileExtent {
+                        generation: 1,
+                        kind: ExtentKind::Blob(lying),
+                        shared: false,
+                    },
+                )];
+                let mut out = vec![0u8; 6 * bs];
+                match data.read_extents_into(INO, &extent, 0, 6 * BLOCK_SIZE, &mut out) {
+                    Ok(()) => reads += 1,
+                    Err(Error::DataChecksum(_)) => errors += 1,
+                    Err(other) => panic!("{codec:?} byte {at}: {other:?}"),
+                }
+            }
+            assert!(
+                errors > 0,
+                "{codec:?}: some garbage must fail to decode ({reads} read)"
+            );
+        }
+    }
+
     #[test]
     fn corrupted_block_fails_naming_the_block() {
         let (mem, engine) = setup();
