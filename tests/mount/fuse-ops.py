@@ -1227,6 +1227,68 @@ def op_copy_file_range(d):
         os.close(dfd)
 
 
+@test
+def op_defrag_compress(d):
+    """`birch defrag --compress`: the file reads the same, takes fewer blocks, keeps its
+    times; cuts and overwrites inside its blobs afterwards read as written; bad requests are
+    refused (birch only: the kernel reference has no such command)."""
+    if CTX.ref:
+        return
+    f = J(d, "log")
+    piece = lambda i: (b"[piece %d] " % i) + os.urandom(1024) + (b"text of piece %d; " % i) * 160
+    data = b"".join(piece(i) for i in range(200))[: 600 * 1024 + 123]
+    check(len(data) == 600 * 1024 + 123, f"test data of {len(data)} bytes")
+    wfile(f, data)
+    commit()
+    st0 = os.stat(f)
+    r = run([BIRCH, "defrag", "--compress=lz4", f])
+    check(r.returncode == 0, f"defrag: {r.stdout}")
+    st1 = os.stat(f)
+    check(rfile(f) == data, "content changed by defrag")
+    check(st1.st_blocks * 10 < st0.st_blocks * 8, f"st_blocks {st0.st_blocks} -> {st1.st_blocks}")
+    check(st1.st_mtime_ns == st0.st_mtime_ns, f"mtime moved: {st0.st_mtime_ns} -> {st1.st_mtime_ns}")
+    # Again: nothing left to compress; times and blocks as they were (both read fresh from the
+    # daemon, which the kernel's cached ctime of the writeback need not be).
+    r = run([BIRCH, "defrag", "--compress=lz4", f])
+    check(r.returncode == 0, f"defrag again: {r.stdout}")
+    st2 = os.stat(f)
+    check((st2.st_mtime_ns, st2.st_ctime_ns, st2.st_blocks) == (st1.st_mtime_ns, st1.st_ctime_ns, st1.st_blocks),
+          f"a second defrag changed the file: {(st1.st_mtime_ns, st1.st_ctime_ns, st1.st_blocks)} -> {(st2.st_mtime_ns, st2.st_ctime_ns, st2.st_blocks)}")
+    # Inside the blobs: a punch in the middle of one, an unaligned overwrite, a truncate.
+    fd = os.open(f, os.O_RDWR)
+    try:
+        fallocate(fd, 3, 128 * 1024 + 8192, 8192)  # PUNCH_HOLE | KEEP_SIZE
+        os.pwrite(fd, b"Z" * 5000, 300 * 1024 + 77)
+        os.ftruncate(fd, 400 * 1024 + 5)
+    finally:
+        os.close(fd)
+    want = bytearray(data)
+    want[128 * 1024 + 8192 : 128 * 1024 + 16384] = bytes(8192)
+    want[300 * 1024 + 77 : 300 * 1024 + 5077] = b"Z" * 5000
+    want = bytes(want[: 400 * 1024 + 5])
+    check(rfile(f) == want, "content after cuts inside blobs")
+    commit()
+    check(rfile(f) == want, "content after a commit")
+    r = run([BIRCH, "defrag", "--compress=gzip", f])
+    check(r.returncode == 2, f"an unknown codec: exit {r.returncode}")
+    r = run([BIRCH, "defrag", "--compress", d])
+    check(r.returncode == 1 and "use -r" in r.stdout, f"a directory without -r: {r.returncode} {r.stdout}")
+    # The ioctl itself (btrfs's BTRFS_IOC_DEFRAG_RANGE): zlib and a defrag without
+    # compression are refused; a wrong size never reaches it (the size is in the number).
+    def defrag_ioctl(path, flags, kind):
+        arg = struct.pack("=QQQII16x", 0, 0, flags, 0, kind)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.ioctl(fd, 0x40309410, arg)
+        finally:
+            os.close(fd)
+    expect_err("defrag with zlib", errno.EOPNOTSUPP, defrag_ioctl, f, 1, 1)
+    expect_err("defrag without compression", errno.EOPNOTSUPP, defrag_ioctl, f, 0, 3)
+    expect_err("defrag of a directory", errno.EISDIR, defrag_ioctl, d, 1, 3)
+    defrag_ioctl(f, 1, 3)  # zstd, as btrfs-progs sends it
+    check(rfile(f) == want, "content after a zstd defrag")
+
+
 FLOCK = "=hh4xqqi4x"  # struct flock on LP64 Linux
 
 

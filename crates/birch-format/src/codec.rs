@@ -33,6 +33,28 @@ impl Codec {
         }
     }
 
+    /// The codec a user names: `zstd` (level 1), `zstd:N` (N in 1 ..= 19), `lz4`, `none`.
+    pub fn parse(name: &str) -> Option<Codec> {
+        match name {
+            "none" => Some(Codec::None),
+            "lz4" => Some(Codec::Lz4),
+            "zstd" => Some(Codec::Zstd(1)),
+            other => {
+                let level: i32 = other.strip_prefix("zstd:")?.parse().ok()?;
+                (1..=19).contains(&level).then_some(Codec::Zstd(level))
+            }
+        }
+    }
+
+    /// The name [`Codec::parse`] reads back.
+    pub fn name(self) -> String {
+        match self {
+            Codec::None => "none".into(),
+            Codec::Zstd(level) => format!("zstd:{level}"),
+            Codec::Lz4 => "lz4".into(),
+        }
+    }
+
     /// The codec a blob item's byte names, for decoding (zstd's level is then irrelevant).
     pub fn from_byte(byte: u8) -> Option<Codec> {
         match byte {
@@ -233,5 +255,16 @@ mod tests {
         claim.extend_from_slice(&[0u8; 16]);
         assert!(decode(Codec::Zstd(0), &claim, &mut out).is_err());
         assert_eq!(Codec::from_byte(3), None);
+    }
+
+    #[test]
+    fn names_parse_and_round_trip() {
+        for codec in [Codec::None, Codec::Lz4, Codec::Zstd(1), Codec::Zstd(19)] {
+            assert_eq!(Codec::parse(&codec.name()), Some(codec));
+        }
+        assert_eq!(Codec::parse("zstd"), Some(Codec::Zstd(1)));
+        for bad in ["zstd:0", "zstd:20", "zstd:", "zstd:x", "gzip", "", "LZ4"] {
+            assert_eq!(Codec::parse(bad), None, "{bad}");
+        }
     }
 }

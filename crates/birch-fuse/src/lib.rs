@@ -67,7 +67,7 @@ use full_disk::LostWrites;
 use invalidate::Invalidator;
 
 pub use full_disk::DEFAULT_WRITE_THROUGH_BELOW;
-pub use ioctls::{FITRIM, FS_IOC_SHUTDOWN};
+pub use ioctls::{DefragRange, BTRFS_IOC_DEFRAG_RANGE, FITRIM, FS_IOC_SHUTDOWN};
 pub use xattrs::{
     diff_xattr_name, ALONE_XATTR, CONTROL_XATTR, DIFF_CHUNK, DIFF_XATTR_PREFIX, ERRORS_XATTR,
     SCRUB_XATTR, SNAPSHOTS_XATTR, STATS_XATTR,

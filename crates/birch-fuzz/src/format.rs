@@ -4,9 +4,10 @@
 //! must survive a round trip through the encoder: what the decoder accepts, the encoder must
 //! write back the same.
 
+use birch_format::codec::Codec;
 use birch_format::items::{
     decode_dir_entries, decode_inode_refs, decode_xattrs, encode_dir_entries, encode_inode_refs,
-    encode_xattrs, DirEntry, ExtentKind, FileExtent, InodeItem, InodeRef, Item, SnapshotItem,
+    encode_xattrs, Blob, DirEntry, ExtentKind, FileExtent, InodeItem, InodeRef, Item, SnapshotItem,
     Timespec, Xattr, XattrChunk, XattrSpill,
 };
 use birch_format::log::{decode_batch, decode_header, encode_batch, LogRecord, LOG_DATA_TYPE};
@@ -144,7 +145,35 @@ pub fn item_payload(kind: ItemType, s: &mut Script<'_>) -> Vec<u8> {
         ItemType::Orphan => Vec::new(),
         ItemType::ExtentData => {
             let generation = 1 + u64::from(s.u16());
-            let (kind, shared) = match s.below(4) {
+            let (kind, shared) = match s.below(5) {
+                4 => {
+                    // A blob window (kind 4), inside the format's ranges (decode's checks
+                    // are the item fuzzer's to break).
+                    let logical_blocks = 2 + s.below(31) as u64;
+                    let codec = Codec::from_byte(s.u8() % 3).unwrap_or(Codec::Lz4);
+                    let (stored, encoded_len) = if codec == Codec::None {
+                        (logical_blocks, logical_blocks * BLOCK_SIZE)
+                    } else {
+                        let stored = 1 + s.below(logical_blocks as usize - 1) as u64;
+                        let tail = 1 + s.below(BLOCK_SIZE as usize) as u64;
+                        (stored, (stored - 1) * BLOCK_SIZE + tail)
+                    };
+                    let window_offset = s.below(logical_blocks as usize) as u64;
+                    let window_len = 1 + s.below((logical_blocks - window_offset) as usize) as u64;
+                    (
+                        ExtentKind::Blob(Blob {
+                            disk_addr: (256 + u64::from(s.u16())) * BLOCK_SIZE,
+                            codec,
+                            encoded_len: encoded_len as u32,
+                            logical: (logical_blocks * BLOCK_SIZE) as u32,
+                            window_offset: (window_offset * BLOCK_SIZE) as u32,
+                            window_len: (window_len * BLOCK_SIZE) as u32,
+                            nonce: 0,
+                            csums: (0..stored).map(|_| s.u32()).collect(),
+                        }),
+                        s.bool(),
+                    )
+                }
                 0 => {
                     let len = 1 + s.below(64);
                     (ExtentKind::Inline(s.bytes(len)), false)

@@ -11,6 +11,7 @@
 //! uncorrected, 8 operational error. scrub: 0 clean, 1 damage found, 2 usage or operational
 //! error.
 
+mod defrag;
 mod docs;
 mod errors;
 mod fusecrash;
@@ -126,6 +127,21 @@ enum Command {
     /// Commit everything on a live mount now, with the pages the kernel holds dirty for it
     /// (sync(2) writes those back but never reaches a FUSE daemon).
     Sync { mountpoint: PathBuf },
+    /// Rewrite files of a live mount compressed: each 128 KiB chunk held in plain blocks is
+    /// compressed and kept if it saves at least 1/8 (holes, preallocated and cloned ranges
+    /// are left as they are). The bytes read the same; times do not change. Prints each
+    /// file's size on disk before and after. Needs root.
+    Defrag {
+        /// The codec: zstd (level 1), zstd:N (N from 1 to 19) or lz4.
+        #[arg(long, value_name = "CODEC", num_args = 0..=1, require_equals = true, default_missing_value = "zstd", required = true)]
+        compress: Option<String>,
+        /// Directories: every regular file under them, on the same mount.
+        #[arg(short = 'r', long)]
+        recursive: bool,
+        /// Files (directories with -r) on a birch mount.
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+    },
     /// Shut a live mount down, as a crash would but after a last step: by default the
     /// kernel's dirty pages are written back and everything is committed (what the
     /// FS_IOC_SHUTDOWN ioctl does through a mount). Afterwards every operation on the mount
@@ -488,6 +504,11 @@ fn main() -> ExitCode {
         } => mount::mount_main(&image, &mountpoint, &options, foreground),
         Command::Umount { mountpoint } => mount::umount(&mountpoint),
         Command::Sync { mountpoint } => sync(&mountpoint),
+        Command::Defrag {
+            compress,
+            recursive,
+            paths,
+        } => defrag::defrag(&paths, compress.as_deref().unwrap_or("zstd"), recursive),
         Command::Stats {
             mountpoint,
             watch,

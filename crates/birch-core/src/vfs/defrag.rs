@@ -40,6 +40,22 @@ impl Filesystem {
     /// frees them (kept for snapshots, reused after the next durable commit). `IsDir` for a
     /// directory, `Invalid` for another non-regular file.
     pub fn compress_file(&self, ino: InodeNo, codec: Codec) -> Result<CompressReport> {
+        self.compress_range(ino, codec, 0, u64::MAX)
+    }
+
+    /// [`Filesystem::compress_file`] for the chunks that overlap `[start, start + len)` only
+    /// (`BTRFS_IOC_DEFRAG_RANGE`'s range; `len` 0 or past the end: to the end).
+    pub fn compress_range(
+        &self,
+        ino: InodeNo,
+        codec: Codec,
+        start: u64,
+        len: u64,
+    ) -> Result<CompressReport> {
+        let range_end = match len {
+            0 => u64::MAX,
+            n => start.saturating_add(n),
+        };
         let ino = ino.get();
         self.refuse_snapshot_change("compress", &[ino])?;
         let state = self.inode(ino)?;
@@ -59,12 +75,13 @@ impl Filesystem {
         let cap = crate::data::BLOB_CAP_BYTES;
         let end = data.item.size.div_ceil(BLOCK_SIZE) * BLOCK_SIZE;
         let mut changed = false;
-        let mut start = 0;
-        while start < end {
-            let chunk_end = (start + cap).min(end);
-            let len = chunk_end - start;
-            let chunk = start;
-            start = chunk_end;
+        let end = end.min(range_end.saturating_add(cap - 1) / cap * cap);
+        let mut next = start / cap * cap;
+        while next < end {
+            let chunk_end = (next + cap).min(end);
+            let len = chunk_end - next;
+            let chunk = next;
+            next = chunk_end;
             if len < 2 * BLOCK_SIZE || !self.chunk_is_plain(ino, chunk, chunk_end)? {
                 report.skipped += 1;
                 continue;
