@@ -315,3 +315,107 @@ fn cuts_clones_and_snapshots_over_blobs_follow_the_model() {
     );
     common::close_and_check_clean(fs, &dev, "emptied");
 }
+
+/// A damaged stored block of a blob: fsck names it, a read of the window is EIO, and
+/// `fsck --repair` loses that window (never the other blobs' bytes), naming the path and the
+/// range; the image is clean afterwards and the file reads zeros there.
+#[test]
+fn repair_loses_the_window_of_a_damaged_blob() {
+    use birch_core::repair::{repair, RepairMode};
+
+    let (dev, fs) = common::fresh(DEVICE_BYTES);
+    let ino = create(&fs, "f");
+    let data = stamped(3, 1, 0, 512 * 1024);
+    fs.write(ino, 0, &data, false).expect("write");
+    let r = fs.compress_file(ino, Codec::Zstd(3)).expect("compress");
+    assert_eq!(r.compressed, 4, "{r:?}");
+    fs.sync().expect("sync");
+    let (second, blob) = extents(&fs, ino)
+        .into_iter()
+        .find_map(|(at, e)| match e.kind {
+            ExtentKind::Blob(b) if at == 128 * 1024 => Some((at, b)),
+            ExtentKind::Blob(_)
+            | ExtentKind::Inline(_)
+            | ExtentKind::Regular { .. }
+            | ExtentKind::Prealloc { .. } => None,
+        })
+        .expect("a blob at 128 KiB");
+    fs.close().expect("close");
+    drop(fs);
+    dev.corrupt(blob.disk_addr + 100, &[0xde, 0xad]);
+    let report = check(&*dev, CheckOptions { data: true }).expect("fsck");
+    let kinds: Vec<_> = report.findings.iter().map(|f| f.kind).collect();
+    assert_eq!(
+        kinds,
+        vec![birch_core::check::FindingKind::DataChecksumMismatch],
+        "{:?}",
+        report.findings
+    );
+    let fs = common::open_quiet(&dev);
+    assert!(
+        fs.read(ino, second + 4096, 100).is_err(),
+        "a read of the damaged blob fails"
+    );
+    assert_eq!(
+        fs.read(ino, 0, 4096).expect("another blob reads"),
+        data[..4096]
+    );
+    fs.close().expect("close");
+    drop(fs);
+    let fixed = repair(dev.clone(), RepairMode::Full, CheckOptions { data: true }).expect("repair");
+    let lost = fixed.lost.join("\n");
+    assert!(
+        lost.contains("/f") && lost.contains(&format!("{second}")),
+        "lost: {lost}"
+    );
+    fsck_clean(&dev, "repaired");
+    let fs = common::open_quiet(&dev);
+    let mut want = data.clone();
+    want[second as usize..second as usize + 128 * 1024].fill(0);
+    assert!(
+        read_all(&fs, ino) == want,
+        "the window reads zeros, the rest as written"
+    );
+    common::close_and_check_clean(fs, &dev, "reopened after repair");
+}
+
+/// A rewrite runs beside writes, reads and truncates of the same file (it takes the file's
+/// lock one chunk at a time): whatever the interleaving, the file ends as the writes made it.
+#[test]
+fn compression_beside_writers_keeps_their_bytes() {
+    let (dev, fs) = common::fresh(DEVICE_BYTES);
+    let ino = create(&fs, "f");
+    let data = stamped(5, 1, 0, 2 << 20);
+    fs.write(ino, 0, &data, false).expect("write");
+    fs.sync().expect("sync");
+    let mut want = data.clone();
+    let writes: Vec<(u64, Vec<u8>)> = (0..40u64)
+        .map(|i| {
+            let at = (i * 52_711) % (2 << 20);
+            (at, stamped(6, i as u8, at, 3000 + (i as usize * 97) % 9000))
+        })
+        .collect();
+    for (at, bytes) in &writes {
+        model_write(&mut want, *at, bytes);
+    }
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            for codec in [Codec::Lz4, Codec::Zstd(1)] {
+                fs.compress_file(ino, codec).expect("compress");
+            }
+        });
+        scope.spawn(|| {
+            for (at, bytes) in &writes {
+                fs.write(ino, *at, bytes, false).expect("write beside");
+                let _ = fs.read(ino, *at, 5000).expect("read beside");
+            }
+        });
+    });
+    assert!(read_all(&fs, ino) == want, "the writes as made");
+    assert!(blobs(&fs, ino) > 0, "something was compressed");
+    fs.sync().expect("sync");
+    fsck_clean(&dev, "after the race");
+    let (dev, fs) = common::crash_and_reopen(fs, &dev);
+    assert!(read_all(&fs, ino) == want, "reopened");
+    common::close_and_check_clean(fs, &dev, "closed");
+}

@@ -7,7 +7,7 @@
 //! Owns: the choice of chunks and the per-file report. Must not touch: extents, blocks and the
 //! allocator (the data layer writes the blob and replaces the range), the fsync log (the inode
 //! is stored, which makes its next fsync log or commit it whole). Holds the inode's write lock
-//! for the whole file, as a write of it would.
+//! for one chunk at a time, as a write of that chunk would.
 
 use birch_format::codec::Codec;
 use birch_format::items::ExtentKind;
@@ -59,28 +59,35 @@ impl Filesystem {
         let ino = ino.get();
         self.refuse_snapshot_change("compress", &[ino])?;
         let state = self.inode(ino)?;
-        let mut data = state.data.write();
-        match data.item.mode & libc::S_IFMT {
-            libc::S_IFREG => {}
-            libc::S_IFDIR => return Err(Error::IsDir(format!("compress dir {ino}"))),
-            _ => return Err(Error::Invalid(format!("compress of special file {ino}"))),
-        }
-        // Buffered data goes to disk first: the chunks are chosen from extents.
-        self.flush_locked(ino, &mut data)?;
-        let _op = self.inner.engine.hold()?;
-        let mut report = CompressReport::default();
-        if self.data().inline_data(ino)?.is_some() {
-            return Ok(report);
-        }
         let cap = crate::data::BLOB_CAP_BYTES;
-        let end = data.item.size.div_ceil(BLOCK_SIZE) * BLOCK_SIZE;
-        let mut changed = false;
-        let end = end.min(range_end.saturating_add(cap - 1) / cap * cap);
+        let range_end = range_end.saturating_add(cap - 1) / cap * cap;
+        let mut report = CompressReport::default();
         let mut next = start / cap * cap;
-        while next < end {
-            let chunk_end = (next + cap).min(end);
-            let len = chunk_end - next;
+        // One chunk per hold of the inode's write lock: reads and writes of the file wait for
+        // one chunk's read, compression and write at most, not the whole file's.
+        loop {
+            let mut data = state.data.write();
+            match data.item.mode & libc::S_IFMT {
+                libc::S_IFREG => {}
+                libc::S_IFDIR => return Err(Error::IsDir(format!("compress dir {ino}"))),
+                _ => return Err(Error::Invalid(format!("compress of special file {ino}"))),
+            }
+            if data.freed {
+                return Ok(report);
+            }
+            // Buffered data goes to disk first: the chunks are chosen from extents.
+            self.flush_locked(ino, &mut data)?;
+            let _op = self.inner.engine.hold()?;
+            if self.data().inline_data(ino)?.is_some() {
+                return Ok(report);
+            }
+            let end = (data.item.size.div_ceil(BLOCK_SIZE) * BLOCK_SIZE).min(range_end);
+            if next >= end {
+                return Ok(report);
+            }
             let chunk = next;
+            let chunk_end = (chunk + cap).min(end);
+            let len = chunk_end - chunk;
             next = chunk_end;
             if len < 2 * BLOCK_SIZE || !self.chunk_is_plain(ino, chunk, chunk_end)? {
                 report.skipped += 1;
@@ -95,7 +102,7 @@ impl Filesystem {
                     let stored = blob.stored_blocks() * BLOCK_SIZE;
                     let delta = data_layer.replace_with_blob(ino, chunk, blob, birth)?;
                     data.item.nbytes = delta.apply_to(data.item.nbytes);
-                    changed = true;
+                    self.store_inode(ino, &mut data)?;
                     report.compressed += 1;
                     report.logical_bytes += len;
                     report.stored_bytes += stored;
@@ -103,10 +110,6 @@ impl Filesystem {
                 None => report.kept += 1,
             }
         }
-        if changed {
-            self.store_inode(ino, &mut data)?;
-        }
-        Ok(report)
     }
 
     /// Whether `[from, to)` of `ino` is held whole by unshared regular extents: no hole, no
