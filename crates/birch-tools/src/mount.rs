@@ -33,6 +33,7 @@ pub(crate) const MOUNT_OPTIONS: &[(&str, &str)] = &[
     ("threads=N", "FUSE request loops (default one per CPU, at least 2 and at most 8)."),
     ("waiters=N", "Requests that wait for the device, served at once on worker threads (default 64)."),
     ("ttl=SECS", "How long the kernel caches attributes, entries and negative entries (default 60). attr_timeout= and entry_timeout= are accepted as aliases."),
+    ("compress=zstd", "Store written data compressed (zstd at level 1; zstd:N for levels 1 to 19, lz4 for the fastest, none, the default, for never). Data is written as it comes and rewritten compressed before the commit that would record it (every commit= seconds, birch sync, unmount): each 128 KiB chunk written whole is kept compressed if that saves at least 1/8. fsync'd data reaches the disk plainly first. birch defrag --compress compresses existing files."),
     ("fsync=log", "fsync makes a file durable through the log: one device flush, no commit (the default)."),
     ("fsync=commit", "Every fsync commits the whole filesystem."),
     ("errors=continue", "What a device error that loses written data does: continue (the default) fails that file's fsyncs for ever and lets every other file go on; errors=remount-ro turns the whole filesystem read-only; errors=panic stops the daemon (the mount then answers ENOTCONN; what was durable stays, as after a power cut). A failed commit or log write always turns the filesystem read-only, or with errors=panic stops the daemon."),
@@ -82,6 +83,7 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
         keep_cache: true,
         buffer: true,
         uring: None,
+        compress: None,
         #[cfg(feature = "seed-before")]
         bench_serialize_sync_writes: false,
         #[cfg(feature = "seed-before")]
@@ -122,6 +124,13 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
             "threads" => c.threads = (number(value)? as usize).clamp(1, 64),
             "waiters" => c.waiters = (number(value)? as usize).clamp(1, 256),
             "ttl" | "attr_timeout" | "entry_timeout" => c.ttl_secs = number(value)?,
+            "compress" => c.compress = match value.map(birch_format::codec::Codec::parse) {
+                Some(Some(birch_format::codec::Codec::None)) => None,
+                Some(Some(codec)) => Some(codec),
+                _ => return Err(format!(
+                    "option {opt}: expected compress=zstd, zstd:N (N from 1 to 19), lz4 or none"
+                )),
+            },
             "fsync" => match value {
                 Some("log") => c.fsync = FsyncMode::Log,
                 Some("commit") => c.fsync = FsyncMode::Commit,

@@ -100,8 +100,10 @@ impl DataLayer<'_> {
     fn blob_bytes(&self, ino: u64, start: u64, blob: &Blob) -> Result<Arc<[u8]>> {
         let cache = self.engine.blob_cache();
         if let Some(bytes) = cache.get(blob) {
+            self.engine.counters().add(|c| &c.blob_cache_hits, 1);
             return Ok(bytes);
         }
+        self.engine.counters().add(|c| &c.blob_reads, 1);
         let at = blob.disk_addr;
         let len = blob.stored_blocks() * BLOCK_SIZE;
         let mut buf = Scratch::take(len as usize);

@@ -106,8 +106,49 @@ impl Filesystem {
                     report.compressed += 1;
                     report.logical_bytes += len;
                     report.stored_bytes += stored;
+                    let counters = self.inner.engine.counters();
+                    counters.add(|c| &c.compress_chunks, 1);
+                    counters.add(|c| &c.compress_logical_bytes, len);
+                    counters.add(|c| &c.compress_stored_bytes, stored);
                 }
-                None => report.kept += 1,
+                None => {
+                    report.kept += 1;
+                    self.inner.engine.counters().add(|c| &c.compress_kept, 1);
+                }
+            }
+        }
+    }
+
+    /// Notes that `[lo, hi)` of `ino` was written, for the next compression pass
+    /// ([`Filesystem::compress_written`]; only with `compress=`).
+    pub(crate) fn note_written(&self, ino: u64, lo: u64, hi: u64) {
+        let mut pending = self.inner.to_compress.lock();
+        let range = pending.entry(ino).or_insert((lo, hi));
+        range.0 = range.0.min(lo);
+        range.1 = range.1.max(hi);
+    }
+
+    /// The compression pass of `compress=` (DESIGN §16.4, background compression): every
+    /// range written since the last pass is rewritten compressed
+    /// ([`Filesystem::compress_range`]: whole chunks in plain blocks only), so the commit that
+    /// follows records blobs. Runs before the background committer's commits, `sync` and the
+    /// final commit; the buffered data is flushed chunk by chunk under each file's lock.
+    /// Errors are logged, never returned: the data is then committed as it was written.
+    pub(crate) fn compress_written(&self) {
+        let Some(codec) = self.inner.compress else {
+            return;
+        };
+        if self.inner.engine.read_only_reason().is_some() || self.inner.engine.is_shut_down() {
+            return;
+        }
+        let pending = std::mem::take(&mut *self.inner.to_compress.lock());
+        for (ino, (lo, hi)) in pending {
+            let len = hi.saturating_sub(lo).max(1);
+            match self.compress_range(InodeNo::new(ino), codec, lo, len) {
+                Ok(_) => {}
+                // Deleted since, or a directory now at that number: nothing to compress.
+                Err(Error::NotFound(_) | Error::IsDir(_) | Error::Invalid(_)) => {}
+                Err(e) => log::warn!("compress inode {ino}: {e}"),
             }
         }
     }

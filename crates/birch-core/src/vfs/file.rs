@@ -288,9 +288,19 @@ impl Filesystem {
     ) -> Result<(u32, bool)> {
         let ino = ino.get();
         self.refuse_snapshot_change("write", &[ino])?;
-        self.retry_on_full(true, || {
+        let written = self.retry_on_full(true, || {
             self.write_once(ino, offset, bytes, append, kill_privs, through)
-        })
+        })?;
+        if self.inner.compress.is_some() {
+            // An append's offset is the size it found: the pass looks from there to the end.
+            let (lo, hi) = if append {
+                (offset, u64::MAX)
+            } else {
+                (offset, offset.saturating_add(u64::from(written.0)))
+            };
+            self.note_written(ino, lo, hi);
+        }
+        Ok(written)
     }
 
     fn write_once(

@@ -82,6 +82,10 @@ pub struct OpenOptions {
     /// of its own ([`Engine::set_bench_apply_per_item`]).
     #[cfg(feature = "seed-before")]
     pub bench_apply_per_item: bool,
+    /// Background compression (`compress=`, DESIGN §16.4): written data is rewritten
+    /// compressed with this codec before the commit that would record it plainly (the
+    /// background committer's, `sync` and the final one). `None` (the default): never.
+    pub compress: Option<birch_format::codec::Codec>,
 }
 
 impl Default for OpenOptions {
@@ -97,6 +101,7 @@ impl Default for OpenOptions {
             bench_global_objectid_lock: false,
             #[cfg(feature = "seed-before")]
             bench_apply_per_item: false,
+            compress: None,
         }
     }
 }
@@ -402,6 +407,10 @@ pub(crate) struct Inner {
     lost_reported: AtomicU64,
     /// The background committer, while one runs, and its interval.
     committer: Mutex<Option<(JoinHandle<()>, Duration)>>,
+    /// `compress=`: the codec written data is rewritten with before it is committed.
+    pub(crate) compress: Option<birch_format::codec::Codec>,
+    /// Byte ranges of files written since the last compression pass (`defrag.rs`).
+    pub(crate) to_compress: Mutex<HashMap<u64, (u64, u64)>>,
     /// The mount's background commit interval (`commit=`, [`OpenOptions::commit_interval`]):
     /// a remount rw that starts the committer uses it, as the open would have.
     commit_interval: Option<Duration>,
@@ -655,6 +664,10 @@ impl Filesystem {
             lost_flushes: AtomicU64::new(0),
             lost_reported: AtomicU64::new(0),
             committer: Mutex::new(None),
+            compress: options
+                .compress
+                .filter(|c| *c != birch_format::codec::Codec::None),
+            to_compress: Mutex::new(HashMap::new()),
             commit_interval: options.commit_interval,
             wake: (Mutex::new(false), Condvar::new()),
             stop: AtomicBool::new(false),
@@ -732,6 +745,7 @@ impl Filesystem {
                     return;
                 }
                 let fs = Filesystem { inner, view: true };
+                fs.compress_written();
                 if let Err(e) = fs.commit_now() {
                     log::error!("background commit failed: {e}");
                 }
@@ -762,6 +776,7 @@ impl Filesystem {
     /// to each caller after it: a successful sync means every file written before it is
     /// durable. The commit itself is made either way.
     pub fn sync(&self) -> Result<()> {
+        self.compress_written();
         self.commit_now()?;
         self.report_lost_data("sync")
     }
@@ -1093,6 +1108,7 @@ impl Filesystem {
             // The kernel sends no forgets at unmount: orphans of open-then-unlinked files go now.
             self.reclaim_orphans()?;
         }
+        self.compress_written();
         // The final commit does not report data lost since the last sync: the files that
         // lost it have failed their fsyncs, and an unmount has no caller to tell.
         self.commit_now().map(|_| ())

@@ -60,6 +60,7 @@ impl InProcessMount {
             keep_cache: caches,
             buffer: true,
             uring: Some(uring),
+            compress: None,
             #[cfg(feature = "seed-before")]
             bench_serialize_sync_writes: false,
             #[cfg(feature = "seed-before")]

@@ -66,6 +66,9 @@ pub struct MountConfig {
     /// also turns `enable_uring` on, and warns when it cannot have the ring; `Some(false)`
     /// serves over /dev/fuse only.
     pub uring: Option<bool>,
+    /// `compress=CODEC`: written data is rewritten compressed before it is committed
+    /// (birch-core `OpenOptions::compress`); `None` (`compress=none`, the default): never.
+    pub compress: Option<birch_format::codec::Codec>,
     /// Benchmark-only switches, each a seed's "before" (off by default; only with the
     /// `seed-before` feature; docs/BENCHMARKS.md): `bench_serialize_sync_writes`.
     #[cfg(feature = "seed-before")]

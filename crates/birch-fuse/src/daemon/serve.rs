@@ -50,6 +50,7 @@ pub fn serve(
         bench_global_objectid_lock: config.bench_global_objectid_lock,
         #[cfg(feature = "seed-before")]
         bench_apply_per_item: config.bench_apply_per_item,
+        compress: config.compress,
     };
     // An RBD snapshot (`rbd:POOL/IMAGE@SNAP`) cannot be written: it mounts read-only, takes
     // no lock (the image's holder keeps its own), and replays a pending log in memory.
