@@ -975,7 +975,9 @@ def main(argv=None) -> int:
     mounts.STATE = mounts.State(state_path)
     mounts.STATE.save()
     rc_fs, fs_out, _ = run(["findmnt", "-n", "-o", "FSTYPE,SOURCE", "--target", cfg.image_dir], timeout=10)
-    results = {"started": stamp, "command": "bench/compress.sh " + " ".join(sys.argv[1:] if argv is None else argv),
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("BIRCH_COMPRESS", "BIRCH_DEFRAG") if os.environ.get(k))
+    results = {"started": stamp, "command": (env + " " if env else "") + "bench/compress.sh "
+               + " ".join(sys.argv[1:] if argv is None else argv),
                "config": {k: v for k, v in vars(cfg).items() if isinstance(v, (int, str, list, bool, type(None)))},
                "machine": {"cores": os.cpu_count(), "kernel": platform.release(),
                            "image_fs": " ".join(fs_out.split()) if rc_fs == 0 else "?"},
