@@ -5,11 +5,14 @@
 #   sudo bench/compress.sh                    # full sizes (L 1.75 GiB, S 10,000 files, R 512 MiB)
 #   sudo bench/compress.sh --repeats 3 --corpora L
 #   sudo BIRCH_COMPRESS=zstd:1,lz4 bench/compress.sh   # + birchfs -o compress=X (refused until birch has it)
+#   sudo BIRCH_DEFRAG=zstd:1,lz4 bench/compress.sh     # + birchfs-defrag-zstd1, birchfs-defrag-lz4: written
+#                                             #   plainly, then `birch defrag --compress=X -r`, timed apart
+#                                             #   (same as --birch-defrag zstd:1,lz4)
 #   bench/compress.sh --dry-run               # the plan, no root
 #   sudo bench/compress.sh --cleanup          # undo mounts / loop devices a killed run left
 #   bench/compress.sh --help
 #
-# Environment: BIRCH (birch binary, default target/release/birch), BIRCH_COMPRESS (see above),
+# Environment: BIRCH (birch binary, default target/release/birch), BIRCH_COMPRESS, BIRCH_DEFRAG (see above),
 # BIRCHBENCH_COMPRESS_DIR (images, mount points, corpus cache; default /var/tmp/birchbench-compress),
 # BIRCHBENCH_NO_INSTALL=1 (skip apt).  See docs/BENCHMARKS.md.
 set -euo pipefail

@@ -5,8 +5,9 @@ installs its tools (fio, btrfs-progs, btrfs-compsize) and runs bench/compress.py
 Owns: the corpora (L: a log file, a SQLite database, a VM-image-like file; S: the W6 source
 tree; R: incompressible random data), made deterministically from a seed and cached under
 IMAGE_DIR/corpus/; the compression targets (btrfs with compress=zstd:1, compress-force=zstd:1,
-compress=lzo and none, birchfs with compression off, and birchfs with `-o compress=X` for each --birch-compress X once
-birch has that option); one measurement per (repeat, corpus, target): a fresh mkfs, the copy to
+compress=lzo and none, birchfs with compression off, birchfs with `-o compress=X` for each --birch-compress X once
+birch has that option, and birchfs-defrag-X for each --birch-defrag X: birch written plainly, then
+rewritten by `birch defrag --compress=X -r`, a second pass timed on its own); one measurement per (repeat, corpus, target): a fresh mkfs, the copy to
 durable (on birch through the daemon's control command `sync`, see CompressTarget.sync),
 stored bytes (birch's inline files included), a cold read, fio random 4 KiB reads (corpus L), CPU from /proc; and
 its own report (summary.md, results.json).
@@ -340,6 +341,49 @@ def parse_inspect_space(out: str) -> dict:
     return got
 
 
+DEFRAG_PREFIX = "birchfs-defrag-"
+
+
+def valid_codec(c: str) -> bool:
+    """zstd, zstd:N or lz4: what `birch mount -o compress=` (DESIGN §16.9) and
+    `birch defrag --compress=` (SEMANTICS §5b) take."""
+    return c in ("lz4", "zstd") or (c.startswith("zstd:") and c[5:].isdigit())
+
+
+def defrag_codecs(birch_defrag: list[str]) -> dict:
+    """{target name: codec} of the --birch-defrag targets: birchfs-defrag-zstd1 for zstd:1."""
+    return {DEFRAG_PREFIX + c.replace(":", ""): c for c in birch_defrag}
+
+
+def birch_supports_defrag_compress(help_text: str) -> bool:
+    """`birch defrag --help` names --compress (birch from a004aa5 on)."""
+    return "--compress" in help_text
+
+
+def tree_sha256(root: str) -> tuple[int, str]:
+    """(files, sha256) of the tree under root, hashed as make_corpus hashes a corpus (each
+    file's relative path, a NUL, its bytes, in list_files order): equal to the manifest's
+    sha256 when the tree holds the corpus's bytes."""
+    h = hashlib.sha256()
+    files = list_files(root)
+    for rel in files:
+        h.update(rel.encode() + b"\0")
+        with open(os.path.join(root, rel), "rb") as f:
+            for chunk in iter(lambda: f.read(MiB), b""):
+                h.update(chunk)
+    return len(files), h.hexdigest()
+
+
+def du_bytes(path: str) -> int | None:
+    """`du -s -B1 PATH`: the allocated bytes (st_blocks) of the tree, as the filesystem reports
+    them (btrfs reports a compressed extent's uncompressed size there)."""
+    rc, out, _ = run(["du", "-s", "-B1", path], timeout=600)
+    try:
+        return int(out.split()[0]) if rc == 0 else None
+    except (IndexError, ValueError):
+        return None
+
+
 def birch_supports_compress(help_text: str) -> bool:
     """Whether `birch mount --help` lists a compress= option (DESIGN §16.9), which today's
     birch does not: an unknown mount option is an error there."""
@@ -356,7 +400,10 @@ def drop_caches() -> None:
 
 class CompressTarget(Target):
     """A birchbench Target with a fresh filesystem per measurement (`remake`) and btrfs's
-    compress= option added to its mount."""
+    compress= option added to its mount.  `defrag`: the codec of a birchfs-defrag-X target
+    (measure() rewrites the corpus with `birch defrag --compress=X -r` after the copy), else None."""
+
+    defrag: str | None = None
 
     def remake(self) -> None:
         if self.is_birch:
@@ -401,10 +448,14 @@ class CompressTarget(Target):
         return pids[0] if pids else None
 
 
-def plan_targets(birch_compress: list[str]) -> list[tuple[str, str, str | None]]:
+def plan_targets(birch_compress: list[str], birch_defrag: list[str] = ()) -> list[tuple[str, str, str | None]]:
+    """The targets: the base ones, birchfs-X per --birch-compress X, birchfs-defrag-X per
+    --birch-defrag X (default mount options; the defrag pass is measure()'s, see defrag_codecs)."""
     out = list(BASE_TARGETS)
     for c in birch_compress:
         out.append((f"birchfs-{c.replace(':', '')}", "birchfs", f"compress={c}"))
+    for name in defrag_codecs(list(birch_defrag)):
+        out.append((name, "birchfs", None))
     return out
 
 
@@ -505,6 +556,32 @@ def measure(t: CompressTarget, man: dict, cfg, raw_dir: str, tag: str) -> dict:
         r["statfs_delta_bytes"] = statfs_used(mnt) - used0
         if t.is_birch:
             r["birch_counters_write"] = counter_delta(stats0, stats1)
+        codec = getattr(t, "defrag", None)
+        if codec:  # the second pass: rewrite every file compressed, then the daemon's commit
+            r["defrag_codec"] = codec
+            r["statfs_delta_plain_bytes"] = r["statfs_delta_bytes"]
+            r["du_plain_bytes"] = du_bytes(wd)
+            stats0 = t.read_stats()
+            d0 = proc_cpu_seconds(pid) if pid else None
+            s0 = proc_sys_seconds()
+            t0 = time.monotonic()
+            rc, out, err = run([t.birch, "defrag", f"--compress={codec}", "-r", wd], timeout=7200)
+            with open(os.path.join(raw_dir, f"defrag__{tag}.txt"), "w") as f:
+                f.write(out + err)
+            if rc != 0:
+                raise RuntimeError(f"birch defrag --compress={codec} -r rc={rc}: {(err or out).strip()[-300:]}")
+            t.sync(mnt, check=True)
+            dt = time.monotonic() - t0
+            s1 = proc_sys_seconds()
+            d1 = proc_cpu_seconds(pid) if pid else None
+            r["defrag_s"] = dt
+            r["defrag_mibs"] = man["bytes"] / MiB / dt
+            r["sys_cpu_s_per_gib_defrag"] = (s1 - s0) / (man["bytes"] / GiB)
+            if d0 is not None and d1 is not None:
+                r["daemon_cpu_s_per_gib_defrag"] = (d1 - d0) / (man["bytes"] / GiB)
+            r["birch_counters_defrag"] = counter_delta(stats0, t.read_stats())
+            r["statfs_delta_bytes"] = statfs_used(mnt) - used0
+        r["du_bytes"] = du_bytes(wd)
         if t.kind == "btrfs":
             rc, out, err = run(["compsize", "-b", wd], timeout=600)
             with open(os.path.join(raw_dir, f"compsize__{tag}.txt"), "w") as f:
@@ -525,6 +602,12 @@ def measure(t: CompressTarget, man: dict, cfg, raw_dir: str, tag: str) -> dict:
             sp = parse_inspect_space(out)
             if rc != 0 or "data" not in sp:
                 raise RuntimeError(f"birch inspect space rc={rc}: {(err or out).strip()[-300:]}")
+            if codec:  # a defrag pass rewrote every extent: the image must check clean
+                rc, out, err = run([t.birch, "fsck", t.image], timeout=1800)
+                with open(os.path.join(raw_dir, f"fsck__{tag}.txt"), "w") as f:
+                    f.write(out + err)
+                if rc != 0:
+                    raise RuntimeError(f"birch fsck after defrag rc={rc}: {(err or out).strip()[-500:]}")
             r["birch_inline_bytes"] = inline_bytes(man["dir"])
             r["stored_data_bytes"] = sp["data"] + r["birch_inline_bytes"]
             r["inspect_space"] = sp
@@ -547,6 +630,12 @@ def measure(t: CompressTarget, man: dict, cfg, raw_dir: str, tag: str) -> dict:
         r["sys_cpu_s_per_gib_r"] = (s1 - s0) / (n / GiB)
         if d0 is not None and d1 is not None:
             r["daemon_cpu_s_per_gib_r"] = (d1 - d0) / (n / GiB)
+        if codec:  # after the timed read: the rewritten files hold the corpus's bytes
+            nf, sha = tree_sha256(wd)
+            if (nf, sha) != (man["files"], man["sha256"]):
+                raise RuntimeError(f"after birch defrag --compress={codec}: the tree reads back as {nf} files "
+                                   f"sha256 {sha}, the corpus is {man['files']} files sha256 {man['sha256']}")
+            r["verified"] = 1
         if man["name"] == "L" and cfg.fio_time > 0:
             mnt = cold_mount(t)
             stats0 = t.read_stats() if t.is_birch else None
@@ -576,7 +665,14 @@ COLUMNS = [  # key, header, format
     ("write_mibs", "write MiB/s", None),
     ("stored_data_bytes", "stored data MiB", lambda v: v / MiB),  # compsize / birch inspect space
     ("stored_pct", "stored/logical %", None),
+    ("ratio", "ratio logical/stored", None),
     ("statfs_delta_bytes", "statfs Δ MiB", lambda v: v / MiB),
+    ("du_bytes", "du MiB", lambda v: v / MiB),
+    ("write_s", "copy s", None),
+    ("statfs_delta_plain_bytes", "statfs Δ before defrag MiB", lambda v: v / MiB),
+    ("defrag_s", "defrag s", None),
+    ("defrag_mibs", "defrag MiB/s", None),
+    ("daemon_cpu_s_per_gib_defrag", "daemon CPU s/GiB defrag", None),
     ("read_mibs", "cold read MiB/s", None),
     ("randread_iops", "4k randread IOPS", None),
     ("randread_page_cache_pct", "file in page cache after fio %", None),
@@ -598,6 +694,8 @@ def medians(runs: list[dict]) -> dict:
         g = groups.setdefault((r["corpus"], r["target"]), {})
         if r.get("stored_data_bytes") is not None and r.get("logical_bytes"):
             r["stored_pct"] = 100.0 * r["stored_data_bytes"] / r["logical_bytes"]
+            if r["stored_data_bytes"]:
+                r["ratio"] = r["logical_bytes"] / r["stored_data_bytes"]
         for k, v in r.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 g.setdefault(k, []).append(v)
@@ -645,7 +743,8 @@ def render(results: dict) -> str:
                 f = m.get(key, {})
                 v = f.get("median")
                 if v is None:
-                    cells.append("n/a (kernel)" if key.startswith("daemon_") and not tn.startswith("birch") else "—")
+                    cells.append("n/a (kernel)" if key.startswith("daemon_") and not key.endswith("_defrag")
+                                 and not tn.startswith("birch") else "—")
                     continue
                 cv = conv or (lambda x: x)
                 cell = fmt_num(cv(v))
@@ -673,12 +772,30 @@ def render(results: dict) -> str:
               "birch's node cache (cache_hits/cache_misses counters) during fio (birch has no blob cache yet). *daemon CPU*: utime+stime of the birch daemon from /proc/PID/stat; btrfs's "
               "compression runs in kernel workers no process is charged for, hence n/a. *sys CPU*: system+irq+"
               "softirq from /proc/stat, the whole machine (other work on it counts too), for both. "
-              "Ratios: this row's median over btrfs-zstd1's (stored × below 1 = fewer bytes stored)."]
+              "Ratios: this row's median over btrfs-zstd1's (stored × below 1 = fewer bytes stored). "
+              "*ratio logical/stored*: logical over stored data. *du*: `du -s -B1` of the corpus after the sync (btrfs "
+              "counts a compressed extent at its uncompressed size there). *copy s*: the seconds of the write MiB/s figure. "
+              "birchfs-defrag-X rows (--birch-defrag X): the corpus written plainly (write MiB/s, copy s, *statfs Δ before "
+              "defrag*), then `birch defrag --compress=X -r` of it and the daemon's commit (*defrag s*; *defrag MiB/s* over "
+              "the logical bytes; daemon CPU of that pass); stored data, statfs Δ, du, the cold read and fio are after "
+              "the defrag; `birch fsck` of the image and a sha256 of the tree read back checked each run."]
     fails = [r for r in results["runs"] if "error" in r]
     if fails:
         lines += ["", "## Failed runs", ""]
         for r in fails:
             lines.append(f"- {r['corpus']} / {r['target']} (repeat {r['repeat']}): {r['error']}")
+    cnt = [r for r in results["runs"] if r.get("birch_counters_defrag")]
+    if cnt:
+        lines += ["", "## birch counters during the defrag pass (first repeat)", ""]
+        seen = set()
+        for r in cnt:
+            if (r["corpus"], r["target"]) in seen:
+                continue
+            seen.add((r["corpus"], r["target"]))
+            c = r["birch_counters_defrag"]
+            keep = {k: c[k] for k in ("bytes_written", "nodes_written", "commits", "device_writes",
+                                      "free_bytes") if k in c}
+            lines.append(f"- {r['corpus']} / {r['target']}: " + ", ".join(f"{k} {fmt_num(v)}" for k, v in keep.items()))
     cnt = [r for r in results["runs"] if r.get("birch_counters_write")]
     if cnt:
         lines += ["", "## birch counters during the copy (first repeat)", ""]
@@ -707,10 +824,14 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--corpora", type=lambda s: [x.upper() for x in str_list(s)], default=list(CORPORA),
                     help="comma list of L,S,R")
     ap.add_argument("--targets", type=str_list, default=None,
-                    help="comma list of " + ",".join(n for n, _, _ in BASE_TARGETS) + " [all], plus birchfs-X of --birch-compress")
+                    help="comma list of " + ",".join(n for n, _, _ in BASE_TARGETS) + " [all], plus birchfs-X of --birch-compress "
+                    "and birchfs-defrag-X of --birch-defrag")
     ap.add_argument("--birch-compress", type=str_list, default=str_list(os.environ.get("BIRCH_COMPRESS", "")),
                     metavar="ALGS", help="add a birchfs target mounted -o compress=X per X (zstd:1, lz4; env "
                     "BIRCH_COMPRESS); refused while `birch mount` has no compress= option")
+    ap.add_argument("--birch-defrag", type=str_list, default=str_list(os.environ.get("BIRCH_DEFRAG", "")),
+                    metavar="CODECS", help="add a birchfs-defrag-X target per X (zstd, zstd:N, lz4; env BIRCH_DEFRAG): "
+                    "the corpus written plainly, then `birch defrag --compress=X -r` of it, timed on its own")
     ap.add_argument("--birch", default=os.environ.get("BIRCH", "target/release/birch"),
                     help="birch binary (env BIRCH); relative paths from the repo root")
     ap.add_argument("--image-dir", default=os.environ.get("BIRCHBENCH_COMPRESS_DIR", "/var/tmp/birchbench-compress"),
@@ -749,9 +870,14 @@ def apply_defaults(cfg) -> None:
     if bad:
         raise SystemExit(f"--corpora: unknown {','.join(bad)} (L, S, R)")
     for c in cfg.birch_compress:
-        if not (c in ("lz4", "zstd") or (c.startswith("zstd:") and c[5:].isdigit())):
+        if not valid_codec(c):
             raise SystemExit(f"--birch-compress: {c!r} is not zstd[:N] or lz4")
-    names = [n for n, _, _ in plan_targets(cfg.birch_compress)]
+    for c in cfg.birch_defrag:
+        if not valid_codec(c):
+            raise SystemExit(f"--birch-defrag: {c!r} is not zstd[:N] or lz4")
+    if len(set(defrag_codecs(cfg.birch_defrag))) != len(cfg.birch_defrag):
+        raise SystemExit(f"--birch-defrag: {','.join(cfg.birch_defrag)} names a codec twice")
+    names = [n for n, _, _ in plan_targets(cfg.birch_compress, cfg.birch_defrag)]
     if cfg.targets is None:
         cfg.targets = names
     else:
@@ -778,6 +904,19 @@ def check_birch_compress(cfg) -> str | None:
     return None
 
 
+def check_birch_defrag(cfg) -> str | None:
+    """Why the --birch-defrag targets cannot run, or None."""
+    if not cfg.birch_defrag:
+        return None
+    if not os.access(cfg.birch, os.X_OK):
+        return f"--birch-defrag needs the birch binary, not found at {cfg.birch}"
+    rc, out, err = run([cfg.birch, "defrag", "--help"], timeout=30)
+    if not birch_supports_defrag_compress(out + err):
+        return (f"--birch-defrag {','.join(cfg.birch_defrag)}: `{cfg.birch} defrag --help` names no --compress "
+                f"(birch before a004aa5?): refused")
+    return None
+
+
 def sizes_of(cfg) -> dict:
     return {"log": cfg.log_size, "db": cfg.db_size, "vm": cfg.vm_size, "random": cfg.random_size, "files": cfg.files}
 
@@ -796,18 +935,20 @@ def main(argv=None) -> int:
             pass
         return 0
     apply_defaults(cfg)
-    why = check_birch_compress(cfg)
+    why = check_birch_compress(cfg) or check_birch_defrag(cfg)
     if why:
         print(f"compress: {why}", file=sys.stderr)
         return 2
-    plan = [p for p in plan_targets(cfg.birch_compress) if p[0] in cfg.targets]
+    plan = [p for p in plan_targets(cfg.birch_compress, cfg.birch_defrag) if p[0] in cfg.targets]
+    codecs = defrag_codecs(cfg.birch_defrag)
     sizes = sizes_of(cfg)
     if cfg.dry_run:
         print(f"image dir {cfg.image_dir}, images {human(cfg.image_size)} each, repeats {cfg.repeats}")
         for c in cfg.corpora:
             print(f"corpus {c}: {corpus_key(c, sizes, cfg.seed)}")
         for name, kind, opts in plan:
-            print(f"target {name}: {kind}" + (f" -o {opts}" if opts else ""))
+            print(f"target {name}: {kind}" + (f" -o {opts}" if opts else "")
+                  + (f", then birch defrag --compress={codecs[name]} -r" if name in codecs else ""))
         for rep in range(cfg.repeats):
             for c in cfg.corpora:
                 print(f"run: repeat {rep + 1} corpus {c}: " + " ".join(n for n, _, _ in plan))
@@ -834,7 +975,9 @@ def main(argv=None) -> int:
     mounts.STATE = mounts.State(state_path)
     mounts.STATE.save()
     rc_fs, fs_out, _ = run(["findmnt", "-n", "-o", "FSTYPE,SOURCE", "--target", cfg.image_dir], timeout=10)
-    results = {"started": stamp, "command": "bench/compress.sh " + " ".join(sys.argv[1:] if argv is None else argv),
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("BIRCH_COMPRESS", "BIRCH_DEFRAG") if os.environ.get(k))
+    results = {"started": stamp, "command": (env + " " if env else "") + "bench/compress.sh "
+               + " ".join(sys.argv[1:] if argv is None else argv),
                "config": {k: v for k, v in vars(cfg).items() if isinstance(v, (int, str, list, bool, type(None)))},
                "machine": {"cores": os.cpu_count(), "kernel": platform.release(),
                            "image_fs": " ".join(fs_out.split()) if rc_fs == 0 else "?"},
@@ -846,6 +989,7 @@ def main(argv=None) -> int:
             results["corpora"][c] = make_corpus(c, os.path.join(cfg.image_dir, "corpus"), sizes, cfg.seed)
         for name, kind, opts in plan:
             t = CompressTarget(name, kind, cfg, opts)
+            t.defrag = codecs.get(name)
             t.setup()
             targets.append(t)
         for rep in range(cfg.repeats):
@@ -859,7 +1003,7 @@ def main(argv=None) -> int:
                     try:
                         r = measure(t, man, cfg, raw_dir, tag)
                         log("  " + ", ".join(f"{k} {fmt_num(v)}" for k, v in r.items()
-                                             if k in ("write_mibs", "stored_data_bytes", "statfs_delta_bytes",
+                                             if k in ("write_mibs", "defrag_mibs", "stored_data_bytes", "statfs_delta_bytes",
                                                       "read_mibs", "randread_iops")))
                     except Exception as e:  # noqa: BLE001 - a failed run is a result
                         r = {"target": t.name, "corpus": c, "error": str(e)[-500:]}
@@ -869,7 +1013,7 @@ def main(argv=None) -> int:
     finally:
         for t in targets:
             t.teardown()
-            results["targets"].append({"name": t.name, "kind": t.kind, "opts": t.opts, "status": t.status,
+            results["targets"].append({"name": t.name, "kind": t.kind, "opts": t.opts, "defrag": t.defrag, "status": t.status,
                                        "error": t.error, "meta": t.meta})
         mounts.STATE.save()
     results["seconds"] = round(time.time() - t_start, 1)

@@ -79,6 +79,16 @@ class Corpora(unittest.TestCase):
                 f.write(b"x" * n)
         self.assertEqual(compress.inline_bytes(os.path.join(self.tmp, "t")), 1 + 2048)
 
+    def test_tree_sha256_is_the_manifests(self):
+        for name in ("L", "S"):
+            man = self.make("a", name, 5)
+            self.assertEqual(compress.tree_sha256(man["dir"]), (man["files"], man["sha256"]), name)
+        man = self.make("a", "R", 5)
+        with open(os.path.join(man["dir"], "random.bin"), "r+b") as f:
+            f.seek(1000)
+            f.write(b"\0")
+        self.assertNotEqual(compress.tree_sha256(man["dir"])[1], man["sha256"])
+
     def test_cached_corpus_is_reused(self):
         man = self.make("a", "R", 5)
         path = os.path.join(man["dir"], "random.bin")
@@ -133,6 +143,40 @@ class Parsers(unittest.TestCase):
         self.assertTrue(compress.birch_supports_compress("compress=zstd[:N]|lz4|none (default none)"))
 
 
+class Defrag(unittest.TestCase):
+    def test_codecs_and_names(self):
+        self.assertEqual(compress.defrag_codecs(["zstd:1", "lz4", "zstd"]),
+                         {"birchfs-defrag-zstd1": "zstd:1", "birchfs-defrag-lz4": "lz4", "birchfs-defrag-zstd": "zstd"})
+        for c in ("zstd", "zstd:1", "zstd:19", "lz4"):
+            self.assertTrue(compress.valid_codec(c), c)
+        for c in ("gzip", "zstd:", "zstd:x", "lzo", ""):
+            self.assertFalse(compress.valid_codec(c), c)
+
+    def test_plan_appends_defrag_targets_after_the_others(self):
+        base = compress.plan_targets([])
+        self.assertEqual(base, compress.BASE_TARGETS)  # the existing targets, unchanged
+        plan = compress.plan_targets(["lz4"], ["zstd:1", "lz4"])
+        self.assertEqual(plan[: len(base)], base)
+        self.assertEqual(plan[len(base):], [("birchfs-lz4", "birchfs", "compress=lz4"),
+                                            ("birchfs-defrag-zstd1", "birchfs", None),
+                                            ("birchfs-defrag-lz4", "birchfs", None)])
+
+    def test_defrag_help_detection(self):
+        self.assertTrue(compress.birch_supports_defrag_compress(
+            "Usage: birch defrag --compress[=zstd|zstd:N|lz4] [-r] PATH..."))
+        self.assertFalse(compress.birch_supports_defrag_compress("error: unknown command defrag"))
+
+    def test_du_bytes(self):
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "f"), "wb") as f:
+                f.write(b"x" * 100000)
+            os.sync()
+            n = compress.du_bytes(d)
+            self.assertIsInstance(n, int)
+            self.assertGreaterEqual(n, 100000)
+            self.assertIsNone(compress.du_bytes(os.path.join(d, "missing")))
+
+
 class CommandLine(unittest.TestCase):
     def run_entry(self, *args, env=None):
         return subprocess.run([sys.executable, ENTRY, *args], capture_output=True, text=True, timeout=60,
@@ -159,6 +203,28 @@ class CommandLine(unittest.TestCase):
             self.assertEqual(p.returncode, 0, p.stderr)
             self.assertIn("target birchfs-zstd1: birchfs -o compress=zstd:1", p.stdout)
             self.assertIn("target birchfs-lz4: birchfs -o compress=lz4", p.stdout)
+
+    def test_birch_defrag_plan_and_refusal(self):
+        with tempfile.TemporaryDirectory() as d:
+            b = fake_birch(d, "Usage: birch defrag --compress[=zstd|zstd:N|lz4] [-r] PATH...")
+            p = self.run_entry("--dry-run", "--quick", "--birch", b, env={"BIRCH_DEFRAG": "zstd:1,lz4"})
+            self.assertEqual(p.returncode, 0, p.stderr)
+            self.assertIn("target birchfs-defrag-zstd1: birchfs, then birch defrag --compress=zstd:1 -r", p.stdout)
+            self.assertIn("target birchfs-defrag-lz4: birchfs, then birch defrag --compress=lz4 -r", p.stdout)
+            self.assertIn("target birchfs: birchfs\n", p.stdout)  # the plain target stays plain
+            self.assertIn("btrfs-zstd1-force: btrfs -o compress-force=zstd:1\n", p.stdout)
+            p = self.run_entry("--dry-run", "--quick", "--birch", b, "--birch-defrag", "lz4",
+                               "--targets", "btrfs-zstd1,birchfs-defrag-lz4")
+            self.assertEqual(p.returncode, 0, p.stderr)
+            self.assertEqual(p.stdout.count("target "), 2, p.stdout)
+            b = fake_birch(d, "Usage: birch defrag [-r] PATH...")
+            p = self.run_entry("--dry-run", "--quick", "--birch", b, "--birch-defrag", "zstd:1")
+            self.assertEqual(p.returncode, 2)
+            self.assertIn("names no --compress", p.stderr)
+            p = self.run_entry("--dry-run", "--quick", "--birch", "/nonexistent/birch", "--birch-defrag", "lz4")
+            self.assertEqual(p.returncode, 2)
+        self.assertNotEqual(self.run_entry("--dry-run", "--birch-defrag", "gzip").returncode, 0)
+        self.assertNotEqual(self.run_entry("--dry-run", "--birch-defrag", "zstd:1,zstd:1").returncode, 0)
 
     def test_bad_options(self):
         self.assertNotEqual(self.run_entry("--dry-run", "--corpora", "L,X").returncode, 0)
@@ -190,6 +256,55 @@ class Report(unittest.TestCase):
         self.assertIn("| 110 (100–120) |", btrfs_row)  # two repeats: the median, then the spread
         self.assertIn("| birchfs-lz4 | skipped", md)
         self.assertIn("boom", md)
+
+
+    def test_render_defrag_columns(self):
+        base = dict(corpus="L", repeat=1, logical_bytes=100 << 20, files=3, write_mibs=100.0, write_s=1.0,
+                    read_mibs=200.0, statfs_delta_bytes=100 << 20, du_bytes=100 << 20)
+        results = {"started": "x", "command": "bench/compress.sh --birch-defrag zstd:1", "seconds": 1,
+                   "config": {"quick": False, "repeats": 1, "image_size": 1 << 30, "corpora": ["L"]},
+                   "machine": {"cores": 2, "kernel": "k", "image_fs": "ext4"},
+                   "corpora": {"L": {"files": 3, "bytes": 100 << 20, "key": "L-x"}},
+                   "targets": [{"name": n, "status": "ok", "error": ""}
+                               for n in ("btrfs-zstd1", "birchfs", "birchfs-defrag-zstd1")],
+                   "runs": [dict(base, target="btrfs-zstd1", stored_data_bytes=25 << 20),
+                            dict(base, target="birchfs", stored_data_bytes=100 << 20, daemon_cpu_s_per_gib_w=2.0),
+                            dict(base, target="birchfs-defrag-zstd1", stored_data_bytes=40 << 20,
+                                 statfs_delta_plain_bytes=100 << 20, statfs_delta_bytes=41 << 20,
+                                 defrag_s=4.0, defrag_mibs=25.0, daemon_cpu_s_per_gib_defrag=30.0,
+                                 daemon_cpu_s_per_gib_w=2.0,
+                                 birch_counters_defrag={"bytes_written": 42 << 20, "commits": 3})]}
+        md = compress.render(results)
+        lines = md.splitlines()
+        head = [ln for ln in lines if ln.startswith("| target |")][0].split(" | ")
+        row = [ln for ln in lines if ln.startswith("| birchfs-defrag-zstd1 |")][0].split(" | ")
+        cell = lambda r, h: r[head.index(h)]  # noqa: E731
+        self.assertEqual(cell(row, "ratio logical/stored"), "2.50")
+        self.assertEqual(cell(row, "statfs Δ before defrag MiB"), "100")
+        self.assertEqual(cell(row, "statfs Δ MiB"), "41")
+        self.assertEqual(cell(row, "defrag s"), "4")
+        self.assertEqual(cell(row, "defrag MiB/s"), "25")
+        self.assertEqual(cell(row, "daemon CPU s/GiB defrag"), "30")
+        self.assertEqual(cell(row, "du MiB"), "100")
+        self.assertEqual(cell(row, "stored × btrfs-zstd1"), "1.60")
+        brow = [ln for ln in lines if ln.startswith("| btrfs-zstd1 |")][0].split(" | ")
+        self.assertEqual(cell(brow, "ratio logical/stored"), "4")
+        self.assertEqual(cell(brow, "defrag s"), "—")  # only the defrag rows have a defrag pass
+        self.assertEqual(cell(brow, "daemon CPU s/GiB defrag"), "—")
+        self.assertEqual(cell(brow, "daemon CPU s/GiB w"), "n/a (kernel)")
+        self.assertIn("## birch counters during the defrag pass", md)
+        self.assertIn("L / birchfs-defrag-zstd1: bytes_written 44,040,192, commits 3", md)
+
+    def test_render_without_defrag_has_no_defrag_columns(self):
+        results = {"started": "x", "command": "c", "seconds": 1,
+                   "config": {"quick": True, "repeats": 1, "image_size": 1 << 29, "corpora": ["R"]},
+                   "machine": {}, "corpora": {"R": {"files": 1, "bytes": 1 << 20, "key": "R-x"}},
+                   "targets": [{"name": "btrfs-zstd1", "status": "ok", "error": ""}],
+                   "runs": [dict(target="btrfs-zstd1", corpus="R", repeat=1, logical_bytes=1 << 20,
+                                 stored_data_bytes=1 << 20, write_mibs=1.0)]}
+        md = compress.render(results)
+        self.assertNotIn("defrag s |", md)
+        self.assertNotIn("counters during the defrag", md)
 
 
 @unittest.skipUnless(os.environ.get("BIRCHBENCH_COMPRESS_QUICK") == "1" and os.geteuid() == 0
