@@ -111,7 +111,7 @@ enum Command {
         mountpoint: PathBuf,
         /// Options: ro, rw, allow_other, commit=SECS (default 5), threads=N (request loops,
         /// default one per CPU, 2..8), waiters=N (requests waiting for the device at once,
-        /// default 64), ttl=SECS (default 60), fsync=log|commit, writeback=on|off (default on),
+        /// default 64), ttl=SECS (default 60), fsync=log|commit, compress=zstd|zstd:N|lz4|none (store written data compressed, default none), writeback=on|off (default on),
         /// keep_cache=on|off (default on), buffer=on|off (default on), uring=on|off (FUSE
         /// over io_uring, by default wherever the kernel's enable_uring allows it), and the
         /// usual VFS options (defaults, noatime, relatime, strictatime, nodiratime, nodev,
