@@ -124,13 +124,17 @@ fn parse_options(raw: &[String]) -> Result<MountConfig, String> {
             "threads" => c.threads = (number(value)? as usize).clamp(1, 64),
             "waiters" => c.waiters = (number(value)? as usize).clamp(1, 256),
             "ttl" | "attr_timeout" | "entry_timeout" => c.ttl_secs = number(value)?,
-            "compress" => c.compress = match value.map(birch_format::codec::Codec::parse) {
-                Some(Some(birch_format::codec::Codec::None)) => None,
-                Some(Some(codec)) => Some(codec),
-                _ => return Err(format!(
+            "compress" => {
+                c.compress = match value.map(birch_format::codec::Codec::parse) {
+                    Some(Some(birch_format::codec::Codec::None)) => None,
+                    Some(Some(codec)) => Some(codec),
+                    _ => {
+                        return Err(format!(
                     "option {opt}: expected compress=zstd, zstd:N (N from 1 to 19), lz4 or none"
-                )),
-            },
+                ))
+                    }
+                }
+            }
             "fsync" => match value {
                 Some("log") => c.fsync = FsyncMode::Log,
                 Some("commit") => c.fsync = FsyncMode::Commit,
