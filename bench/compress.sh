@@ -4,7 +4,7 @@
 #   sudo bench/compress.sh --quick            # smoke run, ~40 s: every target gives numbers
 #   sudo bench/compress.sh                    # full sizes (L 1.75 GiB, S 10,000 files, R 512 MiB)
 #   sudo bench/compress.sh --repeats 3 --corpora L
-#   sudo BIRCH_COMPRESS=zstd:1,lz4 bench/compress.sh   # + birchfs -o compress=X (refused until birch has it)
+#   sudo BIRCH_COMPRESS=zstd:1,lz4 bench/compress.sh   # + birchfs -o compress=X (refused by a birch without it)
 #   sudo BIRCH_DEFRAG=zstd:1,lz4 bench/compress.sh     # + birchfs-defrag-zstd1, birchfs-defrag-lz4: written
 #                                             #   plainly, then `birch defrag --compress=X -r`, timed apart
 #                                             #   (same as --birch-defrag zstd:1,lz4)

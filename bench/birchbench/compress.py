@@ -828,7 +828,7 @@ def make_parser() -> argparse.ArgumentParser:
                     "and birchfs-defrag-X of --birch-defrag")
     ap.add_argument("--birch-compress", type=str_list, default=str_list(os.environ.get("BIRCH_COMPRESS", "")),
                     metavar="ALGS", help="add a birchfs target mounted -o compress=X per X (zstd:1, lz4; env "
-                    "BIRCH_COMPRESS); refused while `birch mount` has no compress= option")
+                    "BIRCH_COMPRESS); refused when `birch mount --help` names no compress= option")
     ap.add_argument("--birch-defrag", type=str_list, default=str_list(os.environ.get("BIRCH_DEFRAG", "")),
                     metavar="CODECS", help="add a birchfs-defrag-X target per X (zstd, zstd:N, lz4; env BIRCH_DEFRAG): "
                     "the corpus written plainly, then `birch defrag --compress=X -r` of it, timed on its own")
